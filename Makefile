@@ -1,0 +1,93 @@
+# vpager — plain Makefile. `make` builds the libraries; `make test` runs the
+# C suite; `make check` runs it plain, under ASan+UBSan and under TSan.
+# SAN=address,undefined or SAN=thread builds into its own folder.
+
+CC      ?= cc
+SAN     ?=
+OPT     ?= -O2
+BUILD   ?= build$(if $(SAN),-$(subst $(comma),-,$(SAN)))
+comma   := ,
+
+CFLAGS_BASE = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -g $(OPT) -fPIC \
+              -fvisibility=hidden -DVPAGER_BUILD -Iinclude -Isrc -pthread
+ifneq ($(SAN),)
+CFLAGS_BASE += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
+LDSAN        = -fsanitize=$(SAN)
+endif
+CFLAGS  += $(CFLAGS_BASE)
+LDLIBS  += -pthread -ldl -lrt
+
+LIB_SRC = src/api.c src/options.c src/log.c src/error.c src/registry.c \
+          src/pager.c src/page.c src/fence.c src/budget.c src/stats.c \
+          src/inject.c src/backend_sim.c src/backend_cuda.c
+LIB_OBJ = $(LIB_SRC:src/%.c=$(BUILD)/obj/%.o)
+
+TEST_SRC = $(wildcard tests/*.c)
+TEST_OBJ = $(TEST_SRC:tests/%.c=$(BUILD)/tests/%.o)
+
+VERSION = 0.1.0
+PREFIX ?= /usr/local
+
+all: $(BUILD)/libvpager.so $(BUILD)/libvpager.a $(BUILD)/vpager.pc
+
+$(BUILD)/obj/%.o: src/%.c $(wildcard src/*.h) include/vpager.h | $(BUILD)/obj
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/libvpager.so: $(LIB_OBJ)
+	$(CC) -shared -Wl,-soname,libvpager.so.0 -Wl,--no-undefined $(LDSAN) -o $@ $^ $(LDLIBS)
+
+$(BUILD)/libvpager.a: $(LIB_OBJ)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/vpager.pc: Makefile | $(BUILD)
+	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: vpager\nDescription: demand paging of model weights into GPU memory\nVersion: %s\nLibs: -L$${libdir} -lvpager\nLibs.private: -pthread -ldl -lrt\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
+
+$(BUILD) $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench $(BUILD)/demo:
+	mkdir -p $@
+
+# Tests link the static library so they may reach internal helpers too.
+$(BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h) include/vpager.h | $(BUILD)/tests
+	$(CC) $(CFLAGS) -Itests -c $< -o $@
+
+$(BUILD)/tests/runner: $(TEST_OBJ) $(BUILD)/libvpager.a
+	$(CC) $(LDSAN) -o $@ $(TEST_OBJ) $(BUILD)/libvpager.a $(LDLIBS)
+
+test: $(BUILD)/tests/runner check-exports
+	$(BUILD)/tests/runner
+
+# Only vp_ symbols may leave the shared library.
+check-exports: $(BUILD)/libvpager.so
+	@bad=$$(nm -D --defined-only $< | awk '{print $$3}' | grep -v '^vp_' || true); \
+	if [ -n "$$bad" ]; then echo "exported non-vp_ symbols: $$bad"; exit 1; fi; \
+	echo "exports: only vp_ symbols"
+
+check:
+	$(MAKE) test
+	$(MAKE) test SAN=address,undefined OPT=-O1
+	$(MAKE) test SAN=thread OPT=-O1
+
+$(BUILD)/demo/demo: demo/demo.c $(BUILD)/libvpager.a | $(BUILD)/demo
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)
+
+demo: $(BUILD)/demo/demo
+	$(BUILD)/demo/demo
+
+$(BUILD)/bench/%: bench/%.c $(BUILD)/libvpager.a | $(BUILD)/bench
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)
+
+bench: $(BUILD)/bench/bench_hotpath
+	$(BUILD)/bench/bench_hotpath
+
+install: all
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 include/vpager.h $(DESTDIR)$(PREFIX)/include/
+	install -m 755 $(BUILD)/libvpager.so $(DESTDIR)$(PREFIX)/lib/libvpager.so.0
+	ln -sf libvpager.so.0 $(DESTDIR)$(PREFIX)/lib/libvpager.so
+	install -m 644 $(BUILD)/libvpager.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 $(BUILD)/vpager.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+
+clean:
+	rm -rf build build-*
+
+.PHONY: all test check check-exports demo bench install clean
+.SECONDARY:

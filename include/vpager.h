@@ -1,0 +1,336 @@
+/* vpager — demand paging of model weights into GPU memory.
+ *
+ * This header is the whole public C API and its only documentation.
+ *
+ * Glossary
+ *   device   A GPU (CUDA backend) or the simulated device (host memory).
+ *   VBAR     A reserved range of device virtual addresses, as large as a
+ *            model; it costs no device memory until pages are committed.
+ *   page     The unit of commit and eviction (default 32 MiB, a power of two
+ *            and a multiple of the backend's granularity).
+ *   pin      A page is pinned from a successful vp_fault() until the matching
+ *            vp_unpin(); pinned pages are never evicted. Pins are counted.
+ *   fence    An event recorded on the caller's stream at vp_unpin(); eviction
+ *            of that page waits for it (and only for it).
+ *   generation  A 32-bit number per page, new every time the page is
+ *            committed. Data in a page is valid exactly while its generation
+ *            is unchanged since the data was written.
+ *   rank     A page's place in its VBAR's eviction order: rank 0 is evicted
+ *            last. Evicting the page of rank r lowers the VBAR's watermark to
+ *            r; a non-resident page ranked at or above the watermark is a
+ *            miss at once, so a squeezed model keeps a stable resident set.
+ *   priority VBARs form a list; pressure evicts the lowest-priority VBAR
+ *            first. vp_vbar_prioritize() moves a VBAR to the top and lifts
+ *            its watermark.
+ *
+ * Conventions
+ *   Every function returns VP_OK (0) or a negative VP_E* code, except where
+ *   stated (vp_fault() returns VP_MISS, a positive code, for a normal miss).
+ *   After a failure vp_last_error() gives a message for the calling thread.
+ *   Handles are values; a freed, never-created or foreign handle gives
+ *   VP_EHANDLE, never a crash. Closing a device while another thread is
+ *   still calling into it is the one misuse that is not detected.
+ *   Addresses and sizes are bytes. Streams are backend stream values: a
+ *   CUstream on CUDA, a value from vp_stream_create() on either backend;
+ *   0 is the device's default stream.
+ */
+#ifndef VPAGER_H
+#define VPAGER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(VPAGER_BUILD)
+#define VP_API __attribute__((visibility("default")))
+#else
+#define VP_API
+#endif
+
+#define VP_VERSION_MAJOR 0
+#define VP_VERSION_MINOR 1
+#define VP_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------- errors */
+
+/* One list generates the enum, vp_strerror() and vp_err_name(). */
+#define VP_ERRNO_MAP(XX)                                                       \
+  XX(EINVAL, -1, "invalid argument")                                           \
+  XX(EHANDLE, -2, "invalid, stale or foreign handle")                          \
+  XX(ENOMEM, -3, "out of host memory")                                         \
+  XX(ERANGE, -4, "range outside the VBAR")                                     \
+  XX(EBUSY, -5, "object is in use (pinned pages)")                             \
+  XX(ENOTPINNED, -6, "range is not pinned")                                    \
+  XX(ENODEV, -7, "no usable device for this backend")                          \
+  XX(EDEVICE, -8, "device is broken")                                          \
+  XX(EAGAIN, -9, "transient device error, try again")                          \
+  XX(EOOM, -10, "out of device memory")                                        \
+  XX(EUNSUPPORTED, -11, "not supported by this backend")                       \
+  XX(ELIMIT, -12, "internal limit reached")
+
+typedef enum vp_error {
+  VP_OK = 0,
+  VP_MISS = 1, /* vp_fault(): the range cannot be made resident now */
+#define VP__ERR_ENUM(name, code, text) VP_##name = code,
+  VP_ERRNO_MAP(VP__ERR_ENUM)
+#undef VP__ERR_ENUM
+} vp_error_t;
+
+/* A static description of a code ("invalid argument"); never NULL. */
+VP_API const char *vp_strerror(int code);
+/* The code's name ("VP_EINVAL"); never NULL. */
+VP_API const char *vp_err_name(int code);
+/* What went wrong in the last failing call of this thread, naming the
+ * function and the offending value. Empty string when nothing failed yet. */
+VP_API const char *vp_last_error(void);
+
+/* --------------------------------------------------------------- logging */
+
+typedef enum vp_log_level {
+  VP_LOG_NONE = 0,
+  VP_LOG_ERROR = 1,
+  VP_LOG_WARN = 2,
+  VP_LOG_INFO = 3,
+  VP_LOG_DEBUG = 4,
+  VP_LOG_TRACE = 5
+} vp_log_level_t;
+
+/* Set the process-wide log level (the only global setting). Messages go to
+ * stderr prefixed "vpager[<backend>]". Initially from VPAGER_LOG (a number
+ * 0-5 or none/error/warn/info/debug/trace), else VP_LOG_WARN. */
+VP_API int vp_set_log_level(int level);
+VP_API int vp_get_log_level(void);
+
+/* --------------------------------------------------------------- options */
+
+typedef enum vp_backend_kind {
+  VP_BACKEND_AUTO = 0, /* CUDA when a GPU is usable, else the simulated one */
+  VP_BACKEND_CUDA = 1,
+  VP_BACKEND_SIM = 2
+} vp_backend_kind_t;
+
+typedef enum vp_evict_order {
+  VP_ORDER_TAIL_FIRST = 0, /* highest offsets go first; resident = a prefix */
+  VP_ORDER_INTERLEAVED = 1 /* bit-reversed page index; misses spread evenly */
+} vp_evict_order_t;
+
+typedef enum vp_sim_streams {
+  VP_SIM_SYNC = 0,  /* copies and launches run at once, in the caller */
+  VP_SIM_WORKER = 1 /* each stream is a worker thread; work runs later */
+} vp_sim_streams_t;
+
+/* Options for vp_device_open(). Fill with vp_options_init() (defaults, then
+ * VPAGER_* environment variables), then change fields as needed. */
+typedef struct vp_options {
+  uint32_t size;           /* sizeof(vp_options_t); set by vp_options_init */
+  int backend;             /* vp_backend_kind_t; VPAGER_BACKEND=auto|cuda|sim */
+  int device_index;        /* GPU ordinal; VPAGER_DEVICE */
+  uint64_t page_size;      /* bytes; VPAGER_PAGE_SIZE (default 32M) */
+  int64_t headroom;        /* bytes kept free; -1 = backend default;
+                              VPAGER_HEADROOM */
+  uint32_t poll_interval_us; /* min time between free-memory polls;
+                              VPAGER_POLL_US (default 5000) */
+  int evict_order;         /* vp_evict_order_t for new VBARs; VPAGER_ORDER=
+                              tail|interleaved */
+  /* Simulated device only. */
+  uint64_t sim_capacity;   /* bytes; VPAGER_SIM_CAPACITY (default 4G) */
+  uint64_t sim_granularity; /* bytes; VPAGER_SIM_GRANULARITY (default 2M) */
+  int sim_streams;         /* vp_sim_streams_t; VPAGER_SIM_STREAMS=sync|worker */
+  char sim_shared[64];     /* non-empty: share the device's used-memory count
+                              with every process opening the same name;
+                              VPAGER_SIM_SHARED */
+  int64_t sim_fail_nth;    /* >0: the Nth backend call or internal allocation
+                              of this device fails (tests walk every rung) */
+} vp_options_t;
+
+/* Fill opts with defaults, then apply VPAGER_* environment variables; a bad
+ * value logs a warning and keeps the default. */
+VP_API int vp_options_init(vp_options_t *opts);
+/* Parse a size with an optional K/M/G/T suffix (powers of 1024). */
+VP_API int vp_parse_size(const char *text, uint64_t *out);
+
+/* ---------------------------------------------------------------- device */
+
+typedef struct vp_device { uint64_t id; } vp_device_t;
+typedef struct vp_vbar { uint64_t id; } vp_vbar_t;
+typedef uint64_t vp_stream_t;
+
+/* Open a device. opts may be NULL (vp_options_init defaults). On failure
+ * nothing is left allocated. */
+VP_API int vp_device_open(const vp_options_t *opts, vp_device_t *out);
+/* Destroy every VBAR (waiting for the fences of its pages, pinned or not)
+ * and close the device. A second close gives VP_EHANDLE. */
+VP_API int vp_device_close(vp_device_t dev);
+/* The backend's name: "cuda" or "sim". Static string, NULL on a bad handle. */
+VP_API const char *vp_device_backend(vp_device_t dev);
+
+typedef struct vp_device_info {
+  uint64_t page_size;
+  uint64_t granularity;    /* backend's commit granularity */
+  uint64_t total_memory;   /* device memory in bytes */
+  uint64_t free_memory;    /* device-wide free memory at the last poll */
+  uint64_t committed;      /* bytes this device handle has committed */
+  uint64_t budget;         /* bytes it may commit now (at the last poll) */
+  int64_t headroom;        /* bytes kept free */
+  int async_copies;        /* copies run apart from the calling thread */
+} vp_device_info_t;
+VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);
+
+/* Change the headroom at run time; takes effect at the next commit. */
+VP_API int vp_device_set_headroom(vp_device_t dev, int64_t bytes);
+/* Evict unpinned pages, lowest-priority VBAR first, until at least `bytes`
+ * are freed or nothing more can be; *freed (may be NULL) gets the count. */
+VP_API int vp_device_free_memory(vp_device_t dev, uint64_t bytes,
+                                 uint64_t *freed);
+/* Bytes that eviction could free now (resident and unpinned). */
+VP_API int vp_device_reclaimable(vp_device_t dev, uint64_t *bytes);
+/* Set every VBAR's watermark limit back to "no limit". */
+VP_API int vp_device_reset_limits(vp_device_t dev);
+
+/* --------------------------------------------------------------- streams */
+
+/* Streams and copies, with the same meaning on both backends. On CUDA a
+ * vp_stream_t is a CUstream, and the caller's own streams may be passed. */
+VP_API int vp_stream_create(vp_device_t dev, vp_stream_t *out);
+VP_API int vp_stream_destroy(vp_device_t dev, vp_stream_t stream);
+VP_API int vp_stream_synchronize(vp_device_t dev, vp_stream_t stream);
+/* Copy host memory into pinned pages of a VBAR, in stream order. The
+ * destination range must lie in one VBAR and be pinned by the caller
+ * (VP_ENOTPINNED otherwise): an unpinned page could be evicted first. The
+ * source must stay valid until the stream reaches the copy. */
+VP_API int vp_copy_to_device(vp_device_t dev, uint64_t dst_addr,
+                             const void *src, uint64_t size,
+                             vp_stream_t stream);
+/* Copy pinned VBAR memory to the host, in stream order (same rules). */
+VP_API int vp_copy_to_host(vp_device_t dev, void *dst, uint64_t src_addr,
+                           uint64_t size, vp_stream_t stream);
+
+/* Simulated device only: run fn(arg) on the stream as if it were a kernel
+ * (in worker mode it runs later, on the stream's thread). fn may read and
+ * write device memory; touching an uncommitted page crashes the process, as
+ * an illegal address does on a GPU. VP_EUNSUPPORTED on other backends. */
+VP_API int vp_sim_launch(vp_device_t dev, vp_stream_t stream,
+                         void (*fn)(void *arg), void *arg);
+
+typedef enum vp_sim_inject_kind {
+  VP_SIM_FAIL_COMMIT = 1,   /* n: the nth page commit from now is out of
+                               memory (1 = the next one) */
+  VP_SIM_TRANSIENT = 2,     /* n: the next n commits fail with VP_EAGAIN */
+  VP_SIM_SET_CAPACITY = 3,  /* n: device capacity in bytes, from now */
+  VP_SIM_BREAK = 4          /* the device becomes broken (n ignored) */
+} vp_sim_inject_kind_t;
+/* Simulated device only: fault injection for tests. */
+VP_API int vp_sim_inject(vp_device_t dev, int kind, uint64_t n);
+
+/* ------------------------------------------------------------------ VBAR */
+
+/* Reserve a VBAR of `size` bytes (rounded up to whole pages). Any size is
+ * fine, larger than the device too: only address space is reserved. The
+ * new VBAR goes to the top of the priority list with the device's default
+ * eviction order. */
+VP_API int vp_vbar_create(vp_device_t dev, uint64_t size, vp_vbar_t *out);
+/* Free a VBAR: waits for the fences of its pages, then releases them and
+ * its address range. VP_EBUSY (nothing changes) while pages are pinned. */
+VP_API int vp_vbar_destroy(vp_vbar_t vbar);
+/* Device virtual address of offset 0. */
+VP_API int vp_vbar_base(vp_vbar_t vbar, uint64_t *addr);
+VP_API int vp_vbar_size(vp_vbar_t vbar, uint64_t *size);
+VP_API int vp_vbar_page_count(vp_vbar_t vbar, uint64_t *pages);
+/* The device a VBAR belongs to. */
+VP_API int vp_vbar_device(vp_vbar_t vbar, vp_device_t *dev);
+
+/* Move to the top of the priority list and lift the watermark. */
+VP_API int vp_vbar_prioritize(vp_vbar_t vbar);
+/* Move to the bottom of the priority list: evicted first. */
+VP_API int vp_vbar_deprioritize(vp_vbar_t vbar);
+/* Eviction order (vp_evict_order_t); VP_EBUSY unless no page is resident. */
+VP_API int vp_vbar_set_order(vp_vbar_t vbar, int order);
+
+/* The watermark in ranks (pages): non-resident pages ranked at or above
+ * min(watermark, limit) are misses. set_watermark takes bytes (rounded down
+ * to pages) and may not exceed the VBAR; it is lifted again only by
+ * vp_vbar_prioritize(). The limit caps new commits; UINT64_MAX = none. */
+VP_API int vp_vbar_set_watermark(vp_vbar_t vbar, uint64_t bytes);
+VP_API int vp_vbar_get_watermark(vp_vbar_t vbar, uint64_t *pages);
+VP_API int vp_vbar_set_watermark_limit(vp_vbar_t vbar, uint64_t bytes);
+VP_API int vp_vbar_get_watermark_limit(vp_vbar_t vbar, uint64_t *pages);
+
+/* Make [offset, offset+size) resident and pin its pages.
+ *   VP_OK:   every page is resident and pinned (one more pin each);
+ *            gens[i] (if gens != NULL) gets the generation of page i of the
+ *            range; ngens must be at least the range's page count.
+ *   VP_MISS: nothing pinned: a page is not allowed (ranked at or above the
+ *            watermark) or memory cannot be had (budget, device out of
+ *            memory, transient errors after retries). A normal outcome.
+ *   < 0:     bad arguments, or a broken device.
+ * Pages committed during a call that ends in a miss stay resident. */
+VP_API int vp_fault(vp_vbar_t vbar, uint64_t offset, uint64_t size,
+                    uint32_t *gens, size_t ngens);
+/* Drop one pin from each page of the range and record a fence on `stream`:
+ * the pages are not evicted before the work queued so far on it completes.
+ * VP_ENOTPINNED (nothing changes) if any page of the range is not pinned. */
+VP_API int vp_unpin(vp_vbar_t vbar, uint64_t offset, uint64_t size,
+                    vp_stream_t stream);
+/* Evict unpinned pages of this VBAR in its eviction order until at least
+ * `bytes` are freed; *freed (may be NULL) gets the count. */
+VP_API int vp_vbar_free_memory(vp_vbar_t vbar, uint64_t bytes,
+                               uint64_t *freed);
+/* Bytes resident. */
+VP_API int vp_vbar_loaded_size(vp_vbar_t vbar, uint64_t *bytes);
+
+#define VP_PAGE_RESIDENT 0x1u
+#define VP_PAGE_PINNED 0x2u
+/* flags[i] for page i (0 <= i < n; n at most the page count): bits
+ * VP_PAGE_RESIDENT and VP_PAGE_PINNED. */
+VP_API int vp_vbar_residency(vp_vbar_t vbar, uint8_t *flags, size_t n);
+
+/* ----------------------------------------------------------------- stats */
+
+/* Counters, declared once. A hit is a fault whose pages were all resident,
+ * a fill one that committed at least one page (its data must be refilled),
+ * a miss one that declined. */
+#define VP_STAT_FIELDS(X)                                                      \
+  X(faults, "fault calls")                                                     \
+  X(hits, "faults with every page resident")                                   \
+  X(fills, "faults that committed pages")                                      \
+  X(misses, "faults declined")                                                 \
+  X(unpins, "unpin calls")                                                     \
+  X(pages_committed, "pages committed")                                        \
+  X(pages_evicted, "pages evicted")                                            \
+  X(evict_waits, "evictions that waited for a fence")                          \
+  X(commit_failures, "commits refused by the device")                          \
+  X(commit_retries, "commits retried after a transient error")                 \
+  X(watermark_misses, "misses caused by the watermark")                        \
+  X(budget_misses, "misses caused by the budget")                              \
+  X(budget_polls, "device free-memory polls")                                  \
+  X(bytes_copied, "bytes copied by vp_copy_*")
+
+typedef struct vp_stats {
+  uint32_t size;    /* caller sets sizeof(vp_stats_t) */
+  uint32_t version; /* 1 */
+#define VP__STAT_MEMBER(name, doc) uint64_t name;
+  VP_STAT_FIELDS(VP__STAT_MEMBER)
+#undef VP__STAT_MEMBER
+  uint64_t committed_bytes; /* now: bytes resident */
+  uint64_t pinned_bytes;    /* now: bytes pinned */
+  uint64_t reserved[8];
+} vp_stats_t;
+
+/* Device totals (sum over its VBARs, live and destroyed). */
+VP_API int vp_device_stats(vp_device_t dev, vp_stats_t *stats);
+VP_API int vp_vbar_stats(vp_vbar_t vbar, vp_stats_t *stats);
+/* Write a report of the device, its counters and a residency map of each
+ * VBAR ('#' resident, 'P' pinned, '.' not resident) into buf, as text or
+ * (json != 0) as one JSON object. *needed (may be NULL) gets the length
+ * without the NUL; VP_ERANGE when buf is too small (then buf holds a
+ * truncated, NUL-terminated report). */
+VP_API int vp_device_report(vp_device_t dev, int json, char *buf, size_t len,
+                            size_t *needed);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* VPAGER_H */
