@@ -1,0 +1,54 @@
+/* How much may be committed now:
+ *   allowed = min(free_at_poll + ours_at_poll, total) - headroom
+ * Device-wide free memory (every process) is polled no more often than the
+ * poll interval; between polls our own commits are accounted exactly, which
+ * the formula does by fixing ours at the poll. The min() matters when the
+ * device shrinks below what is committed (free reads 0). */
+#include <time.h>
+
+#include "internal.h"
+
+uint64_t vp__now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void vp__budget_init(vp__device_t *dev) {
+  vp__budget_t *b = &dev->budget;
+  b->poll_interval_ns = (uint64_t)dev->opts.poll_interval_us * 1000;
+  b->last_poll_ns = 0;
+  b->total = dev->caps.total_memory;
+  b->headroom = dev->opts.headroom >= 0 ? dev->opts.headroom
+                                        : (int64_t)dev->caps.default_headroom;
+}
+
+/* The next check polls the device again. */
+void vp__budget_invalidate(vp__device_t *dev) { dev->budget.last_poll_ns = 0; }
+
+static int poll(vp__device_t *dev, uint64_t now) {
+  vp__budget_t *b = &dev->budget;
+  uint64_t free_bytes, total;
+  int rc = dev->be->mem_info(dev->ctx, &free_bytes, &total);
+  if (rc) return vp__be_result(dev, rc, "mem_info");
+  b->free_at_poll = free_bytes;
+  b->ours_at_poll = dev->committed;
+  b->total = total;
+  b->last_poll_ns = now ? now : 1;
+  dev->stats.budget_polls++;
+  return VP_OK;
+}
+
+int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed) {
+  vp__budget_t *b = &dev->budget;
+  uint64_t now = vp__now_ns();
+  if (b->last_poll_ns == 0 || now - b->last_poll_ns >= b->poll_interval_ns) {
+    int rc = poll(dev, now);
+    if (rc) return rc;
+  }
+  uint64_t cap = b->free_at_poll + b->ours_at_poll;
+  if (cap > b->total) cap = b->total;
+  uint64_t head = (uint64_t)b->headroom;
+  *allowed = cap > head ? cap - head : 0;
+  return VP_OK;
+}

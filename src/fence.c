@@ -1,0 +1,54 @@
+/* Fences: events recorded at unpin, shared by every page of the unpinned
+ * range and counted, kept in a per-device pool so the hot path creates no
+ * events. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+/* A fence recorded now on stream, holding one reference. */
+int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out) {
+  vp__fence_t *f = dev->free_fences;
+  if (f) {
+    dev->free_fences = f->next;
+  } else {
+    if (vp__inject_fail(&dev->inject) || !(f = calloc(1, sizeof *f)))
+      return vp__err(VP_ENOMEM, "vp_unpin: no memory for a fence");
+    int rc = dev->be->event_create(dev->ctx, &f->event);
+    if (rc) {
+      free(f);
+      return vp__err(vp__be_result(dev, rc, "event_create"),
+                     "vp_unpin: creating an event failed");
+    }
+  }
+  int rc = dev->be->event_record(dev->ctx, f->event, stream);
+  if (rc) {
+    f->next = dev->free_fences;
+    dev->free_fences = f;
+    return vp__err(vp__be_result(dev, rc, "event_record"),
+                   "vp_unpin: recording an event on stream 0x%llx failed",
+                   (unsigned long long)stream);
+  }
+  f->stream = stream;
+  f->refs = 1;
+  *out = f;
+  return VP_OK;
+}
+
+void vp__fence_put(vp__device_t *dev, vp__fence_t *f) {
+  if (--f->refs) return;
+  f->next = dev->free_fences;
+  dev->free_fences = f;
+}
+
+int vp__fence_wait(vp__device_t *dev, vp__fence_t *f) {
+  return dev->be->event_synchronize(dev->ctx, f->event);
+}
+
+void vp__fence_pool_free(vp__device_t *dev) {
+  while (dev->free_fences) {
+    vp__fence_t *f = dev->free_fences;
+    dev->free_fences = f->next;
+    dev->be->event_destroy(dev->ctx, f->event);
+    free(f);
+  }
+}

@@ -1,0 +1,157 @@
+/* Internal types and the index of internal functions, grouped by the file
+ * that defines them. Nothing here is installed.
+ *
+ * Glossary (see include/vpager.h for the public terms)
+ *   vp__device_t  an open device: backend, lock, VBAR table, priority list,
+ *                 budget, fence pool, counters.
+ *   vp__vbar_t    a VBAR: its address range, pages, eviction order.
+ *   vp__page_t    one page of a VBAR.
+ *   vp__fence_t   a shared, reference-counted event recorded at unpin.
+ */
+#ifndef VPAGER_INTERNAL_H
+#define VPAGER_INTERNAL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "backend.h"
+#include "vpager.h"
+
+#define VP__MAX_DEVICES 64
+#define VP__COMMIT_RETRIES 3 /* transient commit failures before a miss */
+
+/* Handle ids: bits 0-5 device slot, 6-25 VBAR slot, 26-63 a serial unique in
+ * the process, so a stale or foreign id never matches a live object. */
+#define VP__SLOT_BITS 6
+#define VP__VBAR_BITS 20
+#define VP__SERIAL_SHIFT (VP__SLOT_BITS + VP__VBAR_BITS)
+
+typedef struct vp__fence {
+  vp__event_t event;
+  vp_stream_t stream;      /* where it was recorded */
+  uint32_t refs;           /* pages pointing at it */
+  struct vp__fence *next;  /* free list */
+} vp__fence_t;
+
+typedef struct vp__page {
+  vp__phys_t phys;
+  vp__fence_t *fence; /* last unpin's fence; it implies all earlier ones */
+  uint32_t gen;       /* generation of the current commit */
+  uint32_t pins;
+  bool resident;
+} vp__page_t;
+
+typedef struct vp__device vp__device_t;
+
+typedef struct vp__vbar {
+  uint64_t id;
+  vp__device_t *dev;
+  uint64_t va;       /* base device address */
+  uint64_t size;     /* bytes, whole pages */
+  uint32_t npages;
+  vp__page_t *pages;
+  uint32_t *rank;    /* page -> rank (0 is evicted last) */
+  uint32_t *order;   /* rank -> page */
+  int order_kind;    /* vp_evict_order_t */
+  /* Non-resident pages ranked >= min(watermark, limit) are misses. */
+  uint32_t watermark;
+  uint32_t limit;
+  uint32_t resident; /* page counts */
+  uint32_t pinned;
+  struct vp__vbar *up, *down; /* priority list neighbours (up = higher) */
+  vp_stats_t stats;
+} vp__vbar_t;
+
+typedef struct vp__budget {
+  uint64_t poll_interval_ns;
+  uint64_t last_poll_ns;   /* 0 = poll at the next check */
+  uint64_t free_at_poll;   /* device-wide free memory at the last poll */
+  uint64_t ours_at_poll;   /* our committed bytes at the last poll */
+  uint64_t total;
+  int64_t headroom;
+} vp__budget_t;
+
+struct vp__device {
+  uint64_t id;
+  pthread_mutex_t lock; /* guards everything below */
+  const vp__backend_t *be;
+  void *ctx;
+  vp__caps_t caps;
+  vp__inject_t inject;
+  vp_options_t opts;
+  uint64_t page_size;
+  int page_shift;
+  bool broken;          /* a backend call reported VP_EDEVICE */
+  uint64_t committed;   /* bytes of pages we hold */
+  uint32_t gen_counter;
+  vp__vbar_t **vbars;   /* slot table */
+  uint32_t nslots;
+  vp__vbar_t *top, *bottom; /* priority list */
+  vp__budget_t budget;
+  vp__fence_t *free_fences;
+  vp_stats_t stats;
+};
+
+/* error.c */
+int vp__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void vp__clear_error(void);
+
+/* log.c */
+void vp__log(int level, const char *who, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+#define vp__log_on(level) ((level) <= vp_get_log_level())
+
+/* options.c */
+int vp__options_check(const vp_options_t *opts);
+
+/* registry.c: the table of open devices, which lets a stale device handle be
+ * detected instead of dereferenced. */
+int vp__registry_add(vp__device_t *dev);
+void vp__registry_remove(vp__device_t *dev);
+vp__device_t *vp__registry_get(uint64_t id);
+uint64_t vp__serial_next(void);
+
+/* pager.c */
+int vp__device_create(const vp_options_t *opts, vp__device_t **out);
+void vp__device_destroy(vp__device_t *dev);
+int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
+int vp__vbar_free(vp__vbar_t *vb);
+void vp__vbar_set_order(vp__vbar_t *vb, int kind);
+void vp__vbar_to_top(vp__vbar_t *vb);
+void vp__vbar_to_bottom(vp__vbar_t *vb);
+int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens);
+int vp__unpin(vp__vbar_t *vb, uint32_t p0, uint32_t p1, vp_stream_t stream);
+int vp__vbar_evict(vp__vbar_t *vb, uint64_t bytes, uint32_t min_rank,
+                   uint64_t *freed);
+int vp__device_evict(vp__device_t *dev, uint64_t bytes, uint64_t *freed);
+
+/* page.c: the only file that calls the backend's memory operations. */
+int vp__page_commit(vp__vbar_t *vb, uint32_t p);
+int vp__page_evict(vp__vbar_t *vb, uint32_t p);
+int vp__be_result(vp__device_t *dev, int rc, const char *what);
+
+/* fence.c */
+int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out);
+void vp__fence_put(vp__device_t *dev, vp__fence_t *f);
+int vp__fence_wait(vp__device_t *dev, vp__fence_t *f);
+void vp__fence_pool_free(vp__device_t *dev);
+
+/* budget.c */
+void vp__budget_init(vp__device_t *dev);
+int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed);
+void vp__budget_invalidate(vp__device_t *dev);
+uint64_t vp__now_ns(void);
+
+/* stats.c */
+int vp__report(vp__device_t *dev, int json, char *buf, size_t len,
+               size_t *needed);
+
+/* Count an event on both the VBAR and its device. */
+#define VP__COUNT(vb, field, n)                                                \
+  do {                                                                         \
+    (vb)->stats.field += (n);                                                  \
+    (vb)->dev->stats.field += (n);                                             \
+  } while (0)
+
+#endif /* VPAGER_INTERNAL_H */

@@ -1,0 +1,186 @@
+/* Options: defaults and VPAGER_* environment variables, from one table. */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "internal.h"
+
+#define MiB (1024ull * 1024)
+
+int vp_parse_size(const char *text, uint64_t *out) {
+  if (!text || !out) return vp__err(VP_EINVAL, "vp_parse_size: NULL argument");
+  const char *s = text;
+  while (*s == ' ') s++;
+  if (*s < '0' || *s > '9')
+    return vp__err(VP_EINVAL, "vp_parse_size: '%s' is not a size", text);
+  char *end;
+  unsigned long long v = strtoull(s, &end, 10);
+  unsigned shift = 0;
+  switch (*end) {
+  case 'k': case 'K': shift = 10; end++; break;
+  case 'm': case 'M': shift = 20; end++; break;
+  case 'g': case 'G': shift = 30; end++; break;
+  case 't': case 'T': shift = 40; end++; break;
+  default: break;
+  }
+  if ((*end == 'i' || *end == 'I') && shift) end++; /* KiB, MiB, ... */
+  if ((*end == 'b' || *end == 'B') && shift) end++;
+  if (*end != '\0' || (shift && v > (UINT64_MAX >> shift)))
+    return vp__err(VP_EINVAL, "vp_parse_size: '%s' is not a size "
+                   "(digits with an optional K/M/G/T suffix)", text);
+  *out = (uint64_t)v << shift;
+  return VP_OK;
+}
+
+/* Parsers from text to the field at `field`; 0 on success. */
+typedef int (*parse_fn)(const char *text, void *field);
+
+static int parse_u64(const char *t, void *f) {
+  return vp_parse_size(t, (uint64_t *)f);
+}
+
+static int parse_i64(const char *t, void *f) {
+  uint64_t v;
+  if (vp_parse_size(t, &v) || v > INT64_MAX) return -1;
+  *(int64_t *)f = (int64_t)v;
+  return 0;
+}
+
+static int parse_u32(const char *t, void *f) {
+  uint64_t v;
+  if (vp_parse_size(t, &v) || v > UINT32_MAX) return -1;
+  *(uint32_t *)f = (uint32_t)v;
+  return 0;
+}
+
+static int parse_int(const char *t, void *f) {
+  char *end;
+  long v = strtol(t, &end, 10);
+  if (!*t || *end || v < 0 || v > 1024) return -1;
+  *(int *)f = (int)v;
+  return 0;
+}
+
+static int parse_word(const char *t, int *f, const char *const *words, int n) {
+  for (int i = 0; i < n; i++)
+    if (words[i] && strcasecmp(t, words[i]) == 0) return *f = i, 0;
+  return -1;
+}
+
+static int parse_backend(const char *t, void *f) {
+  static const char *const w[] = {"auto", "cuda", "sim"};
+  return parse_word(t, f, w, 3);
+}
+
+static int parse_order(const char *t, void *f) {
+  static const char *const w[] = {"tail", "interleaved"};
+  return parse_word(t, f, w, 2);
+}
+
+static int parse_streams(const char *t, void *f) {
+  static const char *const w[] = {"sync", "worker"};
+  return parse_word(t, f, w, 2);
+}
+
+static int parse_name(const char *t, void *f) {
+  size_t n = strlen(t);
+  if (n == 0 || n >= sizeof(((vp_options_t *)0)->sim_shared)) return -1;
+  for (size_t i = 0; i < n; i++)
+    if (!((t[i] >= 'a' && t[i] <= 'z') || (t[i] >= 'A' && t[i] <= 'Z') ||
+          (t[i] >= '0' && t[i] <= '9') || t[i] == '-' || t[i] == '_'))
+      return -1;
+  memcpy(f, t, n + 1);
+  return 0;
+}
+
+static const struct option_entry {
+  const char *env;
+  size_t offset;
+  parse_fn parse;
+  const char *accepts;
+} option_table[] = {
+    {"VPAGER_BACKEND", offsetof(vp_options_t, backend), parse_backend,
+     "auto, cuda or sim"},
+    {"VPAGER_DEVICE", offsetof(vp_options_t, device_index), parse_int,
+     "a device ordinal"},
+    {"VPAGER_PAGE_SIZE", offsetof(vp_options_t, page_size), parse_u64,
+     "a size such as 32M"},
+    {"VPAGER_HEADROOM", offsetof(vp_options_t, headroom), parse_i64,
+     "a size such as 512M"},
+    {"VPAGER_POLL_US", offsetof(vp_options_t, poll_interval_us), parse_u32,
+     "microseconds"},
+    {"VPAGER_ORDER", offsetof(vp_options_t, evict_order), parse_order,
+     "tail or interleaved"},
+    {"VPAGER_SIM_CAPACITY", offsetof(vp_options_t, sim_capacity), parse_u64,
+     "a size such as 4G"},
+    {"VPAGER_SIM_GRANULARITY", offsetof(vp_options_t, sim_granularity),
+     parse_u64, "a size such as 2M"},
+    {"VPAGER_SIM_STREAMS", offsetof(vp_options_t, sim_streams), parse_streams,
+     "sync or worker"},
+    {"VPAGER_SIM_SHARED", offsetof(vp_options_t, sim_shared), parse_name,
+     "a name of letters, digits, - and _"},
+};
+
+int vp_options_init(vp_options_t *opts) {
+  if (!opts) return vp__err(VP_EINVAL, "vp_options_init: opts is NULL");
+  *opts = (vp_options_t){
+      .size = sizeof(vp_options_t),
+      .backend = VP_BACKEND_AUTO,
+      .page_size = 32 * MiB,
+      .headroom = -1,
+      .poll_interval_us = 5000,
+      .evict_order = VP_ORDER_TAIL_FIRST,
+      .sim_capacity = 4096 * MiB,
+      .sim_granularity = 2 * MiB,
+      .sim_streams = VP_SIM_SYNC,
+  };
+  for (size_t i = 0; i < sizeof option_table / sizeof *option_table; i++) {
+    const struct option_entry *e = &option_table[i];
+    const char *text = getenv(e->env);
+    if (!text) continue;
+    char scratch[sizeof(vp_options_t)];
+    memcpy(scratch, opts, sizeof scratch);
+    if (e->parse(text, scratch + e->offset) == 0) {
+      memcpy(opts, scratch, sizeof scratch);
+      vp__log(VP_LOG_DEBUG, NULL, "%s=%s", e->env, text);
+    } else {
+      vp__log(VP_LOG_WARN, NULL, "%s=%s is not %s; keeping the default",
+              e->env, text, e->accepts);
+    }
+  }
+  vp__clear_error();
+  return VP_OK;
+}
+
+static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
+
+/* Checks that need no backend (granularity is checked after open). */
+int vp__options_check(const vp_options_t *o) {
+  if (o->size != sizeof(vp_options_t))
+    return vp__err(VP_EINVAL, "vp_device_open: options.size is %u, expected "
+                   "%zu (call vp_options_init)", o->size, sizeof(vp_options_t));
+  if (o->backend < VP_BACKEND_AUTO || o->backend > VP_BACKEND_SIM)
+    return vp__err(VP_EINVAL, "vp_device_open: backend %d is unknown",
+                   o->backend);
+  if (!is_pow2(o->page_size))
+    return vp__err(VP_EINVAL, "vp_device_open: page size %llu is not a power "
+                   "of two", (unsigned long long)o->page_size);
+  if (o->page_size > (1ull << 40))
+    return vp__err(VP_EINVAL, "vp_device_open: page size %llu is over 1 TiB",
+                   (unsigned long long)o->page_size);
+  if (o->evict_order != VP_ORDER_TAIL_FIRST &&
+      o->evict_order != VP_ORDER_INTERLEAVED)
+    return vp__err(VP_EINVAL, "vp_device_open: eviction order %d is unknown",
+                   o->evict_order);
+  if (o->sim_streams != VP_SIM_SYNC && o->sim_streams != VP_SIM_WORKER)
+    return vp__err(VP_EINVAL, "vp_device_open: sim_streams %d is unknown",
+                   o->sim_streams);
+  if (o->device_index < 0)
+    return vp__err(VP_EINVAL, "vp_device_open: device index %d is negative",
+                   o->device_index);
+  if (memchr(o->sim_shared, '\0', sizeof o->sim_shared) == NULL)
+    return vp__err(VP_EINVAL, "vp_device_open: sim_shared is not terminated");
+  return VP_OK;
+}

@@ -1,0 +1,425 @@
+/* The pager: devices, VBARs, the priority list, watermarks, fault, unpin and
+ * eviction. Every function here runs with the device lock held (except
+ * device create/destroy, which own the device alone). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define VP__MAX_PAGES (1u << 22) /* per VBAR: bounds the page tables */
+
+/* ------------------------------------------------------------ devices */
+
+static int open_backend(vp__device_t *dev) {
+  static const vp__backend_t *const auto_order[] = {&vp__backend_cuda,
+                                                    &vp__backend_sim};
+  int kind = dev->opts.backend;
+  int rc = VP_ENODEV;
+  for (int i = 0; i < 2; i++) {
+    const vp__backend_t *be = auto_order[i];
+    if ((kind == VP_BACKEND_CUDA && be != &vp__backend_cuda) ||
+        (kind == VP_BACKEND_SIM && be != &vp__backend_sim))
+      continue;
+    rc = be->open(&dev->opts, &dev->inject, &dev->ctx, &dev->caps);
+    if (rc == VP_OK) {
+      dev->be = be;
+      return VP_OK;
+    }
+    vp__log(VP_LOG_DEBUG, be->name, "open: %s", vp_err_name(rc));
+    if (rc != VP_ENODEV || kind != VP_BACKEND_AUTO) break;
+  }
+  return vp__err(rc, "vp_device_open: no %s device could be opened",
+                 kind == VP_BACKEND_CUDA ? "CUDA"
+                 : kind == VP_BACKEND_SIM ? "simulated" : "usable");
+}
+
+static int check_geometry(vp__device_t *dev) {
+  const vp_options_t *o = &dev->opts;
+  if (o->page_size % dev->caps.granularity)
+    return vp__err(VP_EINVAL, "vp_device_open: page size %llu is not a "
+                   "multiple of the %s granularity %llu",
+                   (unsigned long long)o->page_size, dev->caps.name,
+                   (unsigned long long)dev->caps.granularity);
+  if (o->headroom < -1)
+    return vp__err(VP_EINVAL, "vp_device_open: headroom %lld is negative",
+                   (long long)o->headroom);
+  dev->page_size = o->page_size;
+  dev->page_shift = __builtin_ctzll(o->page_size);
+  return VP_OK;
+}
+
+int vp__device_create(const vp_options_t *opts, vp__device_t **out) {
+  int rc = vp__options_check(opts);
+  if (rc) return rc;
+  vp__inject_t inject = {opts->sim_fail_nth};
+  vp__device_t *dev = NULL;
+  if (vp__inject_fail(&inject) || !(dev = calloc(1, sizeof *dev)))
+    return vp__err(VP_ENOMEM, "vp_device_open: no memory for the device");
+  dev->opts = *opts;
+  dev->inject = inject;
+  rc = open_backend(dev);
+  if (rc) goto free_dev;
+  rc = check_geometry(dev);
+  if (rc) goto close_backend;
+  if (pthread_mutex_init(&dev->lock, NULL)) {
+    rc = vp__err(VP_ENOMEM, "vp_device_open: pthread_mutex_init failed");
+    goto close_backend;
+  }
+  vp__budget_init(dev);
+  dev->stats.size = sizeof dev->stats;
+  dev->stats.version = 1;
+  rc = vp__registry_add(dev);
+  if (rc) goto destroy_lock;
+  vp__log(VP_LOG_INFO, dev->caps.name,
+          "device %d open: page %llu MiB, memory %llu MiB, headroom %lld MiB",
+          opts->device_index, (unsigned long long)(dev->page_size >> 20),
+          (unsigned long long)(dev->caps.total_memory >> 20),
+          (long long)(dev->budget.headroom >> 20));
+  *out = dev;
+  return VP_OK;
+destroy_lock:
+  pthread_mutex_destroy(&dev->lock);
+close_backend:
+  dev->be->close(dev->ctx);
+free_dev:
+  free(dev);
+  return rc;
+}
+
+static void vbar_release(vp__vbar_t *vb);
+
+void vp__device_destroy(vp__device_t *dev) {
+  vp__registry_remove(dev);
+  for (uint32_t s = 0; s < dev->nslots; s++) {
+    vp__vbar_t *vb = dev->vbars[s];
+    if (!vb) continue;
+    for (uint32_t p = 0; p < vb->npages; p++) vb->pages[p].pins = 0;
+    vb->pinned = 0;
+    vbar_release(vb);
+  }
+  free(dev->vbars);
+  vp__fence_pool_free(dev);
+  dev->be->close(dev->ctx);
+  pthread_mutex_destroy(&dev->lock);
+  free(dev);
+}
+
+/* ------------------------------------------------------- priority list */
+
+static void list_unlink(vp__vbar_t *vb) {
+  vp__device_t *dev = vb->dev;
+  if (vb->up) vb->up->down = vb->down; else dev->top = vb->down;
+  if (vb->down) vb->down->up = vb->up; else dev->bottom = vb->up;
+  vb->up = vb->down = NULL;
+}
+
+static void list_push_top(vp__vbar_t *vb) {
+  vp__device_t *dev = vb->dev;
+  vb->up = NULL;
+  vb->down = dev->top;
+  if (dev->top) dev->top->up = vb; else dev->bottom = vb;
+  dev->top = vb;
+}
+
+void vp__vbar_to_top(vp__vbar_t *vb) {
+  if (vb->dev->top == vb) return;
+  list_unlink(vb);
+  list_push_top(vb);
+}
+
+void vp__vbar_to_bottom(vp__vbar_t *vb) {
+  vp__device_t *dev = vb->dev;
+  if (dev->bottom == vb) return;
+  list_unlink(vb);
+  vb->up = dev->bottom;
+  if (dev->bottom) dev->bottom->down = vb; else dev->top = vb;
+  dev->bottom = vb;
+}
+
+/* -------------------------------------------------------------- VBARs */
+
+static uint32_t bit_reverse(uint32_t v, int bits) {
+  uint32_t r = 0;
+  for (int i = 0; i < bits; i++, v >>= 1) r = (r << 1) | (v & 1);
+  return r;
+}
+
+/* Fill rank/order. Interleaved: bit-reversed page index, so the pages
+ * evicted first (highest ranks) are spread evenly through the model. */
+void vp__vbar_set_order(vp__vbar_t *vb, int kind) {
+  uint32_t n = vb->npages, r = 0;
+  if (kind == VP_ORDER_TAIL_FIRST) {
+    for (r = 0; r < n; r++) vb->order[r] = r;
+  } else {
+    int bits = 0;
+    while ((1ull << bits) < n) bits++;
+    for (uint64_t i = 0; i < (1ull << bits); i++) {
+      uint32_t p = bit_reverse((uint32_t)i, bits);
+      if (p < n) vb->order[r++] = p;
+    }
+  }
+  for (r = 0; r < n; r++) vb->rank[vb->order[r]] = r;
+  vb->order_kind = kind;
+}
+
+static int slot_take(vp__device_t *dev, uint32_t *slot) {
+  for (uint32_t s = 0; s < dev->nslots; s++)
+    if (!dev->vbars[s]) return *slot = s, VP_OK;
+  uint32_t n = dev->nslots ? dev->nslots * 2 : 16;
+  if (n > (1u << VP__VBAR_BITS))
+    return vp__err(VP_ELIMIT, "vp_vbar_create: %u VBARs exist already",
+                   dev->nslots);
+  vp__vbar_t **t = NULL;
+  if (vp__inject_fail(&dev->inject) ||
+      !(t = realloc(dev->vbars, n * sizeof *t)))
+    return vp__err(VP_ENOMEM, "vp_vbar_create: no memory for the VBAR table");
+  memset(t + dev->nslots, 0, (n - dev->nslots) * sizeof *t);
+  *slot = dev->nslots;
+  dev->vbars = t;
+  dev->nslots = n;
+  return VP_OK;
+}
+
+static int vbar_alloc(vp__device_t *dev, uint32_t npages, vp__vbar_t **out) {
+  vp__vbar_t *vb = NULL;
+  if (vp__inject_fail(&dev->inject) || !(vb = calloc(1, sizeof *vb)))
+    goto fail;
+  vb->pages = calloc(npages, sizeof *vb->pages);
+  vb->rank = malloc(npages * sizeof *vb->rank);
+  vb->order = malloc(npages * sizeof *vb->order);
+  if (vp__inject_fail(&dev->inject) || !vb->pages || !vb->rank || !vb->order)
+    goto fail;
+  *out = vb;
+  return VP_OK;
+fail:
+  if (vb) free(vb->pages), free(vb->rank), free(vb->order);
+  free(vb);
+  return vp__err(VP_ENOMEM, "vp_vbar_create: no memory for %u pages", npages);
+}
+
+static void vbar_free_struct(vp__vbar_t *vb) {
+  free(vb->pages);
+  free(vb->rank);
+  free(vb->order);
+  free(vb);
+}
+
+int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
+  uint64_t npages = (size >> dev->page_shift) +
+                    ((size & (dev->page_size - 1)) != 0);
+  if (npages > VP__MAX_PAGES)
+    return vp__err(VP_ELIMIT, "vp_vbar_create: %llu bytes is %llu pages; at "
+                   "most %u pages of %llu bytes per VBAR",
+                   (unsigned long long)size, (unsigned long long)npages,
+                   VP__MAX_PAGES, (unsigned long long)dev->page_size);
+  uint32_t slot = 0;
+  vp__vbar_t *vb = NULL;
+  int rc = slot_take(dev, &slot);
+  if (rc) return rc;
+  rc = vbar_alloc(dev, (uint32_t)npages, &vb);
+  if (rc) return rc;
+  vb->dev = dev;
+  vb->npages = (uint32_t)npages;
+  vb->size = npages << dev->page_shift;
+  rc = dev->be->va_reserve(dev->ctx, vb->size, &vb->va);
+  if (rc) {
+    vbar_free_struct(vb);
+    return vp__err(vp__be_result(dev, rc, "va_reserve"),
+                   "vp_vbar_create: reserving %llu bytes of address space "
+                   "failed", (unsigned long long)(npages << dev->page_shift));
+  }
+  vp__vbar_set_order(vb, dev->opts.evict_order);
+  vb->watermark = vb->limit = vb->npages;
+  vb->stats.size = sizeof vb->stats;
+  vb->stats.version = 1;
+  vb->id = (vp__serial_next() << VP__SERIAL_SHIFT) |
+           ((uint64_t)slot << VP__SLOT_BITS) | (dev->id & (VP__MAX_DEVICES - 1));
+  dev->vbars[slot] = vb;
+  list_push_top(vb);
+  *out = vb;
+  return VP_OK;
+}
+
+/* Evict every page (waiting for fences), free the range and the VBAR. */
+static void vbar_release(vp__vbar_t *vb) {
+  vp__device_t *dev = vb->dev;
+  for (uint32_t p = 0; p < vb->npages; p++)
+    if (vb->pages[p].resident) vp__page_evict(vb, p);
+  dev->be->va_free(dev->ctx, vb->va, vb->size);
+  list_unlink(vb);
+  dev->vbars[(vb->id >> VP__SLOT_BITS) & ((1u << VP__VBAR_BITS) - 1)] = NULL;
+  vbar_free_struct(vb);
+}
+
+int vp__vbar_free(vp__vbar_t *vb) {
+  if (vb->pinned)
+    return vp__err(VP_EBUSY, "vp_vbar_destroy: %u pages are still pinned; "
+                   "unpin them first", vb->pinned);
+  vbar_release(vb);
+  return VP_OK;
+}
+
+/* ------------------------------------------------------------ eviction */
+
+/* Evict unpinned pages of vb ranked >= min_rank, highest rank first, until
+ * `bytes` are freed. Each eviction lowers the watermark to the page's rank,
+ * so the VBAR stops faulting back what pressure just took. */
+int vp__vbar_evict(vp__vbar_t *vb, uint64_t bytes, uint32_t min_rank,
+                   uint64_t *freed) {
+  uint64_t page = vb->dev->page_size, done = 0;
+  for (uint32_t r = vb->npages; r-- > min_rank && done < bytes;) {
+    uint32_t p = vb->order[r];
+    vp__page_t *pg = &vb->pages[p];
+    if (!pg->resident || pg->pins) continue;
+    int rc = vp__page_evict(vb, p);
+    if (rc) {
+      *freed += done;
+      return rc;
+    }
+    done += page;
+    if (vb->watermark > r) vb->watermark = r;
+  }
+  *freed += done;
+  return VP_OK;
+}
+
+/* Evict lowest priority first until `bytes` are freed (or nothing more can
+ * be). Stops below `stop` (exclusive), which may be NULL. */
+static int evict_below(vp__device_t *dev, vp__vbar_t *stop, uint64_t bytes,
+                       uint64_t *freed) {
+  for (vp__vbar_t *vb = dev->bottom; vb && vb != stop && *freed < bytes;
+       vb = vb->up) {
+    if (vb->resident == vb->pinned) continue;
+    int rc = vp__vbar_evict(vb, bytes - *freed, 0, freed);
+    if (rc) return rc;
+  }
+  return VP_OK;
+}
+
+int vp__device_evict(vp__device_t *dev, uint64_t bytes, uint64_t *freed) {
+  return evict_below(dev, NULL, bytes, freed);
+}
+
+/* Make room for `npages` more pages for vb, whose needed pages rank at most
+ * max_rank: lower-priority VBARs first, then vb's own pages ranked above
+ * max_rank, never a higher-priority VBAR. VP_MISS when it cannot. */
+static int make_room(vp__vbar_t *vb, uint32_t npages, uint32_t max_rank) {
+  vp__device_t *dev = vb->dev;
+  uint64_t allowed, want = (uint64_t)npages << dev->page_shift;
+  int rc = vp__budget_allowed(dev, &allowed);
+  if (rc) return rc;
+  if (dev->committed + want <= allowed) return VP_OK;
+  uint64_t need = dev->committed + want - allowed, freed = 0;
+  rc = evict_below(dev, vb, need, &freed);
+  if (rc == VP_OK && freed < need)
+    rc = vp__vbar_evict(vb, need - freed, max_rank + 1, &freed);
+  if (rc) return rc;
+  return freed >= need ? VP_OK : VP_MISS;
+}
+
+/* ------------------------------------------------------- fault / unpin */
+
+static void pin(vp__vbar_t *vb, vp__page_t *pg) {
+  if (pg->pins++ == 0) vb->pinned++;
+}
+
+static void unpin_one(vp__vbar_t *vb, vp__page_t *pg) {
+  if (--pg->pins == 0) vb->pinned--;
+}
+
+static int miss(vp__vbar_t *vb, int rc) {
+  VP__COUNT(vb, misses, 1);
+  if (rc == VP_MISS || rc == VP_EOOM || rc == VP_EAGAIN) {
+    VP__COUNT(vb, budget_misses, 1);
+    return VP_MISS;
+  }
+  return rc; /* a broken device */
+}
+
+/* Commit the missing pages of [p0, p1) and pin the whole range. Resident
+ * pages are pinned first so making room cannot evict them. */
+static int fault_fill(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                      uint32_t missing, uint32_t max_rank) {
+  for (uint32_t p = p0; p < p1; p++)
+    if (vb->pages[p].resident) pin(vb, &vb->pages[p]);
+  int rc = make_room(vb, missing, max_rank);
+  for (uint32_t p = p0; p < p1 && rc == VP_OK; p++) {
+    if (vb->pages[p].resident) continue;
+    rc = vp__page_commit(vb, p);
+    if (rc == VP_OK) pin(vb, &vb->pages[p]);
+  }
+  if (rc == VP_OK) return VP_OK;
+  for (uint32_t p = p0; p < p1; p++)
+    if (vb->pages[p].resident) unpin_one(vb, &vb->pages[p]);
+  return rc;
+}
+
+int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
+  VP__COUNT(vb, faults, 1);
+  uint32_t lim = vb->watermark < vb->limit ? vb->watermark : vb->limit;
+  uint32_t missing = 0, max_rank = 0;
+  for (uint32_t p = p0; p < p1; p++) {
+    vp__page_t *pg = &vb->pages[p];
+    if (pg->pins == UINT32_MAX)
+      return vp__err(VP_ELIMIT, "vp_fault: page %u is pinned 2^32-1 times", p);
+    if (pg->resident) continue;
+    if (vb->rank[p] >= lim) {
+      VP__COUNT(vb, watermark_misses, 1);
+      return miss(vb, VP_MISS);
+    }
+    missing++;
+    if (vb->rank[p] > max_rank) max_rank = vb->rank[p];
+  }
+  if (missing == 0) {
+    for (uint32_t p = p0; p < p1; p++) pin(vb, &vb->pages[p]);
+    VP__COUNT(vb, hits, 1);
+  } else {
+    int rc = fault_fill(vb, p0, p1, missing, max_rank);
+    if (rc) return miss(vb, rc);
+    VP__COUNT(vb, fills, 1);
+  }
+  if (gens)
+    for (uint32_t p = p0; p < p1; p++) gens[p - p0] = vb->pages[p].gen;
+  return VP_OK;
+}
+
+/* Work on other streams that still uses these pages must finish before the
+ * new fence completes, so that one fence per page is enough. */
+static int order_after_old_fences(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                                  vp_stream_t stream) {
+  vp__device_t *dev = vb->dev;
+  vp__fence_t *last = NULL;
+  for (uint32_t p = p0; p < p1; p++) {
+    vp__fence_t *f = vb->pages[p].fence;
+    if (!f || f == last || f->stream == stream) continue;
+    last = f;
+    if (dev->be->event_query(dev->ctx, f->event) == VP_OK) continue;
+    int rc = dev->be->stream_wait_event(dev->ctx, stream, f->event);
+    if (rc)
+      return vp__err(vp__be_result(dev, rc, "stream_wait_event"),
+                     "vp_unpin: ordering stream 0x%llx after earlier work "
+                     "failed", (unsigned long long)stream);
+  }
+  return VP_OK;
+}
+
+int vp__unpin(vp__vbar_t *vb, uint32_t p0, uint32_t p1, vp_stream_t stream) {
+  vp__device_t *dev = vb->dev;
+  for (uint32_t p = p0; p < p1; p++)
+    if (vb->pages[p].pins == 0)
+      return vp__err(VP_ENOTPINNED, "vp_unpin: page %u (offset %llu) is not "
+                     "pinned", p, (unsigned long long)p << dev->page_shift);
+  int rc = order_after_old_fences(vb, p0, p1, stream);
+  vp__fence_t *f;
+  if (rc || (rc = vp__fence_get(dev, stream, &f))) return rc;
+  for (uint32_t p = p0; p < p1; p++) {
+    vp__page_t *pg = &vb->pages[p];
+    if (pg->fence) vp__fence_put(dev, pg->fence);
+    pg->fence = f;
+    f->refs++;
+    unpin_one(vb, pg);
+  }
+  vp__fence_put(dev, f);
+  VP__COUNT(vb, unpins, 1);
+  return VP_OK;
+}
