@@ -61,7 +61,17 @@ check-exports: $(BUILD)/libvpager.so
 	if [ -n "$$bad" ]; then echo "exported non-vp_ symbols: $$bad"; exit 1; fi; \
 	echo "exports: only vp_ symbols"
 
-check:
+# Our CUDA driver declarations must match the toolkit's cuda.h, where the
+# toolkit is installed (vpager itself builds without it).
+CUDA_INC ?= /usr/local/cuda/include
+check-abi:
+	@if [ -f $(CUDA_INC)/cuda.h ]; then \
+	  $(CC) -std=c11 -Wall -Wextra -Werror -Wincompatible-pointer-types \
+	    -I$(CUDA_INC) -Isrc -Iinclude -fsyntax-only tools/cuda_abi_check.c && \
+	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
+	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
+
+check: check-abi
 	$(MAKE) test
 	$(MAKE) test SAN=address,undefined OPT=-O1
 	$(MAKE) test SAN=thread OPT=-O1
@@ -89,5 +99,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-exports demo bench install clean
+.PHONY: all test check check-abi check-exports demo bench install clean
 .SECONDARY:

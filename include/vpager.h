@@ -250,9 +250,12 @@ VP_API int vp_vbar_deprioritize(vp_vbar_t vbar);
 VP_API int vp_vbar_set_order(vp_vbar_t vbar, int order);
 
 /* The watermark in ranks (pages): non-resident pages ranked at or above
- * min(watermark, limit) are misses. set_watermark takes bytes (rounded down
- * to pages) and may not exceed the VBAR; it is lifted again only by
- * vp_vbar_prioritize(). The limit caps new commits; UINT64_MAX = none. */
+ * min(watermark, limit) are misses. Eviction lowers it; only
+ * vp_vbar_prioritize() lifts it back to the whole VBAR, or an explicit
+ * vp_vbar_set_watermark(), which sets it up or down to `bytes` (rounded
+ * down to pages; VP_ERANGE past the VBAR). The limit caps new commits
+ * (bytes, rounded down; UINT64_MAX = none); get_* return pages. Lowering
+ * either evicts nothing by itself: resident pages stay hits. */
 VP_API int vp_vbar_set_watermark(vp_vbar_t vbar, uint64_t bytes);
 VP_API int vp_vbar_get_watermark(vp_vbar_t vbar, uint64_t *pages);
 VP_API int vp_vbar_set_watermark_limit(vp_vbar_t vbar, uint64_t bytes);

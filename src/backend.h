@@ -98,4 +98,12 @@ typedef struct vp__backend {
 extern const vp__backend_t vp__backend_cuda;
 extern const vp__backend_t vp__backend_sim;
 
+/* CUDA backend extras (src/backend_cuda.c). Why the last open on this
+ * thread failed ("" if unknown); the driver's name for ctx's last failing
+ * call; device memory as NVML sees it and this process's own use. */
+const char *vp__cuda_open_reason(void);
+const char *vp__cuda_error_name(void *ctx);
+int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
+                       uint64_t *proc_used);
+
 #endif /* VPAGER_BACKEND_H */

@@ -28,13 +28,6 @@
 
 #define MiB (1024ull * 1024)
 
-/* Helpers for the pager's logs and stats and for tools/cuda_smoke.c; see
- * the definitions at the end. */
-const char *vp__cuda_open_reason(void);
-const char *vp__cuda_error_name(void *ctx);
-int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
-                       uint64_t *proc_used);
-
 _Static_assert(sizeof(size_t) == sizeof(uint64_t), "LP64 only");
 _Static_assert(sizeof(void *) == sizeof(vp_cu_init_fn),
                "function pointers are stored from cuGetProcAddress's void *");

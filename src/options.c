@@ -1,4 +1,5 @@
 /* Options: defaults and VPAGER_* environment variables, from one table. */
+#include <errno.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,7 +17,10 @@ int vp_parse_size(const char *text, uint64_t *out) {
   if (*s < '0' || *s > '9')
     return vp__err(VP_EINVAL, "vp_parse_size: '%s' is not a size", text);
   char *end;
+  errno = 0;
   unsigned long long v = strtoull(s, &end, 10);
+  if (errno == ERANGE)
+    return vp__err(VP_EINVAL, "vp_parse_size: '%s' is too large", text);
   unsigned shift = 0;
   switch (*end) {
   case 'k': case 'K': shift = 10; end++; break;

@@ -25,12 +25,17 @@ static int open_backend(vp__device_t *dev) {
       dev->be = be;
       return VP_OK;
     }
-    vp__log(VP_LOG_DEBUG, be->name, "open: %s", vp_err_name(rc));
+    vp__log(kind == VP_BACKEND_AUTO ? VP_LOG_DEBUG : VP_LOG_WARN, be->name,
+            "open: %s%s%s", vp_err_name(rc),
+            be == &vp__backend_cuda ? ": " : "",
+            be == &vp__backend_cuda ? vp__cuda_open_reason() : "");
     if (rc != VP_ENODEV || kind != VP_BACKEND_AUTO) break;
   }
-  return vp__err(rc, "vp_device_open: no %s device could be opened",
+  return vp__err(rc, "vp_device_open: no %s device could be opened%s%s",
                  kind == VP_BACKEND_CUDA ? "CUDA"
-                 : kind == VP_BACKEND_SIM ? "simulated" : "usable");
+                 : kind == VP_BACKEND_SIM ? "simulated" : "usable",
+                 kind == VP_BACKEND_CUDA ? ": " : "",
+                 kind == VP_BACKEND_CUDA ? vp__cuda_open_reason() : "");
 }
 
 static int check_geometry(vp__device_t *dev) {

@@ -1,0 +1,605 @@
+/* The test runner: every registered test in a child process, per backend.
+ *
+ *   runner [-l] [-v] [filter...]
+ *     -l       list the tests (backend/name) and exit
+ *     -v       show every test's output, not only a failing one's
+ *     filter   run only tests whose "backend/name" contains one of these
+ *
+ * One line per test ("ok   sim/fault_basic", "FAIL sim/x (signal 11)"),
+ * one "skip" line per missing backend, then "N skipped" and last
+ * "N passed, N failed". Exit status 1 if any test failed.
+ *
+ * A child gets its own process group (so a test's own children die with
+ * it), a timeout (alarm; TEST_TIMEOUT seconds, default 60, 300 under
+ * sanitizers), and its stdout and stderr in a temporary file that the
+ * runner prints when the test fails.
+ *
+ * Also the shared helpers of test.h.
+ */
+#include "test.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+extern char **environ;
+
+/* ------------------------------------------------------------ registry */
+
+typedef struct test_entry {
+  const char *name;
+  test_fn_t fn;
+  int flags;
+  const char *file;
+  int line;
+} test_entry_t;
+
+static test_entry_t *g_tests;
+static size_t g_ntests, g_cap;
+
+void test_register(const char *name, test_fn_t fn, int flags,
+                   const char *file, int line) {
+  if (g_ntests == g_cap) {
+    g_cap = g_cap ? 2 * g_cap : 64;
+    g_tests = realloc(g_tests, g_cap * sizeof *g_tests);
+    if (!g_tests) abort();
+  }
+  g_tests[g_ntests++] = (test_entry_t){name, fn, flags, file, line};
+}
+
+static int entry_cmp(const void *a, const void *b) {
+  const test_entry_t *x = a, *y = b;
+  int c = strcmp(x->file, y->file);
+  if (c) return c;
+  return x->line - y->line;
+}
+
+/* ------------------------------------------------------------- asserts */
+
+static char g_note[512];
+
+void test_note(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_note, sizeof g_note, fmt, ap);
+  va_end(ap);
+}
+
+void test_log(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  putchar('\n');
+  fflush(stdout);
+}
+
+void test_fail(const char *file, int line, const char *fmt, ...) {
+  va_list ap;
+  fflush(stdout);
+  fprintf(stderr, "%s:%d: ", file, line);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+  if (g_note[0]) fprintf(stderr, "  note: %s\n", g_note);
+  fflush(stderr);
+  /* _exit: no LeakSanitizer report of what a failed test left open. */
+  _exit(1);
+}
+
+void test_assert_mem_eq(const char *file, int line, const char *an,
+                        const char *bn, const void *a, const void *b,
+                        size_t n) {
+  const unsigned char *x = a, *y = b;
+  for (size_t i = 0; i < n; i++) {
+    if (x[i] != y[i])
+      test_fail(file, line,
+                "ASSERT_MEM_EQ(%s, %s, %zu): first difference at byte %zu: "
+                "0x%02x vs 0x%02x",
+                an, bn, n, i, x[i], y[i]);
+  }
+}
+
+/* ------------------------------------------------------------- helpers */
+
+uint64_t test_scale(uint64_t n) {
+  double f = TEST_SANITIZED ? 0.25 : 1.0;
+  const char *e = getenv("TEST_SCALE");
+  if (e && *e) {
+    char *end;
+    double v = strtod(e, &end);
+    if (end != e && v > 0) f = v;
+  }
+  double r = (double)n * f;
+  return r < 1 ? 1 : (uint64_t)r;
+}
+
+uint64_t test_seed(void) {
+  const char *e = getenv("TEST_SEED");
+  if (e && *e) return strtoull(e, NULL, 0);
+  return 20261129;
+}
+
+uint64_t test_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+void test_sleep_ms(unsigned ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+static uint64_t splitmix64(uint64_t *x) {
+  uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+void test_rng_seed(test_rng_t *r, uint64_t seed) {
+  for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&seed);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+uint64_t test_rand(test_rng_t *r) {
+  uint64_t *s = r->s;
+  uint64_t result = rotl(s[1] * 5, 7) * 9;
+  uint64_t t = s[1] << 17;
+  s[2] ^= s[0];
+  s[3] ^= s[1];
+  s[1] ^= s[2];
+  s[0] ^= s[3];
+  s[2] ^= t;
+  s[3] = rotl(s[3], 45);
+  return result;
+}
+
+uint64_t test_rand_below(test_rng_t *r, uint64_t n) {
+  return n ? test_rand(r) % n : 0;
+}
+
+uint64_t test_page_size(test_ctx_t *ctx) {
+  return ctx->backend == VP_BACKEND_CUDA ? (2u << 20) : (64u << 10);
+}
+
+void test_options(test_ctx_t *ctx, vp_options_t *opts) {
+  ASSERT_OK(vp_options_init(opts));
+  opts->backend = ctx->backend;
+  opts->page_size = test_page_size(ctx);
+  opts->headroom = 0;
+  opts->poll_interval_us = 0;
+  opts->evict_order = VP_ORDER_TAIL_FIRST;
+  opts->sim_capacity = 16 * opts->page_size;
+  opts->sim_granularity = 64u << 10;
+  opts->sim_streams = VP_SIM_SYNC;
+  opts->sim_shared[0] = '\0';
+  opts->sim_fail_nth = 0;
+}
+
+vp_device_t test_open(test_ctx_t *ctx, vp_options_t *opts) {
+  vp_options_t o;
+  if (!opts) {
+    test_options(ctx, &o);
+    opts = &o;
+  }
+  vp_device_t dev = {0};
+  ASSERT_OK(vp_device_open(opts, &dev));
+  return dev;
+}
+
+vp_device_t test_open_cap(test_ctx_t *ctx, vp_options_t *opts,
+                          uint64_t pages) {
+  vp_options_t o;
+  if (!opts) {
+    test_options(ctx, &o);
+    opts = &o;
+  }
+  if (ctx->backend == VP_BACKEND_SIM) {
+    opts->sim_capacity = pages * opts->page_size;
+    return test_open(ctx, opts);
+  }
+  /* A real GPU: keep everything but `pages` pages free as headroom. */
+  vp_device_t dev = test_open(ctx, opts);
+  vp_device_info_t info = test_info(dev);
+  uint64_t want = pages * opts->page_size;
+  ASSERT_GE_U64(info.free_memory, want);
+  ASSERT_OK(vp_device_set_headroom(dev, (int64_t)(info.free_memory - want)));
+  return dev;
+}
+
+vp_vbar_t test_vbar(vp_device_t dev, uint64_t size) {
+  vp_vbar_t v = {0};
+  ASSERT_OK(vp_vbar_create(dev, size, &v));
+  return v;
+}
+
+uint64_t test_vbar_base(vp_vbar_t v) {
+  uint64_t base = 0;
+  ASSERT_OK(vp_vbar_base(v, &base));
+  return base;
+}
+
+uint8_t test_resid(vp_vbar_t v, uint64_t page) {
+  uint64_t n = 0;
+  ASSERT_OK(vp_vbar_page_count(v, &n));
+  ASSERT_LT_U64(page, n);
+  uint8_t *flags = calloc(page + 1, 1);
+  ASSERT_NOT_NULL(flags);
+  ASSERT_OK(vp_vbar_residency(v, flags, page + 1));
+  uint8_t f = flags[page];
+  free(flags);
+  return f;
+}
+
+const char *test_map(vp_vbar_t v) {
+  static char buf[1024];
+  uint64_t n = 0;
+  ASSERT_OK(vp_vbar_page_count(v, &n));
+  if (n > sizeof buf - 1) n = sizeof buf - 1;
+  uint8_t flags[sizeof buf];
+  ASSERT_OK(vp_vbar_residency(v, flags, n));
+  for (uint64_t i = 0; i < n; i++)
+    buf[i] = (flags[i] & VP_PAGE_PINNED)     ? 'P'
+             : (flags[i] & VP_PAGE_RESIDENT) ? '#'
+                                             : '.';
+  buf[n] = '\0';
+  return buf;
+}
+
+uint64_t test_resident_count(vp_vbar_t v) {
+  uint64_t n = 0, c = 0;
+  ASSERT_OK(vp_vbar_page_count(v, &n));
+  uint8_t *flags = calloc(n ? n : 1, 1);
+  ASSERT_NOT_NULL(flags);
+  ASSERT_OK(vp_vbar_residency(v, flags, n));
+  for (uint64_t i = 0; i < n; i++) c += (flags[i] & VP_PAGE_RESIDENT) != 0;
+  free(flags);
+  return c;
+}
+
+vp_stats_t test_dev_stats(vp_device_t dev) {
+  vp_stats_t s;
+  memset(&s, 0, sizeof s);
+  s.size = sizeof s;
+  ASSERT_OK(vp_device_stats(dev, &s));
+  return s;
+}
+
+vp_stats_t test_vbar_stats(vp_vbar_t v) {
+  vp_stats_t s;
+  memset(&s, 0, sizeof s);
+  s.size = sizeof s;
+  ASSERT_OK(vp_vbar_stats(v, &s));
+  return s;
+}
+
+vp_device_info_t test_info(vp_device_t dev) {
+  vp_device_info_t info;
+  memset(&info, 0, sizeof info);
+  ASSERT_OK(vp_device_info(dev, &info));
+  return info;
+}
+
+uint64_t test_watermark(vp_vbar_t v) {
+  uint64_t w = 0;
+  ASSERT_OK(vp_vbar_get_watermark(v, &w));
+  return w;
+}
+
+int test_fault_page(vp_vbar_t v, uint64_t page, uint32_t *gen) {
+  vp_device_t dev;
+  ASSERT_OK(vp_vbar_device(v, &dev));
+  vp_device_info_t info = test_info(dev);
+  uint32_t g = 0;
+  int rc = vp_fault(v, page * info.page_size, info.page_size, &g, 1);
+  if (gen) *gen = g;
+  return rc;
+}
+
+void test_load_pages(vp_vbar_t v, uint64_t first, uint64_t n) {
+  vp_device_t dev;
+  ASSERT_OK(vp_vbar_device(v, &dev));
+  uint64_t ps = test_info(dev).page_size;
+  for (uint64_t p = first; p < first + n; p++) {
+    ASSERT_OK(vp_fault(v, p * ps, ps, NULL, 0));
+    ASSERT_OK(vp_unpin(v, p * ps, ps, 0));
+  }
+}
+
+void test_pattern(void *buf, size_t size, uint64_t key) {
+  uint64_t x = key * 0x2545f4914f6cdd1dull + 1;
+  unsigned char *b = buf;
+  size_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    uint64_t v = splitmix64(&x);
+    memcpy(b + i, &v, 8);
+  }
+  if (i < size) {
+    uint64_t v = splitmix64(&x);
+    memcpy(b + i, &v, size - i);
+  }
+}
+
+void test_write_pattern(vp_device_t dev, uint64_t addr, uint64_t size,
+                        uint64_t key) {
+  unsigned char *src = malloc(size), *back = malloc(size);
+  ASSERT_NOT_NULL(src);
+  ASSERT_NOT_NULL(back);
+  test_pattern(src, size, key);
+  ASSERT_OK(vp_copy_to_device(dev, addr, src, size, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  memset(back, 0, size);
+  ASSERT_OK(vp_copy_to_host(dev, back, addr, size, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(back, src, size);
+  free(src);
+  free(back);
+}
+
+bool test_check_pattern(vp_device_t dev, uint64_t addr, uint64_t size,
+                        uint64_t key) {
+  unsigned char *want = malloc(size), *got = malloc(size);
+  ASSERT_NOT_NULL(want);
+  ASSERT_NOT_NULL(got);
+  test_pattern(want, size, key);
+  memset(got, 0, size);
+  ASSERT_OK(vp_copy_to_host(dev, got, addr, size, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  bool same = memcmp(want, got, size) == 0;
+  free(want);
+  free(got);
+  return same;
+}
+
+void test_clear_vpager_env(void) {
+  for (;;) {
+    char **e = environ, name[256];
+    for (; e && *e; e++)
+      if (strncmp(*e, "VPAGER_", 7) == 0) break;
+    if (!e || !*e) return;
+    size_t n = strcspn(*e, "=");
+    if (n >= sizeof name) n = sizeof name - 1;
+    memcpy(name, *e, n);
+    name[n] = '\0';
+    unsetenv(name);
+  }
+}
+
+int test_wait(int pid) {
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0) {
+    if (errno != EINTR) TEST_FAIL("waitpid(%d): %s", pid, strerror(errno));
+  }
+  return st;
+}
+
+static char g_self[4096];
+
+const char *test_self_path(void) { return g_self; }
+
+/* ------------------------------------------------------------- backends */
+
+typedef struct backend {
+  const char *name;
+  int kind;
+  bool present;
+  char reason[512];
+} backend_t;
+
+/* Probe CUDA in a child: CUDA must not be initialised in the runner, or no
+ * forked test could use it. */
+static void probe_cuda(backend_t *b) {
+  int fds[2];
+  if (pipe(fds) != 0) {
+    snprintf(b->reason, sizeof b->reason, "pipe: %s", strerror(errno));
+    return;
+  }
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(fds[0]);
+    vp_options_t o;
+    char msg[512];
+    int rc = vp_options_init(&o);
+    if (rc == VP_OK) {
+      vp_device_t dev;
+      o.backend = VP_BACKEND_CUDA;
+      o.page_size = 2u << 20;
+      rc = vp_device_open(&o, &dev);
+      if (rc == VP_OK) rc = vp_device_close(dev);
+    }
+    int n = snprintf(msg, sizeof msg, "%d %s", rc,
+                     rc == VP_OK ? "" : vp_last_error());
+    if (n > 0 && write(fds[1], msg, (size_t)n) < 0) _exit(2);
+    _exit(0);
+  }
+  close(fds[1]);
+  char buf[512] = {0};
+  size_t got = 0;
+  ssize_t r;
+  while (got < sizeof buf - 1 &&
+         (r = read(fds[0], buf + got, sizeof buf - 1 - got)) != 0) {
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    got += (size_t)r;
+  }
+  close(fds[0]);
+  int st = 0;
+  while (pid > 0 && waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  int rc = VP_ENODEV;
+  char *rest = buf;
+  if (got > 0) rc = (int)strtol(buf, &rest, 10);
+  while (*rest == ' ') rest++;
+  if (pid < 0 || got == 0) {
+    snprintf(b->reason, sizeof b->reason, "probe process failed");
+  } else if (rc == VP_OK) {
+    b->present = true;
+  } else if (rc == VP_ENODEV) {
+    snprintf(b->reason, sizeof b->reason, "%s", *rest ? rest : "VP_ENODEV");
+  } else {
+    snprintf(b->reason, sizeof b->reason, "open failed: %s: %s",
+             vp_err_name(rc), rest);
+  }
+}
+
+/* ------------------------------------------------------------- running */
+
+static unsigned timeout_s(void) {
+  const char *e = getenv("TEST_TIMEOUT");
+  if (e && *e) {
+    long v = strtol(e, NULL, 10);
+    if (v > 0) return (unsigned)v;
+  }
+  return TEST_SANITIZED ? 300 : 60;
+}
+
+static bool selected(const char *full, int argc, char **filters) {
+  if (argc == 0) return true;
+  for (int i = 0; i < argc; i++)
+    if (strstr(full, filters[i])) return true;
+  return false;
+}
+
+static void print_output(FILE *f) {
+  char line[4096];
+  fflush(f);
+  rewind(f);
+  while (fgets(line, sizeof line, f)) {
+    fputs("    ", stdout);
+    fputs(line, stdout);
+    size_t n = strlen(line);
+    if (n && line[n - 1] != '\n') putchar('\n');
+  }
+}
+
+/* Run one test in a child; true when it passed. */
+static bool run_one(const test_entry_t *t, const backend_t *b, bool verbose) {
+  FILE *out = tmpfile();
+  if (!out) {
+    printf("FAIL %s/%s (tmpfile: %s)\n", b->name, t->name, strerror(errno));
+    return false;
+  }
+  fflush(stdout);
+  fflush(stderr);
+  uint64_t t0 = test_now_ms();
+  pid_t pid = fork();
+  if (pid < 0) {
+    printf("FAIL %s/%s (fork: %s)\n", b->name, t->name, strerror(errno));
+    fclose(out);
+    return false;
+  }
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(fileno(out), STDOUT_FILENO);
+    dup2(fileno(out), STDERR_FILENO);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    /* Tests choose their options; only the log level comes from outside. */
+    const char *log = getenv("VPAGER_LOG");
+    char logbuf[64] = "";
+    if (log) snprintf(logbuf, sizeof logbuf, "%s", log);
+    test_clear_vpager_env();
+    if (logbuf[0]) setenv("VPAGER_LOG", logbuf, 1);
+    alarm(timeout_s());
+    test_ctx_t ctx = {t->name, b->name, b->kind};
+    t->fn(&ctx);
+    fflush(stdout);
+    fflush(stderr);
+    exit(0);
+  }
+  setpgid(pid, pid);
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0) {
+    if (errno != EINTR) break;
+  }
+  kill(-pid, SIGKILL); /* whatever the test left running */
+  uint64_t ms = test_now_ms() - t0;
+  char why[64] = "";
+  if (WIFEXITED(st) && WEXITSTATUS(st) != 0)
+    snprintf(why, sizeof why, "exit %d", WEXITSTATUS(st));
+  else if (WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM)
+    snprintf(why, sizeof why, "timeout");
+  else if (WIFSIGNALED(st))
+    snprintf(why, sizeof why, "signal %d", WTERMSIG(st));
+  bool ok = why[0] == '\0';
+  if (ok)
+    printf("ok   %s/%s%s\n", b->name, t->name,
+           ms >= 1000 ? " (slow)" : "");
+  else
+    printf("FAIL %s/%s (%s)\n", b->name, t->name, why);
+  if (!ok || verbose) print_output(out);
+  fflush(stdout);
+  fclose(out);
+  return ok;
+}
+
+/* Hidden mode for test_options.c: print the initial log level. */
+static int print_log_level(void) {
+  printf("%d\n", vp_get_log_level());
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  bool list = false, verbose = false;
+  int nf = 0;
+  char **filters = calloc((size_t)argc + 1, sizeof *filters);
+  if (!filters) return 2;
+  ssize_t n = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
+  if (n > 0) g_self[n] = '\0';
+  else snprintf(g_self, sizeof g_self, "%s", argv[0]);
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--print-log-level") == 0) return print_log_level();
+    if (strcmp(argv[i], "-l") == 0) list = true;
+    else if (strcmp(argv[i], "-v") == 0) verbose = true;
+    else filters[nf++] = argv[i];
+  }
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  qsort(g_tests, g_ntests, sizeof *g_tests, entry_cmp);
+
+  backend_t backends[2] = {{"sim", VP_BACKEND_SIM, true, ""},
+                           {"cuda", VP_BACKEND_CUDA, false, ""}};
+  probe_cuda(&backends[1]);
+
+  int passed = 0, failed = 0, skipped = 0;
+  for (int bi = 0; bi < 2; bi++) {
+    backend_t *b = &backends[bi];
+    int want = 0;
+    for (size_t i = 0; i < g_ntests; i++) {
+      const test_entry_t *t = &g_tests[i];
+      bool sim = b->kind == VP_BACKEND_SIM;
+      if ((t->flags & TEST_SIM_ONLY) && !sim) continue;
+      if ((t->flags & TEST_GPU_ONLY) && sim) continue;
+      char full[256];
+      snprintf(full, sizeof full, "%s/%s", b->name, t->name);
+      if (!selected(full, nf, filters)) continue;
+      want++;
+      if (!b->present) continue;
+      if (list) {
+        printf("%s\n", full);
+        continue;
+      }
+      if (run_one(t, b, verbose)) passed++;
+      else failed++;
+    }
+    if (!b->present && want > 0) {
+      printf("skip %s/* (%s)\n", b->name, b->reason);
+      skipped += want;
+    }
+  }
+  free(filters);
+  if (list) return 0;
+  printf("%d skipped\n", skipped);
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}

@@ -1,0 +1,212 @@
+/* Options: defaults, VPAGER_* environment variables, vp_parse_size, the
+ * log level. */
+#include "test.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define KiB (1024ull)
+#define MiB (1024ull * 1024)
+#define GiB (1024ull * 1024 * 1024)
+
+static vp_options_t init_with(const char *name, const char *value) {
+  vp_options_t o;
+  test_clear_vpager_env();
+  if (name) setenv(name, value, 1);
+  ASSERT_OK(vp_options_init(&o));
+  if (name) unsetenv(name);
+  return o;
+}
+
+TEST(options_defaults, TEST_SIM_ONLY) {
+  vp_options_t o;
+  test_clear_vpager_env();
+  memset(&o, 0xab, sizeof o);
+  ASSERT_OK(vp_options_init(&o));
+  ASSERT_EQ_U64(o.size, sizeof o);
+  ASSERT_EQ_INT(o.backend, VP_BACKEND_AUTO);
+  ASSERT_EQ_INT(o.device_index, 0);
+  ASSERT_EQ_U64(o.page_size, 32 * MiB);
+  ASSERT_EQ_INT(o.headroom, -1);
+  ASSERT_EQ_U64(o.poll_interval_us, 5000);
+  ASSERT_TRUE(o.evict_order == VP_ORDER_TAIL_FIRST ||
+              o.evict_order == VP_ORDER_INTERLEAVED);
+  ASSERT_EQ_U64(o.sim_capacity, 4 * GiB);
+  ASSERT_EQ_U64(o.sim_granularity, 2 * MiB);
+  ASSERT_TRUE(o.sim_streams == VP_SIM_SYNC || o.sim_streams == VP_SIM_WORKER);
+  ASSERT_EQ_STR(o.sim_shared, "");
+  ASSERT_EQ_INT(o.sim_fail_nth, 0);
+  /* Nothing failed. */
+  ASSERT_EQ_STR(vp_last_error(), "");
+}
+
+TEST(options_env, TEST_SIM_ONLY) {
+  ASSERT_EQ_INT(init_with("VPAGER_BACKEND", "sim").backend, VP_BACKEND_SIM);
+  ASSERT_EQ_INT(init_with("VPAGER_BACKEND", "cuda").backend, VP_BACKEND_CUDA);
+  ASSERT_EQ_INT(init_with("VPAGER_BACKEND", "auto").backend, VP_BACKEND_AUTO);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "64M").sim_capacity, 64 * MiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "3G").sim_capacity, 3 * GiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "512K").sim_capacity,
+                512 * KiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "1048576").sim_capacity, MiB);
+  ASSERT_EQ_U64(init_with("VPAGER_PAGE_SIZE", "2M").page_size, 2 * MiB);
+  ASSERT_EQ_INT(init_with("VPAGER_HEADROOM", "1G").headroom, (int64_t)GiB);
+  ASSERT_EQ_INT(init_with("VPAGER_HEADROOM", "0").headroom, 0);
+  ASSERT_EQ_U64(init_with("VPAGER_POLL_US", "100").poll_interval_us, 100);
+  ASSERT_EQ_INT(init_with("VPAGER_ORDER", "interleaved").evict_order,
+                VP_ORDER_INTERLEAVED);
+  ASSERT_EQ_INT(init_with("VPAGER_ORDER", "tail").evict_order,
+                VP_ORDER_TAIL_FIRST);
+  ASSERT_EQ_INT(init_with("VPAGER_SIM_STREAMS", "worker").sim_streams,
+                VP_SIM_WORKER);
+  ASSERT_EQ_INT(init_with("VPAGER_SIM_STREAMS", "sync").sim_streams,
+                VP_SIM_SYNC);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_GRANULARITY", "64K").sim_granularity,
+                64 * KiB);
+  ASSERT_EQ_INT(init_with("VPAGER_DEVICE", "1").device_index, 1);
+  ASSERT_EQ_STR(init_with("VPAGER_SIM_SHARED", "abc-1").sim_shared, "abc-1");
+
+  /* Several at once. */
+  test_clear_vpager_env();
+  setenv("VPAGER_PAGE_SIZE", "256K", 1);
+  setenv("VPAGER_SIM_CAPACITY", "8M", 1);
+  vp_options_t o;
+  ASSERT_OK(vp_options_init(&o));
+  ASSERT_EQ_U64(o.page_size, 256 * KiB);
+  ASSERT_EQ_U64(o.sim_capacity, 8 * MiB);
+  test_clear_vpager_env();
+}
+
+TEST(options_env_bad_keeps_default, TEST_SIM_ONLY) {
+  ASSERT_EQ_INT(init_with("VPAGER_BACKEND", "bogus").backend, VP_BACKEND_AUTO);
+  ASSERT_EQ_INT(init_with("VPAGER_BACKEND", "").backend, VP_BACKEND_AUTO);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "12Q").sim_capacity, 4 * GiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "-5").sim_capacity, 4 * GiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "M").sim_capacity, 4 * GiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "99999999999999T").sim_capacity,
+                4 * GiB);
+  ASSERT_EQ_U64(init_with("VPAGER_PAGE_SIZE", "abc").page_size, 32 * MiB);
+  ASSERT_EQ_INT(init_with("VPAGER_HEADROOM", "xyz").headroom, -1);
+  ASSERT_EQ_U64(init_with("VPAGER_POLL_US", "soon").poll_interval_us, 5000);
+  ASSERT_EQ_INT(init_with("VPAGER_ORDER", "random").evict_order,
+                init_with(NULL, NULL).evict_order);
+  ASSERT_EQ_INT(init_with("VPAGER_SIM_STREAMS", "maybe").sim_streams,
+                init_with(NULL, NULL).sim_streams);
+  /* One bad value does not spoil the good ones. */
+  test_clear_vpager_env();
+  setenv("VPAGER_PAGE_SIZE", "huge", 1);
+  setenv("VPAGER_SIM_CAPACITY", "8M", 1);
+  vp_options_t o;
+  ASSERT_OK(vp_options_init(&o));
+  ASSERT_EQ_U64(o.page_size, 32 * MiB);
+  ASSERT_EQ_U64(o.sim_capacity, 8 * MiB);
+  test_clear_vpager_env();
+}
+
+TEST(options_env_open, TEST_SIM_ONLY) {
+  /* vp_device_open(NULL, ...) takes its options from the environment. */
+  test_clear_vpager_env();
+  setenv("VPAGER_BACKEND", "sim", 1);
+  setenv("VPAGER_SIM_CAPACITY", "2M", 1);
+  setenv("VPAGER_SIM_GRANULARITY", "64K", 1);
+  setenv("VPAGER_PAGE_SIZE", "256K", 1);
+  setenv("VPAGER_HEADROOM", "256K", 1);
+  vp_device_t dev;
+  ASSERT_OK(vp_device_open(NULL, &dev));
+  ASSERT_EQ_STR(vp_device_backend(dev), "sim");
+  vp_device_info_t info = test_info(dev);
+  ASSERT_EQ_U64(info.page_size, 256 * KiB);
+  ASSERT_EQ_U64(info.granularity, 64 * KiB);
+  ASSERT_EQ_U64(info.total_memory, 2 * MiB);
+  ASSERT_EQ_INT(info.headroom, 256 * KiB);
+  /* 2M - 256K headroom = 7 pages of 256K. */
+  vp_vbar_t v = test_vbar(dev, 16 * 256 * KiB);
+  ASSERT_OK(vp_fault(v, 0, 7 * 256 * KiB, NULL, 0));
+  ASSERT_RC(vp_fault(v, 7 * 256 * KiB, 1, NULL, 0), VP_MISS);
+  ASSERT_OK(vp_unpin(v, 0, 7 * 256 * KiB, 0));
+  ASSERT_OK(vp_device_close(dev));
+  test_clear_vpager_env();
+}
+
+TEST(parse_size, TEST_SIM_ONLY) {
+  static const struct {
+    const char *text;
+    uint64_t value;
+  } good[] = {
+      {"0", 0},           {"1", 1},
+      {"4096", 4096},     {"4K", 4 * KiB},
+      {"1M", MiB},        {"2G", 2 * GiB},
+      {"1T", 1024 * GiB}, {"16k", 16 * KiB},
+      {"32m", 32 * MiB},  {"18446744073709551615", UINT64_MAX},
+      {"16383T", 16383ull << 40},
+  };
+  for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+    uint64_t v = 12345;
+    test_note("parse_size(\"%s\")", good[i].text);
+    ASSERT_OK(vp_parse_size(good[i].text, &v));
+    ASSERT_EQ_U64(v, good[i].value);
+  }
+  static const char *const bad[] = {
+      "",    "K",   "abc", "12Q", "-1", "1.5G", "1 G x", "0x10",
+      "16777216T", "18446744073709551616", "99999999999999999999", "1KK"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    uint64_t v = 777;
+    test_note("parse_size(\"%s\")", bad[i]);
+    ASSERT_RC(vp_parse_size(bad[i], &v), VP_EINVAL);
+    ASSERT_TRUE(vp_last_error()[0] != '\0');
+    ASSERT_EQ_U64(v, 777); /* untouched */
+  }
+}
+
+/* The initial log level of a fresh process with VPAGER_LOG=value. */
+static int initial_level(const char *value) {
+  int fds[2];
+  ASSERT_EQ_INT(pipe(fds), 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE_INT(pid, 0);
+  if (pid == 0) {
+    dup2(fds[1], STDOUT_FILENO);
+    close(fds[0]);
+    close(fds[1]);
+    if (value) setenv("VPAGER_LOG", value, 1);
+    else unsetenv("VPAGER_LOG");
+    execl(test_self_path(), test_self_path(), "--print-log-level",
+          (char *)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  char buf[32] = {0};
+  size_t got = 0;
+  ssize_t r;
+  while (got < sizeof buf - 1 &&
+         (r = read(fds[0], buf + got, sizeof buf - 1 - got)) > 0)
+    got += (size_t)r;
+  close(fds[0]);
+  int st = test_wait(pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  ASSERT_GT_U64(got, 0);
+  return atoi(buf);
+}
+
+TEST(log_level, TEST_SIM_ONLY) {
+  ASSERT_EQ_INT(initial_level(NULL), VP_LOG_WARN);
+  ASSERT_EQ_INT(initial_level("debug"), VP_LOG_DEBUG);
+  ASSERT_EQ_INT(initial_level("trace"), VP_LOG_TRACE);
+  ASSERT_EQ_INT(initial_level("none"), VP_LOG_NONE);
+  ASSERT_EQ_INT(initial_level("error"), VP_LOG_ERROR);
+  ASSERT_EQ_INT(initial_level("info"), VP_LOG_INFO);
+  ASSERT_EQ_INT(initial_level("0"), VP_LOG_NONE);
+  ASSERT_EQ_INT(initial_level("3"), VP_LOG_INFO);
+  ASSERT_EQ_INT(initial_level("bogus"), VP_LOG_WARN);
+  ASSERT_EQ_INT(initial_level("9"), VP_LOG_WARN);
+
+  ASSERT_OK(vp_set_log_level(VP_LOG_INFO));
+  ASSERT_EQ_INT(vp_get_log_level(), VP_LOG_INFO);
+  ASSERT_RC(vp_set_log_level(6), VP_EINVAL);
+  ASSERT_RC(vp_set_log_level(-1), VP_EINVAL);
+  ASSERT_EQ_INT(vp_get_log_level(), VP_LOG_INFO);
+  ASSERT_OK(vp_set_log_level(VP_LOG_NONE));
+  ASSERT_EQ_INT(vp_get_log_level(), VP_LOG_NONE);
+}
