@@ -332,13 +332,16 @@ static void unpin_one(vp__vbar_t *vb, vp__page_t *pg) {
   if (--pg->pins == 0) vb->pinned--;
 }
 
-static int miss(vp__vbar_t *vb, int rc) {
-  VP__COUNT(vb, misses, 1);
+/* A fault that could not get memory is a miss; any other failure is the
+ * device's, and an error. */
+static int miss_or_error(vp__vbar_t *vb, int rc) {
   if (rc == VP_MISS || rc == VP_EOOM || rc == VP_EAGAIN) {
+    VP__COUNT(vb, misses, 1);
     VP__COUNT(vb, budget_misses, 1);
     return VP_MISS;
   }
-  return rc; /* a broken device */
+  return vp__err(rc, "vp_fault: the %s device failed while making pages "
+                 "resident", vb->dev->caps.name);
 }
 
 /* Commit the missing pages of [p0, p1) and pin the whole range. Resident
@@ -369,8 +372,9 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
       return vp__err(VP_ELIMIT, "vp_fault: page %u is pinned 2^32-1 times", p);
     if (pg->resident) continue;
     if (vb->rank[p] >= lim) {
+      VP__COUNT(vb, misses, 1);
       VP__COUNT(vb, watermark_misses, 1);
-      return miss(vb, VP_MISS);
+      return VP_MISS;
     }
     missing++;
     if (vb->rank[p] > max_rank) max_rank = vb->rank[p];
@@ -380,7 +384,7 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
     VP__COUNT(vb, hits, 1);
   } else {
     int rc = fault_fill(vb, p0, p1, missing, max_rank);
-    if (rc) return miss(vb, rc);
+    if (rc) return miss_or_error(vb, rc);
     VP__COUNT(vb, fills, 1);
   }
   if (gens)

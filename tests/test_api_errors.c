@@ -365,6 +365,15 @@ TEST(open_bad_options, TEST_SIM_ONLY) {
   vp_options_t opts;
   vp_device_t dev;
   test_options(ctx, &opts);
+  opts.size = 0; /* not from vp_options_init */
+  ASSERT_RC(vp_device_open(&opts, &dev), VP_EINVAL);
+  test_options(ctx, &opts);
+  opts.sim_capacity = 0;
+  ASSERT_FAILS(vp_device_open(&opts, &dev));
+  test_options(ctx, &opts);
+  opts.headroom = -2;
+  ASSERT_FAILS(vp_device_open(&opts, &dev));
+  test_options(ctx, &opts);
   opts.backend = 99;
   ASSERT_FAILS(vp_device_open(&opts, &dev));
   test_options(ctx, &opts);
@@ -511,6 +520,32 @@ TEST(gpu_sim_calls_unsupported, TEST_GPU_ONLY) {
   ASSERT_OK(vp_device_close(dev));
 }
 
+/* JSON's structure: strings closed, braces and brackets balanced and
+ * properly nested, one top-level object. */
+static bool json_balanced(const char *s) {
+  char stack[64];
+  int depth = 0, tops = 0;
+  bool in_str = false;
+  for (; *s; s++) {
+    char c = *s;
+    if (in_str) {
+      if (c == '\\' && s[1]) s++;
+      else if (c == '"') in_str = false;
+      else if ((unsigned char)c < 0x20) return false;
+      continue;
+    }
+    if (c == '"') in_str = true;
+    else if (c == '{' || c == '[') {
+      if (depth == 0) tops++;
+      if (depth == (int)sizeof stack) return false;
+      stack[depth++] = c;
+    } else if (c == '}' || c == ']') {
+      if (depth == 0 || stack[--depth] != (c == '}' ? '{' : '[')) return false;
+    }
+  }
+  return !in_str && depth == 0 && tops == 1;
+}
+
 TEST(report, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   uint64_t ps = test_page_size(ctx);
@@ -535,6 +570,8 @@ TEST(report, TEST_ALL_BACKENDS) {
     ASSERT_STR_CONTAINS(buf, ctx->backend_name);
     ASSERT_STR_CONTAINS(buf, "#P..");
     if (json) {
+      ASSERT_TRUE(json_balanced(buf));
+      ASSERT_STR_CONTAINS(buf, "\"faults\"");
       ASSERT_EQ_INT(buf[0], '{');
       size_t n = strlen(buf);
       while (n && (buf[n - 1] == '\n' || buf[n - 1] == ' ')) n--;

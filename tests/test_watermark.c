@@ -29,6 +29,7 @@ TEST(watermark_lowered_by_eviction, TEST_ALL_BACKENDS) {
   vp_stats_t s1 = test_vbar_stats(v);
   ASSERT_EQ_U64(s1.watermark_misses, s0.watermark_misses + 3);
   ASSERT_EQ_U64(s1.misses, s0.misses + 3);
+  ASSERT_EQ_U64(s1.budget_misses, s0.budget_misses); /* not the budget's */
   ASSERT_EQ_U64(s1.pages_committed, s0.pages_committed);
   ASSERT_EQ_U64(s1.pages_evicted, s0.pages_evicted);
   ASSERT_EQ_U64(test_info(dev).committed, i0.committed);
