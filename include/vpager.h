@@ -227,8 +227,10 @@ VP_API int vp_sim_inject(vp_device_t dev, int kind, uint64_t n);
 
 /* ------------------------------------------------------------------ VBAR */
 
-/* Reserve a VBAR of `size` bytes (rounded up to whole pages). Any size is
- * fine, larger than the device too: only address space is reserved. The
+/* Reserve a VBAR of `size` bytes (rounded up to whole pages). Larger than
+ * the device is fine: only address space is reserved. At most 2^22 pages
+ * (VP_ELIMIT beyond; 128 TiB with 32 MiB pages), since the page table
+ * (about 40 bytes of host memory a page) is allocated up front. The
  * new VBAR goes to the top of the priority list with the device's default
  * eviction order. */
 VP_API int vp_vbar_create(vp_device_t dev, uint64_t size, vp_vbar_t *out);
@@ -254,7 +256,8 @@ VP_API int vp_vbar_set_order(vp_vbar_t vbar, int order);
  * vp_vbar_prioritize() lifts it back to the whole VBAR, or an explicit
  * vp_vbar_set_watermark(), which sets it up or down to `bytes` (rounded
  * down to pages; VP_ERANGE past the VBAR). The limit caps new commits
- * (bytes, rounded down; UINT64_MAX = none); get_* return pages. Lowering
+ * (bytes, rounded down; UINT64_MAX = none, which reads back as the page
+ * count); get_* return pages. Lowering
  * either evicts nothing by itself: resident pages stay hits. */
 VP_API int vp_vbar_set_watermark(vp_vbar_t vbar, uint64_t bytes);
 VP_API int vp_vbar_get_watermark(vp_vbar_t vbar, uint64_t *pages);

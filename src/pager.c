@@ -305,9 +305,23 @@ int vp__device_evict(vp__device_t *dev, uint64_t bytes, uint64_t *freed) {
   return evict_below(dev, NULL, bytes, freed);
 }
 
+/* Pages that make_room could evict for vb: unpinned resident pages of
+ * lower-priority VBARs and of vb itself ranked above max_rank. */
+static uint64_t evictable_for(vp__vbar_t *vb, uint32_t max_rank) {
+  uint64_t pages = 0;
+  for (vp__vbar_t *w = vb->dev->bottom; w != vb; w = w->up)
+    pages += w->resident - w->pinned;
+  for (uint32_t r = max_rank + 1; r < vb->npages; r++) {
+    const vp__page_t *pg = &vb->pages[vb->order[r]];
+    pages += pg->resident && !pg->pins;
+  }
+  return pages;
+}
+
 /* Make room for `npages` more pages for vb, whose needed pages rank at most
  * max_rank: lower-priority VBARs first, then vb's own pages ranked above
- * max_rank, never a higher-priority VBAR. VP_MISS when it cannot. */
+ * max_rank, never a higher-priority VBAR. VP_MISS, evicting nothing, when
+ * that cannot free enough: a miss must not cost others their pages. */
 static int make_room(vp__vbar_t *vb, uint32_t npages, uint32_t max_rank) {
   vp__device_t *dev = vb->dev;
   uint64_t allowed, want = (uint64_t)npages << dev->page_shift;
@@ -315,6 +329,7 @@ static int make_room(vp__vbar_t *vb, uint32_t npages, uint32_t max_rank) {
   if (rc) return rc;
   if (dev->committed + want <= allowed) return VP_OK;
   uint64_t need = dev->committed + want - allowed, freed = 0;
+  if (evictable_for(vb, max_rank) << dev->page_shift < need) return VP_MISS;
   rc = evict_below(dev, vb, need, &freed);
   if (rc == VP_OK && freed < need)
     rc = vp__vbar_evict(vb, need - freed, max_rank + 1, &freed);

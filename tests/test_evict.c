@@ -243,3 +243,25 @@ TEST(evict_own_pages_above, TEST_ALL_BACKENDS) {
   ASSERT_EQ_STR(test_map(v), "########..");
   ASSERT_OK(vp_device_close(dev));
 }
+
+/* A fault that cannot get enough memory evicts nothing: a miss must not
+ * cost a lower-priority VBAR its pages (or its watermark). */
+TEST(evict_nothing_for_a_miss, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open_cap(ctx, NULL, 4);
+  uint64_t ps = test_page_size(ctx);
+  vp_vbar_t low = test_vbar(dev, 4 * ps);
+  vp_vbar_t top = test_vbar(dev, 8 * ps);
+  test_load_pages(low, 0, 2);
+  ASSERT_OK(vp_fault(top, 0, 2 * ps, NULL, 0)); /* pinned */
+  vp_stats_t before = test_dev_stats(dev);
+  ASSERT_RC(vp_fault(top, 2 * ps, 3 * ps, NULL, 0), VP_MISS);
+  vp_stats_t after = test_dev_stats(dev);
+  ASSERT_EQ_U64(after.pages_evicted, before.pages_evicted);
+  ASSERT_EQ_STR(test_map(low), "##..");
+  ASSERT_EQ_U64(test_watermark(low), 4);
+  /* Two more pages do fit once the low VBAR gives its two. */
+  ASSERT_OK(vp_fault(top, 2 * ps, 2 * ps, NULL, 0));
+  ASSERT_EQ_STR(test_map(low), "....");
+  ASSERT_OK(vp_unpin(top, 0, 4 * ps, 0));
+  ASSERT_OK(vp_device_close(dev));
+}

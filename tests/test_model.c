@@ -198,6 +198,20 @@ static uint64_t evict_below(model_t *m, int stop, uint64_t want) {
   return done;
 }
 
+/* Pages a fault of k (needing ranks <= max_rank) may evict: unpinned
+ * resident pages of lower-priority VBARs and of k ranked above max_rank. */
+static uint64_t evictable_for(model_t *m, int k, uint32_t max_rank) {
+  uint64_t n = 0;
+  for (int i = MV - 1; i >= 0 && m->prio[i] != k; i--) {
+    mvbar_t *w = &m->v[m->prio[i]];
+    for (uint32_t p = 0; p < w->n; p++) n += w->pg[p].res && !w->pg[p].pins;
+  }
+  mvbar_t *v = &m->v[k];
+  for (uint32_t r = max_rank + 1; r < v->n; r++)
+    n += v->pg[v->by_rank[r]].res && !v->pg[v->by_rank[r]].pins;
+  return n;
+}
+
 static uint64_t allowed_bytes(model_t *m) {
   return m->cap > (uint64_t)m->head ? m->cap - (uint64_t)m->head : 0;
 }
@@ -265,9 +279,13 @@ static void op_fault(model_t *m, int k, uint64_t off, uint64_t size) {
     uint64_t allowed = allowed_bytes(m);
     if (need_b > allowed) {
       uint64_t need = (need_b - allowed + m->ps - 1) / m->ps;
-      uint64_t freed = evict_below(m, k, need);
-      if (freed < need) freed += vbar_evict(m, k, need - freed, max_rank + 1);
-      if (freed < need) want = VP_MISS;
+      if (evictable_for(m, k, max_rank) < need) {
+        want = VP_MISS; /* the pager evicts nothing for a miss */
+      } else {
+        uint64_t freed = evict_below(m, k, need);
+        if (freed < need)
+          freed += vbar_evict(m, k, need - freed, max_rank + 1);
+      }
     }
     for (uint32_t p = p0; p < p1 && want == VP_OK; p++) {
       mpage_t *pg = &v->pg[p];

@@ -210,3 +210,45 @@ TEST(log_level, TEST_SIM_ONLY) {
   ASSERT_OK(vp_set_log_level(VP_LOG_NONE));
   ASSERT_EQ_INT(vp_get_log_level(), VP_LOG_NONE);
 }
+
+/* What the library writes to stderr while fn runs. */
+static char *capture_stderr(test_ctx_t *ctx, void (*fn)(test_ctx_t *)) {
+  fflush(stderr);
+  FILE *tmp = tmpfile();
+  ASSERT_NOT_NULL(tmp);
+  int saved = dup(STDERR_FILENO);
+  ASSERT_GE_INT(saved, 0);
+  ASSERT_GE_INT(dup2(fileno(tmp), STDERR_FILENO), 0);
+  fn(ctx);
+  fflush(stderr);
+  ASSERT_GE_INT(dup2(saved, STDERR_FILENO), 0);
+  close(saved);
+  long n = ftell(tmp);
+  ASSERT_GE_INT(n, 0);
+  char *text = calloc(1, (size_t)n + 1);
+  ASSERT_NOT_NULL(text);
+  rewind(tmp);
+  ASSERT_EQ_U64(fread(text, 1, (size_t)n, tmp), (uint64_t)n);
+  fclose(tmp);
+  return text;
+}
+
+static void open_and_use(test_ctx_t *ctx) {
+  vp_device_t dev = test_open(ctx, NULL);
+  uint64_t ps = test_page_size(ctx);
+  vp_vbar_t v = test_vbar(dev, 2 * ps);
+  ASSERT_OK(vp_fault(v, 0, ps, NULL, 0));
+  ASSERT_OK(vp_unpin(v, 0, ps, 0));
+  ASSERT_OK(vp_device_close(dev));
+}
+
+TEST(log_output, TEST_SIM_ONLY) {
+  ASSERT_OK(vp_set_log_level(VP_LOG_TRACE));
+  char *text = capture_stderr(ctx, open_and_use);
+  ASSERT_STR_CONTAINS(text, "vpager[sim]");
+  free(text);
+  ASSERT_OK(vp_set_log_level(VP_LOG_NONE));
+  text = capture_stderr(ctx, open_and_use);
+  ASSERT_EQ_STR(text, "");
+  free(text);
+}
