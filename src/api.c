@@ -25,12 +25,7 @@ static int vbar_lock(vp_vbar_t h, const char *fn, vp__vbar_t **out) {
   vp__device_t *dev = vp__registry_get(h.id);
   if (dev) {
     pthread_mutex_lock(&dev->lock);
-    uint64_t slot = (h.id >> VP__SLOT_BITS) & ((1u << VP__VBAR_BITS) - 1);
-    if (slot < dev->nslots && dev->vbars[slot] &&
-        dev->vbars[slot]->id == h.id) {
-      *out = dev->vbars[slot];
-      return VP_OK;
-    }
+    if ((*out = vp__table_get(&dev->vbars, h.id))) return VP_OK;
     pthread_mutex_unlock(&dev->lock);
   }
   return vp__err(VP_EHANDLE, "%s: VBAR handle 0x%llx is not a live VBAR", fn,

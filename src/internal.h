@@ -44,6 +44,12 @@ typedef struct vp__page {
 
 typedef struct vp__device vp__device_t;
 
+/* A slot table of objects that start with their uint64_t id. */
+typedef struct vp__table {
+  void **slots;
+  uint32_t n;
+} vp__table_t;
+
 typedef struct vp__vbar {
   uint64_t id;
   vp__device_t *dev;
@@ -85,8 +91,7 @@ struct vp__device {
   bool broken;          /* a backend call reported VP_EDEVICE */
   uint64_t committed;   /* bytes of pages we hold */
   uint32_t gen_counter;
-  vp__vbar_t **vbars;   /* slot table */
-  uint32_t nslots;
+  vp__table_t vbars;
   vp__vbar_t *top, *bottom; /* priority list */
   vp__budget_t budget;
   vp__fence_t *free_fences;
@@ -111,6 +116,12 @@ int vp__registry_add(vp__device_t *dev);
 void vp__registry_remove(vp__device_t *dev);
 vp__device_t *vp__registry_get(uint64_t id);
 uint64_t vp__serial_next(void);
+
+/* handles.c */
+int vp__table_add(vp__device_t *dev, vp__table_t *t, void *obj, uint64_t *id);
+void *vp__table_get(const vp__table_t *t, uint64_t id);
+void vp__table_remove(vp__table_t *t, uint64_t id);
+void vp__table_free(vp__table_t *t);
 
 /* pager.c */
 int vp__device_create(const vp_options_t *opts, vp__device_t **out);

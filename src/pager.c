@@ -95,14 +95,14 @@ static void vbar_release(vp__vbar_t *vb);
 
 void vp__device_destroy(vp__device_t *dev) {
   vp__registry_remove(dev);
-  for (uint32_t s = 0; s < dev->nslots; s++) {
-    vp__vbar_t *vb = dev->vbars[s];
+  for (uint32_t s = 0; s < dev->vbars.n; s++) {
+    vp__vbar_t *vb = dev->vbars.slots[s];
     if (!vb) continue;
     for (uint32_t p = 0; p < vb->npages; p++) vb->pages[p].pins = 0;
     vb->pinned = 0;
     vbar_release(vb);
   }
-  free(dev->vbars);
+  vp__table_free(&dev->vbars);
   vp__fence_pool_free(dev);
   dev->be->close(dev->ctx);
   pthread_mutex_destroy(&dev->lock);
@@ -167,24 +167,6 @@ void vp__vbar_set_order(vp__vbar_t *vb, int kind) {
   vb->order_kind = kind;
 }
 
-static int slot_take(vp__device_t *dev, uint32_t *slot) {
-  for (uint32_t s = 0; s < dev->nslots; s++)
-    if (!dev->vbars[s]) return *slot = s, VP_OK;
-  uint32_t n = dev->nslots ? dev->nslots * 2 : 16;
-  if (n > (1u << VP__VBAR_BITS))
-    return vp__err(VP_ELIMIT, "vp_vbar_create: %u VBARs exist already",
-                   dev->nslots);
-  vp__vbar_t **t = NULL;
-  if (vp__inject_fail(&dev->inject) ||
-      !(t = realloc(dev->vbars, n * sizeof *t)))
-    return vp__err(VP_ENOMEM, "vp_vbar_create: no memory for the VBAR table");
-  memset(t + dev->nslots, 0, (n - dev->nslots) * sizeof *t);
-  *slot = dev->nslots;
-  dev->vbars = t;
-  dev->nslots = n;
-  return VP_OK;
-}
-
 static int vbar_alloc(vp__device_t *dev, uint32_t npages, vp__vbar_t **out) {
   vp__vbar_t *vb = NULL;
   if (vp__inject_fail(&dev->inject) || !(vb = calloc(1, sizeof *vb)))
@@ -217,11 +199,8 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
                    "most %u pages of %llu bytes per VBAR",
                    (unsigned long long)size, (unsigned long long)npages,
                    VP__MAX_PAGES, (unsigned long long)dev->page_size);
-  uint32_t slot = 0;
   vp__vbar_t *vb = NULL;
-  int rc = slot_take(dev, &slot);
-  if (rc) return rc;
-  rc = vbar_alloc(dev, (uint32_t)npages, &vb);
+  int rc = vbar_alloc(dev, (uint32_t)npages, &vb);
   if (rc) return rc;
   vb->dev = dev;
   vb->npages = (uint32_t)npages;
@@ -233,13 +212,16 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
                    "vp_vbar_create: reserving %llu bytes of address space "
                    "failed", (unsigned long long)(npages << dev->page_shift));
   }
+  rc = vp__table_add(dev, &dev->vbars, vb, &vb->id);
+  if (rc) {
+    dev->be->va_free(dev->ctx, vb->va, vb->size);
+    vbar_free_struct(vb);
+    return rc;
+  }
   vp__vbar_set_order(vb, dev->opts.evict_order);
   vb->watermark = vb->limit = vb->npages;
   vb->stats.size = sizeof vb->stats;
   vb->stats.version = 1;
-  vb->id = (vp__serial_next() << VP__SERIAL_SHIFT) |
-           ((uint64_t)slot << VP__SLOT_BITS) | (dev->id & (VP__MAX_DEVICES - 1));
-  dev->vbars[slot] = vb;
   list_push_top(vb);
   *out = vb;
   return VP_OK;
@@ -252,7 +234,7 @@ static void vbar_release(vp__vbar_t *vb) {
     if (vb->pages[p].resident) vp__page_evict(vb, p);
   dev->be->va_free(dev->ctx, vb->va, vb->size);
   list_unlink(vb);
-  dev->vbars[(vb->id >> VP__SLOT_BITS) & ((1u << VP__VBAR_BITS) - 1)] = NULL;
+  vp__table_remove(&dev->vbars, vb->id);
   vbar_free_struct(vb);
 }
 
