@@ -19,7 +19,8 @@ LDLIBS  += -pthread -ldl -lrt
 
 LIB_SRC = src/api.c src/options.c src/log.c src/error.c src/registry.c src/handles.c \
           src/pager.c src/page.c src/fence.c src/budget.c src/stats.c \
-          src/inject.c src/backend_sim.c src/backend_cuda.c
+          src/inject.c src/hostmem.c src/stream.c src/fileio.c \
+          src/safetensors.c src/json.c src/backend_sim.c src/backend_cuda.c
 LIB_OBJ = $(LIB_SRC:src/%.c=$(BUILD)/obj/%.o)
 
 TEST_SRC = $(wildcard tests/*.c)

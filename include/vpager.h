@@ -144,6 +144,18 @@ typedef struct vp_options {
                               VPAGER_SIM_SHARED */
   int64_t sim_fail_nth;    /* >0: the Nth backend call or internal allocation
                               of this device fails (tests walk every rung) */
+  /* Streaming (vp_acquire). */
+  uint64_t staging_size;   /* VRAM staging ring for misses; VPAGER_STAGING
+                              (default 512M; charged to the budget) */
+  uint64_t lookahead;      /* bytes prefetched past each acquire, in VBAR
+                              offset order; VPAGER_LOOKAHEAD (default 256M;
+                              0 turns prefetch off) */
+  uint64_t pin_budget;     /* host bytes this device may page-lock; 0 = the
+                              smaller of 90% of RAM and RAM - 4 GiB, but at
+                              least half of RAM; VPAGER_PIN_BUDGET */
+  uint32_t file_slots;     /* pinned bounce slots of the file reader;
+                              VPAGER_FILE_SLOTS (default 3) */
+  uint64_t file_slot_size; /* bytes each; VPAGER_FILE_SLOT_SIZE (default 64M) */
 } vp_options_t;
 
 /* Fill opts with defaults, then apply VPAGER_* environment variables; a bad
@@ -293,6 +305,148 @@ VP_API int vp_vbar_loaded_size(vp_vbar_t vbar, uint64_t *bytes);
  * VP_PAGE_RESIDENT and VP_PAGE_PINNED. */
 VP_API int vp_vbar_residency(vp_vbar_t vbar, uint8_t *flags, size_t n);
 
+/* ----------------------------------------------------------- host memory */
+
+/* Host buffers hold weights' host copies. Page-locked ("pinned") memory
+ * copies to the device at full link speed; pageable memory at a fraction.
+ * A device has a pin budget (vp_options_t.pin_budget); when pinning fails or
+ * the budget is spent the memory stays pageable — correct, slower, and
+ * counted in stats (pin_fallback_bytes) — never an error. */
+typedef struct vp_hostbuf { uint64_t id; } vp_hostbuf_t;
+
+typedef struct vp_hostbuf_info {
+  void *ptr;             /* never moves, also across vp_hostbuf_grow */
+  uint64_t size;         /* usable bytes now */
+  uint64_t max_size;     /* bytes it may grow to */
+  uint64_t pinned_bytes; /* how much of size is page-locked */
+} vp_hostbuf_info_t;
+
+/* Allocate `size` bytes (zeroed) with room to grow to `max_size` (address
+ * space is reserved now, memory committed as it grows). */
+VP_API int vp_hostbuf_alloc(vp_device_t dev, uint64_t size, uint64_t max_size,
+                            vp_hostbuf_t *out);
+/* Page-lock existing memory [ptr, ptr+size) (it stays the caller's; free
+ * the hostbuf before freeing the memory). */
+VP_API int vp_hostbuf_register(vp_device_t dev, void *ptr, uint64_t size,
+                               vp_hostbuf_t *out);
+/* Grow an allocated hostbuf to `size` (<= max_size, else VP_ERANGE) in
+ * place; the new bytes are zeroed and pinned on their own, within the
+ * budget (pinning costs tens of ms per GiB: grow in large steps). VP_EINVAL
+ * to shrink or to grow registered memory. */
+VP_API int vp_hostbuf_grow(vp_hostbuf_t hb, uint64_t size);
+VP_API int vp_hostbuf_info(vp_hostbuf_t hb, vp_hostbuf_info_t *info);
+/* Unpin (and, if allocated, unmap) it; copies from it must be complete.
+ * Closing the device frees every hostbuf left. grow and free give VP_EBUSY
+ * while another thread is still pinning the same hostbuf. */
+VP_API int vp_hostbuf_free(vp_hostbuf_t hb);
+/* Change the device's pin budget (bytes; 0 = pin nothing more); affects
+ * later pinning only. */
+VP_API int vp_device_set_pin_budget(vp_device_t dev, uint64_t bytes);
+
+/* --------------------------------------------------- weights and streaming */
+
+/* A weight is a range of a VBAR with a source its bytes come from. */
+typedef struct vp_weight { uint64_t id; } vp_weight_t;
+
+typedef enum vp_source_kind {
+  VP_SOURCE_NONE = 0, /* the caller fills the bytes (see VP_ACQUIRED_EMPTY) */
+  VP_SOURCE_HOST = 1, /* host memory, fastest inside a pinned hostbuf */
+  VP_SOURCE_FILE = 2  /* a region of an open file */
+} vp_source_kind_t;
+
+typedef struct vp_source {
+  int kind;             /* vp_source_kind_t */
+  const void *host;     /* HOST: the bytes; must stay valid and unchanged
+                           while the weight exists */
+  int fd;               /* FILE: open for reading while the weight exists */
+  uint64_t file_offset; /* FILE: where the bytes start */
+} vp_source_t;
+
+/* Describe n weights of one VBAR: weight i is [offsets[i], +sizes[i]) with
+ * source srcs[i] (srcs may be NULL: every source is NONE). Weights may not
+ * overlap each other. All or nothing. */
+VP_API int vp_weights_create(vp_vbar_t vbar, size_t n, const uint64_t *offsets,
+                             const uint64_t *sizes, const vp_source_t *srcs,
+                             vp_weight_t *out);
+/* VP_EBUSY while acquired. Destroying a VBAR destroys its weights. */
+VP_API int vp_weight_destroy(vp_weight_t w);
+
+/* flags[i] after vp_acquire: */
+#define VP_ACQUIRED_RESIDENT 0x1u /* ptrs[i] is the weight's VBAR address */
+#define VP_ACQUIRED_STAGED 0x2u   /* ptrs[i] is in the staging ring, valid
+                                     until the weight is released */
+#define VP_ACQUIRED_COPIED 0x4u   /* its bytes were copied from the source
+                                     for this acquire (now or by prefetch) */
+#define VP_ACQUIRED_EMPTY 0x8u    /* source NONE and the bytes are not valid:
+                                     the caller fills them on `stream` */
+
+/* Make n weights (of one or more VBARs of dev) usable by work queued on
+ * `stream` and give their device addresses in ptrs (flags may be NULL).
+ * A weight whose pages are resident is used in place, filled from its
+ * source first if its pages were recommitted since its last fill; a miss
+ * is copied into the staging ring. Copies run on the device's copy stream
+ * and `stream` waits for them on the device: the CPU does not wait. Then
+ * the next weights in VBAR offset order (lookahead bytes) are prefetched.
+ * Pass each VBAR's weights in execution order, a layer per call. Errors:
+ * VP_ELIMIT when a missed weight does not fit in the staging ring (raise
+ * staging_size); nothing stays acquired after an error. */
+VP_API int vp_acquire(vp_device_t dev, const vp_weight_t *w, size_t n,
+                      vp_stream_t stream, uint64_t *ptrs, uint8_t *flags);
+/* End the use of n acquired weights: work queued on `stream` so far may
+ * still read them; their pages and staging slots are reused only after it
+ * completes. */
+VP_API int vp_release(vp_device_t dev, const vp_weight_t *w, size_t n,
+                      vp_stream_t stream);
+/* Change the prefetch lookahead (bytes; 0 = off). */
+VP_API int vp_device_set_lookahead(vp_device_t dev, uint64_t bytes);
+
+/* ----------------------------------------------------------------- files */
+
+/* Copy [offset, offset+size) of an open file into pinned VBAR memory at
+ * dst_addr (rules of vp_copy_to_device), through the device's ring of
+ * pinned bounce slots: each slot's upload overlaps the next read. */
+VP_API int vp_file_read_to_device(vp_device_t dev, int fd, uint64_t offset,
+                                  uint64_t size, uint64_t dst_addr,
+                                  vp_stream_t stream);
+
+/* safetensors files: an 8-byte little-endian header length, a JSON header
+ * {"name": {"dtype": "F16", "shape": [..], "data_offsets": [begin, end]},
+ * "__metadata__": {..}}, then the data. Validated strictly on open: JSON
+ * syntax, known dtypes, shape product x dtype size == data size, offsets
+ * inside the file, no overlaps, header at most 100 MiB. Errors name the
+ * file and the tensor. */
+typedef struct vp_st { uint64_t id; } vp_st_t;
+
+typedef struct vp_st_tensor {
+  const char *name;  /* valid until vp_st_close */
+  char dtype[16];    /* "F32", "BF16", "F8_E4M3FNUZ", ... */
+  uint32_t ndim;
+  uint64_t shape[8];
+  uint64_t offset;   /* absolute file offset of the data */
+  uint64_t size;     /* bytes */
+} vp_st_tensor_t;
+
+VP_API int vp_st_open(vp_device_t dev, const char *path, vp_st_t *out);
+VP_API int vp_st_close(vp_st_t st);
+VP_API int vp_st_count(vp_st_t st, size_t *n);
+/* Tensors in file order (of their data offsets). */
+VP_API int vp_st_tensor(vp_st_t st, size_t index, vp_st_tensor_t *t);
+VP_API int vp_st_find(vp_st_t st, const char *name, size_t *index);
+/* A VP_SOURCE_FILE source for tensor `index` (the fd stays open until
+ * vp_st_close). */
+VP_API int vp_st_source(vp_st_t st, size_t index, vp_source_t *src);
+/* Load n tensors straight into VBAR offsets (each range is faulted, read
+ * through the file reader, unpinned on `stream`). All or nothing: on any
+ * failure the pages written so far are evicted, so no weight is left half
+ * loaded. VP_MISS when the ranges cannot all be made resident. */
+VP_API int vp_st_load(vp_st_t st, size_t n, const size_t *indices,
+                      vp_vbar_t vbar, const uint64_t *offsets,
+                      vp_stream_t stream);
+/* Map the whole file read-only (once; later calls return the same). */
+VP_API int vp_st_mmap(vp_st_t st, const void **base, uint64_t *size);
+/* Drop the file's pages from memory (the mapping's and the page cache's). */
+VP_API int vp_st_drop_pages(vp_st_t st);
+
 /* ----------------------------------------------------------------- stats */
 
 /* Counters, declared once. A hit is a fault whose pages were all resident,
@@ -312,7 +466,22 @@ VP_API int vp_vbar_residency(vp_vbar_t vbar, uint8_t *flags, size_t n);
   X(watermark_misses, "misses caused by the watermark")                        \
   X(budget_misses, "misses caused by the budget")                              \
   X(budget_polls, "device free-memory polls")                                  \
-  X(bytes_copied, "bytes copied by vp_copy_*")
+  X(bytes_copied, "bytes copied by vp_copy_*")                                 \
+  X(acquires, "weights acquired")                                              \
+  X(weight_fills, "weights filled into their pages from the source")           \
+  X(weight_staged, "weights streamed through the staging ring")                \
+  X(fill_bytes, "bytes copied into VBAR pages from sources")                   \
+  X(staged_bytes, "bytes copied into the staging ring")                        \
+  X(copies, "host-to-device copies issued (after merging)")                    \
+  X(stream_waits, "caller streams made to wait for the copy stream")           \
+  X(prefetch_bytes, "bytes prefetched ahead of need")                          \
+  X(prefetch_used_bytes, "prefetched bytes later acquired")                    \
+  X(prefetch_dropped_bytes, "prefetched bytes dropped unused")                 \
+  X(ring_waits, "staging reuses that waited for a release fence")              \
+  X(host_pinned_bytes, "host bytes page-locked (now)")                         \
+  X(pin_fallback_bytes, "host bytes left pageable: pinning failed or over "    \
+                        "budget")                                              \
+  X(file_bytes_read, "bytes read from files")
 
 typedef struct vp_stats {
   uint32_t size;    /* caller sets sizeof(vp_stats_t) */

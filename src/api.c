@@ -37,6 +37,8 @@ static int unlock(vp__device_t *dev, int rc) {
   return rc;
 }
 
+int vp__unlock(vp__device_t *dev, int rc) { return unlock(dev, rc); }
+
 static int broken(vp__device_t *dev, const char *fn) {
   return vp__err(VP_EDEVICE, "%s: the %s device is broken; close it", fn,
                  dev->caps.name);
@@ -61,6 +63,20 @@ static int broken(vp__device_t *dev, const char *fn) {
     if (rc_) return rc_;                                                       \
     if (dev->broken) return unlock(dev, broken(dev, fn));                      \
   } while (0)
+
+int vp__dev_enter(vp_device_t h, const char *fn, vp__device_t **out) {
+  vp__device_t *dev = NULL;
+  DEVICE_ENTER(h, fn, dev);
+  *out = dev;
+  return VP_OK;
+}
+
+int vp__vbar_enter(vp_vbar_t h, const char *fn, vp__vbar_t **out) {
+  vp__vbar_t *vb = NULL;
+  VBAR_ENTER(h, fn, vb);
+  *out = vb;
+  return VP_OK;
+}
 
 /* ------------------------------------------------------------- device */
 
@@ -191,8 +207,8 @@ int vp_stream_synchronize(vp_device_t h, vp_stream_t stream) {
 }
 
 /* The VBAR holding [addr, addr+size), if every page of it is pinned. */
-static int pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size,
-                        const char *fn) {
+int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size,
+                     const char *fn) {
   if (size == 0) return vp__err(VP_EINVAL, "%s: size is 0", fn);
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) {
     if (addr < vb->va || addr - vb->va >= vb->size) continue;
@@ -217,9 +233,9 @@ int vp_copy_to_device(vp_device_t h, uint64_t dst, const void *src,
   NEED(src, "vp_copy_to_device", "src is NULL");
   vp__device_t *dev = NULL;
   DEVICE_ENTER(h, "vp_copy_to_device", dev);
-  int rc = unlock(dev, pinned_range(dev, dst, size, "vp_copy_to_device"));
+  int rc = unlock(dev, vp__pinned_range(dev, dst, size, "vp_copy_to_device"));
   if (rc) return rc;
-  rc = dev->be->copy_htod(dev->ctx, dst, src, size, stream);
+  rc = vp__copy_htod(dev, dst, src, size, stream, false);
   if (rc) return vp__err(rc, "vp_copy_to_device: %llu bytes to 0x%llx on "
                          "stream 0x%llx failed", ULL(size), ULL(dst),
                          ULL(stream));
@@ -231,9 +247,9 @@ int vp_copy_to_host(vp_device_t h, void *dst, uint64_t src, uint64_t size,
   NEED(dst, "vp_copy_to_host", "dst is NULL");
   vp__device_t *dev = NULL;
   DEVICE_ENTER(h, "vp_copy_to_host", dev);
-  int rc = unlock(dev, pinned_range(dev, src, size, "vp_copy_to_host"));
+  int rc = unlock(dev, vp__pinned_range(dev, src, size, "vp_copy_to_host"));
   if (rc) return rc;
-  rc = dev->be->copy_dtoh(dev->ctx, dst, src, size, stream);
+  rc = vp__copy_dtoh(dev, dst, src, size, stream, false);
   if (rc) return vp__err(rc, "vp_copy_to_host: %llu bytes from 0x%llx on "
                          "stream 0x%llx failed", ULL(size), ULL(src),
                          ULL(stream));

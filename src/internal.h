@@ -66,7 +66,12 @@ typedef struct vp__vbar {
   uint32_t resident; /* page counts */
   uint32_t pinned;
   struct vp__vbar *up, *down; /* priority list neighbours (up = higher) */
+  bool listed;       /* in the priority list (internal VBARs are not) */
   vp_stats_t stats;
+  /* stream.c: weights sorted by offset, and how many are acquired */
+  struct vp__weight **weights;
+  uint32_t nweights, weights_cap;
+  uint32_t acquired;
 } vp__vbar_t;
 
 typedef struct vp__budget {
@@ -96,6 +101,18 @@ struct vp__device {
   vp__budget_t budget;
   vp__fence_t *free_fences;
   vp_stats_t stats;
+  /* hostmem.c */
+  uint64_t pin_budget;   /* host bytes we may page-lock */
+  uint64_t pinned_host;  /* host bytes we have page-locked */
+  vp__table_t hostbufs;
+  /* stream.c */
+  vp_stream_t copy_stream; /* 0 until first needed */
+  vp__table_t weights;
+  struct vp__staging *staging;
+  uint64_t lookahead;
+  /* fileio.c, safetensors.c */
+  struct vp__file_ring *file_ring;
+  vp__table_t sts;
 };
 
 /* error.c */
@@ -133,9 +150,63 @@ void vp__vbar_to_top(vp__vbar_t *vb);
 void vp__vbar_to_bottom(vp__vbar_t *vb);
 int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens);
 int vp__unpin(vp__vbar_t *vb, uint32_t p0, uint32_t p1, vp_stream_t stream);
+/* vp__unpin in steps, so one fence can serve many ranges: check pins, order
+ * `stream` after other streams' fences on the pages, then (after recording
+ * the fence on `stream`) attach it and drop the pins. */
+int vp__unpin_check(vp__vbar_t *vb, uint32_t p0, uint32_t p1);
+int vp__order_after(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                    vp_stream_t stream);
+void vp__unpin_attach(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                      vp__fence_t *f);
+void vp__unpin_nofence(vp__vbar_t *vb, uint32_t p0, uint32_t p1);
+/* A VBAR for the library's own use (the staging ring): not in the priority
+ * list, so it is never chosen for eviction and never listed in reports. */
+int vp__vbar_new_internal(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
 int vp__vbar_evict(vp__vbar_t *vb, uint64_t bytes, uint32_t min_rank,
                    uint64_t *freed);
 int vp__device_evict(vp__device_t *dev, uint64_t bytes, uint64_t *freed);
+
+/* api.c: look up a handle and lock its device (VP_EHANDLE, or VP_EDEVICE
+ * for a broken device); vp__unlock returns rc. */
+int vp__dev_enter(vp_device_t h, const char *fn, vp__device_t **out);
+int vp__vbar_enter(vp_vbar_t h, const char *fn, vp__vbar_t **out);
+int vp__unlock(vp__device_t *dev, int rc);
+/* The VBAR range [addr, +size) must be pinned (VP_ENOTPINNED/VP_ERANGE). */
+int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size,
+                     const char *fn);
+
+/* hostmem.c: page-locking within the device's pin budget. *pinned says
+ * whether it happened; failing to pin is not an error. */
+void vp__hostmem_init(vp__device_t *dev);
+void vp__pin_host(vp__device_t *dev, void *ptr, uint64_t size, bool *pinned);
+void vp__unpin_host(vp__device_t *dev, void *ptr, uint64_t size);
+/* Page-aligned host memory, pinned if the budget allows (bounce slots). */
+int vp__host_alloc(vp__device_t *dev, uint64_t size, void **ptr, bool *pinned);
+void vp__host_free(vp__device_t *dev, void *ptr, uint64_t size, bool pinned);
+void vp__hostmem_close(vp__device_t *dev); /* frees every hostbuf */
+/* Host<->device copies split at host buffer chunk edges: CUDA refuses one
+ * whose host range spans two registrations, or registered and unregistered
+ * memory. locked: the caller holds the device lock. Backend codes, no
+ * message. vp__host_piece (lock held): the bytes one copy may take. */
+int vp__copy_htod(vp__device_t *dev, uint64_t dst, const void *src,
+                  uint64_t size, vp_stream_t stream, bool locked);
+int vp__copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
+                  vp_stream_t stream, bool locked);
+uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size);
+
+/* stream.c */
+int vp__copy_stream(vp__device_t *dev, vp_stream_t *out);
+void vp__weights_drop_vbar(vp__vbar_t *vb); /* its weights, at destroy */
+void vp__stream_close(vp__device_t *dev);
+
+/* fileio.c: copy a file region to device memory at dst in `stream` order
+ * through the device's pinned bounce ring (made on first use). `what`
+ * names the file in messages. Checks the file has not changed size. */
+int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
+                  uint64_t dst, vp_stream_t stream, const char *what);
+void vp__fileio_close(vp__device_t *dev);
+/* safetensors.c */
+void vp__st_close_all(vp__device_t *dev);
 
 /* page.c: the only file that calls the backend's memory operations. */
 int vp__page_commit(vp__vbar_t *vb, uint32_t p);

@@ -125,6 +125,16 @@ static const struct option_entry {
      "sync or worker"},
     {"VPAGER_SIM_SHARED", offsetof(vp_options_t, sim_shared), parse_name,
      "a name of letters, digits, - and _"},
+    {"VPAGER_STAGING", offsetof(vp_options_t, staging_size), parse_u64,
+     "a size such as 512M"},
+    {"VPAGER_LOOKAHEAD", offsetof(vp_options_t, lookahead), parse_u64,
+     "a size such as 256M"},
+    {"VPAGER_PIN_BUDGET", offsetof(vp_options_t, pin_budget), parse_u64,
+     "a size such as 16G"},
+    {"VPAGER_FILE_SLOTS", offsetof(vp_options_t, file_slots), parse_u32,
+     "a count such as 3"},
+    {"VPAGER_FILE_SLOT_SIZE", offsetof(vp_options_t, file_slot_size),
+     parse_u64, "a size such as 64M"},
 };
 
 int vp_options_init(vp_options_t *opts) {
@@ -139,6 +149,11 @@ int vp_options_init(vp_options_t *opts) {
       .sim_capacity = 4096 * MiB,
       .sim_granularity = 2 * MiB,
       .sim_streams = VP_SIM_SYNC,
+      .staging_size = 512 * MiB,
+      .lookahead = 256 * MiB,
+      .pin_budget = 0,
+      .file_slots = 3,
+      .file_slot_size = 64 * MiB,
   };
   for (size_t i = 0; i < sizeof option_table / sizeof *option_table; i++) {
     const struct option_entry *e = &option_table[i];
@@ -184,6 +199,10 @@ int vp__options_check(const vp_options_t *o) {
   if (o->device_index < 0)
     return vp__err(VP_EINVAL, "vp_device_open: device index %d is negative",
                    o->device_index);
+  if (o->file_slots < 2 || o->file_slots > 64 || o->file_slot_size < 4096)
+    return vp__err(VP_EINVAL, "vp_device_open: the file reader needs 2-64 "
+                   "slots of at least 4 KiB (have %u of %llu bytes)",
+                   o->file_slots, (unsigned long long)o->file_slot_size);
   if (memchr(o->sim_shared, '\0', sizeof o->sim_shared) == NULL)
     return vp__err(VP_EINVAL, "vp_device_open: sim_shared is not terminated");
   return VP_OK;

@@ -71,6 +71,8 @@ int vp__device_create(const vp_options_t *opts, vp__device_t **out) {
     goto close_backend;
   }
   vp__budget_init(dev);
+  vp__hostmem_init(dev);
+  dev->lookahead = opts->lookahead;
   dev->stats.size = sizeof dev->stats;
   dev->stats.version = 1;
   rc = vp__registry_add(dev);
@@ -95,6 +97,9 @@ static void vbar_release(vp__vbar_t *vb);
 
 void vp__device_destroy(vp__device_t *dev) {
   vp__registry_remove(dev);
+  vp__st_close_all(dev);
+  vp__fileio_close(dev);
+  vp__stream_close(dev);
   for (uint32_t s = 0; s < dev->vbars.n; s++) {
     vp__vbar_t *vb = dev->vbars.slots[s];
     if (!vb) continue;
@@ -103,6 +108,7 @@ void vp__device_destroy(vp__device_t *dev) {
     vbar_release(vb);
   }
   vp__table_free(&dev->vbars);
+  vp__hostmem_close(dev);
   vp__fence_pool_free(dev);
   dev->be->close(dev->ctx);
   pthread_mutex_destroy(&dev->lock);
@@ -113,6 +119,8 @@ void vp__device_destroy(vp__device_t *dev) {
 
 static void list_unlink(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
+  if (!vb->listed) return;
+  vb->listed = false;
   if (vb->up) vb->up->down = vb->down; else dev->top = vb->down;
   if (vb->down) vb->down->up = vb->up; else dev->bottom = vb->up;
   vb->up = vb->down = NULL;
@@ -120,6 +128,7 @@ static void list_unlink(vp__vbar_t *vb) {
 
 static void list_push_top(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
+  vb->listed = true;
   vb->up = NULL;
   vb->down = dev->top;
   if (dev->top) dev->top->up = vb; else dev->bottom = vb;
@@ -127,15 +136,16 @@ static void list_push_top(vp__vbar_t *vb) {
 }
 
 void vp__vbar_to_top(vp__vbar_t *vb) {
-  if (vb->dev->top == vb) return;
+  if (vb->dev->top == vb || !vb->listed) return;
   list_unlink(vb);
   list_push_top(vb);
 }
 
 void vp__vbar_to_bottom(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
-  if (dev->bottom == vb) return;
+  if (dev->bottom == vb || !vb->listed) return;
   list_unlink(vb);
+  vb->listed = true;
   vb->up = dev->bottom;
   if (dev->bottom) dev->bottom->down = vb; else dev->top = vb;
   dev->bottom = vb;
@@ -230,6 +240,7 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
 /* Evict every page (waiting for fences), free the range and the VBAR. */
 static void vbar_release(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
+  vp__weights_drop_vbar(vb);
   for (uint32_t p = 0; p < vb->npages; p++)
     if (vb->pages[p].resident) vp__page_evict(vb, p);
   dev->be->va_free(dev->ctx, vb->va, vb->size);
@@ -238,10 +249,20 @@ static void vbar_release(vp__vbar_t *vb) {
   vbar_free_struct(vb);
 }
 
+int vp__vbar_new_internal(vp__device_t *dev, uint64_t size,
+                          vp__vbar_t **out) {
+  int rc = vp__vbar_new(dev, size, out);
+  if (rc == VP_OK) list_unlink(*out);
+  return rc;
+}
+
 int vp__vbar_free(vp__vbar_t *vb) {
   if (vb->pinned)
     return vp__err(VP_EBUSY, "vp_vbar_destroy: %u pages are still pinned; "
                    "unpin them first", vb->pinned);
+  if (vb->acquired)
+    return vp__err(VP_EBUSY, "vp_vbar_destroy: %u of its weights are still "
+                   "acquired; release them first", vb->acquired);
   vbar_release(vb);
   return VP_OK;
 }
@@ -291,7 +312,7 @@ int vp__device_evict(vp__device_t *dev, uint64_t bytes, uint64_t *freed) {
  * lower-priority VBARs and of vb itself ranked above max_rank. */
 static uint64_t evictable_for(vp__vbar_t *vb, uint32_t max_rank) {
   uint64_t pages = 0;
-  for (vp__vbar_t *w = vb->dev->bottom; w != vb; w = w->up)
+  for (vp__vbar_t *w = vb->dev->bottom; w && w != vb; w = w->up)
     pages += w->resident - w->pinned;
   for (uint32_t r = max_rank + 1; r < vb->npages; r++) {
     const vp__page_t *pg = &vb->pages[vb->order[r]];
@@ -389,10 +410,18 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
   return VP_OK;
 }
 
+int vp__unpin_check(vp__vbar_t *vb, uint32_t p0, uint32_t p1) {
+  for (uint32_t p = p0; p < p1; p++)
+    if (vb->pages[p].pins == 0)
+      return vp__err(VP_ENOTPINNED, "vp_unpin: page %u (offset %llu) is not "
+                     "pinned", p, (unsigned long long)p << vb->dev->page_shift);
+  return VP_OK;
+}
+
 /* Work on other streams that still uses these pages must finish before the
  * new fence completes, so that one fence per page is enough. */
-static int order_after_old_fences(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
-                                  vp_stream_t stream) {
+int vp__order_after(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                    vp_stream_t stream) {
   vp__device_t *dev = vb->dev;
   vp__fence_t *last = NULL;
   for (uint32_t p = p0; p < p1; p++) {
@@ -409,23 +438,30 @@ static int order_after_old_fences(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
   return VP_OK;
 }
 
-int vp__unpin(vp__vbar_t *vb, uint32_t p0, uint32_t p1, vp_stream_t stream) {
-  vp__device_t *dev = vb->dev;
-  for (uint32_t p = p0; p < p1; p++)
-    if (vb->pages[p].pins == 0)
-      return vp__err(VP_ENOTPINNED, "vp_unpin: page %u (offset %llu) is not "
-                     "pinned", p, (unsigned long long)p << dev->page_shift);
-  int rc = order_after_old_fences(vb, p0, p1, stream);
-  vp__fence_t *f;
-  if (rc || (rc = vp__fence_get(dev, stream, &f))) return rc;
+void vp__unpin_attach(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                      vp__fence_t *f) {
   for (uint32_t p = p0; p < p1; p++) {
     vp__page_t *pg = &vb->pages[p];
-    if (pg->fence) vp__fence_put(dev, pg->fence);
+    if (pg->fence) vp__fence_put(vb->dev, pg->fence);
     pg->fence = f;
     f->refs++;
     unpin_one(vb, pg);
   }
-  vp__fence_put(dev, f);
+}
+
+/* Drop pins that no queued work used (the page keeps its last fence). */
+void vp__unpin_nofence(vp__vbar_t *vb, uint32_t p0, uint32_t p1) {
+  for (uint32_t p = p0; p < p1; p++) unpin_one(vb, &vb->pages[p]);
+}
+
+int vp__unpin(vp__vbar_t *vb, uint32_t p0, uint32_t p1, vp_stream_t stream) {
+  vp__fence_t *f;
+  int rc = vp__unpin_check(vb, p0, p1);
+  if (rc || (rc = vp__order_after(vb, p0, p1, stream)) ||
+      (rc = vp__fence_get(vb->dev, stream, &f)))
+    return rc;
+  vp__unpin_attach(vb, p0, p1, f);
+  vp__fence_put(vb->dev, f);
   VP__COUNT(vb, unpins, 1);
   return VP_OK;
 }

@@ -1,0 +1,94 @@
+"""vpager.HostBuf: host memory for weights' host copies (vp_hostbuf_*)."""
+
+import ctypes
+
+from . import _lib
+from ._buffer import as_buffer
+from ._handle import Handle
+from ._lib import C, vp_hostbuf_info_t, vp_hostbuf_t
+from .errors import check
+
+__all__ = ["HostBuf"]
+
+_byref = ctypes.byref
+
+
+class HostBuf(Handle):
+    """HostBuf(device, size, max_size=None): vp_hostbuf_alloc() of `size`
+    zeroed bytes that may grow in place to max_size (default: size).
+    HostBuf.register(device, buffer): vp_hostbuf_register() of an existing
+    buffer, which is held until the HostBuf is closed.
+
+    The memory is at .ptr and never moves; view() gives a ctypes array over
+    it. Views must not be used after close() (nor after the device closes):
+    the memory is gone then, as in C."""
+
+    _kind = "hostbuf"
+
+    def __init__(self, device, size, max_size=None, _register=None):
+        h = vp_hostbuf_t()
+        if _register is not None:
+            buf = _register
+            check(C.vp_hostbuf_register(device._handle(), buf.address,
+                                        buf.size, _byref(h)))
+        else:
+            if max_size is None:
+                max_size = size
+            check(C.vp_hostbuf_alloc(device._handle(), size, max_size,
+                                     _byref(h)))
+        self._init_handle(h, device)
+        self.device = device
+        if _register is not None:
+            self._keep.append(_register)
+
+    @classmethod
+    def register(cls, device, buffer, size=None):
+        """Page-lock an existing writable-or-not contiguous buffer (bytes-like,
+        BufferRef, or an int address with size)."""
+        return cls(device, None, None, _register=as_buffer(buffer, False, size))
+
+    def _free(self):
+        check(C.vp_hostbuf_free(self._h))
+
+    def info(self):
+        """vp_hostbuf_info() as a dict: ptr, size, max_size, pinned_bytes."""
+        info = vp_hostbuf_info_t()
+        check(C.vp_hostbuf_info(self._handle(), _byref(info)))
+        return {"ptr": info.ptr or 0, "size": info.size,
+                "max_size": info.max_size, "pinned_bytes": info.pinned_bytes}
+
+    @property
+    def ptr(self):
+        return self.info()["ptr"]
+
+    @property
+    def size(self):
+        return self.info()["size"]
+
+    @property
+    def max_size(self):
+        return self.info()["max_size"]
+
+    @property
+    def pinned_bytes(self):
+        return self.info()["pinned_bytes"]
+
+    def grow(self, size):
+        """vp_hostbuf_grow(): grow in place to `size` (<= max_size)."""
+        check(C.vp_hostbuf_grow(self._handle(), size))
+
+    def view(self, offset=0, size=None):
+        """A ctypes c_char array over [offset, offset+size) of the buffer
+        (size defaults to the rest). It keeps this HostBuf object alive but
+        is invalid once the HostBuf is closed."""
+        info = self.info()
+        if size is None:
+            size = info["size"] - offset
+        if offset < 0 or size < 0 or offset + size > info["size"]:
+            from .errors import RangeError
+            raise RangeError(_lib.VP_ERANGE, "VP_ERANGE", "view [%d, +%d) is past the "
+                             "buffer's %d bytes" % (offset, size,
+                                                    info["size"]))
+        arr = (ctypes.c_char * size).from_address(info["ptr"] + offset)
+        arr._vpager_owner = self
+        return arr

@@ -1,0 +1,290 @@
+"""Weights and streaming: vp_source_t, vp_weights_create, vp_weight_destroy,
+vp_acquire and vp_release (through WeightBatch)."""
+
+import ctypes
+
+from . import _lib
+from ._buffer import BufferRef, as_buffer
+from ._handle import Handle
+from ._lib import C, vp_source_t, vp_weight_t
+from .errors import InvalidArgument, check, closed_error
+
+__all__ = ["Source", "Weights", "Weight", "WeightBatch"]
+
+_c_u64 = ctypes.c_uint64
+_c_u8 = ctypes.c_uint8
+
+
+def _einval(msg):
+    return InvalidArgument(_lib.VP_EINVAL, "VP_EINVAL", msg)
+
+
+class Source:
+    """Where a weight's bytes come from (vp_source_t).
+
+    Source.none(): the caller fills them (VP_ACQUIRED_EMPTY).
+    Source.from_host(buffer): host memory, held as long as the weight
+        exists (fastest inside a pinned HostBuf: pass hostbuf.view(...)).
+        A raw int address is taken as is (the caller keeps it valid).
+    Source.from_file(fd, offset): a region of an open file (an int fd, or
+        an object with fileno(), which is held).
+    """
+
+    __slots__ = ("kind", "host", "fd", "file_offset", "keep")
+
+    def __init__(self, kind=_lib.VP_SOURCE_NONE, host=None, fd=-1,
+                 file_offset=0, keep=None):
+        self.kind = kind
+        self.host = host            # HOST: a BufferRef, or a raw int address
+        self.fd = fd
+        self.file_offset = file_offset
+        self.keep = keep            # e.g. the SafeTensors owning the fd
+
+    @classmethod
+    def none(cls):
+        return cls()
+
+    @classmethod
+    def from_host(cls, buffer, size=None):
+        if isinstance(buffer, int):
+            return cls(_lib.VP_SOURCE_HOST, host=buffer)
+        return cls(_lib.VP_SOURCE_HOST, host=as_buffer(buffer, False, size))
+
+    @classmethod
+    def from_file(cls, fd, offset=0):
+        keep = None
+        if not isinstance(fd, int):
+            keep, fd = fd, fd.fileno()
+        return cls(_lib.VP_SOURCE_FILE, fd=fd, file_offset=offset, keep=keep)
+
+    @property
+    def host_address(self):
+        h = self.host
+        return h.address if isinstance(h, BufferRef) else (h or 0)
+
+    def _fill(self, s):
+        s.kind = self.kind
+        s.host = self.host_address or None
+        s.fd = self.fd
+        s.file_offset = self.file_offset
+
+    def __repr__(self):
+        if self.kind == _lib.VP_SOURCE_HOST:
+            return "Source.from_host(0x%x)" % self.host_address
+        if self.kind == _lib.VP_SOURCE_FILE:
+            return "Source.from_file(fd=%d, offset=%d)" % (self.fd,
+                                                           self.file_offset)
+        if self.kind == _lib.VP_SOURCE_NONE:
+            return "Source.none()"
+        return "Source(kind=%d)" % self.kind
+
+
+def _as_source(obj):
+    if obj is None:
+        return Source()
+    if isinstance(obj, Source):
+        return obj
+    if isinstance(obj, vp_source_t):
+        return Source(obj.kind, obj.host or None, obj.fd, obj.file_offset)
+    return Source.from_host(obj)
+
+
+class Weights(Handle):
+    """vp_weights_create(vbar, offsets, sizes, sources): n weights of one
+    VBAR, weight i being [offsets[i], +sizes[i]) with sources[i].
+
+    sources (optional, else every source is NONE) items: None, a Source, a
+    vp_source_t, or a bytes-like object (a HOST source, held while the
+    weight exists; it must hold at least sizes[i] bytes). close() destroys
+    every weight still there (BusyError while one is acquired); destroy(i)
+    one of them. w[i] is a Weight (for WeightBatch); .handles is the ctypes
+    array of vp_weight_t."""
+
+    _kind = "weights"
+
+    def __init__(self, vbar, offsets, sizes, sources=None):
+        offsets = list(offsets)
+        sizes = list(sizes)
+        n = len(offsets)
+        if len(sizes) != n:
+            raise _einval("vp_weights_create: %d offsets but %d sizes"
+                          % (n, len(sizes)))
+        c_off = (_c_u64 * n)(*offsets)
+        c_size = (_c_u64 * n)(*sizes)
+        srcs = None
+        keep = []
+        if sources is not None:
+            sources = [_as_source(s) for s in sources]
+            if len(sources) != n:
+                raise _einval("vp_weights_create: %d weights but %d sources"
+                              % (n, len(sources)))
+            srcs = (vp_source_t * n)()
+            for i, src in enumerate(sources):
+                if (src.kind == _lib.VP_SOURCE_HOST
+                        and isinstance(src.host, BufferRef)
+                        and src.host.size < sizes[i]):
+                    raise _einval("vp_weights_create: source %d holds %d "
+                                  "bytes, the weight %d" % (i, src.host.size,
+                                                            sizes[i]))
+                src._fill(srcs[i])
+            keep = sources
+        handles = (vp_weight_t * n)()
+        check(C.vp_weights_create(vbar._handle(), n, c_off, c_size, srcs,
+                                  handles))
+        self._init_handle(handles, vbar)
+        self._keep = keep
+        self.vbar = vbar
+        self.device = vbar.device
+        self.offsets = tuple(offsets)
+        self.sizes = tuple(sizes)
+        self._alive = [True] * n
+
+    @property
+    def handles(self):
+        return self._handle()
+
+    def __repr__(self):
+        if self._closed:
+            return "<vpager.Weights closed>"
+        return "<vpager.Weights n=%d>" % len(self._alive)
+
+    @property
+    def id(self):
+        raise AttributeError("Weights holds several handles: use .ids")
+
+    @property
+    def ids(self):
+        return [w.id for w in self._handle()]
+
+    def __len__(self):
+        return len(self._alive)
+
+    def __getitem__(self, i):
+        n = len(self._alive)
+        if isinstance(i, slice):
+            return [Weight(self, j) for j in range(*i.indices(n))]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("weight index %d out of range (%d weights)"
+                             % (i, n))
+        return Weight(self, i)
+
+    def __iter__(self):
+        return (Weight(self, i) for i in range(len(self._alive)))
+
+    def destroy(self, i):
+        """vp_weight_destroy() of weight i (BusyError while acquired)."""
+        hs = self._handle()
+        if not self._alive[i]:
+            raise closed_error("weight %d of this vpager.Weights" % i)
+        check(C.vp_weight_destroy(hs[i]))
+        self._alive[i] = False
+        if self._keep:
+            self._keep[i] = None
+        if not any(self._alive):
+            self._mark_closed()
+
+    def _free(self):
+        hs = self._h
+        for i, alive in enumerate(self._alive):
+            if alive:
+                check(C.vp_weight_destroy(hs[i]))
+                self._alive[i] = False
+
+    def batch(self, indices=None):
+        """A WeightBatch over these weights (all, or the given indices)."""
+        items = (self if indices is None
+                 else [Weight(self, i) for i in indices])
+        return WeightBatch(self.device, list(items))
+
+
+class Weight:
+    """One weight of a Weights group (a light reference)."""
+
+    __slots__ = ("weights", "index")
+
+    def __init__(self, weights, index):
+        self.weights = weights
+        self.index = index
+
+    @property
+    def handle(self):
+        return self.weights.handles[self.index]
+
+    @property
+    def id(self):
+        return self.handle.id
+
+    @property
+    def offset(self):
+        return self.weights.offsets[self.index]
+
+    @property
+    def size(self):
+        return self.weights.sizes[self.index]
+
+    def __repr__(self):
+        return "<vpager.Weight %d of %r>" % (self.index, self.weights)
+
+
+class WeightBatch:
+    """A fixed list of weights (of one device, possibly of several VBARs),
+    for the hot path: the ctypes arrays of handles, pointers and flags are
+    built once; acquire()/release() call vp_acquire/vp_release straight
+    away, with no allocation per call.
+
+        batch = WeightBatch(device, weights)    # Weights, or Weight items
+        ptrs = batch.acquire(stream)            # ctypes c_uint64 array
+        ... use ptrs[i], batch.flags[i] ...
+        batch.release(stream)
+
+    Pass each VBAR's weights in execution order, a layer per batch. Handles
+    are checked by the C side: a destroyed weight gives HandleError."""
+
+    __slots__ = ("device", "n", "handles", "ptrs", "flags", "_args",
+                 "_acquire", "_release", "_owners")
+
+    def __init__(self, device, weights):
+        items = list(weights)
+        handles = []
+        owners = []
+        for w in items:
+            if isinstance(w, Weights):
+                handles.extend(w.handles)
+                owners.append(w)
+            elif isinstance(w, Weight):
+                handles.append(w.handle)
+                owners.append(w.weights)
+            else:
+                raise TypeError("WeightBatch takes Weights or Weight items, "
+                                "not %s" % type(w).__name__)
+        n = len(handles)
+        self.device = device
+        self.n = n
+        self.handles = (vp_weight_t * n)(*handles)
+        self.ptrs = (_c_u64 * n)()
+        self.flags = (_c_u8 * n)()
+        self._owners = tuple({id(o): o for o in owners}.values())
+        self._acquire = C.vp_acquire
+        self._release = C.vp_release
+        self._args = device._handle()
+
+    def __len__(self):
+        return self.n
+
+    def acquire(self, stream=0):
+        """vp_acquire(): returns self.ptrs (device addresses); self.flags
+        gets the VP_ACQUIRED_* bits."""
+        rc = self._acquire(self._args, self.handles, self.n, stream,
+                           self.ptrs, self.flags)
+        if rc:
+            check(rc)
+        return self.ptrs
+
+    def release(self, stream=0):
+        """vp_release(): work queued on `stream` so far may still read the
+        weights."""
+        rc = self._release(self._args, self.handles, self.n, stream)
+        if rc:
+            check(rc)

@@ -1,0 +1,216 @@
+/* The file reader: file regions to device memory through a per-device ring
+ * of bounce slots (opts.file_slots of opts.file_slot_size bytes, pinned
+ * when the pin budget allows), each with an event. A region is read a slot
+ * at a time: pread into the next slot, upload it on the caller's stream,
+ * record the slot's event; a slot is overwritten only after its event, so
+ * reading chunk k+1 overlaps the upload of chunk k. The ring is made on
+ * first use and used with the device lock held. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define ULL(x) ((unsigned long long)(x))
+
+typedef struct ring_slot {
+  void *buf;          /* NULL until first used */
+  bool hostmem;       /* from vp__host_alloc (else our own mmap) */
+  bool pinned;
+  bool has_event;
+  bool in_flight;     /* an upload from buf may still be reading it */
+  vp__event_t ev;
+} ring_slot_t;
+
+struct vp__file_ring {
+  uint32_t n, next;
+  uint64_t slot_size;
+  ring_slot_t slots[];
+};
+
+static int ring_get(vp__device_t *dev, struct vp__file_ring **out) {
+  if (!dev->file_ring) {
+    uint32_t n = dev->opts.file_slots;
+    struct vp__file_ring *r = NULL;
+    if (vp__inject_fail(&dev->inject) ||
+        !(r = calloc(1, sizeof *r + n * sizeof r->slots[0])))
+      return vp__err(VP_ENOMEM, "file reader: no memory for a ring of %u "
+                     "slots", n);
+    r->n = n;
+    r->slot_size = dev->opts.file_slot_size;
+    dev->file_ring = r;
+  }
+  *out = dev->file_ring;
+  return VP_OK;
+}
+
+static void slot_free_buf(vp__device_t *dev, struct vp__file_ring *r,
+                          ring_slot_t *s) {
+  if (!s->buf) return;
+  if (s->hostmem) vp__host_free(dev, s->buf, r->slot_size, s->pinned);
+  else munmap(s->buf, r->slot_size);
+  s->buf = NULL;
+}
+
+/* Make slot s usable for a new chunk: allocate it on first use, else wait
+ * for its last upload (its memory is about to be overwritten). */
+static int slot_ready(vp__device_t *dev, struct vp__file_ring *r,
+                      ring_slot_t *s, const char *what) {
+  const vp__backend_t *be = dev->be;
+  if (s->in_flight) {
+    int rc = vp__be_result(dev, be->event_synchronize(dev->ctx, s->ev),
+                           "event_synchronize");
+    if (rc)
+      return vp__err(rc, "%s: waiting for an upload of the file reader "
+                     "failed", what);
+    s->in_flight = false;
+  }
+  if (!s->has_event) {
+    int rc = vp__be_result(dev, be->event_create(dev->ctx, &s->ev),
+                           "event_create");
+    if (rc)
+      return vp__err(rc, "%s: creating an event for the file reader failed",
+                     what);
+    s->has_event = true;
+  }
+  if (!s->buf) {
+    void *p = NULL;
+    bool pinned = false;
+    if (vp__host_alloc(dev, r->slot_size, &p, &pinned) == VP_OK && p) {
+      s->hostmem = true;
+    } else {
+      /* No pinned memory to be had (or no allocator): pageable memory
+       * uploads more slowly but just as correctly. */
+      p = vp__inject_fail(&dev->inject)
+              ? MAP_FAILED
+              : mmap(NULL, r->slot_size, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED)
+        return vp__err(VP_ENOMEM, "%s: no memory for a file reader slot of "
+                       "%llu bytes", what, ULL(r->slot_size));
+      s->hostmem = false;
+      pinned = false;
+    }
+    s->buf = p;
+    s->pinned = pinned;
+  }
+  return VP_OK;
+}
+
+/* Read exactly n bytes at off: VP_OK, or an error naming `what`; a read
+ * that ends early means the file is shorter than it was. */
+static int read_full(int fd, void *buf, uint64_t n, uint64_t off,
+                     const char *what) {
+  uint64_t got = 0;
+  while (got < n) {
+    ssize_t r = pread(fd, (char *)buf + got, (size_t)(n - got),
+                      (off_t)(off + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      int e = errno;
+      return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading %llu "
+                     "bytes at offset %llu failed: %s", what, ULL(n - got),
+                     ULL(off + got), strerror(e));
+    }
+    if (r == 0)
+      return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before "
+                     "the %llu bytes at offset %llu were read (it is shorter "
+                     "than expected)", what, ULL(off + got), ULL(n), ULL(off));
+    got += (uint64_t)r;
+  }
+  return VP_OK;
+}
+
+static vp__vbar_t *vbar_of(vp__device_t *dev, uint64_t addr) {
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
+    if (addr >= vb->va && addr - vb->va < vb->size) return vb;
+  return NULL;
+}
+
+int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
+                  uint64_t dst, vp_stream_t stream, const char *what) {
+  if (size == 0) return VP_OK;
+  struct stat sb;
+  if (fstat(fd, &sb) != 0) {
+    int e = errno;
+    return vp__err(VP_EINVAL, "%s: fstat failed: %s", what, strerror(e));
+  }
+  if (offset > UINT64_MAX - size ||
+      (S_ISREG(sb.st_mode) && offset + size > (uint64_t)sb.st_size))
+    return vp__err(VP_ERANGE, "%s: [%llu, +%llu) runs past the end of the "
+                   "file (%llu bytes)", what, ULL(offset), ULL(size),
+                   ULL(sb.st_size));
+  if (offset + size > (uint64_t)INT64_MAX)
+    return vp__err(VP_ERANGE, "%s: offset %llu + %llu is too large for a "
+                   "file", what, ULL(offset), ULL(size));
+  struct vp__file_ring *r = NULL;
+  int rc = ring_get(dev, &r);
+  if (rc) return rc;
+  const vp__backend_t *be = dev->be;
+  vp__vbar_t *vb = vbar_of(dev, dst);
+  for (uint64_t done = 0; done < size;) {
+    ring_slot_t *s = &r->slots[r->next];
+    r->next = (r->next + 1) % r->n;
+    rc = slot_ready(dev, r, s, what);
+    if (rc) return rc;
+    uint64_t n = size - done < r->slot_size ? size - done : r->slot_size;
+    rc = read_full(fd, s->buf, n, offset + done, what);
+    if (rc) return rc;
+    rc = be->copy_htod(dev->ctx, dst + done, s->buf, n, stream);
+    if (rc)
+      return vp__err(vp__be_result(dev, rc, "copy_htod"), "%s: uploading "
+                     "%llu bytes to 0x%llx on stream 0x%llx failed", what,
+                     ULL(n), ULL(dst + done), ULL(stream));
+    rc = be->event_record(dev->ctx, s->ev, stream);
+    if (rc) {
+      /* Without the event the slot is safe again only once the stream has
+       * drained. */
+      be->stream_synchronize(dev->ctx, stream);
+      return vp__err(vp__be_result(dev, rc, "event_record"), "%s: recording "
+                     "an event on stream 0x%llx failed", what, ULL(stream));
+    }
+    s->in_flight = true;
+    done += n;
+    dev->stats.file_bytes_read += n;
+    if (vb) vb->stats.file_bytes_read += n;
+  }
+  return VP_OK;
+}
+
+void vp__fileio_close(vp__device_t *dev) {
+  struct vp__file_ring *r = dev->file_ring;
+  if (!r) return;
+  for (uint32_t i = 0; i < r->n; i++) {
+    ring_slot_t *s = &r->slots[i];
+    if (s->in_flight) dev->be->event_synchronize(dev->ctx, s->ev);
+    if (s->has_event) dev->be->event_destroy(dev->ctx, s->ev);
+    slot_free_buf(dev, r, s);
+  }
+  free(r);
+  dev->file_ring = NULL;
+}
+
+int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
+                           uint64_t size, uint64_t dst_addr,
+                           vp_stream_t stream) {
+  static const char fn[] = "vp_file_read_to_device";
+  if (fd < 0) return vp__err(VP_EINVAL, "%s: fd %d is negative", fn, fd);
+  if (size == 0) return vp__err(VP_EINVAL, "%s: size is 0", fn);
+  if (offset > UINT64_MAX - size)
+    return vp__err(VP_ERANGE, "%s: offset %llu + size %llu overflows", fn,
+                   ULL(offset), ULL(size));
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, fn, &dev);
+  if (rc) return rc;
+  rc = vp__pinned_range(dev, dst_addr, size, fn);
+  if (rc == VP_OK) {
+    char what[64];
+    snprintf(what, sizeof what, "%s: fd %d", fn, fd);
+    rc = vp__file_read(dev, fd, offset, size, dst_addr, stream, what);
+  }
+  return vp__unlock(dev, rc);
+}

@@ -1,0 +1,528 @@
+/* Host memory: page-locking within a per-device pin budget, internal
+ * bounce buffers, and the public host buffers (vp_hostbuf_*).
+ *
+ * Pinned memory copies to the device at full link speed, pageable memory at
+ * a fraction of it, but page-locked memory cannot be reclaimed by the OS: the
+ * budget keeps a large model from taking the whole machine. When pinning is
+ * refused (budget spent, backend cannot, driver error) the memory simply
+ * stays pageable: copies are correct, only slower, and the bytes are counted
+ * in stats.pin_fallback_bytes. It is never an error.
+ *
+ * Registration costs ~41 ms/GiB (and unregistration ~19 ms/GiB, see
+ * shared/FACTS.md), so the public calls drop the device lock around it: a
+ * model loading beside one that serves does not stall the other's faults.
+ * The host buffer is marked busy meanwhile (VP_EBUSY for grow and free).
+ *
+ * A grow pins only its new part, as a chunk of its own. CUDA refuses a copy
+ * whose host range spans two registrations (or registered and pageable
+ * memory), so host<->device copies go through vp__copy_htod/dtoh, which
+ * split them at chunk edges. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define ULL(x) ((unsigned long long)(x))
+#define GiB (1ull << 30)
+#define MiB (1ull << 20)
+
+/* A range registered (or not) as one piece: each must be unregistered by
+ * its own base pointer, so growth adds chunks instead of re-registering. */
+typedef struct hb_chunk {
+  uint8_t *ptr;
+  uint64_t size;
+  bool pinned;
+} hb_chunk_t;
+
+typedef struct hostbuf {
+  uint64_t id; /* first: handle tables find objects by their id */
+  vp__device_t *dev;
+  uint8_t *ptr;
+  uint64_t size;      /* usable bytes */
+  uint64_t max_size;  /* bytes it may grow to */
+  uint64_t committed; /* readable and writable bytes from ptr (whole pages) */
+  uint64_t reserved;  /* bytes of address space we mapped; 0: caller's memory */
+  hb_chunk_t *chunks;
+  uint32_t nchunks, cap;
+  bool busy; /* a registration runs with the device lock dropped */
+} hostbuf_t;
+
+static uint64_t host_page(void) {
+  long p = sysconf(_SC_PAGESIZE);
+  return p > 0 ? (uint64_t)p : 4096;
+}
+
+/* Round up to whole host pages; 0 when that would overflow. */
+static uint64_t page_round(uint64_t n) {
+  uint64_t pg = host_page();
+  if (n > UINT64_MAX - (pg - 1)) return 0;
+  return (n + pg - 1) & ~(pg - 1);
+}
+
+/* ------------------------------------------------------------ budget */
+
+/* The smaller of 90% of RAM and RAM - 4 GiB (what the OS and the rest of
+ * the process keep), but at least half of RAM: on a small machine the
+ * 4 GiB rule alone would leave nothing (and jump from ~0 to 90% at 4 GiB). */
+static uint64_t default_pin_budget(void) {
+  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || psz <= 0) return 0; /* unknown RAM: pin nothing */
+  uint64_t ram = (uint64_t)pages * (uint64_t)psz;
+  uint64_t budget = ram / 10 * 9;
+  if (ram > 4 * GiB && ram - 4 * GiB < budget) budget = ram - 4 * GiB;
+  if (budget < ram / 2) budget = ram / 2;
+  return budget;
+}
+
+/* Called from device create, before the device is in the registry. */
+void vp__hostmem_init(vp__device_t *dev) {
+  dev->pin_budget = dev->opts.pin_budget ? dev->opts.pin_budget
+                                         : default_pin_budget();
+  dev->pinned_host = 0;
+  vp__log(VP_LOG_DEBUG, dev->caps.name, "pin budget %llu MiB",
+          ULL(dev->pin_budget / MiB));
+}
+
+/* Count bytes left pageable; the first time on this device, say why (once:
+ * a load may fall back for thousands of buffers). */
+static void fallback(vp__device_t *dev, uint64_t size, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void fallback(vp__device_t *dev, uint64_t size, const char *fmt, ...) {
+  if (dev->stats.pin_fallback_bytes == 0 && vp__log_on(VP_LOG_INFO)) {
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    vp__log(VP_LOG_INFO, dev->caps.name,
+            "host memory stays pageable (slower copies to the device): %s; "
+            "later cases are only counted in stats.pin_fallback_bytes", why);
+  }
+  dev->stats.pin_fallback_bytes += size;
+}
+
+/* Device lock held. Take size bytes of the budget for a registration about
+ * to be tried; false (counted as a fallback) when the budget is spent. */
+static bool pin_reserve(vp__device_t *dev, uint64_t size) {
+  if (size <= dev->pin_budget && dev->pinned_host <= dev->pin_budget - size) {
+    dev->pinned_host += size;
+    return true;
+  }
+  fallback(dev, size, "the pin budget of %llu MiB is spent (%llu MiB pinned, "
+           "%llu bytes more asked)", ULL(dev->pin_budget / MiB),
+           ULL(dev->pinned_host / MiB), ULL(size));
+  return false;
+}
+
+/* Device lock held. Account the outcome rc of a reserved registration;
+ * true when the memory is pinned. */
+static bool pin_finish(vp__device_t *dev, uint64_t size, int rc) {
+  if (rc == VP_OK) {
+    dev->stats.host_pinned_bytes += size;
+    return true;
+  }
+  dev->pinned_host -= size; /* give the reservation back */
+  vp__be_result(dev, rc, "host_register"); /* VP_EDEVICE: a broken device */
+  bool cuda = dev->be == &vp__backend_cuda;
+  fallback(dev, size, "page-locking %llu bytes failed: %s%s%s", ULL(size),
+           vp_err_name(rc), cuda ? ", " : "",
+           cuda ? vp__cuda_error_name(dev->ctx) : "");
+  return false;
+}
+
+/* Device lock held. */
+void vp__pin_host(vp__device_t *dev, void *ptr, uint64_t size, bool *pinned) {
+  *pinned = false;
+  if (!ptr || !size || !pin_reserve(dev, size)) return;
+  *pinned = pin_finish(dev, size, dev->be->host_register(dev->ctx, ptr, size));
+}
+
+/* The bookkeeping half of unpinning (device lock held). stats.host_pinned_bytes
+ * is a "now" value, so it goes down too. */
+static void unpin_account(vp__device_t *dev, uint64_t size) {
+  dev->pinned_host -= size;
+  dev->stats.host_pinned_bytes -= size;
+}
+
+/* Device lock held; ptr and size as pinned. An unregister failure leaves
+ * nothing to do: the memory is unmapped or handed back next anyway. */
+void vp__unpin_host(vp__device_t *dev, void *ptr, uint64_t size) {
+  dev->be->host_unregister(dev->ctx, ptr);
+  unpin_account(dev, size);
+}
+
+/* ------------------------------------------------- internal allocations */
+
+/* Page-aligned, zeroed memory for bounce buffers (device lock held). */
+int vp__host_alloc(vp__device_t *dev, uint64_t size, void **ptr, bool *pinned) {
+  uint64_t len = page_round(size);
+  if (!len) return vp__err(VP_EINVAL, "host buffer of %llu bytes", ULL(size));
+  void *p = MAP_FAILED;
+  if (!vp__inject_fail(&dev->inject))
+    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+             -1, 0);
+  if (p == MAP_FAILED)
+    return vp__err(VP_ENOMEM, "no host memory for a %llu-byte buffer",
+                   ULL(size));
+  vp__pin_host(dev, p, len, pinned);
+  *ptr = p;
+  return VP_OK;
+}
+
+void vp__host_free(vp__device_t *dev, void *ptr, uint64_t size, bool pinned) {
+  if (!ptr) return;
+  uint64_t len = page_round(size);
+  if (pinned) vp__unpin_host(dev, ptr, len);
+  munmap(ptr, len);
+}
+
+/* --------------------------------------------------------- host buffers */
+
+/* Look up a host buffer and lock its device. */
+static int hb_lock(vp_hostbuf_t h, const char *fn, hostbuf_t **out) {
+  vp__device_t *dev = vp__registry_get(h.id);
+  if (dev) {
+    pthread_mutex_lock(&dev->lock);
+    if ((*out = vp__table_get(&dev->hostbufs, h.id))) return VP_OK;
+    pthread_mutex_unlock(&dev->lock);
+  }
+  return vp__err(VP_EHANDLE, "%s: host buffer handle 0x%llx is not a live "
+                 "host buffer", fn, ULL(h.id));
+}
+
+/* Room for one more chunk (device lock held). */
+static int chunk_room(vp__device_t *dev, hostbuf_t *hb, const char *fn) {
+  if (hb->nchunks < hb->cap) return VP_OK;
+  uint32_t cap = hb->cap ? hb->cap * 2 : 4;
+  hb_chunk_t *grown = NULL;
+  if (vp__inject_fail(&dev->inject) ||
+      !(grown = realloc(hb->chunks, cap * sizeof *grown)))
+    return vp__err(VP_ENOMEM, "%s: no memory for %u chunk records", fn, cap);
+  hb->chunks = grown;
+  hb->cap = cap;
+  return VP_OK;
+}
+
+/* A new, empty host buffer in the table, busy until its memory is pinned
+ * (device lock held). */
+static int hb_new(vp__device_t *dev, const char *fn, hostbuf_t **out) {
+  hostbuf_t *hb = NULL;
+  if (vp__inject_fail(&dev->inject) || !(hb = calloc(1, sizeof *hb)))
+    return vp__err(VP_ENOMEM, "%s: no memory for a host buffer", fn);
+  hb->dev = dev;
+  hb->busy = true;
+  int rc = chunk_room(dev, hb, fn);
+  if (!rc) rc = vp__table_add(dev, &dev->hostbufs, hb, &hb->id);
+  if (rc) {
+    free(hb->chunks);
+    free(hb);
+    return rc;
+  }
+  *out = hb;
+  return VP_OK;
+}
+
+/* Unregister and unmap hb's memory; returns the bytes that were pinned, for
+ * the caller to account under the device lock. Needs no lock. */
+static uint64_t hb_release_memory(vp__device_t *dev, hostbuf_t *hb) {
+  uint64_t pinned = 0;
+  for (uint32_t i = 0; i < hb->nchunks; i++) {
+    if (!hb->chunks[i].pinned) continue;
+    dev->be->host_unregister(dev->ctx, hb->chunks[i].ptr);
+    pinned += hb->chunks[i].size;
+  }
+  if (hb->reserved) munmap(hb->ptr, hb->reserved);
+  return pinned;
+}
+
+static void hb_delete(hostbuf_t *hb) {
+  free(hb->chunks);
+  free(hb);
+}
+
+/* Undo hb_new and whatever memory it got (device lock held; nothing of it
+ * is pinned yet). */
+static void hb_abandon(vp__device_t *dev, hostbuf_t *hb) {
+  vp__table_remove(&dev->hostbufs, hb->id);
+  hb_release_memory(dev, hb);
+  hb_delete(hb);
+}
+
+/* Reserve `max` bytes of address space: no memory, no commit charge. */
+static int hb_reserve(vp__device_t *dev, hostbuf_t *hb, uint64_t max,
+                      const char *fn) {
+  uint64_t len = page_round(max);
+  void *p = MAP_FAILED;
+  if (len && !vp__inject_fail(&dev->inject))
+    p = mmap(NULL, len, PROT_NONE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    return vp__err(VP_ENOMEM, "%s: cannot reserve %llu bytes of address "
+                   "space", fn, ULL(max));
+  hb->ptr = p;
+  hb->reserved = len;
+  hb->max_size = max;
+  return VP_OK;
+}
+
+/* Make the pages up to `size` usable (zero-filled) as a new unpinned chunk,
+ * if any page is new (device lock held; room for the chunk made). */
+static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size,
+                     const char *fn) {
+  uint64_t end = page_round(size);
+  if (end <= hb->committed) return VP_OK;
+  uint8_t *p = hb->ptr + hb->committed;
+  uint64_t len = end - hb->committed;
+  if (vp__inject_fail(&dev->inject) ||
+      mprotect(p, len, PROT_READ | PROT_WRITE))
+    return vp__err(VP_ENOMEM, "%s: cannot commit %llu bytes of host memory",
+                   fn, ULL(len));
+  hb->chunks[hb->nchunks++] = (hb_chunk_t){p, len, false};
+  hb->committed = end;
+  return VP_OK;
+}
+
+/* Pin chunk i, dropping the device lock around the registration. hb is
+ * busy, so no other call frees it or moves its chunk array meanwhile. */
+static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i) {
+  hb_chunk_t c = hb->chunks[i];
+  if (!pin_reserve(dev, c.size)) return;
+  pthread_mutex_unlock(&dev->lock);
+  int rc = dev->be->host_register(dev->ctx, c.ptr, c.size);
+  pthread_mutex_lock(&dev->lock);
+  hb->chunks[i].pinned = pin_finish(dev, c.size, rc);
+}
+
+/* Bytes of [0, size) inside pinned chunks. */
+static uint64_t hb_pinned_bytes(const hostbuf_t *hb) {
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < hb->nchunks; i++) {
+    const hb_chunk_t *c = &hb->chunks[i];
+    uint64_t start = (uint64_t)(c->ptr - hb->ptr);
+    if (!c->pinned || start >= hb->size) continue;
+    n += c->size < hb->size - start ? c->size : hb->size - start;
+  }
+  return n;
+}
+
+/* ------------------------------------------------------------- copies */
+
+/* Whether a lies in [c, c+len) (unsigned wrap-around does the a < c case). */
+static bool inside(uintptr_t a, uintptr_t c, uint64_t len) {
+  return a - c < len;
+}
+
+/* n, shortened so that [a, a+n) does not cross an edge of the chunk
+ * [c, c+len): up to its end when a is inside it, else up to its start. */
+static uint64_t clip(uintptr_t a, uint64_t n, uintptr_t c, uint64_t len) {
+  if (inside(a, c, len)) return len - (a - c) < n ? len - (a - c) : n;
+  if (inside(c, a, n)) return c - a;
+  return n;
+}
+
+/* The longest prefix of [ptr, +size) that crosses no chunk edge of a host
+ * buffer (device lock held). CUDA refuses (CUDA_ERROR_INVALID_VALUE) a copy
+ * whose host range spans two registrations, or registered and unregistered
+ * memory, so every chunk edge splits, pinned or not: that also holds while
+ * a chunk's registration is in flight. Never 0 for size > 0. */
+uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size) {
+  uintptr_t a = (uintptr_t)ptr;
+  for (uint32_t s = 0; s < dev->hostbufs.n; s++) {
+    const hostbuf_t *hb = dev->hostbufs.slots[s];
+    if (!hb) continue;
+    uintptr_t base = (uintptr_t)hb->ptr;
+    uint64_t span = hb->reserved ? hb->reserved : hb->committed;
+    if (!inside(a, base, span) && !inside(base, a, size)) continue;
+    for (uint32_t i = 0; i < hb->nchunks; i++)
+      size = clip(a, size, (uintptr_t)hb->chunks[i].ptr, hb->chunks[i].size);
+  }
+  return size;
+}
+
+/* One backend copy per piece; the backend's code on failure. */
+static int copy_pieces(vp__device_t *dev, bool htod, uint64_t addr,
+                       uint8_t *host, uint64_t size, vp_stream_t stream,
+                       bool locked) {
+  while (size) {
+    if (!locked) pthread_mutex_lock(&dev->lock);
+    uint64_t n = vp__host_piece(dev, host, size);
+    if (!locked) pthread_mutex_unlock(&dev->lock);
+    int rc = htod ? dev->be->copy_htod(dev->ctx, addr, host, n, stream)
+                  : dev->be->copy_dtoh(dev->ctx, host, addr, n, stream);
+    if (rc) return rc;
+    addr += n;
+    host += n;
+    size -= n;
+  }
+  return VP_OK;
+}
+
+int vp__copy_htod(vp__device_t *dev, uint64_t dst, const void *src,
+                  uint64_t size, vp_stream_t stream, bool locked) {
+  return copy_pieces(dev, true, dst, (uint8_t *)(uintptr_t)src, size, stream,
+                     locked);
+}
+
+int vp__copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
+                  vp_stream_t stream, bool locked) {
+  return copy_pieces(dev, false, src, dst, size, stream, locked);
+}
+
+int vp_hostbuf_alloc(vp_device_t h, uint64_t size, uint64_t max_size,
+                     vp_hostbuf_t *out) {
+  static const char fn[] = "vp_hostbuf_alloc";
+  if (!out) return vp__err(VP_EINVAL, "%s: out is NULL", fn);
+  out->id = 0;
+  if (!size) return vp__err(VP_EINVAL, "%s: size is 0", fn);
+  if (max_size < size)
+    return vp__err(VP_EINVAL, "%s: max_size %llu is below size %llu", fn,
+                   ULL(max_size), ULL(size));
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, fn, &dev);
+  if (rc) return rc;
+  hostbuf_t *hb = NULL;
+  rc = hb_new(dev, fn, &hb);
+  if (rc) return vp__unlock(dev, rc);
+  rc = hb_reserve(dev, hb, max_size, fn);
+  if (!rc) rc = hb_commit(dev, hb, size, fn);
+  if (rc) {
+    hb_abandon(dev, hb);
+    return vp__unlock(dev, rc);
+  }
+  hb->size = size;
+  pin_chunk(dev, hb, 0);
+  hb->busy = false;
+  out->id = hb->id;
+  return vp__unlock(dev, VP_OK);
+}
+
+int vp_hostbuf_register(vp_device_t h, void *ptr, uint64_t size,
+                        vp_hostbuf_t *out) {
+  static const char fn[] = "vp_hostbuf_register";
+  if (!out) return vp__err(VP_EINVAL, "%s: out is NULL", fn);
+  out->id = 0;
+  if (!ptr) return vp__err(VP_EINVAL, "%s: ptr is NULL", fn);
+  if (!size) return vp__err(VP_EINVAL, "%s: size is 0", fn);
+  if ((uintptr_t)ptr > UINTPTR_MAX - size)
+    return vp__err(VP_EINVAL, "%s: [%p, +%llu) wraps around", fn, ptr,
+                   ULL(size));
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, fn, &dev);
+  if (rc) return rc;
+  hostbuf_t *hb = NULL;
+  rc = hb_new(dev, fn, &hb);
+  if (rc) return vp__unlock(dev, rc);
+  /* The caller's memory: one chunk, nothing reserved, nothing to unmap. */
+  hb->ptr = ptr;
+  hb->size = hb->max_size = hb->committed = size;
+  hb->chunks[hb->nchunks++] = (hb_chunk_t){ptr, size, false};
+  pin_chunk(dev, hb, 0);
+  hb->busy = false;
+  out->id = hb->id;
+  return vp__unlock(dev, VP_OK);
+}
+
+/* Why hb cannot grow to size, or VP_OK (also for "no change"). */
+static int grow_check(const hostbuf_t *hb, uint64_t size, const char *fn) {
+  if (hb->dev->broken)
+    return vp__err(VP_EDEVICE, "%s: the %s device is broken; close it", fn,
+                   hb->dev->caps.name);
+  if (hb->busy)
+    return vp__err(VP_EBUSY, "%s: host buffer 0x%llx is being pinned by "
+                   "another thread", fn, ULL(hb->id));
+  if (size < hb->size)
+    return vp__err(VP_EINVAL, "%s: %llu is below the size %llu (buffers do "
+                   "not shrink)", fn, ULL(size), ULL(hb->size));
+  if (size > hb->size && !hb->reserved)
+    return vp__err(VP_EINVAL, "%s: host buffer 0x%llx is registered caller "
+                   "memory, which cannot grow", fn, ULL(hb->id));
+  if (size > hb->max_size)
+    return vp__err(VP_ERANGE, "%s: %llu is past max_size %llu", fn,
+                   ULL(size), ULL(hb->max_size));
+  return VP_OK;
+}
+
+int vp_hostbuf_grow(vp_hostbuf_t h, uint64_t size) {
+  static const char fn[] = "vp_hostbuf_grow";
+  hostbuf_t *hb = NULL;
+  int rc = hb_lock(h, fn, &hb);
+  if (rc) return rc;
+  vp__device_t *dev = hb->dev;
+  rc = grow_check(hb, size, fn);
+  if (rc || size == hb->size) return vp__unlock(dev, rc);
+  rc = chunk_room(dev, hb, fn);
+  uint64_t old_committed = hb->committed;
+  uint32_t old_chunks = hb->nchunks;
+  if (!rc) rc = hb_commit(dev, hb, size, fn);
+  if (rc) return vp__unlock(dev, rc);
+  /* Bytes past the old size in its last page may have been written. */
+  uint64_t tail_end = size < old_committed ? size : old_committed;
+  if (tail_end > hb->size) memset(hb->ptr + hb->size, 0, tail_end - hb->size);
+  hb->size = size;
+  if (hb->nchunks > old_chunks) {
+    hb->busy = true;
+    pin_chunk(dev, hb, old_chunks);
+    hb->busy = false;
+  }
+  return vp__unlock(dev, VP_OK);
+}
+
+int vp_hostbuf_info(vp_hostbuf_t h, vp_hostbuf_info_t *info) {
+  static const char fn[] = "vp_hostbuf_info";
+  if (!info) return vp__err(VP_EINVAL, "%s: info is NULL", fn);
+  hostbuf_t *hb = NULL;
+  int rc = hb_lock(h, fn, &hb);
+  if (rc) return rc;
+  *info = (vp_hostbuf_info_t){
+      .ptr = hb->ptr,
+      .size = hb->size,
+      .max_size = hb->max_size,
+      .pinned_bytes = hb_pinned_bytes(hb),
+  };
+  return vp__unlock(hb->dev, VP_OK);
+}
+
+/* Works on a broken device too: freeing is how the caller cleans up. */
+int vp_hostbuf_free(vp_hostbuf_t h) {
+  static const char fn[] = "vp_hostbuf_free";
+  hostbuf_t *hb = NULL;
+  int rc = hb_lock(h, fn, &hb);
+  if (rc) return rc;
+  vp__device_t *dev = hb->dev;
+  if (hb->busy)
+    return vp__unlock(dev, vp__err(VP_EBUSY, "%s: host buffer 0x%llx is "
+                                   "being pinned by another thread", fn,
+                                   ULL(hb->id)));
+  /* Out of the table first: no one else can reach it while unlocked. */
+  vp__table_remove(&dev->hostbufs, hb->id);
+  pthread_mutex_unlock(&dev->lock);
+  uint64_t pinned = hb_release_memory(dev, hb);
+  hb_delete(hb);
+  pthread_mutex_lock(&dev->lock);
+  unpin_account(dev, pinned);
+  return vp__unlock(dev, VP_OK);
+}
+
+int vp_device_set_pin_budget(vp_device_t h, uint64_t bytes) {
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, "vp_device_set_pin_budget", &dev);
+  if (rc) return rc;
+  dev->pin_budget = bytes;
+  return vp__unlock(dev, VP_OK);
+}
+
+/* Device close: free every host buffer still open, then the table. The
+ * device is out of the registry, so no lock is needed. */
+void vp__hostmem_close(vp__device_t *dev) {
+  for (uint32_t s = 0; s < dev->hostbufs.n; s++) {
+    hostbuf_t *hb = dev->hostbufs.slots[s];
+    if (!hb) continue;
+    unpin_account(dev, hb_release_memory(dev, hb));
+    hb_delete(hb);
+  }
+  vp__table_free(&dev->hostbufs);
+}

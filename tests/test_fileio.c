@@ -1,0 +1,342 @@
+/* The file reader: vp_file_read_to_device through the ring of bounce slots,
+ * checked byte for byte against the file for odd sizes and offsets, in
+ * sync and worker stream modes, from several threads, and its errors. */
+#include "test.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define KiB 1024ull
+#define SLOT (8 * KiB)
+
+/* A temporary directory, removed with its files by rm_dir. */
+static void make_dir(char *dir, size_t len) {
+  snprintf(dir, len, "/tmp/vpager-fileio-XXXXXX");
+  ASSERT_NOT_NULL(mkdtemp(dir));
+}
+
+static void rm_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  ASSERT_NOT_NULL(d);
+  struct dirent *e;
+  char path[512];
+  while ((e = readdir(d))) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    ASSERT_EQ_INT(unlink(path), 0);
+  }
+  closedir(d);
+  ASSERT_EQ_INT(rmdir(dir), 0);
+}
+
+static void write_file(const char *path, const void *data, size_t size) {
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE_INT(fd, 0);
+  ASSERT_EQ_INT(write(fd, data, size), (long long)size);
+  ASSERT_EQ_INT(close(fd), 0);
+}
+
+/* Options with a small ring (3 slots of 8 KiB) so reads wrap it. */
+static void ring_options(test_ctx_t *ctx, vp_options_t *o, int streams) {
+  test_options(ctx, o);
+  o->file_slots = 3;
+  o->file_slot_size = SLOT;
+  o->sim_streams = streams;
+}
+
+/* Read [off, +size) of the file into the VBAR at dst (pinned) on stream,
+ * read it back and compare with the file's bytes. */
+static void read_and_check(vp_device_t dev, int fd, const unsigned char *file,
+                           uint64_t off, uint64_t size, uint64_t dst,
+                           vp_stream_t stream) {
+  test_note("file offset %" PRIu64 ", size %" PRIu64 ", dst 0x%" PRIx64, off,
+            size, dst);
+  unsigned char *back = malloc(size);
+  ASSERT_NOT_NULL(back);
+  memset(back, 0, size);
+  ASSERT_OK(vp_file_read_to_device(dev, fd, off, size, dst, stream));
+  ASSERT_OK(vp_copy_to_host(dev, back, dst, size, stream));
+  ASSERT_OK(vp_stream_synchronize(dev, stream));
+  ASSERT_MEM_EQ(back, file + off, size);
+  free(back);
+  test_note("%s", "");
+}
+
+static void checksums(test_ctx_t *ctx, int streams, bool own_stream) {
+  vp_options_t o;
+  ring_options(ctx, &o, streams);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx);
+  char dir[64], path[128];
+  make_dir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  const uint64_t fsize = 200003; /* odd, about 24.4 slots */
+  unsigned char *file = malloc(fsize);
+  ASSERT_NOT_NULL(file);
+  test_pattern(file, fsize, 42);
+  write_file(path, file, fsize);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+
+  uint64_t vsize = 4 * ps < 2 * fsize ? (2 * fsize + ps - 1) / ps * ps : 4 * ps;
+  vp_vbar_t v = test_vbar(dev, vsize);
+  uint64_t base = test_vbar_base(v);
+  ASSERT_OK(vp_fault(v, 0, vsize, NULL, 0));
+  vp_stream_t s = 0;
+  if (own_stream) ASSERT_OK(vp_stream_create(dev, &s));
+
+  static const struct {
+    uint64_t off, size, dst;
+  } cases[] = {
+      {0, 1, 0},
+      {0, SLOT - 1, 0},
+      {0, SLOT, 1},
+      {0, SLOT + 1, 3},
+      {4097, SLOT * 7 / 2, 12345},    /* 3.5 slots: wraps the ring */
+      {4097, 3 * SLOT, 65535},        /* crosses a page on the sim */
+      {1, 200003 - 1, 7},
+      {0, 200003, 0},
+      {200003 - 1, 1, 100},
+      {3 * SLOT, 3 * SLOT, 65536 - 5},
+      {123456, 200003 - 123456, 99999},
+  };
+  uint64_t total = 0;
+  vp_stats_t before = test_dev_stats(dev);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    ASSERT_LE_U64(cases[i].dst + cases[i].size, vsize);
+    read_and_check(dev, fd, file, cases[i].off, cases[i].size,
+                   base + cases[i].dst, s);
+    total += cases[i].size;
+  }
+  /* Many back-to-back reads without waiting in between. */
+  for (uint64_t k = 0; k < 20; k++)
+    ASSERT_OK(vp_file_read_to_device(dev, fd, k * 9001, 9001,
+                                     base + k * 9001, s));
+  total += 20 * 9001;
+  unsigned char *back = malloc(20 * 9001);
+  ASSERT_NOT_NULL(back);
+  ASSERT_OK(vp_copy_to_host(dev, back, base, 20 * 9001, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_MEM_EQ(back, file, 20 * 9001);
+  free(back);
+
+  vp_stats_t after = test_dev_stats(dev);
+  ASSERT_EQ_U64(after.file_bytes_read - before.file_bytes_read, total);
+  ASSERT_EQ_U64(test_vbar_stats(v).file_bytes_read, total);
+
+  ASSERT_OK(vp_unpin(v, 0, vsize, s));
+  if (own_stream) ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  free(file);
+  rm_dir(dir);
+}
+
+TEST(fileio_checksums, TEST_ALL_BACKENDS) { checksums(ctx, VP_SIM_SYNC, false); }
+
+TEST(fileio_checksums_worker, TEST_ALL_BACKENDS) {
+  checksums(ctx, VP_SIM_WORKER, true);
+}
+
+TEST(fileio_checksums_worker_default_stream, TEST_ALL_BACKENDS) {
+  checksums(ctx, VP_SIM_WORKER, false);
+}
+
+TEST(fileio_errors, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_SYNC);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx);
+  char dir[64], path[128], needle[64];
+  make_dir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/short.bin", dir);
+  unsigned char data[5000];
+  test_pattern(data, sizeof data, 7);
+  write_file(path, data, sizeof data);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  snprintf(needle, sizeof needle, "fd %d", fd);
+  vp_vbar_t v = test_vbar(dev, 2 * ps);
+  uint64_t base = test_vbar_base(v);
+
+  /* Arguments. */
+  ASSERT_RC(vp_file_read_to_device(dev, -1, 0, 1, base, 0), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 0, 0, base, 0), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_device(dev, fd, UINT64_MAX, 2, base, 0),
+            VP_ERANGE);
+  ASSERT_RC(vp_file_read_to_device((vp_device_t){12345}, fd, 0, 1, base, 0),
+            VP_EHANDLE);
+  /* The destination must be pinned, and in a VBAR. */
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 0, 100, base, 0), VP_ENOTPINNED);
+  ASSERT_OK(vp_fault(v, 0, ps, NULL, 0));
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 0, 100, base + ps - 50, 0),
+            VP_ENOTPINNED);
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 0, 100, 16, 0), VP_ERANGE);
+
+  /* Past the end of the file: a clear error naming the fd. */
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 4990, 11, base, 0), VP_ERANGE);
+  ASSERT_STR_CONTAINS(vp_last_error(), needle);
+  ASSERT_STR_CONTAINS(vp_last_error(), "past the end of the file");
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 6000, 1, base, 0), VP_ERANGE);
+  ASSERT_OK(vp_file_read_to_device(dev, fd, 4990, 10, base, 0));
+
+  /* Truncated after it was written: the read fails, the reader still
+   * works afterwards. */
+  ASSERT_EQ_INT(ftruncate(fd, 3000), 0);
+  ASSERT_RC(vp_file_read_to_device(dev, fd, 0, 5000, base, 0), VP_ERANGE);
+  ASSERT_STR_CONTAINS(vp_last_error(), "past the end of the file");
+  ASSERT_STR_CONTAINS(vp_last_error(), "3000 bytes");
+  unsigned char back[3000];
+  ASSERT_OK(vp_file_read_to_device(dev, fd, 0, 3000, base, 0));
+  ASSERT_OK(vp_copy_to_host(dev, back, base, 3000, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(back, data, 3000);
+
+  /* Not a file that can be read at an offset. */
+  int p[2];
+  ASSERT_EQ_INT(pipe(p), 0);
+  ASSERT_FAILS(vp_file_read_to_device(dev, p[0], 0, 10, base, 0));
+  ASSERT_STR_CONTAINS(vp_last_error(), "failed");
+  close(p[0]);
+  close(p[1]);
+  /* A closed descriptor. */
+  int closed = dup(fd);
+  ASSERT_GE_INT(closed, 0);
+  close(closed);
+  ASSERT_RC(vp_file_read_to_device(dev, closed, 0, 10, base, 0), VP_EINVAL);
+  ASSERT_STR_CONTAINS(vp_last_error(), "fstat");
+
+  ASSERT_OK(vp_unpin(v, 0, ps, 0));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  rm_dir(dir);
+}
+
+/* Several threads read through the one ring of a device, each on its own
+ * stream into its own page. */
+typedef struct reader {
+  vp_device_t dev;
+  int fd;
+  const unsigned char *file;
+  uint64_t fsize, dst, room;
+  int seed;
+} reader_t;
+
+static void *reader_main(void *arg) {
+  reader_t *r = arg;
+  vp_stream_t s;
+  ASSERT_OK(vp_stream_create(r->dev, &s));
+  test_rng_t rng;
+  test_rng_seed(&rng, test_seed() + (uint64_t)r->seed);
+  unsigned char *back = malloc(r->room);
+  ASSERT_NOT_NULL(back);
+  uint64_t rounds = test_scale(40);
+  for (uint64_t i = 0; i < rounds; i++) {
+    uint64_t size = 1 + test_rand_below(&rng, r->room);
+    uint64_t off = test_rand_below(&rng, r->fsize - size + 1);
+    ASSERT_OK(vp_file_read_to_device(r->dev, r->fd, off, size, r->dst, s));
+    ASSERT_OK(vp_copy_to_host(r->dev, back, r->dst, size, s));
+    ASSERT_OK(vp_stream_synchronize(r->dev, s));
+    ASSERT_MEM_EQ(back, r->file + off, size);
+  }
+  free(back);
+  ASSERT_OK(vp_stream_destroy(r->dev, s));
+  return NULL;
+}
+
+TEST(fileio_threads, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_WORKER);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx);
+  char dir[64], path[128];
+  make_dir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  const uint64_t fsize = 100000;
+  unsigned char *file = malloc(fsize);
+  ASSERT_NOT_NULL(file);
+  test_pattern(file, fsize, 5);
+  write_file(path, file, fsize);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  enum { N = 4 };
+  vp_vbar_t v = test_vbar(dev, N * ps);
+  uint64_t base = test_vbar_base(v);
+  ASSERT_OK(vp_fault(v, 0, N * ps, NULL, 0));
+  reader_t r[N];
+  pthread_t t[N];
+  uint64_t room = ps < 40000 ? ps : 40000;
+  for (int i = 0; i < N; i++) {
+    r[i] = (reader_t){dev, fd, file, fsize, base + (uint64_t)i * ps, room, i};
+    ASSERT_EQ_INT(pthread_create(&t[i], NULL, reader_main, &r[i]), 0);
+  }
+  for (int i = 0; i < N; i++) pthread_join(t[i], NULL);
+  ASSERT_OK(vp_unpin(v, 0, N * ps, 0));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  free(file);
+  rm_dir(dir);
+}
+
+/* Closing the device with uploads still queued waits for them and frees
+ * the ring (LeakSanitizer checks the latter). */
+TEST(fileio_close_in_flight, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_WORKER);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx);
+  char dir[64], path[128];
+  make_dir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  unsigned char *file = malloc(ps);
+  ASSERT_NOT_NULL(file);
+  test_pattern(file, ps, 9);
+  write_file(path, file, ps);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  vp_vbar_t v = test_vbar(dev, ps);
+  vp_stream_t s;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_fault(v, 0, ps, NULL, 0));
+  ASSERT_OK(vp_file_read_to_device(dev, fd, 0, ps, test_vbar_base(v), s));
+  ASSERT_OK(vp_unpin(v, 0, ps, s));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  free(file);
+  rm_dir(dir);
+}
+
+/* The ring is per device: two devices read at the same time. */
+TEST(fileio_two_devices, TEST_SIM_ONLY) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_WORKER);
+  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx);
+  char dir[64], path[128];
+  make_dir(dir, sizeof dir);
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  unsigned char *file = malloc(ps);
+  ASSERT_NOT_NULL(file);
+  test_pattern(file, ps, 11);
+  write_file(path, file, ps);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  vp_vbar_t va = test_vbar(a, ps), vb = test_vbar(b, ps);
+  ASSERT_OK(vp_fault(va, 0, ps, NULL, 0));
+  ASSERT_OK(vp_fault(vb, 0, ps, NULL, 0));
+  read_and_check(a, fd, file, 0, ps, test_vbar_base(va), 0);
+  read_and_check(b, fd, file, 1, ps - 1, test_vbar_base(vb), 0);
+  /* A VBAR of the other device is not a destination. */
+  ASSERT_RC(vp_file_read_to_device(a, fd, 0, 10, test_vbar_base(vb), 0),
+            VP_ERANGE);
+  ASSERT_OK(vp_unpin(va, 0, ps, 0));
+  ASSERT_OK(vp_unpin(vb, 0, ps, 0));
+  ASSERT_OK(vp_device_close(a));
+  ASSERT_OK(vp_device_close(b));
+  close(fd);
+  free(file);
+  rm_dir(dir);
+}

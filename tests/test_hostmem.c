@@ -1,0 +1,551 @@
+/* Host buffers: allocation with address-stable growth, registration of the
+ * caller's memory, the pin budget and its pageable fallback, bad input,
+ * cleanup at device close, injected allocation failures, threads. */
+#include "test.h"
+#include "internal.h" /* vp__host_piece */
+
+#include <pthread.h>
+#include <unistd.h>
+
+#define KiB 1024ull
+#define MiB (1024ull * 1024)
+
+static uint64_t host_page(void) { return (uint64_t)sysconf(_SC_PAGESIZE); }
+static uint64_t round_page(uint64_t n) {
+  return (n + host_page() - 1) / host_page() * host_page();
+}
+
+static vp_hostbuf_info_t hb_info(vp_hostbuf_t hb) {
+  vp_hostbuf_info_t info;
+  memset(&info, 0xee, sizeof info);
+  ASSERT_OK(vp_hostbuf_info(hb, &info));
+  return info;
+}
+
+static bool all_zero(const uint8_t *p, uint64_t n) {
+  for (uint64_t i = 0; i < n; i++)
+    if (p[i]) return false;
+  return true;
+}
+
+/* The error message names the function (`fn`). */
+#define ASSERT_ERR(call, code, fn)                                             \
+  do {                                                                         \
+    ASSERT_RC(call, code);                                                     \
+    ASSERT_STR_CONTAINS(vp_last_error(), fn);                                  \
+  } while (0)
+
+/* Copy src -> a VBAR page -> dst (a fresh buffer when NULL); compare. */
+static void roundtrip_to(vp_device_t dev, const void *src, void *dst,
+                         uint64_t n) {
+  uint64_t ps = test_info(dev).page_size;
+  ASSERT_LE_U64(n, ps);
+  vp_vbar_t v = test_vbar(dev, ps);
+  ASSERT_OK(vp_fault(v, 0, ps, NULL, 0));
+  uint8_t *want = malloc(n), *back = dst ? dst : malloc(n);
+  ASSERT_NOT_NULL(want);
+  ASSERT_NOT_NULL(back);
+  memcpy(want, src, n);
+  ASSERT_OK(vp_copy_to_device(dev, test_vbar_base(v), src, n, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0)); /* src and dst may overlap */
+  if (dst) memset(dst, 0, n);
+  ASSERT_OK(vp_copy_to_host(dev, back, test_vbar_base(v), n, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(back, want, n);
+  if (!dst) free(back);
+  free(want);
+  ASSERT_OK(vp_unpin(v, 0, ps, 0));
+  ASSERT_OK(vp_vbar_destroy(v));
+}
+
+static void roundtrip(vp_device_t dev, const void *src, uint64_t n) {
+  roundtrip_to(dev, src, NULL, n);
+}
+
+TEST(hostbuf_alloc_grow, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  const uint64_t size = 100 * KiB + 123, max = 1 * MiB + 7;
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, max, &hb));
+  vp_hostbuf_info_t info = hb_info(hb);
+  uint8_t *p = info.ptr;
+  ASSERT_NOT_NULL(p);
+  ASSERT_EQ_U64((uintptr_t)p % host_page(), 0);
+  ASSERT_EQ_U64(info.size, size);
+  ASSERT_EQ_U64(info.max_size, max);
+  ASSERT_EQ_U64(info.pinned_bytes, size);
+  ASSERT_TRUE(all_zero(p, size));
+  vp_stats_t s = test_dev_stats(dev);
+  ASSERT_EQ_U64(s.host_pinned_bytes, round_page(size));
+  ASSERT_EQ_U64(s.pin_fallback_bytes, 0);
+
+  test_pattern(p, size, 1);
+  /* Bytes past the size in its last page: a grow zeroes them anyway. */
+  memset(p + size, 0x5a, round_page(size) - size);
+  const uint64_t size2 = 300 * KiB + 1;
+  ASSERT_OK(vp_hostbuf_grow(hb, size2));
+  info = hb_info(hb);
+  ASSERT_EQ_PTR(info.ptr, p);
+  ASSERT_EQ_U64(info.size, size2);
+  ASSERT_EQ_U64(info.pinned_bytes, size2);
+  uint8_t *want = malloc(max);
+  ASSERT_NOT_NULL(want);
+  test_pattern(want, size, 1);
+  ASSERT_MEM_EQ(p, want, size);
+  ASSERT_TRUE(all_zero(p + size, size2 - size));
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, round_page(size2));
+  /* A copy across the registration boundary of the grown part. */
+  test_pattern(p, size2, 9);
+  roundtrip(dev, p + round_page(size) - 1000, 2000);
+  test_pattern(p, size, 1);
+  memset(p + size, 0, size2 - size);
+
+  /* Growing within the committed last page, to the same size, to max. */
+  ASSERT_OK(vp_hostbuf_grow(hb, size2 + 1));
+  ASSERT_OK(vp_hostbuf_grow(hb, size2 + 1));
+  ASSERT_OK(vp_hostbuf_grow(hb, max));
+  info = hb_info(hb);
+  ASSERT_EQ_PTR(info.ptr, p);
+  ASSERT_EQ_U64(info.size, max);
+  ASSERT_EQ_U64(info.pinned_bytes, max);
+  ASSERT_MEM_EQ(p, want, size);
+  ASSERT_TRUE(all_zero(p + size, max - size));
+  test_pattern(p, max, 2); /* every byte up to max is writable */
+  test_pattern(want, max, 2);
+  ASSERT_MEM_EQ(p, want, max);
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, round_page(max));
+  ASSERT_RC(vp_hostbuf_grow(hb, max + 1), VP_ERANGE);
+
+  ASSERT_OK(vp_hostbuf_free(hb));
+  s = test_dev_stats(dev);
+  ASSERT_EQ_U64(s.host_pinned_bytes, 0);
+  ASSERT_EQ_U64(s.pin_fallback_bytes, 0);
+  free(want);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* A fixed-size buffer (size == max_size) and many small grows. */
+TEST(hostbuf_many_grows, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  vp_hostbuf_t fixed, hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 1, 1, &fixed));
+  ASSERT_EQ_U64(hb_info(fixed).pinned_bytes, 1);
+  ASSERT_RC(vp_hostbuf_grow(fixed, 2), VP_ERANGE);
+  const uint64_t step = host_page() + 17;
+  const int n = 40;
+  ASSERT_OK(vp_hostbuf_alloc(dev, step, n * step, &hb));
+  uint8_t *p = hb_info(hb).ptr;
+  for (int i = 1; i <= n; i++) {
+    if (i > 1) ASSERT_OK(vp_hostbuf_grow(hb, (uint64_t)i * step));
+    memset(p + (uint64_t)(i - 1) * step, i, step);
+  }
+  for (int i = 1; i <= n; i++) {
+    const uint8_t *q = p + (uint64_t)(i - 1) * step;
+    ASSERT_EQ_INT(q[0], i);
+    ASSERT_EQ_INT(q[step - 1], i);
+  }
+  vp_hostbuf_info_t info = hb_info(hb);
+  ASSERT_EQ_PTR(info.ptr, p);
+  ASSERT_EQ_U64(info.pinned_bytes, n * step);
+  /* Copies across many registration chunks, both ways (CUDA refuses one
+   * copy over two registrations: the library splits it). */
+  uint64_t span = n * step / 2 - 64;
+  if (span > test_page_size(ctx)) span = test_page_size(ctx);
+  test_pattern(p, n * step, 8);
+  roundtrip_to(dev, p + 5, p + n * step / 2, span);
+  roundtrip_to(dev, p + 5, NULL, span);
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_hostbuf_free(fixed));
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+TEST(hostbuf_register, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  const uint64_t size = 256 * KiB + 5;
+  uint8_t *mem = malloc(size), *want = malloc(size);
+  ASSERT_NOT_NULL(mem);
+  ASSERT_NOT_NULL(want);
+  test_pattern(mem, size, 3);
+  memcpy(want, mem, size);
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_register(dev, mem, size, &hb));
+  vp_hostbuf_info_t info = hb_info(hb);
+  ASSERT_EQ_PTR(info.ptr, mem);
+  ASSERT_EQ_U64(info.size, size);
+  ASSERT_EQ_U64(info.max_size, size);
+  ASSERT_EQ_U64(info.pinned_bytes, size);
+  ASSERT_MEM_EQ(mem, want, size); /* registering keeps the contents */
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, size);
+  /* The caller's memory cannot grow. */
+  ASSERT_ERR(vp_hostbuf_grow(hb, size + 1), VP_EINVAL, "vp_hostbuf_grow");
+  ASSERT_OK(vp_hostbuf_grow(hb, size)); /* no change is fine */
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  /* Still the caller's: readable, writable, unchanged. */
+  ASSERT_MEM_EQ(mem, want, size);
+  memset(mem, 1, size);
+  free(mem);
+  free(want);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+TEST(hostbuf_pin_budget_fallback, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  const uint64_t size = 64 * KiB + 3;
+  vp_hostbuf_t a, b, c, r;
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, 4 * size, &a));
+  ASSERT_EQ_U64(hb_info(a).pinned_bytes, size);
+  uint64_t pinned0 = test_dev_stats(dev).host_pinned_bytes;
+  ASSERT_EQ_U64(pinned0, round_page(size));
+
+  /* A tiny budget: later buffers stay pageable, earlier ones stay pinned. */
+  ASSERT_OK(vp_device_set_pin_budget(dev, 1));
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, size, &b));
+  vp_hostbuf_info_t info = hb_info(b);
+  ASSERT_EQ_U64(info.size, size);
+  ASSERT_EQ_U64(info.pinned_bytes, 0);
+  vp_stats_t s = test_dev_stats(dev);
+  ASSERT_EQ_U64(s.pin_fallback_bytes, round_page(size));
+  ASSERT_EQ_U64(s.host_pinned_bytes, pinned0);
+  /* The grown part of a pinned buffer falls back too. */
+  ASSERT_OK(vp_hostbuf_grow(a, 3 * size));
+  info = hb_info(a);
+  ASSERT_EQ_U64(info.pinned_bytes, round_page(size));
+  s = test_dev_stats(dev);
+  ASSERT_EQ_U64(s.pin_fallback_bytes, round_page(size) + round_page(3 * size) -
+                                          round_page(size));
+  ASSERT_EQ_U64(s.host_pinned_bytes, pinned0);
+  /* Registered memory as well. */
+  uint8_t *mem = malloc(size);
+  ASSERT_NOT_NULL(mem);
+  test_pattern(mem, size, 5);
+  ASSERT_OK(vp_hostbuf_register(dev, mem, size, &r));
+  ASSERT_EQ_U64(hb_info(r).pinned_bytes, 0);
+  uint64_t fallback = test_dev_stats(dev).pin_fallback_bytes;
+
+  /* Pageable buffers still work as copy sources. */
+  uint8_t *pb = hb_info(b).ptr;
+  test_pattern(pb, size, 4);
+  roundtrip(dev, pb, size < test_page_size(ctx) ? size : test_page_size(ctx));
+  roundtrip(dev, mem, size < test_page_size(ctx) ? size : test_page_size(ctx));
+  uint8_t *pa = hb_info(a).ptr;
+  test_pattern(pa, 3 * size, 6);
+  roundtrip(dev, pa + size, 2 * size < test_page_size(ctx)
+                                ? 2 * size
+                                : test_page_size(ctx));
+
+  /* A budget that holds exactly one more page-rounded buffer. */
+  ASSERT_OK(vp_hostbuf_free(b));
+  ASSERT_OK(vp_device_set_pin_budget(dev, pinned0 + round_page(size)));
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, size, &b));
+  ASSERT_EQ_U64(hb_info(b).pinned_bytes, size);
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, size, &c));
+  ASSERT_EQ_U64(hb_info(c).pinned_bytes, 0);
+  ASSERT_EQ_U64(test_dev_stats(dev).pin_fallback_bytes,
+                fallback + round_page(size));
+  /* Freeing pinned memory gives budget back. */
+  ASSERT_OK(vp_hostbuf_free(b));
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, size, &b));
+  ASSERT_EQ_U64(hb_info(b).pinned_bytes, size);
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes,
+                pinned0 + round_page(size));
+
+  ASSERT_OK(vp_hostbuf_free(a));
+  ASSERT_OK(vp_hostbuf_free(b));
+  ASSERT_OK(vp_hostbuf_free(c));
+  ASSERT_OK(vp_hostbuf_free(r));
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  free(mem);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* opts.pin_budget applies from open. */
+TEST(hostbuf_pin_budget_option, TEST_ALL_BACKENDS) {
+  vp_options_t opts;
+  test_options(ctx, &opts);
+  opts.pin_budget = 2 * host_page();
+  vp_device_t dev = test_open(ctx, &opts);
+  vp_hostbuf_t a, b;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 2 * host_page(), 8 * host_page(), &a));
+  ASSERT_EQ_U64(hb_info(a).pinned_bytes, 2 * host_page());
+  ASSERT_OK(vp_hostbuf_grow(a, 3 * host_page()));
+  ASSERT_EQ_U64(hb_info(a).pinned_bytes, 2 * host_page());
+  ASSERT_OK(vp_hostbuf_alloc(dev, 1, 1, &b));
+  ASSERT_EQ_U64(hb_info(b).pinned_bytes, 0);
+  vp_stats_t s = test_dev_stats(dev);
+  ASSERT_EQ_U64(s.host_pinned_bytes, 2 * host_page());
+  ASSERT_EQ_U64(s.pin_fallback_bytes, 2 * host_page());
+  /* Raising the budget affects later pinning only. */
+  ASSERT_OK(vp_device_set_pin_budget(dev, 1ull << 40));
+  ASSERT_EQ_U64(hb_info(a).pinned_bytes, 2 * host_page());
+  ASSERT_OK(vp_hostbuf_grow(a, 4 * host_page()));
+  ASSERT_EQ_U64(hb_info(a).pinned_bytes, 3 * host_page());
+  ASSERT_OK(vp_device_close(dev)); /* frees both */
+}
+
+TEST(hostbuf_bad_input, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  vp_hostbuf_t hb = {123}, bad = {0};
+  vp_hostbuf_info_t info;
+  int x = 0;
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 1, 1, NULL), VP_EINVAL, "vp_hostbuf_alloc");
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 0, 10, &hb), VP_EINVAL, "vp_hostbuf_alloc");
+  ASSERT_EQ_U64(hb.id, 0); /* out is cleared on failure */
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 0, 0, &hb), VP_EINVAL, "size is 0");
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 11, 10, &hb), VP_EINVAL, "max_size 10");
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 1, UINT64_MAX, &hb), VP_ENOMEM,
+             "vp_hostbuf_alloc");
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 1, 1ull << 62, &hb), VP_ENOMEM,
+             "vp_hostbuf_alloc");
+  ASSERT_ERR(vp_hostbuf_alloc((vp_device_t){0x4242}, 1, 1, &hb), VP_EHANDLE,
+             "vp_hostbuf_alloc");
+  ASSERT_ERR(vp_hostbuf_register(dev, NULL, 4, &hb), VP_EINVAL,
+             "vp_hostbuf_register");
+  ASSERT_ERR(vp_hostbuf_register(dev, &x, 0, &hb), VP_EINVAL,
+             "vp_hostbuf_register");
+  ASSERT_ERR(vp_hostbuf_register(dev, &x, sizeof x, NULL), VP_EINVAL,
+             "vp_hostbuf_register");
+  ASSERT_ERR(vp_hostbuf_register(dev, (void *)(uintptr_t)-16, 64, &hb),
+             VP_EINVAL, "wraps");
+  ASSERT_ERR(vp_hostbuf_register((vp_device_t){0}, &x, sizeof x, &hb),
+             VP_EHANDLE, "vp_hostbuf_register");
+  ASSERT_ERR(vp_device_set_pin_budget((vp_device_t){0x4242}, 1), VP_EHANDLE,
+             "vp_device_set_pin_budget");
+  /* Never-created handles. */
+  ASSERT_ERR(vp_hostbuf_info(bad, &info), VP_EHANDLE, "vp_hostbuf_info");
+  ASSERT_ERR(vp_hostbuf_grow(bad, 1), VP_EHANDLE, "vp_hostbuf_grow");
+  ASSERT_ERR(vp_hostbuf_free(bad), VP_EHANDLE, "vp_hostbuf_free");
+  ASSERT_ERR(vp_hostbuf_free((vp_hostbuf_t){dev.id}), VP_EHANDLE,
+             "vp_hostbuf_free");
+
+  ASSERT_OK(vp_hostbuf_alloc(dev, 100, 1000, &hb));
+  ASSERT_ERR(vp_hostbuf_info(hb, NULL), VP_EINVAL, "vp_hostbuf_info");
+  ASSERT_ERR(vp_hostbuf_grow(hb, 99), VP_EINVAL, "99");
+  ASSERT_ERR(vp_hostbuf_grow(hb, 1001), VP_ERANGE, "1001");
+  ASSERT_EQ_U64(hb_info(hb).size, 100); /* nothing changed */
+  /* A VBAR handle is not a host buffer, and the other way round. */
+  vp_vbar_t v = test_vbar(dev, test_page_size(ctx));
+  ASSERT_ERR(vp_hostbuf_free((vp_hostbuf_t){v.id}), VP_EHANDLE,
+             "vp_hostbuf_free");
+  ASSERT_RC(vp_vbar_destroy((vp_vbar_t){hb.id}), VP_EHANDLE);
+  ASSERT_OK(vp_vbar_destroy(v));
+  /* A handle of another device. */
+  vp_device_t dev2 = test_open(ctx, NULL);
+  vp_hostbuf_t other;
+  ASSERT_OK(vp_hostbuf_alloc(dev2, 10, 10, &other));
+  ASSERT_OK(vp_device_close(dev2));
+  ASSERT_ERR(vp_hostbuf_info(other, &info), VP_EHANDLE, "vp_hostbuf_info");
+  ASSERT_ERR(vp_hostbuf_free(other), VP_EHANDLE, "vp_hostbuf_free");
+  /* Stale: freed, then every call, and a double free. */
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_ERR(vp_hostbuf_info(hb, &info), VP_EHANDLE, "vp_hostbuf_info");
+  ASSERT_ERR(vp_hostbuf_grow(hb, 200), VP_EHANDLE, "vp_hostbuf_grow");
+  ASSERT_ERR(vp_hostbuf_free(hb), VP_EHANDLE, "vp_hostbuf_free");
+  /* A new buffer in the reused slot does not revive the old handle. */
+  vp_hostbuf_t again;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 100, 100, &again));
+  ASSERT_NE_U64(again.id, hb.id);
+  ASSERT_ERR(vp_hostbuf_free(hb), VP_EHANDLE, "vp_hostbuf_free");
+  ASSERT_OK(vp_hostbuf_free(again));
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  ASSERT_OK(vp_device_close(dev));
+  /* A closed device. */
+  ASSERT_ERR(vp_hostbuf_alloc(dev, 1, 1, &hb), VP_EHANDLE, "vp_hostbuf_alloc");
+  ASSERT_ERR(vp_device_set_pin_budget(dev, 1), VP_EHANDLE,
+             "vp_device_set_pin_budget");
+}
+
+/* Host buffers left open are freed by close (LeakSanitizer checks in the
+ * ASan run); registered memory stays the caller's. */
+TEST(hostbuf_close_frees, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  vp_hostbuf_t a, b, c;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 10 * KiB, 1 * MiB, &a));
+  ASSERT_OK(vp_hostbuf_grow(a, 500 * KiB));
+  ASSERT_OK(vp_hostbuf_alloc(dev, 1, 1, &b));
+  uint8_t *mem = malloc(64 * KiB);
+  ASSERT_NOT_NULL(mem);
+  ASSERT_OK(vp_hostbuf_register(dev, mem, 64 * KiB, &c));
+  ASSERT_GT_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  ASSERT_OK(vp_device_close(dev));
+  ASSERT_RC(vp_hostbuf_info(a, &(vp_hostbuf_info_t){0}), VP_EHANDLE);
+  ASSERT_RC(vp_hostbuf_free(c), VP_EHANDLE);
+  memset(mem, 7, 64 * KiB);
+  free(mem);
+}
+
+/* VmSize in bytes: an unmapped reservation would show here. */
+static uint64_t vm_size(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  ASSERT_NOT_NULL(f);
+  char line[256];
+  uint64_t kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmSize: %" SCNu64, &kb) == 1) break;
+  fclose(f);
+  ASSERT_GT_U64(kb, 0);
+  return kb * 1024;
+}
+
+/* One rung: open, alloc, grow, register, free, close with the nth failable
+ * call failing. Returns true when nothing failed. */
+static bool hostbuf_rung(test_ctx_t *ctx, int64_t nth, void *mem,
+                         uint64_t reserve) {
+  vp_options_t opts;
+  test_options(ctx, &opts);
+  opts.sim_fail_nth = nth;
+  vp_device_t dev;
+  if (vp_device_open(&opts, &dev) != VP_OK) return false;
+  bool clean = true;
+  vp_hostbuf_t a, r;
+  int rc = vp_hostbuf_alloc(dev, 3 * host_page(), reserve, &a);
+  if (rc) {
+    ASSERT_RC(rc, VP_ENOMEM);
+    ASSERT_TRUE(vp_last_error()[0] != '\0');
+    ASSERT_EQ_U64(a.id, 0);
+    clean = false;
+  } else {
+    vp_hostbuf_info_t info = hb_info(a);
+    clean &= info.pinned_bytes == info.size;
+    for (uint64_t n = 4; n <= 12 && rc == VP_OK; n += 4) {
+      rc = vp_hostbuf_grow(a, n * host_page());
+      if (rc) {
+        ASSERT_RC2(rc, VP_ENOMEM, VP_EDEVICE);
+        ASSERT_TRUE(vp_last_error()[0] != '\0');
+        clean = false;
+      }
+    }
+    info = hb_info(a);
+    clean &= info.pinned_bytes == info.size;
+    ASSERT_TRUE(all_zero(info.ptr, info.size));
+    ASSERT_OK(vp_hostbuf_free(a));
+  }
+  rc = vp_hostbuf_register(dev, mem, 8 * KiB, &r);
+  if (rc) {
+    ASSERT_RC2(rc, VP_ENOMEM, VP_EDEVICE);
+    clean = false;
+  } else {
+    clean &= hb_info(r).pinned_bytes == 8 * KiB;
+    ASSERT_OK(vp_hostbuf_free(r));
+  }
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  ASSERT_OK(vp_device_close(dev));
+  return clean;
+}
+
+/* Every failable step of alloc, grow and register fails once: a clean
+ * error or a pageable fallback, never a leak (LeakSanitizer) or a mapping
+ * left behind (VmSize). */
+TEST(hostbuf_inject_walk, TEST_SIM_ONLY) {
+  const uint64_t reserve = 1ull << 30; /* large, so a leak shows in VmSize */
+  uint8_t *mem = malloc(8 * KiB);
+  ASSERT_NOT_NULL(mem);
+  hostbuf_rung(ctx, 0, mem, reserve); /* warm up lazy allocations */
+  uint64_t vm0 = vm_size();
+  int clean = 0;
+  int64_t nth;
+  for (nth = 1; nth < 500 && clean < 4; nth++) {
+    test_note("sim_fail_nth %" PRId64, nth);
+    clean = hostbuf_rung(ctx, nth, mem, reserve) ? clean + 1 : 0;
+    ASSERT_LT_U64(vm_size(), vm0 + reserve / 2);
+  }
+  ASSERT_LT_INT(nth, 500);
+  free(mem);
+}
+
+/* Threads allocating, growing, registering and freeing on one device while
+ * the budget changes and VBAR pages fault: registration runs with the
+ * device lock dropped, so TSan checks the hand-over. */
+typedef struct hb_thread {
+  vp_device_t dev;
+  vp_hostbuf_t shared;
+  int seed;
+} hb_thread_t;
+
+static void *hb_worker(void *arg) {
+  hb_thread_t *t = arg;
+  uint64_t pg = host_page();
+  uint8_t *mem = malloc(4 * pg);
+  ASSERT_NOT_NULL(mem);
+  for (uint64_t i = 0; i < test_scale(200); i++) {
+    vp_hostbuf_t hb, r;
+    ASSERT_OK(vp_hostbuf_alloc(t->dev, pg, 8 * pg, &hb));
+    uint8_t *p = hb_info(hb).ptr;
+    p[0] = (uint8_t)t->seed;
+    ASSERT_OK(vp_hostbuf_grow(hb, pg + (i % 8) * pg - i % 2));
+    ASSERT_EQ_INT(p[0], (uint8_t)t->seed);
+    ASSERT_OK(vp_hostbuf_register(t->dev, mem, 4 * pg, &r));
+    /* The shared buffer: grows race; EBUSY or EINVAL (another grew it
+     * further) are the only refusals. */
+    int rc = vp_hostbuf_grow(t->shared, (i % 64 + 1) * pg);
+    if (rc != VP_OK && rc != VP_EBUSY) ASSERT_RC(rc, VP_EINVAL);
+    if (i % 16 == 0)
+      ASSERT_OK(vp_device_set_pin_budget(t->dev,
+                                         (i & 16) ? 4 * pg : 1ull << 40));
+    ASSERT_OK(vp_hostbuf_free(r));
+    ASSERT_OK(vp_hostbuf_free(hb));
+  }
+  free(mem);
+  return NULL;
+}
+
+TEST(hostbuf_threads, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  uint64_t ps = test_page_size(ctx);
+  vp_hostbuf_t shared;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 1, 64 * host_page(), &shared));
+  enum { N = 4 };
+  hb_thread_t t[N];
+  pthread_t th[N];
+  for (int i = 0; i < N; i++) {
+    t[i] = (hb_thread_t){dev, shared, i + 1};
+    ASSERT_EQ_INT(pthread_create(&th[i], NULL, hb_worker, &t[i]), 0);
+  }
+  vp_vbar_t v = test_vbar(dev, 2 * ps);
+  for (uint64_t i = 0; i < test_scale(200); i++) {
+    ASSERT_OK(vp_fault(v, (i % 2) * ps, ps, NULL, 0));
+    ASSERT_OK(vp_unpin(v, (i % 2) * ps, ps, 0));
+  }
+  for (int i = 0; i < N; i++) ASSERT_EQ_INT(pthread_join(th[i], NULL), 0);
+  vp_hostbuf_info_t info = hb_info(shared);
+  ASSERT_GE_U64(info.size, host_page());
+  ASSERT_LE_U64(info.size, 64 * host_page());
+  ASSERT_LE_U64(info.pinned_bytes, info.size);
+  ASSERT_TRUE(all_zero(info.ptr, info.size));
+  ASSERT_OK(vp_hostbuf_free(shared));
+  ASSERT_EQ_U64(test_dev_stats(dev).host_pinned_bytes, 0);
+  ASSERT_OK(vp_vbar_destroy(v));
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Where copies are split: at every chunk edge of every host buffer, and
+ * nowhere else (internal helper; the device lock is not needed here, as no
+ * other thread runs). */
+TEST(hostbuf_copy_pieces, TEST_SIM_ONLY) {
+  vp_device_t dev = test_open(ctx, NULL);
+  vp__device_t *d = vp__registry_get(dev.id);
+  ASSERT_NOT_NULL(d);
+  const uint64_t pg = host_page();
+  vp_hostbuf_t hb, r;
+  ASSERT_OK(vp_hostbuf_alloc(dev, pg, 4 * pg, &hb));
+  ASSERT_OK(vp_hostbuf_grow(hb, 2 * pg + 1)); /* chunks [0, pg), [pg, 3pg) */
+  uint8_t *p = hb_info(hb).ptr;
+  ASSERT_EQ_U64(vp__host_piece(d, p, 3 * pg), pg);
+  ASSERT_EQ_U64(vp__host_piece(d, p + 10, 3 * pg), pg - 10);
+  ASSERT_EQ_U64(vp__host_piece(d, p + 10, 20), 20);
+  ASSERT_EQ_U64(vp__host_piece(d, p + pg, 5 * pg), 2 * pg);
+  ASSERT_EQ_U64(vp__host_piece(d, p + 3 * pg - 1, 5 * pg), 1);
+  ASSERT_EQ_U64(vp__host_piece(d, p - 100, 1000), 100);
+  uint8_t *mem = malloc(3 * pg), other[64];
+  ASSERT_NOT_NULL(mem);
+  ASSERT_OK(vp_hostbuf_register(dev, mem + 7, 2 * pg, &r));
+  ASSERT_EQ_U64(vp__host_piece(d, mem, 3 * pg), 7);
+  ASSERT_EQ_U64(vp__host_piece(d, mem + 8, 3 * pg - 8), 2 * pg - 1);
+  ASSERT_EQ_U64(vp__host_piece(d, other, sizeof other), sizeof other);
+  /* A freed buffer no longer splits. */
+  ASSERT_OK(vp_hostbuf_free(r));
+  ASSERT_EQ_U64(vp__host_piece(d, mem, 3 * pg), 3 * pg);
+  free(mem);
+  ASSERT_OK(vp_device_close(dev));
+}
