@@ -72,8 +72,15 @@ check-abi:
 	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
 
+# The Python binding's tests, on the simulated device (no torch needed).
+PYTHON ?= python3
+check-python: $(BUILD)/libvpager.so
+	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	  $(PYTHON) tests/python/test_binding.py
+
 check: check-abi
 	$(MAKE) test
+	$(MAKE) check-python
 	$(MAKE) test SAN=address,undefined OPT=-O1
 	$(MAKE) test SAN=thread OPT=-O1
 
@@ -102,5 +109,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-abi check-exports demo bench install clean
+.PHONY: all test check check-abi check-exports check-python demo bench install clean
 .SECONDARY:

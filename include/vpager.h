@@ -211,8 +211,9 @@ VP_API int vp_stream_destroy(vp_device_t dev, vp_stream_t stream);
 VP_API int vp_stream_synchronize(vp_device_t dev, vp_stream_t stream);
 /* Copy host memory into pinned pages of a VBAR, in stream order. The
  * destination range must lie in one VBAR and be pinned by the caller
- * (VP_ENOTPINNED otherwise): an unpinned page could be evicted first. The
- * source must stay valid until the stream reaches the copy. */
+ * (VP_ENOTPINNED otherwise): an unpinned page could be evicted first; or
+ * in a staging slot of an acquired weight (to fill a VP_ACQUIRED_EMPTY
+ * one). The source must stay valid until the stream reaches the copy. */
 VP_API int vp_copy_to_device(vp_device_t dev, uint64_t dst_addr,
                              const void *src, uint64_t size,
                              vp_stream_t stream);
@@ -394,7 +395,8 @@ VP_API int vp_acquire(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream, uint64_t *ptrs, uint8_t *flags);
 /* End the use of n acquired weights: work queued on `stream` so far may
  * still read them; their pages and staging slots are reused only after it
- * completes. */
+ * completes. Release on the stream the weight was acquired on. Close a
+ * device only after the streams that use its acquired weights are done. */
 VP_API int vp_release(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream);
 /* Change the prefetch lookahead (bytes; 0 = off). */
@@ -468,10 +470,10 @@ VP_API int vp_st_drop_pages(vp_st_t st);
   X(budget_polls, "device free-memory polls")                                  \
   X(bytes_copied, "bytes copied by vp_copy_*")                                 \
   X(acquires, "weights acquired")                                              \
-  X(weight_fills, "weights filled into their pages from the source")           \
-  X(weight_staged, "weights streamed through the staging ring")                \
-  X(fill_bytes, "bytes copied into VBAR pages from sources")                   \
-  X(staged_bytes, "bytes copied into the staging ring")                        \
+  X(weight_fills, "weights filled in place by an acquire")                     \
+  X(weight_staged, "weights staged by an acquire")                             \
+  X(fill_bytes, "bytes an acquire copied into VBAR pages")                     \
+  X(staged_bytes, "bytes an acquire copied into the staging ring")             \
   X(copies, "host-to-device copies issued (after merging)")                    \
   X(stream_waits, "caller streams made to wait for the copy stream")           \
   X(prefetch_bytes, "bytes prefetched ahead of need")                          \

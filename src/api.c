@@ -224,6 +224,10 @@ int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size,
     VP__COUNT(vb, bytes_copied, size);
     return VP_OK;
   }
+  if (vp__staging_holds(dev, addr, size)) {
+    dev->stats.bytes_copied += size;
+    return VP_OK;
+  }
   return vp__err(VP_ERANGE, "%s: 0x%llx is in no VBAR of this device", fn,
                  ULL(addr));
 }

@@ -196,6 +196,7 @@ uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size);
 
 /* stream.c */
 int vp__copy_stream(vp__device_t *dev, vp_stream_t *out);
+bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size);
 void vp__weights_drop_vbar(vp__vbar_t *vb); /* its weights, at destroy */
 void vp__stream_close(vp__device_t *dev);
 

@@ -33,6 +33,7 @@ typedef struct vp__weight {
   uint32_t acq_staged;    /* acquires holding its staging slot */
   vp__slot_t *slot;       /* staged copy, if any (acquired, cached or
                              prefetched) */
+  vp_stream_t staged_on;  /* stream of the latest staged acquire */
   vp__fence_t *copy_fence; /* copy stream fence of its last fill, until seen
                               complete */
   bool prefetched;        /* its fill or slot came from prefetch, unused */
@@ -504,6 +505,7 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
       VP__COUNT(w->vb, fill_bytes, w->size);
     }
     gens_take(w);
+    if (w->prefetched) dev->stats.prefetch_dropped_bytes += w->size;
     w->prefetched = false;
   } else if (w->prefetched) {
     f |= VP_ACQUIRED_COPIED;
@@ -519,7 +521,8 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
 /* Use w from the staging ring: its slot if it still has one, else a new
  * slot filled from the source. */
 static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
-                          uint64_t *ptr, uint8_t *flags, bool *wait) {
+                          vp_stream_t stream, uint64_t *ptr, uint8_t *flags,
+                          bool *wait) {
   uint8_t f = VP_ACQUIRED_STAGED;
   vp__slot_t *s = w->slot;
   if (s) {
@@ -551,13 +554,15 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
   s->refs++;
   s->used = ++dev->staging->clock;
   w->acq_staged++;
+  w->staged_on = stream;
   *ptr = slot_addr(dev, s);
   *flags = f;
   return VP_OK;
 }
 
 static int acquire_one(vp__device_t *dev, vp__weight_t *w, batch_t *b,
-                       uint64_t *ptr, uint8_t *flags, bool *wait) {
+                       vp_stream_t stream, uint64_t *ptr, uint8_t *flags,
+                       bool *wait) {
   VP__COUNT(w->vb, acquires, 1);
   int rc = vp__fault(w->vb, w->p0, w->p1, NULL);
   if (rc == VP_OK) {
@@ -566,7 +571,7 @@ static int acquire_one(vp__device_t *dev, vp__weight_t *w, batch_t *b,
     return rc;
   }
   if (rc != VP_MISS) return rc;
-  return acquire_staged(dev, w, b, ptr, flags, wait);
+  return acquire_staged(dev, w, b, stream, ptr, flags, wait);
 }
 
 /* Undo the first n acquires of a failed vp_acquire. Copies already listed
@@ -624,7 +629,7 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   int rc = VP_OK;
   for (i = 0; i < n && rc == VP_OK; i++) {
     uint8_t f = 0;
-    rc = acquire_one(dev, ws[i], &b, &ptrs[i], &f, &wait);
+    rc = acquire_one(dev, ws[i], &b, stream, &ptrs[i], &f, &wait);
     if (flags) flags[i] = f;
     if (rc == VP_OK) ws[i]->vb->acquired++;
   }
@@ -685,22 +690,31 @@ static int slot_order_after(vp__device_t *dev, vp__slot_t *s,
   return VP_OK;
 }
 
+/* Which hold a release on `stream` ends when w is held both staged and in
+ * place: the staged one if it was taken on this stream (or is all there
+ * is), so each fence covers the readers of what it releases. */
+static bool releases_staged(const vp__weight_t *w, vp_stream_t stream) {
+  return w->acq_staged && (!w->acq_resident || w->staged_on == stream);
+}
+
 static int release_check(vp__weight_t **ws, size_t n, vp_stream_t stream) {
   for (size_t i = 0; i < n; i++) {
     vp__weight_t *w = ws[i];
     if (!w->acq_resident && !w->acq_staged)
       return vp__err(VP_ENOTPINNED, "vp_release: weights[%zu] is not "
                      "acquired", i);
-    int rc = w->acq_staged ? slot_order_after(w->vb->dev, w->slot, stream)
-                           : vp__order_after(w->vb, w->p0, w->p1, stream);
+    int rc = releases_staged(w, stream)
+                 ? slot_order_after(w->vb->dev, w->slot, stream)
+                 : vp__order_after(w->vb, w->p0, w->p1, stream);
     if (rc) return rc;
   }
   return VP_OK;
 }
 
-static void release_one(vp__device_t *dev, vp__weight_t *w, vp__fence_t *f) {
+static void release_one(vp__device_t *dev, vp__weight_t *w, vp__fence_t *f,
+                        vp_stream_t stream) {
   w->vb->acquired--;
-  if (w->acq_staged) {
+  if (releases_staged(w, stream)) {
     vp__slot_t *s = w->slot;
     w->acq_staged--;
     s->refs--;
@@ -728,7 +742,7 @@ int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
     if ((rc = weights_find(dev, w, n, ws, "vp_release")) == VP_OK &&
         (rc = release_check(ws, n, stream)) == VP_OK &&
         (rc = vp__fence_get(dev, stream, &f)) == VP_OK) {
-      for (size_t i = 0; i < n; i++) release_one(dev, ws[i], f);
+      for (size_t i = 0; i < n; i++) release_one(dev, ws[i], f, stream);
       vp__fence_put(dev, f);
     }
     vp__unlock(dev, rc);
@@ -850,4 +864,19 @@ void vp__stream_close(vp__device_t *dev) {
   if (dev->copy_stream) dev->be->stream_destroy(dev->ctx, dev->copy_stream);
   dev->copy_stream = 0;
   vp__table_free(&dev->weights);
+}
+
+/* True if [addr, +size) lies in a staging slot an acquire holds (the
+ * caller may fill or read it, as for VP_ACQUIRED_EMPTY). */
+bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size) {
+  vp__staging_t *st = dev->staging;
+  if (!st || addr < st->vb->va) return false;
+  uint64_t off = addr - st->vb->va;
+  for (size_t k = 0; k < st->n; k++) {
+    const vp__slot_t *s = st->slots[k];
+    if (s->refs && off >= s->off && off - s->off <= s->size &&
+        size <= s->size - (off - s->off))
+      return true;
+  }
+  return false;
 }

@@ -151,8 +151,10 @@ static void launch_check(vp_device_t dev, vp_stream_t s, uint64_t ptr,
 
 static void checks_expect_clean(vp_device_t dev, vp_stream_t s, checks_t *c) {
   ASSERT_OK(vp_stream_synchronize(dev, s));
-  ASSERT_EQ_U64(atomic_load(&c->runs), atomic_load(&c->launched));
-  ASSERT_EQ_U64(atomic_load(&c->fails), 0);
+  uint64_t runs = atomic_load(&c->runs), launched = atomic_load(&c->launched);
+  uint64_t wrong = atomic_load(&c->fails);
+  ASSERT_EQ_U64(runs, launched);
+  ASSERT_EQ_U64(wrong, 0); /* kernels that saw wrong bytes */
 }
 
 /* Read back an acquired resident weight (pinned) on `s` and compare. */
@@ -418,7 +420,7 @@ static void integrity_run(test_ctx_t *ctx, int sim_streams, uint64_t seed) {
   held_t held[2];
   memset(held, 0, sizeof held);
   size_t nheld = 0, cursor[2] = {0, 0};
-  uint64_t steps = test_scale(1500), acquired = 0, shared = 0, elimits = 0;
+  uint64_t steps = test_scale(1500), acquired = 0, shared = 0;
   for (uint64_t step = 0; step < steps; step++) {
     test_note("seed %" PRIu64 ", %s streams, step %" PRIu64, seed,
               sim_streams == VP_SIM_WORKER ? "worker" : "sync", step);
@@ -471,15 +473,9 @@ static void integrity_run(test_ctx_t *ctx, int sim_streams, uint64_t seed) {
       }
       vp_weight_t ws[4];
       for (size_t j = 0; j < h.n; j++) ws[j] = m[h.vb[j]].w[h.idx[j]];
-      int arc = vp_acquire(dev, ws, h.n, s, h.ptr, h.fl);
-      if (arc == VP_ELIMIT) {
-        /* The FIFO ring can be blocked by an old held slot (see
-         * stream_ring_held_oldest_slot); nothing of the call is kept. */
-        ASSERT_STR_CONTAINS(vp_last_error(), "staging_size");
-        elimits++;
-        continue;
-      }
-      ASSERT_OK(arc);
+      /* At most two layers (8 weights of <= ps/3) are held, so however
+       * they lie in the 6-page ring a gap of ps/3 is left: no VP_ELIMIT. */
+      ASSERT_OK(vp_acquire(dev, ws, h.n, s, h.ptr, h.fl));
       acquired += h.n;
       for (size_t j = 0; j < h.n; j++) {
         model_t *wm = &m[h.vb[j]];
@@ -537,11 +533,9 @@ static void integrity_run(test_ctx_t *ctx, int sim_streams, uint64_t seed) {
   }
   if (sim) checks_expect_clean(dev, s, &c);
   vp_stats_t st = dstats(dev);
-  if (!elimits) ASSERT_EQ_U64(st.acquires, acquired + 1 + 2 * m[1].n);
-  ASSERT_LE_U64(elimits, steps / 20);
+  ASSERT_EQ_U64(st.acquires, acquired + 1 + 2 * m[1].n);
   ASSERT_GT_U64(st.weight_staged, 1);
   ASSERT_GT_U64(st.weight_fills, 0);
-  test_log("%" PRIu64 " acquires refused with VP_ELIMIT", elimits);
   test_log("%s: %" PRIu64 " acquires (%" PRIu64 " shared), staged %" PRIu64
            ", fills %" PRIu64 ", copies %" PRIu64 ", ring waits %" PRIu64
            ", evicted %" PRIu64,
@@ -574,6 +568,9 @@ typedef struct slow {
   atomic_int done;
   atomic_int ok; /* 1 = the bytes matched */
 } slow_t;
+
+static bool slow_ok(slow_t *k) { return atomic_load(&k->ok) == 1; }
+static bool slow_done(slow_t *k) { return atomic_load(&k->done) == 1; }
 
 static void slow_fn(void *arg) {
   slow_t *k = arg;
@@ -627,22 +624,23 @@ TEST(stream_ring_reuse_after_fence, TEST_SIM_ONLY) {
   launch_check(dev, b, p1, m.srcs[1].host, ps, &c);
   ASSERT_OK(vp_release(dev, &m.w[1], 1, b));
 
-  /* The ring is full: w2 takes w0's slot, whose reader is still asleep on
-   * stream a. The copy must wait for it; the CPU must not. */
+  /* The ring is full: w2 takes w0's slot (the least recently used), whose
+   * reader is still asleep on stream a. The copy must wait for it; the CPU
+   * must not. */
   uint64_t t0 = test_now_ms();
   ASSERT_OK(vp_acquire(dev, &m.w[2], 1, b, &p2, &f));
   uint64_t took = test_now_ms() - t0;
   ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
   ASSERT_EQ_U64(p2, p0);
-  ASSERT_EQ_INT(atomic_load(&k.done), 0); /* vp_acquire did not block */
+  ASSERT_FALSE(slow_done(&k)); /* vp_acquire did not block */
   test_log("acquire with a ring wait took %" PRIu64 " ms", took);
   launch_check(dev, b, p2, m.srcs[2].host, ps, &c);
   ASSERT_OK(vp_release(dev, &m.w[2], 1, b));
 
   checks_expect_clean(dev, b, &c);
   ASSERT_OK(vp_stream_synchronize(dev, a));
-  ASSERT_EQ_INT(atomic_load(&k.done), 1);
-  ASSERT_EQ_INT(atomic_load(&k.ok), 1); /* w0's slot was not overwritten */
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k)); /* w0's slot was not overwritten early */
   vp_stats_t st = dstats(dev);
   ASSERT_GE_U64(st.ring_waits, 1);
   ASSERT_EQ_U64(st.weight_staged, 3);
@@ -650,7 +648,7 @@ TEST(stream_ring_reuse_after_fence, TEST_SIM_ONLY) {
   /* A released slot whose fence completed is reused without a wait. */
   uint64_t waits = st.ring_waits, p3 = 0;
   ASSERT_OK(vp_acquire(dev, &m.w[3], 1, b, &p3, &f));
-  ASSERT_EQ_U64(p3, p1);
+  ASSERT_TRUE(p3 == p1 || p3 == p2);
   ASSERT_EQ_U64(dstats(dev).ring_waits, waits);
   launch_check(dev, b, p3, m.srcs[3].host, ps, &c);
   ASSERT_OK(vp_release(dev, &m.w[3], 1, b));
@@ -685,17 +683,60 @@ TEST(stream_ring_reuse_two_streams, TEST_SIM_ONLY) {
   ASSERT_OK(vp_acquire(dev, &m.w[2], 1, b, &p, &f));
   ASSERT_EQ_U64(p, pa);
   ASSERT_OK(vp_release(dev, &m.w[2], 1, b));
-  test_log("ring waits %" PRIu64 ", reader done %d, flags %d",
-           dstats(dev).ring_waits, atomic_load(&k.done), f);
   ASSERT_OK(vp_stream_synchronize(dev, a));
   ASSERT_OK(vp_stream_synchronize(dev, b));
-  ASSERT_EQ_INT(atomic_load(&k.done), 1);
-  test_log("slot holds w2: %d", !memcmp((void *)(uintptr_t)pa, m.srcs[2].host, ps));
-  ASSERT_EQ_INT(atomic_load(&k.ok), 1);
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
   ASSERT_OK(vp_stream_destroy(dev, a));
   ASSERT_OK(vp_stream_destroy(dev, b));
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
+}
+
+/* A weight acquired staged on stream a (a slow reader queued there), then
+ * resident on stream b, and released on b first: the release on b ends
+ * b's use (the resident one); the staged slot a still reads must not be
+ * reused before a's work is done. */
+TEST(stream_release_mixed_kinds_two_streams, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  model_t wa, xb;
+  model_uniform(&wa, dev, ps, 1, ps, SRC_SCATTER, 15);
+  model_uniform(&xb, dev, 2 * ps, 2, ps, SRC_SCATTER, 16);
+  ASSERT_OK(vp_vbar_set_watermark(wa.v, 0));
+  ASSERT_OK(vp_vbar_set_watermark(xb.v, 0));
+  vp_stream_t a = 0, b = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  ASSERT_OK(vp_stream_create(dev, &b));
+  uint64_t pa = 0, pb = 0, p = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, wa.w, 1, a, &pa, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  slow_t k = {.ptr = pa, .size = ps, .ms = 150, .expect = wa.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_OK(vp_vbar_prioritize(wa.v));
+  ASSERT_OK(vp_acquire(dev, wa.w, 1, b, &pb, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED);
+  checks_t c = {0};
+  launch_check(dev, b, pb, wa.srcs[0].host, ps, &c);
+  ASSERT_OK(vp_release(dev, wa.w, 1, b));
+  /* Two more misses, one at a time, through the two-page ring. */
+  for (int i = 0; i < 2; i++) {
+    ASSERT_OK(vp_acquire(dev, &xb.w[i], 1, b, &p, &f));
+    launch_check(dev, b, p, xb.srcs[i].host, ps, &c);
+    ASSERT_OK(vp_release(dev, &xb.w[i], 1, b));
+  }
+  ASSERT_OK(vp_release(dev, wa.w, 1, a));
+  checks_expect_clean(dev, b, &c);
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
+  ASSERT_FALSE(map_has_pin(wa.v));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&wa);
+  model_free(&xb);
 }
 
 /* A source-NONE weight staged into a reused slot is filled by the caller on
@@ -736,7 +777,7 @@ TEST(stream_ring_reuse_empty_fill, TEST_SIM_ONLY) {
   ASSERT_OK(vp_release(dev, &wn, 1, b));
   ASSERT_OK(vp_stream_synchronize(dev, a));
   ASSERT_OK(vp_stream_synchronize(dev, b));
-  ASSERT_EQ_INT(atomic_load(&k.ok), 1);
+  ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
   ASSERT_OK(vp_device_close(dev));
   free(junk);
   model_free(&m);
@@ -867,18 +908,18 @@ TEST(stream_error_undo_keeps_earlier_acquire, TEST_SIM_ONLY) {
   ASSERT_RC(vp_acquire(dev, call, 3, 0, p, fl), VP_ELIMIT);
   /* Nothing of the failed call stays: a.w[0]'s page is not pinned. */
   ASSERT_EQ_STR(test_map(a.v), "#.");
-  /* The first acquire still holds its slot (the oldest of the ring), so
-   * staging b's weights cannot take it. */
-  ASSERT_OK(vp_acquire(dev, &b.w[0], 1, 0, p, fl));
-  ASSERT_OK(vp_release(dev, &b.w[0], 1, 0));
-  ASSERT_RC(vp_acquire(dev, &b.w[1], 1, 0, p + 1, fl + 1), VP_ELIMIT);
-  verify_staged_sim(dev, 0, pw, a.srcs[0].host, ps);
+  /* The first acquire still holds its slot: staging b's weights (one at a
+   * time, in the other page of the ring) never takes it. */
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(vp_acquire(dev, &b.w[i], 1, 0, p, fl));
+    ASSERT_NE_U64(p[0], pw);
+    verify_staged_sim(dev, 0, p[0], b.srcs[i].host, ps);
+    verify_staged_sim(dev, 0, pw, a.srcs[0].host, ps);
+    ASSERT_OK(vp_release(dev, &b.w[i], 1, 0));
+  }
   ASSERT_OK(vp_release(dev, &a.w[0], 1, 0));
   ASSERT_RC(vp_release(dev, &a.w[0], 1, 0), VP_ENOTPINNED);
   ASSERT_FALSE(map_has_pin(a.v));
-  ASSERT_OK(vp_acquire(dev, &b.w[1], 1, 0, p + 1, fl + 1));
-  verify_staged_sim(dev, 0, p[1], b.srcs[1].host, ps);
-  ASSERT_OK(vp_release(dev, &b.w[1], 1, 0));
   ASSERT_OK(vp_device_close(dev));
   model_free(&a);
   model_free(&b);
@@ -996,6 +1037,65 @@ TEST(stream_prefetch, TEST_ALL_BACKENDS) {
   ASSERT_EQ_U64(dstats(dev).prefetch_bytes, pb);
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
+}
+
+/* Prefetched work that is never used is counted as dropped: a staged
+ * prefetch whose slot is reclaimed, and a resident prefetch whose pages are
+ * evicted before the weight is acquired. */
+TEST(stream_prefetch_dropped, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  o.lookahead = ps;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  model_t m, x, y;
+  model_uniform(&m, dev, 4 * ps, 4, ps, SRC_SCATTER, 17);
+  model_uniform(&x, dev, 4 * ps, 4, ps, SRC_SCATTER, 18);
+  model_uniform(&y, dev, ps, 1, ps, SRC_SCATTER, 19);
+  uint64_t p = 0;
+  uint8_t f = 0;
+
+  /* Staged: x1 is staged ahead, then an unexpected miss takes its slot. */
+  ASSERT_OK(vp_vbar_set_watermark(x.v, 0));
+  ASSERT_OK(vp_vbar_set_watermark(y.v, 0));
+  ASSERT_OK(vp_acquire(dev, &x.w[0], 1, 0, &p, &f));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, ps);
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_acquire(dev, y.w, 1, 0, &p, &f)); /* the ring: x0 + y */
+  ASSERT_OK(vp_release(dev, y.w, 1, 0));
+  ASSERT_OK(vp_release(dev, &x.w[0], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_dropped_bytes, ps);
+  ASSERT_OK(vp_acquire(dev, &x.w[1], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  if (is_sim(ctx)) verify_staged_sim(dev, 0, p, x.srcs[1].host, ps);
+  ASSERT_OK(vp_release(dev, &x.w[1], 1, 0));
+  vp_stats_t st = dstats(dev);
+  ASSERT_EQ_U64(st.prefetch_used_bytes, 0);
+  ASSERT_EQ_U64(st.weight_staged, 3);
+
+  /* Resident: m1 is filled ahead, then evicted before use. */
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p, &f));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, 2 * ps);
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_OK(vp_vbar_free_memory(m.v, ps, NULL)); /* page 1: m1's */
+  ASSERT_EQ_STR(test_map(m.v), "#...");
+  ASSERT_OK(vp_vbar_prioritize(m.v));
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED);
+  verify_resident(dev, 0, p, m.srcs[1].host, ps);
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, 0));
+  st = dstats(dev);
+  ASSERT_EQ_U64(st.prefetch_used_bytes, 0);
+  /* Every prefetched byte was either used or dropped. */
+  ASSERT_EQ_U64(st.prefetch_dropped_bytes, 2 * ps);
+  ASSERT_EQ_U64(st.prefetch_bytes,
+                st.prefetch_used_bytes + st.prefetch_dropped_bytes);
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+  model_free(&x);
+  model_free(&y);
 }
 
 /* Prefetch wraps around to the start of the VBAR for the next pass. */
@@ -1495,8 +1595,8 @@ static void close_run(test_ctx_t *ctx, int sim_streams, int variant) {
   /* Some acquired, some released, prefetch in flight: close. */
   ASSERT_OK(vp_device_close(dev));
   if (variant >= 2) {
-    ASSERT_EQ_INT(atomic_load(&k.done), 1);
-    ASSERT_EQ_INT(atomic_load(&k.ok), 1);
+    ASSERT_TRUE(slow_done(&k));
+    ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
   }
   model_free(&m);
 }
@@ -1584,7 +1684,7 @@ TEST(stream_destroy_then_free_source, TEST_SIM_ONLY) {
   ASSERT_OK(vp_release(dev, &w[1], 1, b));
   test_log("ring waits %" PRIu64 ", prefetch %" PRIu64,
            dstats(dev).ring_waits, dstats(dev).prefetch_bytes);
-  ASSERT_EQ_INT(atomic_load(&k.done), 0);
+  ASSERT_FALSE(slow_done(&k));
   ASSERT_OK(vp_weight_destroy(w[2]));
   ASSERT_EQ_INT(munmap(src[2], ps), 0); /* the caller's right now */
   ASSERT_OK(vp_stream_synchronize(dev, a));
