@@ -73,7 +73,7 @@ check-abi:
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
 
 # The Python binding's tests, on the simulated device (no torch needed).
-PYTHON ?= python3
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 check-python: $(BUILD)/libvpager.so
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_binding.py
