@@ -101,27 +101,35 @@ static int slot_ready(vp__device_t *dev, struct vp__file_ring *r,
   return VP_OK;
 }
 
-/* Read exactly n bytes at off: VP_OK, or an error naming `what`; a read
- * that ends early means the file is shorter than it was. */
+/* Read exactly n bytes at off. Returns 0, an errno, or -1 when the file
+ * ends first; *got says how far it came. Callers word the message. */
+int vp__pread_exact(int fd, void *buf, uint64_t n, uint64_t off,
+                    uint64_t *got) {
+  for (*got = 0; *got < n;) {
+    ssize_t r = pread(fd, (char *)buf + *got, (size_t)(n - *got),
+                      (off_t)(off + *got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return errno;
+    if (r == 0) return -1;
+    *got += (uint64_t)r;
+  }
+  return 0;
+}
+
+/* vp__pread_exact with messages naming `what`; a read that ends early
+ * means the file is shorter than expected. */
 static int read_full(int fd, void *buf, uint64_t n, uint64_t off,
                      const char *what) {
-  uint64_t got = 0;
-  while (got < n) {
-    ssize_t r = pread(fd, (char *)buf + got, (size_t)(n - got),
-                      (off_t)(off + got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      int e = errno;
-      return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading %llu "
-                     "bytes at offset %llu failed: %s", what, ULL(n - got),
-                     ULL(off + got), strerror(e));
-    }
-    if (r == 0)
-      return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before "
-                     "the %llu bytes at offset %llu were read (it is shorter "
-                     "than expected)", what, ULL(off + got), ULL(n), ULL(off));
-    got += (uint64_t)r;
-  }
+  uint64_t got;
+  int e = vp__pread_exact(fd, buf, n, off, &got);
+  if (e > 0)
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading %llu "
+                   "bytes at offset %llu failed: %s", what, ULL(n - got),
+                   ULL(off + got), strerror(e));
+  if (e < 0)
+    return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before "
+                   "the %llu bytes at offset %llu were read (it is shorter "
+                   "than expected)", what, ULL(off + got), ULL(n), ULL(off));
   return VP_OK;
 }
 

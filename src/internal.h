@@ -206,6 +206,9 @@ void vp__stream_close(vp__device_t *dev);
 int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
                   uint64_t dst, vp_stream_t stream, const char *what);
 void vp__fileio_close(vp__device_t *dev);
+/* pread all n bytes: 0, an errno, or -1 if the file ends first. */
+int vp__pread_exact(int fd, void *buf, uint64_t n, uint64_t off,
+                    uint64_t *got);
 /* safetensors.c */
 void vp__st_close_all(vp__device_t *dev);
 

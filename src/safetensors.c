@@ -398,21 +398,14 @@ static int parse_header(parse_t *ps, const char *hdr, size_t len) {
 /* Read exactly n bytes at off; a short read is an error naming path. */
 static int read_exact(const char *fn, const char *path, int fd, void *buf,
                       uint64_t n, uint64_t off, const char *what) {
-  uint64_t got = 0;
-  while (got < n) {
-    ssize_t r = pread(fd, (char *)buf + got, (size_t)(n - got),
-                      (off_t)(off + got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) {
-      int e = errno;
-      return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: %s: reading "
-                     "%s failed: %s", fn, path, what, strerror(e));
-    }
-    if (r == 0)
-      return vp__err(VP_EINVAL, "%s: %s: the file ended while reading %s "
-                     "(it changed while being opened?)", fn, path, what);
-    got += (uint64_t)r;
-  }
+  uint64_t got;
+  int e = vp__pread_exact(fd, buf, n, off, &got);
+  if (e > 0)
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: %s: reading "
+                   "%s failed: %s", fn, path, what, strerror(e));
+  if (e < 0)
+    return vp__err(VP_EINVAL, "%s: %s: the file ended while reading %s "
+                   "(it changed while being opened?)", fn, path, what);
   return VP_OK;
 }
 
