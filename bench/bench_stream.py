@@ -10,8 +10,10 @@ in the same run (issue 4, "Benchmarks on the H200"):
      the batch where one layer's GEMM takes as long as its copy; against all
      weights resident, a naive per-layer copy on the compute stream and a
      hand-written double-buffered streamer over exactly the layers vpager
-     streams; both eviction orders (tail-first, interleaved); targets:
-     copy-bound <= 1.02x (streamed bytes / link bandwidth), compute-bound
+     streams; both eviction orders (tail-first, interleaved; also
+     interleaved on a second device handle with 128 MiB pages, one page per
+     layer; at batch 4096 each also with prefetch off, as a diagnostic);
+     targets: copy-bound <= 1.02x (streamed bytes / link bandwidth), compute-bound
      <= 1.05x the hand-written streamer; the first (cold) forward apart;
   3. many small weights: 1536 x 2 MiB (3 GiB) at a 2 GiB budget, a small
      matmul per weight, 8 weights per acquire; against the hand-written
@@ -605,6 +607,16 @@ def machine_info():
             rev += " + uncommitted changes"
     except Exception:  # noqa: BLE001
         pass
+    try:
+        import hashlib
+        h = hashlib.sha1()
+        for d in ("include", "src"):
+            for fn in sorted(os.listdir(os.path.join(ROOT, d))):
+                with open(os.path.join(ROOT, d, fn), "rb") as f:
+                    h.update(fn.encode() + f.read())
+        rev += " (sha1 of include/ + src/: %s)" % h.hexdigest()[:12]
+    except OSError:
+        pass
     lines.append("gpu: %s, %.1f GiB, %d SMs; driver, PCIe gen, width: %s" % (
         p.name, p.total_memory / GiB, p.multi_processor_count, drv))
     lines.append("host: %s, %d cpus, MemTotal %s, Linux %s" % (
@@ -957,6 +969,21 @@ class Bench:
                           t_hand / ideal, t_vp / t_hand, t_vp / t_res,
                           "; DATA MISMATCH in layers %s" % bad if bad else
                           "; data verified"))
+                if b == 4096:
+                    # Diagnostic: the same without prefetch. An acquire's
+                    # stream then waits only for copies issued up to and
+                    # including its own weights (no prefetched later ones).
+                    check(lib, lib.vp_device_set_lookahead(vdev, 0),
+                          "vp_device_set_lookahead")
+                    f()
+                    f()
+                    t_nola, _, _ = time_forwards(f, NT, cs)
+                    check(lib, lib.vp_device_set_lookahead(
+                        vdev, self.opts.lookahead), "vp_device_set_lookahead")
+                    f()
+                    print("      diagnostic, lookahead 0 (no prefetch): vpager "
+                          "%.2f ms, vpager/hand %.3f" % (t_nola,
+                                                         t_nola / t_hand))
                 if b == batches[0]:
                     print("      layers ('#' in place, 's' staged): %s" %
                           m.flag_map())

@@ -29,6 +29,7 @@ int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out) {
                    (unsigned long long)stream);
   }
   f->stream = stream;
+  f->seq = ++dev->fence_seq;
   f->refs = 1;
   *out = f;
   return VP_OK;

@@ -30,6 +30,7 @@
 typedef struct vp__fence {
   vp__event_t event;
   vp_stream_t stream;      /* where it was recorded */
+  uint64_t seq;            /* recording order on the device */
   uint32_t refs;           /* pages pointing at it */
   struct vp__fence *next;  /* free list */
 } vp__fence_t;
@@ -100,6 +101,7 @@ struct vp__device {
   vp__vbar_t *top, *bottom; /* priority list */
   vp__budget_t budget;
   vp__fence_t *free_fences;
+  uint64_t fence_seq;
   vp_stats_t stats;
   /* hostmem.c */
   uint64_t pin_budget;   /* host bytes we may page-lock */

@@ -64,6 +64,13 @@ typedef struct copy {
   uint64_t src_off; /* into the source */
 } copy_t;
 
+/* What the caller's stream must wait for: the newest copy-stream fence of
+ * the weights it takes, or (tail) everything queued on the copy stream. */
+typedef struct waits {
+  vp__fence_t *newest;
+  bool tail;
+} waits_t;
+
 typedef struct batch {
   copy_t *c;
   size_t n, cap;
@@ -170,6 +177,14 @@ static bool copy_pending(vp__device_t *dev, vp__weight_t *w) {
   return false;
 }
 
+/* The caller waits for w's fill only if it may still be running, and then
+ * only for the newest such fill among the weights it takes. */
+static void wait_for_copy(vp__device_t *dev, vp__weight_t *w, waits_t *wait) {
+  if (copy_pending(dev, w) &&
+      (!wait->newest || w->copy_fence->seq > wait->newest->seq))
+    wait->newest = w->copy_fence;
+}
+
 /* ------------------------------------------------------- staging ring */
 
 static int staging_open(vp__device_t *dev) {
@@ -215,7 +230,8 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
     vp__fence_put(dev, s->fence);
   }
   if (s->owner) {
-    if (s->prefetched) dev->stats.prefetch_dropped_bytes += s->owner->size;
+    if (s->prefetched)
+      VP__COUNT(s->owner->vb, prefetch_dropped_bytes, s->owner->size);
     s->owner->slot = NULL;
   }
   free(s);
@@ -491,7 +507,7 @@ void vp__weights_drop_vbar(vp__vbar_t *vb) {
 /* Use w in place: its pages are pinned; fill them if they were recommitted
  * since its last fill. */
 static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
-                            uint64_t *ptr, uint8_t *flags, bool *wait) {
+                            uint64_t *ptr, uint8_t *flags, waits_t *wait) {
   uint8_t f = VP_ACQUIRED_RESIDENT;
   *ptr = w->vb->va + w->offset;
   if (!gens_equal(w)) {
@@ -505,14 +521,14 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
       VP__COUNT(w->vb, fill_bytes, w->size);
     }
     gens_take(w);
-    if (w->prefetched) dev->stats.prefetch_dropped_bytes += w->size;
+    if (w->prefetched) VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
     w->prefetched = false;
   } else if (w->prefetched) {
     f |= VP_ACQUIRED_COPIED;
     w->prefetched = false;
-    dev->stats.prefetch_used_bytes += w->size;
+    VP__COUNT(w->vb, prefetch_used_bytes, w->size);
   }
-  *wait |= copy_pending(dev, w);
+  wait_for_copy(dev, w, wait);
   w->acq_resident++;
   *flags = f;
   return VP_OK;
@@ -522,16 +538,16 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
  * slot filled from the source. */
 static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
                           vp_stream_t stream, uint64_t *ptr, uint8_t *flags,
-                          bool *wait) {
+                          waits_t *wait) {
   uint8_t f = VP_ACQUIRED_STAGED;
   vp__slot_t *s = w->slot;
   if (s) {
     if (s->prefetched) {
       f |= VP_ACQUIRED_COPIED;
       s->prefetched = false;
-      dev->stats.prefetch_used_bytes += w->size;
+      VP__COUNT(w->vb, prefetch_used_bytes, w->size);
     }
-    *wait |= copy_pending(dev, w);
+    wait_for_copy(dev, w, wait);
   } else {
     int rc = ring_alloc(dev, w, false, &s);
     if (rc) return rc;
@@ -539,7 +555,7 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
       /* The caller writes the slot on its stream: through the copy stream
        * it then waits for the slot's last readers too. */
       f |= VP_ACQUIRED_EMPTY;
-      *wait = true;
+      wait->tail = true;
     } else {
       if ((rc = batch_add(dev, b, w, slot_addr(dev, s)))) {
         s->owner = NULL; /* holds no data: reclaimed like a released slot */
@@ -562,7 +578,7 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
 
 static int acquire_one(vp__device_t *dev, vp__weight_t *w, batch_t *b,
                        vp_stream_t stream, uint64_t *ptr, uint8_t *flags,
-                       bool *wait) {
+                       waits_t *wait) {
   VP__COUNT(w->vb, acquires, 1);
   int rc = vp__fault(w->vb, w->p0, w->p1, NULL);
   if (rc == VP_OK) {
@@ -624,7 +640,7 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last);
 static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
                           vp_stream_t stream, uint64_t *ptrs, uint8_t *flags) {
   batch_t b = {0};
-  bool wait = false;
+  waits_t wait = {NULL, false};
   size_t i;
   int rc = VP_OK;
   for (i = 0; i < n && rc == VP_OK; i++) {
@@ -635,9 +651,11 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   }
   if (rc) {
     acquire_undo(dev, ws, i - 1, ptrs, &b);
-  } else if (b.nfilled || wait) {
-    vp__fence_t *f;
-    rc = batch_issue(dev, &b, &f);
+  } else if (b.nfilled || wait.tail || wait.newest) {
+    /* A fence after this call's copies covers every earlier fill too. */
+    vp__fence_t *f = wait.newest;
+    if (b.nfilled || wait.tail) rc = batch_issue(dev, &b, &f);
+    else f->refs++;
     if (rc == VP_OK) {
       rc = dev->be->stream_wait_event(dev->ctx, stream, f->event);
       if (rc) rc = vp__err(vp__be_result(dev, rc, "stream_wait_event"),
@@ -823,7 +841,7 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
       continue;
     size_t before = b.nfilled;
     rc = prefetch_one(dev, u, &b);
-    if (b.nfilled > before) dev->stats.prefetch_bytes += u->size;
+    if (b.nfilled > before) VP__COUNT(u->vb, prefetch_bytes, u->size);
   }
   prefetch_finish(dev, &b);
   if (rc < 0) vp__log(VP_LOG_DEBUG, dev->caps.name, "prefetch stopped: %s",
