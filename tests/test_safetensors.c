@@ -271,7 +271,10 @@ static void valid_file(test_ctx_t *ctx, int streams) {
   ASSERT_OK(vp_st_drop_pages(st)); /* no mapping yet */
   ASSERT_OK(vp_st_mmap(st, &base, &size));
   ASSERT_OK(vp_device_close(dev));
-  ASSERT_EQ_INT(count_fds(), fds);
+  /* On CUDA the close also drops the driver's own descriptors, opened with
+   * the device before `fds` was counted: none of ours may remain. */
+  if (ctx->backend == VP_BACKEND_SIM) ASSERT_EQ_INT(count_fds(), fds);
+  else ASSERT_LE_INT(count_fds(), fds);
   free(data);
   rm_dir(dir);
 }

@@ -1,0 +1,966 @@
+"""vpager.torch: run a PyTorch module whose weights vpager pages in.
+
+    import vpager.torch
+    h = vpager.torch.offload(model, device="cuda", budget="20G")
+    y = model(x)                     # as before; weights stream as needed
+    print(h.stats()["hits"], h.residency())
+    h.unload()                       # parameters are ordinary tensors again
+
+What offload() does
+  * Places every parameter, and every persistent floating-point buffer, of
+    the module in one VBAR, in module order (named_parameters order, which
+    is usually execution order), each at an ALIGN-byte boundary. Shared
+    parameters are placed once.
+  * Copies their bytes into one HostBuf at the same offsets (so vpager
+    merges neighbouring copies) and makes them vpager weights whose source
+    is that host copy. The host copy is then the only full copy: each
+    parameter's storage is replaced by a placeholder (one NaN, or 0,
+    expanded to the shape: .shape, .dtype, .device and numel() stay right).
+  * Makes every "unit" acquire its weights before its forward and release
+    them after it: a unit is a module that owns parameters itself (not only
+    through children), or one of the FUSED types (torch's transformer
+    layers, whose fast path reads their children's weights without calling
+    the children; offload(units=...) adds types), and lies below no other
+    unit; its weights are all those of its subtree (so
+    nn.MultiheadAttention, which reads out_proj.weight without calling
+    out_proj, is one unit). For plain models the units are the leaves
+    (Linear, Conv, LayerNorm, Embedding).
+    The unit's forward is wrapped (an instance attribute `forward`): one
+    vp_acquire for the unit's weights, each parameter's .data set to a
+    tensor view of the returned address (views of resident VBAR addresses
+    are built once, staged ones cached per staging address), the original
+    forward, then the placeholders back and one vp_release on the current
+    stream. A unit whose forward raises still releases.
+
+The module keeps working with the usual calls: eval()/train(),
+torch.no_grad(), torch.inference_mode(), forward hooks, state_dict() (which
+returns CPU copies taken from the host copy). Gradients of the weights are
+not supported: offload() sets requires_grad=False on the parameters it
+manages (unload() restores the flags). Gradients with respect to inputs
+work: a weight that autograd saves for backward is cloned first, since the
+memory behind the view is reused after the release. A forward that returns
+a view of a weight gets a copy too.
+
+Limits (each detected and raised as an error, never silently wrong):
+  * offloading a module or parameter that is already offloaded (ValueError);
+  * a managed parameter or buffer replaced after offload (module.weight =
+    nn.Parameter(...)), or converted (.to(), .half()): RuntimeError at the
+    unit's next forward, naming it; load_state_dict(): RuntimeError;
+  * sparse, quantized, meta or non-contiguous parameters (ValueError before
+    anything changes; make them contiguous first);
+  * a CUDA model on the simulated device (ValueError);
+  * using a module after its handle was closed (RuntimeError).
+Code that reads a parameter outside the forward of the unit holding it
+(say, a parent's forward using child.weight directly) sees the placeholder:
+NaN values for floating dtypes. Wrap such code in `with h.acquired():`.
+An offloaded module is not thread-safe (one forward at a time).
+
+Devices and budget
+  The module computes on `device`: a CUDA device ("cuda", "cuda:1", 1), or
+  "cpu"/"sim": the simulated device, whose memory is host memory, so the
+  tensors are CPU tensors (tests and CI). By default: the device the
+  module's parameters are on. A CPU module can be offloaded to a GPU (the
+  usual case: it does not fit there); unload() brings it back to the CPU.
+  `budget` caps the device memory vpager uses (pages, staging ring):
+  headroom = free + committed - budget, as demo/demo.c does. Several
+  modules share one device, and its budget, through open_device():
+
+      d = vpager.torch.open_device("cuda", budget="20G")
+      ha = vpager.torch.offload(a, dev=d); hb = vpager.torch.offload(b, dev=d)
+
+  The module that starts a forward moves its VBAR to the top of the
+  priority list (vp_vbar_prioritize), so pressure evicts the other's pages.
+
+Activations first (CUDA)
+  vpager's budget is polled against the device's free memory, so torch's
+  allocator growing shrinks what vpager may commit. If torch still runs out
+  of memory inside a unit's forward, every unpinned weight page is evicted
+  (vp_device_free_memory), torch's cache is emptied and the forward is run
+  once more; a second failure is re-raised with a message.
+
+unload() vs close()
+  unload(): parameters become ordinary tensors on their original device
+  again (from the host copy), wrappers and hooks are removed, vpager objects
+  freed; the module works as before offload(). close(): vpager objects are
+  freed and nothing is restored (no copy back, for when the module is done
+  with); the module is left unusable: its forward and state_dict() raise
+  RuntimeError. A `with offload(...) as h:` block unloads at its end.
+"""
+
+import contextlib
+import ctypes
+import functools
+import weakref
+
+import torch
+
+from . import _lib
+from ._views import nbytes as _nbytes
+from ._views import placeholder as _placeholder
+from ._views import view
+from .device import Device
+from .errors import Error
+from .options import default_options, parse_size
+from .weights import Source, WeightBatch
+
+__all__ = ["offload", "open_device", "Offloaded", "view", "ALIGN", "FUSED"]
+
+ALIGN = 512             # bytes; each weight starts at such a boundary
+_SLOT_ALIGN = 256       # the staging ring's slot alignment (src/stream.c)
+_STAGED_VIEWS = 8       # staged views cached per weight
+_RESIDENT = _lib.VP_ACQUIRED_RESIDENT
+_ALL = 1 << 62          # "evict everything unpinned"
+
+_OPEN, _UNLOADED, _CLOSED = "open", "unloaded", "closed"
+
+_OOM = getattr(torch.cuda, "OutOfMemoryError", None)
+
+# Modules whose forward may read their children's weights without calling
+# the children (torch's fused fast paths): each is one unit, whole.
+FUSED = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
+         torch.nn.MultiheadAttention)
+
+
+def _is_oom(e):
+    if _OOM is not None:
+        return isinstance(e, _OOM)
+    return isinstance(e, RuntimeError) and "out of memory" in str(e)
+
+
+def _round_up(x, a):
+    return (x + a - 1) // a * a
+
+
+def _size(value):
+    if value is None or isinstance(value, int):
+        return value
+    return parse_size(value)
+
+
+def _parse_device(device):
+    if isinstance(device, str) and device == "sim":
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _cuda_index(target):
+    return (target.index if target.index is not None
+            else torch.cuda.current_device())
+
+
+# -------------------------------------------------------------- devices
+
+class _DevState:
+    """What vpager.torch keeps per vpager.Device."""
+
+    __slots__ = ("top", "users", "owned", "sync", "__weakref__")
+
+    def __init__(self, dev, owned):
+        self.top = None            # the Offloaded whose VBAR is on top
+        self.users = set()         # live Offloaded handles on the device
+        self.owned = owned         # opened by vpager.torch: closed with
+        # the last user
+        # Simulated streams in worker mode run copies later, on a thread;
+        # torch's CPU ops run now, in the caller: wait for the copies.
+        self.sync = dev.backend == "sim" and bool(dev.info()["async_copies"])
+
+
+_DEVSTATES = weakref.WeakKeyDictionary()
+
+
+def _devstate(dev, owned=False):
+    ds = _DEVSTATES.get(dev)
+    if ds is None:
+        ds = _DEVSTATES[dev] = _DevState(dev, owned)
+    return ds
+
+
+def _apply_budget(dev, budget):
+    """Let vpager use at most `budget` bytes of the device (as demo.c)."""
+    info = dev.info()
+    head = info["free_memory"] + info["committed"] - budget
+    dev.set_headroom(max(head, 0))
+
+
+def _open(target, budget, lookahead, need, options):
+    opts = dict(options)
+    if target.type == "cuda":
+        opts.setdefault("backend", "cuda")
+        opts.setdefault("device_index", _cuda_index(target))
+    else:
+        opts.setdefault("backend", "sim")
+        if budget is not None:
+            opts.setdefault("sim_capacity", budget)
+    if lookahead is not None:
+        opts["lookahead"] = lookahead
+    if need and "staging_size" not in opts:
+        # The ring must hold a unit's missed weights at once; twice that
+        # lets one unit's copies overlap the previous unit's compute.
+        staging = default_options()["staging_size"]
+        if budget is not None:
+            staging = min(staging, max(budget // 4, 2 * need))
+        opts["staging_size"] = max(staging, need)
+    dev = Device(**opts)
+    try:
+        if budget is not None:
+            _apply_budget(dev, budget)
+    except BaseException:
+        dev.close()
+        raise
+    return dev
+
+
+def open_device(device=None, budget=None, lookahead=None, **options):
+    """A vpager.Device for torch modules, to share between offload(...,
+    dev=d) calls: `device` "cuda"/"cuda:N"/N for a GPU, "cpu"/"sim" for the
+    simulated device (default: CUDA when torch has it, else sim); `budget`
+    bytes (int or "20G") of device memory vpager may use in all; options:
+    any vp_options_t field (vpager.OPTION_NAMES). Close it yourself (after
+    the models on it are unloaded or closed)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _open(_parse_device(device), _size(budget), _size(lookahead), 0,
+                 options)
+
+
+def _resolve_target(src, device, dev):
+    """The torch device a module whose parameters are on `src` computes on,
+    given offload()'s `device` and `dev` arguments."""
+    if src.type not in ("cpu", "cuda"):
+        raise ValueError("vpager.torch: parameters on %s cannot be offloaded "
+                         "(their bytes are needed)" % src)
+    if dev is not None:
+        if dev.backend == "sim":
+            target = torch.device("cpu")
+        else:
+            target = torch.device("cuda", dev.options["device_index"])
+        if device is not None:
+            want = _parse_device(device)
+            if want.type == "cuda" and want.index is None \
+                    and target.type == "cuda":
+                want = target
+            if want != target:
+                raise ValueError("vpager.torch: device=%s but the vpager "
+                                 "device serves %s" % (want, target))
+    elif device is not None:
+        target = _parse_device(device)
+    else:
+        target = src
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError("vpager.torch: cannot run on %s (cuda, or cpu for "
+                         "the simulated device)" % target)
+    if src.type == "cuda" and target.type == "cpu":
+        raise ValueError("vpager.torch: the module's parameters are on %s "
+                         "but the simulated device (CPU tensors) was asked "
+                         "for: offload onto a CUDA device, or move the "
+                         "module to the CPU first" % src)
+    return target
+
+
+# ----------------------------------------------------- what gets managed
+
+class _Entry:
+    """One managed tensor: a vpager weight."""
+
+    __slots__ = ("index", "name", "tensor", "is_param", "dtype", "shape",
+                 "size", "offset", "src_device", "requires_grad", "host",
+                 "rview", "staged", "ph", "ph_ptr", "cur", "curv")
+
+    def __init__(self, index, name, tensor, is_param):
+        self.index = index
+        self.name = name                  # qualified name (first place)
+        self.tensor = tensor              # the Parameter / buffer object
+        self.is_param = is_param
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.size = _nbytes(tensor.dtype, self.shape)
+        self.offset = 0
+        self.src_device = tensor.device
+        self.requires_grad = bool(tensor.requires_grad)
+        self.host = None                  # CPU tensor over the HostBuf
+        self.rview = None                 # view of its VBAR address
+        self.staged = {}                  # staging address -> view
+        self.ph = None                    # placeholder
+        self.ph_ptr = 0
+        self.cur = 0                      # address while acquired, else 0
+        self.curv = None                  # the view set while acquired
+
+
+class _Unit:
+    """A module whose forward acquires a group of weights."""
+
+    __slots__ = ("prefix", "name", "module", "entries", "slots", "buffers",
+                 "batch", "depth", "saved_forward", "had_forward", "pack")
+
+    def __init__(self, prefix, module):
+        self.prefix = prefix    # qualified name in the offloaded module
+        self.name = prefix or "<root>"
+        self.module = module
+        self.entries = []       # _Entry, in placement order
+        self.slots = []         # (dict, key, tensor, qualified name)
+        self.buffers = []       # (owner module, _Entry) of managed buffers
+        self.batch = None
+        self.depth = 0
+        self.saved_forward = None
+        self.had_forward = False
+        self.pack = None
+
+
+def _managed_buffer(owner, name, buf):
+    return (buf is not None and (buf.is_floating_point() or buf.is_complex())
+            and name not in owner._non_persistent_buffers_set
+            and buf.numel() > 0)
+
+
+def _check_tensor(qual, t):
+    if t.layout != torch.strided:
+        raise ValueError("vpager.torch: %s is a %s tensor; only dense "
+                         "(strided) tensors can be offloaded"
+                         % (qual, t.layout))
+    if t.is_quantized:
+        raise ValueError("vpager.torch: %s is quantized (%s); its bytes are "
+                         "not a plain array" % (qual, t.dtype))
+    if t.device.type == "meta":
+        raise ValueError("vpager.torch: %s is on the meta device: it has no "
+                         "bytes to offload (load the weights first)" % qual)
+    if not t.is_contiguous():
+        raise ValueError("vpager.torch: %s is not contiguous (strides %s); "
+                         "make it contiguous before offload (e.g. p.data = "
+                         "p.data.contiguous())" % (qual, t.stride()))
+    h = getattr(t, "_vpager_handle", None)
+    if h is not None:
+        if h._state is _CLOSED:
+            raise ValueError("vpager.torch: %s belonged to an offloaded "
+                             "module that was closed: its weights were freed"
+                             % qual)
+        if h._state is _OPEN:
+            raise ValueError("vpager.torch: %s is already offloaded (%r); "
+                             "unload() it first" % (qual, h))
+
+
+def _unit_rule(units):
+    """A predicate: is this module a unit of its own, whole subtree?"""
+    if units is None:
+        return lambda m: isinstance(m, FUSED)
+    if isinstance(units, type):
+        units = (units,)
+    if isinstance(units, (tuple, list, set, frozenset)):
+        types = tuple(units) + FUSED
+        return lambda m: isinstance(m, types)
+    if callable(units):
+        return lambda m: isinstance(m, FUSED) or bool(units(m))
+    raise TypeError("vpager.torch.offload: units= takes module types or a "
+                    "predicate, not %s" % type(units).__name__)
+
+
+def _collect(module, whole=None):
+    """Units, entries and owners of a module; raises ValueError (changing
+    nothing) for what cannot be offloaded. whole(m): m is a unit, whole."""
+    whole = whole or _unit_rule(None)
+    units = []
+    seen_units = set()
+    owners = {}     # id(module) -> (module, [(name, _Entry)]) it holds
+
+    def owns(m):
+        return (any(p is not None and p.numel() > 0
+                    for p in m._parameters.values())
+                or any(_managed_buffer(m, n, b)
+                       for n, b in m._buffers.items()))
+
+    def visit(m, prefix):
+        if id(m) in seen_units:
+            return
+        seen_units.add(id(m))
+        if owns(m) or (whole(m) and any(True for _ in m.parameters())):
+            units.append(_Unit(prefix.rstrip("."), m))
+            return
+        for name, child in m._modules.items():
+            if child is not None:
+                visit(child, prefix + name + ".")
+
+    visit(module, "")
+    entries = []
+    by_id = {}
+    for u in units:
+        in_unit = set()
+        for mname, sub in u.module.named_modules(prefix=u.prefix):
+            sp = mname + "." if mname else ""
+            items = [(n, p, True) for n, p in sub._parameters.items()
+                     if p is not None and p.numel() > 0]
+            items += [(n, b, False) for n, b in sub._buffers.items()
+                      if _managed_buffer(sub, n, b)]
+            for n, t, is_param in items:
+                qual = sp + n
+                e = by_id.get(id(t))
+                if e is None:
+                    _check_tensor(qual, t)
+                    e = _Entry(len(entries), qual, t, is_param)
+                    by_id[id(t)] = e
+                    entries.append(e)
+                u.slots.append((sub._parameters if is_param else sub._buffers,
+                                n, t, qual))
+                held = owners.setdefault(id(sub), (sub, {}))[1]
+                held[n] = e
+                if not is_param:
+                    u.buffers.append((sub, e))
+                if id(t) not in in_unit:
+                    in_unit.add(id(t))
+                    u.entries.append(e)
+    owners = [(m, sorted(held.items())) for m, held in owners.values()]
+    return units, entries, owners
+
+
+def _unmanaged(module, managed):
+    """(dict, key, tensor, is_param) of tensors left as they are (integer
+    and non-persistent buffers, empty parameters)."""
+    out = []
+    seen = set()
+    for m in module.modules():
+        for d, is_param in ((m._parameters, True), (m._buffers, False)):
+            for k, t in d.items():
+                if t is None or id(t) in managed or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                out.append((d, k, t, is_param))
+    return out
+
+
+def _cuda_stream(target):
+    return torch.cuda.current_stream(target).cuda_stream
+
+
+def _unpack(t):
+    return t
+
+
+# ------------------------------------------------------------- offload
+
+def offload(module, device=None, budget=None, lookahead=None, order=None,
+            dev=None, units=None, align=ALIGN, **options):
+    """Page `module`'s weights through vpager; returns an Offloaded handle.
+
+    device: where it computes ("cuda", "cuda:N", N, or "cpu"/"sim" for the
+        simulated device); default: where its parameters are. A
+        vpager.Device may be passed here too (same as dev=).
+    budget: bytes (int or "8G") of device memory vpager may use.
+    lookahead: bytes prefetched past each acquire (vp_device_set_lookahead).
+    order: the VBAR's eviction order, "tail" (default) or "interleaved".
+    dev: a vpager.Device to use (from open_device(), shared with other
+        models); budget and lookahead then change that device.
+    units: module types (or a predicate on modules) whose forward reads
+        their children's weights directly, so that each is acquired whole
+        (added to vpager.torch.FUSED: torch's transformer layers and
+        attention).
+    options: vp_options_t fields for the device offload opens (page_size,
+        staging_size, sim_capacity, ...); not allowed with dev.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError("vpager.torch.offload: a torch.nn.Module, not %s"
+                        % type(module).__name__)
+    if isinstance(device, Device):
+        if dev is not None and dev is not device:
+            raise ValueError("vpager.torch.offload: two different "
+                             "vpager.Device objects given")
+        dev, device = device, None
+    if dev is not None and options:
+        raise TypeError("vpager.torch.offload: options (%s) apply only to a "
+                        "device offload() opens, not to dev="
+                        % ", ".join(sorted(options)))
+    budget, lookahead = _size(budget), _size(lookahead)
+    if align < 1 or align & (align - 1):
+        raise ValueError("vpager.torch.offload: align must be a power of "
+                         "two, not %r" % align)
+    units, entries, owners = _collect(module, _unit_rule(units))
+    if not entries:
+        raise ValueError("vpager.torch.offload: %s has no parameters or "
+                         "floating-point buffers to offload"
+                         % type(module).__name__)
+    srcs = {e.src_device for e in entries}
+    if len(srcs) > 1:
+        raise ValueError("vpager.torch.offload: parameters are on several "
+                         "devices (%s); move the module to one first"
+                         % ", ".join(sorted(str(s) for s in srcs)))
+    target = _resolve_target(srcs.pop(), device, dev)
+    off = 0
+    for e in entries:
+        off = _round_up(off, align)
+        e.offset = off
+        off += e.size
+    need = max(sum(_round_up(e.size, _SLOT_ALIGN) for e in u.entries)
+               for u in units)
+    return Offloaded(module, units, entries, owners, off, need, target, dev,
+                     budget, lookahead, order, options)
+
+
+class Offloaded:
+    """The handle offload() returns: module, device (the vpager.Device),
+    vbar, target (the torch device it computes on); stats(), residency(),
+    prioritize(), acquired(), unload(), close(). See the module doc."""
+
+    def __init__(self, module, units, entries, owners, total, need, target,
+                 dev, budget, lookahead, order, options):
+        self.module = module
+        self._owners = owners
+        self.target = target
+        self._units = units
+        self._entries = entries
+        self._total = total
+        self._state = _OPEN
+        self._hooks = []
+        self._moved = []
+        owned = dev is None
+        if owned:
+            dev = _open(target, budget, lookahead, need, options)
+        vb = hb = None
+        try:
+            ds = _devstate(dev, owned)
+            if not owned:
+                self._check_staging(dev, need)
+                if budget is not None:
+                    _apply_budget(dev, budget)
+                if lookahead is not None:
+                    dev.set_lookahead(lookahead)
+            vb = dev.create_vbar(total)
+            if order is not None:
+                vb.set_order(order)
+            hb = dev.alloc_hostbuf(total)
+            with torch.no_grad(), torch.inference_mode(False):
+                base = hb.ptr
+                host = torch.frombuffer(
+                    (ctypes.c_uint8 * total).from_address(base),
+                    dtype=torch.uint8)
+                for e in entries:
+                    e.host = host[e.offset:e.offset + e.size] \
+                        .view(e.dtype).view(e.shape)
+                    e.host.copy_(e.tensor.detach())
+            ws = vb.create_weights(
+                [e.offset for e in entries], [e.size for e in entries],
+                [Source.from_host(base + e.offset) for e in entries])
+            for u in units:
+                u.batch = WeightBatch(dev, [ws[e.index] for e in u.entries])
+        except BaseException:
+            for e in entries:
+                e.host = None
+            for obj in (vb, hb):
+                if obj is not None:
+                    try:
+                        obj.close()
+                    except Error:
+                        pass
+            if owned:
+                _DEVSTATES.pop(dev, None)
+                dev.close()
+            raise
+        self.device = dev
+        self.vbar = vb
+        self._hb = hb
+        self._weights = ws
+        self._ds = ds
+        ds.users.add(self)
+        if target.type == "cuda":
+            self._stream = functools.partial(_cuda_stream, target)
+        else:
+            self._stream = int          # int() == 0: the default stream
+        self._install()
+
+    # ------------------------------------------------------ installing
+    @staticmethod
+    def _check_staging(dev, need):
+        page = dev.page_size
+        ring = _round_up(max(dev.options["staging_size"], page), page)
+        if need > ring:
+            raise ValueError("vpager.torch: a module of this model needs %d "
+                             "bytes of staging at once, the device's ring "
+                             "holds %d: open the device with staging_size "
+                             ">= %d" % (need, ring, need))
+
+    def _install(self):
+        module, target = self.module, self.target
+        managed = {id(e.tensor) for e in self._entries}
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self._entries:
+                t = e.tensor
+                if e.is_param:
+                    t.requires_grad_(False)
+                e.ph = _placeholder(e.dtype, e.shape, target)
+                e.ph_ptr = e.ph.data_ptr()
+                t.data = e.ph
+                t._vpager_handle = self
+            for d, k, t, is_param in _unmanaged(module, managed):
+                if t.device == target:
+                    continue
+                moved = t.to(target)
+                self._moved.append((d, k, t, is_param, t.device))
+                if is_param:
+                    t.data = moved
+                else:
+                    d[k] = moved
+        if any(e.src_device.type == "cuda" for e in self._entries):
+            torch.cuda.empty_cache()    # the old storage is vpager's now
+        for u in self._units:
+            u.pack = functools.partial(self._pack, u)
+            fwd = u.module.forward
+            u.had_forward = "forward" in u.module.__dict__
+            u.saved_forward = u.module.__dict__.get("forward")
+            u.module.forward = self._wrap(u, fwd)
+        for m, items in self._owners:
+            self._hooks.append(m._register_state_dict_hook(
+                functools.partial(self._state_dict_hook, items)))
+            self._hooks.append(m._register_load_state_dict_pre_hook(
+                functools.partial(self._load_hook, items)))
+
+    def _wrap(self, unit, fwd):
+        enter, leave, call = self._enter, self._leave, self._call
+        writeback = self._writeback
+        escapes = self._escapes
+
+        @functools.wraps(fwd)
+        def forward(*args, **kwargs):
+            if unit.depth:              # the unit calls itself: weights set
+                return fwd(*args, **kwargs)
+            stream, prev = enter(unit)
+            unit.depth = 1
+            ok = False
+            try:
+                if torch.is_grad_enabled():
+                    with torch.autograd.graph.saved_tensors_hooks(unit.pack,
+                                                                  _unpack):
+                        out = call(unit, fwd, args, kwargs)
+                else:
+                    out = call(unit, fwd, args, kwargs)
+                out = escapes(unit, out)
+                if unit.buffers:
+                    writeback(unit)
+                ok = True
+            finally:
+                unit.depth = 0
+                leave(unit, stream, prev, ok)
+            return out
+
+        forward._vpager_unit = unit
+        return forward
+
+    # ------------------------------------------------------- hot path
+    def _check_open(self):
+        if self._state is not _OPEN:
+            raise RuntimeError(
+                "vpager.torch: this module's offload was %s%s" % (
+                    self._state, "; its weights were freed (close())"
+                    if self._state is _CLOSED else ""))
+        if self.device.closed:
+            raise RuntimeError("vpager.torch: the vpager.Device of this "
+                               "offloaded module was closed")
+
+    def _enter(self, unit):
+        """Acquire a unit's weights and point its tensors at them; returns
+        (stream, what to restore at release)."""
+        self._check_open()
+        for d, key, t, qual in unit.slots:
+            if d.get(key) is not t:
+                raise RuntimeError(
+                    "vpager.torch: %s (in %s) was replaced after offload(); "
+                    "its weights are vpager's: unload() before changing "
+                    "parameters, then offload again" % (qual, unit.name))
+        entries = unit.entries
+        for e in entries:
+            if not e.cur and e.tensor.data_ptr() != e.ph_ptr:
+                raise RuntimeError(
+                    "vpager.torch: %s was changed after offload() (by .to(), "
+                    ".half(), .data = ...?); unload() first, change the "
+                    "module, then offload again" % e.name)
+        ds = self._ds
+        if ds.top is not self:
+            self.vbar.prioritize()
+            ds.top = self
+        stream = self._stream()
+        batch = unit.batch
+        ptrs = batch.acquire(stream)
+        prev = [(e.cur, e.curv) for e in entries]
+        try:
+            if ds.sync:
+                self.device.synchronize(stream)
+            flags = batch.flags
+            for i, e in enumerate(entries):
+                p = ptrs[i]
+                if flags[i] & _RESIDENT:
+                    v = e.rview
+                    if v is None:
+                        v = e.rview = view(p, e.dtype, e.shape, self.target)
+                else:
+                    v = e.staged.get(p)
+                    if v is None:
+                        if len(e.staged) >= _STAGED_VIEWS:
+                            e.staged.clear()
+                        v = e.staged[p] = view(p, e.dtype, e.shape,
+                                               self.target)
+                e.tensor.data = v
+                e.cur, e.curv = p, v
+        except BaseException:
+            self._leave(unit, stream, prev, False)
+            raise
+        return stream, prev
+
+    def _leave(self, unit, stream, prev, raise_errors):
+        for e, (p, v) in zip(unit.entries, prev):
+            e.tensor.data = v if p else e.ph
+            e.cur, e.curv = p, v
+        try:
+            unit.batch.release(stream)
+        except Error:
+            if raise_errors:
+                raise
+            # An exception is already on its way out; it is the news.
+
+    def _call(self, unit, fwd, args, kwargs):
+        try:
+            return fwd(*args, **kwargs)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            first = str(e)  # not e: its frames hold the activations
+        freed = self.device.free_memory(_ALL)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        try:
+            return fwd(*args, **kwargs)
+        except Exception as e:
+            if not _is_oom(e):
+                raise
+            raise type(e)(
+                "vpager.torch: out of device memory in %s (%s) even after "
+                "vpager evicted %d bytes of unpinned weights and torch "
+                "emptied its cache; lower offload()'s budget or the batch. "
+                "First failure: %s. Second: %s"
+                % (unit.name, type(unit.module).__name__, freed, first, e)
+            ) from e
+
+    @staticmethod
+    def _aliases(unit, t):
+        """True if tensor t lies in memory of the unit's acquired weights."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return False
+        p = t.data_ptr()
+        for e in unit.entries:
+            if e.cur and e.cur <= p < e.cur + e.size:
+                return True
+        return False
+
+    def _pack(self, unit, t):
+        # Autograd saves t for backward, which runs after the release.
+        return t.clone() if self._aliases(unit, t) else t
+
+    def _escapes(self, unit, out):
+        """out, with tensors that view the weights replaced by copies."""
+        aliases = self._aliases
+        if isinstance(out, torch.Tensor):
+            return out.clone() if aliases(unit, out) else out
+        if isinstance(out, (tuple, list)) and any(aliases(unit, x)
+                                                  for x in out):
+            items = [x.clone() if aliases(unit, x) else x for x in out]
+            if isinstance(out, list):
+                return items
+            return type(out)(*items) if hasattr(out, "_fields") \
+                else tuple(items)
+        if isinstance(out, dict) and any(aliases(unit, x)
+                                         for x in out.values()):
+            return type(out)((k, x.clone() if aliases(unit, x) else x)
+                             for k, x in out.items())
+        return out
+
+    def _writeback(self, unit):
+        """In training mode modules update buffers in place (BatchNorm's
+        running stats): copy them to the host copy, the weights' source,
+        so a refill brings the new values."""
+        with torch.no_grad():
+            for owner, e in unit.buffers:
+                if owner.training:
+                    e.host.copy_(e.curv)
+
+    # -------------------------------------------------------- state_dict
+    def _state_dict_hook(self, items, module, state_dict, prefix,
+                         local_metadata):
+        if self._state is not _OPEN:
+            raise RuntimeError("vpager.torch: state_dict() of a module "
+                               "whose offload was closed: its weights were "
+                               "freed")
+        with torch.no_grad(), torch.inference_mode(False):
+            for name, e in items:
+                key = prefix + name
+                if key in state_dict:
+                    state_dict[key] = e.host.clone()
+
+    def _load_hook(self, items, state_dict, prefix, *rest):
+        for name, e in items:
+            if prefix + name in state_dict and self._state is not _UNLOADED:
+                raise RuntimeError(
+                    "vpager.torch: load_state_dict() into an offloaded "
+                    "module (%s%s): load before offload(), or unload() "
+                    "first" % (prefix, name))
+
+    # ------------------------------------------------------------ public
+    def __repr__(self):
+        return ("<vpager.torch.Offloaded %s of %s: %d weights, %d bytes on "
+                "%s>" % (self._state, type(self.module).__name__,
+                         len(self._entries), self._total, self.target))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._state is _OPEN:
+            self.unload()
+        return False
+
+    @property
+    def closed(self):
+        """True once unload() or close() ran."""
+        return self._state is not _OPEN
+
+    @property
+    def weight_bytes(self):
+        return sum(e.size for e in self._entries)
+
+    def units(self):
+        """[(qualified name, module, [weight names])] in placement order."""
+        return [(u.name, u.module, [e.name for e in u.entries])
+                for u in self._units]
+
+    def stats(self):
+        """The VBAR's counters (vpager.STAT_NAMES: hits, fills, misses,
+        acquires, weight_fills, weight_staged, ...), plus "device": the
+        device's counters (all models on it), "weights", "weight_bytes",
+        "vbar_bytes", "resident_bytes" and "units"."""
+        self._check_open()
+        s = self.vbar.stats()
+        s["device"] = self.device.stats()
+        s["weights"] = len(self._entries)
+        s["weight_bytes"] = self.weight_bytes
+        s["vbar_bytes"] = self.vbar.size
+        s["resident_bytes"] = self.vbar.loaded_size()
+        s["units"] = len(self._units)
+        return s
+
+    def residency(self):
+        """One byte per VBAR page: vpager.PAGE_RESIDENT | PAGE_PINNED."""
+        self._check_open()
+        return self.vbar.residency()
+
+    def prioritize(self):
+        """Move this model's VBAR to the top of the device's priority list
+        (done automatically when its forward starts after another model's)."""
+        self._check_open()
+        self.vbar.prioritize()
+        self._ds.top = self
+
+    @contextlib.contextmanager
+    def acquired(self):
+        """Every weight acquired for the block (the whole model at once:
+        the staging ring must hold what is not resident), e.g. for code
+        that reads parameters outside the forward of the unit holding them.
+        Unit forwards inside the block use the same tensors."""
+        self._check_open()
+        if any(u.depth for u in self._units):
+            raise RuntimeError("vpager.torch: acquired() inside a forward")
+        whole = _Unit("<all>", self.module)
+        whole.entries = self._entries
+        whole.batch = WeightBatch(self.device, list(self._weights))
+        stream, prev = self._enter(whole)
+        for u in self._units:
+            u.depth += 1
+        ok = False
+        try:
+            yield self.module
+            ok = True
+        finally:
+            for u in self._units:
+                u.depth -= 1
+            self._leave(whole, stream, prev, ok)
+
+    def _idle(self, what):
+        if any(u.depth for u in self._units):
+            raise RuntimeError("vpager.torch: %s() inside the module's "
+                               "forward" % what)
+
+    def unload(self):
+        """Parameters back as ordinary tensors on their original device
+        (from the host copy), requires_grad restored, wrappers and hooks
+        removed, vpager objects freed. The module works as before offload().
+        A second call does nothing; after close() it raises."""
+        if self._state is _UNLOADED:
+            return self.module
+        if self._state is _CLOSED:
+            raise RuntimeError("vpager.torch: unload() after close(): the "
+                               "weights were freed")
+        self._idle("unload")
+        # Device memory first: a GPU model needs the room to come back.
+        self.vbar.close()
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self._entries:
+                t = e.tensor
+                t.data = (e.host.clone() if e.src_device.type == "cpu"
+                          else e.host.to(e.src_device))
+                if e.is_param:
+                    t.requires_grad_(e.requires_grad)
+            for d, k, t, is_param, where in self._moved:
+                if is_param:
+                    t.data = t.data.to(where)
+                else:
+                    d[k] = t
+        self._state = _UNLOADED
+        self._uninstall()
+        self._free()
+        return self.module
+
+    def close(self):
+        """Free the vpager objects without restoring the weights; the module
+        is left unusable (its forward and state_dict() raise RuntimeError).
+        A second call, or close() after unload(), does nothing."""
+        if self._state is not _OPEN:
+            return
+        self._idle("close")
+        self._state = _CLOSED
+        for e in self._entries:
+            e.rview = e.curv = None
+            e.staged = {}
+        self._free()
+
+    def _uninstall(self):
+        for u in self._units:
+            if u.had_forward:
+                u.module.forward = u.saved_forward
+            else:
+                u.module.__dict__.pop("forward", None)
+            u.batch = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for e in self._entries:
+            e.rview = e.curv = None
+            e.staged = {}
+            try:
+                del e.tensor._vpager_handle
+            except AttributeError:
+                pass
+
+    def _free(self):
+        for e in self._entries:
+            e.host = None
+        ds, dev = self._ds, self.device
+        errors = []
+        for obj in (self.vbar, self._hb):
+            try:
+                obj.close()
+            except Error as e:
+                errors.append(e)
+        ds.users.discard(self)
+        if ds.top is self:
+            ds.top = None
+        if ds.owned and not ds.users and not dev.closed:
+            _DEVSTATES.pop(dev, None)
+            dev.close()
+        if errors:
+            raise errors[0]
