@@ -72,11 +72,14 @@ check-abi:
 	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
 
-# The Python binding's tests, on the simulated device (no torch needed).
+# The Python tests on the simulated device: the binding (no torch needed)
+# and vpager.torch (skips without torch; CI installs Debian's python3-torch).
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 check-python: $(BUILD)/libvpager.so
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_binding.py
+	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	  $(PYTHON) tests/python/test_torch.py
 
 check: check-abi
 	$(MAKE) test

@@ -21,7 +21,6 @@ __all__ = ["view", "placeholder", "nbytes"]
 # the tensor is then reinterpreted (.view(dtype)), so any dtype works,
 # bfloat16 and the float8 types included (they have no typestr).
 _INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
-_INT_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def nbytes(dtype, shape):

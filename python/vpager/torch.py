@@ -195,9 +195,10 @@ def _open(target, budget, lookahead, need, options):
             opts.setdefault("sim_capacity", budget)
     if lookahead is not None:
         opts["lookahead"] = lookahead
-    if need and "staging_size" not in opts:
-        # The ring must hold a unit's missed weights at once; twice that
-        # lets one unit's copies overlap the previous unit's compute.
+    if "staging_size" not in opts:
+        # The ring is charged to the budget; it must hold a unit's missed
+        # weights at once, and twice that lets one unit's copies overlap
+        # the previous unit's compute.
         staging = default_options()["staging_size"]
         if budget is not None:
             staging = min(staging, max(budget // 4, 2 * need))
@@ -317,6 +318,15 @@ def _managed_buffer(owner, name, buf):
 
 
 def _check_tensor(qual, t):
+    h = getattr(t, "_vpager_handle", None)
+    if h is not None:
+        if h._state is _CLOSED:
+            raise ValueError("vpager.torch: %s belonged to an offloaded "
+                             "module that was closed: its weights were freed"
+                             % qual)
+        if h._state is _OPEN:
+            raise ValueError("vpager.torch: %s is already offloaded (%r); "
+                             "unload() it first" % (qual, h))
     if t.layout != torch.strided:
         raise ValueError("vpager.torch: %s is a %s tensor; only dense "
                          "(strided) tensors can be offloaded"
@@ -331,15 +341,6 @@ def _check_tensor(qual, t):
         raise ValueError("vpager.torch: %s is not contiguous (strides %s); "
                          "make it contiguous before offload (e.g. p.data = "
                          "p.data.contiguous())" % (qual, t.stride()))
-    h = getattr(t, "_vpager_handle", None)
-    if h is not None:
-        if h._state is _CLOSED:
-            raise ValueError("vpager.torch: %s belonged to an offloaded "
-                             "module that was closed: its weights were freed"
-                             % qual)
-        if h._state is _OPEN:
-            raise ValueError("vpager.torch: %s is already offloaded (%r); "
-                             "unload() it first" % (qual, h))
 
 
 def _unit_rule(units):
@@ -537,14 +538,23 @@ class Offloaded:
                     e.host = host[e.offset:e.offset + e.size] \
                         .view(e.dtype).view(e.shape)
                     e.host.copy_(e.tensor.detach())
+                    if e.src_device.type == "cpu":
+                        # The host copy serves until the placeholders go
+                        # in: the old storage can go now (peak host memory
+                        # = one model, not two).
+                        e.tensor.data = e.host
             ws = vb.create_weights(
                 [e.offset for e in entries], [e.size for e in entries],
                 [Source.from_host(base + e.offset) for e in entries])
             for u in units:
                 u.batch = WeightBatch(dev, [ws[e.index] for e in u.entries])
         except BaseException:
-            for e in entries:
-                e.host = None
+            with torch.no_grad(), torch.inference_mode(False):
+                for e in entries:
+                    if e.host is not None and e.tensor.data_ptr() == \
+                            e.host.data_ptr():
+                        e.tensor.data = e.host.clone()
+                    e.host = None
             for obj in (vb, hb):
                 if obj is not None:
                     try:
@@ -783,10 +793,7 @@ class Offloaded:
     # -------------------------------------------------------- state_dict
     def _state_dict_hook(self, items, module, state_dict, prefix,
                          local_metadata):
-        if self._state is not _OPEN:
-            raise RuntimeError("vpager.torch: state_dict() of a module "
-                               "whose offload was closed: its weights were "
-                               "freed")
+        self._check_open()
         with torch.no_grad(), torch.inference_mode(False):
             for name, e in items:
                 key = prefix + name
@@ -809,6 +816,14 @@ class Offloaded:
 
     def __enter__(self):
         return self
+
+    def __deepcopy__(self, memo):
+        raise TypeError("vpager.torch: an offloaded module cannot be copied "
+                        "or pickled (its weights live in vpager); copy it "
+                        "before offload(), or unload() first")
+
+    def __reduce_ex__(self, protocol):
+        self.__deepcopy__(None)
 
     def __exit__(self, *exc):
         if self._state is _OPEN:
@@ -849,6 +864,11 @@ class Offloaded:
         self._check_open()
         return self.vbar.residency()
 
+    def report(self, json=False):
+        """The device's report (all models on it): text, or parsed JSON."""
+        self._check_open()
+        return self.device.report(json=json)
+
     def prioritize(self):
         """Move this model's VBAR to the top of the device's priority list
         (done automatically when its forward starts after another model's)."""
@@ -857,26 +877,35 @@ class Offloaded:
         self._ds.top = self
 
     @contextlib.contextmanager
-    def acquired(self):
-        """Every weight acquired for the block (the whole model at once:
-        the staging ring must hold what is not resident), e.g. for code
-        that reads parameters outside the forward of the unit holding them.
-        Unit forwards inside the block use the same tensors."""
+    def acquired(self, *modules):
+        """Acquire weights for the block: those of the given submodules
+        (their subtrees), or every weight of the model (then the staging
+        ring must hold all that is not resident). For code that reads
+        parameters outside the forward of the unit holding them; forwards
+        inside the block use the same tensors."""
         self._check_open()
-        if any(u.depth for u in self._units):
-            raise RuntimeError("vpager.torch: acquired() inside a forward")
-        whole = _Unit("<all>", self.module)
-        whole.entries = self._entries
-        whole.batch = WeightBatch(self.device, list(self._weights))
+        if modules:
+            ids = {id(t) for m in modules
+                   for t in list(m.parameters()) + list(m.buffers())}
+            entries = [e for e in self._entries if id(e.tensor) in ids]
+        else:
+            entries = self._entries
+        whole = _Unit("acquired()", self.module)
+        whole.entries = entries
+        whole.batch = WeightBatch(self.device,
+                                  [self._weights[e.index] for e in entries])
+        held = {id(e) for e in entries}
+        covered = [u for u in self._units
+                   if all(id(e) in held for e in u.entries)]
         stream, prev = self._enter(whole)
-        for u in self._units:
+        for u in covered:
             u.depth += 1
         ok = False
         try:
             yield self.module
             ok = True
         finally:
-            for u in self._units:
+            for u in covered:
                 u.depth -= 1
             self._leave(whole, stream, prev, ok)
 
@@ -895,6 +924,7 @@ class Offloaded:
         if self._state is _CLOSED:
             raise RuntimeError("vpager.torch: unload() after close(): the "
                                "weights were freed")
+        self._check_open()          # the device (and host copy) still there
         self._idle("unload")
         # Device memory first: a GPU model needs the room to come back.
         self.vbar.close()
@@ -908,8 +938,8 @@ class Offloaded:
             for d, k, t, is_param, where in self._moved:
                 if is_param:
                     t.data = t.data.to(where)
-                else:
-                    d[k] = t
+                elif d.get(k) is not None:
+                    d[k] = d[k].to(where)
         self._state = _UNLOADED
         self._uninstall()
         self._free()

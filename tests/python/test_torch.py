@@ -1,0 +1,706 @@
+"""Tests of vpager.torch on the simulated device (CPU tensors over its
+memory), with a device capacity smaller than each model's weights.
+
+    make && PYTHONPATH=python python3 -m pytest -q tests/python/test_torch.py
+    make && PYTHONPATH=python python3 tests/python/test_torch.py   # no pytest
+
+Needs torch (Debian's python3-torch 1.13 is enough); skipped without it.
+Outputs are compared bitwise (torch.equal) with a deep copy of the model
+run with ordinary, resident weights.
+"""
+
+import copy
+import ctypes
+import gc
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+if os.path.join(REPO, "python") not in sys.path:
+    sys.path.insert(0, os.path.join(REPO, "python"))
+
+try:
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+except ImportError:         # pragma: no cover - depends on the machine
+    torch = None
+    if __name__ != "__main__":
+        import pytest
+        pytest.skip("torch is not importable", allow_module_level=True)
+
+import vpager  # noqa: E402
+
+if torch is not None:
+    import vpager.torch as vt  # noqa: E402
+
+K = 1 << 10
+PAGE = 64 * K
+
+
+def sim_opts(**kw):
+    """Options of a small simulated device: 64 KiB pages, no prefetch."""
+    opts = dict(page_size=PAGE, sim_granularity=PAGE, lookahead=0,
+                sim_shared="", sim_streams="sync")
+    opts.update(kw)
+    return opts
+
+
+def offload_sim(model, budget, staging, **kw):
+    return vt.offload(model, device="cpu", budget=budget,
+                      staging_size=staging, **sim_opts(**kw))
+
+
+class Skipped(Exception):
+    pass
+
+
+def skip(why):
+    if "pytest" in sys.modules and __name__ != "__main__":
+        import pytest
+        pytest.skip(why)
+    raise Skipped(why)
+
+
+def raises(exc, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except exc as e:
+        return e
+    raise AssertionError("%s did not raise %s" % (fn, exc.__name__))
+
+
+def frozen_copy(model):
+    """The reference: a deep copy with ordinary weights, frozen like
+    offload() freezes them (so both take the same kernels)."""
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def delta(after, before, *keys):
+    return {k: after[k] - before[k] for k in keys}
+
+
+def no_pins(h):
+    return all(not (f & vpager.PAGE_PINNED) for f in h.residency())
+
+
+# ---------------------------------------------------------------- models
+
+def mlp(seed=0, width=256, depth=6):
+    """~1.6 MiB of float32 weights; each hidden layer 257 KiB."""
+    torch.manual_seed(seed)
+    layers = [nn.Linear(64, width), nn.GELU()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    layers.append(nn.Linear(width, 16))
+    return nn.Sequential(*layers).eval()
+
+
+class Attention(nn.Module):
+    """A hand-written pre-norm attention + MLP block (plain units)."""
+
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.norm2 = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2)
+                   for z in (q, k, v))
+        a = torch.softmax(q @ k.transpose(-1, -2) / (q.shape[-1] ** 0.5), -1)
+        x = x + self.proj((a @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+def transformer(seed=0, d=64, layers=4):
+    """torch's TransformerEncoderLayer (a FUSED unit), then hand-written
+    blocks; ~1.3 MiB."""
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(d, 4, dim_feedforward=256,
+                                       dropout=0.0, batch_first=True)
+    return nn.Sequential(
+        nn.Embedding(50, d),
+        nn.TransformerEncoder(layer, layers),
+        *[Attention(d, 4) for _ in range(layers)],
+        nn.LayerNorm(d), nn.Linear(d, 50)).eval()
+
+
+def convnet(seed=0):
+    """Conv + BatchNorm + ReLU; ~370 KiB of weights and running stats."""
+    torch.manual_seed(seed)
+    chans = [3, 32, 64, 64, 64]
+    layers = []
+    for a, b in zip(chans, chans[1:]):
+        layers += [nn.Conv2d(a, b, 3, padding=1), nn.BatchNorm2d(b),
+                   nn.ReLU()]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)]
+    net = nn.Sequential(*layers)
+    with torch.no_grad():           # running stats that are not 0 and 1
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return net.eval()
+
+
+def weight_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ----------------------------------------------------------------- views
+
+def test_views_over_host_memory():
+    buf = (ctypes.c_uint8 * 4096)()
+    addr = ctypes.addressof(buf)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                  torch.bool, torch.complex64, torch.uint8):
+        src = torch.arange(24).reshape(2, 3, 4).to(dtype)
+        v = vt.view(addr + 512, dtype, (2, 3, 4), "cpu")
+        v.copy_(src)
+        assert v.dtype == dtype and v.shape == (2, 3, 4)
+        assert v.data_ptr() == addr + 512
+        assert torch.equal(vt.view(addr + 512, dtype, (2, 3, 4), "cpu"), src)
+    assert vt.view(addr, torch.float32, (0, 5), "cpu").shape == (0, 5)
+    assert vt.view(addr, torch.float32, (), "cpu").shape == ()
+    with torch.inference_mode():
+        assert not vt.view(addr, torch.float32, (4,), "cpu").is_inference()
+    ph = vpager._views.placeholder(torch.float32, (3, 7), "cpu")
+    assert ph.shape == (3, 7) and ph.numel() == 21 and torch.isnan(ph).all()
+
+
+# ----------------------------------------------------------- correctness
+
+def test_mlp_bitwise_and_counters():
+    m = mlp()
+    ref = frozen_copy(m)
+    x = torch.randn(8, 64)
+    want = ref(x)
+    total = weight_bytes(m)
+    h = offload_sim(m, budget=768 * K, staging=320 * K)
+    assert h.weight_bytes == total and total > 768 * K
+    assert isinstance(m[0].weight, nn.Parameter)
+    assert m[0].weight.shape == (256, 64)           # placeholder keeps shape
+    assert torch.isnan(m[0].weight).all()           # ... but not the values
+    s0 = h.stats()
+    assert s0["acquires"] == 0 and s0["units"] == 8 and s0["weights"] == 16
+    assert torch.equal(m(x), want)
+    s1 = h.stats()
+    assert s1["acquires"] == 16
+    assert s1["fills"] > 0 and s1["weight_fills"] > 0
+    assert s1["misses"] > 0 and s1["weight_staged"] > 0   # did not all fit
+    assert s1["resident_bytes"] < total
+    assert torch.equal(m(x), want)
+    d2 = delta(h.stats(), s1, "fills", "hits", "misses", "weight_fills")
+    assert d2["fills"] < s1["fills"], d2                 # fewer fills
+    assert d2["hits"] > 0 and d2["misses"] > 0, d2
+    s2 = h.stats()
+    for _ in range(20):                                  # many in a row
+        assert torch.equal(m(x), want)
+    d = delta(h.stats(), s2, "acquires", "fills", "hits", "misses")
+    assert d["acquires"] == 20 * 16
+    assert d["hits"] + d["misses"] == d["acquires"], d
+    assert d["fills"] <= 20 * d2["fills"], d             # a stable set
+    assert no_pins(h)
+    assert torch.isnan(m[2].weight).all()                # released
+    h.unload()
+
+
+def test_transformer_stack_bitwise():
+    m = transformer()
+    ref = frozen_copy(m)
+    tok = torch.randint(0, 50, (2, 12))
+    total = weight_bytes(m)
+    h = offload_sim(m, budget=640 * K, staging=320 * K)
+    assert total > 640 * K
+    names = [n for n, _, _ in h.units()]
+    assert "1.layers.0" in names                # the fused layer is whole
+    assert not any(n.startswith("1.layers.0.") for n in names)
+    assert "2.qkv" in names                     # hand-written: leaves
+    with torch.no_grad():
+        want = ref(tok)
+        for _ in range(5):
+            assert torch.equal(m(tok), want)
+    with torch.inference_mode():
+        assert torch.equal(m(tok), ref(tok))
+    s = h.stats()
+    assert s["misses"] > 0 and s["hits"] > 0
+    assert no_pins(h)
+    h.unload()
+    with torch.no_grad():
+        assert torch.equal(m(tok), want)
+
+
+def test_convnet_bitwise_and_batchnorm_buffers():
+    m = convnet()
+    ref = frozen_copy(m)
+    x = torch.randn(2, 3, 16, 16)
+    h = offload_sim(m, budget=320 * K, staging=192 * K)
+    assert h.weight_bytes > 320 * K
+    assert any("running_mean" in w for _, _, ws in h.units() for w in ws)
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(4):
+            assert torch.equal(m(x), want)
+    sd, rsd = m.state_dict(), ref.state_dict()
+    assert sorted(sd) == sorted(rsd)
+    assert all(torch.equal(sd[k], rsd[k]) for k in rsd)
+    # Training mode updates the running stats in place: they must survive
+    # eviction and refill (the host copy is updated).
+    m.train()
+    ref.train()
+    with torch.no_grad():
+        for i in range(3):
+            xi = torch.randn(4, 3, 16, 16)
+            assert torch.equal(m(xi), ref(xi)), i
+    m.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    sd, rsd = m.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], rsd[k]) for k in rsd)
+    assert h.stats()["misses"] > 0
+    h.unload()
+
+
+def test_grad_modes_and_input_gradients():
+    m = mlp(depth=3)
+    ref = frozen_copy(m)
+    x = torch.randn(4, 64)
+    h = offload_sim(m, budget=512 * K, staging=320 * K)
+    y = m(x)                                   # grad mode on
+    assert torch.equal(y, ref(x)) and not y.requires_grad
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    with torch.inference_mode():
+        y = m(x)
+        assert y.is_inference() and torch.equal(y, ref(x))
+    assert torch.equal(m(x), ref(x))           # views were not made inference
+    # Gradients with respect to the input: the saved weights are copies,
+    # correct after the release and after eviction.
+    xa = x.clone().requires_grad_(True)
+    xb = x.clone().requires_grad_(True)
+    ya, yb = m(xa), ref(xb)
+    for _ in range(3):
+        m(torch.randn(4, 64))                  # churn pages and slots
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+    assert all(not p.requires_grad for p in m.parameters())
+    h.unload()
+    assert all(p.requires_grad for p in m.parameters())   # restored
+
+
+def test_hooks_state_dict_and_modes():
+    m = mlp(depth=2)
+    ref = frozen_copy(m)
+    x = torch.randn(3, 64)
+    h = offload_sim(m, budget=896 * K, staging=640 * K)
+    seen = []
+    m[2].register_forward_pre_hook(lambda mod, inp: seen.append("pre"))
+    m[2].register_forward_hook(lambda mod, inp, out: seen.append(
+        out.detach().clone()))
+    with torch.no_grad():
+        y = m(x)
+        assert torch.equal(y, ref(x))
+        assert seen[0] == "pre" and torch.equal(seen[1], ref[:3](x))
+    sd = m.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+    assert all(not torch.isnan(v).any() for v in sd.values())
+    assert set(m[0].state_dict()) == {"weight", "bias"}
+    assert torch.equal(m[0].state_dict()["weight"], ref[0].weight)
+    with h.acquired(m[4], m[6]):               # read weights directly
+        assert torch.equal(m[4].weight, ref[4].weight)
+        assert torch.equal(m[6].bias, ref[6].bias)
+        assert torch.equal(m(x), ref(x))
+        with h.acquired(m[6]):                 # nested
+            assert torch.equal(m[6].weight, ref[6].weight)
+        assert torch.equal(m[6].weight, ref[6].weight)
+    assert torch.isnan(m[4].weight).all() and torch.isnan(m[6].bias).all()
+    assert no_pins(h)
+    m.train()
+    m.eval()
+    assert sum(p.numel() for p in m.parameters()) == \
+        sum(p.numel() for p in ref.parameters())
+    h.unload()
+
+
+def test_shared_weights():
+    torch.manual_seed(3)
+    lin = nn.Linear(256, 256)
+    # The same module twice in one forward, and a parameter tied between
+    # two modules.
+    tied = nn.Linear(256, 256)
+    tied.weight = lin.weight
+    m = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh(), tied, nn.Linear(256, 8))
+    m.eval()
+    ref = frozen_copy(m)
+    assert ref[0] is ref[2] and ref[4].weight is ref[0].weight
+    x = torch.randn(5, 256)
+    h = offload_sim(m, budget=384 * K, staging=320 * K)
+    assert h.stats()["weights"] == 5      # lin.w, lin.b, tied.b, last w, b
+    with torch.no_grad():
+        want = ref(x)
+        for _ in range(4):
+            assert torch.equal(m(x), want)
+    assert m[0].weight is m[4].weight
+    assert no_pins(h)
+    h.unload()
+    assert m[0] is m[2] and m[0].weight is m[4].weight
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+
+
+def test_two_models_alternating_on_one_device():
+    dev = vt.open_device("sim", budget=1280 * K, staging_size=320 * K,
+                         **sim_opts())
+    try:
+        a, b = mlp(seed=1), mlp(seed=2)
+        ra, rb = frozen_copy(a), frozen_copy(b)
+        x = torch.randn(4, 64)
+        ha = vt.offload(a, dev=dev)
+        hb = vt.offload(b, dev=dev)
+        assert ha.device is dev and hb.device is dev
+        assert ha.weight_bytes + hb.weight_bytes > 2 * 1280 * K
+        with torch.no_grad():
+            wa, wb = ra(x), rb(x)
+            for i in range(4):
+                assert torch.equal(a(x), wa), i
+                ra_bytes = ha.stats()["resident_bytes"]
+                assert ra_bytes > 0
+                assert torch.equal(b(x), wb), i
+                # The model that ran last holds more of the device.
+                assert hb.stats()["resident_bytes"] > \
+                    ha.stats()["resident_bytes"], i
+        sd = ha.stats()["device"]
+        assert sd["pages_evicted"] > 0
+        assert sd["acquires"] == ha.stats()["acquires"] + \
+            hb.stats()["acquires"]
+        ha.unload()
+        with torch.no_grad():
+            assert torch.equal(b(x), wb)
+        hb.close()
+        assert not dev.closed                   # not ours to close
+    finally:
+        dev.close()
+
+
+def test_prefetch_interleaved_and_worker_streams():
+    x = torch.randn(4, 64)
+    for kw in (dict(lookahead=256 * K), dict(order="interleaved"),
+               dict(sim_streams="worker", lookahead=128 * K)):
+        m = mlp(seed=4)
+        ref = frozen_copy(m)
+        h = offload_sim(m, budget=768 * K, staging=320 * K, **kw)
+        with torch.no_grad():
+            want = ref(x)
+            for _ in range(6):
+                assert torch.equal(m(x), want), kw
+        s = h.stats()
+        if "lookahead" in kw:
+            assert s["device"]["prefetch_bytes"] > 0, kw
+        h.unload()
+
+
+def test_returned_weight_is_a_copy():
+    class Pos(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(64, 256))
+
+        def forward(self, n):
+            return self.table[:n]            # a view of the weight
+
+    torch.manual_seed(5)
+    m = nn.ModuleList([Pos(), Pos(), Pos(), Pos()])
+    ref = frozen_copy(m)
+    h = offload_sim(m, budget=192 * K, staging=128 * K)
+    outs = [p(10) for p in m]
+    for p in m:
+        p(64)                               # evict and reuse the slots
+    for o, r in zip(outs, ref):
+        assert torch.equal(o, r.table[:10])
+    h.unload()
+
+
+def test_oom_retry():
+    class Flaky(nn.Linear):
+        fails = 0
+
+        def forward(self, x):
+            if self.fails:
+                self.fails -= 1
+                raise torch.cuda.OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 2.00 GiB")
+            return super().forward(x)
+
+    torch.manual_seed(6)
+    m = nn.Sequential(nn.Linear(256, 256), Flaky(256, 256),
+                      nn.Linear(256, 256))
+    ref = frozen_copy(m)
+    x = torch.randn(2, 256)
+    h = offload_sim(m, budget=1024 * K, staging=320 * K)
+    with torch.no_grad():
+        want = ref(x)
+        assert torch.equal(m(x), want)
+        before = h.stats()
+        m[1].fails = 1                      # fails once, then works
+        assert torch.equal(m(x), want)
+        assert h.stats()["pages_evicted"] > before["pages_evicted"]
+        m[1].fails = 2                      # fails twice: re-raised
+        e = raises(torch.cuda.OutOfMemoryError, m, x)
+        assert "vpager.torch" in str(e) and "2.00 GiB" in str(e)
+        assert m[1].fails == 0 and no_pins(h)
+        assert torch.equal(m(x), want)      # still usable
+    h.unload()
+
+
+def test_unload_restores_a_working_module():
+    m = mlp(depth=2)
+    ref = frozen_copy(m)
+    x = torch.randn(3, 64)
+    params = [p for p in m.parameters()]
+    h = offload_sim(m, budget=512 * K, staging=320 * K)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    assert h.unload() is m and h.closed
+    h.unload()                              # a second one does nothing
+    assert [p for p in m.parameters()] == params      # same objects
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
+    assert all(not hasattr(p, "_vpager_handle") for p in m.parameters())
+    for p, r in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, r) and p.requires_grad
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    m.load_state_dict(ref.state_dict())     # an ordinary module again
+    raises(RuntimeError, h.stats)
+    # And it can be offloaded again.
+    h2 = offload_sim(m, budget=512 * K, staging=320 * K)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    with h2:
+        pass                                # a with block unloads
+    assert h2.closed and "forward" not in m[0].__dict__
+
+
+def test_copy_and_pickle_refused():
+    import pickle
+    m = mlp(depth=1)
+    h = offload_sim(m, budget=512 * K, staging=320 * K)
+    e = raises(TypeError, copy.deepcopy, m)
+    assert "unload" in str(e)
+    raises(TypeError, pickle.dumps, m)
+    h.unload()
+    copy.deepcopy(m)
+    pickle.dumps(m)
+
+
+# --------------------------------------------------------------- bad use
+
+def test_offload_twice():
+    m = mlp(depth=1)
+    h = offload_sim(m, budget=512 * K, staging=320 * K)
+    e = raises(ValueError, offload_sim, m, budget=512 * K, staging=320 * K)
+    assert "already offloaded" in str(e)
+    raises(ValueError, offload_sim, m[2], budget=512 * K, staging=320 * K)
+    other = nn.Linear(256, 256)
+    other.weight = m[2].weight              # shares an offloaded parameter
+    raises(ValueError, offload_sim, other, budget=512 * K, staging=320 * K)
+    with torch.no_grad():                   # the first offload still works
+        m(torch.randn(2, 64))
+    h.unload()
+
+
+def test_parameter_replaced_or_converted_after_offload():
+    m = mlp(depth=2)
+    x = torch.randn(2, 64)
+    h = offload_sim(m, budget=512 * K, staging=320 * K)
+    old = m[2].weight
+    m[2].weight = nn.Parameter(torch.randn(256, 256))
+    e = raises(RuntimeError, m, x)
+    assert "2.weight" in str(e) and "replaced" in str(e)
+    assert no_pins(h)
+    m[2].weight = old                       # put back: usable again
+    with torch.no_grad():
+        m(x)
+    m.half()                                # converts the placeholders
+    e = raises(RuntimeError, m, x.half())
+    assert "changed after offload" in str(e)
+    assert no_pins(h)
+    e = raises(RuntimeError, m.load_state_dict, mlp(depth=2).state_dict())
+    assert "load_state_dict" in str(e)
+    h.close()
+
+
+def test_cuda_model_onto_simulated_device():
+    cuda0 = torch.device("cuda", 0)
+    e = raises(ValueError, vt._resolve_target, cuda0, "cpu", None)
+    assert "simulated device" in str(e)
+    dev = vt.open_device("sim", **sim_opts())
+    try:
+        raises(ValueError, vt._resolve_target, cuda0, None, dev)
+        raises(ValueError, vt._resolve_target, torch.device("cpu"), "cuda:0",
+               dev)
+        assert vt._resolve_target(torch.device("cpu"), None, dev).type == \
+            "cpu"
+        if torch.cuda.is_available():
+            m = nn.Linear(8, 8).cuda()
+            raises(ValueError, vt.offload, m, dev=dev)
+            assert "forward" not in m.__dict__
+    finally:
+        dev.close()
+    raises(ValueError, vt._resolve_target, torch.device("meta"), None, None)
+
+
+def test_closed_handle():
+    m = mlp(depth=1)
+    x = torch.randn(2, 64)
+    h = offload_sim(m, budget=512 * K, staging=320 * K)
+    with torch.no_grad():
+        m(x)
+    h.close()
+    assert h.closed
+    h.close()                               # a second close does nothing
+    e = raises(RuntimeError, m, x)
+    assert "closed" in str(e)
+    raises(RuntimeError, h.stats)
+    raises(RuntimeError, h.residency)
+    raises(RuntimeError, m.state_dict)
+    raises(RuntimeError, h.unload)
+    e = raises(ValueError, offload_sim, m, budget=512 * K, staging=320 * K)
+    assert "closed" in str(e)
+    # A shared device closed under a live handle.
+    dev = vt.open_device("sim", staging_size=320 * K, **sim_opts())
+    m2 = mlp(depth=1)
+    h2 = vt.offload(m2, dev=dev)
+    dev.close()
+    e = raises(RuntimeError, m2, x)
+    assert "Device" in str(e)
+    raises(RuntimeError, h2.stats)
+    raises(RuntimeError, m2.state_dict)
+    raises(RuntimeError, h2.unload)
+    h2.close()
+
+
+def test_tensors_that_cannot_be_served():
+    class Odd(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.w = nn.Parameter(w, requires_grad=False)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    for w, word in ((torch.randn(8, 4).to_sparse(), "sparse"),
+                    (torch.randn(8, 4).t(), "contiguous"),
+                    (torch.empty(8, 4, device="meta"), "meta")):
+        m = Odd(w)
+        before = m.lin.weight.data_ptr()
+        e = raises(ValueError, offload_sim, m, budget=512 * K, staging=PAGE)
+        assert word in str(e) and "w" in str(e), str(e)
+        # Nothing changed.
+        assert m.lin.weight.data_ptr() == before
+        assert not torch.isnan(m.lin.weight).any()
+        assert "forward" not in m.__dict__ and "forward" not in m.lin.__dict__
+        assert not hasattr(m.lin.weight, "_vpager_handle")
+    raises(ValueError, offload_sim, nn.ReLU(), budget=512 * K, staging=PAGE)
+    raises(TypeError, vt.offload, "not a module")
+    # A staging ring too small for a unit: refused before anything changes.
+    dev = vt.open_device("sim", staging_size=PAGE, **sim_opts())
+    try:
+        m = mlp(depth=1)
+        e = raises(ValueError, vt.offload, m, dev=dev)
+        assert "staging" in str(e)
+        assert "forward" not in m[0].__dict__
+        assert dev.report(json=True)["vbars"] == []
+    finally:
+        dev.close()
+
+
+# ------------------------------------------------------------------ CUDA
+
+def test_cuda():
+    """The same paths on a GPU (VMM memory, CUDA tensor views, the current
+    stream), when torch has CUDA: a GPU model, and a CPU model offloaded
+    onto the GPU (unload brings it back to the CPU)."""
+    if not torch.cuda.is_available():
+        skip("no CUDA")
+    M = 1 << 20
+    opts = dict(page_size=2 * M, lookahead=0)
+    x = torch.randn(16, 64)
+    # 8.4 MiB of weights in a 6 MiB budget (2 of it staging).
+    for seed in (0, 1):
+        m = mlp(seed=seed, width=512, depth=8)
+        if seed == 0:
+            m = m.cuda()
+        ref = frozen_copy(m).cuda()
+        h = vt.offload(m, device="cuda", budget=6 * M, staging_size=2 * M,
+                       **opts)
+        assert m[2].weight.device.type == "cuda"
+        with torch.no_grad():
+            want = ref(x.cuda())
+            for _ in range(5):
+                assert torch.equal(m(x.cuda()), want)
+        torch.cuda.synchronize()
+        s = h.stats()
+        assert s["misses"] > 0 and s["hits"] > 0, s
+        h.unload()
+        assert m[2].weight.device.type == ("cuda" if seed == 0 else "cpu")
+    m = transformer().cuda()
+    ref = frozen_copy(m)
+    tok = torch.randint(0, 50, (2, 12), device="cuda")
+    h = vt.offload(m, budget=6 * M, staging_size=2 * M, **opts)
+    with torch.inference_mode():
+        want = ref(tok)
+        for _ in range(3):
+            assert torch.equal(m(tok), want)
+    h.unload()
+
+
+# ------------------------------------------------------------ plain runner
+
+def _main():
+    """Run every test_* function in file order; prints pytest's kind of
+    closing line. Arguments select tests by substring."""
+    if torch is None:
+        print("0 passed, 0 failed (torch is not importable: skipped)")
+        return 0
+    tests = [(n, f) for n, f in list(globals().items())
+             if n.startswith("test_") and callable(f)]
+    only = sys.argv[1:]
+    passed = failed = skipped = 0
+    for name, fn in tests:
+        if only and not any(o in name for o in only):
+            continue
+        try:
+            fn()
+        except Skipped as e:
+            skipped += 1
+            print("skip %s: %s" % (name, e))
+        except Exception:
+            import traceback
+            failed += 1
+            print("FAIL %s" % name)
+            traceback.print_exc()
+        else:
+            passed += 1
+            print("ok   %s" % name)
+        gc.collect()
+    print("%d passed, %d failed%s" % (passed, failed, ", %d skipped" % skipped
+                                      if skipped else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
