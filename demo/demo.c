@@ -120,10 +120,8 @@ int main(void) {
   check(vp_device_open(&opts, &dev), "opening the device");
   vp_device_info_t info;
   check(vp_device_info(dev, &info), "device info");
-  /* Whatever the device's size and use, let vpager use only BUDGET. */
-  int64_t headroom = (int64_t)(info.free_memory + info.committed) -
-                     (int64_t)BUDGET;
-  check(vp_device_set_headroom(dev, headroom > 0 ? headroom : 0), "headroom");
+  /* Whatever the device's size, let vpager use only BUDGET of it. */
+  check(vp_device_set_limit(dev, BUDGET), "limit");
   const char *backend = vp_device_backend(dev);
   printf("vpager demo on the %s device (%s)\n", backend,
          strcmp(backend, "cuda") == 0 ? "a GPU"

@@ -193,6 +193,10 @@ VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);
 
 /* Change the headroom at run time; takes effect at the next commit. */
 VP_API int vp_device_set_headroom(vp_device_t dev, int64_t bytes);
+/* Cap what this device handle may commit, whatever the device's free
+ * memory (UINT64_MAX, the default: no cap); takes effect at the next
+ * commit. The budget is the smaller of this and what the headroom leaves. */
+VP_API int vp_device_set_limit(vp_device_t dev, uint64_t bytes);
 /* Evict unpinned pages, lowest-priority VBAR first, until at least `bytes`
  * are freed or nothing more can be; *freed (may be NULL) gets the count. */
 VP_API int vp_device_free_memory(vp_device_t dev, uint64_t bytes,

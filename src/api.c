@@ -142,6 +142,13 @@ int vp_device_set_headroom(vp_device_t h, int64_t bytes) {
   return unlock(dev, VP_OK);
 }
 
+int vp_device_set_limit(vp_device_t h, uint64_t bytes) {
+  vp__device_t *dev = NULL;
+  DEVICE_ENTER(h, "vp_device_set_limit", dev);
+  dev->budget.limit = bytes;
+  return unlock(dev, VP_OK);
+}
+
 int vp_device_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
   vp__device_t *dev = NULL;
   DEVICE_ENTER(h, "vp_device_free_memory", dev);

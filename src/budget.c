@@ -1,5 +1,5 @@
 /* How much may be committed now:
- *   allowed = min(free_at_poll + ours_at_poll, total) - headroom
+ *   allowed = min(min(free_at_poll + ours_at_poll, total) - headroom, limit)
  * Device-wide free memory (every process) is polled no more often than the
  * poll interval; between polls our own commits are accounted exactly, which
  * the formula does by fixing ours at the poll. The min() matters when the
@@ -21,6 +21,7 @@ void vp__budget_init(vp__device_t *dev) {
   b->total = dev->caps.total_memory;
   b->headroom = dev->opts.headroom >= 0 ? dev->opts.headroom
                                         : (int64_t)dev->caps.default_headroom;
+  b->limit = UINT64_MAX;
 }
 
 /* The next check polls the device again. */
@@ -50,5 +51,6 @@ int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed) {
   if (cap > b->total) cap = b->total;
   uint64_t head = (uint64_t)b->headroom;
   *allowed = cap > head ? cap - head : 0;
+  if (*allowed > b->limit) *allowed = b->limit;
   return VP_OK;
 }

@@ -82,6 +82,7 @@ typedef struct vp__budget {
   uint64_t ours_at_poll;   /* our committed bytes at the last poll */
   uint64_t total;
   int64_t headroom;
+  uint64_t limit;          /* cap on our own commits */
 } vp__budget_t;
 
 struct vp__device {

@@ -311,11 +311,15 @@ static bool gens_equal(const vp__weight_t *w) {
   return w->gens[0] != 0;
 }
 
-/* Resident with the bytes of its last fill: nothing to do ahead of use. */
-static bool ready_in_place(const vp__weight_t *w) {
+static bool all_resident(const vp__weight_t *w) {
   for (uint32_t p = w->p0; p < w->p1; p++)
     if (!w->vb->pages[p].resident) return false;
-  return gens_equal(w);
+  return true;
+}
+
+/* Resident with the bytes of its last fill: nothing to do ahead of use. */
+static bool ready_in_place(const vp__weight_t *w) {
+  return all_resident(w) && gens_equal(w);
 }
 
 static void gens_take(vp__weight_t *w) {
@@ -643,6 +647,11 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   waits_t wait = {NULL, false};
   size_t i;
   int rc = VP_OK;
+  /* Commit the staging ring before this call pins anything, so making
+   * room for it may still evict: a layer may need both. */
+  for (i = 0; i < n && !dev->staging && rc == VP_OK; i++)
+    if (!all_resident(ws[i])) rc = staging_open(dev);
+  if (rc) return rc;
   for (i = 0; i < n && rc == VP_OK; i++) {
     uint8_t f = 0;
     rc = acquire_one(dev, ws[i], &b, stream, &ptrs[i], &f, &wait);

@@ -179,3 +179,21 @@ TEST(budget_polls_bounded, TEST_ALL_BACKENDS) {
   ASSERT_GE_U64(s1.budget_polls - s0.budget_polls, 1);
   ASSERT_OK(vp_device_close(dev));
 }
+
+/* A limit caps our own commits whatever the device's free memory. */
+TEST(budget_limit, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open_cap(ctx, NULL, 8);
+  uint64_t ps = test_page_size(ctx);
+  vp_vbar_t v = test_vbar(dev, 8 * ps);
+  ASSERT_OK(vp_device_set_limit(dev, 2 * ps + ps / 2));
+  test_load_pages(v, 0, 2);
+  ASSERT_RC(vp_fault(v, 6 * ps, ps, NULL, 0), VP_MISS); /* rank 6 > own */
+  ASSERT_EQ_U64(test_info(dev).committed, 2 * ps);
+  ASSERT_EQ_U64(test_info(dev).budget, 2 * ps + ps / 2);
+  ASSERT_OK(vp_device_set_limit(dev, UINT64_MAX));
+  ASSERT_OK(vp_vbar_prioritize(v));
+  test_load_pages(v, 2, 4);
+  ASSERT_EQ_U64(test_info(dev).committed, 6 * ps);
+  ASSERT_RC(vp_device_set_limit((vp_device_t){0}, 1), VP_EHANDLE);
+  ASSERT_OK(vp_device_close(dev));
+}

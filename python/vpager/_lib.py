@@ -248,6 +248,7 @@ PROTOTYPES = {
     "vp_device_backend": (c_char_p, [_dev]),
     "vp_device_info": (_i, [_dev, P(vp_device_info_t)]),
     "vp_device_set_headroom": (_i, [_dev, _i64]),
+    "vp_device_set_limit": (_i, [_dev, _u64]),
     "vp_device_free_memory": (_i, [_dev, _u64, P(c_uint64)]),
     "vp_device_reclaimable": (_i, [_dev, P(c_uint64)]),
     "vp_device_reset_limits": (_i, [_dev]),

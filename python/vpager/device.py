@@ -107,6 +107,10 @@ class Device(Handle):
     def set_headroom(self, nbytes):
         check(C.vp_device_set_headroom(self._handle(), nbytes))
 
+    def set_limit(self, nbytes):
+        """Cap what this device may commit (2**64 - 1: no cap)."""
+        check(C.vp_device_set_limit(self._handle(), nbytes))
+
     def free_memory(self, nbytes):
         """Evict unpinned pages, lowest priority first; returns bytes freed."""
         freed = _u64()

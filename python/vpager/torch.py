@@ -62,7 +62,7 @@ Devices and budget
   module's parameters are on. A CPU module can be offloaded to a GPU (the
   usual case: it does not fit there); unload() brings it back to the CPU.
   `budget` caps the device memory vpager uses (pages, staging ring):
-  headroom = free + committed - budget, as demo/demo.c does. Several
+  a cap on vpager's own commits (vp_device_set_limit). Several
   modules share one device, and its budget, through open_device():
 
       d = vpager.torch.open_device("cuda", budget="20G")
@@ -178,10 +178,9 @@ def _devstate(dev, owned=False):
 
 
 def _apply_budget(dev, budget):
-    """Let vpager use at most `budget` bytes of the device (as demo.c)."""
-    info = dev.info()
-    head = info["free_memory"] + info["committed"] - budget
-    dev.set_headroom(max(head, 0))
+    """Let vpager use at most `budget` bytes of the device, however much
+    torch allocates later (the headroom still keeps device memory free)."""
+    dev.set_limit(budget)
 
 
 def _open(target, budget, lookahead, need, options):
