@@ -1,5 +1,6 @@
 /* The public API: argument and handle validation, the device lock, and the
  * messages for vp_last_error(). The work itself is in pager.c. */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,14 +23,9 @@ static int device_lock(vp_device_t h, const char *fn, vp__device_t **out) {
 
 /* Look up a VBAR and lock its device. */
 static int vbar_lock(vp_vbar_t h, const char *fn, vp__vbar_t **out) {
-  vp__device_t *dev = vp__registry_get(h.id);
-  if (dev) {
-    pthread_mutex_lock(&dev->lock);
-    if ((*out = vp__table_get(&dev->vbars, h.id))) return VP_OK;
-    pthread_mutex_unlock(&dev->lock);
-  }
-  return vp__err(VP_EHANDLE, "%s: VBAR handle 0x%llx is not a live VBAR", fn,
-                 ULL(h.id));
+  vp__device_t *dev;
+  return vp__handle_enter(h.id, offsetof(vp__device_t, vbars), fn, "VBAR",
+                          &dev, (void **)out);
 }
 
 static int unlock(vp__device_t *dev, int rc) {

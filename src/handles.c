@@ -56,3 +56,21 @@ void vp__table_free(vp__table_t *t) {
   t->slots = NULL;
   t->n = 0;
 }
+
+/* Find the live object `id` in the table at byte offset `table` of its
+ * device and lock that device (*dev). VP_EHANDLE, naming fn and `what`,
+ * when there is none. */
+int vp__handle_enter(uint64_t id, size_t table, const char *fn,
+                     const char *what, vp__device_t **dev, void **out) {
+  vp__device_t *d = vp__registry_get(id);
+  if (d) {
+    pthread_mutex_lock(&d->lock);
+    if ((*out = vp__table_get((vp__table_t *)((char *)d + table), id))) {
+      *dev = d;
+      return VP_OK;
+    }
+    pthread_mutex_unlock(&d->lock);
+  }
+  return vp__err(VP_EHANDLE, "%s: %s handle 0x%llx is not live", fn, what,
+                 (unsigned long long)id);
+}

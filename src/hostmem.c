@@ -18,6 +18,7 @@
  * memory), so host<->device copies go through vp__copy_htod/dtoh, which
  * split them at chunk edges. */
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -184,14 +185,9 @@ void vp__host_free(vp__device_t *dev, void *ptr, uint64_t size, bool pinned) {
 
 /* Look up a host buffer and lock its device. */
 static int hb_lock(vp_hostbuf_t h, const char *fn, hostbuf_t **out) {
-  vp__device_t *dev = vp__registry_get(h.id);
-  if (dev) {
-    pthread_mutex_lock(&dev->lock);
-    if ((*out = vp__table_get(&dev->hostbufs, h.id))) return VP_OK;
-    pthread_mutex_unlock(&dev->lock);
-  }
-  return vp__err(VP_EHANDLE, "%s: host buffer handle 0x%llx is not a live "
-                 "host buffer", fn, ULL(h.id));
+  vp__device_t *dev;
+  return vp__handle_enter(h.id, offsetof(vp__device_t, hostbufs), fn,
+                          "host buffer", &dev, (void **)out);
 }
 
 /* Room for one more chunk (device lock held). */

@@ -142,6 +142,8 @@ int vp__table_add(vp__device_t *dev, vp__table_t *t, void *obj, uint64_t *id);
 void *vp__table_get(const vp__table_t *t, uint64_t id);
 void vp__table_remove(vp__table_t *t, uint64_t id);
 void vp__table_free(vp__table_t *t);
+int vp__handle_enter(uint64_t id, size_t table, const char *fn,
+                     const char *what, vp__device_t **dev, void **out);
 
 /* pager.c */
 int vp__device_create(const vp_options_t *opts, vp__device_t **out);

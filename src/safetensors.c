@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -496,14 +497,9 @@ int vp_st_open(vp_device_t h, const char *path, vp_st_t *out) {
 
 /* Look up st and lock its device. */
 static int st_enter(vp_st_t h, const char *fn, vp__st_t **out) {
-  vp__device_t *dev = vp__registry_get(h.id);
-  if (dev) {
-    pthread_mutex_lock(&dev->lock);
-    if ((*out = vp__table_get(&dev->sts, h.id))) return VP_OK;
-    pthread_mutex_unlock(&dev->lock);
-  }
-  return vp__err(VP_EHANDLE, "%s: safetensors handle 0x%llx is not open", fn,
-                 ULL(h.id));
+  vp__device_t *dev;
+  return vp__handle_enter(h.id, offsetof(vp__device_t, sts), fn,
+                          "safetensors", &dev, (void **)out);
 }
 
 #define ST_ENTER(h, fn, st)                                                    \

@@ -13,6 +13,7 @@
  * reclaimed. A slot keeps its weight's bytes until reclaimed, so a staged
  * weight acquired again soon costs no copy. A slot is reused only after its
  * release fence: the copy stream waits for that fence on the device. */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -479,23 +480,17 @@ static void weight_unlist(vp__weight_t *w) {
 }
 
 int vp_weight_destroy(vp_weight_t h) {
-  vp__device_t *dev = vp__registry_get(h.id);
-  if (dev) {
-    pthread_mutex_lock(&dev->lock);
-    vp__weight_t *w = vp__table_get(&dev->weights, h.id);
-    if (w) {
-      if (w->acq_resident || w->acq_staged)
-        return vp__unlock(dev, vp__err(VP_EBUSY, "vp_weight_destroy: the "
-                                       "weight is acquired; release it "
-                                       "first"));
-      weight_unlist(w);
-      weight_free(dev, w);
-      return vp__unlock(dev, VP_OK);
-    }
-    pthread_mutex_unlock(&dev->lock);
-  }
-  return vp__err(VP_EHANDLE, "vp_weight_destroy: weight handle 0x%llx is "
-                 "not a live weight", (unsigned long long)h.id);
+  vp__device_t *dev;
+  vp__weight_t *w;
+  int rc = vp__handle_enter(h.id, offsetof(vp__device_t, weights),
+                            "vp_weight_destroy", "weight", &dev, (void **)&w);
+  if (rc) return rc;
+  if (w->acq_resident || w->acq_staged)
+    return vp__unlock(dev, vp__err(VP_EBUSY, "vp_weight_destroy: the weight "
+                                   "is acquired; release it first"));
+  weight_unlist(w);
+  weight_free(dev, w);
+  return vp__unlock(dev, VP_OK);
 }
 
 void vp__weights_drop_vbar(vp__vbar_t *vb) {
