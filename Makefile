@@ -90,8 +90,12 @@ check: check-abi
 $(BUILD)/demo/demo: demo/demo.c $(BUILD)/libvpager.a | $(BUILD)/demo
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)
 
-demo: $(BUILD)/demo/demo
+demo: $(BUILD)/demo/demo $(BUILD)/libvpager.so
 	$(BUILD)/demo/demo
+	@if $(PYTHON) -c 'import torch' 2>/dev/null; then \
+	  echo; PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	  $(PYTHON) demo/torch_demo.py; \
+	else echo "torch demo skipped: torch is not importable"; fi
 
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libvpager.a | $(BUILD)/bench
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)

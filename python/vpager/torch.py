@@ -6,10 +6,16 @@
     print(h.stats()["hits"], h.residency())
     h.unload()                       # parameters are ordinary tensors again
 
+    # Or with the weights straight from a file, the model never in memory:
+    model = build_model(device="meta")       # shapes only
+    h = vpager.torch.offload(model, device="cuda", budget="20G",
+                             weights_from="model.safetensors")
+
 What offload() does
   * Places every parameter, and every persistent floating-point buffer, of
     the module in one VBAR, in module order (named_parameters order, which
-    is usually execution order), each at an ALIGN-byte boundary. Shared
+    is usually execution order), each at an ALIGN-byte boundary, then in
+    execution order after the first forward (see Placement order). Shared
     parameters are placed once.
   * Copies their bytes into one HostBuf at the same offsets (so vpager
     merges neighbouring copies) and makes them vpager weights whose source
@@ -32,6 +38,53 @@ What offload() does
     forward, then the placeholders back and one vp_release on the current
     stream. A unit whose forward raises still releases.
 
+Placement order
+  vpager prefetches, and evicts, in VBAR offset order, so the weights
+  should lie there in the order the forward uses them. offload() places
+  them in module order; the module's first complete forward records the
+  order in which the units run (a forward pre-hook and a forward hook on
+  the module, removed after that forward). If it differs from module order
+  (a model declaring its layers in another order than it calls them), the
+  weights are re-placed once, right after that forward: in the order of
+  the units' first use, units the forward did not run last, in module
+  order. Re-placing keeps the VBAR, its counters and the host copy: it
+  evicts the VBAR's pages (waiting for work that may still read them),
+  destroys the weights and makes them again at the new offsets with the
+  same sources, so the next forward fills them anew (a one-time cost). The
+  host copy stays in module order (copies of one unit's weights still
+  merge). A first forward run inside h.acquired(), or one that raised,
+  records nothing: the next one does. offload(reorder=False) keeps module
+  order; h.units() and h.layout() show the placement. Forwards that call
+  the units in different orders keep the first one's.
+
+Weights from safetensors files
+  offload(module, ..., weights_from=path) takes the weights from a
+  safetensors file whose keys are the module's state_dict() names (of
+  tied tensors one name is enough, as safetensors' save_model writes
+  them; if several are there, the first is used). The module's tensors are
+  only a description: they may be on the meta device (nn.Linear(..., device=
+  "meta")) or uninitialised, and are never read; meta tensors are replaced
+  by new Parameter objects (placeholders, no memory). Each parameter's
+  source is the file (vp_st_source): vpager reads it through its file
+  reader (pinned bounce slots, the page cache) whenever the weight is
+  filled or staged, so the model is never materialised in host memory and
+  there is no host copy (stats()["host_bytes"] counts what there is).
+  Buffers (which training mode updates in place) get a pinned host copy
+  read from the file, and the state_dict tensors vpager does not manage
+  (integer buffers such as BatchNorm's num_batches_tracked, empty
+  parameters) are loaded from the file into the module. The file stays
+  open, and must not change, until unload() or close(); state_dict() and
+  unload() read it. load_safetensors(h_or_module, path) does the same for
+  a module already offloaded: its parameters' sources become the file and
+  its host copy is freed. The file is matched against the module first:
+  a tensor missing from the file, one the module lacks, or a dtype or
+  shape mismatch raises ValueError naming every such tensor, and nothing
+  changes (the module keeps its weights; a meta module stays on meta).
+  The trade-off: a file source is read (and, on CUDA, bounced through
+  pinned slots) at each fill or miss, where a pinned host copy is copied
+  straight at link speed; a budget that holds the model, or the page
+  cache, hides it.
+
 The module keeps working with the usual calls: eval()/train(),
 torch.no_grad(), torch.inference_mode(), forward hooks, state_dict() (which
 returns CPU copies taken from the host copy). Gradients of the weights are
@@ -47,7 +100,8 @@ Limits (each detected and raised as an error, never silently wrong):
     nn.Parameter(...)), or converted (.to(), .half()): RuntimeError at the
     unit's next forward, naming it; load_state_dict(): RuntimeError;
   * sparse, quantized, meta or non-contiguous parameters (ValueError before
-    anything changes; make them contiguous first);
+    anything changes; make them contiguous first; with weights_from, meta
+    and non-contiguous ones are fine);
   * a CUDA model on the simulated device (ValueError);
   * using a module after its handle was closed (RuntimeError).
 Code that reads a parameter outside the forward of the unit holding it
@@ -90,6 +144,7 @@ unload() vs close()
 import contextlib
 import ctypes
 import functools
+import os
 import weakref
 
 import torch
@@ -103,7 +158,8 @@ from .errors import Error
 from .options import default_options, parse_size
 from .weights import Source, WeightBatch
 
-__all__ = ["offload", "open_device", "Offloaded", "view", "ALIGN", "FUSED"]
+__all__ = ["offload", "open_device", "load_safetensors", "Offloaded", "view",
+           "ALIGN", "FUSED"]
 
 ALIGN = 512             # bytes; each weight starts at such a boundary
 _SLOT_ALIGN = 256       # the staging ring's slot alignment (src/stream.c)
@@ -119,6 +175,20 @@ _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
 # the children (torch's fused fast paths): each is one unit, whole.
 FUSED = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
          torch.nn.MultiheadAttention)
+
+
+# safetensors dtype names (vp_st_tensor_t.dtype) of torch dtypes.
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.complex64: "C64"}
+for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
+                   ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+                   ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+                   ("float8_e8m0fnu", "F8_E8M0"), ("uint16", "U16"),
+                   ("uint32", "U32"), ("uint64", "U64")):
+    if isinstance(getattr(torch, _name, None), torch.dtype):
+        _ST_DTYPES[getattr(torch, _name)] = _st
 
 
 def _is_oom(e):
@@ -268,7 +338,8 @@ class _Entry:
 
     __slots__ = ("index", "name", "tensor", "is_param", "dtype", "shape",
                  "size", "offset", "src_device", "requires_grad", "host",
-                 "rview", "staged", "ph", "ph_ptr", "cur", "curv")
+                 "file_addr", "src", "rview", "staged", "ph", "ph_ptr", "cur",
+                 "curv")
 
     def __init__(self, index, name, tensor, is_param):
         self.index = index
@@ -282,6 +353,8 @@ class _Entry:
         self.src_device = tensor.device
         self.requires_grad = bool(tensor.requires_grad)
         self.host = None                  # CPU tensor over the HostBuf
+        self.file_addr = None             # or: its bytes in the mapped file
+        self.src = None                   # its vpager.Source
         self.rview = None                 # view of its VBAR address
         self.staged = {}                  # staging address -> view
         self.ph = None                    # placeholder
@@ -316,7 +389,7 @@ def _managed_buffer(owner, name, buf):
             and buf.numel() > 0)
 
 
-def _check_tensor(qual, t):
+def _check_tensor(qual, t, from_file=False):
     h = getattr(t, "_vpager_handle", None)
     if h is not None:
         if h._state is _CLOSED:
@@ -333,9 +406,12 @@ def _check_tensor(qual, t):
     if t.is_quantized:
         raise ValueError("vpager.torch: %s is quantized (%s); its bytes are "
                          "not a plain array" % (qual, t.dtype))
+    if from_file:
+        return              # its bytes come from the file: any device, strides
     if t.device.type == "meta":
         raise ValueError("vpager.torch: %s is on the meta device: it has no "
-                         "bytes to offload (load the weights first)" % qual)
+                         "bytes to offload (load the weights first, or "
+                         "offload(..., weights_from=path))" % qual)
     if not t.is_contiguous():
         raise ValueError("vpager.torch: %s is not contiguous (strides %s); "
                          "make it contiguous before offload (e.g. p.data = "
@@ -357,9 +433,10 @@ def _unit_rule(units):
                     "predicate, not %s" % type(units).__name__)
 
 
-def _collect(module, whole=None):
+def _collect(module, whole=None, from_file=False):
     """Units, entries and owners of a module; raises ValueError (changing
-    nothing) for what cannot be offloaded. whole(m): m is a unit, whole."""
+    nothing) for what cannot be offloaded. whole(m): m is a unit, whole.
+    from_file: the bytes will come from a file (meta tensors are fine)."""
     whole = whole or _unit_rule(None)
     units = []
     seen_units = set()
@@ -397,7 +474,7 @@ def _collect(module, whole=None):
                 qual = sp + n
                 e = by_id.get(id(t))
                 if e is None:
-                    _check_tensor(qual, t)
+                    _check_tensor(qual, t, from_file)
                     e = _Entry(len(entries), qual, t, is_param)
                     by_id[id(t)] = e
                     entries.append(e)
@@ -437,10 +514,194 @@ def _unpack(t):
     return t
 
 
+def _place(entries, align):
+    """Offsets of entries laid out in this order, each at an `align`
+    boundary; returns (offsets, end)."""
+    offsets = []
+    off = 0
+    for e in entries:
+        off = _round_up(off, align)
+        offsets.append(off)
+        off += e.size
+    return offsets, off
+
+
+# ------------------------------------------------------ safetensors files
+
+def _state_items(module, prefix=""):
+    """(name, dict, key, tensor, is_param) of what module.state_dict() holds
+    (parameters and persistent buffers; a shared tensor once per name)."""
+    for k, p in module._parameters.items():
+        if p is not None:
+            yield prefix + k, module._parameters, k, p, True
+    for k, b in module._buffers.items():
+        if b is not None and k not in module._non_persistent_buffers_set:
+            yield prefix + k, module._buffers, k, b, False
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _state_items(child, prefix + name + ".")
+
+
+def _match_file(module, entries, st, fn):
+    """Match a safetensors file to module.state_dict()'s names: returns
+    ({entry: TensorInfo}, [(dict, key, is_param, TensorInfo)] for the
+    state_dict tensors vpager does not manage). ValueError, naming the
+    tensors, for tensors missing from the file or the module, or of another
+    dtype or shape; nothing is changed."""
+    infos = {}
+    for t in st:
+        infos[t.name] = t
+    by_id = {id(e.tensor): e for e in entries}
+    groups = {}
+    order = []
+    for name, d, k, t, is_param in _state_items(module):
+        g = groups.get(id(t))
+        if g is None:
+            g = groups[id(t)] = ([], d, k, t, is_param)
+            order.append(g)
+        g[0].append(name)
+    problems = []
+    known = set()
+    for m in module.modules():
+        for k in m._non_persistent_buffers_set:
+            b = m._buffers.get(k)
+            if b is not None and b.device.type == "meta":
+                problems.append("buffer %r of %s is on the meta device and "
+                                "not in any file (it is not persistent)"
+                                % (k, type(m).__name__))
+    plan = {}
+    loads = []
+    for names, d, k, t, is_param in order:
+        known.update(names)
+        e = by_id.get(id(t))
+        dtype = e.dtype if e is not None else t.dtype
+        shape = e.shape if e is not None else tuple(t.shape)
+        want = _ST_DTYPES.get(dtype)
+        present = [n for n in names if n in infos]
+        if not present:
+            problems.append("tensor %r is missing from the file" % names[0])
+            continue
+        if want is None:
+            problems.append("tensor %r is %s, which safetensors has no name "
+                            "for" % (names[0], dtype))
+            continue
+        bad = False
+        for n in present:
+            ti = infos[n]
+            if ti.dtype != want or tuple(ti.shape) != shape:
+                problems.append(
+                    "tensor %r is %s %s in the file but %s %s (%s) in the "
+                    "module" % (n, ti.dtype, list(ti.shape), want, list(shape),
+                                str(dtype).replace("torch.", "")))
+                bad = True
+        if bad:
+            continue
+        if e is not None:
+            plan[e] = infos[present[0]]
+        else:
+            loads.append((d, k, is_param, infos[present[0]]))
+    for e in entries:
+        if e not in plan and not problems:
+            problems.append("tensor %r is not in the module's state_dict"
+                            % e.name)
+    extra = [n for n in infos if n not in known]
+    problems += ["unexpected tensor %r (the module's state_dict has no such "
+                 "name)" % n for n in extra]
+    if problems:
+        more = len(problems) - 8
+        raise ValueError(
+            "vpager.torch.%s: %s does not match the module (nothing was "
+            "loaded): %s%s" % (fn, st.path, "; ".join(problems[:8]),
+                               "; and %d more" % more if more > 0 else ""))
+    return plan, loads
+
+
+def _file_tensor(info, addr, dtype):
+    """A new CPU tensor with a tensor's bytes from the mapped file."""
+    with torch.inference_mode(False):
+        out = torch.empty(tuple(info.shape), dtype=dtype)
+    if info.size:
+        ctypes.memmove(out.data_ptr(), addr, info.size)
+    return out
+
+
+def _load_unmanaged(st, loads, fresh=()):
+    """Fill the state_dict tensors vpager does not manage (integer buffers,
+    empty parameters) from the file: in place, or, for placeholders of meta
+    tensors (ids in `fresh`), as new CPU tensors."""
+    base = st.mmap()[0]
+    with torch.no_grad(), torch.inference_mode(False):
+        for d, k, is_param, info in loads:
+            t = d[k]
+            new = _file_tensor(info, base + info.offset, t.dtype)
+            if id(t) in fresh or t.device.type == "meta":
+                if is_param:
+                    t.data = new
+                else:
+                    d[k] = new
+            else:
+                t.data.copy_(new)
+
+
+def _sources(dev, entries, align, st=None, plan=None):
+    """Where each entry's bytes live: [(host, file_addr, Source)] and the
+    HostBuf holding the host copies (None if no entry has one).
+
+    Without a file every entry gets a slot of one new HostBuf (in entries'
+    order, align-aligned: the VBAR's offsets when that is their order),
+    filled from its tensor; a CPU tensor is pointed at its slot at once,
+    so its old storage can go. With a file (st, plan from _match_file),
+    parameters get a FILE source (vp_st_source) and no host copy; buffers,
+    which training mode updates in place, get a HostBuf slot filled from
+    the file."""
+    base = st.mmap()[0] if st is not None else 0
+    slots = [None] * len(entries)
+    hosted = []
+    for i, e in enumerate(entries):
+        if st is not None and e.is_param:
+            info = plan[e]
+            slots[i] = (None, base + info.offset, st.source(info.index))
+        else:
+            hosted.append(i)
+    if not hosted:
+        return None, slots
+    offsets, total = _place([entries[i] for i in hosted], align)
+    hb = dev.alloc_hostbuf(total)
+    moved = []
+    try:
+        with torch.no_grad(), torch.inference_mode(False):
+            host = torch.frombuffer(
+                (ctypes.c_uint8 * total).from_address(hb.ptr),
+                dtype=torch.uint8)
+            for i, off in zip(hosted, offsets):
+                e = entries[i]
+                h = host[off:off + e.size].view(e.dtype).view(e.shape)
+                if st is not None:
+                    ctypes.memmove(h.data_ptr(), base + plan[e].offset,
+                                   e.size)
+                else:
+                    h.copy_(e.tensor.detach())
+                    if e.src_device.type == "cpu":
+                        # The host copy serves until the placeholders go
+                        # in: the old storage can go now (peak host memory
+                        # = one model, not two).
+                        e.tensor.data = h
+                        moved.append(e)
+                slots[i] = (h, None, Source.from_host(hb.ptr + off))
+    except BaseException:
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in moved:
+                e.tensor.data = e.tensor.data.clone()
+        hb.close()
+        raise
+    return hb, slots
+
+
 # ------------------------------------------------------------- offload
 
 def offload(module, device=None, budget=None, lookahead=None, order=None,
-            dev=None, units=None, align=ALIGN, **options):
+            dev=None, units=None, align=ALIGN, weights_from=None,
+            reorder=True, **options):
     """Page `module`'s weights through vpager; returns an Offloaded handle.
 
     device: where it computes ("cuda", "cuda:N", N, or "cpu"/"sim" for the
@@ -455,6 +716,13 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
         their children's weights directly, so that each is acquired whole
         (added to vpager.torch.FUSED: torch's transformer layers and
         attention).
+    weights_from: a safetensors file (keys: the module's state_dict names)
+        to take the weights from instead of the module's tensors, which may
+        then be on the meta device or uninitialised: parameters are read
+        from the file when needed (no host copy), the rest is loaded from
+        it now. See "Weights from safetensors files" in the module doc.
+    reorder: re-place the weights in the order the first forward uses them
+        (default True; see "Placement order" in the module doc).
     options: vp_options_t fields for the device offload opens (page_size,
         staging_size, sim_capacity, ...); not allowed with dev.
     """
@@ -474,7 +742,56 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
     if align < 1 or align & (align - 1):
         raise ValueError("vpager.torch.offload: align must be a power of "
                          "two, not %r" % align)
-    units, entries, owners = _collect(module, _unit_rule(units))
+    from_file = weights_from is not None
+    if from_file and not os.path.isfile(weights_from):
+        raise ValueError("vpager.torch.offload: weights_from=%r is not a "
+                         "file" % (weights_from,))
+    swapped = _unmeta(module) if from_file else []
+    try:
+        return _offload(module, device, budget, lookahead, order, dev, units,
+                        align, weights_from, reorder, options, swapped)
+    except BaseException:
+        for d, k, old in swapped:
+            d[k] = old
+        raise
+
+
+def _unmeta(module):
+    """With weights_from, meta tensors are replaced by CPU placeholders (a
+    meta tensor's .data cannot be set to a real one): new Parameter objects
+    (the same one wherever one was shared), or buffers. Returns [(dict,
+    key, old tensor)] to put them back on failure. A meta buffer that is not
+    persistent (so no file holds it): ValueError, nothing changed."""
+    swapped, new = [], {}
+    for m in module.modules():
+        for k in m._non_persistent_buffers_set:
+            b = m._buffers.get(k)
+            if b is not None and b.device.type == "meta":
+                raise ValueError(
+                    "vpager.torch.offload: buffer %r of %s is on the meta "
+                    "device and is not persistent, so no file holds it: "
+                    "make it a real tensor first" % (k, type(m).__name__))
+    with torch.no_grad(), torch.inference_mode(False):
+        for m in module.modules():
+            for d, is_param in ((m._parameters, True), (m._buffers, False)):
+                for k, t in list(d.items()):
+                    if t is None or t.device.type != "meta":
+                        continue
+                    r = new.get(id(t))
+                    if r is None:
+                        ph = _placeholder(t.dtype, t.shape, "cpu")
+                        r = (torch.nn.Parameter(ph, t.requires_grad)
+                             if is_param else ph)
+                        new[id(t)] = r
+                    swapped.append((d, k, t))
+                    d[k] = r
+    return swapped
+
+
+def _offload(module, device, budget, lookahead, order, dev, units, align,
+             weights_from, reorder, options, swapped):
+    from_file = weights_from is not None
+    units, entries, owners = _collect(module, _unit_rule(units), from_file)
     if not entries:
         raise ValueError("vpager.torch.offload: %s has no parameters or "
                          "floating-point buffers to offload"
@@ -485,37 +802,78 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
                          "devices (%s); move the module to one first"
                          % ", ".join(sorted(str(s) for s in srcs)))
     target = _resolve_target(srcs.pop(), device, dev)
-    off = 0
-    for e in entries:
-        off = _round_up(off, align)
+    offsets, _ = _place(entries, align)
+    for e, off in zip(entries, offsets):
         e.offset = off
-        off += e.size
+    # Room for any order of the weights (re-placement keeps the VBAR).
+    vbar_size = sum(_round_up(e.size, align) for e in entries)
     need = max(sum(_round_up(e.size, _SLOT_ALIGN) for e in u.entries)
                for u in units)
-    return Offloaded(module, units, entries, owners, off, need, target, dev,
-                     budget, lookahead, order, options)
+    return Offloaded(module, units, entries, owners, vbar_size, need, target,
+                     dev, budget, lookahead, order, options, align,
+                     weights_from, reorder,
+                     {id(d[k]) for d, k, _ in swapped})
+
+
+def load_safetensors(module_or_handle, path):
+    """Fill an offloaded module's weights from the safetensors file `path`
+    (keys: the module's state_dict names); returns its Offloaded handle.
+    The parameters' sources become the file (read through vpager's file
+    reader when a unit needs them; the host copy is freed), the buffers
+    and the tensors vpager does not manage are loaded from it now. Tensors
+    missing from the file or the module, or of another dtype or shape:
+    ValueError naming them, and nothing changes. To start from a module
+    that holds no weights (meta device), use offload(..., weights_from=)."""
+    h = module_or_handle
+    if not isinstance(h, Offloaded):
+        if not isinstance(h, torch.nn.Module):
+            raise TypeError("vpager.torch.load_safetensors: an offloaded "
+                            "module or its Offloaded handle, not %s"
+                            % type(h).__name__)
+        module, h = h, None
+        for t in list(module.parameters()) + list(module.buffers()):
+            h = getattr(t, "_vpager_handle", None)
+            if h is not None:
+                break
+        if h is None:
+            raise ValueError("vpager.torch.load_safetensors: %s is not "
+                             "offloaded: offload(module, ..., weights_from="
+                             "path) pages its weights from the file"
+                             % type(module).__name__)
+        if h.module is not module:
+            raise ValueError("vpager.torch.load_safetensors: this %s is part "
+                             "of an offloaded %s: load the whole module's "
+                             "file into it" % (type(module).__name__,
+                                               type(h.module).__name__))
+    return h.load_safetensors(path)
 
 
 class Offloaded:
     """The handle offload() returns: module, device (the vpager.Device),
     vbar, target (the torch device it computes on); stats(), residency(),
-    prioritize(), acquired(), unload(), close(). See the module doc."""
+    layout(), prioritize(), acquired(), load_safetensors(), unload(),
+    close(). See the module doc."""
 
-    def __init__(self, module, units, entries, owners, total, need, target,
-                 dev, budget, lookahead, order, options):
+    def __init__(self, module, units, entries, owners, vbar_size, need,
+                 target, dev, budget, lookahead, order, options,
+                 align=ALIGN, weights_from=None, reorder=True, fresh=()):
         self.module = module
         self._owners = owners
         self.target = target
         self._units = units
         self._entries = entries
-        self._total = total
+        self._align = align
         self._state = _OPEN
         self._hooks = []
+        self._order_hooks = []
         self._moved = []
+        self._held = 0              # acquired() blocks open
+        self._rec = None            # units in the order a forward ran them
+        self._rec_seen = set()
         owned = dev is None
         if owned:
             dev = _open(target, budget, lookahead, need, options)
-        vb = hb = None
+        vb = hb = st = None
         try:
             ds = _devstate(dev, owned)
             if not owned:
@@ -524,37 +882,30 @@ class Offloaded:
                     _apply_budget(dev, budget)
                 if lookahead is not None:
                     dev.set_lookahead(lookahead)
-            vb = dev.create_vbar(total)
+            plan = loads = None
+            if weights_from is not None:
+                st = dev.open_safetensors(weights_from)
+                plan, loads = _match_file(module, entries, st,
+                                          "offload(weights_from=...)")
+            vb = dev.create_vbar(vbar_size)
             if order is not None:
                 vb.set_order(order)
-            hb = dev.alloc_hostbuf(total)
-            with torch.no_grad(), torch.inference_mode(False):
-                base = hb.ptr
-                host = torch.frombuffer(
-                    (ctypes.c_uint8 * total).from_address(base),
-                    dtype=torch.uint8)
-                for e in entries:
-                    e.host = host[e.offset:e.offset + e.size] \
-                        .view(e.dtype).view(e.shape)
-                    e.host.copy_(e.tensor.detach())
-                    if e.src_device.type == "cpu":
-                        # The host copy serves until the placeholders go
-                        # in: the old storage can go now (peak host memory
-                        # = one model, not two).
-                        e.tensor.data = e.host
-            ws = vb.create_weights(
-                [e.offset for e in entries], [e.size for e in entries],
-                [Source.from_host(base + e.offset) for e in entries])
-            for u in units:
-                u.batch = WeightBatch(dev, [ws[e.index] for e in u.entries])
+            hb, slots = _sources(dev, entries, align, st, plan)
+            for e, (host, addr, src) in zip(entries, slots):
+                e.host, e.file_addr, e.src = host, addr, src
+            ws = vb.create_weights([e.offset for e in entries],
+                                   [e.size for e in entries],
+                                   [e.src for e in entries])
+            if loads:
+                _load_unmanaged(st, loads, fresh)
         except BaseException:
             with torch.no_grad(), torch.inference_mode(False):
                 for e in entries:
                     if e.host is not None and e.tensor.data_ptr() == \
                             e.host.data_ptr():
                         e.tensor.data = e.host.clone()
-                    e.host = None
-            for obj in (vb, hb):
+                    e.host = e.src = e.file_addr = None
+            for obj in (vb, hb, st):
                 if obj is not None:
                     try:
                         obj.close()
@@ -567,14 +918,21 @@ class Offloaded:
         self.device = dev
         self.vbar = vb
         self._hb = hb
+        self._st = st
         self._weights = ws
+        self._batches()
         self._ds = ds
         ds.users.add(self)
         if target.type == "cuda":
             self._stream = functools.partial(_cuda_stream, target)
         else:
             self._stream = int          # int() == 0: the default stream
-        self._install()
+        self._install(reorder)
+
+    def _batches(self):
+        ws, dev = self._weights, self.device
+        for u in self._units:
+            u.batch = WeightBatch(dev, [ws[e.index] for e in u.entries])
 
     # ------------------------------------------------------ installing
     @staticmethod
@@ -587,7 +945,7 @@ class Offloaded:
                              "holds %d: open the device with staging_size "
                              ">= %d" % (need, ring, need))
 
-    def _install(self):
+    def _install(self, reorder=True):
         module, target = self.module, self.target
         managed = {id(e.tensor) for e in self._entries}
         with torch.no_grad(), torch.inference_mode(False):
@@ -621,14 +979,21 @@ class Offloaded:
                 functools.partial(self._state_dict_hook, items)))
             self._hooks.append(m._register_load_state_dict_pre_hook(
                 functools.partial(self._load_hook, items)))
+        if reorder and len(self._units) > 1:
+            self._order_hooks = [
+                module.register_forward_pre_hook(self._order_start),
+                module.register_forward_hook(self._order_end)]
 
     def _wrap(self, unit, fwd):
         enter, leave, call = self._enter, self._leave, self._call
         writeback = self._writeback
         escapes = self._escapes
+        owner = self
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
+            if owner._rec is not None:  # the first forward: record the order
+                owner._record(unit)
             if unit.depth:              # the unit calls itself: weights set
                 return fwd(*args, **kwargs)
             stream, prev = enter(unit)
@@ -652,6 +1017,81 @@ class Offloaded:
 
         forward._vpager_unit = unit
         return forward
+
+    # --------------------------------------------------- placement order
+    def _record(self, unit):
+        if unit not in self._rec_seen:
+            self._rec_seen.add(unit)
+            self._rec.append(unit)
+
+    def _order_start(self, module, args):
+        self._rec = []
+        self._rec_seen = set()
+
+    def _order_end(self, module, args, out):
+        rec, self._rec = self._rec, None
+        self._rec_seen = set()
+        if rec is None or self._state is not _OPEN or self.device.closed:
+            return
+        if self._held or any(u.depth for u in self._units):
+            return                  # inside acquired(): the next forward
+        for hk in self._order_hooks:
+            hk.remove()
+        self._order_hooks = []
+        self._replace(rec)
+
+    def _replace(self, first):
+        """Place the weights anew in the VBAR: those of the units in
+        `first` in that order, then the others in their order so far."""
+        units, seen = [], set()
+        for u in list(first) + self._units:
+            if u not in seen:
+                seen.add(u)
+                units.append(u)
+        entries, placed = [], set()
+        for u in units:
+            for e in u.entries:
+                if e not in placed:
+                    placed.add(e)
+                    entries.append(e)
+        entries += [e for e in self._entries if e not in placed]
+        if [id(e) for e in entries] != [id(e) for e in self._entries]:
+            offsets, _ = _place(entries, self._align)
+            self._swap(entries, offsets, [e.src for e in entries])
+        self._units = units
+
+    def _swap(self, entries, offsets, sources):
+        """Re-create the weights: entries[i] at VBAR offset offsets[i] with
+        source sources[i]. The VBAR's pages are evicted first (eviction
+        waits for the work that may still read them), so every weight is
+        filled anew when next acquired. All or nothing: on failure the old
+        weights are made again (or, if even that fails, the handle is
+        closed) and the error raised."""
+        vb = self.vbar
+        old = [(e, e.offset, e.src) for e in self._entries]
+        vb.free_memory(_ALL)
+        self._weights.close()
+        try:
+            ws = vb.create_weights(offsets, [e.size for e in entries],
+                                   sources)
+        except BaseException:
+            try:
+                self._weights = vb.create_weights(
+                    [o for _, o, _ in old], [e.size for e, _, _ in old],
+                    [s for _, _, s in old])
+                self._batches()
+            except BaseException:
+                self.close()
+            raise
+        for i, e in enumerate(entries):
+            e.index, e.offset, e.src = i, offsets[i], sources[i]
+            e.rview = None
+            e.staged = {}
+        self._entries = entries
+        self._weights = ws
+        self._batches()
+        vb.prioritize()             # eviction lowered the watermark
+        self._ds.top = self
 
     # ------------------------------------------------------- hot path
     def _check_open(self):
@@ -790,6 +1230,17 @@ class Offloaded:
                     e.host.copy_(e.curv)
 
     # -------------------------------------------------------- state_dict
+    @staticmethod
+    def _host_copy(e):
+        """A new CPU tensor with the weight's bytes (host copy or file)."""
+        if e.host is not None:
+            return e.host.clone()
+        with torch.inference_mode(False):
+            out = torch.empty(e.shape, dtype=e.dtype)
+        if e.size:
+            ctypes.memmove(out.data_ptr(), e.file_addr, e.size)
+        return out
+
     def _state_dict_hook(self, items, module, state_dict, prefix,
                          local_metadata):
         self._check_open()
@@ -797,7 +1248,7 @@ class Offloaded:
             for name, e in items:
                 key = prefix + name
                 if key in state_dict:
-                    state_dict[key] = e.host.clone()
+                    state_dict[key] = self._host_copy(e)
 
     def _load_hook(self, items, state_dict, prefix, *rest):
         for name, e in items:
@@ -811,7 +1262,8 @@ class Offloaded:
     def __repr__(self):
         return ("<vpager.torch.Offloaded %s of %s: %d weights, %d bytes on "
                 "%s>" % (self._state, type(self.module).__name__,
-                         len(self._entries), self._total, self.target))
+                         len(self._entries), self.weight_bytes,
+                         self.target))
 
     def __enter__(self):
         return self
@@ -843,11 +1295,52 @@ class Offloaded:
         return [(u.name, u.module, [e.name for e in u.entries])
                 for u in self._units]
 
+    def layout(self):
+        """[(weight name, VBAR offset, bytes, "host" or "file")] in VBAR
+        order: where each weight lives and where its bytes come from."""
+        self._check_open()
+        return [(e.name, e.offset, e.size,
+                 "host" if e.host is not None else "file")
+                for e in self._entries]
+
+    def load_safetensors(self, path):
+        """vpager.torch.load_safetensors(self, path): see there."""
+        self._check_open()
+        self._idle("load_safetensors")
+        dev = self.device
+        st = dev.open_safetensors(path)
+        hb = None
+        try:
+            plan, loads = _match_file(self.module, self._entries, st,
+                                      "load_safetensors")
+            hb, slots = _sources(dev, self._entries, self._align, st, plan)
+            self._swap(list(self._entries), [e.offset for e in self._entries],
+                       [src for _, _, src in slots])
+        except BaseException:
+            for obj in (hb, st):
+                if obj is not None:
+                    try:
+                        obj.close()
+                    except Error:
+                        pass
+            raise
+        for e, (host, addr, src) in zip(self._entries, slots):
+            e.host, e.file_addr = host, addr
+        old = (self._hb, self._st)
+        self._hb, self._st = hb, st
+        with torch.no_grad(), torch.inference_mode(False):
+            _load_unmanaged(st, loads)
+        for obj in old:
+            if obj is not None:
+                obj.close()
+        return self
+
     def stats(self):
         """The VBAR's counters (vpager.STAT_NAMES: hits, fills, misses,
         acquires, weight_fills, weight_staged, ...), plus "device": the
         device's counters (all models on it), "weights", "weight_bytes",
-        "vbar_bytes", "resident_bytes" and "units"."""
+        "vbar_bytes", "resident_bytes", "units", "host_bytes" (the
+        pinned host copy) and "file_weights" (weights read from a file)."""
         self._check_open()
         s = self.vbar.stats()
         s["device"] = self.device.stats()
@@ -856,6 +1349,8 @@ class Offloaded:
         s["vbar_bytes"] = self.vbar.size
         s["resident_bytes"] = self.vbar.loaded_size()
         s["units"] = len(self._units)
+        s["host_bytes"] = self._hb.size if self._hb is not None else 0
+        s["file_weights"] = sum(e.host is None for e in self._entries)
         return s
 
     def residency(self):
@@ -899,17 +1394,19 @@ class Offloaded:
         stream, prev = self._enter(whole)
         for u in covered:
             u.depth += 1
+        self._held += 1
         ok = False
         try:
             yield self.module
             ok = True
         finally:
+            self._held -= 1
             for u in covered:
                 u.depth -= 1
             self._leave(whole, stream, prev, ok)
 
     def _idle(self, what):
-        if any(u.depth for u in self._units):
+        if self._held or any(u.depth for u in self._units):
             raise RuntimeError("vpager.torch: %s() inside the module's "
                                "forward" % what)
 
@@ -930,8 +1427,11 @@ class Offloaded:
         with torch.no_grad(), torch.inference_mode(False):
             for e in self._entries:
                 t = e.tensor
-                t.data = (e.host.clone() if e.src_device.type == "cpu"
-                          else e.host.to(e.src_device))
+                if e.host is None:          # file-backed
+                    t.data = self._host_copy(e).to(e.src_device)
+                else:
+                    t.data = (e.host.clone() if e.src_device.type == "cpu"
+                              else e.host.to(e.src_device))
                 if e.is_param:
                     t.requires_grad_(e.requires_grad)
             for d, k, t, is_param, where in self._moved:
@@ -964,9 +1464,11 @@ class Offloaded:
             else:
                 u.module.__dict__.pop("forward", None)
             u.batch = None
-        for h in self._hooks:
+        for h in self._hooks + self._order_hooks:
             h.remove()
         self._hooks = []
+        self._order_hooks = []
+        self._rec = None
         for e in self._entries:
             e.rview = e.curv = None
             e.staged = {}
@@ -977,10 +1479,12 @@ class Offloaded:
 
     def _free(self):
         for e in self._entries:
-            e.host = None
+            e.host = e.file_addr = e.src = None
         ds, dev = self._ds, self.device
         errors = []
-        for obj in (self.vbar, self._hb):
+        for obj in (self.vbar, self._hb, self._st):
+            if obj is None:
+                continue
             try:
                 obj.close()
             except Error as e:

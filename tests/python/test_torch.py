@@ -12,8 +12,11 @@ run with ordinary, resident weights.
 import copy
 import ctypes
 import gc
+import json
 import os
+import struct
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -90,13 +93,14 @@ def no_pins(h):
 
 # ---------------------------------------------------------------- models
 
-def mlp(seed=0, width=256, depth=6):
-    """~1.6 MiB of float32 weights; each hidden layer 257 KiB."""
+def mlp(seed=0, width=256, depth=6, device=None):
+    """~1.6 MiB of float32 weights; each hidden layer 257 KiB. device="meta"
+    builds it without any weight bytes."""
     torch.manual_seed(seed)
-    layers = [nn.Linear(64, width), nn.GELU()]
+    layers = [nn.Linear(64, width, device=device), nn.GELU()]
     for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    layers.append(nn.Linear(width, 16))
+        layers += [nn.Linear(width, width, device=device), nn.GELU()]
+    layers.append(nn.Linear(width, 16, device=device))
     return nn.Sequential(*layers).eval()
 
 
@@ -152,6 +156,50 @@ def convnet(seed=0):
                 m.running_mean.uniform_(-0.5, 0.5)
                 m.running_var.uniform_(0.5, 2.0)
     return net.eval()
+
+
+class Backwards(nn.Module):
+    """Layers declared in the reverse of the order forward uses them:
+    module order is layers.0-5, head, embed; execution order embed,
+    layers.5-0, head. ~1.6 MiB."""
+
+    def __init__(self, seed=0, width=256, depth=6, device=None):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(width, width, device=device)
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, 16, device=device)
+        self.embed = nn.Linear(64, width, device=device)
+
+    def forward(self, x):
+        x = torch.tanh(self.embed(x))
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+             torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+             torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path, tensors):
+    """A tiny safetensors writer: an 8-byte little-endian header length,
+    the JSON header (padded to 8 bytes), then the data."""
+    header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.writelines(blobs)
 
 
 def weight_bytes(model):
@@ -505,6 +553,232 @@ def test_copy_and_pickle_refused():
     pickle.dumps(m)
 
 
+# ------------------------------------------------ safetensors and order
+
+def test_weights_from_safetensors_into_a_meta_model():
+    ref = frozen_copy(mlp())
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        want = ref(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "mlp.safetensors")
+        write_safetensors(path, ref.state_dict())
+        m = mlp(seed=9, device="meta")          # no weight bytes at all
+        assert m[0].weight.is_meta
+        h = offload_sim(m, budget=768 * K, staging=320 * K,
+                        weights_from=path)
+        s = h.stats()
+        assert s["host_bytes"] == 0, s          # no host copy of the model
+        assert s["file_weights"] == s["weights"] == 16
+        assert all(src == "file" for _, _, _, src in h.layout())
+        assert m[0].weight.device.type == "cpu"
+        assert m[0].weight.shape == (256, 64)
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(m(x), want)
+        s = h.stats()
+        assert s["misses"] > 0 and s["hits"] > 0 and s["weight_fills"] > 0
+        assert s["resident_bytes"] < h.weight_bytes
+        assert no_pins(h)
+        sd, rsd = m.state_dict(), ref.state_dict()
+        assert sorted(sd) == sorted(rsd)
+        assert all(torch.equal(sd[k], rsd[k]) for k in rsd)
+        h.unload()                              # meta -> CPU tensors
+        for p, r in zip(m.parameters(), ref.parameters()):
+            assert p.device.type == "cpu" and torch.equal(p, r)
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+        # Uninitialised (not meta) and tied weights: a file with one name of
+        # a tied pair (as safetensors' save_model writes it) is enough.
+        torch.manual_seed(3)
+        a = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+        a[2].weight = a[0].weight
+        a.eval()
+        ra = frozen_copy(a)
+        sd = ra.state_dict()
+        del sd["2.weight"]
+        write_safetensors(path, sd)
+        b = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+        b[2].weight = b[0].weight
+        for p in b.parameters():
+            p.data = torch.empty_like(p)
+        h = offload_sim(b.eval(), budget=384 * K, staging=320 * K,
+                        weights_from=path)
+        assert h.stats()["weights"] == 3
+        xa = torch.randn(3, 256)
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(b(xa), ra(xa))
+        h.unload()
+        assert b[0].weight is b[2].weight
+
+
+def test_load_safetensors_into_an_offloaded_model():
+    ref = convnet(seed=0)
+    with torch.no_grad():
+        ref[1].num_batches_tracked.fill_(7)     # an unmanaged (int) buffer
+    ref = frozen_copy(ref)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        want = ref(x)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "convnet.safetensors")
+        write_safetensors(path, ref.state_dict())
+        m = convnet(seed=1)                     # other weights
+        h = offload_sim(m, budget=320 * K, staging=192 * K)
+        host0 = h.stats()["host_bytes"]
+        assert host0 >= h.weight_bytes
+        with torch.no_grad():
+            assert not torch.equal(m(x), want)
+        assert vt.load_safetensors(m, path) is h
+        s = h.stats()
+        nparams = sum(1 for _ in m.parameters())
+        assert s["file_weights"] == nparams and s["weights"] > nparams
+        assert 0 < s["host_bytes"] < host0 // 4, s  # buffers only
+        srcs = {n: src for n, _, _, src in h.layout()}
+        assert srcs["0.weight"] == "file" and srcs["1.running_var"] == "host"
+        assert int(m[1].num_batches_tracked) == 7
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(m(x), want)
+        assert h.stats()["misses"] > 0
+        # Training mode updates the buffers (host copies); the parameters
+        # keep coming from the file.
+        m.train()
+        ref.train()
+        with torch.no_grad():
+            for i in range(2):
+                xi = torch.randn(4, 3, 16, 16)
+                assert torch.equal(m(xi), ref(xi)), i
+        m.eval()
+        ref.eval()
+        with torch.no_grad():
+            want = ref(x)
+            assert torch.equal(m(x), want)
+        sd, rsd = m.state_dict(), ref.state_dict()
+        assert all(torch.equal(sd[k], rsd[k]) for k in rsd)
+        # Loading the handle again (the same file) works too.
+        assert h.load_safetensors(path) is h
+        with torch.no_grad():
+            m(x)
+        h.unload()
+        for p, r in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p, r)
+
+
+def test_load_safetensors_mismatch():
+    ref = mlp(depth=2)
+    good = ref.state_dict()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = ref(x)
+    bad = []
+    sd = dict(good)
+    del sd["2.bias"]
+    bad.append((sd, "2.bias", "missing"))
+    sd = dict(good, **{"9.weight": torch.zeros(3)})
+    bad.append((sd, "9.weight", "unexpected"))
+    sd = dict(good, **{"4.weight": good["4.weight"].half()})
+    bad.append((sd, "4.weight", "F16"))
+    sd = dict(good, **{"0.weight": good["0.weight"][:, :32]})
+    bad.append((sd, "0.weight", "[256, 32]"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "good.safetensors")
+        write_safetensors(path, good)
+        live = mlp(seed=5, depth=2)
+        h = offload_sim(live, budget=512 * K, staging=320 * K)
+        h.load_safetensors(path)
+        layout = h.layout()
+        for i, (sd, name, word) in enumerate(bad):
+            p = os.path.join(tmp, "bad%d.safetensors" % i)
+            write_safetensors(p, sd)
+            # A meta model: refused before anything changes.
+            m = mlp(seed=1, depth=2, device="meta")
+            e = raises(ValueError, offload_sim, m, budget=512 * K,
+                       staging=320 * K, weights_from=p)
+            assert name in str(e) and word in str(e), str(e)
+            assert m[0].weight.is_meta and "forward" not in m[0].__dict__
+            assert not hasattr(m[0].weight, "_vpager_handle")
+            # An offloaded model keeps the weights it had.
+            e = raises(ValueError, vt.load_safetensors, h, p)
+            assert name in str(e) and word in str(e), str(e)
+            assert h.layout() == layout
+            with torch.no_grad():
+                assert torch.equal(live(x), want)
+        # Loading needs the whole offloaded module.
+        e = raises(ValueError, vt.load_safetensors, mlp(depth=2), path)
+        assert "not offloaded" in str(e)
+        e = raises(ValueError, vt.load_safetensors, live[2], path)
+        assert "part of" in str(e)
+        raises(TypeError, vt.load_safetensors, path, path)
+        raises(vpager.Error, h.load_safetensors,
+               os.path.join(tmp, "no such file"))
+        raises(ValueError, offload_sim, mlp(depth=2), budget=512 * K,
+               staging=320 * K, weights_from=os.path.join(tmp, "nothing"))
+        with torch.no_grad():
+            assert torch.equal(live(x), want)
+        h.unload()
+
+
+def test_execution_order_placement():
+    x = torch.randn(4, 64)
+    module_order = ["layers.%d" % i for i in range(6)] + ["head", "embed"]
+    run_order = ["embed"] + ["layers.%d" % i for i in range(5, -1, -1)] + \
+        ["head"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "backwards.safetensors")
+        ref = frozen_copy(Backwards())
+        write_safetensors(path, ref.state_dict())
+        with torch.no_grad():
+            want = ref(x)
+        for kw in ({}, {"weights_from": path}, {"reorder": False}):
+            m = Backwards(seed=0, device="meta" if kw else None)
+            if "reorder" in kw:
+                m = Backwards(seed=0)
+            h = offload_sim(m, budget=768 * K, staging=320 * K, **kw)
+            assert [n for n, _, _ in h.units()] == module_order
+            with torch.no_grad():
+                assert torch.equal(m(x), want)      # placed in module order
+                placed = run_order if kw.get("reorder", True) \
+                    else module_order
+                assert [n for n, _, _ in h.units()] == placed, kw
+                names = [n for n, _, _, _ in h.layout()]
+                assert names == [u + w for u in placed
+                                 for w in (".weight", ".bias")], kw
+                offsets = [off for _, off, _, _ in h.layout()]
+                assert offsets == sorted(offsets) and \
+                    offsets[0] == 0, offsets
+                assert all(off % vt.ALIGN == 0 for off in offsets)
+                acq = h.stats()["acquires"]
+                for _ in range(5):
+                    assert torch.equal(m(x), want), kw
+            s = h.stats()
+            assert s["acquires"] == acq + 5 * 16    # counters carry on
+            assert s["hits"] > 0 and s["misses"] > 0
+            assert no_pins(h)
+            h.unload()
+            with torch.no_grad():
+                assert torch.equal(m(x), want)
+    # A first forward inside acquired(): re-placed at the next forward;
+    # and a model whose order is module order is left where it is.
+    m = Backwards(seed=0)
+    h = offload_sim(m, budget=2 * 1024 * K, staging=320 * K)
+    with torch.no_grad():
+        with h.acquired():
+            assert torch.equal(m(x), want)
+        assert [n for n, _, _ in h.units()] == module_order
+        assert torch.equal(m(x), want)
+        assert [n for n, _, _ in h.units()] == run_order
+        assert torch.equal(m(x), want)
+    h.unload()
+    m = mlp()
+    h = offload_sim(m, budget=768 * K, staging=320 * K)
+    before = h.layout()
+    with torch.no_grad():
+        m(x)
+    assert h.layout() == before and h.stats()["pages_evicted"] == 0
+
+
 # --------------------------------------------------------------- bad use
 
 def test_offload_twice():
@@ -632,8 +906,9 @@ def test_tensors_that_cannot_be_served():
 
 def test_cuda():
     """The same paths on a GPU (VMM memory, CUDA tensor views, the current
-    stream), when torch has CUDA: a GPU model, and a CPU model offloaded
-    onto the GPU (unload brings it back to the CPU)."""
+    stream), when torch has CUDA: a GPU model, a CPU model offloaded onto
+    the GPU (unload brings it back to the CPU), and a meta model with its
+    weights from a file, re-placed in execution order."""
     if not torch.cuda.is_available():
         skip("no CUDA")
     M = 1 << 20
@@ -657,6 +932,26 @@ def test_cuda():
         assert s["misses"] > 0 and s["hits"] > 0, s
         h.unload()
         assert m[2].weight.device.type == ("cuda" if seed == 0 else "cpu")
+    # Weights from a file (no host copy) into a meta model declared in
+    # another order than it runs: re-placed after the first forward.
+    ref = frozen_copy(Backwards(width=512, depth=8)).cuda()
+    xc = x.cuda()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "backwards.safetensors")
+        write_safetensors(path, ref.state_dict())
+        m = Backwards(width=512, depth=8, device="meta")
+        h = vt.offload(m, device="cuda", budget=6 * M, staging_size=2 * M,
+                       weights_from=path, **opts)
+        with torch.no_grad():
+            want = ref(xc)
+            for _ in range(5):
+                assert torch.equal(m(xc), want)
+        torch.cuda.synchronize()
+        assert h.units()[0][0] == "embed" and h.layout()[0][1] == 0
+        s = h.stats()
+        assert s["host_bytes"] == 0 and s["misses"] > 0 and s["hits"] > 0
+        h.unload()
+        assert m.embed.weight.device.type == "cpu"
     m = transformer().cuda()
     ref = frozen_copy(m)
     tok = torch.randint(0, 50, (2, 12), device="cuda")
