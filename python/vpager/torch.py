@@ -127,7 +127,12 @@ Devices and budget
 
 Activations first (CUDA)
   vpager's budget is polled against the device's free memory, so torch's
-  allocator growing shrinks what vpager may commit. If torch still runs out
+  allocator growing shrinks what vpager may commit. Each root forward also
+  sets the device's headroom to the larger of the user's (the device's
+  when vpager.torch first used it) and what torch may still grab: its peak
+  (max_memory_reserved) minus what it holds now (memory_reserved), plus a
+  margin (5% of the peak, at most 256 MiB; an OOM retry raises it);
+  stats()["activation_headroom"] shows it. If torch still runs out
   of memory inside a unit's forward, every unpinned weight page is evicted
   (vp_device_free_memory), torch's cache is emptied and the forward is run
   once more; a second failure is re-raised with a message.
@@ -225,7 +230,8 @@ def _cuda_index(target):
 class _DevState:
     """What vpager.torch keeps per vpager.Device."""
 
-    __slots__ = ("top", "users", "owned", "sync", "__weakref__")
+    __slots__ = ("top", "users", "owned", "sync", "user_headroom", "learned",
+                 "oom_margin", "__weakref__")
 
     def __init__(self, dev, owned):
         self.top = None            # the Offloaded whose VBAR is on top
@@ -234,7 +240,14 @@ class _DevState:
         # the last user
         # Simulated streams in worker mode run copies later, on a thread;
         # torch's CPU ops run now, in the caller: wait for the copies.
-        self.sync = dev.backend == "sim" and bool(dev.info()["async_copies"])
+        info = dev.info()
+        self.sync = dev.backend == "sim" and bool(info["async_copies"])
+        # Activations first (CUDA): the headroom the device had when
+        # vpager.torch first used it is the user's; the learned one is
+        # never below it, and is put back when the last model leaves.
+        self.user_headroom = info["headroom"]
+        self.learned = 0           # torch's peak - what it holds + margin
+        self.oom_margin = 0        # raised by each OOM retry
 
 
 _DEVSTATES = weakref.WeakKeyDictionary()
@@ -245,6 +258,39 @@ def _devstate(dev, owned=False):
     if ds is None:
         ds = _DEVSTATES[dev] = _DevState(dev, owned)
     return ds
+
+
+# Activations first: how far torch's caching allocator may still grow.
+_MARGIN_FRAC = 20              # margin: 1/20 (5%) of torch's peak ...
+_MARGIN_MAX = 256 << 20        # ... but at most 256 MiB
+_OOM_MARGIN_MAX = 4 << 30      # what OOM retries may raise it to
+
+
+def _torch_reserved(index):
+    """(bytes torch's caching allocator holds on CUDA device `index` now,
+    the most it has held). A seam: the tests replace it."""
+    return (torch.cuda.memory_reserved(index),
+            torch.cuda.max_memory_reserved(index))
+
+
+def _learn_headroom(dev, ds, index):
+    """Set the device's headroom so that vpager leaves torch room for the
+    activations of the forward about to run; returns the headroom set.
+
+    cuMemGetInfo (the budget's device_free_now) already counts what torch's
+    allocator holds as used, so that needs no room kept for it; what must
+    stay free is how much more torch may grab during this forward: its peak
+    (max_memory_reserved, over the process's life: never reset, since
+    resetting would clobber the user's own peak statistics) minus what it
+    holds now, plus a margin for a forward that goes a little further
+    than any before (5% of the peak, at most 256 MiB; each OOM retry raises
+    it). Never below the user's headroom."""
+    reserved, peak = _torch_reserved(index)
+    margin = max(min(peak // _MARGIN_FRAC, _MARGIN_MAX), ds.oom_margin)
+    ds.learned = max(peak - reserved, 0) + margin
+    head = max(ds.user_headroom, ds.learned)
+    dev.set_headroom(head)
+    return head
 
 
 def _apply_budget(dev, budget):
@@ -925,8 +971,10 @@ class Offloaded:
         ds.users.add(self)
         if target.type == "cuda":
             self._stream = functools.partial(_cuda_stream, target)
+            self._index = _cuda_index(target)
         else:
             self._stream = int          # int() == 0: the default stream
+            self._index = 0
         self._install(reorder)
 
     def _batches(self):
@@ -979,6 +1027,9 @@ class Offloaded:
                 functools.partial(self._state_dict_hook, items)))
             self._hooks.append(m._register_load_state_dict_pre_hook(
                 functools.partial(self._load_hook, items)))
+        if target.type == "cuda":     # activations first: see _learn()
+            self._hooks.append(module.register_forward_pre_hook(
+                self._learn_hook))
         if reorder and len(self._units) > 1:
             self._order_hooks = [
                 module.register_forward_pre_hook(self._order_start),
@@ -1017,6 +1068,18 @@ class Offloaded:
 
         forward._vpager_unit = unit
         return forward
+
+    # ------------------------------------------------ activations first
+    def _learn_hook(self, module, args):
+        self._learn()
+
+    def _learn(self):
+        """At the start of each root forward (CUDA only: the simulated
+        device has no torch allocator to learn from): keep free what
+        torch may still grab (_learn_headroom). Two torch calls and one
+        vp call per root forward."""
+        if self._state is _OPEN and not self.device.closed:
+            _learn_headroom(self.device, self._ds, self._index)
 
     # --------------------------------------------------- placement order
     def _record(self, unit):
@@ -1174,6 +1237,13 @@ class Offloaded:
         freed = self.device.free_memory(_ALL)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        # The learned headroom was too small: raise its margin (doubling,
+        # from twice the usual cap), now for the rest of this forward too.
+        ds = self._ds
+        ds.oom_margin = min(max(2 * ds.oom_margin, 2 * _MARGIN_MAX),
+                            _OOM_MARGIN_MAX)
+        if self.target.type == "cuda":
+            self._learn()
         try:
             return fwd(*args, **kwargs)
         except Exception as e:
@@ -1340,7 +1410,11 @@ class Offloaded:
         acquires, weight_fills, weight_staged, ...), plus "device": the
         device's counters (all models on it), "weights", "weight_bytes",
         "vbar_bytes", "resident_bytes", "units", "host_bytes" (the
-        pinned host copy) and "file_weights" (weights read from a file)."""
+        pinned host copy), "file_weights" (weights read from a file) and
+        "activation_headroom" (CUDA: what the last forward learned torch
+        may still grab, margin included; the device's headroom is the
+        larger of it and the user's; 0 before a forward and on the
+        simulated device)."""
         self._check_open()
         s = self.vbar.stats()
         s["device"] = self.device.stats()
@@ -1351,6 +1425,7 @@ class Offloaded:
         s["units"] = len(self._units)
         s["host_bytes"] = self._hb.size if self._hb is not None else 0
         s["file_weights"] = sum(e.host is None for e in self._entries)
+        s["activation_headroom"] = self._ds.learned
         return s
 
     def residency(self):
@@ -1495,5 +1570,11 @@ class Offloaded:
         if ds.owned and not ds.users and not dev.closed:
             _DEVSTATES.pop(dev, None)
             dev.close()
+        elif not ds.users and not dev.closed and ds.learned:
+            try:                    # the device is the user's again
+                dev.set_headroom(ds.user_headroom)
+            except Error as e:
+                errors.append(e)
+            ds.learned = 0
         if errors:
             raise errors[0]

@@ -513,6 +513,71 @@ def test_oom_retry():
     h.unload()
 
 
+def test_activation_headroom_learned():
+    class Flaky(nn.Linear):
+        fails = 0
+
+        def forward(self, x):
+            if self.fails:
+                self.fails -= 1
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory.")
+            return super().forward(x)
+
+    def reserved(now, peak):
+        calls = []
+
+        def fake(index):
+            calls.append(index)
+            return now, peak
+        vt._torch_reserved = fake
+        return calls
+
+    def learn(now, peak):
+        calls = reserved(now, peak)
+        h._learn()                  # what a CUDA root forward does first
+        assert calls == [0]
+        return dev.info()["headroom"], h.stats()["activation_headroom"]
+
+    M = 1 << 20
+    saved = vt._torch_reserved
+    dev = vt.open_device("sim", budget=1024 * K, staging_size=320 * K,
+                         **sim_opts(headroom=PAGE))
+    try:
+        torch.manual_seed(7)
+        m = nn.Sequential(nn.Linear(64, 64), Flaky(64, 64))
+        ref = frozen_copy(m)
+        x = torch.randn(2, 64)
+        h = vt.offload(m, dev=dev)
+        calls = reserved(0, 0)
+        with torch.no_grad():       # simulated device: nothing learned
+            assert torch.equal(m(x), ref(x))
+        assert calls == [] and dev.info()["headroom"] == PAGE
+        assert h.stats()["activation_headroom"] == 0
+        # peak - now + min(5% of peak, 256 MiB), never below the user's
+        assert learn(100 * K, 300 * K) == (200 * K + 300 * K // 20,) * 2
+        assert learn(300 * K, 300 * K) == (PAGE, 300 * K // 20)
+        assert learn(1 << 30, 20 << 30) == ((19 << 30) + 256 * M,) * 2
+        assert learn(20 << 30, 20 << 30) == (256 * M,) * 2
+        learn(0, 0)
+        # An OOM retry raises the margin: 512 MiB, then doubling.
+        with torch.no_grad():
+            m[1].fails = 1
+            assert torch.equal(m(x), ref(x))
+        assert dev.info()["headroom"] == PAGE   # sim: only the margin
+        assert learn(100 * K, 300 * K) == (200 * K + 512 * M,) * 2
+        learn(0, 0)
+        with torch.no_grad():
+            m[1].fails = 1
+            assert torch.equal(m(x), ref(x))
+        assert learn(100 * K, 300 * K) == (200 * K + 1024 * M,) * 2
+        # The last model leaving gives the device its headroom back.
+        h.unload()
+        assert dev.info()["headroom"] == PAGE
+    finally:
+        vt._torch_reserved = saved
+        dev.close()
+
+
 def test_unload_restores_a_working_module():
     m = mlp(depth=2)
     ref = frozen_copy(m)
