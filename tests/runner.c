@@ -18,6 +18,7 @@
  */
 #include "test.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -613,4 +614,23 @@ int main(int argc, char **argv) {
   printf("%d skipped\n", skipped);
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
+}
+
+void test_make_dir(char *dir, size_t len, const char *tag) {
+  snprintf(dir, len, "/tmp/vpager-%s-XXXXXX", tag);
+  ASSERT_NOT_NULL(mkdtemp(dir));
+}
+
+void test_rm_dir(const char *dir) {
+  DIR *d = opendir(dir);
+  ASSERT_NOT_NULL(d);
+  struct dirent *e;
+  char path[512];
+  while ((e = readdir(d))) {
+    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+    if (unlink(path) != 0) ASSERT_EQ_INT(rmdir(path), 0);
+  }
+  closedir(d);
+  ASSERT_EQ_INT(rmdir(dir), 0);
 }

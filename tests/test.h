@@ -261,4 +261,9 @@ int test_wait(int pid);
 /* The path of the running test binary (for re-exec). */
 const char *test_self_path(void);
 
+/* A new temporary directory /tmp/vpager-<tag>-XXXXXX (dir gets its path),
+ * and its removal with the files and empty folders in it. */
+void test_make_dir(char *dir, size_t len, const char *tag);
+void test_rm_dir(const char *dir);
+
 #endif /* VP_TEST_H */

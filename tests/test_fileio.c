@@ -3,7 +3,6 @@
  * sync and worker stream modes, from several threads, and its errors. */
 #include "test.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/stat.h>
@@ -12,25 +11,6 @@
 #define KiB 1024ull
 #define SLOT (8 * KiB)
 
-/* A temporary directory, removed with its files by rm_dir. */
-static void make_dir(char *dir, size_t len) {
-  snprintf(dir, len, "/tmp/vpager-fileio-XXXXXX");
-  ASSERT_NOT_NULL(mkdtemp(dir));
-}
-
-static void rm_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  ASSERT_NOT_NULL(d);
-  struct dirent *e;
-  char path[512];
-  while ((e = readdir(d))) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    ASSERT_EQ_INT(unlink(path), 0);
-  }
-  closedir(d);
-  ASSERT_EQ_INT(rmdir(dir), 0);
-}
 
 static void write_file(const char *path, const void *data, size_t size) {
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -71,7 +51,7 @@ static void checksums(test_ctx_t *ctx, int streams, bool own_stream) {
   vp_device_t dev = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/data.bin", dir);
   const uint64_t fsize = 200003; /* odd, about 24.4 slots */
   unsigned char *file = malloc(fsize);
@@ -132,7 +112,7 @@ static void checksums(test_ctx_t *ctx, int streams, bool own_stream) {
   ASSERT_OK(vp_device_close(dev));
   close(fd);
   free(file);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 TEST(fileio_checksums, TEST_ALL_BACKENDS) { checksums(ctx, VP_SIM_SYNC, false); }
@@ -151,7 +131,7 @@ TEST(fileio_errors, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128], needle[64];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/short.bin", dir);
   unsigned char data[5000];
   test_pattern(data, sizeof data, 7);
@@ -212,7 +192,7 @@ TEST(fileio_errors, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_unpin(v, 0, ps, 0));
   ASSERT_OK(vp_device_close(dev));
   close(fd);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* Several threads read through the one ring of a device, each on its own
@@ -253,7 +233,7 @@ TEST(fileio_threads, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/data.bin", dir);
   const uint64_t fsize = 100000;
   unsigned char *file = malloc(fsize);
@@ -278,7 +258,7 @@ TEST(fileio_threads, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_device_close(dev));
   close(fd);
   free(file);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* Closing the device with uploads still queued waits for them and frees
@@ -289,7 +269,7 @@ TEST(fileio_close_in_flight, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/data.bin", dir);
   unsigned char *file = malloc(ps);
   ASSERT_NOT_NULL(file);
@@ -306,7 +286,7 @@ TEST(fileio_close_in_flight, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_device_close(dev));
   close(fd);
   free(file);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* The ring is per device: two devices read at the same time. */
@@ -316,7 +296,7 @@ TEST(fileio_two_devices, TEST_SIM_ONLY) {
   vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/data.bin", dir);
   unsigned char *file = malloc(ps);
   ASSERT_NOT_NULL(file);
@@ -338,5 +318,5 @@ TEST(fileio_two_devices, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(b));
   close(fd);
   free(file);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }

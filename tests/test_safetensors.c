@@ -9,26 +9,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* ------------------------------------------------------------- helpers */
-
-static void make_dir(char *dir, size_t len) {
-  snprintf(dir, len, "/tmp/vpager-st-XXXXXX");
-  ASSERT_NOT_NULL(mkdtemp(dir));
-}
-
-static void rm_dir(const char *dir) {
-  DIR *d = opendir(dir);
-  ASSERT_NOT_NULL(d);
-  struct dirent *e;
-  char path[512];
-  while ((e = readdir(d))) {
-    if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-    snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-    if (unlink(path) != 0) ASSERT_EQ_INT(rmdir(path), 0);
-  }
-  closedir(d);
-  ASSERT_EQ_INT(rmdir(dir), 0);
-}
 
 static void write_raw(const char *path, const void *data, size_t size) {
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -172,7 +152,7 @@ static void valid_file(test_ctx_t *ctx, int streams) {
   vp_device_t dev = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   snprintf(path, sizeof path, "%s/model.safetensors", dir);
   unsigned char *data = make_valid(path);
   uint64_t start = 8 + valid_header_len();
@@ -276,7 +256,7 @@ static void valid_file(test_ctx_t *ctx, int streams) {
   if (ctx->backend == VP_BACKEND_SIM) ASSERT_EQ_INT(count_fds(), fds);
   else ASSERT_LE_INT(count_fds(), fds);
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 TEST(st_valid, TEST_ALL_BACKENDS) { valid_file(ctx, VP_SIM_SYNC); }
@@ -285,7 +265,7 @@ TEST(st_valid_worker, TEST_ALL_BACKENDS) { valid_file(ctx, VP_SIM_WORKER); }
 TEST(st_edge_cases_valid, TEST_SIM_ONLY) {
   vp_device_t dev = test_open(ctx, NULL);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   snprintf(path, sizeof path, "%s/x.safetensors", dir);
   vp_st_t st;
   size_t n = 9, idx;
@@ -349,7 +329,7 @@ TEST(st_edge_cases_valid, TEST_SIM_ONLY) {
   ASSERT_OK(vp_st_close(st));
   free(json);
   ASSERT_OK(vp_device_close(dev));
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* -------------------------------------------------------- malformed */
@@ -514,7 +494,7 @@ static const struct bad_case {
 TEST(st_malformed, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   char dir[64], path[160];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   unsigned char data[8] = {1, 2, 3, 4, 5, 6, 7, 8};
   for (size_t i = 0; i < sizeof bad_cases / sizeof bad_cases[0]; i++) {
     snprintf(path, sizeof path, "%s/%s.safetensors", dir, bad_cases[i].label);
@@ -572,7 +552,7 @@ TEST(st_malformed, TEST_ALL_BACKENDS) {
   ASSERT_RC(vp_st_open(dev, path, NULL), VP_EINVAL);
   ASSERT_RC(vp_st_open((vp_device_t){4242}, path, &st), VP_EHANDLE);
   ASSERT_OK(vp_device_close(dev));
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* ------------------------------------------------------------- loads */
@@ -590,7 +570,7 @@ TEST(st_load_errors, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   unsigned char *data;
   vp_st_t st = open_valid(dev, dir, "m.safetensors", &data, path, sizeof path);
   vp_vbar_t v = test_vbar(dev, 2 * ps);
@@ -626,14 +606,14 @@ TEST(st_load_errors, TEST_ALL_BACKENDS) {
   ASSERT_EQ_STR(test_map(v), "..");
   ASSERT_OK(vp_device_close(dev));
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 TEST(st_load_other_device, TEST_SIM_ONLY) {
   vp_device_t a = test_open(ctx, NULL), b = test_open(ctx, NULL);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   unsigned char *data;
   vp_st_t st = open_valid(a, dir, "m.safetensors", &data, path, sizeof path);
   vp_vbar_t vb = test_vbar(b, ps);
@@ -646,14 +626,14 @@ TEST(st_load_other_device, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(a));
   ASSERT_OK(vp_device_close(b));
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 TEST(st_load_miss, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open_cap(ctx, NULL, 2);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   unsigned char *data;
   vp_st_t st = open_valid(dev, dir, "m.safetensors", &data, path, sizeof path);
   vp_vbar_t v = test_vbar(dev, 4 * ps);
@@ -671,7 +651,7 @@ TEST(st_load_miss, TEST_ALL_BACKENDS) {
   ASSERT_EQ_U64(test_vbar_stats(v).pinned_bytes, 0);
   ASSERT_OK(vp_device_close(dev));
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* The file changes between open and load: the load fails naming it, and
@@ -686,7 +666,7 @@ TEST(st_changed_append, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   unsigned char *data;
   vp_st_t st = open_valid(dev, dir, "m.safetensors", &data, path, sizeof path);
   int fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC);
@@ -713,14 +693,14 @@ TEST(st_changed_append, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_st_close(st));
   ASSERT_OK(vp_device_close(dev));
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 TEST(st_changed_rewrite, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   unsigned char *data;
   vp_st_t st = open_valid(dev, dir, "m.safetensors", &data, path, sizeof path);
   size_t all[NVALID];
@@ -766,7 +746,7 @@ TEST(st_changed_rewrite, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_st_close(st));
   ASSERT_OK(vp_device_close(dev));
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* Every injected failure (the Nth backend call or allocation) during a
@@ -776,7 +756,7 @@ TEST(st_changed_rewrite, TEST_ALL_BACKENDS) {
 TEST(st_load_all_or_nothing, TEST_SIM_ONLY) {
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   snprintf(path, sizeof path, "%s/m.safetensors", dir);
   unsigned char *data = make_valid(path);
   unsigned char *page = malloc(ps + VALID_DATA), *fill = malloc(ps);
@@ -881,7 +861,7 @@ TEST(st_load_all_or_nothing, TEST_SIM_ONLY) {
   free(page);
   free(fill);
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
 
 /* Many threads open, list, load and close the same file on one device. */
@@ -925,7 +905,7 @@ TEST(st_threads, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, &o);
   uint64_t ps = test_page_size(ctx);
   char dir[64], path[128];
-  make_dir(dir, sizeof dir);
+  test_make_dir(dir, sizeof dir, "st");
   snprintf(path, sizeof path, "%s/m.safetensors", dir);
   unsigned char *data = make_valid(path);
   enum { N = 4 };
@@ -939,5 +919,5 @@ TEST(st_threads, TEST_ALL_BACKENDS) {
   for (int i = 0; i < N; i++) pthread_join(t[i], NULL);
   ASSERT_OK(vp_device_close(dev));
   free(data);
-  rm_dir(dir);
+  test_rm_dir(dir);
 }
