@@ -189,6 +189,7 @@ typedef struct vp_device_info {
   int64_t headroom;        /* bytes kept free */
   int async_copies;        /* copies run apart from the calling thread */
 } vp_device_info_t;
+/* Fill *info (polls the device's free memory if the poll interval passed). */
 VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);
 
 /* Change the headroom at run time; takes effect at the next commit. */
@@ -432,11 +433,15 @@ typedef struct vp_st_tensor {
   uint64_t size;     /* bytes */
 } vp_st_tensor_t;
 
+/* Open and validate a safetensors file; the handle keeps it open. */
 VP_API int vp_st_open(vp_device_t dev, const char *path, vp_st_t *out);
+/* Close it (and its mapping); a second close gives VP_EHANDLE. */
 VP_API int vp_st_close(vp_st_t st);
+/* The number of tensors. */
 VP_API int vp_st_count(vp_st_t st, size_t *n);
 /* Tensors in file order (of their data offsets). */
 VP_API int vp_st_tensor(vp_st_t st, size_t index, vp_st_tensor_t *t);
+/* The index of the tensor called `name` (VP_EINVAL naming it if none). */
 VP_API int vp_st_find(vp_st_t st, const char *name, size_t *index);
 /* A VP_SOURCE_FILE source for tensor `index` (the fd stays open until
  * vp_st_close). */
