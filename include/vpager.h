@@ -147,7 +147,9 @@ typedef struct vp_options {
   /* Streaming (vp_acquire). */
   uint64_t staging_size;   /* VRAM staging ring for misses; VPAGER_STAGING
                               (default 512M; charged to the budget) */
-  uint64_t lookahead;      /* bytes prefetched past each acquire, in VBAR
+  uint64_t lookahead;      /* how far past each acquire prefetch looks: the
+                              next weights of the VBAR up to this many bytes
+                              of weights (ready ones count too), in VBAR
                               offset order; VPAGER_LOOKAHEAD (default 256M;
                               0 turns prefetch off) */
   uint64_t pin_budget;     /* host bytes this device may page-lock; 0 = the
@@ -392,7 +394,7 @@ VP_API int vp_weight_destroy(vp_weight_t w);
  * source first if its pages were recommitted since its last fill; a miss
  * is copied into the staging ring. Copies run on the device's copy stream
  * and `stream` waits for them on the device: the CPU does not wait. Then
- * the next weights in VBAR offset order (lookahead bytes) are prefetched.
+ * the weights in the next lookahead bytes of the VBAR are prefetched.
  * Pass each VBAR's weights in execution order, a layer per call. Errors:
  * VP_ELIMIT when a missed weight does not fit in the staging ring (raise
  * staging_size); nothing stays acquired after an error. */
