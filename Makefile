@@ -80,6 +80,7 @@ check-python: $(BUILD)/libvpager.so
 	  $(PYTHON) tests/python/test_binding.py
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_torch.py
+	PYTHONPATH=python:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_compat.py
 
 check: check-abi
 	$(MAKE) test

@@ -1,0 +1,187 @@
+"""comfy_aimdo.model_vbar on vpager: a model's weights in one VBAR.
+
+ModelVBAR(size, device) is a vpager VBAR (32 MiB pages; address space
+only) with a 512-byte-aligned bump allocator. An allocation is the tuple
+(vbar, absolute_address, size). vbar_fault(alloc) pins its pages and
+returns the range's signature: array('I') of the pages' generations (one
+per 32 MiB page, then zeros, `size // 32 MiB + 2` entries), or None on a
+miss. Pins are counted per page by vpager, so ranges may overlap and span
+allocations.
+"""
+
+import array
+import weakref
+
+from . import control
+
+__all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare",
+           "vbars_reset_watermark_limits", "vbars_analyze", "ALIGN"]
+
+ALIGN = 512
+_vbars = weakref.WeakSet()      # live ModelVBARs
+
+
+def _sig_len(size):
+    return size // control.PAGE_SIZE + 2
+
+
+class ModelVBAR:
+    """Reserve `size` bytes of device addresses on `device` (an index, a
+    "cuda:N" string or a torch.device); MemoryError on failure."""
+
+    def __init__(self, size, device=0):
+        dev, index = control._device_for(device)
+        vp = control._vpager
+        try:
+            self._vbar = dev.create_vbar(max(int(size), 1))
+        except (vp.OutOfMemory, vp.HostOutOfMemory, vp.LimitError,
+                vp.DeviceError) as e:
+            raise MemoryError("ModelVBAR(%d): %s" % (size, e)) from None
+        self.device = dev
+        self.device_index = index
+        self.size = int(size)
+        self.base = self._vbar.base
+        self.offset = 0                 # the bump allocator's next byte
+        _vbars.add(self)
+
+    # ---------------------------------------------------------- allocation
+    def alloc(self, n):
+        n = int(n)
+        if n < 0:
+            raise ValueError("alloc(%d)" % n)
+        start = (self.offset + ALIGN - 1) // ALIGN * ALIGN
+        if start + n > self.size:
+            raise MemoryError("ModelVBAR: %d bytes at offset %d do not fit "
+                              "in %d" % (n, start, self.size))
+        self.offset = start + n
+        return (self, self.base + start, n)
+
+    def _off(self, address, size):
+        off = address - self.base
+        if off < 0 or off + size > self._vbar.size:
+            raise ValueError("range 0x%x +%d is outside this ModelVBAR"
+                             % (address, size))
+        return off
+
+    # -------------------------------------------------------- fault, unpin
+    def fault(self, address, size):
+        """Pin [address, +size): its signature, or None on a miss."""
+        size = int(size)
+        off = self._off(address, size)
+        n = _sig_len(size)
+        if size == 0:
+            return array.array("I", bytes(4 * n))
+        ok, gens = self._vbar.fault(off, size)
+        if not ok:
+            return None
+        sig = array.array("I", gens)
+        if len(sig) < n:
+            sig.extend([0] * (n - len(sig)))
+        return sig
+
+    def unpin(self, address, size, stream=0):
+        size = int(size)
+        if size:
+            self._vbar.unpin(self._off(address, size), size, stream)
+
+    # ------------------------------------------------------------ priority
+    def prioritize(self):
+        self._vbar.prioritize()
+
+    def deprioritize(self):
+        self._vbar.deprioritize()
+
+    def loaded_size(self):
+        return self._vbar.loaded_size()
+
+    def set_watermark_limit(self, nbytes):
+        self._vbar.set_watermark_limit(None if nbytes is None
+                                       else int(nbytes))
+
+    def set_watermark(self, nbytes):
+        self._vbar.set_watermark(min(int(nbytes), self._vbar.size))
+
+    def free_memory(self, nbytes):
+        return self._vbar.free_memory(int(nbytes))
+
+    def get_nr_pages(self):
+        return self._vbar.page_count
+
+    def get_watermark(self):
+        return self._vbar.get_watermark()
+
+    def get_residency(self):
+        return list(self._vbar.residency())
+
+    # -------------------------------------------------------------- life
+    def close(self):
+        """Free the VBAR (vpager.BusyError while pages are pinned)."""
+        self._vbar.close()
+
+    @property
+    def closed(self):
+        return self._vbar.closed
+
+    def __repr__(self):
+        return "<comfy_aimdo.ModelVBAR %d bytes at 0x%x on device %d>" % (
+            self.size, self.base, self.device_index)
+
+
+def vbar_fault(alloc):
+    """Signature of the allocation's range after pinning it, or None when
+    it cannot be made resident (a normal outcome; a broken device raises
+    RuntimeError)."""
+    vbar, address, size = alloc
+    return vbar.fault(address, size)
+
+
+def vbar_unpin(alloc, stream=0):
+    """Unpin what vbar_fault(alloc) pinned; None is a no-op."""
+    if alloc is None:
+        return
+    vbar, address, size = alloc
+    vbar.unpin(address, size, stream)
+
+
+def _as_bytes(sig):
+    if isinstance(sig, array.array):
+        return sig.tobytes()
+    if isinstance(sig, (bytes, bytearray, memoryview)):
+        return bytes(sig)
+    if hasattr(sig, "numpy"):             # a torch tensor
+        return sig.cpu().numpy().tobytes()
+    return array.array("I", sig).tobytes()
+
+
+def vbar_signature_compare(a, b):
+    """False if either is None; ValueError when lengths differ; else True
+    exactly when every page of the range stayed resident and was not
+    refilled between the two faults."""
+    if a is None or b is None:
+        return False
+    a, b = _as_bytes(a), _as_bytes(b)
+    if len(a) != len(b):
+        raise ValueError("signatures of different lengths (%d and %d bytes)"
+                         % (len(a), len(b)))
+    return a == b
+
+
+def vbars_reset_watermark_limits():
+    """Lift every VBAR's watermark limit on every device."""
+    for dev in control.devices().values():
+        if not dev.closed:
+            dev.reset_limits()
+
+
+def vbars_analyze(device=None):
+    """Resident ModelVBAR bytes on `device` (every device when None); 0
+    before init."""
+    if control.lib is None:
+        return 0
+    want = None if device is None else control._index(device)
+    total = 0
+    for vb in list(_vbars):
+        if vb.closed or (want is not None and vb.device_index != want):
+            continue
+        total += vb.loaded_size()
+    return total

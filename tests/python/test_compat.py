@@ -1,0 +1,614 @@
+"""Tests of the comfy_aimdo compatibility package (python/compat) on
+vpager: the simulated device without a GPU (CI), CUDA with one.
+
+    make && PYTHONPATH=python:python/compat python3 tests/python/test_compat.py
+    make && PYTHONPATH=python:python/compat python3 -m pytest -q \
+        tests/python/test_compat.py
+
+Budgets are set through set_simple_vram_headroom (total - budget), so the
+same tests run on either backend. Tests needing torch are skipped (counted
+as passed, with a note) when torch cannot be imported.
+"""
+
+import array
+import ctypes
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+for _p in (os.path.join(REPO, "python", "compat"),
+           os.path.join(REPO, "python")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from comfy_aimdo import control  # noqa: E402
+from comfy_aimdo import host_buffer, model_mmap, model_vbar  # noqa: E402
+from comfy_aimdo import vram_buffer  # noqa: E402
+
+MiB = 1 << 20
+PAGE = 32 * MiB
+ENV = dict(os.environ,
+           PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python", "compat"),
+                                       os.path.join(REPO, "python")]))
+
+
+def raises(exc, fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except exc as e:
+        return e
+    raise AssertionError("%s did not raise %s" % (fn, exc.__name__))
+
+
+def fresh(budget_pages=None):
+    """deinit, init, device 0; with a budget of whole pages if given."""
+    control.deinit()
+    assert control.init() is True
+    assert control.init_device(0) is True
+    dev = control.get_devctx(0)
+    if budget_pages is not None:
+        total = dev.info()["total_memory"]
+        control.set_simple_vram_headroom(total - budget_pages * PAGE)
+    return dev
+
+
+def tdevice(dev):
+    return "cpu" if dev.backend == "sim" else "cuda:0"
+
+
+def have_torch():
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        print("     (torch not importable: skipped)")
+        return False
+
+
+def data_for(seed, size):
+    block = random.Random(seed).randbytes(4099) \
+        if hasattr(random.Random, "randbytes") else \
+        bytes(random.Random(seed).getrandbits(8) for _ in range(4099))
+    return (block * (size // 4099 + 1))[:size]
+
+
+def run_py(code):
+    r = subprocess.run([sys.executable, "-c", code], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+# ------------------------------------------------------ imports, no init
+
+def test_control_does_not_import_torch():
+    out = run_py("import sys, comfy_aimdo.control as c\n"
+                 "print('torch' in sys.modules, c.lib)\n"
+                 "import comfy_aimdo\n"
+                 "print('torch' in sys.modules)\n")
+    assert out.split() == ["False", "None", "False"], out
+
+
+def test_every_submodule_imports_without_init():
+    out = run_py(
+        "import comfy_aimdo.control as c, comfy_aimdo.model_vbar as mv\n"
+        "import comfy_aimdo.host_buffer, comfy_aimdo.vram_buffer\n"
+        "import comfy_aimdo.model_mmap\n"
+        "try:\n import comfy_aimdo.torch\nexcept ImportError as e:\n"
+        " assert 'torch' in str(e), e\n"
+        "assert c.lib is None\n"
+        "assert c.get_total_vram_usage() == 0\n"
+        "assert mv.vbars_analyze() == 0 and mv.vbars_analyze(0) == 0\n"
+        "assert c.analyze() is None\n"
+        "assert c.init_devices([0]) is False\n"
+        "assert c.init_device(0) is False\n"
+        "mv.vbar_unpin(None)\n"
+        "mv.vbars_reset_watermark_limits()\n"
+        "c.set_log_info(); c.set_log_warning()\n"
+        "try:\n c.get_devctx(0)\nexcept RuntimeError:\n print('ok')\n")
+    assert out.strip() == "ok", out
+
+
+# -------------------------------------------------------------- control
+
+def test_init_call_shapes():
+    # A client tries both keywords, then only the headroom, then none.
+    for kw in (dict(simple_vram_headroom=1 << 30, nvml_pressure=False),
+               dict(simple_vram_headroom=1 << 30), dict()):
+        control.deinit()
+        assert control.lib is None
+        assert control.init(**kw) is True
+        assert control.lib is not None
+        assert control.init_device(0) is True
+        dev = control.get_devctx(0)
+        total = dev.info()["total_memory"]
+        if kw:
+            assert dev.info()["budget"] <= total - (1 << 30)
+    assert control.init(None, 2 << 30, False) is True       # positional
+    # Again: only the settings change; the device stays.
+    dev = control.get_devctx(0)
+    assert control.init(simple_vram_headroom=0) is True
+    assert control.get_devctx(0) is dev
+    control.lib.set_simple_vram_headroom(3 << 30)
+    assert dev.info()["budget"] <= dev.info()["total_memory"] - (3 << 30)
+    raises(ValueError, control.set_simple_vram_headroom, -1)
+
+
+def test_init_devices_shapes():
+    control.deinit()
+    assert control.init_devices(i for i in [0]) is False   # before init
+    assert control.init() is True
+    assert control.init_devices(i for i in [0]) is True    # a generator
+    assert control.init_devices([0]) is True                # bare indices
+    assert control.init_devices([(0, 64 * MiB)]) is True   # (index, extra)
+    dev = control.get_devctx(0)
+    base = control._default_headroom[0]
+    assert dev.info()["headroom"] == base + 64 * MiB
+    assert control.init_devices(((0, 0) for _ in range(1))) is True
+    assert dev.info()["headroom"] == base
+    raises(ValueError, control.init_devices, [(0, -1)])
+    raises(ValueError, control.init_device, 0, -5)
+    assert control.init_device(-1) is False                  # unusable
+    assert control.init_devices([0, -1]) is False
+    raises(RuntimeError, control.get_devctx, 7)
+
+
+def test_log_setters_and_analyze():
+    for name in ("none", "critical", "error", "warning", "info", "detail",
+                 "debug", "verbose", "vverbose"):
+        getattr(control, "set_log_" + name)()
+    control.set_log_warning()
+    fresh()
+    control.set_log_error()
+    control.analyze()
+    control.set_log_warning()
+
+
+def test_total_usage_and_live_headroom():
+    dev = fresh(budget_pages=3)
+    assert control.get_total_vram_usage() == 0
+    vb = model_vbar.ModelVBAR(8 * PAGE, 0)
+    big = vb.alloc(4 * PAGE)
+    assert model_vbar.vbar_fault(big) is None        # over the budget
+    small = (vb, vb.base + 4 * PAGE, 3 * PAGE)
+    sig = model_vbar.vbar_fault(small)
+    assert sig is not None
+    model_vbar.vbar_unpin(small)
+    assert control.get_total_vram_usage() == 3 * PAGE
+    # Live: a smaller budget holds at the next fault.
+    total = dev.info()["total_memory"]
+    control.set_simple_vram_headroom(total - PAGE)
+    one = (vb, vb.base, 1000)
+    assert model_vbar.vbar_fault(one) is not None
+    assert control.get_total_vram_usage() <= PAGE
+    model_vbar.vbar_unpin(one)
+    control.set_simple_vram_headroom(None)
+    assert model_vbar.vbar_fault(big) is not None
+    model_vbar.vbar_unpin(big)
+
+
+# ----------------------------------------------------------- model_vbar
+
+def test_model_vbar_alloc_and_signature_length():
+    fresh()
+    vb = model_vbar.ModelVBAR(100 * MiB, 0)
+    a = vb.alloc(1)
+    b = vb.alloc(1000)
+    c = vb.alloc(0)
+    d = vb.alloc(40 * MiB)
+    for x in (a, b, c, d):
+        assert x[0] is vb and (x[1] - vb.base) % 512 == 0
+    assert b[1] - a[1] == 512 and c[1] - b[1] == 1024 and d[2] == 40 * MiB
+    raises(MemoryError, vb.alloc, 100 * MiB)
+    assert vb.alloc(100 * MiB - (d[1] - vb.base) - 40 * MiB)
+    raises(MemoryError, vb.alloc, 1)
+    for x in (a, b, d):
+        sig = model_vbar.vbar_fault(x)
+        assert isinstance(sig, array.array) and sig.typecode == "I"
+        assert len(sig) == x[2] // PAGE + 2
+        model_vbar.vbar_unpin(x)
+    assert len(model_vbar.vbar_fault(c)) == 2
+    model_vbar.vbar_unpin(c)
+    model_vbar.vbar_unpin(None)
+    # A range straddling a page boundary: 2 pages, length rule still.
+    s = (vb, vb.base + PAGE - 512, 1024)
+    sig = model_vbar.vbar_fault(s)
+    assert len(sig) == 2 and sig[0] and sig[1]
+    model_vbar.vbar_unpin(s)
+    raises(MemoryError, model_vbar.ModelVBAR, 1 << 62, 0)
+
+
+def test_signature_compare_rules():
+    fresh()
+    vb = model_vbar.ModelVBAR(4 * PAGE, 0)
+    a = vb.alloc(PAGE)
+    s1 = model_vbar.vbar_fault(a)
+    model_vbar.vbar_unpin(a)
+    s2 = model_vbar.vbar_fault(a)
+    model_vbar.vbar_unpin(a)
+    assert model_vbar.vbar_signature_compare(s1, s2) is True
+    assert model_vbar.vbar_signature_compare(None, s2) is False
+    assert model_vbar.vbar_signature_compare(s1, None) is False
+    raises(ValueError, model_vbar.vbar_signature_compare, s1,
+           array.array("I", [0] * 5))
+    assert vb.free_memory(PAGE) == PAGE
+    assert model_vbar.vbar_fault(a) is None     # eviction lowered the mark
+    vb.prioritize()
+    s3 = model_vbar.vbar_fault(a)
+    model_vbar.vbar_unpin(a)
+    assert model_vbar.vbar_signature_compare(s1, s3) is False
+
+
+def test_model_vbar_methods():
+    dev = fresh()
+    vb = model_vbar.ModelVBAR(6 * PAGE, 0)
+    assert vb.get_nr_pages() == 6 and vb.get_watermark() == 6
+    a = vb.alloc(6 * PAGE)
+    assert vb.fault(a[1], 2 * PAGE) is not None
+    assert vb.get_residency()[:3] == [3, 3, 0]
+    vb.unpin(a[1], 2 * PAGE)
+    assert vb.get_residency()[:3] == [1, 1, 0]
+    assert vb.loaded_size() == 2 * PAGE
+    assert model_vbar.vbars_analyze() == 2 * PAGE
+    assert model_vbar.vbars_analyze(0) == 2 * PAGE
+    vb.set_watermark(PAGE)
+    assert vb.get_watermark() == 1
+    assert vb.fault(a[1] + 3 * PAGE, 10) is None      # above the watermark
+    vb.prioritize()
+    assert vb.get_watermark() == 6
+    vb.set_watermark_limit(2 * PAGE)
+    assert vb.fault(a[1] + 3 * PAGE, 10) is None      # above the limit
+    model_vbar.vbars_reset_watermark_limits()
+    sig = vb.fault(a[1] + 3 * PAGE, 10)
+    assert sig is not None
+    vb.unpin(a[1] + 3 * PAGE, 10)
+    vb.deprioritize()
+    assert vb.free_memory(PAGE) >= PAGE
+    assert vb.loaded_size() < 3 * PAGE
+    assert dev.info()["committed"] == vb.loaded_size()
+
+
+def test_fault_spans_allocations_pins_counted():
+    dev = fresh()
+    vb = model_vbar.ModelVBAR(4 * PAGE, 0)
+    mods = [vb.alloc(10 * MiB) for _ in range(5)]
+    block = (vb, mods[0][1], mods[-1][1] + mods[-1][2] - mods[0][1])
+    bsig = model_vbar.vbar_fault(block)
+    assert bsig is not None and len(bsig) == block[2] // PAGE + 2
+    sigs = [model_vbar.vbar_fault(m) for m in mods]
+    assert all(s is not None for s in sigs)
+    for m in mods:
+        model_vbar.vbar_unpin(m)
+    assert all(f & 2 for f in vb.get_residency()[:2])      # block pin left
+    model_vbar.vbar_unpin(block)
+    assert not any(f & 2 for f in vb.get_residency())
+    raises(RuntimeError, model_vbar.vbar_unpin, mods[0])   # not pinned
+
+
+class _Weight:
+    def __init__(self, model, alloc, data):
+        self.model, self.alloc, self.data = model, alloc, data
+        self.sig = None
+        self.fills = None       # the oracle's fill counts at the last copy
+
+
+def _pages(w):
+    off = w.alloc[1] - w.model.base
+    return range(off // PAGE, (off + w.alloc[2] - 1) // PAGE + 1)
+
+
+def test_comfy_per_weight_cycle_two_models():
+    """ComfyUI's cycle: fault, compare the signature, copy when it differs,
+    use, unpin; model A is bigger than the budget, B alternates with it
+    (prioritize). Data must be right, and signatures must differ exactly
+    when a page of the weight was committed again since its copy (the
+    oracle: residency before and after each fault)."""
+    dev = fresh(budget_pages=5)
+    rng = random.Random(7)
+    models = {}
+    weights = {}
+    seed = 0
+    for name, npages in (("A", 7), ("B", 3)):
+        vb = model_vbar.ModelVBAR(npages * PAGE, 0)
+        ws = []
+        while True:
+            n = rng.choice([512 + 3, 1 * MiB, 5 * MiB + 7, 12 * MiB,
+                            30 * MiB])
+            try:
+                a = vb.alloc(n)
+            except MemoryError:
+                break
+            seed += 1
+            ws.append(_Weight(vb, a, data_for(seed, n)))
+        models[name], weights[name] = vb, ws
+    fills = {name: [0] * vb.get_nr_pages() for name, vb in models.items()}
+    counts = dict(reuse=0, copy=0, miss=0)
+    for rnd in range(6):
+        for name in ("A", "B") if rnd % 2 == 0 else ("B", "A"):
+            vb = models[name]
+            vb.prioritize()
+            for w in weights[name]:
+                before = vb.get_residency()
+                sig = model_vbar.vbar_fault(w.alloc)
+                after = vb.get_residency()
+                for p, (b, a) in enumerate(zip(before, after)):
+                    if not b & 1 and a & 1:
+                        fills[name][p] += 1
+                if sig is None:
+                    counts["miss"] += 1      # ComfyUI uses the host copy
+                    w.sig = None
+                    continue
+                now = [fills[name][p] for p in _pages(w)]
+                same = model_vbar.vbar_signature_compare(sig, w.sig)
+                if w.sig is not None:
+                    assert same == (now == w.fills), (name, rnd, now,
+                                                      w.fills)
+                if same:
+                    counts["reuse"] += 1
+                else:
+                    dev.copy_to_device(w.alloc[1], w.data)
+                    dev.synchronize()
+                    w.sig, w.fills = sig, now
+                    counts["copy"] += 1
+                # Use: the bytes must be the weight's.
+                got = dev.read(w.alloc[1], w.alloc[2])
+                assert got == w.data, (name, rnd, w.alloc[2])
+                model_vbar.vbar_unpin(w.alloc)
+                assert control.get_total_vram_usage() <= 5 * PAGE
+    print("     cycle: %s" % counts)
+    assert counts["reuse"] > 0 and counts["copy"] > 0, counts
+    assert counts["miss"] > 0, counts      # A cannot fit: some weights miss
+    # Dropping the cap lets everything in.
+    control.set_simple_vram_headroom(None)
+    for name in ("A", "B"):
+        models[name].prioritize()
+        for w in weights[name]:
+            assert model_vbar.vbar_fault(w.alloc) is not None
+            model_vbar.vbar_unpin(w.alloc)
+
+
+def test_broken_device_raises_runtime_error():
+    dev = fresh()
+    if dev.backend != "sim":
+        return
+    vb = model_vbar.ModelVBAR(2 * PAGE, 0)
+    a = vb.alloc(PAGE)
+    import vpager
+    dev.sim_inject(vpager.SIM_BREAK)
+    raises(RuntimeError, model_vbar.vbar_fault, a)
+    control.deinit()
+
+
+# ---------------------------------------------------------- vram_buffer
+
+def test_vram_buffer_cheap_and_commit_on_demand():
+    dev = fresh()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        vram_buffer.VRAMBuffer(16 << 30, 0).close()
+    per = (time.perf_counter() - t0) / 200
+    assert per < 0.005, "%.1f us per 16 GiB VRAMBuffer" % (per * 1e6)
+    assert control.get_total_vram_usage() == 0
+    vbuf = vram_buffer.VRAMBuffer(16 << 30, 0)
+    assert vbuf.size() == 0
+    buf, addr, size = vbuf.get(40 * MiB)
+    assert buf is vbuf and addr == vbuf.base and size == 40 * MiB
+    assert vbuf.size() == 2 * PAGE
+    assert control.get_total_vram_usage() == 2 * PAGE
+    _, addr2, _ = vbuf.get(10 * MiB, offset=60 * MiB)   # pages 1 and 2
+    assert addr2 == vbuf.base + 60 * MiB and vbuf.size() == 3 * PAGE
+    dev.copy_to_device(addr2, b"x" * 100)
+    dev.synchronize()
+    assert dev.read(addr2, 100) == b"x" * 100
+    vbuf.get(40 * MiB)                      # again: nothing more pinned
+    assert vbuf.size() == 3 * PAGE
+    raises(MemoryError, vbuf.get, 1, 16 << 30)
+    del buf
+    vbuf.close()
+    assert control.get_total_vram_usage() == 0
+    # It takes memory from model weights under a budget.
+    control.set_simple_vram_headroom(dev.info()["total_memory"] - 3 * PAGE)
+    vb = model_vbar.ModelVBAR(3 * PAGE, 0)
+    a = vb.alloc(3 * PAGE)
+    assert model_vbar.vbar_fault(a) is not None
+    model_vbar.vbar_unpin(a)
+    v = vram_buffer.VRAMBuffer(1 << 30, 0)
+    v.get(2 * PAGE)
+    assert vb.loaded_size() == PAGE
+    raises(MemoryError, v.get, 4 * PAGE)
+    del v
+    assert control.get_total_vram_usage() == vb.loaded_size() <= PAGE
+
+
+# ---------------------------------------------------------- host_buffer
+
+def _tmpfile(data):
+    f = tempfile.NamedTemporaryFile(delete=False)
+    f.write(data)
+    f.close()
+    return f.name
+
+
+def test_host_buffer_empty_is_cheap():
+    control.deinit()
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        hb = host_buffer.HostBuffer(0, 0, 0)
+        assert hb.size == 0
+        del hb
+    assert (time.perf_counter() - t0) / 1000 < 0.001
+
+
+def test_host_buffer_extend_truncate_register():
+    fresh()
+    hb = host_buffer.HostBuffer(0, 0, 0)
+    p0 = hb.extend(10 * MiB)
+    base = hb.get_raw_address()
+    assert p0 == base and hb.size == 10 * MiB
+    ctypes.memset(p0, 7, 10 * MiB)
+    p1 = hb.extend(5000, register=False)
+    assert p1 == base + 10 * MiB and hb.size == 10 * MiB + 5000
+    assert hb.get_raw_address() == base                  # address-stable
+    assert ctypes.string_at(p1, 5000) == bytes(5000)     # zeroed
+    assert p1 % 512 == 0
+    hb.register(10 * MiB, 5000)
+    raises(ValueError, hb.register, 10 * MiB, 5000)
+    hb.unregister(10 * MiB)
+    hb.unregister(12345)                                  # unknown: no-op
+    hb.truncate(4 * MiB)
+    assert hb.size == 4 * MiB and hb.get_raw_address() == base
+    assert ctypes.string_at(base + 4 * MiB - 3, 3) == b"\x07" * 3
+    p2 = hb.extend(MiB)
+    assert p2 == base + 4 * MiB
+    assert ctypes.string_at(p2, 16) == bytes(16)          # fresh memory
+    raises(ValueError, hb.truncate, 100 * MiB)
+    # Initial size and prewarm.
+    hb2 = host_buffer.HostBuffer(3 * MiB, prewarm=MiB, max_grow_size=8 * MiB)
+    assert hb2.size == 3 * MiB and hb2.get_raw_address()
+    hb2.close()
+    hb.close()
+
+
+def test_host_buffer_read_file_slice_and_to_device():
+    dev = fresh()
+    data = data_for(99, 3 * MiB + 123)
+    path = _tmpfile(data)
+    try:
+        hb = host_buffer.HostBuffer(0, 0, 0)
+        hb.extend(4 * MiB)
+        with open(path, "rb") as f:
+            hb.read_file_slice(f, 1000, 5000, offset=77)    # file object
+        assert ctypes.string_at(hb.get_raw_address() + 77, 5000) == \
+            data[1000:6000]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            vb = model_vbar.ModelVBAR(2 * PAGE, 0)
+            a = vb.alloc(2 * MiB)
+            assert model_vbar.vbar_fault(a) is not None
+            hb.read_file_slice(fd, 4096, 2 * MiB, offset=0, stream=0,
+                               device_ptr=a[1], device=0)
+            dev.synchronize()
+            assert dev.read(a[1], 2 * MiB) == data[4096:4096 + 2 * MiB]
+            b = vb.alloc(3 * MiB)
+            assert model_vbar.vbar_fault(b) is not None
+            hb.read_file_to_device(fd, 123, 3 * MiB, 0, b[1], 0)
+            dev.synchronize()
+            assert dev.read(b[1], 3 * MiB) == data[123:123 + 3 * MiB]
+            hb.read_file_to_device(fd, 0, 1000, 0, b[1], -1, mark_cold=False)
+            dev.synchronize()
+            assert dev.read(b[1], 1000) == data[:1000]
+            raises(OSError, hb.read_file_slice, fd, len(data) - 10, 100)
+            raises(ValueError, hb.read_file_slice, fd, 0, 5 * MiB)
+            model_vbar.vbar_unpin(a)
+            model_vbar.vbar_unpin(b)
+            hb.cleanup_file_reader()
+        finally:
+            os.close(fd)
+    finally:
+        os.unlink(path)
+
+
+# ----------------------------------------------------------- model_mmap
+
+def test_model_mmap_get_bounce():
+    data = data_for(5, 3 * MiB + 17)
+    path = _tmpfile(data)
+    try:
+        mm = model_mmap.ModelMMAP(path)
+        assert ctypes.string_at(mm.get(), len(data)) == data
+        st = os.fstat(mm.get_file_handle())
+        assert st.st_size == len(data)
+        mm.bounce()
+        mm.bounce()                                       # idempotent
+        assert ctypes.string_at(mm.get() + 1000, 5000) == data[1000:6000]
+        mm.close()
+        raises(ValueError, mm.get)
+    finally:
+        os.unlink(path)
+
+
+# ---------------------------------------------------------------- torch
+
+def test_torch_views():
+    if not have_torch():
+        return
+    import torch
+    from comfy_aimdo import torch as at
+    dev = fresh()
+    td = tdevice(dev)
+    vb = model_vbar.ModelVBAR(PAGE, 0)
+    a = vb.alloc(4096)
+    assert model_vbar.vbar_fault(a) is not None
+    t = at.aimdo_to_tensor(a, torch.device(td))
+    assert t.dtype == torch.uint8 and t.numel() == 4096
+    t.fill_(9)
+    t[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8, device=t.device)
+    if t.is_cuda:
+        torch.cuda.synchronize()
+    assert dev.read(a[1], 5) == bytes([1, 2, 3, 9, 9])
+    r = at.get_tensor_from_raw_ptr(a[1] + 1, 2, td)
+    assert r.cpu().tolist() == [2, 3]
+    f = t[:16].view(torch.float32)
+    assert f.shape == (4,)
+    model_vbar.vbar_unpin(a)
+    hb = host_buffer.HostBuffer(0, 0, 0)
+    assert at.hostbuf_to_tensor(hb).numel() == 0
+    hb.extend(1000)
+    ht = at.hostbuf_to_tensor(hb)
+    assert ht.device.type == "cpu" and ht.numel() == 1000
+    ht[10] = 200
+    assert ctypes.string_at(hb.get_raw_address() + 10, 1) == b"\xc8"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert at.get_torch_allocator() is None
+        assert w
+
+
+def test_deinit_closes_everything():
+    fresh()
+    vb = model_vbar.ModelVBAR(PAGE, 0)
+    a = vb.alloc(10)
+    assert model_vbar.vbar_fault(a) is not None
+    model_vbar.vbar_unpin(a)
+    control.deinit()
+    assert control.lib is None and control.get_total_vram_usage() == 0
+    assert model_vbar.vbars_analyze() == 0
+    raises(RuntimeError, control.get_devctx, 0)
+    raises(RuntimeError, model_vbar.ModelVBAR, PAGE, 0)
+    control.deinit()                                       # twice: fine
+
+
+# ------------------------------------------------------------ plain runner
+
+def _main():
+    tests = [(n, f) for n, f in list(globals().items())
+             if n.startswith("test_") and callable(f)]
+    only = sys.argv[1:]
+    passed = failed = 0
+    for name, fn in tests:
+        if only and not any(o in name for o in only):
+            continue
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            import traceback
+            failed += 1
+            print("FAIL %s" % name)
+            traceback.print_exc()
+        else:
+            passed += 1
+            print("ok   %s (%.2fs)" % (name, time.perf_counter() - t0))
+    control.deinit()
+    print("%d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
