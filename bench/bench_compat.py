@@ -119,75 +119,12 @@ class Cfg:
         self.budget = int(self.weight_bytes / self.budget_div)
 
 
-class Ctx:
-    """Where things run: CUDA, or (dry run) the CPU and the simulated
-    device."""
-
-    def __init__(self, dry):
-        self.cuda = not dry
-        self.device = torch.device("cuda", 0) if self.cuda else \
-            torch.device("cpu")
-        self.link = None        # GB/s
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def empty_cache(self):
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b):
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def series(self, fn, n):
-        """fn() n times back to back: ms of each (CUDA events on the
-        current stream between consecutive forwards, or perf_counter) and
-        wall ms per call."""
-        self.sync()
-        t0 = time.perf_counter()
-        marks = [self.mark()]
-        for _ in range(n):
-            fn()
-            marks.append(self.mark())
-        self.sync()
-        wall = (time.perf_counter() - t0) * 1e3 / max(n, 1)
-        return [self.ms(marks[i], marks[i + 1]) for i in range(n)], wall
-
-    def once(self, fn):
-        self.sync()
-        t0 = time.perf_counter()
-        out = fn()
-        self.sync()
-        return (time.perf_counter() - t0) * 1e3, out
-
-    def mem(self):
-        if not self.cuda:
-            return "n/a (CPU)"
-        free, total = torch.cuda.mem_get_info()
-        return ("%.1f GiB free of %.1f, torch allocated %.2f GiB, reserved "
-                "%.2f GiB" % (free / GiB, total / GiB,
-                              torch.cuda.memory_allocated() / GiB,
-                              torch.cuda.memory_reserved() / GiB))
+# The timing context (Ctx) and host_ram come from bench_torch.py, the
+# PyTorch benchmark: same device choice, CUDA-event series, memory line.
+from bench_torch import Ctx, host_ram  # noqa: E402
 
 
 # ------------------------------------------------------------- machine
-
-def host_ram():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
-
 
 def machine_info(ctx):
     if ctx.cuda:
