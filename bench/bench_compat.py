@@ -46,7 +46,6 @@ enough for --dry-run) and build/libvpager.so.
 """
 
 import argparse
-import gc
 import hashlib
 import json
 import os
