@@ -147,11 +147,12 @@ typedef struct vp_options {
   /* Streaming (vp_acquire). */
   uint64_t staging_size;   /* VRAM staging ring for misses; VPAGER_STAGING
                               (default 512M; charged to the budget) */
-  uint64_t lookahead;      /* how far past each acquire prefetch looks: the
-                              next weights of the VBAR up to this many bytes
-                              of weights (ready ones count too), in VBAR
-                              offset order; VPAGER_LOOKAHEAD (default 256M;
-                              0 turns prefetch off) */
+  uint64_t lookahead;      /* how far prefetch runs ahead of each acquire:
+                              up to this many bytes of the next weights of
+                              the VBAR that need a copy are staged or filled
+                              ahead, in VBAR offset order (weights that
+                              stayed resident are skipped and not counted);
+                              VPAGER_LOOKAHEAD (default 256M; 0 = off) */
   uint64_t pin_budget;     /* host bytes this device may page-lock; 0 = the
                               smaller of 90% of RAM and RAM - 4 GiB, but at
                               least half of RAM; VPAGER_PIN_BUDGET */
@@ -394,7 +395,8 @@ VP_API int vp_weight_destroy(vp_weight_t w);
  * source first if its pages were recommitted since its last fill; a miss
  * is copied into the staging ring. Copies run on the device's copy stream
  * and `stream` waits for them on the device: the CPU does not wait. Then
- * the weights in the next lookahead bytes of the VBAR are prefetched.
+ * the next weights of the VBAR that need a copy, up to lookahead bytes,
+ * are prefetched (filled in place or staged).
  * Pass each VBAR's weights in execution order, a layer per call. Errors:
  * VP_ELIMIT when a missed weight does not fit in the staging ring (raise
  * staging_size); nothing stays acquired after an error. */

@@ -4,8 +4,9 @@
  * Every copy runs on the device's copy stream; a caller's stream waits for
  * it on the device (an event), so the CPU never waits for a copy and the
  * copy engine works while the caller's kernels run. After each acquire the
- * next weights of the VBAR (lookahead bytes, in offset order, wrapping to
- * the start for the next pass) are filled or staged ahead of need.
+ * next weights of the VBAR that need a copy (up to lookahead bytes of them,
+ * in offset order, wrapping to the start for the next pass) are filled or
+ * staged ahead of need.
  *
  * The staging ring is an internal VBAR whose pages stay pinned. Its slots
  * are kept sorted by offset; a new one takes the first gap that fits, and
@@ -831,7 +832,10 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
 }
 
 /* Start the weights after `last` in its VBAR (wrapping to the start, for
- * the next pass) up to lookahead bytes, skipping those ready already. */
+ * the next pass) until lookahead bytes of them are staged or filled ahead.
+ * Weights that stayed resident cost nothing and do not count: with the
+ * resident weights first, the copy engine starts on the streamed ones while
+ * the resident ones compute. A scan looks at each weight at most once. */
 static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   vp__vbar_t *vb = last->vb;
   batch_t b = {0};
@@ -839,10 +843,18 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   int rc = VP_OK;
   for (uint32_t k = 1; k < vb->nweights && rc == VP_OK; k++) {
     vp__weight_t *u = vb->weights[(last->index + k) % vb->nweights];
-    if ((bytes += u->size) > dev->lookahead) break;
-    if (u->acq_resident || u->acq_staged || u->src.kind == VP_SOURCE_NONE ||
-        u->slot || ready_in_place(u))
+    if (u->acq_resident || u->acq_staged || u->src.kind == VP_SOURCE_NONE)
       continue;
+    bool ready = ready_in_place(u);
+    if (u->prefetched && !ready) { /* its pages went before its use */
+      VP__COUNT(u->vb, prefetch_dropped_bytes, u->size);
+      u->prefetched = false;
+    }
+    bool ahead = u->slot || u->prefetched; /* staged or filled ahead */
+    if (!ahead && ready) continue;
+    if (bytes >= dev->lookahead) break;
+    bytes += u->size;
+    if (ahead) continue;
     size_t before = b.nfilled;
     rc = prefetch_one(dev, u, &b);
     if (b.nfilled > before) VP__COUNT(u->vb, prefetch_bytes, u->size);

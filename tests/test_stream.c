@@ -1126,6 +1126,54 @@ TEST(stream_prefetch_wraps, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Weights that stayed resident do not count toward the lookahead: after
+ * them, the first weight that needs a copy is prefetched. Weights filled
+ * ahead do count. */
+TEST(stream_prefetch_skips_ready, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  model_t m;
+  model_uniform(&m, dev, 6 * ps, 6, ps, SRC_SCATTER, 21);
+  uint64_t p = 0;
+  uint8_t f = 0;
+  for (int i = 0; i < 4; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p, &f));
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+  }
+  ASSERT_EQ_STR(test_map(m.v), "####..");
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, 0);
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT);
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_EQ_STR(test_map(m.v), "#####.");
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, ps);
+  /* w4, filled ahead, fills the window: w5 waits. */
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, ps);
+  /* Its page goes before its use: counted as dropped and filled again. */
+  ASSERT_OK(vp_vbar_free_memory(m.v, ps, NULL));
+  ASSERT_EQ_STR(test_map(m.v), "####..");
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 6 * ps)); /* w4 may come back */
+  ASSERT_OK(vp_acquire(dev, &m.w[2], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &m.w[2], 1, 0));
+  ASSERT_EQ_STR(test_map(m.v), "#####.");
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, 2 * ps);
+  ASSERT_EQ_U64(dstats(dev).prefetch_dropped_bytes, ps);
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_acquire(dev, &m.w[4], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED); /* ahead */
+  verify_resident(dev, 0, p, m.srcs[4].host, ps);
+  ASSERT_EQ_U64(dstats(dev).weight_fills, 4); /* the acquire copied none */
+  ASSERT_OK(vp_release(dev, &m.w[4], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_used_bytes, ps);
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
 /* --------------------------------------------------------- 7. bad input */
 
 TEST(stream_bad_input, TEST_ALL_BACKENDS) {
