@@ -114,7 +114,12 @@ typedef enum vp_backend_kind {
 
 typedef enum vp_evict_order {
   VP_ORDER_TAIL_FIRST = 0, /* highest offsets go first; resident = a prefix */
-  VP_ORDER_INTERLEAVED = 1 /* bit-reversed page index; misses spread evenly */
+  /* Misses spread evenly: bit-reversed page index; once the VBAR has
+   * weights, in groups (the pages a weight spans, joined with any weight
+   * sharing a page, are ranked together), so eviction takes whole weights.
+   * Ranks follow the weights when they are created while no page of the
+   * VBAR is resident. Put a page boundary between weights to split groups. */
+  VP_ORDER_INTERLEAVED = 1
 } vp_evict_order_t;
 
 typedef enum vp_sim_streams {

@@ -151,6 +151,10 @@ void vp__device_destroy(vp__device_t *dev);
 int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
 int vp__vbar_free(vp__vbar_t *vb);
 void vp__vbar_set_order(vp__vbar_t *vb, int kind);
+/* stream.c: mark[p] for each page of vb that a weight touches: GROUP_START,
+ * or GROUP_JOINED when a weight spans it and the page before. */
+enum { VP__PAGE_GROUP_START = 1, VP__PAGE_GROUP_JOINED = 2 };
+void vp__weights_mark_pages(const vp__vbar_t *vb, uint8_t *mark);
 void vp__vbar_to_top(vp__vbar_t *vb);
 void vp__vbar_to_bottom(vp__vbar_t *vb);
 int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens);

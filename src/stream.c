@@ -466,9 +466,21 @@ int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
       weight_list_insert(vb, ws[i]);
       out[i].id = ws[i]->id;
     }
+    /* Interleaved ranks follow the weights while nothing is resident. */
+    if (vb->order_kind == VP_ORDER_INTERLEAVED && !vb->resident)
+      vp__vbar_set_order(vb, VP_ORDER_INTERLEAVED);
   }
   free(ws);
   return vp__unlock(dev, rc);
+}
+
+void vp__weights_mark_pages(const vp__vbar_t *vb, uint8_t *mark) {
+  for (uint32_t i = 0; i < vb->nweights; i++) {
+    const vp__weight_t *w = vb->weights[i];
+    if (!mark[w->p0]) mark[w->p0] = VP__PAGE_GROUP_START;
+    for (uint32_t p = w->p0 + 1; p < w->p1; p++)
+      mark[p] = VP__PAGE_GROUP_JOINED;
+  }
 }
 
 static void weight_unlist(vp__weight_t *w) {

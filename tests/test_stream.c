@@ -1174,6 +1174,53 @@ TEST(stream_prefetch_skips_ready, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Interleaved order with weights: eviction takes whole weights (pages a
+ * weight spans stay together), spread through the VBAR; weights sharing a
+ * page are one group; pages without a weight go first. */
+TEST(stream_interleaved_weight_groups, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  o.evict_order = VP_ORDER_INTERLEAVED;
+  vp_device_t dev = test_open_cap(ctx, &o, 32);
+  uint64_t p = 0;
+  uint8_t f = 0;
+
+  /* Four page-aligned weights of 4 pages: groups 0, 2, 1, 3 by rank. */
+  model_t m;
+  model_uniform(&m, dev, 16 * ps, 4, 4 * ps, SRC_SCATTER, 22);
+  for (int i = 0; i < 4; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p, &f));
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+  }
+  ASSERT_EQ_STR(test_map(m.v), "################");
+  ASSERT_OK(vp_vbar_free_memory(m.v, 4 * ps, NULL));
+  ASSERT_EQ_STR(test_map(m.v), "############....");
+  ASSERT_OK(vp_vbar_free_memory(m.v, 2 * ps, NULL)); /* a group's tail */
+  ASSERT_EQ_STR(test_map(m.v), "######..####....");
+  ASSERT_OK(vp_vbar_free_memory(m.v, 2 * ps, NULL));
+  ASSERT_EQ_STR(test_map(m.v), "####....####....");
+  ASSERT_OK(vp_acquire(dev, &m.w[2], 1, 0, &p, &f)); /* whole and in place */
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT);
+  verify_resident(dev, 0, p, m.srcs[2].host, 4 * ps);
+  ASSERT_OK(vp_release(dev, &m.w[2], 1, 0));
+
+  /* Weights of 1.5 pages share pages: pages 0-2 and 3-5 are two groups;
+   * pages 6-7 hold no weight and are evicted first. */
+  model_t x;
+  model_uniform(&x, dev, 8 * ps, 4, ps + ps / 2, SRC_SCATTER, 23);
+  ASSERT_OK(vp_fault(x.v, 0, 8 * ps, NULL, 0));
+  ASSERT_OK(vp_unpin(x.v, 0, 8 * ps, 0));
+  ASSERT_OK(vp_vbar_free_memory(x.v, 2 * ps, NULL));
+  ASSERT_EQ_STR(test_map(x.v), "######..");
+  ASSERT_OK(vp_vbar_free_memory(x.v, 3 * ps, NULL));
+  ASSERT_EQ_STR(test_map(x.v), "###.....");
+
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+  model_free(&x);
+}
+
 /* --------------------------------------------------------- 7. bad input */
 
 TEST(stream_bad_input, TEST_ALL_BACKENDS) {

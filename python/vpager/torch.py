@@ -268,7 +268,18 @@ _OOM_MARGIN_MAX = 4 << 30      # what OOM retries may raise it to
 
 def _torch_reserved(index):
     """(bytes torch's caching allocator holds on CUDA device `index` now,
-    the most it has held). A seam: the tests replace it."""
+    the most it has held). A seam: the tests replace it.
+
+    torch.cuda.memory_reserved() flattens every allocator statistic into a
+    new dict (about 200 us on the H200 host): read the two numbers from the
+    nested statistics instead where this torch has them."""
+    nested = getattr(torch._C, "_cuda_memoryStats", None)
+    if nested is not None:
+        try:
+            r = nested(index)["reserved_bytes"]["all"]
+            return int(r["current"]), int(r["peak"])
+        except (KeyError, TypeError, RuntimeError):
+            pass
     return (torch.cuda.memory_reserved(index),
             torch.cuda.max_memory_reserved(index))
 
