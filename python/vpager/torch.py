@@ -161,6 +161,7 @@ from ._views import view
 from .device import Device
 from .errors import Error
 from .options import default_options, parse_size
+from .vbar import _order
 from .weights import Source, WeightBatch
 
 __all__ = ["offload", "open_device", "load_safetensors", "Offloaded", "view",
@@ -571,16 +572,51 @@ def _unpack(t):
     return t
 
 
-def _place(entries, align):
+def _place(entries, align, groups=None):
     """Offsets of entries laid out in this order, each at an `align`
-    boundary; returns (offsets, end)."""
+    boundary; returns (offsets, end). groups: (page, size) for the
+    interleaved order, whose eviction takes whole groups of pages joined
+    by weights: once the current group holds `size` bytes, the next entry
+    that starts within page/16 of a page boundary (or any, at twice
+    `size`) starts a new group at that boundary, so few bytes of VRAM are
+    padding and evicting one group leaves its neighbours whole."""
     offsets = []
-    off = 0
+    off = start = 0
     for e in entries:
         off = _round_up(off, align)
+        if groups is not None:
+            page, size = groups
+            pad = _round_up(off, page) - off
+            if off - start >= 2 * size or (off - start >= size and
+                                           pad <= page // 16):
+                off = start = off + pad
         offsets.append(off)
         off += e.size
     return offsets, off
+
+
+_GROUPS = 32            # interleaved order: about this many weight groups
+
+
+def _groups(dev, order, entries):
+    """_place's groups for the VBAR's order (None: tail-first)."""
+    if order is None:
+        order = dev.options["evict_order"]
+    if _order(order) != _lib.VP_ORDER_INTERLEAVED:
+        return None
+    page = dev.page_size
+    total = sum(e.size for e in entries)
+    return page, max(4 * page, total // _GROUPS)
+
+
+def _group_room(groups, vbar_size):
+    """VBAR bytes the group boundaries may add: under a page each, and
+    groups start at least `size` (>= 4 pages) apart, so n groups over
+    vbar_size + n pages: n <= (vbar_size / size + 1) * 4 / 3."""
+    if groups is None:
+        return 0
+    page, size = groups
+    return ((vbar_size // size + 1) * 4 // 3 + 1) * page
 
 
 # ------------------------------------------------------ safetensors files
@@ -944,7 +980,12 @@ class Offloaded:
                 st = dev.open_safetensors(weights_from)
                 plan, loads = _match_file(module, entries, st,
                                           "offload(weights_from=...)")
-            vb = dev.create_vbar(vbar_size)
+            groups = _groups(dev, order, entries)
+            if groups is not None:      # re-place: groups need the page
+                offsets, _ = _place(entries, align, groups)
+                for e, off in zip(entries, offsets):
+                    e.offset = off
+            vb = dev.create_vbar(vbar_size + _group_room(groups, vbar_size))
             if order is not None:
                 vb.set_order(order)
             hb, slots = _sources(dev, entries, align, st, plan)
@@ -977,6 +1018,7 @@ class Offloaded:
         self._hb = hb
         self._st = st
         self._weights = ws
+        self._groups = groups
         self._batches()
         self._ds = ds
         ds.users.add(self)
@@ -1130,7 +1172,7 @@ class Offloaded:
                     entries.append(e)
         entries += [e for e in self._entries if e not in placed]
         if [id(e) for e in entries] != [id(e) for e in self._entries]:
-            offsets, _ = _place(entries, self._align)
+            offsets, _ = _place(entries, self._align, self._groups)
             self._swap(entries, offsets, [e.src for e in entries])
         self._units = units
 
