@@ -56,6 +56,13 @@ Placement order
   records nothing: the next one does. offload(reorder=False) keeps module
   order; h.units() and h.layout() show the placement. Forwards that call
   the units in different orders keep the first one's.
+  The default eviction order is interleaved: the weights that do not fit
+  are spread through the model, so their copies overlap the compute of the
+  resident ones from the start of each forward (with "tail" the resident
+  prefix computes first while the copy engine waits for room). Eviction
+  takes whole groups of weights (vpager.h, VP_ORDER_INTERLEAVED): weights
+  are placed in about 32 groups, each starting on a page boundary at a
+  weight that needs little padding.
 
 Weights from safetensors files
   offload(module, ..., weights_from=path) takes the weights from a
@@ -128,11 +135,12 @@ Devices and budget
 Activations first (CUDA)
   vpager's budget is polled against the device's free memory, so torch's
   allocator growing shrinks what vpager may commit. Each root forward also
-  sets the device's headroom to the larger of the user's (the device's
-  when vpager.torch first used it) and what torch may still grab: its peak
-  (max_memory_reserved) minus what it holds now (memory_reserved), plus a
-  margin (5% of the peak, at most 256 MiB; an OOM retry raises it);
-  stats()["activation_headroom"] shows it. If torch still runs out
+  (at most one every 2 ms) sets the device's headroom to the larger of the
+  user's (the device's when vpager.torch first used it) and what torch may
+  still grab: its peak (max_memory_reserved) minus what it holds now
+  (memory_reserved), plus a margin (5% of the peak, at most 256 MiB; an
+  OOM retry raises it); stats()["activation_headroom"] shows it. If torch
+  still runs out
   of memory inside a unit's forward, every unpinned weight page is evicted
   (vp_device_free_memory), torch's cache is emptied and the forward is run
   once more; a second failure is re-raised with a message.
@@ -150,6 +158,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import time
 import weakref
 
 import torch
@@ -232,7 +241,7 @@ class _DevState:
     """What vpager.torch keeps per vpager.Device."""
 
     __slots__ = ("top", "users", "owned", "sync", "user_headroom", "learned",
-                 "oom_margin", "__weakref__")
+                 "oom_margin", "learned_at", "__weakref__")
 
     def __init__(self, dev, owned):
         self.top = None            # the Offloaded whose VBAR is on top
@@ -249,6 +258,7 @@ class _DevState:
         self.user_headroom = info["headroom"]
         self.learned = 0           # torch's peak - what it holds + margin
         self.oom_margin = 0        # raised by each OOM retry
+        self.learned_at = float("-inf")  # time.monotonic() of the last
 
 
 _DEVSTATES = weakref.WeakKeyDictionary()
@@ -262,6 +272,7 @@ def _devstate(dev, owned=False):
 
 
 # Activations first: how far torch's caching allocator may still grow.
+_LEARN_EVERY = 0.002           # seconds between two learns by forwards
 _MARGIN_FRAC = 20              # margin: 1/20 (5%) of torch's peak ...
 _MARGIN_MAX = 256 << 20        # ... but at most 256 MiB
 _OOM_MARGIN_MAX = 4 << 30      # what OOM retries may raise it to
@@ -802,7 +813,11 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
         vpager.Device may be passed here too (same as dev=).
     budget: bytes (int or "8G") of device memory vpager may use.
     lookahead: bytes prefetched past each acquire (vp_device_set_lookahead).
-    order: the VBAR's eviction order, "tail" (default) or "interleaved".
+    order: the VBAR's eviction order: "interleaved" (the default unless
+        VPAGER_ORDER or the evict_order option says otherwise: the weights
+        that do not fit are spread through the model, so their copies
+        overlap the resident weights' compute) or "tail" (the last weights
+        are the ones streamed). See "Placement order" in the module doc.
     dev: a vpager.Device to use (from open_device(), shared with other
         models); budget and lookahead then change that device.
     units: module types (or a predicate on modules) whose forward reads
@@ -839,6 +854,9 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
     if from_file and not os.path.isfile(weights_from):
         raise ValueError("vpager.torch.offload: weights_from=%r is not a "
                          "file" % (weights_from,))
+    if order is None and "VPAGER_ORDER" not in os.environ and \
+            "evict_order" not in options:
+        order = "interleaved"
     swapped = _unmeta(module) if from_file else []
     try:
         return _offload(module, device, budget, lookahead, order, dev, units,
@@ -1124,7 +1142,13 @@ class Offloaded:
 
     # ------------------------------------------------ activations first
     def _learn_hook(self, module, args):
-        self._learn()
+        # Reading torch's statistics costs ~30 us: at most once every
+        # _LEARN_EVERY seconds, so short forwards do not pay it each time
+        # (a bigger forward in between is what the OOM retry is for).
+        now = time.monotonic()
+        if now - self._ds.learned_at >= _LEARN_EVERY:
+            self._ds.learned_at = now
+            self._learn()
 
     def _learn(self):
         """At the start of each root forward (CUDA only: the simulated

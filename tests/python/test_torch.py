@@ -836,8 +836,8 @@ def test_execution_order_placement():
         assert [n for n, _, _ in h.units()] == run_order
         assert torch.equal(m(x), want)
     h.unload()
-    m = mlp()
-    h = offload_sim(m, budget=768 * K, staging=320 * K)
+    m = mlp()       # tail order: the first forward evicts nothing
+    h = offload_sim(m, budget=768 * K, staging=320 * K, order="tail")
     before = h.layout()
     with torch.no_grad():
         m(x)
