@@ -961,8 +961,7 @@ def bench_llama(ctx, cfg):
                 ctx.device, budget / GB, t_off, s["weights"], s["units"],
                 s["vbar_bytes"] / GB, size_str(o["page_size"]),
                 size_str(o["staging_size"]), size_str(o["lookahead"]),
-                "interleaved" if o["evict_order"] == vpager.ORDER_INTERLEAVED
-                else "tail-first"))
+                h.order))
         try:
             runs["vpager"] = run_decoder(ctx, cfg, model, ids, "vpager",
                                          stats=h.stats)
@@ -1189,10 +1188,12 @@ def bench_dit(ctx, cfg):
         o = h.device.options
         s = h.stats()
         say("   vpager.torch.offload(device=%s, budget=%.3f GB) in %.1f s: "
-            "%d weights in %d units; page %s, staging %s, lookahead %s" % (
+            "%d weights in %d units; page %s, staging %s, lookahead %s, "
+            "order %s" % (
                 ctx.device, budget / GB, time.perf_counter() - t0,
                 s["weights"], s["units"], size_str(o["page_size"]),
-                size_str(o["staging_size"]), size_str(o["lookahead"])))
+                size_str(o["staging_size"]), size_str(o["lookahead"]),
+                h.order))
         try:
             r, s1, s2 = steps("vpager", stats=lambda: h.stats())
             d1, d2 = s1["device"], s2["device"]

@@ -961,7 +961,8 @@ def load_safetensors(module_or_handle, path):
 
 class Offloaded:
     """The handle offload() returns: module, device (the vpager.Device),
-    vbar, target (the torch device it computes on); stats(), residency(),
+    vbar, target (the torch device it computes on), order (the VBAR's
+    eviction order, "interleaved" or "tail"); stats(), residency(),
     layout(), prioritize(), acquired(), load_safetensors(), unload(),
     close(). See the module doc."""
 
@@ -1037,6 +1038,7 @@ class Offloaded:
         self._st = st
         self._weights = ws
         self._groups = groups
+        self.order = "tail" if groups is None else "interleaved"
         self._batches()
         self._ds = ds
         ds.users.add(self)
