@@ -91,12 +91,16 @@ check: check-abi
 $(BUILD)/demo/demo: demo/demo.c $(BUILD)/libvpager.a | $(BUILD)/demo
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)
 
+# The torch demo runs under the first of DEMO_PYTHONS that imports torch:
+# the python3 on PATH (a virtual environment's, with CUDA torch) first.
+DEMO_PYTHONS ?= python3 $(PYTHON)
 demo: $(BUILD)/demo/demo $(BUILD)/libvpager.so
 	$(BUILD)/demo/demo
-	@if $(PYTHON) -c 'import torch' 2>/dev/null; then \
-	  echo; PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
-	  $(PYTHON) demo/torch_demo.py; \
-	else echo "torch demo skipped: torch is not importable"; fi
+	@for py in $(DEMO_PYTHONS); do \
+	  if $$py -c 'import torch' 2>/dev/null; then \
+	    echo; PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	    $$py demo/torch_demo.py; exit $$?; fi; \
+	done; echo "torch demo skipped: torch is not importable ($(DEMO_PYTHONS))"
 
 $(BUILD)/bench/%: bench/%.c $(BUILD)/libvpager.a | $(BUILD)/bench
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)
