@@ -61,8 +61,8 @@ Placement order
   resident ones from the start of each forward (with "tail" the resident
   prefix computes first while the copy engine waits for room). Eviction
   takes whole groups of weights (vpager.h, VP_ORDER_INTERLEAVED): weights
-  are placed in about 32 groups, each starting on a page boundary at a
-  weight that needs little padding.
+  are placed in 32 or more groups (none over half the staging ring), each
+  starting on a page boundary at a weight that needs little padding.
 
 Weights from safetensors files
   offload(module, ..., weights_from=path) takes the weights from a
@@ -612,7 +612,7 @@ def _place(entries, align, groups=None):
     return offsets, off
 
 
-_GROUPS = 32            # interleaved order: about this many weight groups
+_GROUPS = 32            # interleaved order: at least this many groups
 
 
 def _groups(dev, order, entries):
@@ -623,7 +623,11 @@ def _groups(dev, order, entries):
         return None
     page = dev.page_size
     total = sum(e.size for e in entries)
-    return page, max(4 * page, total // _GROUPS)
+    # At most half the staging ring: the ring then holds the next streamed
+    # group while the current one computes (H200, 32-layer decoder, 0.5 GB
+    # groups in a 0.5 GB ring: prefill 114 ms; 0.23 GB groups: 109 ms).
+    ring = dev.options["staging_size"]
+    return page, max(4 * page, min(total // _GROUPS, ring // 2))
 
 
 def _group_room(groups, vbar_size):
