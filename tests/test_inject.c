@@ -182,7 +182,15 @@ static void walk_rungs(test_ctx_t *ctx, int streams, const char *shared) {
   if (shared[0])
     snprintf(shm_path, sizeof shm_path, "/dev/shm/vpager-sim-%s", shared);
   int fds0 = count_dir("/proc/self/fd");
+  /* That joined thread can linger in /proc for a moment too: the baseline
+   * is the count once it held still for 20 ms (at most 1 s). */
   int tasks0 = count_dir("/proc/self/task");
+  for (int i = 0, still = 0; i < 1000 && still < 20; i++) {
+    test_sleep_ms(1);
+    int n = count_dir("/proc/self/task");
+    still = n == tasks0 ? still + 1 : 0;
+    tasks0 = n;
+  }
   int clean = 0, failed_opens = 0, nth;
   for (nth = 1; nth < 1000 && clean < 8; nth++) {
     rung_t r = run_rung(ctx, streams, shared, nth);
