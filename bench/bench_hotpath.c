@@ -3,7 +3,11 @@
  *   1. fault+unpin of a resident page, ns per pair; baseline: two
  *      uncontended mutex lock/unlock pairs (the floor of two locked calls);
  *   2. eviction of 1 GiB of touched pages, ms; baseline (sim): madvise +
- *      mprotect of the same bytes done directly.
+ *      mprotect of the same bytes done directly;
+ *   3. vp_acquire+vp_release of one weight at a time over a VBAR of 2000
+ *      resident, filled weights with prefetch on (256 MiB lookahead), ns
+ *      per pair; baseline: the same with prefetch off (lookahead 0): what
+ *      prefetch's scan costs once nothing is left to copy.
  * Prints the machine, the inputs and each ratio against its baseline. */
 #include <pthread.h>
 #include <stdio.h>
@@ -120,6 +124,53 @@ static double bench_raw_evict(uint64_t page) {
   return ms;
 }
 
+/* Acquire and release each of n resident weights in turn, ns per pair. */
+static double bench_acquire(vp_device_t dev, const vp_weight_t *w, size_t n,
+                            int rounds) {
+  uint64_t ptr;
+  double t0 = now_ns();
+  for (int r = 0; r < rounds; r++)
+    for (size_t i = 0; i < n; i++)
+      if (vp_acquire(dev, &w[i], 1, 0, &ptr, NULL) ||
+          vp_release(dev, &w[i], 1, 0))
+        die("acquire/release");
+  return (now_ns() - t0) / ((double)rounds * n);
+}
+
+#define NWEIGHTS 2000
+#define WEIGHT_SIZE (64 * 1024ull)
+
+static void bench_prefetch_scan(vp_device_t dev) {
+  static vp_weight_t w[NWEIGHTS];
+  static uint64_t off[NWEIGHTS], size[NWEIGHTS];
+  static vp_source_t src[NWEIGHTS];
+  uint8_t *host = calloc(NWEIGHTS, WEIGHT_SIZE);
+  vp_vbar_t vb;
+  if (!host || vp_vbar_create(dev, NWEIGHTS * WEIGHT_SIZE, &vb)) die("vbar");
+  for (size_t i = 0; i < NWEIGHTS; i++) {
+    off[i] = i * WEIGHT_SIZE, size[i] = WEIGHT_SIZE;
+    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST,
+                           .host = host + i * WEIGHT_SIZE};
+  }
+  if (vp_weights_create(vb, NWEIGHTS, off, size, src, w)) die("weights");
+  bench_acquire(dev, w, NWEIGHTS, 1); /* fill them all */
+  double on[REPEATS], off0[REPEATS];
+  for (int r = 0; r < REPEATS; r++) {
+    vp_device_set_lookahead(dev, 256 * MiB);
+    on[r] = bench_acquire(dev, w, NWEIGHTS, 20);
+    vp_device_set_lookahead(dev, 0);
+    off0[r] = bench_acquire(dev, w, NWEIGHTS, 20);
+  }
+  double a = median(on, REPEATS), b = median(off0, REPEATS);
+  printf("acquire+release, %d resident weights of %llu KiB, one a call: "
+         "%.1f ns/pair with prefetch (256 MiB lookahead)   baseline "
+         "prefetch off %.1f ns   ratio %.2f\n", NWEIGHTS,
+         WEIGHT_SIZE / 1024, a, b, a / b);
+  for (size_t i = 0; i < NWEIGHTS; i++) vp_weight_destroy(w[i]);
+  vp_vbar_destroy(vb);
+  free(host);
+}
+
 int main(int argc, char **argv) {
   long iters = argc > 1 ? atol(argv[1]) : 2000000;
   vp_options_t opts;
@@ -158,6 +209,7 @@ int main(int argc, char **argv) {
   else
     printf("(no raw baseline on this backend)\n");
   vp_vbar_destroy(vb);
+  bench_prefetch_scan(dev);
   vp_device_close(dev);
   return 0;
 }

@@ -73,6 +73,9 @@ typedef struct vp__vbar {
   struct vp__weight **weights;
   uint32_t nweights, weights_cap;
   uint32_t acquired;
+  /* The last prefetch scan of the whole VBAR found nothing to copy; page
+   * commits and evictions and lost staging slots clear it. */
+  bool prefetch_idle;
 } vp__vbar_t;
 
 typedef struct vp__budget {

@@ -54,6 +54,7 @@ int vp__page_commit(vp__vbar_t *vb, uint32_t p) {
   pg->gen = dev->gen_counter;
   pg->resident = true;
   vb->resident++;
+  vb->prefetch_idle = false;
   dev->committed += dev->page_size;
   VP__COUNT(vb, pages_committed, 1);
   return VP_OK;
@@ -82,6 +83,7 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
   dev->be->phys_release(dev->ctx, pg->phys, dev->page_size);
   pg->resident = false;
   vb->resident--;
+  vb->prefetch_idle = false;
   dev->committed -= dev->page_size;
   VP__COUNT(vb, pages_evicted, 1);
   return VP_OK;

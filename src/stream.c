@@ -235,6 +235,7 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
     if (s->prefetched)
       VP__COUNT(s->owner->vb, prefetch_dropped_bytes, s->owner->size);
     s->owner->slot = NULL;
+    s->owner->vb->prefetch_idle = false;
   }
   free(s);
   memmove(&st->slots[k], &st->slots[k + 1],
@@ -466,6 +467,7 @@ int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
       weight_list_insert(vb, ws[i]);
       out[i].id = ws[i]->id;
     }
+    vb->prefetch_idle = false;
     /* Interleaved ranks follow the weights while nothing is resident. */
     if (vb->order_kind == VP_ORDER_INTERLEAVED && !vb->resident)
       vp__vbar_set_order(vb, VP_ORDER_INTERLEAVED);
@@ -623,6 +625,7 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
   }
   for (size_t i = 0; !issued && i < b->nfilled; i++) {
     vp__weight_t *w = b->filled[i];
+    w->vb->prefetch_idle = false;
     w->gens[0] = 0;
     w->prefetched = false;
     if (w->slot && !w->slot->refs) {
@@ -850,8 +853,10 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
  * the resident ones compute. A scan looks at each weight at most once. */
 static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   vp__vbar_t *vb = last->vb;
+  if (vb->prefetch_idle) return; /* all resident and filled: no scan */
   batch_t b = {0};
   uint64_t bytes = 0;
+  bool work = false;
   int rc = VP_OK;
   for (uint32_t k = 1; k < vb->nweights && rc == VP_OK; k++) {
     vp__weight_t *u = vb->weights[(last->index + k) % vb->nweights];
@@ -862,15 +867,16 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
       VP__COUNT(u->vb, prefetch_dropped_bytes, u->size);
       u->prefetched = false;
     }
-    bool ahead = u->slot || u->prefetched; /* staged or filled ahead */
-    if (!ahead && ready) continue;
+    if (ready && !u->prefetched) continue; /* stayed resident: no copy */
+    work = true;
     if (bytes >= dev->lookahead) break;
     bytes += u->size;
-    if (ahead) continue;
+    if (u->slot || u->prefetched) continue; /* staged or filled ahead */
     size_t before = b.nfilled;
     rc = prefetch_one(dev, u, &b);
     if (b.nfilled > before) VP__COUNT(u->vb, prefetch_bytes, u->size);
   }
+  if (!work) vb->prefetch_idle = true; /* until a page or slot changes */
   prefetch_finish(dev, &b);
   if (rc < 0) vp__log(VP_LOG_DEBUG, dev->caps.name, "prefetch stopped: %s",
                       vp_last_error());
@@ -898,7 +904,10 @@ void vp__stream_close(vp__device_t *dev) {
         vp__fence_wait(dev, s->fence);
         vp__fence_put(dev, s->fence);
       }
-      if (s->owner) s->owner->slot = NULL;
+      if (s->owner) {
+        s->owner->slot = NULL;
+        s->owner->vb->prefetch_idle = false;
+      }
       free(s);
     }
     vp__unpin_nofence(st->vb, 0, st->vb->npages);

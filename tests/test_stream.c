@@ -1170,6 +1170,27 @@ TEST(stream_prefetch_skips_ready, TEST_ALL_BACKENDS) {
   ASSERT_EQ_U64(dstats(dev).weight_fills, 4); /* the acquire copied none */
   ASSERT_OK(vp_release(dev, &m.w[4], 1, 0));
   ASSERT_EQ_U64(dstats(dev).prefetch_used_bytes, ps);
+
+  /* All resident and filled: scans find nothing (and stop scanning) until
+   * a page goes; then the next acquire's prefetch fills it again. */
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  for (int pass = 0; pass < 2; pass++)
+    for (int i = 0; i < 6; i++) {
+      ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p, &f));
+      ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+    }
+  ASSERT_EQ_STR(test_map(m.v), "######");
+  uint64_t pb = dstats(dev).prefetch_bytes;
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, pb);
+  ASSERT_OK(vp_vbar_free_memory(m.v, ps, NULL));
+  ASSERT_EQ_STR(test_map(m.v), "#####.");
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 6 * ps));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, pb + ps);
+  ASSERT_EQ_STR(test_map(m.v), "######");
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }
