@@ -169,8 +169,13 @@ from ._views import placeholder as _placeholder
 from ._views import view
 from .device import Device
 from .errors import Error
+from ._torch_files import load_unmanaged as _load_unmanaged
+from ._torch_files import match_file as _match_file
+from ._torch_placement import group_room as _group_room
+from ._torch_placement import groups as _groups
+from ._torch_placement import place as _place
+from ._torch_placement import round_up as _round_up
 from .options import default_options, parse_size
-from .vbar import _order
 from .weights import Source, WeightBatch
 
 __all__ = ["offload", "open_device", "load_safetensors", "Offloaded", "view",
@@ -192,28 +197,10 @@ FUSED = (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer,
          torch.nn.MultiheadAttention)
 
 
-# safetensors dtype names (vp_st_tensor_t.dtype) of torch dtypes.
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.complex64: "C64"}
-for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                   ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
-                   ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-                   ("float8_e8m0fnu", "F8_E8M0"), ("uint16", "U16"),
-                   ("uint32", "U32"), ("uint64", "U64")):
-    if isinstance(getattr(torch, _name, None), torch.dtype):
-        _ST_DTYPES[getattr(torch, _name)] = _st
-
-
 def _is_oom(e):
     if _OOM is not None:
         return isinstance(e, _OOM)
     return isinstance(e, RuntimeError) and "out of memory" in str(e)
-
-
-def _round_up(x, a):
-    return (x + a - 1) // a * a
 
 
 def _size(value):
@@ -587,174 +574,6 @@ def _cuda_stream(target):
 
 def _unpack(t):
     return t
-
-
-def _place(entries, align, groups=None):
-    """Offsets of entries laid out in this order, each at an `align`
-    boundary; returns (offsets, end). groups: (page, size) for the
-    interleaved order, whose eviction takes whole groups of pages joined
-    by weights: once the current group holds `size` bytes, the next entry
-    that starts within page/16 of a page boundary (or any, at twice
-    `size`) starts a new group at that boundary, so few bytes of VRAM are
-    padding and evicting one group leaves its neighbours whole."""
-    offsets = []
-    off = start = 0
-    for e in entries:
-        off = _round_up(off, align)
-        if groups is not None:
-            page, size = groups
-            pad = _round_up(off, page) - off
-            if off - start >= 2 * size or (off - start >= size and
-                                           pad <= page // 16):
-                off = start = off + pad
-        offsets.append(off)
-        off += e.size
-    return offsets, off
-
-
-_GROUPS = 32            # interleaved order: at least this many groups
-
-
-def _groups(dev, order, entries):
-    """_place's groups for the VBAR's order (None: tail-first)."""
-    if order is None:
-        order = dev.options["evict_order"]
-    if _order(order) != _lib.VP_ORDER_INTERLEAVED:
-        return None
-    page = dev.page_size
-    total = sum(e.size for e in entries)
-    # At most half the staging ring: the ring then holds the next streamed
-    # group while the current one computes (H200, 32-layer decoder, 0.5 GB
-    # groups in a 0.5 GB ring: prefill 114 ms; 0.23 GB groups: 109 ms).
-    ring = dev.options["staging_size"]
-    return page, max(4 * page, min(total // _GROUPS, ring // 2))
-
-
-def _group_room(groups, vbar_size):
-    """VBAR bytes the group boundaries may add: under a page each, and
-    groups start at least `size` (>= 4 pages) apart, so n groups over
-    vbar_size + n pages: n <= (vbar_size / size + 1) * 4 / 3."""
-    if groups is None:
-        return 0
-    page, size = groups
-    return ((vbar_size // size + 1) * 4 // 3 + 1) * page
-
-
-# ------------------------------------------------------ safetensors files
-
-def _state_items(module, prefix=""):
-    """(name, dict, key, tensor, is_param) of what module.state_dict() holds
-    (parameters and persistent buffers; a shared tensor once per name)."""
-    for k, p in module._parameters.items():
-        if p is not None:
-            yield prefix + k, module._parameters, k, p, True
-    for k, b in module._buffers.items():
-        if b is not None and k not in module._non_persistent_buffers_set:
-            yield prefix + k, module._buffers, k, b, False
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _state_items(child, prefix + name + ".")
-
-
-def _match_file(module, entries, st, fn):
-    """Match a safetensors file to module.state_dict()'s names: returns
-    ({entry: TensorInfo}, [(dict, key, is_param, TensorInfo)] for the
-    state_dict tensors vpager does not manage). ValueError, naming the
-    tensors, for tensors missing from the file or the module, or of another
-    dtype or shape; nothing is changed."""
-    infos = {}
-    for t in st:
-        infos[t.name] = t
-    by_id = {id(e.tensor): e for e in entries}
-    groups = {}
-    order = []
-    for name, d, k, t, is_param in _state_items(module):
-        g = groups.get(id(t))
-        if g is None:
-            g = groups[id(t)] = ([], d, k, t, is_param)
-            order.append(g)
-        g[0].append(name)
-    problems = []
-    known = set()
-    for m in module.modules():
-        for k in m._non_persistent_buffers_set:
-            b = m._buffers.get(k)
-            if b is not None and b.device.type == "meta":
-                problems.append("buffer %r of %s is on the meta device and "
-                                "not in any file (it is not persistent)"
-                                % (k, type(m).__name__))
-    plan = {}
-    loads = []
-    for names, d, k, t, is_param in order:
-        known.update(names)
-        e = by_id.get(id(t))
-        dtype = e.dtype if e is not None else t.dtype
-        shape = e.shape if e is not None else tuple(t.shape)
-        want = _ST_DTYPES.get(dtype)
-        present = [n for n in names if n in infos]
-        if not present:
-            problems.append("tensor %r is missing from the file" % names[0])
-            continue
-        if want is None:
-            problems.append("tensor %r is %s, which safetensors has no name "
-                            "for" % (names[0], dtype))
-            continue
-        bad = False
-        for n in present:
-            ti = infos[n]
-            if ti.dtype != want or tuple(ti.shape) != shape:
-                problems.append(
-                    "tensor %r is %s %s in the file but %s %s (%s) in the "
-                    "module" % (n, ti.dtype, list(ti.shape), want, list(shape),
-                                str(dtype).replace("torch.", "")))
-                bad = True
-        if bad:
-            continue
-        if e is not None:
-            plan[e] = infos[present[0]]
-        else:
-            loads.append((d, k, is_param, infos[present[0]]))
-    for e in entries:
-        if e not in plan and not problems:
-            problems.append("tensor %r is not in the module's state_dict"
-                            % e.name)
-    extra = [n for n in infos if n not in known]
-    problems += ["unexpected tensor %r (the module's state_dict has no such "
-                 "name)" % n for n in extra]
-    if problems:
-        more = len(problems) - 8
-        raise ValueError(
-            "vpager.torch.%s: %s does not match the module (nothing was "
-            "loaded): %s%s" % (fn, st.path, "; ".join(problems[:8]),
-                               "; and %d more" % more if more > 0 else ""))
-    return plan, loads
-
-
-def _file_tensor(info, addr, dtype):
-    """A new CPU tensor with a tensor's bytes from the mapped file."""
-    with torch.inference_mode(False):
-        out = torch.empty(tuple(info.shape), dtype=dtype)
-    if info.size:
-        ctypes.memmove(out.data_ptr(), addr, info.size)
-    return out
-
-
-def _load_unmanaged(st, loads, fresh=()):
-    """Fill the state_dict tensors vpager does not manage (integer buffers,
-    empty parameters) from the file: in place, or, for placeholders of meta
-    tensors (ids in `fresh`), as new CPU tensors."""
-    base = st.mmap()[0]
-    with torch.no_grad(), torch.inference_mode(False):
-        for d, k, is_param, info in loads:
-            t = d[k]
-            new = _file_tensor(info, base + info.offset, t.dtype)
-            if id(t) in fresh or t.device.type == "meta":
-                if is_param:
-                    t.data = new
-                else:
-                    d[k] = new
-            else:
-                t.data.copy_(new)
 
 
 def _sources(dev, entries, align, st=None, plan=None):
