@@ -140,10 +140,9 @@ Activations first (CUDA)
   still grab: its peak (max_memory_reserved) minus what it holds now
   (memory_reserved), plus a margin (5% of the peak, at most 256 MiB; an
   OOM retry raises it); stats()["activation_headroom"] shows it. If torch
-  still runs out
-  of memory inside a unit's forward, every unpinned weight page is evicted
-  (vp_device_free_memory), torch's cache is emptied and the forward is run
-  once more; a second failure is re-raised with a message.
+  still runs out of memory inside a unit's forward, every unpinned weight
+  page is evicted (vp_device_free_memory), torch's cache is emptied and the
+  forward is run once more; a second failure is re-raised with a message.
 
 unload() vs close()
   unload(): parameters become ordinary tensors on their original device
@@ -164,17 +163,17 @@ import weakref
 import torch
 
 from . import _lib
-from ._views import nbytes as _nbytes
-from ._views import placeholder as _placeholder
-from ._views import view
-from .device import Device
-from .errors import Error
 from ._torch_files import load_unmanaged as _load_unmanaged
 from ._torch_files import match_file as _match_file
 from ._torch_placement import group_room as _group_room
 from ._torch_placement import groups as _groups
 from ._torch_placement import place as _place
 from ._torch_placement import round_up as _round_up
+from ._views import nbytes as _nbytes
+from ._views import placeholder as _placeholder
+from ._views import view
+from .device import Device
+from .errors import Error
 from .options import default_options, parse_size
 from .weights import Source, WeightBatch
 
@@ -245,7 +244,7 @@ class _DevState:
         self.user_headroom = info["headroom"]
         self.learned = 0           # torch's peak - what it holds + margin
         self.oom_margin = 0        # raised by each OOM retry
-        self.learned_at = float("-inf")  # time.monotonic() of the last
+        self.learned_at = float("-inf")  # when a forward last learned
 
 
 _DEVSTATES = weakref.WeakKeyDictionary()
