@@ -14,22 +14,42 @@ def place(entries, align, grouping=None):
     """Offsets of entries laid out in this order, each at an `align`
     boundary; returns (offsets, end). grouping: (page, size) for the
     interleaved order, whose eviction takes whole groups of pages joined
-    by weights: once the current group holds `size` bytes, the next entry
-    that starts within page/16 of a page boundary (or any, at twice
-    `size`) starts a new group at that boundary, so few bytes of VRAM are
-    padding and evicting one group leaves its neighbours whole."""
+    by weights: each group holds at least `size` bytes and ends at the
+    entry boundary, among those up to 2 * size, that wastes the fewest
+    bytes before the next page boundary, where the next group starts. So
+    little VRAM is padding and evicting one group leaves its neighbours
+    whole."""
     offsets = []
-    off = start = 0
-    for e in entries:
-        off = round_up(off, align)
-        if grouping is not None:
-            page, size = grouping
-            pad = round_up(off, page) - off
-            if off - start >= 2 * size or (off - start >= size and
-                                           pad <= page // 16):
-                off = start = off + pad
-        offsets.append(off)
-        off += e.size
+    off = 0
+    if grouping is None:
+        for e in entries:
+            off = round_up(off, align)
+            offsets.append(off)
+            off += e.size
+        return offsets, off
+    page, size = grouping
+    i, n = 0, len(entries)
+    while i < n:                # a group starts at entries[i], at `off`
+        start, end, j = off, off, i
+        best = None             # (padding, entry index, its offset)
+        while j < n:
+            at = round_up(end, align)
+            if j > i and at - start >= size:
+                pad = round_up(at, page) - at
+                if best is None or pad < best[0]:
+                    best = (pad, j, at)
+                if at - start >= 2 * size or pad == 0:
+                    break
+            end = at + entries[j].size
+            j += 1
+        stop = best[1] if best is not None else n
+        for e in entries[i:stop]:
+            off = round_up(off, align)
+            offsets.append(off)
+            off += e.size
+        if best is not None:
+            off = round_up(best[2], page)
+        i = stop
     return offsets, off
 
 

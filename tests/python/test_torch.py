@@ -844,6 +844,29 @@ def test_execution_order_placement():
     assert h.layout() == before and h.stats()["pages_evicted"] == 0
 
 
+def test_group_cut_with_least_padding():
+    """Placement for the interleaved order: a group ends, among the entry
+    boundaries between `size` and 2 * `size` bytes, where the least space
+    is left before the next page boundary."""
+    from vpager._torch_placement import place
+
+    class E:
+        def __init__(self, size):
+            self.size = size
+    page, size = 64 * K, 256 * K
+    # Boundaries at 264K (pad 56K), 300K (pad 20K), 320K (pad 0).
+    sizes = [264 * K, 36 * K, 20 * K, 100 * K, 600 * K, 10 * K]
+    offsets, end = place([E(n) for n in sizes], 512, (page, size))
+    assert offsets[:4] == [0, 264 * K, 300 * K, 320 * K], offsets
+    # The next group (from 320K): 420K is under `size` into it; 1020K, the
+    # first boundary past it, is the cut (pad 4K) though past 2 * size.
+    assert offsets[4:] == [420 * K, 1024 * K], offsets
+    assert end == 1034 * K
+    # Without grouping: only the alignment.
+    offsets, end = place([E(n) for n in sizes], 512)
+    assert offsets == [0, 264 * K, 300 * K, 320 * K, 420 * K, 1020 * K]
+
+
 def test_interleaved_order_page_aligned_groups():
     """order="interleaved": weights are placed in groups that start on a
     page boundary (so evicting one group leaves its neighbours whole),
