@@ -41,9 +41,9 @@ def main():
     print("machine: %s, python %s; %s UTC" % (
         platform.platform(), platform.python_version(),
         time.strftime("%Y-%m-%d %H:%M", time.gmtime())))
-    print("inputs: page %d MiB, staging ring %d MiB, align %d B, at least %d "
-          "groups, none over half the ring" % (PAGE // MiB, RING // MiB,
-                                               ALIGN, _GROUPS))
+    print("inputs: page %d MiB, staging ring %d MiB, align %d B, groups "
+          "of 1/%d of the weights, none over half the ring"
+          % (PAGE // MiB, RING // MiB, ALIGN, _GROUPS))
     for layers in [int(a) for a in sys.argv[1:]] or [16, 32]:
         entries = decoder(layers)
         total = sum(e.size for e in entries)

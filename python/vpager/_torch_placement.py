@@ -53,7 +53,7 @@ def place(entries, align, grouping=None):
     return offsets, off
 
 
-_GROUPS = 32            # interleaved order: at least this many groups
+_GROUPS = 32            # a group holds at least 1/_GROUPS of the weights
 
 
 def groups(dev, order, entries):

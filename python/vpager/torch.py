@@ -61,8 +61,9 @@ Placement order
   resident ones from the start of each forward (with "tail" the resident
   prefix computes first while the copy engine waits for room). Eviction
   takes whole groups of weights (vpager.h, VP_ORDER_INTERLEAVED): weights
-  are placed in 32 or more groups (none over half the staging ring), each
-  starting on a page boundary at a weight that needs little padding.
+  are placed in groups that start on a page boundary, each holding at
+  least 1/32 of the weights or half the staging ring, whichever is less
+  (but 4 pages or more), and ending where the least padding is needed.
 
 Weights from safetensors files
   offload(module, ..., weights_from=path) takes the weights from a
