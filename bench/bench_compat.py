@@ -46,12 +46,10 @@ enough for --dry-run) and build/libvpager.so.
 """
 
 import argparse
-import hashlib
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -118,66 +116,19 @@ class Cfg:
         self.budget = int(self.weight_bytes / self.budget_div)
 
 
-# The timing context (Ctx) and host_ram come from bench_torch.py, the
-# PyTorch benchmark: same device choice, CUDA-event series, memory line.
-from bench_torch import Ctx, host_ram  # noqa: E402
+# The timing context (Ctx) and the machine lines come from bench_torch.py,
+# the PyTorch benchmark: same device choice, CUDA-event series, memory line.
+from bench_torch import Ctx, gpu_line, host_line, source_rev  # noqa: E402
 
 
 # ------------------------------------------------------------- machine
 
 def machine_info(ctx):
-    if ctx.cuda:
-        p = torch.cuda.get_device_properties(0)
-        drv = "?"
-        try:
-            drv = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,"
-                 "pcie.link.gen.current,pcie.link.width.current",
-                 "--format=csv,noheader"], capture_output=True, text=True,
-                timeout=20).stdout.strip()
-        except Exception as e:  # noqa: BLE001
-            drv = "nvidia-smi failed: %s" % e
-        say("gpu: %s, %.1f GiB, %d SMs; driver, PCIe gen, width: %s" % (
-            p.name, p.total_memory / GiB, p.multi_processor_count, drv))
-    else:
-        say("gpu: none used (--dry-run: CPU tensors, vpager's simulated "
-            "device)")
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    cpu = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    say("host: %s, %d cpus, %.1f GiB RAM, Linux %s" % (
-        cpu, os.cpu_count() or 0, host_ram() / GiB, platform.release()))
-    rev = "?"
-    try:
-        rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short",
-                              "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip() or "?"
-        if subprocess.run(["git", "-C", ROOT, "status", "--porcelain",
-                           "--untracked-files=no"], capture_output=True,
-                          text=True, timeout=10).stdout.strip():
-            rev += " + uncommitted changes"
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        h = hashlib.sha1()
-        for d in ("include", "src", os.path.join("python", "vpager"),
-                  os.path.join("python", "compat", "comfy_aimdo")):
-            for fn in sorted(os.listdir(os.path.join(ROOT, d))):
-                p = os.path.join(ROOT, d, fn)
-                if os.path.isfile(p):
-                    with open(p, "rb") as f:
-                        h.update(fn.encode() + f.read())
-        rev += " (sha1 of include/ + src/ + python/vpager/ + " \
-            "python/compat/comfy_aimdo/: %s)" % h.hexdigest()[:12]
-    except OSError:
-        pass
     import comfy_aimdo
+    say(gpu_line(ctx))
+    say(host_line())
+    rev = source_rev(("include", "src", os.path.join("python", "vpager"),
+                      os.path.join("python", "compat", "comfy_aimdo")))
     say("software: python %s, torch %s (CUDA %s); comfy_aimdo %s from %s; "
         "vpager %s; %s UTC" % (
             platform.python_version(), torch.__version__, torch.version.cuda,

@@ -357,25 +357,26 @@ def host_ram():
 
 # ------------------------------------------------------------- machine
 
-def machine_info(ctx):
-    lines = []
-    if ctx.cuda:
-        p = torch.cuda.get_device_properties(0)
-        drv = "?"
-        try:
-            drv = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version,"
-                 "pcie.link.gen.current,pcie.link.width.current",
-                 "--format=csv,noheader"], capture_output=True, text=True,
-                timeout=20).stdout.strip()
-        except Exception as e:  # noqa: BLE001
-            drv = "nvidia-smi failed: %s" % e
-        lines.append("gpu: %s, %.1f GiB, %d SMs; driver, PCIe gen, width: %s"
-                     % (p.name, p.total_memory / GiB,
-                        p.multi_processor_count, drv))
-    else:
-        lines.append("gpu: none used (--dry-run: CPU tensors, vpager's "
-                     "simulated device)")
+def gpu_line(ctx):
+    """The GPU (name, memory, SMs; driver and PCIe link from nvidia-smi)."""
+    if not ctx.cuda:
+        return ("gpu: none used (--dry-run: CPU tensors, vpager's simulated "
+                "device)")
+    p = torch.cuda.get_device_properties(0)
+    drv = "?"
+    try:
+        drv = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,"
+             "pcie.link.gen.current,pcie.link.width.current",
+             "--format=csv,noheader"], capture_output=True, text=True,
+            timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        drv = "nvidia-smi failed: %s" % e
+    return "gpu: %s, %.1f GiB, %d SMs; driver, PCIe gen, width: %s" % (
+        p.name, p.total_memory / GiB, p.multi_processor_count, drv)
+
+
+def host_line():
     cpu = "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -385,8 +386,13 @@ def machine_info(ctx):
                     break
     except OSError:
         pass
-    lines.append("host: %s, %d cpus, %.1f GiB RAM, Linux %s" % (
-        cpu, os.cpu_count() or 0, host_ram() / GiB, platform.release()))
+    return "host: %s, %d cpus, %.1f GiB RAM, Linux %s" % (
+        cpu, os.cpu_count() or 0, host_ram() / GiB, platform.release())
+
+
+def source_rev(dirs=("include", "src", os.path.join("python", "vpager"))):
+    """The git revision (+ whether it has uncommitted changes) and a sha1
+    of the files of `dirs`, which names the code even without git."""
     rev = "?"
     try:
         rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short",
@@ -401,16 +407,20 @@ def machine_info(ctx):
         pass
     try:
         h = hashlib.sha1()
-        for d in ("include", "src", os.path.join("python", "vpager")):
+        for d in dirs:
             for fn in sorted(os.listdir(os.path.join(ROOT, d))):
                 p = os.path.join(ROOT, d, fn)
                 if os.path.isfile(p):
                     with open(p, "rb") as f:
                         h.update(fn.encode() + f.read())
-        rev += " (sha1 of include/ + src/ + python/vpager/: %s)" % \
-            h.hexdigest()[:12]
+        rev += " (sha1 of %s: %s)" % (
+            " + ".join(d + "/" for d in dirs), h.hexdigest()[:12])
     except OSError:
         pass
+    return rev
+
+
+def machine_info(ctx):
     vers = []
     for name in ("transformers", "accelerate"):
         try:
@@ -420,13 +430,13 @@ def machine_info(ctx):
             vers.append("%s not importable (%s: %s)" % (
                 name, type(e).__name__, str(e).splitlines()[0][:120]
                 if str(e) else ""))
-    lines.append("software: python %s, torch %s (CUDA %s), %s; vpager %s "
-                 "(library %s); %s UTC" % (
-                     platform.python_version(), torch.__version__,
-                     torch.version.cuda, ", ".join(vers), rev,
-                     _lib.library_path(),
-                     time.strftime("%Y-%m-%d %H:%M", time.gmtime())))
-    return lines
+    return [gpu_line(ctx), host_line(),
+            "software: python %s, torch %s (CUDA %s), %s; vpager %s "
+            "(library %s); %s UTC" % (
+                platform.python_version(), torch.__version__,
+                torch.version.cuda, ", ".join(vers), source_rev(),
+                _lib.library_path(),
+                time.strftime("%Y-%m-%d %H:%M", time.gmtime()))]
 
 
 def measure_link(ctx):
