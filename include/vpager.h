@@ -169,7 +169,9 @@ typedef struct vp_options {
 /* Fill opts with defaults, then apply VPAGER_* environment variables; a bad
  * value logs a warning and keeps the default. */
 VP_API int vp_options_init(vp_options_t *opts);
-/* Parse a size with an optional K/M/G/T suffix (powers of 1024). */
+/* Parse a size: digits with an optional suffix. K/M/G/T and KiB/MiB/GiB/TiB
+ * are powers of 1024, KB/MB/GB/TB powers of 1000 ("20GB" is 20e9 bytes,
+ * "20G" and "20GiB" are 20 << 30); case does not matter. */
 VP_API int vp_parse_size(const char *text, uint64_t *out);
 
 /* ---------------------------------------------------------------- device */

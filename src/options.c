@@ -21,20 +21,34 @@ int vp_parse_size(const char *text, uint64_t *out) {
   unsigned long long v = strtoull(s, &end, 10);
   if (errno == ERANGE)
     return vp__err(VP_EINVAL, "vp_parse_size: '%s' is too large", text);
-  unsigned shift = 0;
+  /* K/M/G/T and KiB/MiB/...: powers of 1024; KB/MB/GB/TB: powers of 1000
+   * (accelerate's max_memory spelling: "20GB" is 20e9, "20GiB" 20 << 30). */
+  unsigned power = 0;
   switch (*end) {
-  case 'k': case 'K': shift = 10; end++; break;
-  case 'm': case 'M': shift = 20; end++; break;
-  case 'g': case 'G': shift = 30; end++; break;
-  case 't': case 'T': shift = 40; end++; break;
+  case 'k': case 'K': power = 1; break;
+  case 'm': case 'M': power = 2; break;
+  case 'g': case 'G': power = 3; break;
+  case 't': case 'T': power = 4; break;
   default: break;
   }
-  if ((*end == 'i' || *end == 'I') && shift) end++; /* KiB, MiB, ... */
-  if ((*end == 'b' || *end == 'B') && shift) end++;
-  if (*end != '\0' || (shift && v > (UINT64_MAX >> shift)))
+  uint64_t unit = 1;
+  if (power) {
+    bool binary = true;
+    end++;
+    if (*end == 'i' || *end == 'I') { /* "Ki" needs its B */
+      end++;
+      if (*end == 'b' || *end == 'B') end++; else end = "?";
+    } else if (*end == 'b' || *end == 'B') {
+      end++;
+      binary = false;
+    }
+    for (unsigned i = 0; i < power; i++) unit *= binary ? 1024 : 1000;
+  }
+  if (*end != '\0' || v > UINT64_MAX / unit)
     return vp__err(VP_EINVAL, "vp_parse_size: '%s' is not a size "
-                   "(digits with an optional K/M/G/T suffix)", text);
-  *out = (uint64_t)v << shift;
+                   "(digits with an optional K/M/G/T, KiB/MiB/GiB/TiB or "
+                   "KB/MB/GB/TB suffix)", text);
+  *out = (uint64_t)v * unit;
   return VP_OK;
 }
 

@@ -138,7 +138,10 @@ TEST(parse_size, TEST_SIM_ONLY) {
       {"1M", MiB},        {"2G", 2 * GiB},
       {"1T", 1024 * GiB}, {"16k", 16 * KiB},
       {"32m", 32 * MiB},  {"18446744073709551615", UINT64_MAX},
-      {"16383T", 16383ull << 40},
+      {"16383T", 16383ull << 40}, {"20GB", 20000000000ull},
+      {"20GiB", 20 * GiB}, {"20gib", 20 * GiB}, {"3KB", 3000},
+      {"3KiB", 3 * KiB},  {"2MB", 2000000},  {"2MiB", 2 * MiB},
+      {"1TB", 1000000000000ull},
   };
   for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
     uint64_t v = 12345;
@@ -148,7 +151,8 @@ TEST(parse_size, TEST_SIM_ONLY) {
   }
   static const char *const bad[] = {
       "",    "K",   "abc", "12Q", "-1", "1.5G", "1 G x", "0x10",
-      "16777216T", "18446744073709551616", "99999999999999999999", "1KK"};
+      "16777216T", "18446744073709551616", "99999999999999999999", "1KK",
+      "1Ki", "1GiBB", "1BG", "18446744073709551615KB"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     uint64_t v = 777;
     test_note("parse_size(\"%s\")", bad[i]);
