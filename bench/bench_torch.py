@@ -45,13 +45,7 @@ shape is used and says so; without accelerate that baseline is skipped).
 
 import argparse
 import contextlib
-import gc
-import hashlib
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -74,30 +68,11 @@ import vpager.torch as vt  # noqa: E402
 from vpager import _lib  # noqa: E402
 from vpager.weights import Source, WeightBatch  # noqa: E402
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-GB = 1e9
+import benchlib  # noqa: E402
+from benchlib import (GB, KiB, MiB, copied_bytes, elapsed,  # noqa: E402
+                      host_ram, med, say, stats_delta, target)
 
 RESULTS = {}
-TARGETS = []   # (name, value, op, goal, met)
-T_START = time.perf_counter()
-
-
-def say(*args):
-    print(*args, flush=True)
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def target(name, value, op, goal):
-    met = value <= goal if op == "<=" else value >= goal
-    TARGETS.append((name, value, op, goal, met))
-    return "target %s %.2f: %s" % (op, goal, "MET" if met else "MISSED")
-
-
-def elapsed():
-    return time.perf_counter() - T_START
 
 
 def size_str(n):
@@ -105,11 +80,8 @@ def size_str(n):
 
 
 def copied(a, b):
-    """Bytes vpager copied host->device between two stats() dicts: at
-    acquire (staged_bytes, fill_bytes) and ahead of need (prefetch_bytes,
-    counted apart)."""
-    return sum(b[k] - a[k] for k in ("staged_bytes", "fill_bytes",
-                                     "prefetch_bytes"))
+    """Bytes vpager copied host->device between two stats() dicts."""
+    return copied_bytes(stats_delta(a, b))
 
 
 # ------------------------------------------------------------- settings
@@ -152,80 +124,18 @@ class Cfg:
         self.dtype = torch.bfloat16
 
 
-class Ctx:
+class Ctx(benchlib.Ctx):
     """Where things run: a CUDA GPU, or (dry run) the CPU and the simulated
-    device."""
+    device; timing from benchlib.Ctx."""
 
     def __init__(self, dry):
-        self.dry = dry
-        self.cuda = not dry
-        self.device = torch.device("cuda", 0) if self.cuda else \
-            torch.device("cpu")
+        super().__init__(dry)
         # vpager options for devices this script opens (the GPU run takes
         # vpager's defaults: 32 MiB pages, 512 MiB staging, 256 MiB
         # lookahead; the dry run a small simulated device)
         self.vp_opts = {} if self.cuda else dict(
             page_size=64 * KiB, sim_granularity=64 * KiB, sim_shared="",
             sim_streams="sync")
-        self.link = None            # GB/s, measured
-        self.link_what = ""
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def empty_cache(self):
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-
-    def stream(self):
-        """The current stream as vpager takes it."""
-        return torch.cuda.current_stream().cuda_stream if self.cuda else 0
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b):
-        """ms between two marks (after sync())."""
-        if self.cuda:
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
-
-    def series(self, fn, n):
-        """fn() n times back to back: the ms of each (CUDA events on the
-        current stream, or perf_counter) and the wall ms per call."""
-        self.sync()
-        t0 = time.perf_counter()
-        marks = [self.mark()]
-        for _ in range(n):
-            fn()
-            marks.append(self.mark())
-        self.sync()
-        wall = (time.perf_counter() - t0) * 1e3 / max(n, 1)
-        return [self.ms(marks[i], marks[i + 1]) for i in range(n)], wall
-
-    def once(self, fn):
-        """Wall ms of fn() with the device synchronized on both sides."""
-        self.sync()
-        t0 = time.perf_counter()
-        out = fn()
-        self.sync()
-        return (time.perf_counter() - t0) * 1e3, out
-
-    def mem(self):
-        if not self.cuda:
-            return "n/a (CPU)"
-        free, total = torch.cuda.mem_get_info()
-        return "%.1f GiB free of %.1f, torch allocated %.2f GiB, reserved " \
-            "%.2f GiB" % (free / GiB, total / GiB,
-                          torch.cuda.memory_allocated() / GiB,
-                          torch.cuda.memory_reserved() / GiB)
 
 
 # ------------------------------------------------------- SDPA backends
@@ -348,95 +258,12 @@ def weight_bytes(model):
     return n
 
 
-def host_ram():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 64 * GiB
-
-
 # ------------------------------------------------------------- machine
 
-def gpu_line(ctx):
-    """The GPU (name, memory, SMs; driver and PCIe link from nvidia-smi)."""
-    if not ctx.cuda:
-        return ("gpu: none used (--dry-run: CPU tensors, vpager's simulated "
-                "device)")
-    p = torch.cuda.get_device_properties(0)
-    drv = "?"
-    try:
-        drv = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,"
-             "pcie.link.gen.current,pcie.link.width.current",
-             "--format=csv,noheader"], capture_output=True, text=True,
-            timeout=20).stdout.strip()
-    except Exception as e:  # noqa: BLE001
-        drv = "nvidia-smi failed: %s" % e
-    return "gpu: %s, %.1f GiB, %d SMs; driver, PCIe gen, width: %s" % (
-        p.name, p.total_memory / GiB, p.multi_processor_count, drv)
-
-
-def host_line():
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if ln.startswith("model name"):
-                    cpu = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return "host: %s, %d cpus, %.1f GiB RAM, Linux %s" % (
-        cpu, os.cpu_count() or 0, host_ram() / GiB, platform.release())
-
-
-def source_rev(dirs=("include", "src", os.path.join("python", "vpager"))):
-    """The git revision (+ whether it has uncommitted changes) and a sha1
-    of the files of `dirs`, which names the code even without git."""
-    rev = "?"
-    try:
-        rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short",
-                              "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip() or "?"
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        if dirty:
-            rev += " + uncommitted changes"
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        h = hashlib.sha1()
-        for d in dirs:
-            for fn in sorted(os.listdir(os.path.join(ROOT, d))):
-                p = os.path.join(ROOT, d, fn)
-                if os.path.isfile(p):
-                    with open(p, "rb") as f:
-                        h.update(fn.encode() + f.read())
-        rev += " (sha1 of %s: %s)" % (
-            " + ".join(d + "/" for d in dirs), h.hexdigest()[:12])
-    except OSError:
-        pass
-    return rev
-
-
 def machine_info(ctx):
-    vers = []
-    for name in ("transformers", "accelerate"):
-        try:
-            mod = __import__(name)
-            vers.append("%s %s" % (name, getattr(mod, "__version__", "?")))
-        except Exception as e:  # noqa: BLE001
-            vers.append("%s not importable (%s: %s)" % (
-                name, type(e).__name__, str(e).splitlines()[0][:120]
-                if str(e) else ""))
-    return [gpu_line(ctx), host_line(),
-            "software: python %s, torch %s (CUDA %s), %s; vpager %s "
-            "(library %s); %s UTC" % (
-                platform.python_version(), torch.__version__,
-                torch.version.cuda, ", ".join(vers), source_rev(),
-                _lib.library_path(),
-                time.strftime("%Y-%m-%d %H:%M", time.gmtime()))]
+    return benchlib.machine_lines(
+        ctx.cuda, extras=benchlib.module_versions(("transformers",
+                                                   "accelerate")))
 
 
 def measure_link(ctx):
@@ -495,23 +322,7 @@ class _Holder(nn.Module):
 def _best_med(fn, ctx, cfg):
     """fn(iters) timed over cfg.hot_reps repetitions of ~hot_rep_s each:
     (best, median) seconds per iteration."""
-    t0 = time.perf_counter()
-    fn(20)
-    one = max((time.perf_counter() - t0) / 20, 1e-7)
-    iters = max(20, int(cfg.hot_rep_s / one))
-    ts = []
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(cfg.hot_reps):
-            t0 = time.perf_counter()
-            fn(iters)
-            ts.append((time.perf_counter() - t0) / iters)
-    finally:
-        if gc_was:
-            gc.enable()
-    ctx.sync()
-    return min(ts), med(ts)
+    return ctx.best_med(fn, cfg.hot_reps, cfg.hot_rep_s)
 
 
 def bench_hotpath(ctx, cfg):
@@ -1316,17 +1127,12 @@ def main():
         say("   (section %d took %.1f s; %.1f s since the start)" % (
             k, dt, elapsed()))
     say("\ntargets:")
-    for name, v, op, goal, met in TARGETS:
-        say("   %-58s %10.3f %s %-7.2f %s" % (name, v, op, goal,
-                                             "MET" if met else "MISSED"))
+    for ln in benchlib.target_lines("   %-58s %10.3f %s %-7.2f %s"):
+        say(ln)
     say("total run time %.1f s" % elapsed())
-    RESULTS["targets"] = [dict(name=n, value=v, op=o, goal=g, met=m)
-                          for n, v, o, g, m in TARGETS]
+    RESULTS["targets"] = benchlib.targets_json()
     RESULTS["dry_run"] = args.dry_run
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        with open(os.path.join(out, "bench_torch.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+    benchlib.write_json("bench_torch.json", RESULTS)
     return 0
 
 
