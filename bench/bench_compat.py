@@ -46,10 +46,7 @@ enough for --dry-run) and build/libvpager.so.
 """
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import sys
 import time
 import traceback
@@ -60,24 +57,12 @@ for _p in (os.path.join(ROOT, "python", "compat"),
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-GB = 1e9
-T_START = time.perf_counter()
+import benchlib  # noqa: E402
+from benchlib import GB, GiB, MiB, Ctx, elapsed, med, say  # noqa: E402
+
 RESULTS = {}
 
 torch = None          # imported in main() (after the environment is set)
-
-
-def say(*args):
-    print(*args, flush=True)
-
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def elapsed():
-    return time.perf_counter() - T_START
 
 
 def fail(what):
@@ -116,24 +101,17 @@ class Cfg:
         self.budget = int(self.weight_bytes / self.budget_div)
 
 
-# The timing context (Ctx) and the machine lines come from bench_torch.py,
-# the PyTorch benchmark: same device choice, CUDA-event series, memory line.
-from bench_torch import Ctx, gpu_line, host_line, source_rev  # noqa: E402
-
-
 # ------------------------------------------------------------- machine
 
 def machine_info(ctx):
     import comfy_aimdo
-    say(gpu_line(ctx))
-    say(host_line())
-    rev = source_rev(("include", "src", os.path.join("python", "vpager"),
-                      os.path.join("python", "compat", "comfy_aimdo")))
-    say("software: python %s, torch %s (CUDA %s); comfy_aimdo %s from %s; "
-        "vpager %s; %s UTC" % (
-            platform.python_version(), torch.__version__, torch.version.cuda,
-            comfy_aimdo.__version__, os.path.dirname(comfy_aimdo.__file__),
-            rev, time.strftime("%Y-%m-%d %H:%M", time.gmtime())))
+    for ln in benchlib.machine_lines(
+            ctx.cuda, extras=["comfy_aimdo %s from %s" % (
+                comfy_aimdo.__version__,
+                os.path.dirname(comfy_aimdo.__file__))],
+            dirs=benchlib.SOURCE_DIRS + (
+                os.path.join("python", "compat", "comfy_aimdo"),)):
+        say(ln)
 
 
 # ------------------------------------------------------------- weights
@@ -206,7 +184,6 @@ def measure_link(ctx, cfg, stack):
             ctx.link, "pinned" if ctx.cuda else "CPU memcpy (dry run: no "
             "link),", cfg.layer_bytes // MiB, k))
     RESULTS["link_GBps"] = ctx.link
-    del buf
 
 
 def make_input(ctx, cfg, batch):
@@ -628,13 +605,10 @@ def main():
             fail("deinit")
     say("total run time %.1f s" % elapsed())
     RESULTS["run_s"] = elapsed()
-    out = os.environ.get("OUT")
-    if out and os.path.isdir(out):
-        try:
-            with open(os.path.join(out, "bench_compat.json"), "w") as f:
-                json.dump(RESULTS, f, indent=1, default=str)
-        except Exception:  # noqa: BLE001
-            fail("writing bench_compat.json")
+    try:
+        benchlib.write_json("bench_compat.json", RESULTS)
+    except Exception:  # noqa: BLE001
+        fail("writing bench_compat.json")
     ok = all(v.get("equal") for v in vp.values()) and \
         len(vp) == len(cfg.batches) and "errors" not in RESULTS
     return 0 if ok else 1
