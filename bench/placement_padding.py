@@ -10,16 +10,15 @@ placed without groups (the tail-first order), which pads only to 512 B.
 """
 
 import os
-import platform
 import sys
-import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), "python"))
+import benchlib
+from benchlib import MiB
+
+sys.path.insert(0, os.path.join(benchlib.ROOT, "python"))
 
 from vpager._torch_placement import _GROUPS, place  # noqa: E402
 
-MiB = 1 << 20
 PAGE, RING, ALIGN = 32 * MiB, 512 * MiB, 512
 
 
@@ -38,9 +37,8 @@ def decoder(layers, h=4096, ffn=14336, kv=1024, vocab=32000, b=2):
 
 
 def main():
-    print("machine: %s, python %s; %s UTC" % (
-        platform.platform(), platform.python_version(),
-        time.strftime("%Y-%m-%d %H:%M", time.gmtime())))
+    print(benchlib.host_line())
+    print(benchlib.software_line(library=False))
     print("inputs: page %d MiB, staging ring %d MiB, align %d B, groups "
           "of 1/%d of the weights, none over half the ring"
           % (PAGE // MiB, RING // MiB, ALIGN, _GROUPS))
