@@ -174,14 +174,45 @@ int vp_device_reset_limits(vp_device_t h) {
 
 /* ------------------------------------------------------------ streams */
 
+/* The streams vp_stream_create made, which alone vp_stream_destroy takes. */
+static int streams_add(vp__device_t *dev, vp_stream_t s) {
+  if (dev->nstreams == dev->streams_cap) {
+    uint32_t cap = dev->streams_cap ? dev->streams_cap * 2 : 8;
+    vp_stream_t *l = NULL;
+    if (vp__inject_fail(&dev->inject) ||
+        !(l = realloc(dev->streams, cap * sizeof *l)))
+      return vp__err(VP_ENOMEM, "vp_stream_create: no memory for the "
+                     "stream list");
+    dev->streams = l;
+    dev->streams_cap = cap;
+  }
+  dev->streams[dev->nstreams++] = s;
+  return VP_OK;
+}
+
+static bool streams_remove(vp__device_t *dev, vp_stream_t s) {
+  for (uint32_t i = 0; i < dev->nstreams; i++)
+    if (dev->streams[i] == s) {
+      dev->streams[i] = dev->streams[--dev->nstreams];
+      return true;
+    }
+  return false;
+}
+
 int vp_stream_create(vp_device_t h, vp_stream_t *out) {
   NEED(out, "vp_stream_create", "out is NULL");
   vp__device_t *dev = NULL;
   DEVICE_ENTER(h, "vp_stream_create", dev);
-  int rc = dev->be->stream_create(dev->ctx, out);
-  if (rc) rc = vp__err(vp__be_result(dev, rc, "stream_create"),
-                       "vp_stream_create: the %s backend failed",
-                       dev->caps.name);
+  vp_stream_t s = 0;
+  int rc = dev->be->stream_create(dev->ctx, &s);
+  if (rc) {
+    rc = vp__err(vp__be_result(dev, rc, "stream_create"),
+                 "vp_stream_create: the %s backend failed", dev->caps.name);
+  } else if ((rc = streams_add(dev, s))) {
+    dev->be->stream_destroy(dev->ctx, s);
+  } else {
+    *out = s;
+  }
   return unlock(dev, rc);
 }
 
@@ -191,6 +222,10 @@ int vp_stream_destroy(vp_device_t h, vp_stream_t stream) {
   vp__device_t *dev = NULL;
   int rc = device_lock(h, "vp_stream_destroy", &dev);
   if (rc) return rc;
+  if (!streams_remove(dev, stream))
+    return unlock(dev, vp__err(VP_EINVAL, "vp_stream_destroy: stream 0x%llx "
+                               "was not made by vp_stream_create on this "
+                               "device, or is destroyed", ULL(stream)));
   unlock(dev, VP_OK); /* destroying waits for the stream's work */
   rc = dev->be->stream_destroy(dev->ctx, stream);
   if (rc) return vp__err(rc, "vp_stream_destroy: stream 0x%llx: %s",

@@ -763,6 +763,7 @@ static int sim_stream_destroy(void *ctx, vp_stream_t stream) {
   sim_lock(c);
   uint32_t idx = 0;
   sim_stream_t *s = stream ? sim_stream_get(c, stream, &idx) : NULL;
+  if (idx == 0) s = NULL; /* the default stream, however it is spelled */
   if (s) {
     sim_stream_stop(c, s);
     tab_free(&c->streams, idx); /* its tickets are complete from now */

@@ -107,6 +107,8 @@ struct vp__device {
   vp__fence_t *free_fences;
   uint64_t fence_seq;
   vp_stats_t stats;
+  vp_stream_t *streams;   /* made by vp_stream_create, not yet destroyed */
+  uint32_t nstreams, streams_cap;
   /* hostmem.c */
   uint64_t pin_budget;   /* host bytes we may page-lock */
   uint64_t pinned_host;  /* host bytes we have page-locked */

@@ -108,6 +108,7 @@ void vp__device_destroy(vp__device_t *dev) {
     vbar_release(vb);
   }
   vp__table_free(&dev->vbars);
+  free(dev->streams);
   vp__hostmem_close(dev);
   vp__fence_pool_free(dev);
   dev->be->close(dev->ctx);

@@ -24,6 +24,15 @@
 
 typedef struct vp__slot vp__slot_t;
 
+/* The acquires of one weight on one stream: a release on that stream ends
+ * one of them, so each release fence covers the readers of what it ends. */
+typedef struct vp__hold {
+  vp_stream_t stream;
+  uint32_t resident, staged; /* holding page pins / its staging slot */
+} vp__hold_t;
+
+#define FEW_HOLDS 2 /* streams per weight held without an allocation */
+
 typedef struct vp__weight {
   uint64_t id;
   vp__vbar_t *vb;
@@ -31,11 +40,14 @@ typedef struct vp__weight {
   vp_source_t src;
   uint32_t p0, p1;        /* its pages */
   uint32_t *gens;         /* pages' generations when last filled; 0 = never */
-  uint32_t acq_resident;  /* acquires holding page pins */
+  uint32_t acq_resident;  /* acquires holding page pins (all streams) */
   uint32_t acq_staged;    /* acquires holding its staging slot */
+  vp__hold_t *holds;      /* per stream: few_holds or an allocation */
+  uint32_t nholds, holds_cap;
+  vp__hold_t few_holds[FEW_HOLDS];
+  uint32_t listed;        /* vp_release: times the call lists it so far */
   vp__slot_t *slot;       /* staged copy, if any (acquired, cached or
                              prefetched) */
-  vp_stream_t staged_on;  /* stream of the latest staged acquire */
   vp__fence_t *copy_fence; /* copy stream fence of its last fill, until seen
                               complete */
   bool prefetched;        /* its fill or slot came from prefetch, unused */
@@ -339,8 +351,42 @@ static void weight_free(vp__device_t *dev, vp__weight_t *w) {
     if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
   }
   vp__table_remove(&dev->weights, w->id);
+  if (w->holds != w->few_holds) free(w->holds);
   free(w->gens);
   free(w);
+}
+
+/* ---------------------------------------------------------------- holds */
+
+static vp__hold_t *hold_find(const vp__weight_t *w, vp_stream_t stream) {
+  for (uint32_t i = 0; i < w->nholds; i++)
+    if (w->holds[i].stream == stream) return &w->holds[i];
+  return NULL;
+}
+
+/* w's hold on `stream`, added (empty) if it has none. */
+static int hold_get(vp__device_t *dev, vp__weight_t *w, vp_stream_t stream,
+                    vp__hold_t **out) {
+  if ((*out = hold_find(w, stream))) return VP_OK;
+  if (w->nholds == w->holds_cap) {
+    uint32_t cap = w->holds_cap * 2;
+    vp__hold_t *l = NULL;
+    if (vp__inject_fail(&dev->inject) || !(l = malloc(cap * sizeof *l)))
+      return vp__err(VP_ENOMEM, "vp_acquire: no memory for a weight's holds");
+    memcpy(l, w->holds, w->nholds * sizeof *l);
+    if (w->holds != w->few_holds) free(w->holds);
+    w->holds = l;
+    w->holds_cap = cap;
+  }
+  *out = &w->holds[w->nholds++];
+  **out = (vp__hold_t){.stream = stream};
+  return VP_OK;
+}
+
+/* Forget w's hold on `stream` once nothing is held on it. */
+static void hold_trim(vp__weight_t *w, vp_stream_t stream) {
+  vp__hold_t *h = hold_find(w, stream);
+  if (h && !h->resident && !h->staged) *h = w->holds[--w->nholds];
 }
 
 static int source_check(const vp_source_t *s, size_t i) {
@@ -406,7 +452,8 @@ static int weight_new(vp__vbar_t *vb, uint64_t off, uint64_t size,
     return vp__err(VP_ENOMEM, "vp_weights_create: no memory for a weight");
   }
   *w = (vp__weight_t){.vb = vb, .offset = off, .size = size, .p0 = p0,
-                      .p1 = p1, .gens = w->gens};
+                      .p1 = p1, .gens = w->gens, .holds_cap = FEW_HOLDS};
+  w->holds = w->few_holds;
   if (src) w->src = *src;
   int rc = vp__table_add(dev, &dev->weights, w, &w->id);
   if (rc) {
@@ -521,7 +568,8 @@ void vp__weights_drop_vbar(vp__vbar_t *vb) {
 /* Use w in place: its pages are pinned; fill them if they were recommitted
  * since its last fill. */
 static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
-                            uint64_t *ptr, uint8_t *flags, waits_t *wait) {
+                            vp__hold_t *hold, uint64_t *ptr, uint8_t *flags,
+                            waits_t *wait) {
   uint8_t f = VP_ACQUIRED_RESIDENT;
   *ptr = w->vb->va + w->offset;
   if (!gens_equal(w)) {
@@ -544,6 +592,7 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
   }
   wait_for_copy(dev, w, wait);
   w->acq_resident++;
+  hold->resident++;
   *flags = f;
   return VP_OK;
 }
@@ -551,7 +600,7 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
 /* Use w from the staging ring: its slot if it still has one, else a new
  * slot filled from the source. */
 static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
-                          vp_stream_t stream, uint64_t *ptr, uint8_t *flags,
+                          vp__hold_t *hold, uint64_t *ptr, uint8_t *flags,
                           waits_t *wait) {
   uint8_t f = VP_ACQUIRED_STAGED;
   vp__slot_t *s = w->slot;
@@ -584,7 +633,7 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
   s->refs++;
   s->used = ++dev->staging->clock;
   w->acq_staged++;
-  w->staged_on = stream;
+  hold->staged++;
   *ptr = slot_addr(dev, s);
   *flags = f;
   return VP_OK;
@@ -593,35 +642,44 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
 static int acquire_one(vp__device_t *dev, vp__weight_t *w, batch_t *b,
                        vp_stream_t stream, uint64_t *ptr, uint8_t *flags,
                        waits_t *wait) {
+  vp__hold_t *hold;
+  int rc = hold_get(dev, w, stream, &hold);
+  if (rc) return rc;
   VP__COUNT(w->vb, acquires, 1);
-  int rc = vp__fault(w->vb, w->p0, w->p1, NULL);
+  rc = vp__fault(w->vb, w->p0, w->p1, NULL);
   if (rc == VP_OK) {
-    rc = acquire_resident(dev, w, b, ptr, flags, wait);
+    rc = acquire_resident(dev, w, b, hold, ptr, flags, wait);
     if (rc) vp__unpin_nofence(w->vb, w->p0, w->p1);
-    return rc;
+  } else if (rc == VP_MISS) {
+    rc = acquire_staged(dev, w, b, hold, ptr, flags, wait);
   }
-  if (rc != VP_MISS) return rc;
-  return acquire_staged(dev, w, b, stream, ptr, flags, wait);
+  if (rc) hold_trim(w, stream);
+  return rc;
 }
 
 /* Undo the first n acquires of a failed vp_acquire. Copies already listed
  * are issued and the pins dropped behind a copy-stream fence; if issuing
  * fails, those weights are left unfilled instead. */
 static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
-                         const uint64_t *ptrs, batch_t *b) {
+                         vp_stream_t stream, const uint64_t *ptrs,
+                         batch_t *b) {
   vp__fence_t *f = NULL;
   bool issued = batch_issue(dev, b, &f) == VP_OK;
   for (size_t i = 0; i < n; i++) {
     vp__weight_t *w = ws[i];
+    vp__hold_t *hold = hold_find(w, stream);
     w->vb->acquired--;
     if (ptrs[i] != w->vb->va + w->offset) { /* this call staged it */
       w->acq_staged--;
+      hold->staged--;
       w->slot->refs--;
     } else {
       w->acq_resident--;
+      hold->resident--;
       if (f) vp__unpin_attach(w->vb, w->p0, w->p1, f);
       else vp__unpin_nofence(w->vb, w->p0, w->p1);
     }
+    hold_trim(w, stream);
   }
   for (size_t i = 0; !issued && i < b->nfilled; i++) {
     vp__weight_t *w = b->filled[i];
@@ -670,7 +728,7 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
     if (rc == VP_OK) ws[i]->vb->acquired++;
   }
   if (rc) {
-    acquire_undo(dev, ws, i - 1, ptrs, &b);
+    acquire_undo(dev, ws, i - 1, stream, ptrs, &b);
   } else if (b.nfilled || wait.tail || wait.newest) {
     /* A fence after this call's copies covers every earlier fill too. */
     vp__fence_t *f = wait.newest;
@@ -684,7 +742,7 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
       dev->stats.stream_waits++;
       vp__fence_put(dev, f);
     }
-    if (rc) acquire_undo(dev, ws, n, ptrs, &b); /* nothing stays acquired */
+    if (rc) acquire_undo(dev, ws, n, stream, ptrs, &b); /* nothing stays acquired */
   }
   free(b.c);
   free(b.filled);
@@ -728,42 +786,55 @@ static int slot_order_after(vp__device_t *dev, vp__slot_t *s,
   return VP_OK;
 }
 
-/* Which hold a release on `stream` ends when w is held both staged and in
- * place: the staged one if it was taken on this stream (or is all there
- * is), so each fence covers the readers of what it releases. */
-static bool releases_staged(const vp__weight_t *w, vp_stream_t stream) {
-  return w->acq_staged && (!w->acq_resident || w->staged_on == stream);
+/* A release on `stream` ends one of the weight's holds on that stream, a
+ * staged one first; its fence covers that hold's readers. The k-th listing
+ * (from 1) of a weight in one call ends a staged hold when k <= staged. */
+static bool ends_staged(const vp__hold_t *h, uint32_t k) {
+  return k <= h->staged;
 }
 
+/* Every entry must be held on `stream` as many times as the call lists it;
+ * nothing changes otherwise. Orders `stream` after the other readers. */
 static int release_check(vp__weight_t **ws, size_t n, vp_stream_t stream) {
-  for (size_t i = 0; i < n; i++) {
+  int rc = VP_OK;
+  size_t i;
+  for (i = 0; i < n && rc == VP_OK; i++) {
     vp__weight_t *w = ws[i];
-    if (!w->acq_resident && !w->acq_staged)
-      return vp__err(VP_ENOTPINNED, "vp_release: weights[%zu] is not "
-                     "acquired", i);
-    int rc = releases_staged(w, stream)
-                 ? slot_order_after(w->vb->dev, w->slot, stream)
-                 : vp__order_after(w->vb, w->p0, w->p1, stream);
-    if (rc) return rc;
+    const vp__hold_t *h = hold_find(w, stream);
+    uint32_t k = ++w->listed;
+    if (!h || k > h->resident + h->staged) {
+      rc = vp__err(VP_ENOTPINNED, "vp_release: weights[%zu] is not "
+                   "acquired on stream 0x%llx as often as listed (%u listed, "
+                   "%u held)", i, (unsigned long long)stream, k,
+                   h ? h->resident + h->staged : 0);
+      break;
+    }
+    rc = ends_staged(h, k) ? slot_order_after(w->vb->dev, w->slot, stream)
+                           : vp__order_after(w->vb, w->p0, w->p1, stream);
   }
-  return VP_OK;
+  for (size_t j = 0; j < n; j++) ws[j]->listed = 0;
+  return rc;
 }
 
 static void release_one(vp__device_t *dev, vp__weight_t *w, vp__fence_t *f,
                         vp_stream_t stream) {
+  vp__hold_t *h = hold_find(w, stream);
   w->vb->acquired--;
-  if (releases_staged(w, stream)) {
+  if (ends_staged(h, 1)) {
     vp__slot_t *s = w->slot;
     w->acq_staged--;
+    h->staged--;
     s->refs--;
     s->used = ++dev->staging->clock;
     if (s->fence) vp__fence_put(dev, s->fence);
     s->fence = f;
     f->refs++;
-    return;
+  } else {
+    w->acq_resident--;
+    h->resident--;
+    vp__unpin_attach(w->vb, w->p0, w->p1, f);
   }
-  w->acq_resident--;
-  vp__unpin_attach(w->vb, w->p0, w->p1, f);
+  hold_trim(w, stream);
 }
 
 int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
