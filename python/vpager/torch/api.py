@@ -1,0 +1,189 @@
+"""offload() and load_safetensors(): the arguments checked (Settings),
+the module examined before anything changes (Plan), then the handle
+built (handle.Offloaded)."""
+
+import os
+
+import torch
+
+from ..device import Device
+from .devices import note_simulated, resolve_target, size
+from .handle import Offloaded
+from .placement import ALIGN
+from .sources import put_back, unmeta
+from .units import collect, largest, unit_rule
+
+
+class Settings:
+    """What offload() was asked, checked: budget and lookahead (bytes or
+    None), order (the VBAR's eviction order, or None for the device's),
+    options (vp_options_t fields for a device offload() opens), align,
+    weights_from (a safetensors path or None), reorder, units (offload()'s
+    units= argument)."""
+
+    __slots__ = ("budget", "lookahead", "order", "options", "align",
+                 "weights_from", "reorder", "units")
+
+    def __init__(self, budget=None, lookahead=None, order=None, options=None,
+                 align=ALIGN, weights_from=None, reorder=True, units=None):
+        if align < 1 or align & (align - 1):
+            raise ValueError("vpager.torch.offload: align must be a power of "
+                             "two, not %r" % align)
+        if weights_from is not None and not os.path.isfile(weights_from):
+            raise ValueError("vpager.torch.offload: weights_from=%r is not a "
+                             "file" % (weights_from,))
+        options = dict(options or {})
+        if order is None and "VPAGER_ORDER" not in os.environ and \
+                "evict_order" not in options:
+            order = "interleaved"
+        self.budget, self.lookahead = size(budget), size(lookahead)
+        self.order = order
+        self.options = options
+        self.align = align
+        self.weights_from = weights_from
+        self.reorder = reorder
+        self.units = units
+
+
+class Plan:
+    """What offload() found in the module before changing anything: its
+    units and entries (units.collect), the modules owning entries, the
+    torch device it will compute on, the largest unit ((unit, staging
+    bytes)), the ids of the placeholders that stand in for meta tensors
+    (fresh) and the Settings."""
+
+    __slots__ = ("module", "units", "entries", "owners", "target", "largest",
+                 "fresh", "settings")
+
+    def __init__(self, module, device, dev, settings, fresh=()):
+        from_file = settings.weights_from is not None
+        units, entries, owners = collect(module, unit_rule(settings.units),
+                                         from_file)
+        if not entries:
+            raise ValueError("vpager.torch.offload: %s has no parameters or "
+                             "floating-point buffers to offload"
+                             % type(module).__name__)
+        srcs = {e.src_device for e in entries}
+        if len(srcs) > 1:
+            raise ValueError("vpager.torch.offload: parameters are on several "
+                             "devices (%s); move the module to one first"
+                             % ", ".join(sorted(str(s) for s in srcs)))
+        self.module = module
+        self.units, self.entries, self.owners = units, entries, owners
+        self.target = resolve_target(srcs.pop(), device, dev,
+                                     settings.options)
+        self.largest = largest(units)
+        self.fresh = set(fresh)
+        self.settings = settings
+
+
+def _which_device(device, dev, options):
+    """(dev, device): a vpager.Device passed as device= is dev=."""
+    if isinstance(device, Device):
+        if dev is not None and dev is not device:
+            raise ValueError("vpager.torch.offload: two different "
+                             "vpager.Device objects given")
+        dev, device = device, None
+    if dev is not None and options:
+        raise TypeError("vpager.torch.offload: options (%s) apply only to a "
+                        "device offload() opens, not to dev="
+                        % ", ".join(sorted(options)))
+    return dev, device
+
+
+def offload(module, device=None, budget=None, lookahead=None, order=None,
+            dev=None, units=None, align=ALIGN, weights_from=None,
+            reorder=True, **options):
+    """Page `module`'s weights through vpager; returns an Offloaded handle.
+
+    device: where it computes ("cuda", "cuda:N", N, or "cpu"/"sim" for the
+        simulated device); default: a CUDA module stays on its GPU, a CPU
+        one goes to CUDA when torch has it, else to the simulated device
+        (with a warning, once per process). A vpager.Device may be passed
+        here too (same as dev=).
+    budget: bytes of device memory vpager may use: an int, or a string
+        ("20G" or "20GiB": 20 * 2**30; "20GB": 20 * 10**9). It must hold
+        the staging ring, which must hold the largest unit's weights:
+        ValueError, naming that unit, if not. Without a budget the ring is
+        sized to what the device can give.
+    lookahead: bytes prefetched past each acquire (vp_device_set_lookahead;
+        default for a device offload() opens: the staging ring's size,
+        unless VPAGER_LOOKAHEAD is set).
+    order: the VBAR's eviction order: "interleaved" (the default unless
+        VPAGER_ORDER or the evict_order option says otherwise: the weights
+        that do not fit are spread through the model, so their copies
+        overlap the resident weights' compute) or "tail" (the last weights
+        are the ones streamed).
+    dev: a vpager.Device to use (from open_device(), shared with other
+        models); budget and lookahead then change that device.
+    units: module types (or a predicate on modules) whose forward reads
+        their children's weights directly, so that each is acquired whole
+        (added to vpager.torch.FUSED: torch's transformer layers and
+        attention).
+    weights_from: a safetensors file (keys: the module's state_dict names)
+        to take the weights from instead of the module's tensors, which may
+        then be on the meta device or uninitialised: parameters are read
+        from the file when needed (no host copy), the rest is loaded from
+        it now.
+    reorder: re-place the weights in the order the first forward uses them
+        (default True).
+    options: vp_options_t fields for the device offload opens (page_size,
+        staging_size, sim_capacity, ...); not allowed with dev.
+
+    python/README.md has the details and the limits."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError("vpager.torch.offload: a torch.nn.Module, not %s"
+                        % type(module).__name__)
+    dev, device = _which_device(device, dev, options)
+    settings = Settings(budget, lookahead, order, options, align,
+                        weights_from, reorder, units)
+    swapped = unmeta(module) if weights_from is not None else []
+    try:
+        plan = Plan(module, device, dev, settings,
+                    {id(d[k]) for d, k, _ in swapped})
+        h = Offloaded(plan, dev)
+    except BaseException:
+        put_back(swapped)
+        raise
+    if dev is None and plan.target.type == "cpu":
+        note_simulated(device)
+    return h
+
+
+def _handle_of(module):
+    """The Offloaded handle of a whole offloaded module."""
+    h = None
+    for t in list(module.parameters()) + list(module.buffers()):
+        h = getattr(t, "_vpager_handle", None)
+        if h is not None:
+            break
+    if h is None:
+        raise ValueError("vpager.torch.load_safetensors: %s is not "
+                         "offloaded: offload(module, ..., weights_from="
+                         "path) pages its weights from the file"
+                         % type(module).__name__)
+    if h.module is not module:
+        raise ValueError("vpager.torch.load_safetensors: this %s is part "
+                         "of an offloaded %s: load the whole module's "
+                         "file into it" % (type(module).__name__,
+                                           type(h.module).__name__))
+    return h
+
+
+def load_safetensors(module_or_handle, path):
+    """Fill an offloaded module's weights from the safetensors file `path`
+    (keys: the module's state_dict names); returns its Offloaded handle.
+    The parameters' sources become the file (read through vpager's file
+    reader when a unit needs them; the host copy is freed), the buffers
+    and the tensors vpager does not manage are loaded from it now. Tensors
+    missing from the file or the module, or of another dtype or shape:
+    ValueError naming them, and nothing changes. To start from a module
+    that holds no weights (meta device), use offload(..., weights_from=)."""
+    h = module_or_handle
+    if not isinstance(h, Offloaded):
+        if not isinstance(h, torch.nn.Module):
+            raise TypeError("vpager.torch.load_safetensors: an offloaded "
+                            "module or its Offloaded handle, not %s"
+                            % type(h).__name__)
+        h = _handle_of(h)
+    return h.load_safetensors(path)

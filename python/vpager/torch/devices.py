@@ -1,0 +1,390 @@
+"""Devices for vpager.torch: the torch device a module computes on, the
+vpager.Device it pages through (opened here with a staging ring sized to
+the budget and the device, or shared by the caller), and activations
+first: on CUDA, the headroom that leaves torch's allocator room."""
+
+import os
+import sys
+import warnings
+import weakref
+
+import torch
+
+from .. import _lib
+from ..device import Device
+from ..errors import Error
+from ..options import default_options, parse_size
+from .placement import round_up
+
+__all__ = ["open_device"]
+
+
+def size(value):
+    """Bytes from an int, a size string ("20G", "20GiB", "20GB") or None."""
+    if value is None or isinstance(value, int):
+        return value
+    return parse_size(value)
+
+
+def parse_device(device):
+    if isinstance(device, str) and device == "sim":
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def cuda_index(target):
+    return (target.index if target.index is not None
+            else torch.cuda.current_device())
+
+
+# ------------------------------------------------- which torch device
+
+def _asks_for_sim(options):
+    backend = (options or {}).get("backend")
+    return backend in ("sim", _lib.VP_BACKEND_SIM)
+
+
+def default_device(options=None):
+    """Where a CPU module computes when no device is named: CUDA when torch
+    has it (unless the options ask for backend="sim"), else the simulated
+    device (CPU tensors)."""
+    if not _asks_for_sim(options) and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+_SIM_NOTED = [False]    # warned once in this process
+
+
+def note_simulated(asked, stacklevel=3):
+    """Warn, once per process, that vpager.torch runs on the simulated
+    device: asked for (device="cpu"/"sim"), or because torch has no CUDA."""
+    if _SIM_NOTED[0]:
+        return
+    _SIM_NOTED[0] = True
+    why = ("device=%r was asked for" % (asked,) if asked is not None
+           else "torch has no CUDA device")
+    warnings.warn("vpager.torch: %s, so the model runs on vpager's simulated "
+                  "device: its memory is host memory, tensors are CPU tensors "
+                  "and compute is the CPU's (meant for tests and CI; with a "
+                  "GPU, pass device=\"cuda\")" % why, RuntimeWarning,
+                  stacklevel=stacklevel)
+
+
+def _shared_target(dev, device):
+    """The torch device a shared vpager.Device serves; ValueError if
+    offload()'s device= names another."""
+    if dev.backend == "sim":
+        target = torch.device("cpu")
+    else:
+        target = torch.device("cuda", dev.options["device_index"])
+    if device is not None:
+        want = parse_device(device)
+        if want.type == "cuda" and want.index is None \
+                and target.type == "cuda":
+            want = target
+        if want != target:
+            raise ValueError("vpager.torch: device=%s but the vpager "
+                             "device serves %s" % (want, target))
+    return target
+
+
+def resolve_target(src, device, dev, options=None):
+    """The torch device a module whose parameters are on `src` computes on,
+    given offload()'s `device` and `dev` arguments (and its options: an
+    explicit backend="sim" asks for the simulated device). A CUDA module
+    stays on its GPU; a CPU one goes to CUDA when torch has it."""
+    if src.type not in ("cpu", "cuda"):
+        raise ValueError("vpager.torch: parameters on %s cannot be offloaded "
+                         "(their bytes are needed)" % src)
+    if dev is not None:
+        target = _shared_target(dev, device)
+    elif device is not None:
+        target = parse_device(device)
+    elif src.type == "cuda":
+        target = src
+    else:
+        target = default_device(options)
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError("vpager.torch: cannot run on %s (cuda, or cpu for "
+                         "the simulated device)" % target)
+    if src.type == "cuda" and target.type == "cpu":
+        raise ValueError("vpager.torch: the module's parameters are on %s "
+                         "but the simulated device (CPU tensors) was asked "
+                         "for: offload onto a CUDA device, or move the "
+                         "module to the CPU first" % src)
+    return target
+
+
+# ------------------------------------------------------- per device
+
+class DevState:
+    """What vpager.torch keeps per vpager.Device."""
+
+    __slots__ = ("top", "users", "owned", "sync", "user_headroom", "learned",
+                 "oom_margin", "learned_at", "__weakref__")
+
+    def __init__(self, dev, owned):
+        self.top = None            # the Offloaded whose VBAR is on top
+        self.users = set()         # live Offloaded handles on the device
+        self.owned = owned         # opened by vpager.torch: closed with
+        # the last user
+        # Simulated streams in worker mode run copies later, on a thread;
+        # torch's CPU ops run now, in the caller: wait for the copies.
+        info = dev.info()
+        self.sync = dev.backend == "sim" and bool(info["async_copies"])
+        # Activations first (CUDA): the headroom the device had when
+        # vpager.torch first used it is the user's; the learned one is
+        # never below it, and is put back when the last model leaves.
+        self.user_headroom = info["headroom"]
+        self.learned = 0           # torch's peak - what it holds + margin
+        self.oom_margin = 0        # raised by each OOM retry
+        self.learned_at = float("-inf")  # when a forward last learned
+
+
+DEVSTATES = weakref.WeakKeyDictionary()
+
+
+def devstate(dev, owned=False):
+    ds = DEVSTATES.get(dev)
+    if ds is None:
+        ds = DEVSTATES[dev] = DevState(dev, owned)
+    return ds
+
+
+def leave(dev, ds, handle):
+    """`handle` no longer uses dev: the device is closed with its last
+    user if vpager.torch opened it, else its headroom is the user's
+    again. Returns the errors met."""
+    errors = []
+    ds.users.discard(handle)
+    if ds.top is handle:
+        ds.top = None
+    if ds.owned and not ds.users and not dev.closed:
+        DEVSTATES.pop(dev, None)
+        dev.close()
+    elif not ds.users and not dev.closed and ds.learned:
+        try:
+            dev.set_headroom(ds.user_headroom)
+        except Error as e:
+            errors.append(e)
+        ds.learned = 0
+    return errors
+
+
+# ------------------------------------------------ activations first
+
+LEARN_EVERY = 0.002            # seconds between two learns by forwards
+_MARGIN_FRAC = 20              # margin: 1/20 (5%) of torch's peak ...
+MARGIN_MAX = 256 << 20         # ... but at most 256 MiB
+OOM_MARGIN_MAX = 4 << 30       # what OOM retries may raise it to
+
+
+def torch_reserved(index):
+    """(bytes torch's caching allocator holds on CUDA device `index` now,
+    the most it has held). vpager.torch._torch_reserved is this function,
+    and is the seam: the tests replace it there.
+
+    torch.cuda.memory_reserved() flattens every allocator statistic into a
+    new dict (about 200 us on the H200 host): read the two numbers from the
+    nested statistics instead where this torch has them."""
+    nested = getattr(torch._C, "_cuda_memoryStats", None)
+    if nested is not None:
+        try:
+            r = nested(index)["reserved_bytes"]["all"]
+            return int(r["current"]), int(r["peak"])
+        except (KeyError, TypeError, RuntimeError):
+            pass
+    return (torch.cuda.memory_reserved(index),
+            torch.cuda.max_memory_reserved(index))
+
+
+def learn_headroom(dev, ds, index):
+    """Set the device's headroom so that vpager leaves torch room for the
+    activations of the forward about to run; returns the headroom set.
+
+    cuMemGetInfo (the budget's device_free_now) already counts what torch's
+    allocator holds as used, so that needs no room kept for it; what must
+    stay free is how much more torch may grab during this forward: its peak
+    (max_memory_reserved, over the process's life: never reset, since
+    resetting would clobber the user's own peak statistics) minus what it
+    holds now, plus a margin for a forward that goes a little further
+    than any before (5% of the peak, at most 256 MiB; each OOM retry raises
+    it). Never below the user's headroom."""
+    reserved, peak = sys.modules[__package__]._torch_reserved(index)
+    margin = max(min(peak // _MARGIN_FRAC, MARGIN_MAX), ds.oom_margin)
+    ds.learned = max(peak - reserved, 0) + margin
+    head = max(ds.user_headroom, ds.learned)
+    dev.set_headroom(head)
+    return head
+
+
+def raise_oom_margin(ds):
+    """The learned headroom was too small (torch ran out of memory): raise
+    its margin, doubling from twice the usual cap."""
+    ds.oom_margin = min(max(2 * ds.oom_margin, 2 * MARGIN_MAX),
+                        OOM_MARGIN_MAX)
+
+
+# ------------------------------------------------------ the ring
+
+_RING_SHARE = 4         # the ring takes at most 1/4 of what vpager may use
+
+
+def ring_size(room, need, page, budget=True):
+    """Staging ring bytes for a device on which vpager may commit `room`
+    bytes, for a model whose largest unit stages `need` bytes at once. At
+    most the default staging_size and a quarter of room; with a budget
+    twice need if that is more (one unit's copies then overlap the
+    previous unit's compute). Never below need, and need alone when more
+    would not fit in room."""
+    ring = min(default_options()["staging_size"], room // _RING_SHARE)
+    if budget:
+        ring = max(ring, min(default_options()["staging_size"], 2 * need))
+    if ring_pages(ring, page) > room:
+        ring = need
+    return max(ring, need)
+
+
+def ring_pages(ring, page):
+    """Device bytes a ring of `ring` bytes takes: whole pages, one or more."""
+    return round_up(max(ring, page), page)
+
+
+def _refusal(fn, ring, room, budget, largest, fixed):
+    if budget is not None:
+        what = "a budget of %d bytes" % budget
+        if room < budget:
+            what += " (of which the device can give %d now)" % room
+    else:
+        what = "what the device can give now (%d bytes)" % room
+    if largest is None:
+        return ("vpager.torch.%s: %s cannot hold the %d-byte staging ring: "
+                "lower staging_size or raise the budget" % (fn, what, ring))
+    unit, need = largest
+    hint = ("a budget of at least %d bytes" % ring if not fixed else
+            "staging_size >= %d and a budget that holds the ring" % need)
+    return ("vpager.torch.%s: %s cannot hold the staging ring: unit %s (%s) "
+            "needs %d bytes of it at once for its weights, and the ring takes "
+            "%d bytes of device memory (whole pages); give %s"
+            % (fn, what, unit.name, type(unit.module).__name__, need, ring,
+               hint))
+
+
+def check_ring(dev, room, budget, largest, fn="offload", fixed=True):
+    """ValueError unless dev's staging ring holds the largest unit's weights
+    (largest: (unit, bytes) or None) and fits in `room` (None: unchecked)."""
+    page = dev.page_size
+    ring = ring_pages(dev.options["staging_size"], page)
+    if largest is not None and largest[1] > ring:
+        unit, need = largest
+        raise ValueError("vpager.torch: unit %s (%s) of this model needs %d "
+                         "bytes of staging at once, the device's ring holds "
+                         "%d: open the device with staging_size >= %d"
+                         % (unit.name, type(unit.module).__name__, need, ring,
+                            need))
+    if room is not None and ring > room:
+        raise ValueError(_refusal(fn, ring, room, budget, largest, fixed))
+
+
+# ------------------------------------------------------- opening
+
+def _options(target, budget, lookahead, options):
+    opts = dict(options)
+    if target.type == "cuda":
+        opts.setdefault("backend", "cuda")
+        opts.setdefault("device_index", cuda_index(target))
+    else:
+        opts.setdefault("backend", "sim")
+        if budget is not None:
+            opts.setdefault("sim_capacity", budget)
+    if lookahead is not None:
+        opts["lookahead"] = lookahead
+    return opts
+
+
+def _open_with(opts, budget, ring, auto_lookahead):
+    opts = dict(opts)
+    if ring is not None:
+        opts["staging_size"] = ring
+    if auto_lookahead:
+        # Prefetch may fill the whole ring ahead: a shorter lookahead
+        # leaves the copy engine idle under long runs of resident weights
+        # (H200, 32-layer decoder prefill: 114.5 ms at the ring's 512 MiB,
+        # 117.8 ms at the library's 256 MiB default).
+        opts["lookahead"] = parse_size(opts["staging_size"])
+    dev = Device(**opts)
+    try:
+        if budget is not None:
+            # A cap on vpager's own commits, however much torch allocates
+            # later (the headroom still keeps device memory free).
+            dev.set_limit(budget)
+    except BaseException:
+        dev.close()
+        raise
+    return dev
+
+
+def open_for(target, budget, lookahead, options, largest=None,
+             fn="offload"):
+    """A new vpager.Device for `target`, the budget applied. Unless the
+    options set staging_size, the ring is sized by ring_size() from the
+    budget and what the device can give (vp_device_info's budget: free
+    memory less the headroom, capped by the budget); the device is opened
+    again when that differs from the first guess. ValueError, nothing left
+    open, when that room cannot hold the ring the largest unit needs."""
+    opts = _options(target, budget, lookahead, options)
+    need = largest[1] if largest is not None else 0
+    auto_lookahead = ("lookahead" not in opts and
+                      "VPAGER_LOOKAHEAD" not in os.environ)
+    sized = "staging_size" not in opts
+    ring = None
+    budgeted = budget is not None
+    if sized:       # the first guess: the budget, or no limit
+        ring = ring_size(budget if budgeted else 1 << 62, need, 1, budgeted)
+    dev = _open_with(opts, budget, ring, auto_lookahead)
+    try:
+        room = dev.info()["budget"]
+        if sized and ring != ring_size(room, need, dev.page_size, budgeted):
+            ring = ring_size(room, need, dev.page_size, budgeted)
+            dev.close()
+            dev = _open_with(opts, budget, ring, auto_lookahead)
+            room = dev.info()["budget"]
+        check_ring(dev, room, budget, largest, fn, fixed=not sized)
+    except BaseException:
+        dev.close()
+        raise
+    return dev
+
+
+def attach(dev, budget, lookahead, largest):
+    """Set a shared device up for one more model: its ring must hold the
+    largest unit, and fit in a budget given here, which is then applied."""
+    check_ring(dev, budget, budget, largest)
+    if budget is not None:
+        dev.set_limit(budget)
+    if lookahead is not None:
+        dev.set_lookahead(lookahead)
+
+
+def open_device(device=None, budget=None, lookahead=None, **options):
+    """A vpager.Device for torch modules, to share between offload(...,
+    dev=d) calls: `device` "cuda"/"cuda:N"/N for a GPU, "cpu"/"sim" for the
+    simulated device (default: CUDA when torch has it, else sim, with a
+    warning); `budget` bytes (an int, or "20G"/"20GiB" = 20 * 2**30,
+    "20GB" = 20 * 10**9) of device memory vpager may use in all; options:
+    any vp_options_t field (vpager.OPTION_NAMES). Without staging_size,
+    the staging ring is sized to the budget and to what the device can
+    give. Close it yourself (after the models on it are unloaded or
+    closed)."""
+    target = (parse_device(device) if device is not None
+              else default_device(options))
+    dev = open_for(target, size(budget), size(lookahead), options,
+                   fn="open_device")
+    if target.type == "cpu":
+        note_simulated(device)
+    return dev

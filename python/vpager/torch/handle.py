@@ -1,0 +1,366 @@
+"""Offloaded: the handle offload() returns. It is built from a Plan
+(api.py: what offload() found and was asked) and small collaborators: the
+vpager.Device (devices.py), the Layout of the weights in the VBAR
+(layout.py), the HotPath that wraps each unit's forward (hotpath.py) and
+the Recorder that re-places the weights in execution order (replace.py).
+It installs them into the module (placeholders, wrappers, state_dict
+hooks) and takes them out again at unload()."""
+
+import contextlib
+import functools
+
+import torch
+
+from ..weights import WeightBatch
+from .devices import attach, devstate, DEVSTATES, leave, open_for
+from .hotpath import HotPath
+from .layout import Layout
+from .replace import Recorder
+from .sources import host_copy
+from .units import CLOSED, OPEN, UNLOADED, Unit, refuse_copy, unmanaged
+from .views import placeholder
+
+
+def _open_device(plan, dev):
+    """(device, owned): dev set up for the plan, or one opened for it."""
+    s = plan.settings
+    if dev is None:
+        return open_for(plan.target, s.budget, s.lookahead, s.options,
+                        plan.largest), True
+    attach(dev, s.budget, s.lookahead, plan.largest)
+    return dev, False
+
+
+class Offloaded:
+    """The handle offload() returns: module, device (the vpager.Device),
+    vbar, target (the torch device it computes on), order (the VBAR's
+    eviction order, "interleaved" or "tail"); stats(), residency(),
+    layout(), units(), prioritize(), acquired(), load_safetensors(),
+    unload(), close(). See python/README.md."""
+
+    def __init__(self, plan, dev=None):
+        self.module = plan.module
+        self.target = plan.target
+        self._owners = plan.owners
+        self._state = OPEN
+        self._hooks = []
+        self._moved = []
+        self._held = 0              # acquired() blocks open
+        dev, owned = _open_device(plan, dev)
+        try:
+            lay = Layout.build(dev, plan)
+        except BaseException:
+            if owned:
+                DEVSTATES.pop(dev, None)
+                dev.close()
+            raise
+        self.device = dev
+        self.vbar = lay.vbar
+        self.order = "tail" if lay.groups is None else "interleaved"
+        self._layout = lay
+        self._ds = devstate(dev, owned)
+        self._ds.users.add(self)
+        self._recorder = Recorder(lay, self._may_replace, self._swap)
+        self._hot = HotPath(self, lay, self._ds, self.target, self._recorder)
+        self._install(plan.settings.reorder)
+
+    # ------------------------------------------------------ installing
+    def _install(self, reorder=True):
+        self._placeholders()
+        self._move_unmanaged()
+        if any(e.src_device.type == "cuda" for e in self._layout.entries):
+            torch.cuda.empty_cache()    # the old storage is vpager's now
+        for u in self._layout.units:
+            fwd = u.module.forward
+            u.had_forward = "forward" in u.module.__dict__
+            u.saved_forward = u.module.__dict__.get("forward")
+            u.module.forward = self._hot.wrap(u, fwd)
+        for m, items in self._owners:
+            self._hooks.append(m._register_state_dict_hook(
+                functools.partial(self._state_dict_hook, items)))
+            self._hooks.append(m._register_load_state_dict_pre_hook(
+                functools.partial(self._load_hook, items)))
+        if self.target.type == "cuda":     # activations first
+            self._hooks.append(self.module.register_forward_pre_hook(
+                self._hot.learn_hook))
+        if reorder and len(self._layout.units) > 1:
+            self._recorder.install(self.module)
+
+    def _placeholders(self):
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self._layout.entries:
+                t = e.tensor
+                if e.is_param:
+                    t.requires_grad_(False)
+                e.ph = placeholder(e.dtype, e.shape, self.target)
+                e.ph_ptr = e.ph.data_ptr()
+                t.data = e.ph
+                t._vpager_handle = self
+
+    def _move_unmanaged(self):
+        """The tensors vpager leaves alone go to the target device."""
+        managed = {id(e.tensor) for e in self._layout.entries}
+        with torch.no_grad(), torch.inference_mode(False):
+            for d, k, t, is_param in unmanaged(self.module, managed):
+                if t.device == self.target:
+                    continue
+                moved = t.to(self.target)
+                self._moved.append((d, k, t, is_param, t.device))
+                if is_param:
+                    t.data = moved
+                else:
+                    d[k] = moved
+
+    def _uninstall(self):
+        for u in self._layout.units:
+            if u.had_forward:
+                u.module.forward = u.saved_forward
+            else:
+                u.module.__dict__.pop("forward", None)
+            u.batch = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._recorder.remove()
+        for e in self._layout.entries:
+            e.forget_views()
+            try:
+                del e.tensor._vpager_handle
+            except AttributeError:
+                pass
+
+    def _learn(self):
+        """What a CUDA root forward does first: devices.learn_headroom()."""
+        self._hot.learn()
+
+    # --------------------------------------------------- re-placement
+    def _may_replace(self):
+        return (self._state is OPEN and not self.device.closed
+                and not self._busy())
+
+    def _swap(self, entries, offsets, sources):
+        """Layout.swap(), then this model on top again (eviction lowered
+        its watermark); if the old weights cannot be made again either,
+        the handle is closed."""
+        self._layout.swap(entries, offsets, sources, self.close)
+        self.vbar.prioritize()
+        self._ds.top = self
+
+    # ------------------------------------------------------ state_dict
+    def _check_open(self):
+        if self._state is not OPEN:
+            raise RuntimeError(
+                "vpager.torch: this module's offload was %s%s" % (
+                    self._state, "; its weights were freed (close())"
+                    if self._state is CLOSED else ""))
+        if self.device.closed:
+            raise RuntimeError("vpager.torch: the vpager.Device of this "
+                               "offloaded module was closed")
+
+    def _state_dict_hook(self, items, module, state_dict, prefix,
+                         local_metadata):
+        self._check_open()
+        with torch.no_grad(), torch.inference_mode(False):
+            for name, e in items:
+                key = prefix + name
+                if key in state_dict:
+                    state_dict[key] = host_copy(e)
+
+    def _load_hook(self, items, state_dict, prefix, *rest):
+        for name, e in items:
+            if prefix + name in state_dict and self._state is not UNLOADED:
+                raise RuntimeError(
+                    "vpager.torch: load_state_dict() into an offloaded "
+                    "module (%s%s): load before offload(), or unload() "
+                    "first" % (prefix, name))
+
+    # ------------------------------------------------------------ public
+    def __repr__(self):
+        return ("<vpager.torch.Offloaded %s of %s: %d weights, %d bytes on "
+                "%s>" % (self._state, type(self.module).__name__,
+                         len(self._layout.entries), self.weight_bytes,
+                         self.target))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self._state is OPEN:
+            self.unload()
+        return False
+
+    __deepcopy__ = __reduce_ex__ = refuse_copy
+
+    @property
+    def closed(self):
+        """True once unload() or close() ran."""
+        return self._state is not OPEN
+
+    @property
+    def weight_bytes(self):
+        return sum(e.size for e in self._layout.entries)
+
+    def units(self):
+        """[(qualified name, module, [weight names])] in placement order."""
+        return [(u.name, u.module, [e.name for e in u.entries])
+                for u in self._layout.units]
+
+    def layout(self):
+        """[(weight name, VBAR offset, bytes, "host" or "file")] in VBAR
+        order: where each weight lives and where its bytes come from."""
+        self._check_open()
+        return self._layout.describe()
+
+    def load_safetensors(self, path):
+        """vpager.torch.load_safetensors(self, path): see there."""
+        self._check_open()
+        self._idle("load_safetensors")
+        self._layout.reload(self.module, path, self._swap)
+        return self
+
+    def stats(self):
+        """The VBAR's counters (vpager.STAT_NAMES: hits, fills, misses,
+        acquires, weight_fills, weight_staged, ...), plus "device": the
+        device's counters (all models on it), "weights", "weight_bytes",
+        "vbar_bytes", "resident_bytes", "units", "host_bytes" (the
+        pinned host copy), "file_weights" (weights read from a file) and
+        "activation_headroom" (CUDA: what the last forward learned torch
+        may still grab, margin included; the device's headroom is the
+        larger of it and the user's; 0 before a forward and on the
+        simulated device)."""
+        self._check_open()
+        lay = self._layout
+        s = self.vbar.stats()
+        s["device"] = self.device.stats()
+        s["weights"] = len(lay.entries)
+        s["weight_bytes"] = self.weight_bytes
+        s["vbar_bytes"] = self.vbar.size
+        s["resident_bytes"] = self.vbar.loaded_size()
+        s["units"] = len(lay.units)
+        s["host_bytes"] = lay.hb.size if lay.hb is not None else 0
+        s["file_weights"] = sum(e.host is None for e in lay.entries)
+        s["activation_headroom"] = self._ds.learned
+        return s
+
+    def residency(self):
+        """One byte per VBAR page: vpager.PAGE_RESIDENT | PAGE_PINNED."""
+        self._check_open()
+        return self.vbar.residency()
+
+    def report(self, json=False):
+        """The device's report (all models on it): text, or parsed JSON."""
+        self._check_open()
+        return self.device.report(json=json)
+
+    def prioritize(self):
+        """Move this model's VBAR to the top of the device's priority list
+        (done automatically when its forward starts after another model's)."""
+        self._check_open()
+        self.vbar.prioritize()
+        self._ds.top = self
+
+    def _whole(self, modules):
+        """A Unit holding the weights of `modules` (all if none), and the
+        units it covers."""
+        lay = self._layout
+        entries = lay.entries
+        if modules:
+            ids = {id(t) for m in modules
+                   for t in list(m.parameters()) + list(m.buffers())}
+            entries = [e for e in entries if id(e.tensor) in ids]
+        whole = Unit("acquired()", self.module)
+        whole.entries = entries
+        whole.batch = WeightBatch(self.device,
+                                  [lay.weights[e.index] for e in entries])
+        held = {id(e) for e in entries}
+        covered = [u for u in lay.units
+                   if all(id(e) in held for e in u.entries)]
+        return whole, covered
+
+    @contextlib.contextmanager
+    def acquired(self, *modules):
+        """Acquire weights for the block: those of the given submodules
+        (their subtrees), or every weight of the model (then the staging
+        ring must hold all that is not resident). For code that reads
+        parameters outside the forward of the unit holding them; forwards
+        inside the block use the same tensors."""
+        self._check_open()
+        whole, covered = self._whole(modules)
+        stream, prev = self._hot.enter(whole)
+        for u in covered:
+            u.depth += 1
+        self._held += 1
+        ok = False
+        try:
+            yield self.module
+            ok = True
+        finally:
+            self._held -= 1
+            for u in covered:
+                u.depth -= 1
+            self._hot.leave(whole, stream, prev, ok)
+
+    def _busy(self):
+        return self._held or any(u.depth for u in self._layout.units)
+
+    def _idle(self, what):
+        if self._busy():
+            raise RuntimeError("vpager.torch: %s() inside the module's "
+                               "forward" % what)
+
+    def unload(self):
+        """Parameters back as ordinary tensors on their original device
+        (from the host copy), requires_grad restored, wrappers and hooks
+        removed, vpager objects freed. The module works as before offload().
+        A second call does nothing; after close() it raises."""
+        if self._state is UNLOADED:
+            return self.module
+        if self._state is CLOSED:
+            raise RuntimeError("vpager.torch: unload() after close(): the "
+                               "weights were freed")
+        self._check_open()          # the device (and host copy) still there
+        self._idle("unload")
+        # Device memory first: a GPU model needs the room to come back.
+        self.vbar.close()
+        self._restore()
+        self._state = UNLOADED
+        self._uninstall()
+        self._free()
+        return self.module
+
+    def _restore(self):
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self._layout.entries:
+                t = e.tensor
+                if e.host is None:          # file-backed
+                    t.data = host_copy(e).to(e.src_device)
+                else:
+                    t.data = (e.host.clone() if e.src_device.type == "cpu"
+                              else e.host.to(e.src_device))
+                if e.is_param:
+                    t.requires_grad_(e.requires_grad)
+            for d, k, t, is_param, where in self._moved:
+                if is_param:
+                    t.data = t.data.to(where)
+                elif d.get(k) is not None:
+                    d[k] = d[k].to(where)
+
+    def close(self):
+        """Free the vpager objects without restoring the weights; the module
+        is left unusable (its forward and state_dict() raise RuntimeError).
+        A second call, or close() after unload(), does nothing."""
+        if self._state is not OPEN:
+            return
+        self._idle("close")
+        self._state = CLOSED
+        for e in self._layout.entries:
+            e.forget_views()
+        self._free()
+
+    def _free(self):
+        for e in self._layout.entries:
+            e.host = e.file_addr = e.src = None
+        errors = self._layout.close()
+        errors += leave(self.device, self._ds, self)
+        if errors:
+            raise errors[0]

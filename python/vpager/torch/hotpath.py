@@ -1,0 +1,255 @@
+"""The forward hot path of an offloaded module: each unit's forward is
+wrapped so that one vp_acquire brings its weights (each parameter's .data
+a view of the returned address: resident views built once, staged ones
+cached per staging address), the original forward runs, and the
+placeholders go back before one vp_release on the current stream. Around
+it: an out-of-memory retry (evict vpager's unpinned pages, empty torch's
+cache, run once more), autograd aliasing (tensors autograd saves, or the
+forward returns, that view a weight are copied: that memory is reused
+after the release), buffer write-back in training mode, and on CUDA the
+activation headroom learned at each root forward."""
+
+import functools
+import time
+
+import torch
+
+from .. import _lib
+from ..errors import Error
+from .devices import (LEARN_EVERY, cuda_index, learn_headroom,
+                      raise_oom_margin)
+from .layout import ALL
+from .units import OPEN, refuse_copy
+from .views import view
+
+_STAGED_VIEWS = 8       # staged views cached per weight
+_RESIDENT = _lib.VP_ACQUIRED_RESIDENT
+
+_OOM = getattr(torch.cuda, "OutOfMemoryError", None)
+
+
+def is_oom(e):
+    if _OOM is not None:
+        return isinstance(e, _OOM)
+    return isinstance(e, RuntimeError) and "out of memory" in str(e)
+
+
+def _cuda_stream(target):
+    return torch.cuda.current_stream(target).cuda_stream
+
+
+def _unpack(t):
+    return t
+
+
+class HotPath:
+    """Acquire and release for one Offloaded handle's units. handle: for
+    its state (handle._check_open()) and to be put on top of the device's
+    priority list; ds: the device's DevState; recorder: the
+    replace.Recorder whose record() the first forward feeds."""
+
+    __reduce_ex__ = refuse_copy   # reached from the module's hooks
+
+    def __init__(self, handle, layout, ds, target, recorder):
+        self.handle = handle
+        self.device = layout.device
+        self.vbar = layout.vbar
+        self.ds = ds
+        self.target = target
+        self.recorder = recorder
+        self._check_open = handle._check_open
+        if target.type == "cuda":
+            self.stream = functools.partial(_cuda_stream, target)
+            self.index = cuda_index(target)
+        else:
+            self.stream = int           # int() == 0: the default stream
+            self.index = 0
+
+    def wrap(self, unit, fwd):
+        """The forward installed on unit.module in place of `fwd`."""
+        enter, leave, call = self.enter, self.leave, self.call
+        writeback, escapes = self.writeback, self.escapes
+        recorder = self.recorder
+        unit.pack = functools.partial(self.pack, unit)
+
+        @functools.wraps(fwd)
+        def forward(*args, **kwargs):
+            if recorder.rec is not None:    # the first forward: the order
+                recorder.record(unit)
+            if unit.depth:              # the unit calls itself: weights set
+                return fwd(*args, **kwargs)
+            stream, prev = enter(unit)
+            unit.depth = 1
+            ok = False
+            try:
+                if torch.is_grad_enabled():
+                    with torch.autograd.graph.saved_tensors_hooks(unit.pack,
+                                                                  _unpack):
+                        out = call(unit, fwd, args, kwargs)
+                else:
+                    out = call(unit, fwd, args, kwargs)
+                out = escapes(unit, out)
+                if unit.buffers:
+                    writeback(unit)
+                ok = True
+            finally:
+                unit.depth = 0
+                leave(unit, stream, prev, ok)
+            return out
+
+        forward._vpager_unit = unit
+        return forward
+
+    def enter(self, unit):
+        """Acquire a unit's weights and point its tensors at them; returns
+        (stream, what to restore at release)."""
+        self._check_open()
+        for d, key, t, qual in unit.slots:
+            if d.get(key) is not t:
+                raise RuntimeError(
+                    "vpager.torch: %s (in %s) was replaced after offload(); "
+                    "its weights are vpager's: unload() before changing "
+                    "parameters, then offload again" % (qual, unit.name))
+        entries = unit.entries
+        for e in entries:
+            if not e.cur and e.tensor.data_ptr() != e.ph_ptr:
+                raise RuntimeError(
+                    "vpager.torch: %s was changed after offload() (by .to(), "
+                    ".half(), .data = ...?); unload() first, change the "
+                    "module, then offload again" % e.name)
+        ds = self.ds
+        if ds.top is not self.handle:
+            self.vbar.prioritize()
+            ds.top = self.handle
+        stream = self.stream()
+        batch = unit.batch
+        ptrs = batch.acquire(stream)
+        prev = [(e.cur, e.curv) for e in entries]
+        try:
+            if ds.sync:
+                self.device.synchronize(stream)
+            flags = batch.flags
+            for i, e in enumerate(entries):
+                p = ptrs[i]
+                if flags[i] & _RESIDENT:
+                    v = e.rview
+                    if v is None:
+                        v = e.rview = view(p, e.dtype, e.shape, self.target)
+                else:
+                    v = e.staged.get(p)
+                    if v is None:
+                        if len(e.staged) >= _STAGED_VIEWS:
+                            e.staged.clear()
+                        v = e.staged[p] = view(p, e.dtype, e.shape,
+                                               self.target)
+                e.tensor.data = v
+                e.cur, e.curv = p, v
+        except BaseException:
+            self.leave(unit, stream, prev, False)
+            raise
+        return stream, prev
+
+    @staticmethod
+    def leave(unit, stream, prev, raise_errors):
+        for e, (p, v) in zip(unit.entries, prev):
+            e.tensor.data = v if p else e.ph
+            e.cur, e.curv = p, v
+        try:
+            unit.batch.release(stream)
+        except Error:
+            if raise_errors:
+                raise
+            # An exception is already on its way out; it is the news.
+
+    def call(self, unit, fwd, args, kwargs):
+        """fwd(*args, **kwargs), run once more after an out-of-memory
+        error once vpager's unpinned pages are evicted and torch's cache
+        emptied; a second one is re-raised, saying so."""
+        try:
+            return fwd(*args, **kwargs)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            first = str(e)  # not e: its frames hold the activations
+        freed = self.device.free_memory(ALL)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        # The learned headroom was too small: raise its margin, now for the
+        # rest of this forward too.
+        raise_oom_margin(self.ds)
+        if self.target.type == "cuda":
+            self.learn()
+        try:
+            return fwd(*args, **kwargs)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            raise type(e)(
+                "vpager.torch: out of device memory in %s (%s) even after "
+                "vpager evicted %d bytes of unpinned weights and torch "
+                "emptied its cache; lower offload()'s budget or the batch. "
+                "First failure: %s. Second: %s"
+                % (unit.name, type(unit.module).__name__, freed, first, e)
+            ) from e
+
+    # ------------------------------------------------ autograd aliasing
+    @staticmethod
+    def aliases(unit, t):
+        """True if tensor t lies in memory of the unit's acquired weights."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return False
+        p = t.data_ptr()
+        for e in unit.entries:
+            if e.cur and e.cur <= p < e.cur + e.size:
+                return True
+        return False
+
+    def pack(self, unit, t):
+        # Autograd saves t for backward, which runs after the release.
+        return t.clone() if self.aliases(unit, t) else t
+
+    def escapes(self, unit, out):
+        """out, with tensors that view the weights replaced by copies."""
+        aliases = self.aliases
+        if isinstance(out, torch.Tensor):
+            return out.clone() if aliases(unit, out) else out
+        if isinstance(out, (tuple, list)) and any(aliases(unit, x)
+                                                  for x in out):
+            items = [x.clone() if aliases(unit, x) else x for x in out]
+            if isinstance(out, list):
+                return items
+            return type(out)(*items) if hasattr(out, "_fields") \
+                else tuple(items)
+        if isinstance(out, dict) and any(aliases(unit, x)
+                                         for x in out.values()):
+            return type(out)((k, x.clone() if aliases(unit, x) else x)
+                             for k, x in out.items())
+        return out
+
+    @staticmethod
+    def writeback(unit):
+        """In training mode modules update buffers in place (BatchNorm's
+        running stats): copy them to the host copy, the weights' source,
+        so a refill brings the new values."""
+        with torch.no_grad():
+            for owner, e in unit.buffers:
+                if owner.training:
+                    e.host.copy_(e.curv)
+
+    # ------------------------------------------------ activations first
+    def learn_hook(self, module, args):
+        # Reading torch's statistics costs ~30 us: at most once every
+        # LEARN_EVERY seconds, so short forwards do not pay it each time
+        # (a bigger forward in between is what the OOM retry is for).
+        now = time.monotonic()
+        if now - self.ds.learned_at >= LEARN_EVERY:
+            self.ds.learned_at = now
+            self.learn()
+
+    def learn(self):
+        """At the start of each root forward (CUDA only: the simulated
+        device has no torch allocator to learn from): keep free what
+        torch may still grab (devices.learn_headroom). Two torch calls and
+        one vp call per root forward."""
+        if self.handle._state is OPEN and not self.device.closed:
+            learn_headroom(self.device, self.ds, self.index)

@@ -1,0 +1,157 @@
+"""An offloaded module's VBAR and what lies in it: the entries at their
+offsets (placement.py), their sources (sources.py: a HostBuf of host
+copies, or a safetensors file), the vpager weights made over them and one
+WeightBatch per unit. Built all or nothing; re-created in place when the
+weights move (re-placement) or change source (load_safetensors)."""
+
+from ..errors import Error
+from ..weights import WeightBatch
+from .files import load_unmanaged, match_file
+from .placement import group_room, groups, place, vbar_bytes
+from .sources import release_host, sources
+from .units import refuse_copy
+
+ALL = 1 << 62           # "evict everything unpinned"
+
+
+class Layout:
+    """vbar, weights (vpager.Weights), hb (the HostBuf, or None), st (the
+    SafeTensors file, or None), entries in VBAR order, units in placement
+    order, align, groups (placement.groups(), None for tail-first)."""
+
+    __reduce_ex__ = refuse_copy   # reached from the module's hooks
+
+    def __init__(self, dev, units, entries, align):
+        self.device = dev
+        self.units = units
+        self.entries = entries
+        self.align = align
+        self.groups = None
+        self.vbar = self.weights = self.hb = self.st = None
+
+    @classmethod
+    def build(cls, dev, plan):
+        """The layout of a Plan (api.py) on dev. On failure what was made
+        is closed and the module's tensors keep their bytes."""
+        lay = cls(dev, plan.units, plan.entries, plan.settings.align)
+        try:
+            lay._build(plan)
+        except BaseException:
+            release_host(plan.entries)
+            lay.close()
+            raise
+        return lay
+
+    def _build(self, plan):
+        s, dev, entries = plan.settings, self.device, self.entries
+        match = loads = None
+        if s.weights_from is not None:
+            self.st = dev.open_safetensors(s.weights_from)
+            match, loads = match_file(plan.module, entries, self.st,
+                                      "offload(weights_from=...)")
+        self.groups = groups(dev, s.order, entries)
+        offsets, _ = place(entries, self.align, self.groups)
+        for e, off in zip(entries, offsets):
+            e.offset = off
+        # Room for any order of the weights (re-placement keeps the VBAR).
+        size = vbar_bytes(entries, self.align)
+        self.vbar = dev.create_vbar(size + group_room(self.groups, size))
+        if s.order is not None:
+            self.vbar.set_order(s.order)
+        self.hb, slots = sources(dev, entries, self.align, self.st, match)
+        for e, (host, addr, src) in zip(entries, slots):
+            e.host, e.file_addr, e.src = host, addr, src
+        self.weights = self.vbar.create_weights(
+            [e.offset for e in entries], [e.size for e in entries],
+            [e.src for e in entries])
+        if loads:
+            load_unmanaged(self.st, loads, plan.fresh)
+        self.batches()
+
+    def batches(self):
+        ws, dev = self.weights, self.device
+        for u in self.units:
+            u.batch = WeightBatch(dev, [ws[e.index] for e in u.entries])
+
+    def swap(self, entries, offsets, srcs, on_lost):
+        """Re-create the weights: entries[i] at VBAR offset offsets[i] with
+        source srcs[i]. The VBAR's pages are evicted first (eviction waits
+        for the work that may still read them), so every weight is filled
+        anew when next acquired. All or nothing: on failure the old
+        weights are made again (or, if even that fails, on_lost() is
+        called) and the error raised."""
+        vb = self.vbar
+        old = [(e, e.offset, e.src) for e in self.entries]
+        vb.free_memory(ALL)
+        self.weights.close()
+        try:
+            ws = vb.create_weights(offsets, [e.size for e in entries], srcs)
+        except BaseException:
+            try:
+                self.weights = vb.create_weights(
+                    [o for _, o, _ in old], [e.size for e, _, _ in old],
+                    [s for _, _, s in old])
+                self.batches()
+            except BaseException:
+                on_lost()
+            raise
+        for i, e in enumerate(entries):
+            e.index, e.offset, e.src = i, offsets[i], srcs[i]
+            e.rview = None
+            e.staged = {}
+        self.entries = entries
+        self.weights = ws
+        self.batches()
+
+    def reload(self, module, path, swap):
+        """The weights' sources become the safetensors file at `path`
+        (load_safetensors()), swap(entries, offsets, sources) re-creating
+        them; ValueError, nothing changed, if the file does not match the
+        module."""
+        dev, entries = self.device, self.entries
+        st = dev.open_safetensors(path)
+        hb = None
+        try:
+            match, loads = match_file(module, entries, st, "load_safetensors")
+            hb, slots = sources(dev, entries, self.align, st, match)
+            swap(list(entries), [e.offset for e in entries],
+                 [src for _, _, src in slots])
+        except BaseException:
+            _close_quietly((hb, st))
+            raise
+        for e, (host, addr, src) in zip(self.entries, slots):
+            e.host, e.file_addr = host, addr
+        old = (self.hb, self.st)
+        self.hb, self.st = hb, st
+        load_unmanaged(st, loads)
+        for obj in old:
+            if obj is not None:
+                obj.close()
+
+    def describe(self):
+        """[(weight name, VBAR offset, bytes, "host" or "file")]."""
+        return [(e.name, e.offset, e.size,
+                 "host" if e.host is not None else "file")
+                for e in self.entries]
+
+    def close(self):
+        """Close the VBAR (its weights with it), the HostBuf and the file;
+        returns the errors met (each object is closed regardless)."""
+        errors = []
+        for obj in (self.vbar, self.hb, self.st):
+            if obj is None:
+                continue
+            try:
+                obj.close()
+            except Error as e:
+                errors.append(e)
+        return errors
+
+
+def _close_quietly(objs):
+    for obj in objs:
+        if obj is not None:
+            try:
+                obj.close()
+            except Error:
+                pass

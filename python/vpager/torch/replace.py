@@ -1,0 +1,84 @@
+"""Re-placement in execution order. vpager prefetches, and evicts, in VBAR
+offset order, so the weights should lie there in the order the forward
+uses them. offload() places them in module order; the module's first
+complete forward records the order in which its units run, and if that
+differs the weights are placed anew once, right after that forward (the
+VBAR, its counters and the host copy stay; the weights are made again at
+the new offsets with the same sources, so the next forward fills them)."""
+
+from .placement import place
+from .units import refuse_copy
+
+
+def new_order(first, units, entries):
+    """(units, entries) with those of the units in `first` first, in that
+    order, then the others in their order so far."""
+    order, seen = [], set()
+    for u in list(first) + units:
+        if u not in seen:
+            seen.add(u)
+            order.append(u)
+    placed, done = [], set()
+    for u in order:
+        for e in u.entries:
+            if e not in done:
+                done.add(e)
+                placed.append(e)
+    placed += [e for e in entries if e not in done]
+    return order, placed
+
+
+class Recorder:
+    """Records the order of the units in the module's first complete
+    forward (a forward pre-hook and a forward hook on the module, removed
+    once it has re-placed), then re-places the layout's weights in that
+    order. ready() says whether a forward that just ended may re-place
+    (not inside acquired(), the handle still open); swap(entries, offsets,
+    sources) re-creates the weights. rec is not None while a forward is
+    being recorded: the units' wrappers call record() then."""
+
+    __reduce_ex__ = refuse_copy   # reached from the module's hooks
+
+    def __init__(self, layout, ready, swap):
+        self.layout = layout
+        self.ready = ready
+        self.swap = swap
+        self.rec = None
+        self.seen = set()
+        self.hooks = []
+
+    def install(self, module):
+        self.hooks = [module.register_forward_pre_hook(self._start),
+                      module.register_forward_hook(self._end)]
+
+    def remove(self):
+        for hk in self.hooks:
+            hk.remove()
+        self.hooks = []
+        self.rec = None
+        self.seen = set()
+
+    def record(self, unit):
+        if unit not in self.seen:
+            self.seen.add(unit)
+            self.rec.append(unit)
+
+    def _start(self, module, args):
+        self.rec = []
+        self.seen = set()
+
+    def _end(self, module, args, out):
+        rec, self.rec = self.rec, None
+        self.seen = set()
+        if rec is None or not self.ready():
+            return                  # the next forward records
+        self.remove()
+        self.replace(rec)
+
+    def replace(self, first):
+        lay = self.layout
+        units, entries = new_order(first, lay.units, lay.entries)
+        if [id(e) for e in entries] != [id(e) for e in lay.entries]:
+            offsets, _ = place(entries, lay.align, lay.groups)
+            self.swap(entries, offsets, [e.src for e in entries])
+        lay.units = units

@@ -1,0 +1,144 @@
+"""Where an offloaded module's weight bytes live: a pinned HostBuf holding
+the only full copy (from the module's tensors, or from a file for
+buffers), or the safetensors file itself (vp_st_source); and the CPU
+placeholders that stand in for meta tensors whose bytes come from a file."""
+
+import ctypes
+
+import torch
+
+from ..weights import Source
+from .placement import place
+from .views import placeholder
+
+
+def _file_slots(entries, st, plan):
+    """[(host, file_addr, Source) or None], [indices needing a host copy]:
+    with a file, parameters get a FILE source and no host copy."""
+    base = st.mmap()[0] if st is not None else 0
+    slots = [None] * len(entries)
+    hosted = []
+    for i, e in enumerate(entries):
+        if st is not None and e.is_param:
+            info = plan[e]
+            slots[i] = (None, base + info.offset, st.source(info.index))
+        else:
+            hosted.append(i)
+    return slots, hosted
+
+
+def _fill_host(hb, total, entries, hosted, offsets, slots, st, plan, moved):
+    """Copy the hosted entries' bytes into the HostBuf (from the file, or
+    from their tensors) and fill their slots; CPU tensors are pointed at
+    their host copy at once (appended to `moved`)."""
+    base = st.mmap()[0] if st is not None else 0
+    host = torch.frombuffer((ctypes.c_uint8 * total).from_address(hb.ptr),
+                            dtype=torch.uint8)
+    for i, off in zip(hosted, offsets):
+        e = entries[i]
+        h = host[off:off + e.size].view(e.dtype).view(e.shape)
+        if st is not None:
+            ctypes.memmove(h.data_ptr(), base + plan[e].offset, e.size)
+        else:
+            h.copy_(e.tensor.detach())
+            if e.src_device.type == "cpu":
+                # The host copy serves until the placeholders go in: the
+                # old storage can go now (peak host memory = one model,
+                # not two).
+                e.tensor.data = h
+                moved.append(e)
+        slots[i] = (h, None, Source.from_host(hb.ptr + off))
+
+
+def sources(dev, entries, align, st=None, plan=None):
+    """Where each entry's bytes live: [(host, file_addr, Source)] and the
+    HostBuf holding the host copies (None if no entry has one).
+
+    Without a file every entry gets a slot of one new HostBuf (in entries'
+    order, align-aligned: the VBAR's offsets when that is their order),
+    filled from its tensor; a CPU tensor is pointed at its slot at once,
+    so its old storage can go. With a file (st, plan from
+    files.match_file), parameters get a FILE source (vp_st_source) and no
+    host copy; buffers, which training mode updates in place, get a
+    HostBuf slot filled from the file."""
+    slots, hosted = _file_slots(entries, st, plan)
+    if not hosted:
+        return None, slots
+    offsets, total = place([entries[i] for i in hosted], align)
+    hb = dev.alloc_hostbuf(total)
+    moved = []
+    try:
+        with torch.no_grad(), torch.inference_mode(False):
+            _fill_host(hb, total, entries, hosted, offsets, slots, st, plan,
+                       moved)
+    except BaseException:
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in moved:
+                e.tensor.data = e.tensor.data.clone()
+        hb.close()
+        raise
+    return hb, slots
+
+
+def release_host(entries):
+    """After a failed offload: tensors pointed at their host copy get a
+    copy of their own (the HostBuf is about to go); sources forgotten."""
+    with torch.no_grad(), torch.inference_mode(False):
+        for e in entries:
+            if e.host is not None and \
+                    e.tensor.data_ptr() == e.host.data_ptr():
+                e.tensor.data = e.host.clone()
+            e.host = e.src = e.file_addr = None
+
+
+def host_copy(e):
+    """A new CPU tensor with the weight's bytes (host copy or file)."""
+    if e.host is not None:
+        return e.host.clone()
+    with torch.inference_mode(False):
+        out = torch.empty(e.shape, dtype=e.dtype)
+    if e.size:
+        ctypes.memmove(out.data_ptr(), e.file_addr, e.size)
+    return out
+
+
+def _check_meta_buffers(module):
+    for m in module.modules():
+        for k in m._non_persistent_buffers_set:
+            b = m._buffers.get(k)
+            if b is not None and b.device.type == "meta":
+                raise ValueError(
+                    "vpager.torch.offload: buffer %r of %s is on the meta "
+                    "device and is not persistent, so no file holds it: "
+                    "make it a real tensor first" % (k, type(m).__name__))
+
+
+def unmeta(module):
+    """With weights_from, meta tensors are replaced by CPU placeholders (a
+    meta tensor's .data cannot be set to a real one): new Parameter objects
+    (the same one wherever one was shared), or buffers. Returns [(dict,
+    key, old tensor)] to put them back on failure. A meta buffer that is not
+    persistent (so no file holds it): ValueError, nothing changed."""
+    _check_meta_buffers(module)
+    swapped, new = [], {}
+    with torch.no_grad(), torch.inference_mode(False):
+        for m in module.modules():
+            for d, is_param in ((m._parameters, True), (m._buffers, False)):
+                for k, t in list(d.items()):
+                    if t is None or t.device.type != "meta":
+                        continue
+                    r = new.get(id(t))
+                    if r is None:
+                        ph = placeholder(t.dtype, t.shape, "cpu")
+                        r = (torch.nn.Parameter(ph, t.requires_grad)
+                             if is_param else ph)
+                        new[id(t)] = r
+                    swapped.append((d, k, t))
+                    d[k] = r
+    return swapped
+
+
+def put_back(swapped):
+    """Undo unmeta()."""
+    for d, k, old in swapped:
+        d[k] = old
