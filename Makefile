@@ -1,26 +1,30 @@
 # vpager — plain Makefile. `make` builds the libraries; `make test` runs the
 # C suite; `make check` runs it plain, under ASan+UBSan and under TSan.
-# SAN=address,undefined or SAN=thread builds into its own folder.
+# SAN=address,undefined or SAN=thread builds into its own folder; DEBUG=1
+# adds the invariant checks after every public call (src/invariants.c).
 
 CC      ?= cc
 SAN     ?=
 OPT     ?= -O2
-BUILD   ?= build$(if $(SAN),-$(subst $(comma),-,$(SAN)))
+DEBUG   ?=
+BUILD   ?= build$(if $(SAN),-$(subst $(comma),-,$(SAN)))$(if $(DEBUG),-debug)
 comma   := ,
 
 CFLAGS_BASE = -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -g $(OPT) -fPIC \
-              -fvisibility=hidden -DVPAGER_BUILD -Iinclude -Isrc -pthread
+              -fvisibility=hidden -DVPAGER_BUILD -Iinclude -Isrc -Isrc/backend -pthread
 ifneq ($(SAN),)
 CFLAGS_BASE += -fsanitize=$(SAN) -fno-omit-frame-pointer -fno-sanitize-recover=all
 LDSAN        = -fsanitize=$(SAN)
 endif
+ifneq ($(DEBUG),)
+CFLAGS_BASE += -DVP_DEBUG
+endif
 CFLAGS  += $(CFLAGS_BASE)
 LDLIBS  += -pthread -ldl -lrt
 
-LIB_SRC = src/api.c src/options.c src/log.c src/error.c src/registry.c src/handles.c \
-          src/pager.c src/page.c src/fence.c src/budget.c src/stats.c \
-          src/inject.c src/hostmem.c src/stream.c src/fileio.c \
-          src/safetensors.c src/json.c src/backend_sim.c src/backend_cuda.c
+# Every library source, in the layer order of src/layers.txt.
+LIB_SRC = $(patsubst %,src/%.c,$(shell sed -e 's/\#.*//' -e 's/^L[0-9]*//' \
+                                  -e 's/\*//g' src/layers.txt))
 LIB_OBJ = $(LIB_SRC:src/%.c=$(BUILD)/obj/%.o)
 
 TEST_SRC = $(wildcard tests/*.c)
@@ -31,7 +35,8 @@ PREFIX ?= /usr/local
 
 all: $(BUILD)/libvpager.so $(BUILD)/libvpager.a $(BUILD)/vpager.pc
 
-$(BUILD)/obj/%.o: src/%.c $(wildcard src/*.h) include/vpager.h | $(BUILD)/obj
+$(BUILD)/obj/%.o: src/%.c $(wildcard src/*.h src/backend/*.h) include/vpager.h
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
 $(BUILD)/libvpager.so: $(LIB_OBJ)
@@ -62,13 +67,17 @@ check-exports: $(BUILD)/libvpager.so
 	if [ -n "$$bad" ]; then echo "exported non-vp_ symbols: $$bad"; exit 1; fi; \
 	echo "exports: only vp_ symbols"
 
+# The layering of src/layers.txt, proved from the object files.
+check-layers: $(LIB_OBJ)
+	@sh tools/check_layers.sh src/layers.txt $(BUILD)/obj
+
 # Our CUDA driver declarations must match the toolkit's cuda.h, where the
 # toolkit is installed (vpager itself builds without it).
 CUDA_INC ?= /usr/local/cuda/include
 check-abi:
 	@if [ -f $(CUDA_INC)/cuda.h ]; then \
 	  $(CC) -std=c11 -Wall -Wextra -Werror -Wincompatible-pointer-types \
-	    -I$(CUDA_INC) -Isrc -Iinclude -fsyntax-only tools/cuda_abi_check.c && \
+	    -I$(CUDA_INC) -Isrc -Isrc/backend -Iinclude -fsyntax-only tools/cuda_abi_check.c && \
 	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
 
@@ -84,8 +93,9 @@ check-python: $(BUILD)/libvpager.so
 
 check: check-abi
 	$(MAKE) test
+	$(MAKE) check-layers
 	$(MAKE) check-python
-	$(MAKE) test SAN=address,undefined OPT=-O1
+	$(MAKE) test SAN=address,undefined OPT=-O1 DEBUG=1
 	$(MAKE) test SAN=thread OPT=-O1
 
 $(BUILD)/demo/demo: demo/demo.c $(BUILD)/libvpager.a | $(BUILD)/demo

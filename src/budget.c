@@ -30,8 +30,8 @@ void vp__budget_invalidate(vp__device_t *dev) { dev->budget.last_poll_ns = 0; }
 static int poll(vp__device_t *dev, uint64_t now) {
   vp__budget_t *b = &dev->budget;
   uint64_t free_bytes, total;
-  int rc = dev->be->mem_info(dev->ctx, &free_bytes, &total);
-  if (rc) return vp__be_result(dev, rc, "mem_info");
+  int rc = vp__be_mem_info(dev, &free_bytes, &total);
+  if (rc) return rc;
   b->free_at_poll = free_bytes;
   b->ours_at_poll = dev->committed;
   b->total = total;

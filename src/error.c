@@ -32,14 +32,22 @@ const char *vp_last_error(void) { return last_error; }
 
 void vp__clear_error(void) { last_error[0] = '\0'; }
 
-/* Record "message: text of code" for this thread; returns code. */
+/* The public function this thread is in (VP__ENTER), named by every
+ * message it leaves. */
+static _Thread_local const char *entry_name;
+
+void vp__api_enter(const char *fn) { entry_name = fn; }
+
+/* Record "entry: message (VP_CODE)" for this thread; returns code. */
 int vp__err(int code, const char *fmt, ...) {
+  size_t len = sizeof last_error;
+  int n = snprintf(last_error, len, "%s: ", entry_name ? entry_name : "vpager");
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(last_error, sizeof last_error, fmt, ap);
+  int m = vsnprintf(last_error + n, len - (size_t)n, fmt, ap);
   va_end(ap);
-  if (n >= 0 && (size_t)n < sizeof last_error)
-    snprintf(last_error + n, sizeof last_error - (size_t)n, " (%s)",
+  if (m >= 0 && (size_t)(n + m) < len)
+    snprintf(last_error + n + m, len - (size_t)(n + m), " (%s)",
              vp_err_name(code));
   vp__log(VP_LOG_DEBUG, NULL, "%s", last_error);
   return code;

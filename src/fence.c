@@ -12,20 +12,20 @@ int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out) {
     dev->free_fences = f->next;
   } else {
     if (vp__inject_fail(&dev->inject) || !(f = calloc(1, sizeof *f)))
-      return vp__err(VP_ENOMEM, "vp_unpin: no memory for a fence");
-    int rc = dev->be->event_create(dev->ctx, &f->event);
+      return vp__err(VP_ENOMEM, "no memory for a fence");
+    int rc = vp__be_event_create(dev, &f->event);
     if (rc) {
       free(f);
-      return vp__err(vp__be_result(dev, rc, "event_create"),
-                     "vp_unpin: creating an event failed");
+      return vp__err(rc,
+                     "creating an event failed");
     }
   }
-  int rc = dev->be->event_record(dev->ctx, f->event, stream);
+  int rc = vp__be_event_record(dev, f->event, stream);
   if (rc) {
     f->next = dev->free_fences;
     dev->free_fences = f;
-    return vp__err(vp__be_result(dev, rc, "event_record"),
-                   "vp_unpin: recording an event on stream 0x%llx failed",
+    return vp__err(rc,
+                   "recording an event on stream 0x%llx failed",
                    (unsigned long long)stream);
   }
   f->stream = stream;
@@ -42,14 +42,14 @@ void vp__fence_put(vp__device_t *dev, vp__fence_t *f) {
 }
 
 int vp__fence_wait(vp__device_t *dev, vp__fence_t *f) {
-  return dev->be->event_synchronize(dev->ctx, f->event);
+  return vp__be_event_synchronize(dev, f->event);
 }
 
 void vp__fence_pool_free(vp__device_t *dev) {
   while (dev->free_fences) {
     vp__fence_t *f = dev->free_fences;
     dev->free_fences = f->next;
-    dev->be->event_destroy(dev->ctx, f->event);
+    vp__be_event_destroy(dev, f->event);
     free(f);
   }
 }

@@ -60,18 +60,15 @@ static void slot_free_buf(vp__device_t *dev, struct vp__file_ring *r,
  * for its last upload (its memory is about to be overwritten). */
 static int slot_ready(vp__device_t *dev, struct vp__file_ring *r,
                       ring_slot_t *s, const char *what) {
-  const vp__backend_t *be = dev->be;
   if (s->in_flight) {
-    int rc = vp__be_result(dev, be->event_synchronize(dev->ctx, s->ev),
-                           "event_synchronize");
+    int rc = vp__be_event_synchronize(dev, s->ev);
     if (rc)
       return vp__err(rc, "%s: waiting for an upload of the file reader "
                      "failed", what);
     s->in_flight = false;
   }
   if (!s->has_event) {
-    int rc = vp__be_result(dev, be->event_create(dev->ctx, &s->ev),
-                           "event_create");
+    int rc = vp__be_event_create(dev, &s->ev);
     if (rc)
       return vp__err(rc, "%s: creating an event for the file reader failed",
                      what);
@@ -158,7 +155,6 @@ int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
   struct vp__file_ring *r = NULL;
   int rc = ring_get(dev, &r);
   if (rc) return rc;
-  const vp__backend_t *be = dev->be;
   vp__vbar_t *vb = vbar_of(dev, dst);
   for (uint64_t done = 0; done < size;) {
     ring_slot_t *s = &r->slots[r->next];
@@ -168,17 +164,17 @@ int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
     uint64_t n = size - done < r->slot_size ? size - done : r->slot_size;
     rc = read_full(fd, s->buf, n, offset + done, what);
     if (rc) return rc;
-    rc = be->copy_htod(dev->ctx, dst + done, s->buf, n, stream);
+    rc = vp__be_copy_htod(dev, dst + done, s->buf, n, stream);
     if (rc)
-      return vp__err(vp__be_result(dev, rc, "copy_htod"), "%s: uploading "
+      return vp__err(rc, "%s: uploading "
                      "%llu bytes to 0x%llx on stream 0x%llx failed", what,
                      ULL(n), ULL(dst + done), ULL(stream));
-    rc = be->event_record(dev->ctx, s->ev, stream);
+    rc = vp__be_event_record(dev, s->ev, stream);
     if (rc) {
       /* Without the event the slot is safe again only once the stream has
        * drained. */
-      be->stream_synchronize(dev->ctx, stream);
-      return vp__err(vp__be_result(dev, rc, "event_record"), "%s: recording "
+      vp__be_stream_synchronize(dev, stream);
+      return vp__err(rc, "%s: recording "
                      "an event on stream 0x%llx failed", what, ULL(stream));
     }
     s->in_flight = true;
@@ -194,8 +190,8 @@ void vp__fileio_close(vp__device_t *dev) {
   if (!r) return;
   for (uint32_t i = 0; i < r->n; i++) {
     ring_slot_t *s = &r->slots[i];
-    if (s->in_flight) dev->be->event_synchronize(dev->ctx, s->ev);
-    if (s->has_event) dev->be->event_destroy(dev->ctx, s->ev);
+    if (s->in_flight) vp__be_event_synchronize(dev, s->ev);
+    if (s->has_event) vp__be_event_destroy(dev, s->ev);
     slot_free_buf(dev, r, s);
   }
   free(r);
@@ -205,19 +201,19 @@ void vp__fileio_close(vp__device_t *dev) {
 int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
                            uint64_t size, uint64_t dst_addr,
                            vp_stream_t stream) {
-  static const char fn[] = "vp_file_read_to_device";
-  if (fd < 0) return vp__err(VP_EINVAL, "%s: fd %d is negative", fn, fd);
-  if (size == 0) return vp__err(VP_EINVAL, "%s: size is 0", fn);
+  VP__ENTER();
+  if (fd < 0) return vp__err(VP_EINVAL, "fd %d is negative", fd);
+  if (size == 0) return vp__err(VP_EINVAL, "size is 0");
   if (offset > UINT64_MAX - size)
-    return vp__err(VP_ERANGE, "%s: offset %llu + size %llu overflows", fn,
+    return vp__err(VP_ERANGE, "offset %llu + size %llu overflows",
                    ULL(offset), ULL(size));
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, fn, &dev);
+  int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
-  rc = vp__pinned_range(dev, dst_addr, size, fn);
+  rc = vp__pinned_range(dev, dst_addr, size);
   if (rc == VP_OK) {
     char what[64];
-    snprintf(what, sizeof what, "%s: fd %d", fn, fd);
+    snprintf(what, sizeof what, "fd %d", fd);
     rc = vp__file_read(dev, fd, offset, size, dst_addr, stream, what);
   }
   return vp__unlock(dev, rc);

@@ -57,20 +57,15 @@ void vp__table_free(vp__table_t *t) {
   t->n = 0;
 }
 
-/* Find the live object `id` in the table at byte offset `table` of its
- * device and lock that device (*dev). VP_EHANDLE, naming fn and `what`,
- * when there is none. */
-int vp__handle_enter(uint64_t id, size_t table, const char *fn,
-                     const char *what, vp__device_t **dev, void **out) {
-  vp__device_t *d = vp__registry_get(id);
-  if (d) {
-    pthread_mutex_lock(&d->lock);
-    if ((*out = vp__table_get((vp__table_t *)((char *)d + table), id))) {
-      *dev = d;
-      return VP_OK;
-    }
-    pthread_mutex_unlock(&d->lock);
-  }
-  return vp__err(VP_EHANDLE, "%s: %s handle 0x%llx is not live", fn, what,
-                 (unsigned long long)id);
+/* Room for one more element in *arr (of *cap elements of `size`). */
+int vp__grow(vp__device_t *dev, void **arr, size_t *cap, size_t used,
+                size_t size) {
+  if (used < *cap) return VP_OK;
+  size_t n = *cap ? *cap * 2 : 16;
+  void *p = NULL;
+  if (vp__inject_fail(&dev->inject) || !(p = realloc(*arr, n * size)))
+    return vp__err(VP_ENOMEM, "no memory for a list of %zu", n);
+  *arr = p;
+  *cap = n;
+  return VP_OK;
 }

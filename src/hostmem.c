@@ -127,11 +127,9 @@ static bool pin_finish(vp__device_t *dev, uint64_t size, int rc) {
     return true;
   }
   dev->pinned_host -= size; /* give the reservation back */
-  vp__be_result(dev, rc, "host_register"); /* VP_EDEVICE: a broken device */
-  bool cuda = dev->be == &vp__backend_cuda;
+  const char *detail = vp__be_error_detail(dev);
   fallback(dev, size, "page-locking %llu bytes failed: %s%s%s", ULL(size),
-           vp_err_name(rc), cuda ? ", " : "",
-           cuda ? vp__cuda_error_name(dev->ctx) : "");
+           vp_err_name(rc), *detail ? ", " : "", detail);
   return false;
 }
 
@@ -139,7 +137,7 @@ static bool pin_finish(vp__device_t *dev, uint64_t size, int rc) {
 void vp__pin_host(vp__device_t *dev, void *ptr, uint64_t size, bool *pinned) {
   *pinned = false;
   if (!ptr || !size || !pin_reserve(dev, size)) return;
-  *pinned = pin_finish(dev, size, dev->be->host_register(dev->ctx, ptr, size));
+  *pinned = pin_finish(dev, size, vp__be_host_register(dev, ptr, size));
 }
 
 /* The bookkeeping half of unpinning (device lock held). stats.host_pinned_bytes
@@ -152,7 +150,7 @@ static void unpin_account(vp__device_t *dev, uint64_t size) {
 /* Device lock held; ptr and size as pinned. An unregister failure leaves
  * nothing to do: the memory is unmapped or handed back next anyway. */
 void vp__unpin_host(vp__device_t *dev, void *ptr, uint64_t size) {
-  dev->be->host_unregister(dev->ctx, ptr);
+  vp__be_host_unregister(dev, ptr);
   unpin_account(dev, size);
 }
 
@@ -184,20 +182,20 @@ void vp__host_free(vp__device_t *dev, void *ptr, uint64_t size, bool pinned) {
 /* --------------------------------------------------------- host buffers */
 
 /* Look up a host buffer and lock its device. */
-static int hb_lock(vp_hostbuf_t h, const char *fn, hostbuf_t **out) {
+static int hb_lock(vp_hostbuf_t h, hostbuf_t **out) {
   vp__device_t *dev;
-  return vp__handle_enter(h.id, offsetof(vp__device_t, hostbufs), fn,
-                          "host buffer", &dev, (void **)out);
+  return vp__handle_lock(h.id, offsetof(vp__device_t, hostbufs),
+                         "host buffer", &dev, (void **)out);
 }
 
 /* Room for one more chunk (device lock held). */
-static int chunk_room(vp__device_t *dev, hostbuf_t *hb, const char *fn) {
+static int chunk_room(vp__device_t *dev, hostbuf_t *hb) {
   if (hb->nchunks < hb->cap) return VP_OK;
   uint32_t cap = hb->cap ? hb->cap * 2 : 4;
   hb_chunk_t *grown = NULL;
   if (vp__inject_fail(&dev->inject) ||
       !(grown = realloc(hb->chunks, cap * sizeof *grown)))
-    return vp__err(VP_ENOMEM, "%s: no memory for %u chunk records", fn, cap);
+    return vp__err(VP_ENOMEM, "no memory for %u chunk records", cap);
   hb->chunks = grown;
   hb->cap = cap;
   return VP_OK;
@@ -205,13 +203,13 @@ static int chunk_room(vp__device_t *dev, hostbuf_t *hb, const char *fn) {
 
 /* A new, empty host buffer in the table, busy until its memory is pinned
  * (device lock held). */
-static int hb_new(vp__device_t *dev, const char *fn, hostbuf_t **out) {
+static int hb_new(vp__device_t *dev, hostbuf_t **out) {
   hostbuf_t *hb = NULL;
   if (vp__inject_fail(&dev->inject) || !(hb = calloc(1, sizeof *hb)))
-    return vp__err(VP_ENOMEM, "%s: no memory for a host buffer", fn);
+    return vp__err(VP_ENOMEM, "no memory for a host buffer");
   hb->dev = dev;
   hb->busy = true;
-  int rc = chunk_room(dev, hb, fn);
+  int rc = chunk_room(dev, hb);
   if (!rc) rc = vp__table_add(dev, &dev->hostbufs, hb, &hb->id);
   if (rc) {
     free(hb->chunks);
@@ -228,7 +226,7 @@ static uint64_t hb_release_memory(vp__device_t *dev, hostbuf_t *hb) {
   uint64_t pinned = 0;
   for (uint32_t i = 0; i < hb->nchunks; i++) {
     if (!hb->chunks[i].pinned) continue;
-    dev->be->host_unregister(dev->ctx, hb->chunks[i].ptr);
+    vp__be_host_unregister(dev, hb->chunks[i].ptr);
     pinned += hb->chunks[i].size;
   }
   if (hb->reserved) munmap(hb->ptr, hb->reserved);
@@ -249,16 +247,15 @@ static void hb_abandon(vp__device_t *dev, hostbuf_t *hb) {
 }
 
 /* Reserve `max` bytes of address space: no memory, no commit charge. */
-static int hb_reserve(vp__device_t *dev, hostbuf_t *hb, uint64_t max,
-                      const char *fn) {
+static int hb_reserve(vp__device_t *dev, hostbuf_t *hb, uint64_t max) {
   uint64_t len = page_round(max);
   void *p = MAP_FAILED;
   if (len && !vp__inject_fail(&dev->inject))
     p = mmap(NULL, len, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED)
-    return vp__err(VP_ENOMEM, "%s: cannot reserve %llu bytes of address "
-                   "space", fn, ULL(max));
+    return vp__err(VP_ENOMEM, "cannot reserve %llu bytes of address "
+                   "space", ULL(max));
   hb->ptr = p;
   hb->reserved = len;
   hb->max_size = max;
@@ -267,16 +264,14 @@ static int hb_reserve(vp__device_t *dev, hostbuf_t *hb, uint64_t max,
 
 /* Make the pages up to `size` usable (zero-filled) as a new unpinned chunk,
  * if any page is new (device lock held; room for the chunk made). */
-static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size,
-                     const char *fn) {
+static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size) {
   uint64_t end = page_round(size);
   if (end <= hb->committed) return VP_OK;
   uint8_t *p = hb->ptr + hb->committed;
   uint64_t len = end - hb->committed;
   if (vp__inject_fail(&dev->inject) ||
       mprotect(p, len, PROT_READ | PROT_WRITE))
-    return vp__err(VP_ENOMEM, "%s: cannot commit %llu bytes of host memory",
-                   fn, ULL(len));
+    return vp__err(VP_ENOMEM, "cannot commit %llu bytes of host memory", ULL(len));
   hb->chunks[hb->nchunks++] = (hb_chunk_t){p, len, false};
   hb->committed = end;
   return VP_OK;
@@ -288,7 +283,7 @@ static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i) {
   hb_chunk_t c = hb->chunks[i];
   if (!pin_reserve(dev, c.size)) return;
   pthread_mutex_unlock(&dev->lock);
-  int rc = dev->be->host_register(dev->ctx, c.ptr, c.size);
+  int rc = vp__be_host_register(dev, c.ptr, c.size);
   pthread_mutex_lock(&dev->lock);
   hb->chunks[i].pinned = pin_finish(dev, c.size, rc);
 }
@@ -347,8 +342,8 @@ static int copy_pieces(vp__device_t *dev, bool htod, uint64_t addr,
     if (!locked) pthread_mutex_lock(&dev->lock);
     uint64_t n = vp__host_piece(dev, host, size);
     if (!locked) pthread_mutex_unlock(&dev->lock);
-    int rc = htod ? dev->be->copy_htod(dev->ctx, addr, host, n, stream)
-                  : dev->be->copy_dtoh(dev->ctx, host, addr, n, stream);
+    int rc = htod ? vp__be_copy_htod(dev, addr, host, n, stream)
+                  : vp__be_copy_dtoh(dev, host, addr, n, stream);
     if (rc) return rc;
     addr += n;
     host += n;
@@ -370,21 +365,21 @@ int vp__copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
 
 int vp_hostbuf_alloc(vp_device_t h, uint64_t size, uint64_t max_size,
                      vp_hostbuf_t *out) {
-  static const char fn[] = "vp_hostbuf_alloc";
-  if (!out) return vp__err(VP_EINVAL, "%s: out is NULL", fn);
+  VP__ENTER();
+  if (!out) return vp__err(VP_EINVAL, "out is NULL");
   out->id = 0;
-  if (!size) return vp__err(VP_EINVAL, "%s: size is 0", fn);
+  if (!size) return vp__err(VP_EINVAL, "size is 0");
   if (max_size < size)
-    return vp__err(VP_EINVAL, "%s: max_size %llu is below size %llu", fn,
+    return vp__err(VP_EINVAL, "max_size %llu is below size %llu",
                    ULL(max_size), ULL(size));
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, fn, &dev);
+  int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   hostbuf_t *hb = NULL;
-  rc = hb_new(dev, fn, &hb);
+  rc = hb_new(dev, &hb);
   if (rc) return vp__unlock(dev, rc);
-  rc = hb_reserve(dev, hb, max_size, fn);
-  if (!rc) rc = hb_commit(dev, hb, size, fn);
+  rc = hb_reserve(dev, hb, max_size);
+  if (!rc) rc = hb_commit(dev, hb, size);
   if (rc) {
     hb_abandon(dev, hb);
     return vp__unlock(dev, rc);
@@ -398,19 +393,19 @@ int vp_hostbuf_alloc(vp_device_t h, uint64_t size, uint64_t max_size,
 
 int vp_hostbuf_register(vp_device_t h, void *ptr, uint64_t size,
                         vp_hostbuf_t *out) {
-  static const char fn[] = "vp_hostbuf_register";
-  if (!out) return vp__err(VP_EINVAL, "%s: out is NULL", fn);
+  VP__ENTER();
+  if (!out) return vp__err(VP_EINVAL, "out is NULL");
   out->id = 0;
-  if (!ptr) return vp__err(VP_EINVAL, "%s: ptr is NULL", fn);
-  if (!size) return vp__err(VP_EINVAL, "%s: size is 0", fn);
+  if (!ptr) return vp__err(VP_EINVAL, "ptr is NULL");
+  if (!size) return vp__err(VP_EINVAL, "size is 0");
   if ((uintptr_t)ptr > UINTPTR_MAX - size)
-    return vp__err(VP_EINVAL, "%s: [%p, +%llu) wraps around", fn, ptr,
+    return vp__err(VP_EINVAL, "[%p, +%llu) wraps around", ptr,
                    ULL(size));
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, fn, &dev);
+  int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   hostbuf_t *hb = NULL;
-  rc = hb_new(dev, fn, &hb);
+  rc = hb_new(dev, &hb);
   if (rc) return vp__unlock(dev, rc);
   /* The caller's memory: one chunk, nothing reserved, nothing to unmap. */
   hb->ptr = ptr;
@@ -423,37 +418,37 @@ int vp_hostbuf_register(vp_device_t h, void *ptr, uint64_t size,
 }
 
 /* Why hb cannot grow to size, or VP_OK (also for "no change"). */
-static int grow_check(const hostbuf_t *hb, uint64_t size, const char *fn) {
+static int grow_check(const hostbuf_t *hb, uint64_t size) {
   if (hb->dev->broken)
-    return vp__err(VP_EDEVICE, "%s: the %s device is broken; close it", fn,
+    return vp__err(VP_EDEVICE, "the %s device is broken; close it",
                    hb->dev->caps.name);
   if (hb->busy)
-    return vp__err(VP_EBUSY, "%s: host buffer 0x%llx is being pinned by "
-                   "another thread", fn, ULL(hb->id));
+    return vp__err(VP_EBUSY, "host buffer 0x%llx is being pinned by "
+                   "another thread", ULL(hb->id));
   if (size < hb->size)
-    return vp__err(VP_EINVAL, "%s: %llu is below the size %llu (buffers do "
-                   "not shrink)", fn, ULL(size), ULL(hb->size));
+    return vp__err(VP_EINVAL, "%llu is below the size %llu (buffers do "
+                   "not shrink)", ULL(size), ULL(hb->size));
   if (size > hb->size && !hb->reserved)
-    return vp__err(VP_EINVAL, "%s: host buffer 0x%llx is registered caller "
-                   "memory, which cannot grow", fn, ULL(hb->id));
+    return vp__err(VP_EINVAL, "host buffer 0x%llx is registered caller "
+                   "memory, which cannot grow", ULL(hb->id));
   if (size > hb->max_size)
-    return vp__err(VP_ERANGE, "%s: %llu is past max_size %llu", fn,
+    return vp__err(VP_ERANGE, "%llu is past max_size %llu",
                    ULL(size), ULL(hb->max_size));
   return VP_OK;
 }
 
 int vp_hostbuf_grow(vp_hostbuf_t h, uint64_t size) {
-  static const char fn[] = "vp_hostbuf_grow";
+  VP__ENTER();
   hostbuf_t *hb = NULL;
-  int rc = hb_lock(h, fn, &hb);
+  int rc = hb_lock(h, &hb);
   if (rc) return rc;
   vp__device_t *dev = hb->dev;
-  rc = grow_check(hb, size, fn);
+  rc = grow_check(hb, size);
   if (rc || size == hb->size) return vp__unlock(dev, rc);
-  rc = chunk_room(dev, hb, fn);
+  rc = chunk_room(dev, hb);
   uint64_t old_committed = hb->committed;
   uint32_t old_chunks = hb->nchunks;
-  if (!rc) rc = hb_commit(dev, hb, size, fn);
+  if (!rc) rc = hb_commit(dev, hb, size);
   if (rc) return vp__unlock(dev, rc);
   /* Bytes past the old size in its last page may have been written. */
   uint64_t tail_end = size < old_committed ? size : old_committed;
@@ -468,10 +463,10 @@ int vp_hostbuf_grow(vp_hostbuf_t h, uint64_t size) {
 }
 
 int vp_hostbuf_info(vp_hostbuf_t h, vp_hostbuf_info_t *info) {
-  static const char fn[] = "vp_hostbuf_info";
-  if (!info) return vp__err(VP_EINVAL, "%s: info is NULL", fn);
+  VP__ENTER();
+  if (!info) return vp__err(VP_EINVAL, "info is NULL");
   hostbuf_t *hb = NULL;
-  int rc = hb_lock(h, fn, &hb);
+  int rc = hb_lock(h, &hb);
   if (rc) return rc;
   *info = (vp_hostbuf_info_t){
       .ptr = hb->ptr,
@@ -484,14 +479,14 @@ int vp_hostbuf_info(vp_hostbuf_t h, vp_hostbuf_info_t *info) {
 
 /* Works on a broken device too: freeing is how the caller cleans up. */
 int vp_hostbuf_free(vp_hostbuf_t h) {
-  static const char fn[] = "vp_hostbuf_free";
+  VP__ENTER();
   hostbuf_t *hb = NULL;
-  int rc = hb_lock(h, fn, &hb);
+  int rc = hb_lock(h, &hb);
   if (rc) return rc;
   vp__device_t *dev = hb->dev;
   if (hb->busy)
-    return vp__unlock(dev, vp__err(VP_EBUSY, "%s: host buffer 0x%llx is "
-                                   "being pinned by another thread", fn,
+    return vp__unlock(dev, vp__err(VP_EBUSY, "host buffer 0x%llx is "
+                                   "being pinned by another thread",
                                    ULL(hb->id)));
   /* Out of the table first: no one else can reach it while unlocked. */
   vp__table_remove(&dev->hostbufs, hb->id);
@@ -500,14 +495,6 @@ int vp_hostbuf_free(vp_hostbuf_t h) {
   hb_delete(hb);
   pthread_mutex_lock(&dev->lock);
   unpin_account(dev, pinned);
-  return vp__unlock(dev, VP_OK);
-}
-
-int vp_device_set_pin_budget(vp_device_t h, uint64_t bytes) {
-  vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, "vp_device_set_pin_budget", &dev);
-  if (rc) return rc;
-  dev->pin_budget = bytes;
   return vp__unlock(dev, VP_OK);
 }
 

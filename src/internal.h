@@ -1,5 +1,14 @@
-/* Internal types and the index of internal functions, grouped by the file
- * that defines them. Nothing here is installed.
+/* Internal types and the index of internal functions, grouped by layer and
+ * by the file that defines them. Nothing here is installed.
+ *
+ * Layers (src/layers.txt is the table `make check-layers` proves from the
+ * object files): a file calls only files of lower layers, or files of its
+ * own layer listed before it; nothing calls layer 4.
+ *   L0  diagnostics (log, error), options, json, registry, inject
+ *   L1  backend/: the sim and CUDA backends and backend.c, their one door
+ *   L2  handles, fence, budget, page, pager, stats, invariants, entry
+ *   L3  hostmem, weights, staging, fileio, stream, safetensors
+ *   L4  device (open/close: the composition root) and api
  *
  * Glossary (see include/vpager.h for the public terms)
  *   vp__device_t  an open device: backend, lock, VBAR table, priority list,
@@ -12,6 +21,7 @@
 #define VPAGER_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -69,13 +79,15 @@ typedef struct vp__vbar {
   struct vp__vbar *up, *down; /* priority list neighbours (up = higher) */
   bool listed;       /* in the priority list (internal VBARs are not) */
   vp_stats_t stats;
-  /* stream.c: weights sorted by offset, and how many are acquired */
+  uint64_t epoch;    /* counts page commits and evictions */
+  /* weights.c: weights sorted by offset, and how many are acquired */
   struct vp__weight **weights;
   uint32_t nweights, weights_cap;
   uint32_t acquired;
-  /* The last prefetch scan of the whole VBAR found nothing to copy; page
-   * commits and evictions and lost staging slots clear it. */
+  /* stream.c: the last prefetch scan of the whole VBAR found nothing to
+   * copy, at pages epoch prefetch_epoch; a lost staging slot clears it. */
   bool prefetch_idle;
+  uint64_t prefetch_epoch;
 } vp__vbar_t;
 
 typedef struct vp__budget {
@@ -98,7 +110,7 @@ struct vp__device {
   vp_options_t opts;
   uint64_t page_size;
   int page_shift;
-  bool broken;          /* a backend call reported VP_EDEVICE */
+  atomic_bool broken;   /* a backend call reported VP_EDEVICE */
   uint64_t committed;   /* bytes of pages we hold */
   uint32_t gen_counter;
   vp__table_t vbars;
@@ -113,7 +125,7 @@ struct vp__device {
   uint64_t pin_budget;   /* host bytes we may page-lock */
   uint64_t pinned_host;  /* host bytes we have page-locked */
   vp__table_t hostbufs;
-  /* stream.c */
+  /* weights.c, staging.c, stream.c */
   vp_stream_t copy_stream; /* 0 until first needed */
   vp__table_t weights;
   struct vp__staging *staging;
@@ -123,16 +135,28 @@ struct vp__device {
   vp__table_t sts;
 };
 
-/* error.c */
-int vp__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void vp__clear_error(void);
+/* ================================================================ L0 */
 
 /* log.c */
 void vp__log(int level, const char *who, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 #define vp__log_on(level) ((level) <= vp_get_log_level())
+void vp__log_set_level(int level);
+
+/* error.c: messages start with the public call this thread is in. Every
+ * public function begins with VP__ENTER(); lower layers never name one. */
+void vp__api_enter(const char *fn);
+#define VP__ENTER() vp__api_enter(__func__)
+int vp__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void vp__clear_error(void);
+/* An argument check of a public function. */
+#define VP__NEED(cond, what)                                                   \
+  do {                                                                         \
+    if (!(cond)) return vp__err(VP_EINVAL, "%s", what);                        \
+  } while (0)
 
 /* options.c */
+void vp__options_defaults(vp_options_t *opts); /* and VPAGER_* variables */
 int vp__options_check(const vp_options_t *opts);
 
 /* registry.c: the table of open devices, which lets a stale device handle be
@@ -142,24 +166,85 @@ void vp__registry_remove(vp__device_t *dev);
 vp__device_t *vp__registry_get(uint64_t id);
 uint64_t vp__serial_next(void);
 
-/* handles.c */
+/* ================================================================ L1 */
+
+/* backend/backend.c: the only caller of a backend. Each vp__be_<op> calls
+ * the device's backend and applies the broken-device rule (VP_EDEVICE marks
+ * the device broken); codes as in backend.h, no message. */
+int vp__be_open(vp__device_t *dev); /* picks the backend (message on error) */
+void vp__be_close(vp__device_t *dev);
+const char *vp__be_error_detail(vp__device_t *dev); /* the driver's last */
+int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
+                     uint64_t *dev_total, uint64_t *proc_used);
+int vp__be_mem_info(vp__device_t *dev, uint64_t *free_bytes, uint64_t *total);
+int vp__be_va_reserve(vp__device_t *dev, uint64_t size, uint64_t *va);
+int vp__be_va_free(vp__device_t *dev, uint64_t va, uint64_t size);
+int vp__be_phys_create(vp__device_t *dev, uint64_t size, vp__phys_t *phys);
+int vp__be_phys_release(vp__device_t *dev, vp__phys_t phys, uint64_t size);
+int vp__be_map(vp__device_t *dev, uint64_t va, uint64_t size, vp__phys_t phys);
+int vp__be_unmap(vp__device_t *dev, uint64_t va, uint64_t size);
+int vp__be_set_access(vp__device_t *dev, uint64_t va, uint64_t size);
+int vp__be_stream_create(vp__device_t *dev, vp_stream_t *stream);
+int vp__be_stream_destroy(vp__device_t *dev, vp_stream_t stream);
+int vp__be_stream_synchronize(vp__device_t *dev, vp_stream_t stream);
+int vp__be_stream_wait_event(vp__device_t *dev, vp_stream_t s, vp__event_t ev);
+int vp__be_event_create(vp__device_t *dev, vp__event_t *ev);
+int vp__be_event_destroy(vp__device_t *dev, vp__event_t ev);
+int vp__be_event_record(vp__device_t *dev, vp__event_t ev, vp_stream_t stream);
+int vp__be_event_query(vp__device_t *dev, vp__event_t ev);
+int vp__be_event_synchronize(vp__device_t *dev, vp__event_t ev);
+int vp__be_copy_htod(vp__device_t *dev, uint64_t dst, const void *src,
+                     uint64_t size, vp_stream_t stream);
+int vp__be_copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
+                     vp_stream_t stream);
+int vp__be_host_register(vp__device_t *dev, void *ptr, uint64_t size);
+int vp__be_host_unregister(vp__device_t *dev, void *ptr);
+int vp__be_launch(vp__device_t *dev, vp_stream_t stream, void (*fn)(void *),
+                  void *arg); /* VP_EUNSUPPORTED off the simulated device */
+int vp__be_inject(vp__device_t *dev, int kind, uint64_t n);
+
+/* ================================================================ L2 */
+
+/* handles.c: slot tables of objects found by id. */
 int vp__table_add(vp__device_t *dev, vp__table_t *t, void *obj, uint64_t *id);
 void *vp__table_get(const vp__table_t *t, uint64_t id);
 void vp__table_remove(vp__table_t *t, uint64_t id);
 void vp__table_free(vp__table_t *t);
-int vp__handle_enter(uint64_t id, size_t table, const char *fn,
-                     const char *what, vp__device_t **dev, void **out);
+/* Room for one more element in *arr (*cap elements of `size`, `used` in
+ * use), doubling; VP_ENOMEM with a message. */
+int vp__grow(vp__device_t *dev, void **arr, size_t *cap, size_t used,
+             size_t size);
+
+/* fence.c */
+int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out);
+void vp__fence_put(vp__device_t *dev, vp__fence_t *f);
+int vp__fence_wait(vp__device_t *dev, vp__fence_t *f);
+void vp__fence_pool_free(vp__device_t *dev);
+
+/* budget.c */
+void vp__budget_init(vp__device_t *dev);
+int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed);
+void vp__budget_invalidate(vp__device_t *dev);
+uint64_t vp__now_ns(void);
+
+/* page.c: committing and evicting one page. */
+int vp__page_commit(vp__vbar_t *vb, uint32_t p);
+int vp__page_evict(vp__vbar_t *vb, uint32_t p);
 
 /* pager.c */
-int vp__device_create(const vp_options_t *opts, vp__device_t **out);
-void vp__device_destroy(vp__device_t *dev);
 int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
+/* A VBAR for the library's own use (the staging ring): not in the priority
+ * list, so it is never chosen for eviction and never listed in reports. */
+int vp__vbar_new_internal(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
+int vp__vbar_check_free(const vp__vbar_t *vb); /* VP_EBUSY while pinned */
 int vp__vbar_free(vp__vbar_t *vb);
-void vp__vbar_set_order(vp__vbar_t *vb, int kind);
-/* stream.c: mark[p] for each page of vb that a weight touches: GROUP_START,
- * or GROUP_JOINED when a weight spans it and the page before. */
+void vp__pager_close(vp__device_t *dev); /* every VBAR, pinned or not */
+/* The eviction order. mark (may be NULL) says which pages weights join:
+ * mark[p] is GROUP_START where a weight starts a group, GROUP_JOINED where
+ * a weight spans p and the page before; interleaved order then takes whole
+ * groups. */
 enum { VP__PAGE_GROUP_START = 1, VP__PAGE_GROUP_JOINED = 2 };
-void vp__weights_mark_pages(const vp__vbar_t *vb, uint8_t *mark);
+void vp__vbar_set_order(vp__vbar_t *vb, int kind, const uint8_t *mark);
 void vp__vbar_to_top(vp__vbar_t *vb);
 void vp__vbar_to_bottom(vp__vbar_t *vb);
 int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens);
@@ -173,21 +258,43 @@ int vp__order_after(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
 void vp__unpin_attach(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
                       vp__fence_t *f);
 void vp__unpin_nofence(vp__vbar_t *vb, uint32_t p0, uint32_t p1);
-/* A VBAR for the library's own use (the staging ring): not in the priority
- * list, so it is never chosen for eviction and never listed in reports. */
-int vp__vbar_new_internal(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
 int vp__vbar_evict(vp__vbar_t *vb, uint64_t bytes, uint32_t min_rank,
                    uint64_t *freed);
 int vp__device_evict(vp__device_t *dev, uint64_t bytes, uint64_t *freed);
 
-/* api.c: look up a handle and lock its device (VP_EHANDLE, or VP_EDEVICE
- * for a broken device); vp__unlock returns rc. */
-int vp__dev_enter(vp_device_t h, const char *fn, vp__device_t **out);
-int vp__vbar_enter(vp_vbar_t h, const char *fn, vp__vbar_t **out);
+/* stats.c */
+int vp__report(vp__device_t *dev, int json, char *buf, size_t len,
+               size_t *needed);
+
+/* invariants.c: re-derive the page counts of every VBAR and of the device
+ * from the page tables; on a mismatch print a dump and abort. Called by
+ * vp__unlock in debug builds (make DEBUG=1) only. */
+void vp__check_invariants(vp__device_t *dev);
+
+/* entry.c: find a handle and lock its device (VP_EHANDLE); the _enter forms
+ * also refuse a broken device (VP_EDEVICE). vp__unlock returns rc. */
+int vp__dev_lock(vp_device_t h, vp__device_t **out);
+int vp__dev_enter(vp_device_t h, vp__device_t **out);
+int vp__vbar_lock(vp_vbar_t h, vp__vbar_t **out);
+int vp__vbar_enter(vp_vbar_t h, vp__vbar_t **out);
+/* The live object `id` of the table at byte offset `table` of its device;
+ * `what` names its kind in the message. */
+int vp__handle_lock(uint64_t id, size_t table, const char *what,
+                    vp__device_t **dev, void **out);
 int vp__unlock(vp__device_t *dev, int rc);
-/* The VBAR range [addr, +size) must be pinned (VP_ENOTPINNED/VP_ERANGE). */
-int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size,
-                     const char *fn);
+int vp__broken(vp__device_t *dev); /* VP_EDEVICE with its message */
+#define VP__DEVICE_ENTER(h, dev)                                               \
+  do {                                                                         \
+    int rc_ = vp__dev_enter(h, &dev);                                          \
+    if (rc_) return rc_;                                                       \
+  } while (0)
+#define VP__VBAR_ENTER(h, vb)                                                  \
+  do {                                                                         \
+    int rc_ = vp__vbar_enter(h, &vb);                                          \
+    if (rc_) return rc_;                                                       \
+  } while (0)
+
+/* ================================================================ L3 */
 
 /* hostmem.c: page-locking within the device's pin budget. *pinned says
  * whether it happened; failing to pin is not an error. */
@@ -208,11 +315,109 @@ int vp__copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
                   vp_stream_t stream, bool locked);
 uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size);
 
-/* stream.c */
+/* weights.c, staging.c, stream.c share these. */
+typedef struct vp__slot vp__slot_t;
+
+/* The acquires of one weight on one stream: a release on that stream ends
+ * one of them, so each release fence covers the readers of what it ends. */
+typedef struct vp__hold {
+  vp_stream_t stream;
+  uint32_t resident, staged; /* holding page pins / its staging slot */
+} vp__hold_t;
+
+#define FEW_HOLDS 2 /* streams per weight held without an allocation */
+
+typedef struct vp__weight {
+  uint64_t id;
+  vp__vbar_t *vb;
+  uint64_t offset, size;
+  vp_source_t src;
+  uint32_t p0, p1;        /* its pages */
+  uint32_t *gens;         /* pages' generations when last filled; 0 = never */
+  uint32_t acq_resident;  /* acquires holding page pins (all streams) */
+  uint32_t acq_staged;    /* acquires holding its staging slot */
+  vp__hold_t *holds;      /* per stream: few_holds or an allocation */
+  uint32_t nholds, holds_cap;
+  vp__hold_t few_holds[FEW_HOLDS];
+  uint32_t listed;        /* vp_release: times the call lists it so far */
+  vp__slot_t *slot;       /* staged copy, if any (acquired, cached or
+                             prefetched) */
+  vp__fence_t *copy_fence; /* copy stream fence of its last fill, until seen
+                              complete */
+  bool prefetched;        /* its fill or slot came from prefetch, unused */
+  uint32_t index;         /* in vb->weights */
+} vp__weight_t;
+
+struct vp__slot {
+  uint64_t off, size;
+  vp__weight_t *owner; /* NULL once the weight let go of it */
+  vp__fence_t *fence;  /* release fence: readers of the slot */
+  uint32_t refs;       /* acquires holding it */
+  bool prefetched;     /* filled ahead of need and not acquired yet */
+  uint64_t used;       /* when last acquired or released (LRU) */
+};
+
+typedef struct vp__staging {
+  vp__vbar_t *vb;    /* internal VBAR, every page pinned */
+  uint64_t size;
+  vp__slot_t **slots; /* sorted by offset */
+  size_t n, cap;
+  uint64_t clock;    /* ticks at each use, for LRU */
+} vp__staging_t;
+
+
+static inline bool vp__gens_equal(const vp__weight_t *w) {
+  for (uint32_t p = w->p0; p < w->p1; p++)
+    if (w->gens[p - w->p0] != w->vb->pages[p].gen) return false;
+  return w->gens[0] != 0;
+}
+
+static inline bool vp__all_resident(const vp__weight_t *w) {
+  for (uint32_t p = w->p0; p < w->p1; p++)
+    if (!w->vb->pages[p].resident) return false;
+  return true;
+}
+
+/* Resident with the bytes of its last fill: nothing to do ahead of use. */
+static inline bool vp__ready_in_place(const vp__weight_t *w) {
+  return vp__all_resident(w) && vp__gens_equal(w);
+}
+
+static inline void vp__gens_take(vp__weight_t *w) {
+  for (uint32_t p = w->p0; p < w->p1; p++)
+    w->gens[p - w->p0] = w->vb->pages[p].gen;
+}
+
+
+/* weights.c */
+/* True while w's last fill may still be running on the copy stream. */
+bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w);
+vp__hold_t *vp__hold_find(const vp__weight_t *w, vp_stream_t stream);
+/* w's hold on `stream`, added (empty) if it has none; vp__hold_trim forgets
+ * it once it holds nothing. */
+int vp__hold_get(vp__device_t *dev, vp__weight_t *w, vp_stream_t stream,
+                 vp__hold_t **out);
+void vp__hold_trim(vp__weight_t *w, vp_stream_t stream);
+int vp__weights_find(vp__device_t *dev, const vp_weight_t *h, size_t n,
+                     vp__weight_t **ws);
+void vp__weights_set_order(vp__vbar_t *vb, int kind); /* vp__vbar_set_order
+                                                          told the weights */
+int vp__weights_vbar_destroy(vp__vbar_t *vb); /* with its weights */
+void vp__weights_close(vp__device_t *dev);
+
+/* staging.c: the ring and the copy stream. */
 int vp__copy_stream(vp__device_t *dev, vp_stream_t *out);
+int vp__staging_open(vp__device_t *dev);
+/* A slot for w. VP_MISS when the ring has no room (for prefetch, which never
+ * drops other prefetched slots); VP_ELIMIT for an acquire. */
+int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
+                   vp__slot_t **out);
+uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s);
 bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size);
-void vp__weights_drop_vbar(vp__vbar_t *vb); /* its weights, at destroy */
-void vp__stream_close(vp__device_t *dev);
+/* The device range [addr, +size) a caller may write or read: all pinned in
+ * one VBAR, or in a staging slot an acquire holds (VP_ENOTPINNED/ERANGE). */
+int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size);
+void vp__staging_close(vp__device_t *dev);
 
 /* fileio.c: copy a file region to device memory at dst in `stream` order
  * through the device's pinned bounce ring (made on first use). `what`
@@ -223,29 +428,9 @@ void vp__fileio_close(vp__device_t *dev);
 /* pread all n bytes: 0, an errno, or -1 if the file ends first. */
 int vp__pread_exact(int fd, void *buf, uint64_t n, uint64_t off,
                     uint64_t *got);
+
 /* safetensors.c */
 void vp__st_close_all(vp__device_t *dev);
-
-/* page.c: the only file that calls the backend's memory operations. */
-int vp__page_commit(vp__vbar_t *vb, uint32_t p);
-int vp__page_evict(vp__vbar_t *vb, uint32_t p);
-int vp__be_result(vp__device_t *dev, int rc, const char *what);
-
-/* fence.c */
-int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out);
-void vp__fence_put(vp__device_t *dev, vp__fence_t *f);
-int vp__fence_wait(vp__device_t *dev, vp__fence_t *f);
-void vp__fence_pool_free(vp__device_t *dev);
-
-/* budget.c */
-void vp__budget_init(vp__device_t *dev);
-int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed);
-void vp__budget_invalidate(vp__device_t *dev);
-uint64_t vp__now_ns(void);
-
-/* stats.c */
-int vp__report(vp__device_t *dev, int json, char *buf, size_t len,
-               size_t *needed);
 
 /* Count an event on both the VBAR and its device. */
 #define VP__COUNT(vb, field, n)                                                \

@@ -41,12 +41,7 @@ int vp_get_log_level(void) {
   return atomic_load(&log_level);
 }
 
-int vp_set_log_level(int level) {
-  if (level < VP_LOG_NONE || level > VP_LOG_TRACE)
-    return vp__err(VP_EINVAL, "vp_set_log_level: level %d is not 0-5", level);
-  atomic_store(&log_level, level);
-  return VP_OK;
-}
+void vp__log_set_level(int level) { atomic_store(&log_level, level); }
 
 void vp__log(int level, const char *who, const char *fmt, ...) {
   if (!vp__log_on(level)) return;

@@ -10,17 +10,16 @@
 
 #define MiB (1024ull * 1024)
 
-int vp_parse_size(const char *text, uint64_t *out) {
-  if (!text || !out) return vp__err(VP_EINVAL, "vp_parse_size: NULL argument");
+static int parse_size(const char *text, uint64_t *out) {
   const char *s = text;
   while (*s == ' ') s++;
   if (*s < '0' || *s > '9')
-    return vp__err(VP_EINVAL, "vp_parse_size: '%s' is not a size", text);
+    return vp__err(VP_EINVAL, "'%s' is not a size", text);
   char *end;
   errno = 0;
   unsigned long long v = strtoull(s, &end, 10);
   if (errno == ERANGE)
-    return vp__err(VP_EINVAL, "vp_parse_size: '%s' is too large", text);
+    return vp__err(VP_EINVAL, "'%s' is too large", text);
   /* K/M/G/T and KiB/MiB/...: powers of 1024; KB/MB/GB/TB: powers of 1000
    * (accelerate's max_memory spelling: "20GB" is 20e9, "20GiB" 20 << 30). */
   unsigned power = 0;
@@ -45,30 +44,36 @@ int vp_parse_size(const char *text, uint64_t *out) {
     for (unsigned i = 0; i < power; i++) unit *= binary ? 1024 : 1000;
   }
   if (*end != '\0' || v > UINT64_MAX / unit)
-    return vp__err(VP_EINVAL, "vp_parse_size: '%s' is not a size "
+    return vp__err(VP_EINVAL, "'%s' is not a size "
                    "(digits with an optional K/M/G/T, KiB/MiB/GiB/TiB or "
                    "KB/MB/GB/TB suffix)", text);
   *out = (uint64_t)v * unit;
   return VP_OK;
 }
 
+int vp_parse_size(const char *text, uint64_t *out) {
+  VP__ENTER();
+  if (!text || !out) return vp__err(VP_EINVAL, "NULL argument");
+  return parse_size(text, out);
+}
+
 /* Parsers from text to the field at `field`; 0 on success. */
 typedef int (*parse_fn)(const char *text, void *field);
 
 static int parse_u64(const char *t, void *f) {
-  return vp_parse_size(t, (uint64_t *)f);
+  return parse_size(t, (uint64_t *)f);
 }
 
 static int parse_i64(const char *t, void *f) {
   uint64_t v;
-  if (vp_parse_size(t, &v) || v > INT64_MAX) return -1;
+  if (parse_size(t, &v) || v > INT64_MAX) return -1;
   *(int64_t *)f = (int64_t)v;
   return 0;
 }
 
 static int parse_u32(const char *t, void *f) {
   uint64_t v;
-  if (vp_parse_size(t, &v) || v > UINT32_MAX) return -1;
+  if (parse_size(t, &v) || v > UINT32_MAX) return -1;
   *(uint32_t *)f = (uint32_t)v;
   return 0;
 }
@@ -152,7 +157,13 @@ static const struct option_entry {
 };
 
 int vp_options_init(vp_options_t *opts) {
-  if (!opts) return vp__err(VP_EINVAL, "vp_options_init: opts is NULL");
+  VP__ENTER();
+  if (!opts) return vp__err(VP_EINVAL, "opts is NULL");
+  vp__options_defaults(opts);
+  return VP_OK;
+}
+
+void vp__options_defaults(vp_options_t *opts) {
   *opts = (vp_options_t){
       .size = sizeof(vp_options_t),
       .backend = VP_BACKEND_AUTO,
@@ -184,7 +195,6 @@ int vp_options_init(vp_options_t *opts) {
     }
   }
   vp__clear_error();
-  return VP_OK;
 }
 
 static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
@@ -192,32 +202,32 @@ static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
 /* Checks that need no backend (granularity is checked after open). */
 int vp__options_check(const vp_options_t *o) {
   if (o->size != sizeof(vp_options_t))
-    return vp__err(VP_EINVAL, "vp_device_open: options.size is %u, expected "
+    return vp__err(VP_EINVAL, "options.size is %u, expected "
                    "%zu (call vp_options_init)", o->size, sizeof(vp_options_t));
   if (o->backend < VP_BACKEND_AUTO || o->backend > VP_BACKEND_SIM)
-    return vp__err(VP_EINVAL, "vp_device_open: backend %d is unknown",
+    return vp__err(VP_EINVAL, "backend %d is unknown",
                    o->backend);
   if (!is_pow2(o->page_size))
-    return vp__err(VP_EINVAL, "vp_device_open: page size %llu is not a power "
+    return vp__err(VP_EINVAL, "page size %llu is not a power "
                    "of two", (unsigned long long)o->page_size);
   if (o->page_size > (1ull << 40))
-    return vp__err(VP_EINVAL, "vp_device_open: page size %llu is over 1 TiB",
+    return vp__err(VP_EINVAL, "page size %llu is over 1 TiB",
                    (unsigned long long)o->page_size);
   if (o->evict_order != VP_ORDER_TAIL_FIRST &&
       o->evict_order != VP_ORDER_INTERLEAVED)
-    return vp__err(VP_EINVAL, "vp_device_open: eviction order %d is unknown",
+    return vp__err(VP_EINVAL, "eviction order %d is unknown",
                    o->evict_order);
   if (o->sim_streams != VP_SIM_SYNC && o->sim_streams != VP_SIM_WORKER)
-    return vp__err(VP_EINVAL, "vp_device_open: sim_streams %d is unknown",
+    return vp__err(VP_EINVAL, "sim_streams %d is unknown",
                    o->sim_streams);
   if (o->device_index < 0)
-    return vp__err(VP_EINVAL, "vp_device_open: device index %d is negative",
+    return vp__err(VP_EINVAL, "device index %d is negative",
                    o->device_index);
   if (o->file_slots < 2 || o->file_slots > 64 || o->file_slot_size < 4096)
-    return vp__err(VP_EINVAL, "vp_device_open: the file reader needs 2-64 "
+    return vp__err(VP_EINVAL, "the file reader needs 2-64 "
                    "slots of at least 4 KiB (have %u of %llu bytes)",
                    o->file_slots, (unsigned long long)o->file_slot_size);
   if (memchr(o->sim_shared, '\0', sizeof o->sim_shared) == NULL)
-    return vp__err(VP_EINVAL, "vp_device_open: sim_shared is not terminated");
+    return vp__err(VP_EINVAL, "sim_shared is not terminated");
   return VP_OK;
 }

@@ -3,32 +3,21 @@
  * error into a message naming the VBAR, page and call. */
 #include "internal.h"
 
-/* Note a backend failure: VP_EDEVICE marks the device broken for good. */
-int vp__be_result(vp__device_t *dev, int rc, const char *what) {
-  if (rc == VP_OK) return VP_OK;
-  if (rc == VP_EDEVICE && !dev->broken) {
-    dev->broken = true;
-    vp__log(VP_LOG_ERROR, dev->caps.name, "%s: device is broken", what);
-  }
-  return rc;
-}
-
 static int commit_once(vp__vbar_t *vb, uint64_t va, vp__phys_t *phys) {
   vp__device_t *dev = vb->dev;
-  const vp__backend_t *be = dev->be;
   uint64_t size = dev->page_size;
-  int rc = be->phys_create(dev->ctx, size, phys);
-  if (rc) return vp__be_result(dev, rc, "phys_create");
-  rc = be->map(dev->ctx, va, size, *phys);
+  int rc = vp__be_phys_create(dev, size, phys);
+  if (rc) return rc;
+  rc = vp__be_map(dev, va, size, *phys);
   if (rc) goto release;
-  rc = be->set_access(dev->ctx, va, size);
+  rc = vp__be_set_access(dev, va, size);
   if (rc) goto unmap;
   return VP_OK;
 unmap:
-  be->unmap(dev->ctx, va, size);
+  vp__be_unmap(dev, va, size);
 release:
-  be->phys_release(dev->ctx, *phys, size);
-  return vp__be_result(dev, rc, "map/set_access");
+  vp__be_phys_release(dev, *phys, size);
+  return rc;
 }
 
 /* Commit page p of vb: VP_OK, VP_EOOM / VP_EAGAIN (a miss for the caller)
@@ -54,7 +43,7 @@ int vp__page_commit(vp__vbar_t *vb, uint32_t p) {
   pg->gen = dev->gen_counter;
   pg->resident = true;
   vb->resident++;
-  vb->prefetch_idle = false;
+  vb->epoch++;
   dev->committed += dev->page_size;
   VP__COUNT(vb, pages_committed, 1);
   return VP_OK;
@@ -67,10 +56,9 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
   vp__page_t *pg = &vb->pages[p];
   uint64_t va = vb->va + ((uint64_t)p << dev->page_shift);
   if (pg->fence) {
-    if (dev->be->event_query(dev->ctx, pg->fence->event) != VP_OK) {
+    if (vp__be_event_query(dev, pg->fence->event) != VP_OK) {
       VP__COUNT(vb, evict_waits, 1);
-      int rc = vp__be_result(dev, vp__fence_wait(dev, pg->fence),
-                             "event_synchronize");
+      int rc = vp__fence_wait(dev, pg->fence);
       /* On a broken device nothing queued will run again: free anyway. */
       if (rc && !dev->broken)
         return vp__err(rc, "evicting page %u at 0x%llx: waiting for its "
@@ -79,11 +67,11 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
     vp__fence_put(dev, pg->fence);
     pg->fence = NULL;
   }
-  dev->be->unmap(dev->ctx, va, dev->page_size);
-  dev->be->phys_release(dev->ctx, pg->phys, dev->page_size);
+  vp__be_unmap(dev, va, dev->page_size);
+  vp__be_phys_release(dev, pg->phys, dev->page_size);
   pg->resident = false;
   vb->resident--;
-  vb->prefetch_idle = false;
+  vb->epoch++;
   dev->committed -= dev->page_size;
   VP__COUNT(vb, pages_evicted, 1);
   return VP_OK;

@@ -8,114 +8,6 @@
 
 #define VP__MAX_PAGES (1u << 22) /* per VBAR: bounds the page tables */
 
-/* ------------------------------------------------------------ devices */
-
-static int open_backend(vp__device_t *dev) {
-  static const vp__backend_t *const auto_order[] = {&vp__backend_cuda,
-                                                    &vp__backend_sim};
-  int kind = dev->opts.backend;
-  int rc = VP_ENODEV;
-  for (int i = 0; i < 2; i++) {
-    const vp__backend_t *be = auto_order[i];
-    if ((kind == VP_BACKEND_CUDA && be != &vp__backend_cuda) ||
-        (kind == VP_BACKEND_SIM && be != &vp__backend_sim))
-      continue;
-    rc = be->open(&dev->opts, &dev->inject, &dev->ctx, &dev->caps);
-    if (rc == VP_OK) {
-      dev->be = be;
-      return VP_OK;
-    }
-    vp__log(kind == VP_BACKEND_AUTO ? VP_LOG_DEBUG : VP_LOG_WARN, be->name,
-            "open: %s%s%s", vp_err_name(rc),
-            be == &vp__backend_cuda ? ": " : "",
-            be == &vp__backend_cuda ? vp__cuda_open_reason() : "");
-    if (rc != VP_ENODEV || kind != VP_BACKEND_AUTO) break;
-  }
-  return vp__err(rc, "vp_device_open: no %s device could be opened%s%s",
-                 kind == VP_BACKEND_CUDA ? "CUDA"
-                 : kind == VP_BACKEND_SIM ? "simulated" : "usable",
-                 kind == VP_BACKEND_CUDA ? ": " : "",
-                 kind == VP_BACKEND_CUDA ? vp__cuda_open_reason() : "");
-}
-
-static int check_geometry(vp__device_t *dev) {
-  const vp_options_t *o = &dev->opts;
-  if (o->page_size % dev->caps.granularity)
-    return vp__err(VP_EINVAL, "vp_device_open: page size %llu is not a "
-                   "multiple of the %s granularity %llu",
-                   (unsigned long long)o->page_size, dev->caps.name,
-                   (unsigned long long)dev->caps.granularity);
-  if (o->headroom < -1)
-    return vp__err(VP_EINVAL, "vp_device_open: headroom %lld is negative",
-                   (long long)o->headroom);
-  dev->page_size = o->page_size;
-  dev->page_shift = __builtin_ctzll(o->page_size);
-  return VP_OK;
-}
-
-int vp__device_create(const vp_options_t *opts, vp__device_t **out) {
-  int rc = vp__options_check(opts);
-  if (rc) return rc;
-  vp__inject_t inject = {opts->sim_fail_nth};
-  vp__device_t *dev = NULL;
-  if (vp__inject_fail(&inject) || !(dev = calloc(1, sizeof *dev)))
-    return vp__err(VP_ENOMEM, "vp_device_open: no memory for the device");
-  dev->opts = *opts;
-  dev->inject = inject;
-  rc = open_backend(dev);
-  if (rc) goto free_dev;
-  rc = check_geometry(dev);
-  if (rc) goto close_backend;
-  if (pthread_mutex_init(&dev->lock, NULL)) {
-    rc = vp__err(VP_ENOMEM, "vp_device_open: pthread_mutex_init failed");
-    goto close_backend;
-  }
-  vp__budget_init(dev);
-  vp__hostmem_init(dev);
-  dev->lookahead = opts->lookahead;
-  dev->stats.size = sizeof dev->stats;
-  dev->stats.version = 1;
-  rc = vp__registry_add(dev);
-  if (rc) goto destroy_lock;
-  vp__log(VP_LOG_INFO, dev->caps.name,
-          "device %d open: page %llu MiB, memory %llu MiB, headroom %lld MiB",
-          opts->device_index, (unsigned long long)(dev->page_size >> 20),
-          (unsigned long long)(dev->caps.total_memory >> 20),
-          (long long)(dev->budget.headroom >> 20));
-  *out = dev;
-  return VP_OK;
-destroy_lock:
-  pthread_mutex_destroy(&dev->lock);
-close_backend:
-  dev->be->close(dev->ctx);
-free_dev:
-  free(dev);
-  return rc;
-}
-
-static void vbar_release(vp__vbar_t *vb);
-
-void vp__device_destroy(vp__device_t *dev) {
-  vp__registry_remove(dev);
-  vp__st_close_all(dev);
-  vp__fileio_close(dev);
-  vp__stream_close(dev);
-  for (uint32_t s = 0; s < dev->vbars.n; s++) {
-    vp__vbar_t *vb = dev->vbars.slots[s];
-    if (!vb) continue;
-    for (uint32_t p = 0; p < vb->npages; p++) vb->pages[p].pins = 0;
-    vb->pinned = 0;
-    vbar_release(vb);
-  }
-  vp__table_free(&dev->vbars);
-  free(dev->streams);
-  vp__hostmem_close(dev);
-  vp__fence_pool_free(dev);
-  dev->be->close(dev->ctx);
-  pthread_mutex_destroy(&dev->lock);
-  free(dev);
-}
-
 /* ------------------------------------------------------- priority list */
 
 static void list_unlink(vp__vbar_t *vb) {
@@ -166,15 +58,10 @@ static uint32_t bit_reverse(uint32_t v, int bits) {
  * takes whole weights (its tail first) instead of a page of many. Pages no
  * weight touches rank last. False when there are no weights (or no memory:
  * the plain order is as correct, only slower to stream). */
-static bool order_groups(vp__vbar_t *vb) {
+static bool order_groups(vp__vbar_t *vb, const uint8_t *mark) {
   uint32_t n = vb->npages, ng = 0, r = 0;
-  uint8_t *mark = vb->nweights ? calloc(n, 1) : NULL;
   uint32_t *start = mark ? malloc(n * sizeof *start) : NULL;
-  if (!start) {
-    free(mark);
-    return false;
-  }
-  vp__weights_mark_pages(vb, mark);
+  if (!start) return false;
   for (uint32_t p = 0; p < n; p++)
     if (mark[p] == VP__PAGE_GROUP_START) start[ng++] = p;
   int bits = 0;
@@ -188,7 +75,6 @@ static bool order_groups(vp__vbar_t *vb) {
   }
   for (uint32_t p = 0; p < n; p++)
     if (!mark[p]) vb->order[r++] = p;
-  free(mark);
   free(start);
   return true;
 }
@@ -196,11 +82,11 @@ static bool order_groups(vp__vbar_t *vb) {
 /* Fill rank/order. Interleaved: bit-reversed page index (or weight groups,
  * see order_groups), so the pages evicted first (highest ranks) are spread
  * evenly through the model. */
-void vp__vbar_set_order(vp__vbar_t *vb, int kind) {
+void vp__vbar_set_order(vp__vbar_t *vb, int kind, const uint8_t *mark) {
   uint32_t n = vb->npages, r = 0;
   if (kind == VP_ORDER_TAIL_FIRST) {
     for (r = 0; r < n; r++) vb->order[r] = r;
-  } else if (!order_groups(vb)) {
+  } else if (!order_groups(vb, mark)) {
     int bits = 0;
     while ((1ull << bits) < n) bits++;
     for (uint64_t i = 0; i < (1ull << bits); i++) {
@@ -226,7 +112,7 @@ static int vbar_alloc(vp__device_t *dev, uint32_t npages, vp__vbar_t **out) {
 fail:
   if (vb) free(vb->pages), free(vb->rank), free(vb->order);
   free(vb);
-  return vp__err(VP_ENOMEM, "vp_vbar_create: no memory for %u pages", npages);
+  return vp__err(VP_ENOMEM, "no memory for %u pages", npages);
 }
 
 static void vbar_free_struct(vp__vbar_t *vb) {
@@ -240,7 +126,7 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
   uint64_t npages = (size >> dev->page_shift) +
                     ((size & (dev->page_size - 1)) != 0);
   if (npages > VP__MAX_PAGES)
-    return vp__err(VP_ELIMIT, "vp_vbar_create: %llu bytes is %llu pages; at "
+    return vp__err(VP_ELIMIT, "%llu bytes is %llu pages; at "
                    "most %u pages of %llu bytes per VBAR",
                    (unsigned long long)size, (unsigned long long)npages,
                    VP__MAX_PAGES, (unsigned long long)dev->page_size);
@@ -250,20 +136,20 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
   vb->dev = dev;
   vb->npages = (uint32_t)npages;
   vb->size = npages << dev->page_shift;
-  rc = dev->be->va_reserve(dev->ctx, vb->size, &vb->va);
+  rc = vp__be_va_reserve(dev, vb->size, &vb->va);
   if (rc) {
     vbar_free_struct(vb);
-    return vp__err(vp__be_result(dev, rc, "va_reserve"),
-                   "vp_vbar_create: reserving %llu bytes of address space "
+    return vp__err(rc,
+                   "reserving %llu bytes of address space "
                    "failed", (unsigned long long)(npages << dev->page_shift));
   }
   rc = vp__table_add(dev, &dev->vbars, vb, &vb->id);
   if (rc) {
-    dev->be->va_free(dev->ctx, vb->va, vb->size);
+    vp__be_va_free(dev, vb->va, vb->size);
     vbar_free_struct(vb);
     return rc;
   }
-  vp__vbar_set_order(vb, dev->opts.evict_order);
+  vp__vbar_set_order(vb, dev->opts.evict_order, NULL);
   vb->watermark = vb->limit = vb->npages;
   vb->stats.size = sizeof vb->stats;
   vb->stats.version = 1;
@@ -275,10 +161,9 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
 /* Evict every page (waiting for fences), free the range and the VBAR. */
 static void vbar_release(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
-  vp__weights_drop_vbar(vb);
   for (uint32_t p = 0; p < vb->npages; p++)
     if (vb->pages[p].resident) vp__page_evict(vb, p);
-  dev->be->va_free(dev->ctx, vb->va, vb->size);
+  vp__be_va_free(dev, vb->va, vb->size);
   list_unlink(vb);
   vp__table_remove(&dev->vbars, vb->id);
   vbar_free_struct(vb);
@@ -291,15 +176,30 @@ int vp__vbar_new_internal(vp__device_t *dev, uint64_t size,
   return rc;
 }
 
-int vp__vbar_free(vp__vbar_t *vb) {
+int vp__vbar_check_free(const vp__vbar_t *vb) {
   if (vb->pinned)
-    return vp__err(VP_EBUSY, "vp_vbar_destroy: %u pages are still pinned; "
-                   "unpin them first", vb->pinned);
-  if (vb->acquired)
-    return vp__err(VP_EBUSY, "vp_vbar_destroy: %u of its weights are still "
-                   "acquired; release them first", vb->acquired);
-  vbar_release(vb);
+    return vp__err(VP_EBUSY, "%u pages are still pinned; unpin them first",
+                   vb->pinned);
   return VP_OK;
+}
+
+int vp__vbar_free(vp__vbar_t *vb) {
+  int rc = vp__vbar_check_free(vb);
+  if (rc == VP_OK) vbar_release(vb);
+  return rc;
+}
+
+/* Device close: every VBAR goes, pinned or not (the caller has waited for
+ * the work that used them). */
+void vp__pager_close(vp__device_t *dev) {
+  for (uint32_t s = 0; s < dev->vbars.n; s++) {
+    vp__vbar_t *vb = dev->vbars.slots[s];
+    if (!vb) continue;
+    for (uint32_t p = 0; p < vb->npages; p++) vb->pages[p].pins = 0;
+    vb->pinned = 0;
+    vbar_release(vb);
+  }
+  vp__table_free(&dev->vbars);
 }
 
 /* ------------------------------------------------------------ eviction */
@@ -393,7 +293,7 @@ static int miss_or_error(vp__vbar_t *vb, int rc) {
     VP__COUNT(vb, budget_misses, 1);
     return VP_MISS;
   }
-  return vp__err(rc, "vp_fault: the %s device failed while making pages "
+  return vp__err(rc, "the %s device failed while making pages "
                  "resident", vb->dev->caps.name);
 }
 
@@ -422,7 +322,7 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
   for (uint32_t p = p0; p < p1; p++) {
     vp__page_t *pg = &vb->pages[p];
     if (pg->pins == UINT32_MAX)
-      return vp__err(VP_ELIMIT, "vp_fault: page %u is pinned 2^32-1 times", p);
+      return vp__err(VP_ELIMIT, "page %u is pinned 2^32-1 times", p);
     if (pg->resident) continue;
     if (vb->rank[p] >= lim) {
       VP__COUNT(vb, misses, 1);
@@ -448,7 +348,7 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
 int vp__unpin_check(vp__vbar_t *vb, uint32_t p0, uint32_t p1) {
   for (uint32_t p = p0; p < p1; p++)
     if (vb->pages[p].pins == 0)
-      return vp__err(VP_ENOTPINNED, "vp_unpin: page %u (offset %llu) is not "
+      return vp__err(VP_ENOTPINNED, "page %u (offset %llu) is not "
                      "pinned", p, (unsigned long long)p << vb->dev->page_shift);
   return VP_OK;
 }
@@ -463,11 +363,11 @@ int vp__order_after(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
     vp__fence_t *f = vb->pages[p].fence;
     if (!f || f == last || f->stream == stream) continue;
     last = f;
-    if (dev->be->event_query(dev->ctx, f->event) == VP_OK) continue;
-    int rc = dev->be->stream_wait_event(dev->ctx, stream, f->event);
+    if (vp__be_event_query(dev, f->event) == VP_OK) continue;
+    int rc = vp__be_stream_wait_event(dev, stream, f->event);
     if (rc)
-      return vp__err(vp__be_result(dev, rc, "stream_wait_event"),
-                     "vp_unpin: ordering stream 0x%llx after earlier work "
+      return vp__err(rc,
+                     "ordering stream 0x%llx after earlier work "
                      "failed", (unsigned long long)stream);
   }
   return VP_OK;

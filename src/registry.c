@@ -24,7 +24,7 @@ int vp__registry_add(vp__device_t *dev) {
   }
   pthread_mutex_unlock(&registry_lock);
   if (rc != VP_OK)
-    return vp__err(rc, "vp_device_open: %d devices are open already",
+    return vp__err(rc, "%d devices are open already",
                    VP__MAX_DEVICES);
   return VP_OK;
 }

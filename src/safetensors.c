@@ -86,7 +86,6 @@ static void st_free(vp__st_t *st) {
 
 typedef struct parse {
   vp__json_t j;
-  const char *fn;      /* "vp_st_open" */
   const char *path;
   const char *tensor;  /* the tensor being parsed, for messages */
   vp__st_t *st;
@@ -94,7 +93,7 @@ typedef struct parse {
   uint64_t data_size; /* bytes after the header */
 } parse_t;
 
-/* "fn: path: tensor "name": message" */
+/* "path: tensor "name": message" (after the entry's name) */
 __attribute__((format(printf, 3, 4))) static int perr(parse_t *ps, int code,
                                                       const char *fmt, ...) {
   char msg[320];
@@ -103,9 +102,9 @@ __attribute__((format(printf, 3, 4))) static int perr(parse_t *ps, int code,
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   if (ps->tensor)
-    return vp__err(code, "%s: %s: tensor \"%.200s\": %s", ps->fn, ps->path,
+    return vp__err(code, "%s: tensor \"%.200s\": %s", ps->path,
                    ps->tensor, msg);
-  return vp__err(code, "%s: %s: %s", ps->fn, ps->path, msg);
+  return vp__err(code, "%s: %s", ps->path, msg);
 }
 
 static int json_err(parse_t *ps) {
@@ -397,63 +396,60 @@ static int parse_header(parse_t *ps, const char *hdr, size_t len) {
 /* -------------------------------------------------------------- opening */
 
 /* Read exactly n bytes at off; a short read is an error naming path. */
-static int read_exact(const char *fn, const char *path, int fd, void *buf,
+static int read_exact(const char *path, int fd, void *buf,
                       uint64_t n, uint64_t off, const char *what) {
   uint64_t got;
   int e = vp__pread_exact(fd, buf, n, off, &got);
   if (e > 0)
-    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: %s: reading "
-                   "%s failed: %s", fn, path, what, strerror(e));
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading "
+                   "%s failed: %s", path, what, strerror(e));
   if (e < 0)
-    return vp__err(VP_EINVAL, "%s: %s: the file ended while reading %s "
-                   "(it changed while being opened?)", fn, path, what);
+    return vp__err(VP_EINVAL, "%s: the file ended while reading %s "
+                   "(it changed while being opened?)", path, what);
   return VP_OK;
 }
 
 static int st_read(vp__st_t *st) {
-  static const char fn[] = "vp_st_open";
   const char *path = st->path;
   st->fd = open(path, O_RDONLY | O_CLOEXEC);
   if (st->fd < 0) {
     int e = errno;
-    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: %s: cannot "
-                   "open: %s", fn, path, strerror(e));
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: cannot "
+                   "open: %s", path, strerror(e));
   }
   struct stat sb;
   if (fstat(st->fd, &sb) != 0) {
     int e = errno;
-    return vp__err(VP_EINVAL, "%s: %s: fstat failed: %s", fn, path,
+    return vp__err(VP_EINVAL, "%s: fstat failed: %s", path,
                    strerror(e));
   }
   if (!S_ISREG(sb.st_mode))
-    return vp__err(VP_EINVAL, "%s: %s: not a regular file", fn, path);
+    return vp__err(VP_EINVAL, "%s: not a regular file", path);
   st->file_size = (uint64_t)sb.st_size;
   st->mtime = sb.st_mtim;
   if (st->file_size < 8)
-    return vp__err(VP_EINVAL, "%s: %s: the file is %llu bytes, too short "
-                   "for the 8-byte header length", fn, path,
+    return vp__err(VP_EINVAL, "%s: the file is %llu bytes, too short "
+                   "for the 8-byte header length", path,
                    ULL(st->file_size));
   unsigned char lb[8];
-  int rc = read_exact(fn, path, st->fd, lb, 8, 0, "the header length");
+  int rc = read_exact(path, st->fd, lb, 8, 0, "the header length");
   if (rc) return rc;
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lb[i];
   if (hlen > MAX_HEADER)
-    return vp__err(VP_EINVAL, "%s: %s: the header length %llu is over the "
-                   "limit of %llu bytes (100 MiB); not a safetensors file?",
-                   fn, path, ULL(hlen), ULL(MAX_HEADER));
+    return vp__err(VP_EINVAL, "%s: the header length %llu is over the "
+                   "limit of %llu bytes (100 MiB); not a safetensors file?", path, ULL(hlen), ULL(MAX_HEADER));
   if (hlen > st->file_size - 8)
-    return vp__err(VP_EINVAL, "%s: %s: the header length %llu runs past the "
-                   "end of the file (%llu bytes)", fn, path, ULL(hlen),
+    return vp__err(VP_EINVAL, "%s: the header length %llu runs past the "
+                   "end of the file (%llu bytes)", path, ULL(hlen),
                    ULL(st->file_size));
   st->data_start = 8 + hlen;
   char *hdr = malloc(hlen + 1);
   if (!hdr)
-    return vp__err(VP_ENOMEM, "%s: %s: no memory for a header of %llu bytes",
-                   fn, path, ULL(hlen));
-  rc = read_exact(fn, path, st->fd, hdr, hlen, 8, "the header");
+    return vp__err(VP_ENOMEM, "%s: no memory for a header of %llu bytes", path, ULL(hlen));
+  rc = read_exact(path, st->fd, hdr, hlen, 8, "the header");
   if (rc == VP_OK) {
-    parse_t ps = {.fn = fn, .path = path, .st = st,
+    parse_t ps = {.path = path, .st = st,
                   .data_size = st->file_size - st->data_start};
     rc = parse_header(&ps, hdr, hlen);
   }
@@ -462,20 +458,20 @@ static int st_read(vp__st_t *st) {
 }
 
 int vp_st_open(vp_device_t h, const char *path, vp_st_t *out) {
-  static const char fn[] = "vp_st_open";
-  if (!path) return vp__err(VP_EINVAL, "%s: path is NULL", fn);
-  if (!out) return vp__err(VP_EINVAL, "%s: out is NULL", fn);
+  VP__ENTER();
+  if (!path) return vp__err(VP_EINVAL, "path is NULL");
+  if (!out) return vp__err(VP_EINVAL, "out is NULL");
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, fn, &dev);
+  int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   vp__unlock(dev, VP_OK); /* the file is read and parsed unlocked */
   vp__st_t *st = calloc(1, sizeof *st);
-  if (!st) return vp__err(VP_ENOMEM, "%s: %s: no memory", fn, path);
+  if (!st) return vp__err(VP_ENOMEM, "%s: no memory", path);
   st->fd = -1;
   st->path = strdup(path);
-  if (!st->path) rc = vp__err(VP_ENOMEM, "%s: %s: no memory", fn, path);
+  if (!st->path) rc = vp__err(VP_ENOMEM, "%s: no memory", path);
   if (rc == VP_OK) rc = st_read(st);
-  if (rc == VP_OK) rc = vp__dev_enter(h, fn, &dev);
+  if (rc == VP_OK) rc = vp__dev_enter(h, &dev);
   if (rc) {
     st_free(st);
     return rc;
@@ -487,8 +483,8 @@ int vp_st_open(vp_device_t h, const char *path, vp_st_t *out) {
     st_free(st);
     return rc;
   }
-  vp__log(VP_LOG_DEBUG, dev->caps.name, "%s: %s: %zu tensors, data at %llu",
-          fn, path, st->n, ULL(st->data_start));
+  vp__log(VP_LOG_DEBUG, dev->caps.name, "vp_st_open: %s: %zu tensors, data at %llu",
+          path, st->n, ULL(st->data_start));
   out->id = st->id;
   return VP_OK;
 }
@@ -496,21 +492,22 @@ int vp_st_open(vp_device_t h, const char *path, vp_st_t *out) {
 /* ------------------------------------------------------------- handles */
 
 /* Look up st and lock its device. */
-static int st_enter(vp_st_t h, const char *fn, vp__st_t **out) {
+static int st_enter(vp_st_t h, vp__st_t **out) {
   vp__device_t *dev;
-  return vp__handle_enter(h.id, offsetof(vp__device_t, sts), fn,
-                          "safetensors", &dev, (void **)out);
+  return vp__handle_lock(h.id, offsetof(vp__device_t, sts),
+                         "safetensors", &dev, (void **)out);
 }
 
-#define ST_ENTER(h, fn, st)                                                    \
+#define ST_ENTER(h, st)                                                        \
   do {                                                                         \
-    int rc_ = st_enter(h, fn, &st);                                            \
+    int rc_ = st_enter(h, &st);                                                \
     if (rc_) return rc_;                                                       \
   } while (0)
 
 int vp_st_close(vp_st_t h) {
+  VP__ENTER();
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_close", st);
+  ST_ENTER(h, st);
   vp__device_t *dev = st->dev;
   vp__table_remove(&dev->sts, st->id);
   vp__unlock(dev, VP_OK);
@@ -524,19 +521,21 @@ void vp__st_close_all(vp__device_t *dev) {
 }
 
 int vp_st_count(vp_st_t h, size_t *n) {
-  if (!n) return vp__err(VP_EINVAL, "vp_st_count: n is NULL");
+  VP__ENTER();
+  if (!n) return vp__err(VP_EINVAL, "n is NULL");
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_count", st);
+  ST_ENTER(h, st);
   *n = st->n;
   return vp__unlock(st->dev, VP_OK);
 }
 
 int vp_st_tensor(vp_st_t h, size_t index, vp_st_tensor_t *t) {
-  if (!t) return vp__err(VP_EINVAL, "vp_st_tensor: t is NULL");
+  VP__ENTER();
+  if (!t) return vp__err(VP_EINVAL, "t is NULL");
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_tensor", st);
+  ST_ENTER(h, st);
   if (index >= st->n)
-    return vp__unlock(st->dev, vp__err(VP_ERANGE, "vp_st_tensor: %s: index "
+    return vp__unlock(st->dev, vp__err(VP_ERANGE, "%s: index "
                                        "%zu is past its %zu tensors",
                                        st->path, index, st->n));
   *t = st->t[index].t;
@@ -544,11 +543,12 @@ int vp_st_tensor(vp_st_t h, size_t index, vp_st_tensor_t *t) {
 }
 
 int vp_st_find(vp_st_t h, const char *name, size_t *index) {
+  VP__ENTER();
   if (!name || !index)
-    return vp__err(VP_EINVAL, "vp_st_find: %s is NULL",
+    return vp__err(VP_EINVAL, "%s is NULL",
                    !name ? "name" : "index");
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_find", st);
+  ST_ENTER(h, st);
   size_t lo = 0, hi = st->n;
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
@@ -560,16 +560,17 @@ int vp_st_find(vp_st_t h, const char *name, size_t *index) {
     if (c < 0) lo = mid + 1;
     else hi = mid;
   }
-  return vp__unlock(st->dev, vp__err(VP_EINVAL, "vp_st_find: %s: no tensor "
+  return vp__unlock(st->dev, vp__err(VP_EINVAL, "%s: no tensor "
                                      "\"%.200s\"", st->path, name));
 }
 
 int vp_st_source(vp_st_t h, size_t index, vp_source_t *src) {
-  if (!src) return vp__err(VP_EINVAL, "vp_st_source: src is NULL");
+  VP__ENTER();
+  if (!src) return vp__err(VP_EINVAL, "src is NULL");
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_source", st);
+  ST_ENTER(h, st);
   if (index >= st->n)
-    return vp__unlock(st->dev, vp__err(VP_ERANGE, "vp_st_source: %s: index "
+    return vp__unlock(st->dev, vp__err(VP_ERANGE, "%s: index "
                                        "%zu is past its %zu tensors",
                                        st->path, index, st->n));
   *src = (vp_source_t){.kind = VP_SOURCE_FILE,
@@ -579,16 +580,17 @@ int vp_st_source(vp_st_t h, size_t index, vp_source_t *src) {
 }
 
 int vp_st_mmap(vp_st_t h, const void **base, uint64_t *size) {
+  VP__ENTER();
   if (!base || !size)
-    return vp__err(VP_EINVAL, "vp_st_mmap: %s is NULL", !base ? "base" : "size");
+    return vp__err(VP_EINVAL, "%s is NULL", !base ? "base" : "size");
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_mmap", st);
+  ST_ENTER(h, st);
   if (!st->map) {
     void *p = mmap(NULL, st->file_size, PROT_READ, MAP_SHARED, st->fd, 0);
     if (p == MAP_FAILED) {
       int e = errno;
       return vp__unlock(st->dev, vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL,
-                                         "vp_st_mmap: %s: mmap of %llu bytes "
+                                         "%s: mmap of %llu bytes "
                                          "failed: %s", st->path,
                                          ULL(st->file_size), strerror(e)));
     }
@@ -600,17 +602,18 @@ int vp_st_mmap(vp_st_t h, const void **base, uint64_t *size) {
 }
 
 int vp_st_drop_pages(vp_st_t h) {
+  VP__ENTER();
   vp__st_t *st = NULL;
-  ST_ENTER(h, "vp_st_drop_pages", st);
+  ST_ENTER(h, st);
   int rc = VP_OK;
   if (st->map && madvise(st->map, st->file_size, MADV_DONTNEED) != 0) {
     int e = errno;
-    rc = vp__err(VP_EINVAL, "vp_st_drop_pages: %s: madvise failed: %s",
+    rc = vp__err(VP_EINVAL, "%s: madvise failed: %s",
                  st->path, strerror(e));
   }
   int e = posix_fadvise(st->fd, 0, 0, POSIX_FADV_DONTNEED);
   if (rc == VP_OK && e != 0)
-    rc = vp__err(VP_EINVAL, "vp_st_drop_pages: %s: posix_fadvise failed: %s",
+    rc = vp__err(VP_EINVAL, "%s: posix_fadvise failed: %s",
                  st->path, strerror(e));
   return vp__unlock(st->dev, rc);
 }
@@ -625,18 +628,18 @@ typedef struct load_range {
 } load_range_t;
 
 /* VP_OK while the file has the size and mtime it had at open. */
-static int check_unchanged(vp__st_t *st, const char *fn) {
+static int check_unchanged(vp__st_t *st) {
   struct stat sb;
   if (fstat(st->fd, &sb) != 0) {
     int e = errno;
-    return vp__err(VP_EINVAL, "%s: %s: fstat failed: %s", fn, st->path,
+    return vp__err(VP_EINVAL, "%s: fstat failed: %s", st->path,
                    strerror(e));
   }
   if ((uint64_t)sb.st_size != st->file_size ||
       sb.st_mtim.tv_sec != st->mtime.tv_sec ||
       sb.st_mtim.tv_nsec != st->mtime.tv_nsec)
-    return vp__err(VP_EINVAL, "%s: %s: the file changed since it was opened "
-                   "(%llu bytes then, %llu now%s); open it again", fn,
+    return vp__err(VP_EINVAL, "%s: the file changed since it was opened "
+                   "(%llu bytes then, %llu now%s); open it again",
                    st->path, ULL(st->file_size), ULL(sb.st_size),
                    (uint64_t)sb.st_size == st->file_size ? ", modified" : "");
   return VP_OK;
@@ -652,17 +655,17 @@ static int cmp_range(const void *a, const void *b) {
  * overlapping another. */
 static int load_check(vp__st_t *st, vp__vbar_t *vb, size_t n,
                       const size_t *indices, const uint64_t *offsets,
-                      load_range_t *r, const char *fn) {
+                      load_range_t *r) {
   int shift = vb->dev->page_shift;
   for (size_t i = 0; i < n; i++) {
     if (indices[i] >= st->n)
-      return vp__err(VP_EINVAL, "%s: %s: indices[%zu] = %zu is past its %zu "
-                     "tensors", fn, st->path, i, indices[i], st->n);
+      return vp__err(VP_EINVAL, "%s: indices[%zu] = %zu is past its %zu "
+                     "tensors", st->path, i, indices[i], st->n);
     const st_tensor_t *t = &st->t[indices[i]];
     uint64_t off = offsets[i], size = t->t.size;
     if (off > vb->size || size > vb->size - off)
-      return vp__err(VP_ERANGE, "%s: %s: tensor \"%.200s\": [%llu, +%llu) is "
-                     "outside the VBAR of %llu bytes", fn, st->path,
+      return vp__err(VP_ERANGE, "%s: tensor \"%.200s\": [%llu, +%llu) is "
+                     "outside the VBAR of %llu bytes", st->path,
                      t->t.name, ULL(off), ULL(size), ULL(vb->size));
     r[i] = (load_range_t){.t = t, .off = off};
     if (size) {
@@ -671,7 +674,7 @@ static int load_check(vp__st_t *st, vp__vbar_t *vb, size_t n,
     }
   }
   load_range_t **by_off = malloc(n * sizeof *by_off);
-  if (!by_off) return vp__err(VP_ENOMEM, "%s: no memory", fn);
+  if (!by_off) return vp__err(VP_ENOMEM, "no memory");
   for (size_t i = 0; i < n; i++) by_off[i] = &r[i];
   qsort(by_off, n, sizeof *by_off, cmp_range);
   const load_range_t *far = NULL;
@@ -681,8 +684,8 @@ static int load_check(vp__st_t *st, vp__vbar_t *vb, size_t n,
     uint64_t xend = x->off + x->t->t.size;
     if (x->t->t.size == 0) continue;
     if (far && x->off < far->off + far->t->t.size)
-      rc = vp__err(VP_EINVAL, "%s: %s: tensor \"%.150s\" at VBAR offset %llu "
-                   "overlaps tensor \"%.150s\" at %llu", fn, st->path,
+      rc = vp__err(VP_EINVAL, "%s: tensor \"%.150s\" at VBAR offset %llu "
+                   "overlaps tensor \"%.150s\" at %llu", st->path,
                    x->t->t.name, ULL(x->off), far->t->t.name, ULL(far->off));
     if (!far || xend > far->off + far->t->t.size) far = x;
   }
@@ -713,7 +716,7 @@ static int unpin_all(vp__vbar_t *vb, load_range_t *r, size_t n,
     if (!r[i].pinned) continue;
     int rc = vp__unpin(vb, r[i].p0, r[i].p1, stream);
     if (rc) {
-      if (!synced) dev->be->stream_synchronize(dev->ctx, stream);
+      if (!synced) vp__be_stream_synchronize(dev, stream);
       synced = true;
       vp__unpin_nofence(vb, r[i].p0, r[i].p1); /* the stream drained */
       if (ret == VP_OK) ret = rc;
@@ -726,12 +729,11 @@ static int unpin_all(vp__vbar_t *vb, load_range_t *r, size_t n,
 static int load_locked(vp__st_t *st, vp__vbar_t *vb, size_t n,
                        const size_t *indices, const uint64_t *offsets,
                        vp_stream_t stream) {
-  static const char fn[] = "vp_st_load";
   vp__device_t *dev = vb->dev;
   load_range_t *r = calloc(n, sizeof *r);
-  if (!r) return vp__err(VP_ENOMEM, "%s: no memory for %zu ranges", fn, n);
-  int rc = load_check(st, vb, n, indices, offsets, r, fn);
-  if (rc == VP_OK) rc = check_unchanged(st, fn);
+  if (!r) return vp__err(VP_ENOMEM, "no memory for %zu ranges", n);
+  int rc = load_check(st, vb, n, indices, offsets, r);
+  if (rc == VP_OK) rc = check_unchanged(st);
   /* Pin every range first: all of them must be resident at once, and none
    * can be evicted by making room for the next. Nothing is written yet, so
    * a miss or an error only unpins. */
@@ -751,13 +753,13 @@ static int load_locked(vp__st_t *st, vp__vbar_t *vb, size_t n,
     const st_tensor_t *t = r[i].t;
     if (!t->t.size) continue;
     written = i + 1;
-    snprintf(what, sizeof what, "%s: %s: tensor \"%.200s\"", fn, st->path,
+    snprintf(what, sizeof what, "%s: tensor \"%.200s\"", st->path,
              t->t.name);
     rc = vp__file_read(dev, st->fd, t->t.offset, t->t.size,
                        vb->va + r[i].off, stream, what);
   }
   /* A change during the reads would leave a mix of old and new bytes. */
-  if (rc == VP_OK && (rc = check_unchanged(st, fn))) written = n;
+  if (rc == VP_OK && (rc = check_unchanged(st))) written = n;
   int urc = unpin_all(vb, r, n, stream);
   if (rc == VP_OK && urc) rc = urc, written = n;
   if (rc) {
@@ -771,7 +773,7 @@ static int load_locked(vp__st_t *st, vp__vbar_t *vb, size_t n,
 
 /* st is not on vb's device: VP_EINVAL if it is open elsewhere, else
  * VP_EHANDLE. No lock is held. */
-static int st_elsewhere(vp_st_t h, vp__device_t *dev, const char *fn) {
+static int st_elsewhere(vp_st_t h, vp__device_t *dev) {
   vp__device_t *other = vp__registry_get(h.id);
   bool live = false;
   if (other && other != dev) {
@@ -780,26 +782,26 @@ static int st_elsewhere(vp_st_t h, vp__device_t *dev, const char *fn) {
     pthread_mutex_unlock(&other->lock);
   }
   if (live)
-    return vp__err(VP_EINVAL, "%s: the safetensors file and the VBAR belong "
-                   "to different devices", fn);
-  return vp__err(VP_EHANDLE, "%s: safetensors handle 0x%llx is not open", fn,
+    return vp__err(VP_EINVAL, "the safetensors file and the VBAR belong "
+                   "to different devices");
+  return vp__err(VP_EHANDLE, "safetensors handle 0x%llx is not open",
                  ULL(h.id));
 }
 
 int vp_st_load(vp_st_t h, size_t n, const size_t *indices, vp_vbar_t vbar,
                const uint64_t *offsets, vp_stream_t stream) {
-  static const char fn[] = "vp_st_load";
+  VP__ENTER();
   if (n && (!indices || !offsets))
-    return vp__err(VP_EINVAL, "%s: %s is NULL", fn,
+    return vp__err(VP_EINVAL, "%s is NULL",
                    !indices ? "indices" : "offsets");
   vp__vbar_t *vb = NULL;
-  int rc = vp__vbar_enter(vbar, fn, &vb);
+  int rc = vp__vbar_enter(vbar, &vb);
   if (rc) return rc;
   vp__device_t *dev = vb->dev;
   vp__st_t *st = vp__table_get(&dev->sts, h.id);
   if (!st) {
     vp__unlock(dev, VP_OK);
-    return st_elsewhere(h, dev, fn);
+    return st_elsewhere(h, dev);
   }
   if (n == 0) return vp__unlock(dev, VP_OK);
   return vp__unlock(dev, load_locked(st, vb, n, indices, offsets, stream));

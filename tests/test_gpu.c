@@ -19,7 +19,7 @@
  * The runner runs them only when the CUDA backend opened a device (else it
  * prints a "skip cuda/..." line with the reason). The kernel is tests/gpu_kernels.cu,
  * embedded below as PTX; the driver is reached through our own dlopen of
- * libcuda.so.1, with src/cuda_abi.h's types, so no toolkit is needed.
+ * libcuda.so.1, with src/backend/cuda_abi.h's types, so no toolkit is needed.
  */
 #include <dlfcn.h>
 #include <pthread.h>

@@ -1,10 +1,10 @@
-/* Compile-only check that src/cuda_abi.h matches the CUDA toolkit's cuda.h:
+/* Compile-only check that src/backend/cuda_abi.h matches the CUDA toolkit's cuda.h:
  * sizes and member offsets of every type, the value of every constant, and
  * the exact type of every entry point. It produces no object; a mismatch is
  * a compile error. Not part of the test runner (it needs the toolkit):
  *
  *   gcc -std=c11 -Wall -Wextra -Werror -Wincompatible-pointer-types \
- *       -I/usr/local/cuda/include -Isrc -Iinclude -fsyntax-only \
+ *       -I/usr/local/cuda/include -Isrc/backend -Iinclude -fsyntax-only \
  *       tools/cuda_abi_check.c
  */
 #include <stdalign.h>

@@ -4,8 +4,8 @@
  * call (one cold pass, then the mean of repeated commit/evict cycles).
  * Prints "no CUDA device: <reason>" and exits 0 when there is none.
  *
- *   gcc -std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -Iinclude -Isrc \
- *       -pthread tools/cuda_smoke.c src/backend_cuda.c src/inject.c -ldl \
+ *   gcc -std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -Iinclude -Isrc/backend \
+ *       -pthread tools/cuda_smoke.c src/backend/cuda.c src/inject.c -ldl \
  *       -o build/cuda_smoke
  *   build/cuda_smoke [device_index]
  * (or link build/libvpager.a instead of the two sources).
@@ -17,7 +17,7 @@
 
 #include "backend.h"
 
-/* Defined in src/backend_cuda.c. */
+/* Defined in src/backend/cuda.c. */
 const char *vp__cuda_open_reason(void);
 const char *vp__cuda_error_name(void *ctx);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,

@@ -1,0 +1,115 @@
+/* The one door to the backend: every call from the library to a device goes
+ * through a wrapper here. A wrapper passes the backend's code on, and
+ * applies the broken-device rule: VP_EDEVICE marks the device broken for
+ * good (logged once), whichever layer made the call. This is the only file
+ * outside src/backend/ that knows which backends exist. */
+#include "internal.h"
+
+/* The backends, in the order VP_BACKEND_AUTO tries them. */
+static const vp__backend_t *const backends[] = {&vp__backend_cuda,
+                                                &vp__backend_sim};
+
+static int result(vp__device_t *dev, int rc, const char *op) {
+  if (rc == VP_EDEVICE && !atomic_exchange(&dev->broken, true))
+    vp__log(VP_LOG_ERROR, dev->caps.name, "%s: device is broken", op);
+  return rc;
+}
+
+static const char *open_reason(const vp__backend_t *be) {
+  return be == &vp__backend_cuda ? vp__cuda_open_reason() : "";
+}
+
+int vp__be_open(vp__device_t *dev) {
+  int kind = dev->opts.backend;
+  int rc = VP_ENODEV;
+  for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) {
+    const vp__backend_t *be = backends[i];
+    if ((kind == VP_BACKEND_CUDA && be != &vp__backend_cuda) ||
+        (kind == VP_BACKEND_SIM && be != &vp__backend_sim))
+      continue;
+    rc = be->open(&dev->opts, &dev->inject, &dev->ctx, &dev->caps);
+    if (rc == VP_OK) {
+      dev->be = be;
+      return VP_OK;
+    }
+    vp__log(kind == VP_BACKEND_AUTO ? VP_LOG_DEBUG : VP_LOG_WARN, be->name,
+            "open: %s%s%s", vp_err_name(rc), *open_reason(be) ? ": " : "",
+            open_reason(be));
+    if (rc != VP_ENODEV || kind != VP_BACKEND_AUTO) break;
+  }
+  const char *why = kind == VP_BACKEND_CUDA ? vp__cuda_open_reason() : "";
+  return vp__err(rc, "no %s device could be opened%s%s",
+                 kind == VP_BACKEND_CUDA ? "CUDA"
+                 : kind == VP_BACKEND_SIM ? "simulated" : "usable",
+                 *why ? ": " : "", why);
+}
+
+void vp__be_close(vp__device_t *dev) { dev->be->close(dev->ctx); }
+
+const char *vp__be_error_detail(vp__device_t *dev) {
+  return dev->be == &vp__backend_cuda ? vp__cuda_error_name(dev->ctx) : "";
+}
+
+int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
+                     uint64_t *dev_total, uint64_t *proc_used) {
+  if (dev->be != &vp__backend_cuda) return VP_EUNSUPPORTED;
+  return vp__cuda_nvml_info(dev->ctx, dev_used, dev_total, proc_used);
+}
+
+/* A wrapper per operation: the backend call and the broken-device rule. */
+#define DOOR(op, params, args)                                                 \
+  int vp__be_##op params {                                                     \
+    return result(dev, dev->be->op args, #op);                                 \
+  }
+
+DOOR(mem_info, (vp__device_t *dev, uint64_t *free_bytes, uint64_t *total),
+     (dev->ctx, free_bytes, total))
+DOOR(va_reserve, (vp__device_t *dev, uint64_t size, uint64_t *va),
+     (dev->ctx, size, va))
+DOOR(va_free, (vp__device_t *dev, uint64_t va, uint64_t size),
+     (dev->ctx, va, size))
+DOOR(phys_create, (vp__device_t *dev, uint64_t size, vp__phys_t *phys),
+     (dev->ctx, size, phys))
+DOOR(phys_release, (vp__device_t *dev, vp__phys_t phys, uint64_t size),
+     (dev->ctx, phys, size))
+DOOR(map, (vp__device_t *dev, uint64_t va, uint64_t size, vp__phys_t phys),
+     (dev->ctx, va, size, phys))
+DOOR(unmap, (vp__device_t *dev, uint64_t va, uint64_t size),
+     (dev->ctx, va, size))
+DOOR(set_access, (vp__device_t *dev, uint64_t va, uint64_t size),
+     (dev->ctx, va, size))
+DOOR(stream_create, (vp__device_t *dev, vp_stream_t *stream),
+     (dev->ctx, stream))
+DOOR(stream_destroy, (vp__device_t *dev, vp_stream_t stream),
+     (dev->ctx, stream))
+DOOR(stream_synchronize, (vp__device_t *dev, vp_stream_t stream),
+     (dev->ctx, stream))
+DOOR(stream_wait_event, (vp__device_t *dev, vp_stream_t s, vp__event_t ev),
+     (dev->ctx, s, ev))
+DOOR(event_create, (vp__device_t *dev, vp__event_t *ev), (dev->ctx, ev))
+DOOR(event_destroy, (vp__device_t *dev, vp__event_t ev), (dev->ctx, ev))
+DOOR(event_record, (vp__device_t *dev, vp__event_t ev, vp_stream_t stream),
+     (dev->ctx, ev, stream))
+DOOR(event_query, (vp__device_t *dev, vp__event_t ev), (dev->ctx, ev))
+DOOR(event_synchronize, (vp__device_t *dev, vp__event_t ev), (dev->ctx, ev))
+DOOR(copy_htod, (vp__device_t *dev, uint64_t dst, const void *src,
+                 uint64_t size, vp_stream_t stream),
+     (dev->ctx, dst, src, size, stream))
+DOOR(copy_dtoh, (vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
+                 vp_stream_t stream),
+     (dev->ctx, dst, src, size, stream))
+DOOR(host_register, (vp__device_t *dev, void *ptr, uint64_t size),
+     (dev->ctx, ptr, size))
+DOOR(host_unregister, (vp__device_t *dev, void *ptr), (dev->ctx, ptr))
+
+/* The simulated device's extras: VP_EUNSUPPORTED elsewhere. */
+int vp__be_launch(vp__device_t *dev, vp_stream_t stream, void (*fn)(void *),
+                  void *arg) {
+  if (!dev->be->launch) return VP_EUNSUPPORTED;
+  return result(dev, dev->be->launch(dev->ctx, stream, fn, arg), "launch");
+}
+
+int vp__be_inject(vp__device_t *dev, int kind, uint64_t n) {
+  if (!dev->be->inject) return VP_EUNSUPPORTED;
+  return result(dev, dev->be->inject(dev->ctx, kind, n), "inject");
+}

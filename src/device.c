@@ -1,0 +1,193 @@
+/* Devices: open and close, the composition root that starts and stops every
+ * service in order (so no lower layer calls up to tear another down), and
+ * the device's public getters and setters. */
+#include <stdlib.h>
+
+#include "internal.h"
+
+#define ULL(x) ((unsigned long long)(x))
+
+static int check_geometry(vp__device_t *dev) {
+  const vp_options_t *o = &dev->opts;
+  if (o->page_size % dev->caps.granularity)
+    return vp__err(VP_EINVAL, "page size %llu is not a multiple of the %s "
+                   "granularity %llu", ULL(o->page_size), dev->caps.name,
+                   ULL(dev->caps.granularity));
+  if (o->headroom < -1)
+    return vp__err(VP_EINVAL, "headroom %lld is negative",
+                   (long long)o->headroom);
+  dev->page_size = o->page_size;
+  dev->page_shift = __builtin_ctzll(o->page_size);
+  return VP_OK;
+}
+
+static int device_create(const vp_options_t *opts, vp__device_t **out) {
+  int rc = vp__options_check(opts);
+  if (rc) return rc;
+  vp__inject_t inject = {opts->sim_fail_nth};
+  vp__device_t *dev = NULL;
+  if (vp__inject_fail(&inject) || !(dev = calloc(1, sizeof *dev)))
+    return vp__err(VP_ENOMEM, "no memory for the device");
+  dev->opts = *opts;
+  dev->inject = inject;
+  rc = vp__be_open(dev);
+  if (rc) goto free_dev;
+  rc = check_geometry(dev);
+  if (rc) goto close_backend;
+  if (pthread_mutex_init(&dev->lock, NULL)) {
+    rc = vp__err(VP_ENOMEM, "pthread_mutex_init failed");
+    goto close_backend;
+  }
+  vp__budget_init(dev);
+  vp__hostmem_init(dev);
+  dev->lookahead = opts->lookahead;
+  dev->stats.size = sizeof dev->stats;
+  dev->stats.version = 1;
+  rc = vp__registry_add(dev);
+  if (rc) goto destroy_lock;
+  vp__log(VP_LOG_INFO, dev->caps.name,
+          "device %d open: page %llu MiB, memory %llu MiB, headroom %lld MiB",
+          opts->device_index, ULL(dev->page_size >> 20),
+          ULL(dev->caps.total_memory >> 20),
+          (long long)(dev->budget.headroom >> 20));
+  *out = dev;
+  return VP_OK;
+destroy_lock:
+  pthread_mutex_destroy(&dev->lock);
+close_backend:
+  vp__be_close(dev);
+free_dev:
+  free(dev);
+  return rc;
+}
+
+/* Top down: files and copies first (they read VBARs and host memory), then
+ * the weights, the VBARs, host memory, fences and the backend. */
+static void device_destroy(vp__device_t *dev) {
+  vp__registry_remove(dev);
+  vp__st_close_all(dev);
+  vp__fileio_close(dev);
+  vp__staging_close(dev);
+  vp__weights_close(dev);
+  vp__pager_close(dev);
+  free(dev->streams);
+  vp__hostmem_close(dev);
+  vp__fence_pool_free(dev);
+  vp__be_close(dev);
+  pthread_mutex_destroy(&dev->lock);
+  free(dev);
+}
+
+int vp_device_open(const vp_options_t *opts, vp_device_t *out) {
+  VP__ENTER();
+  VP__NEED(out, "out is NULL");
+  vp_options_t defaults;
+  if (!opts) {
+    vp__options_defaults(&defaults);
+    opts = &defaults;
+  }
+  vp__device_t *dev = NULL;
+  int rc = device_create(opts, &dev);
+  if (rc) return rc;
+  out->id = dev->id;
+  return VP_OK;
+}
+
+int vp_device_close(vp_device_t h) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_lock(h, &dev);
+  if (rc) return rc;
+  vp__unlock(dev, VP_OK);
+  device_destroy(dev);
+  return VP_OK;
+}
+
+const char *vp_device_backend(vp_device_t h) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  if (vp__dev_lock(h, &dev)) return NULL;
+  const char *name = dev->caps.name;
+  vp__unlock(dev, VP_OK);
+  return name;
+}
+
+int vp_device_info(vp_device_t h, vp_device_info_t *info) {
+  VP__ENTER();
+  VP__NEED(info, "info is NULL");
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  uint64_t allowed;
+  rc = vp__budget_allowed(dev, &allowed);
+  if (rc) return vp__unlock(dev, vp__err(rc, "polling free memory failed"));
+  *info = (vp_device_info_t){
+      .page_size = dev->page_size,
+      .granularity = dev->caps.granularity,
+      .total_memory = dev->budget.total,
+      .free_memory = dev->budget.free_at_poll,
+      .committed = dev->committed,
+      .budget = allowed,
+      .headroom = dev->budget.headroom,
+      .async_copies = dev->caps.async_copies,
+  };
+  return vp__unlock(dev, VP_OK);
+}
+
+int vp_device_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  uint64_t done = 0;
+  rc = vp__device_evict(dev, bytes, &done);
+  if (freed) *freed = done;
+  return vp__unlock(dev, rc);
+}
+
+int vp_device_reclaimable(vp_device_t h, uint64_t *bytes) {
+  VP__ENTER();
+  VP__NEED(bytes, "bytes is NULL");
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  uint64_t pages = 0;
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
+    pages += vb->resident - vb->pinned;
+  *bytes = pages << dev->page_shift;
+  return vp__unlock(dev, VP_OK);
+}
+
+/* ------------------------------------------------------------ setters */
+
+/* One device setting, changed under the lock on a working device. */
+#define DEVICE_SETTER(fname, type, check, assign)                              \
+  int fname(vp_device_t h, type bytes) {                                       \
+    VP__ENTER();                                                               \
+    check;                                                                     \
+    vp__device_t *dev = NULL;                                                  \
+    int rc = vp__dev_enter(h, &dev);                                           \
+    if (rc) return rc;                                                         \
+    assign;                                                                    \
+    return vp__unlock(dev, VP_OK);                                             \
+  }
+
+DEVICE_SETTER(vp_device_set_headroom, int64_t,
+              if (bytes < 0) return vp__err(VP_EINVAL, "%lld is negative",
+                                            (long long)bytes),
+              dev->budget.headroom = bytes)
+DEVICE_SETTER(vp_device_set_limit, uint64_t, (void)0,
+              dev->budget.limit = bytes)
+DEVICE_SETTER(vp_device_set_lookahead, uint64_t, (void)0,
+              dev->lookahead = bytes)
+DEVICE_SETTER(vp_device_set_pin_budget, uint64_t, (void)0,
+              dev->pin_budget = bytes)
+
+int vp_device_reset_limits(vp_device_t h) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) vb->limit = vb->npages;
+  return vp__unlock(dev, VP_OK);
+}

@@ -1,0 +1,218 @@
+/* The VRAM staging ring for weights that miss, and the device's copy
+ * stream that fills it.
+ *
+ * The ring is an internal VBAR whose pages stay pinned. Its slots are kept
+ * sorted by offset; a new one takes the first gap that fits, and when none
+ * does the least recently used slot no acquire holds is reclaimed. A slot
+ * keeps its weight's bytes until reclaimed, so a staged weight acquired
+ * again soon costs no copy. A slot is reused only after its release fence:
+ * the copy stream waits for that fence on the device. */
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define SLOT_ALIGN 256 /* staging slots start at aligned device addresses */
+#define ULL(x) ((unsigned long long)(x))
+
+int vp__copy_stream(vp__device_t *dev, vp_stream_t *out) {
+  if (!dev->copy_stream) {
+    int rc = vp__be_stream_create(dev, &dev->copy_stream);
+    if (rc) {
+      dev->copy_stream = 0;
+      return vp__err(rc,
+                     "creating the copy stream failed");
+    }
+  }
+  *out = dev->copy_stream;
+  return VP_OK;
+}
+
+
+int vp__staging_open(vp__device_t *dev) {
+  vp__staging_t *st = NULL;
+  vp__vbar_t *vb = NULL;
+  uint64_t size = dev->opts.staging_size;
+  if (size < dev->page_size) size = dev->page_size;
+  if (vp__inject_fail(&dev->inject) || !(st = calloc(1, sizeof *st)))
+    return vp__err(VP_ENOMEM, "no memory for the staging ring");
+  int rc = vp__vbar_new_internal(dev, size, &vb);
+  if (rc) goto fail;
+  rc = vp__fault(vb, 0, vb->npages, NULL);
+  if (rc) {
+    vp__vbar_free(vb);
+    if (rc == VP_MISS)
+      rc = vp__err(VP_EOOM, "no device memory for the %llu MiB "
+                   "staging ring (lower staging_size or free memory)",
+                   (unsigned long long)(size >> 20));
+    goto fail;
+  }
+  st->vb = vb;
+  st->size = vb->size;
+  dev->staging = st;
+  return VP_OK;
+fail:
+  free(st);
+  return rc;
+}
+
+/* Free slot k: its next user writes it on the copy stream, so the copy
+ * stream waits (on the device) for the readers' release fence. */
+static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
+  vp__slot_t *s = st->slots[k];
+  if (s->fence) {
+    if (vp__be_event_query(dev, s->fence->event) != VP_OK) {
+      vp_stream_t cs = 0;
+      int rc = vp__copy_stream(dev, &cs);
+      if (rc == VP_OK)
+        rc = vp__be_stream_wait_event(dev, cs, s->fence->event);
+      if (rc) return rc;
+      dev->stats.ring_waits++;
+    }
+    vp__fence_put(dev, s->fence);
+  }
+  if (s->owner) {
+    if (s->prefetched)
+      VP__COUNT(s->owner->vb, prefetch_dropped_bytes, s->owner->size);
+    s->owner->slot = NULL;
+    s->owner->vb->prefetch_idle = false;
+  }
+  free(s);
+  memmove(&st->slots[k], &st->slots[k + 1],
+          (st->n - k - 1) * sizeof *st->slots);
+  st->n--;
+  return VP_OK;
+}
+
+/* Index before which a slot of `size` fits (its offset in *off), or
+ * SIZE_MAX: the first gap that is large enough. */
+static size_t ring_fit(const vp__staging_t *st, uint64_t size, uint64_t *off) {
+  uint64_t end = 0;
+  for (size_t k = 0; k <= st->n; k++) {
+    uint64_t next = k < st->n ? st->slots[k]->off : st->size;
+    if (next - end >= size) return *off = end, k;
+    if (k < st->n) end = st->slots[k]->off + st->slots[k]->size;
+  }
+  return SIZE_MAX;
+}
+
+/* The least recently used slot that may be reclaimed, or SIZE_MAX. Held
+ * slots never are; prefetched ones not by another prefetch. */
+static size_t ring_victim(const vp__staging_t *st, bool keep_prefetch) {
+  size_t best = SIZE_MAX;
+  for (size_t k = 0; k < st->n; k++) {
+    const vp__slot_t *s = st->slots[k];
+    if (s->refs || (keep_prefetch && s->prefetched)) continue;
+    if (best == SIZE_MAX || s->used < st->slots[best]->used) best = k;
+  }
+  return best;
+}
+
+/* A staging slot for w. VP_MISS when the ring has no room (for prefetch,
+ * which never drops other prefetched slots); VP_ELIMIT for an acquire. */
+int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
+                      vp__slot_t **out) {
+  int rc = dev->staging ? VP_OK : vp__staging_open(dev);
+  if (rc) return rc;
+  vp__staging_t *st = dev->staging;
+  uint64_t size = (w->size + SLOT_ALIGN - 1) & ~(uint64_t)(SLOT_ALIGN - 1);
+  uint64_t off = 0;
+  size_t k, victim;
+  while ((k = ring_fit(st, size, &off)) == SIZE_MAX) {
+    if ((victim = ring_victim(st, prefetch)) == SIZE_MAX) {
+      if (prefetch) return VP_MISS;
+      return vp__err(VP_ELIMIT, "a weight of %llu bytes does not "
+                     "fit in the %llu-byte staging ring beside the weights "
+                     "acquired and not released (raise staging_size)",
+                     (unsigned long long)w->size,
+                     (unsigned long long)st->size);
+    }
+    if ((rc = ring_reclaim(dev, st, victim))) return rc;
+  }
+  vp__slot_t *s = NULL;
+  if ((rc = vp__grow(dev, (void **)&st->slots, &st->cap, st->n, sizeof s)) ||
+      vp__inject_fail(&dev->inject) || !(s = calloc(1, sizeof *s)))
+    return rc ? rc : vp__err(VP_ENOMEM, "no memory for a slot");
+  *s = (vp__slot_t){.off = off, .size = size, .owner = w, .used = ++st->clock};
+  memmove(&st->slots[k + 1], &st->slots[k], (st->n - k) * sizeof s);
+  st->slots[k] = s;
+  st->n++;
+  w->slot = s;
+  *out = s;
+  return VP_OK;
+}
+
+uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s) {
+  return dev->staging->vb->va + s->off;
+}
+
+/* True if [addr, +size) lies in a staging slot an acquire holds (the
+ * caller may fill or read it, as for VP_ACQUIRED_EMPTY). */
+bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size) {
+  vp__staging_t *st = dev->staging;
+  if (!st || addr < st->vb->va) return false;
+  uint64_t off = addr - st->vb->va;
+  for (size_t k = 0; k < st->n; k++) {
+    const vp__slot_t *s = st->slots[k];
+    if (s->refs && off >= s->off && off - s->off <= s->size &&
+        size <= s->size - (off - s->off))
+      return true;
+  }
+  return false;
+}
+
+
+/* The VBAR holding [addr, addr+size), if every page of it is pinned. */
+int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size) {
+  if (size == 0) return vp__err(VP_EINVAL, "size is 0");
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) {
+    if (addr < vb->va || addr - vb->va >= vb->size) continue;
+    uint64_t off = addr - vb->va;
+    if (size > vb->size - off)
+      return vp__err(VP_ERANGE, "[0x%llx, +%llu) runs past its VBAR",
+                     ULL(addr), ULL(size));
+    for (uint64_t p = off >> dev->page_shift;
+         p <= (off + size - 1) >> dev->page_shift; p++)
+      if (!vb->pages[p].pins)
+        return vp__err(VP_ENOTPINNED, "page %llu of the range at 0x%llx "
+                       "is not pinned", ULL(p), ULL(addr));
+    VP__COUNT(vb, bytes_copied, size);
+    return VP_OK;
+  }
+  if (vp__staging_holds(dev, addr, size)) {
+    dev->stats.bytes_copied += size;
+    return VP_OK;
+  }
+  return vp__err(VP_ERANGE, "0x%llx is in no VBAR of this device",
+                 ULL(addr));
+}
+
+/* Device close: wait for the copy stream and every staging reader, then
+ * free the ring and the stream. */
+void vp__staging_close(vp__device_t *dev) {
+  if (dev->copy_stream) vp__be_stream_synchronize(dev, dev->copy_stream);
+  vp__staging_t *st = dev->staging;
+  if (st) {
+    for (size_t k = 0; k < st->n; k++) {
+      vp__slot_t *s = st->slots[k];
+      if (s->fence) {
+        vp__fence_wait(dev, s->fence);
+        vp__fence_put(dev, s->fence);
+      }
+      if (s->owner) {
+        s->owner->slot = NULL;
+        s->owner->vb->prefetch_idle = false;
+      }
+      free(s);
+    }
+    vp__unpin_nofence(st->vb, 0, st->vb->npages);
+    vp__vbar_free(st->vb);
+    free(st->slots);
+    free(st);
+    dev->staging = NULL;
+  }
+  if (dev->copy_stream) vp__be_stream_destroy(dev, dev->copy_stream);
+  dev->copy_stream = 0;
+}
+

@@ -1,0 +1,284 @@
+/* Weights: the registry of a VBAR's weights (sorted by offset, found by
+ * handle), their sources, fill generations and per-stream holds. */
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* True while w's last fill may still be running on the copy stream. */
+bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w) {
+  if (!w->copy_fence) return false;
+  if (vp__be_event_query(dev, w->copy_fence->event) != VP_OK)
+    return true;
+  vp__fence_put(dev, w->copy_fence);
+  w->copy_fence = NULL;
+  return false;
+}
+
+
+/* Copies from w's source may still be queued: the caller may free the
+ * source once the weight is gone, so wait for them. */
+static void weight_free(vp__device_t *dev, vp__weight_t *w) {
+  if (w->slot) w->slot->owner = NULL;
+  if (w->copy_fence) {
+    if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
+    if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
+  }
+  vp__table_remove(&dev->weights, w->id);
+  if (w->holds != w->few_holds) free(w->holds);
+  free(w->gens);
+  free(w);
+}
+
+/* ---------------------------------------------------------------- holds */
+
+vp__hold_t *vp__hold_find(const vp__weight_t *w, vp_stream_t stream) {
+  for (uint32_t i = 0; i < w->nholds; i++)
+    if (w->holds[i].stream == stream) return &w->holds[i];
+  return NULL;
+}
+
+/* w's hold on `stream`, added (empty) if it has none. */
+int vp__hold_get(vp__device_t *dev, vp__weight_t *w, vp_stream_t stream,
+                    vp__hold_t **out) {
+  if ((*out = vp__hold_find(w, stream))) return VP_OK;
+  if (w->nholds == w->holds_cap) {
+    uint32_t cap = w->holds_cap * 2;
+    vp__hold_t *l = NULL;
+    if (vp__inject_fail(&dev->inject) || !(l = malloc(cap * sizeof *l)))
+      return vp__err(VP_ENOMEM, "no memory for a weight's holds");
+    memcpy(l, w->holds, w->nholds * sizeof *l);
+    if (w->holds != w->few_holds) free(w->holds);
+    w->holds = l;
+    w->holds_cap = cap;
+  }
+  *out = &w->holds[w->nholds++];
+  **out = (vp__hold_t){.stream = stream};
+  return VP_OK;
+}
+
+/* Forget w's hold on `stream` once nothing is held on it. */
+void vp__hold_trim(vp__weight_t *w, vp_stream_t stream) {
+  vp__hold_t *h = vp__hold_find(w, stream);
+  if (h && !h->resident && !h->staged) *h = w->holds[--w->nholds];
+}
+
+static int source_check(const vp_source_t *s, size_t i) {
+  if (s->kind == VP_SOURCE_NONE) return VP_OK;
+  if (s->kind == VP_SOURCE_HOST && s->host) return VP_OK;
+  if (s->kind == VP_SOURCE_FILE && s->fd >= 0) return VP_OK;
+  return vp__err(VP_EINVAL, "weight %zu: source kind %d "
+                 "with %s", i, s->kind,
+                 s->kind == VP_SOURCE_HOST ? "a NULL host pointer"
+                 : s->kind == VP_SOURCE_FILE ? "a negative fd"
+                 : "an unknown kind");
+}
+
+/* Index of the first weight of vb at or after offset. */
+static uint32_t lower_bound(const vp__vbar_t *vb, uint64_t offset) {
+  uint32_t lo = 0, hi = vb->nweights;
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    if (vb->weights[mid]->offset < offset) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+static bool overlaps_existing(const vp__vbar_t *vb, uint64_t off,
+                              uint64_t size) {
+  uint32_t i = lower_bound(vb, off);
+  if (i < vb->nweights && vb->weights[i]->offset < off + size) return true;
+  return i > 0 &&
+         vb->weights[i - 1]->offset + vb->weights[i - 1]->size > off;
+}
+
+static int weights_check(vp__vbar_t *vb, size_t n, const uint64_t *offsets,
+                         const uint64_t *sizes, const vp_source_t *srcs) {
+  for (size_t i = 0; i < n; i++) {
+    uint64_t off = offsets[i], size = sizes[i];
+    if (size == 0 || off >= vb->size || size > vb->size - off)
+      return vp__err(size ? VP_ERANGE : VP_EINVAL, ""
+                     "weight %zu [%llu, +%llu) is empty or outside the VBAR "
+                     "of %llu bytes", i, (unsigned long long)off,
+                     (unsigned long long)size, (unsigned long long)vb->size);
+    if (srcs && source_check(&srcs[i], i)) return VP_EINVAL;
+    if (overlaps_existing(vb, off, size))
+      return vp__err(VP_EINVAL, "weight %zu at %llu "
+                     "overlaps an existing weight", i, (unsigned long long)off);
+    for (size_t j = 0; j < i; j++)
+      if (offsets[j] < off + size && off < offsets[j] + sizes[j])
+        return vp__err(VP_EINVAL, "weights %zu and %zu "
+                       "overlap", j, i);
+  }
+  return VP_OK;
+}
+
+static int weight_new(vp__vbar_t *vb, uint64_t off, uint64_t size,
+                      const vp_source_t *src, vp__weight_t **out) {
+  vp__device_t *dev = vb->dev;
+  vp__weight_t *w = NULL;
+  int shift = dev->page_shift;
+  uint32_t p0 = (uint32_t)(off >> shift);
+  uint32_t p1 = (uint32_t)(((off + size - 1) >> shift) + 1);
+  if (vp__inject_fail(&dev->inject) || !(w = calloc(1, sizeof *w)) ||
+      !(w->gens = calloc(p1 - p0, sizeof *w->gens))) {
+    if (w) free(w);
+    return vp__err(VP_ENOMEM, "no memory for a weight");
+  }
+  *w = (vp__weight_t){.vb = vb, .offset = off, .size = size, .p0 = p0,
+                      .p1 = p1, .gens = w->gens, .holds_cap = FEW_HOLDS};
+  w->holds = w->few_holds;
+  if (src) w->src = *src;
+  int rc = vp__table_add(dev, &dev->weights, w, &w->id);
+  if (rc) {
+    free(w->gens);
+    free(w);
+    return rc;
+  }
+  *out = w;
+  return VP_OK;
+}
+
+static int weight_list_reserve(vp__vbar_t *vb, size_t more) {
+  if (vb->nweights + more <= vb->weights_cap) return VP_OK;
+  size_t cap = vb->weights_cap ? vb->weights_cap : 16;
+  while (cap < vb->nweights + more) cap *= 2;
+  vp__weight_t **l = NULL;
+  if (cap > UINT32_MAX || vp__inject_fail(&vb->dev->inject) ||
+      !(l = realloc(vb->weights, cap * sizeof *l)))
+    return vp__err(VP_ENOMEM, "no memory for the list");
+  vb->weights = l;
+  vb->weights_cap = (uint32_t)cap;
+  return VP_OK;
+}
+
+static void weight_list_insert(vp__vbar_t *vb, vp__weight_t *w) {
+  uint32_t i = lower_bound(vb, w->offset);
+  memmove(&vb->weights[i + 1], &vb->weights[i],
+          (vb->nweights - i) * sizeof *vb->weights);
+  vb->weights[i] = w;
+  vb->nweights++;
+  for (uint32_t j = i; j < vb->nweights; j++) vb->weights[j]->index = j;
+}
+
+int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
+                      const uint64_t *sizes, const vp_source_t *srcs,
+                      vp_weight_t *out) {
+  VP__ENTER();
+  if (!n || !offsets || !sizes || !out)
+    return vp__err(VP_EINVAL, "n is 0 or an array is "
+                   "NULL");
+  vp__vbar_t *vb = NULL;
+  int rc = vp__vbar_enter(h, &vb);
+  if (rc) return rc;
+  vp__device_t *dev = vb->dev;
+  if ((rc = weights_check(vb, n, offsets, sizes, srcs)) ||
+      (rc = weight_list_reserve(vb, n)))
+    return vp__unlock(dev, rc);
+  size_t made = 0;
+  vp__weight_t **ws = malloc(n * sizeof *ws);
+  if (!ws) return vp__unlock(dev, vp__err(VP_ENOMEM, ""
+                                          "no memory"));
+  for (; made < n && rc == VP_OK; made++)
+    rc = weight_new(vb, offsets[made], sizes[made], srcs ? &srcs[made] : NULL,
+                    &ws[made]);
+  if (rc) {
+    for (size_t i = 0; i + 1 < made; i++) weight_free(dev, ws[i]);
+  } else {
+    for (size_t i = 0; i < n; i++) {
+      weight_list_insert(vb, ws[i]);
+      out[i].id = ws[i]->id;
+    }
+    vb->prefetch_idle = false;
+    /* Interleaved ranks follow the weights while nothing is resident. */
+    if (vb->order_kind == VP_ORDER_INTERLEAVED && !vb->resident)
+      vp__weights_set_order(vb, VP_ORDER_INTERLEAVED);
+  }
+  free(ws);
+  return vp__unlock(dev, rc);
+}
+
+/* mark[p] for each page of vb that a weight touches: GROUP_START, or
+ * GROUP_JOINED when a weight spans it and the page before. */
+static void mark_pages(const vp__vbar_t *vb, uint8_t *mark) {
+  for (uint32_t i = 0; i < vb->nweights; i++) {
+    const vp__weight_t *w = vb->weights[i];
+    if (!mark[w->p0]) mark[w->p0] = VP__PAGE_GROUP_START;
+    for (uint32_t p = w->p0 + 1; p < w->p1; p++) mark[p] = VP__PAGE_GROUP_JOINED;
+  }
+}
+
+/* The pager's order, told where the weights are: interleaved eviction then
+ * takes whole weights (without memory for the marks, pages one by one). */
+void vp__weights_set_order(vp__vbar_t *vb, int kind) {
+  uint8_t *mark = NULL;
+  if (kind == VP_ORDER_INTERLEAVED && vb->nweights &&
+      (mark = calloc(vb->npages, 1)))
+    mark_pages(vb, mark);
+  vp__vbar_set_order(vb, kind, mark);
+  free(mark);
+}
+
+static void weight_unlist(vp__weight_t *w) {
+  vp__vbar_t *vb = w->vb;
+  memmove(&vb->weights[w->index], &vb->weights[w->index + 1],
+          (vb->nweights - w->index - 1) * sizeof *vb->weights);
+  vb->nweights--;
+  for (uint32_t j = w->index; j < vb->nweights; j++)
+    vb->weights[j]->index = j;
+}
+
+int vp_weight_destroy(vp_weight_t h) {
+  VP__ENTER();
+  vp__device_t *dev;
+  vp__weight_t *w;
+  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
+                           &dev, (void **)&w);
+  if (rc) return rc;
+  if (w->acq_resident || w->acq_staged)
+    return vp__unlock(dev, vp__err(VP_EBUSY, "the weight "
+                                   "is acquired; release it first"));
+  weight_unlist(w);
+  weight_free(dev, w);
+  return vp__unlock(dev, VP_OK);
+}
+
+static void drop_vbar(vp__vbar_t *vb) {
+  for (uint32_t i = 0; i < vb->nweights; i++)
+    weight_free(vb->dev, vb->weights[i]);
+  free(vb->weights);
+  vb->weights = NULL;
+  vb->nweights = vb->weights_cap = 0;
+}
+
+/* Look up n weight handles of dev. */
+int vp__weights_find(vp__device_t *dev, const vp_weight_t *h, size_t n,
+                     vp__weight_t **ws) {
+  for (size_t i = 0; i < n; i++)
+    if (!(ws[i] = vp__table_get(&dev->weights, h[i].id)))
+      return vp__err(VP_EHANDLE, "weights[%zu] (0x%llx) is not a live "
+                     "weight of this device", i,
+                     (unsigned long long)h[i].id);
+  return VP_OK;
+}
+
+
+/* vp_vbar_destroy: a VBAR goes with its weights, once none is acquired and
+ * no page is pinned. */
+int vp__weights_vbar_destroy(vp__vbar_t *vb) {
+  int rc = vp__vbar_check_free(vb);
+  if (rc) return rc;
+  if (vb->acquired)
+    return vp__err(VP_EBUSY, "%u of its weights are still acquired; release "
+                   "them first", vb->acquired);
+  drop_vbar(vb);
+  return vp__vbar_free(vb);
+}
+
+/* Device close: every VBAR's weights (the copy stream is idle by now). */
+void vp__weights_close(vp__device_t *dev) {
+  for (uint32_t s = 0; s < dev->vbars.n; s++)
+    if (dev->vbars.slots[s]) drop_vbar(dev->vbars.slots[s]);
+  vp__table_free(&dev->weights);
+}
