@@ -27,6 +27,10 @@ if os.path.join(REPO, "python") not in sys.path:
 import vpager  # noqa: E402
 from vpager import _lib  # noqa: E402
 
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+from _runner import raises  # noqa: E402,F401
+
 MiB = 1 << 20
 PAGE = 2 * MiB
 
@@ -39,14 +43,6 @@ def sim(**kw):
                 file_slot_size=MiB)
     opts.update(kw)
     return vpager.Device(**opts)
-
-
-def raises(exc, fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-    except exc as e:
-        return e
-    raise AssertionError("%s did not raise %s" % (fn, exc.__name__))
 
 
 def pattern(n, seed):
@@ -216,6 +212,21 @@ def test_options_and_helpers():
         raises(vpager.InvalidArgument, vpager.set_log_level, 99)
     finally:
         vpager.set_log_level(old)
+
+
+def test_size_strings_decimal_and_binary():
+    """K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers
+    of 1000 (accelerate's max_memory spelling), wherever sizes are read."""
+    G = 1 << 30
+    for text, want in (("20GB", 20 * 10 ** 9), ("20GiB", 20 * G),
+                       ("20G", 20 * G), ("64KB", 64000), ("64KiB", 64 << 10),
+                       ("3MB", 3 * 10 ** 6), ("3MiB", 3 * MiB),
+                       ("1TB", 10 ** 12), ("1TiB", 1 << 40)):
+        assert vpager.parse_size(text) == want, text
+    with sim(sim_capacity="1GB") as dev:
+        assert dev.info()["total_memory"] == 10 ** 9
+    with sim(sim_capacity="1GiB") as dev:
+        assert dev.info()["total_memory"] == G
 
 
 def test_check():
@@ -764,31 +775,5 @@ def test_failed_open_leaves_nothing():
     assert gc.collect() >= 0 and before >= 0      # __del__ did not raise
 
 
-# ------------------------------------------------------------ plain runner
-
-def _main():
-    """Run every test_* function in file order; prints pytest's kind of
-    closing line. Arguments select tests by substring."""
-    tests = [(n, f) for n, f in list(globals().items())
-             if n.startswith("test_") and callable(f)]
-    only = sys.argv[1:]
-    passed = failed = 0
-    for name, fn in tests:
-        if only and not any(o in name for o in only):
-            continue
-        try:
-            fn()
-        except Exception:
-            import traceback
-            failed += 1
-            print("FAIL %s" % name)
-            traceback.print_exc()
-        else:
-            passed += 1
-            print("ok   %s" % name)
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(_runner.main(globals()))

@@ -31,19 +31,15 @@ from comfy_aimdo import control  # noqa: E402
 from comfy_aimdo import host_buffer, model_mmap, model_vbar  # noqa: E402
 from comfy_aimdo import vram_buffer  # noqa: E402
 
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+from _runner import raises  # noqa: E402,F401
+
 MiB = 1 << 20
 PAGE = 32 * MiB
 ENV = dict(os.environ,
            PYTHONPATH=os.pathsep.join([os.path.join(REPO, "python", "compat"),
                                        os.path.join(REPO, "python")]))
-
-
-def raises(exc, fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-    except exc as e:
-        return e
-    raise AssertionError("%s did not raise %s" % (fn, exc.__name__))
 
 
 def fresh(budget_pages=None):
@@ -586,31 +582,5 @@ def test_deinit_closes_everything():
     control.deinit()                                       # twice: fine
 
 
-# ------------------------------------------------------------ plain runner
-
-def _main():
-    tests = [(n, f) for n, f in list(globals().items())
-             if n.startswith("test_") and callable(f)]
-    only = sys.argv[1:]
-    passed = failed = 0
-    for name, fn in tests:
-        if only and not any(o in name for o in only):
-            continue
-        t0 = time.perf_counter()
-        try:
-            fn()
-        except Exception:
-            import traceback
-            failed += 1
-            print("FAIL %s" % name)
-            traceback.print_exc()
-        else:
-            passed += 1
-            print("ok   %s (%.2fs)" % (name, time.perf_counter() - t0))
-    control.deinit()
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(_runner.main(globals(), timing=True, after_all=control.deinit))

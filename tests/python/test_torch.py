@@ -35,6 +35,10 @@ except ImportError:         # pragma: no cover - depends on the machine
 
 import vpager  # noqa: E402
 
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+from _runner import raises, skip  # noqa: E402,F401
+
 if torch is not None:
     import vpager.torch as vt  # noqa: E402
 
@@ -53,25 +57,6 @@ def sim_opts(**kw):
 def offload_sim(model, budget, staging, **kw):
     return vt.offload(model, device="cpu", budget=budget,
                       staging_size=staging, **sim_opts(**kw))
-
-
-class Skipped(Exception):
-    pass
-
-
-def skip(why):
-    if "pytest" in sys.modules and __name__ != "__main__":
-        import pytest
-        pytest.skip(why)
-    raise Skipped(why)
-
-
-def raises(exc, fn, *args, **kw):
-    try:
-        fn(*args, **kw)
-    except exc as e:
-        return e
-    raise AssertionError("%s did not raise %s" % (fn, exc.__name__))
 
 
 def frozen_copy(model):
@@ -1028,6 +1013,191 @@ def test_tensors_that_cannot_be_served():
         dev.close()
 
 
+# ------------------------------------------------ what a new user meets
+
+def test_default_device_is_cuda_when_torch_has_it():
+    """offload() of a CPU module with no device: CUDA when torch has CUDA,
+    as open_device(); the simulated device only when asked for
+    (device="sim"/"cpu", backend="sim") or when torch has no GPU, and then
+    a warning, once per process. torch.cuda is monkeypatched."""
+    import warnings
+    from vpager.torch import devices
+    cpu, cuda0 = torch.device("cpu"), torch.device("cuda", 0)
+    x = torch.randn(2, 64)
+    saved = torch.cuda.is_available, torch.cuda.current_device
+    noted = devices._SIM_NOTED[0]
+    real_cuda = torch.cuda.is_available()
+    try:
+        # No GPU: the simulated device, and one warning saying so.
+        torch.cuda.is_available = lambda: False
+        devices._SIM_NOTED[0] = False
+        assert vt._resolve_target(cpu, None, None) == cpu
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            models = [mlp(depth=1), mlp(depth=1)]
+            hs = [vt.offload(m, budget="1M", staging_size=320 * K,
+                             **sim_opts()) for m in models]
+            d = vt.open_device(budget="1M", staging_size=320 * K,
+                               **sim_opts())
+            d.close()
+        said = [w for w in caught if "simulated device" in str(w.message)]
+        assert len(said) == 1, [str(w.message) for w in caught]
+        assert issubclass(said[0].category, RuntimeWarning)
+        assert "no CUDA" in str(said[0].message)
+        for m, h in zip(models, hs):
+            assert h.target == cpu and h.device.backend == "sim"
+            with torch.no_grad():
+                m(x)
+            h.unload()
+        # Asked for: the simulated device (warned about once, too).
+        devices._SIM_NOTED[0] = False
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            h = vt.offload(mlp(depth=1), device="sim", budget="1M",
+                           staging_size=320 * K, **sim_opts())
+            h.close()
+        assert ["device='sim'" in str(w.message) for w in caught] == [True]
+        # torch has CUDA: a CPU module goes there unless sim is asked for.
+        torch.cuda.is_available = lambda: True
+        torch.cuda.current_device = lambda: 0
+        assert vt._resolve_target(cpu, None, None) == cuda0
+        assert vt._resolve_target(cpu, "cuda", None) == cuda0
+        for asked in ("sim", "cpu"):
+            assert vt._resolve_target(cpu, asked, None) == cpu
+        assert vt._resolve_target(cpu, None, None, {"backend": "sim"}) == cpu
+        if not real_cuda:
+            # No GPU behind the patched torch: offload() tries CUDA (the
+            # vpager CUDA backend cannot open) and changes nothing.
+            m = mlp(depth=1)
+            e = raises(vpager.Error, vt.offload, m, budget="8G")
+            assert "CUDA" in str(e), str(e)
+            assert "forward" not in m[0].__dict__
+            assert not torch.isnan(m[0].weight).any()
+            e = raises(vpager.Error, vt.open_device, budget="8G")
+            assert "CUDA" in str(e), str(e)
+    finally:
+        torch.cuda.is_available, torch.cuda.current_device = saved
+        devices._SIM_NOTED[0] = noted or devices._SIM_NOTED[0]
+    if real_cuda:
+        m = mlp(depth=1)
+        h = vt.offload(m, budget="8M", page_size=2 << 20, lookahead=0)
+        assert h.target.type == "cuda"
+        h.unload()
+        assert m[0].weight.device == cpu
+
+
+def test_staging_ring_sized_to_the_device():
+    """No budget, a device smaller than the default 512 MiB staging ring
+    (VPAGER_SIM_CAPACITY=64M) and a 200 MB MLP: the ring is sized to what
+    the device can give, and the first forward works (it failed with "no
+    device memory for the 512 MiB staging ring")."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(12)]).eval()
+    ref = frozen_copy(m)
+    x = torch.randn(2, 2048)
+    need = 2048 * 2048 * 4 + 2048 * 4           # one layer's weights
+    old = os.environ.get("VPAGER_SIM_CAPACITY")
+    os.environ["VPAGER_SIM_CAPACITY"] = "64M"
+    try:
+        h = vt.offload(m, device="cpu")
+    finally:
+        if old is None:
+            del os.environ["VPAGER_SIM_CAPACITY"]
+        else:
+            os.environ["VPAGER_SIM_CAPACITY"] = old
+    try:
+        info = h.device.info()
+        ring = h.device.options["staging_size"]
+        assert info["total_memory"] == 64 << 20
+        assert weight_bytes(m) > 3 * info["total_memory"]
+        assert need <= ring <= info["total_memory"] // 2, ring
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(x), ref(x))
+        s = h.stats()
+        assert s["misses"] > 0 and s["hits"] > 0, s
+    finally:
+        h.unload()
+
+
+def test_budget_too_small_for_the_staging_ring_is_refused():
+    """A budget that cannot hold the staging ring the largest unit needs
+    (all its weights at once) is refused at offload(), naming the unit and
+    its bytes, with nothing changed; one that just holds it works (every
+    weight streamed). The same for a shared device and open_device()."""
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 1024),
+                      nn.Tanh(), nn.Linear(1024, 16)).eval()
+    ref = frozen_copy(m)
+    x = torch.randn(3, 64)
+    need = 1024 * 256 * 4 + 1024 * 4            # unit "2": 1 MiB + 4 KiB
+    ring = -(-need // PAGE) * PAGE              # in whole pages: 17 of them
+    opts = sim_opts()
+    for budget in (ring - PAGE, 1 << 20):
+        e = raises(ValueError, vt.offload, m, device="cpu", budget=budget,
+                   **opts)
+        msg = str(e)
+        assert "2 (Linear)" in msg and str(need) in msg, msg
+        assert "budget" in msg and str(ring) in msg, msg
+        assert "forward" not in m[2].__dict__
+        assert not hasattr(m[2].weight, "_vpager_handle")
+        assert torch.equal(m[2].weight, ref[2].weight)
+    # A staging_size that the budget cannot hold: refused too.
+    e = raises(ValueError, vt.offload, m, device="cpu", budget=ring,
+               staging_size=2 * ring, **opts)
+    assert "2 (Linear)" in str(e) and "staging_size" in str(e), str(e)
+    h = vt.offload(m, device="cpu", budget=ring, **opts)
+    assert h.device.options["staging_size"] == need
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(x), ref(x))
+    assert h.stats()["hits"] == 0 and h.stats()["misses"] > 0
+    h.unload()
+    # A shared device: its ring, a budget given to offload().
+    dev = vt.open_device("sim", staging_size=ring, **opts)
+    try:
+        e = raises(ValueError, vt.offload, m, dev=dev, budget=ring - PAGE)
+        assert "2 (Linear)" in str(e) and str(need) in str(e), str(e)
+        assert dev.report(json=True)["vbars"] == []
+        h = vt.offload(m, dev=dev, budget=ring)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        h.unload()
+    finally:
+        dev.close()
+    e = raises(ValueError, vt.open_device, "sim", budget=4 * PAGE,
+               staging_size=8 * PAGE, **opts)
+    assert "staging ring" in str(e) and "open_device" in str(e), str(e)
+
+
+def test_budget_strings_decimal_and_binary():
+    """Budgets as accelerate's max_memory spells them: "20GB" is 20 * 10**9
+    bytes, "20GiB" and "20G" are 20 * 2**30 (likewise KB/MB/TB and
+    KiB/MiB/TiB); vp_parse_size reads them."""
+    G = 1 << 30
+    cases = (("20GB", 20 * 10 ** 9), ("20GiB", 20 * G), ("20G", 20 * G),
+             ("1500MB", 1500 * 10 ** 6), ("1500MiB", 1500 << 20),
+             ("2TB", 2 * 10 ** 12), ("2TiB", 2 << 40))
+    for text, want in cases:
+        assert vpager.parse_size(text) == want, text
+        dev = vt.open_device("sim", budget=text, sim_capacity="4T",
+                             staging_size=320 * K, **sim_opts())
+        try:
+            assert dev.info()["budget"] == want, text
+        finally:
+            dev.close()
+    m = mlp(depth=1)
+    ref = frozen_copy(m)
+    x = torch.randn(2, 64)
+    for text, want in cases[:2]:
+        h = vt.offload(m, device="cpu", budget=text, staging_size=320 * K,
+                       **sim_opts())
+        assert h.device.info()["budget"] == want
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        h.unload()
+
+
 # ------------------------------------------------------------------ CUDA
 
 def test_cuda():
@@ -1089,39 +1259,7 @@ def test_cuda():
     h.unload()
 
 
-# ------------------------------------------------------------ plain runner
-
-def _main():
-    """Run every test_* function in file order; prints pytest's kind of
-    closing line. Arguments select tests by substring."""
-    if torch is None:
-        print("0 passed, 0 failed (torch is not importable: skipped)")
-        return 0
-    tests = [(n, f) for n, f in list(globals().items())
-             if n.startswith("test_") and callable(f)]
-    only = sys.argv[1:]
-    passed = failed = skipped = 0
-    for name, fn in tests:
-        if only and not any(o in name for o in only):
-            continue
-        try:
-            fn()
-        except Skipped as e:
-            skipped += 1
-            print("skip %s: %s" % (name, e))
-        except Exception:
-            import traceback
-            failed += 1
-            print("FAIL %s" % name)
-            traceback.print_exc()
-        else:
-            passed += 1
-            print("ok   %s" % name)
-        gc.collect()
-    print("%d passed, %d failed%s" % (passed, failed, ", %d skipped" % skipped
-                                      if skipped else ""))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(_runner.main(
+        globals(), after_each=gc.collect,
+        unavailable=None if torch is not None else "torch is not importable"))
