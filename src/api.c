@@ -18,8 +18,7 @@ static int streams_add(vp__device_t *dev, vp_stream_t s) {
     vp_stream_t *l = NULL;
     if (vp__inject_fail(&dev->inject) ||
         !(l = realloc(dev->streams, cap * sizeof *l)))
-      return vp__err(VP_ENOMEM, "no memory for the "
-                     "stream list");
+      return vp__err(VP_ENOMEM, "no memory for the stream list");
     dev->streams = l;
     dev->streams_cap = cap;
   }
@@ -44,8 +43,7 @@ int vp_stream_create(vp_device_t h, vp_stream_t *out) {
   vp_stream_t s = 0;
   int rc = vp__be_stream_create(dev, &s);
   if (rc) {
-    rc = vp__err(rc,
-                 "the %s backend failed", dev->caps.name);
+    rc = vp__err(rc, "the %s backend failed", dev->caps.name);
   } else if ((rc = streams_add(dev, s))) {
     vp__be_stream_destroy(dev, s);
   } else {
@@ -56,18 +54,18 @@ int vp_stream_create(vp_device_t h, vp_stream_t *out) {
 
 int vp_stream_destroy(vp_device_t h, vp_stream_t stream) {
   VP__ENTER();
-  VP__NEED(stream != 0, "stream 0 is the default stream and cannot be destroyed");
+  VP__NEED(stream != 0,
+           "stream 0 is the default stream and cannot be destroyed");
   vp__device_t *dev = NULL;
   int rc = vp__dev_lock(h, &dev);
   if (rc) return rc;
   if (!streams_remove(dev, stream))
-    return vp__unlock(dev, vp__err(VP_EINVAL, "stream 0x%llx "
-                               "was not made by vp_stream_create on this "
-                               "device, or is destroyed", ULL(stream)));
+    return vp__unlock(dev, vp__err(VP_EINVAL, "stream 0x%llx was not made by "
+                                   "vp_stream_create on this device, or is "
+                                   "destroyed", ULL(stream)));
   vp__unlock(dev, VP_OK); /* destroying waits for the stream's work */
   rc = vp__be_stream_destroy(dev, stream);
-  if (rc) return vp__err(rc, "stream 0x%llx: %s",
-                         ULL(stream), vp_strerror(rc));
+  if (rc) return vp__err(rc, "stream 0x%llx: %s", ULL(stream), vp_strerror(rc));
   return VP_OK;
 }
 
@@ -78,8 +76,7 @@ int vp_stream_synchronize(vp_device_t h, vp_stream_t stream) {
   if (rc) return rc;
   vp__unlock(dev, VP_OK); /* waiting must not hold the device */
   rc = vp__be_stream_synchronize(dev, stream);
-  if (rc) return vp__err(rc, "stream 0x%llx: %s",
-                         ULL(stream), vp_strerror(rc));
+  if (rc) return vp__err(rc, "stream 0x%llx: %s", ULL(stream), vp_strerror(rc));
   return VP_OK;
 }
 
@@ -92,9 +89,8 @@ int vp_copy_to_device(vp_device_t h, uint64_t dst, const void *src,
   int rc = vp__unlock(dev, vp__pinned_range(dev, dst, size));
   if (rc) return rc;
   rc = vp__copy_htod(dev, dst, src, size, stream, false);
-  if (rc) return vp__err(rc, "%llu bytes to 0x%llx on "
-                         "stream 0x%llx failed", ULL(size), ULL(dst),
-                         ULL(stream));
+  if (rc) return vp__err(rc, "%llu bytes to 0x%llx on stream 0x%llx failed",
+                         ULL(size), ULL(dst), ULL(stream));
   return VP_OK;
 }
 
@@ -107,9 +103,8 @@ int vp_copy_to_host(vp_device_t h, void *dst, uint64_t src, uint64_t size,
   int rc = vp__unlock(dev, vp__pinned_range(dev, src, size));
   if (rc) return rc;
   rc = vp__copy_dtoh(dev, dst, src, size, stream, false);
-  if (rc) return vp__err(rc, "%llu bytes from 0x%llx on "
-                         "stream 0x%llx failed", ULL(size), ULL(src),
-                         ULL(stream));
+  if (rc) return vp__err(rc, "%llu bytes from 0x%llx on stream 0x%llx failed",
+                         ULL(size), ULL(src), ULL(stream));
   return VP_OK;
 }
 
@@ -122,8 +117,7 @@ int vp_sim_launch(vp_device_t h, vp_stream_t stream, void (*fn)(void *),
   vp__unlock(dev, VP_OK);
   int rc = vp__be_launch(dev, stream, fn, arg);
   if (rc == VP_EUNSUPPORTED)
-    return vp__err(rc, "the %s backend runs no host functions",
-                   dev->caps.name);
+    return vp__err(rc, "the %s backend runs no host functions", dev->caps.name);
   if (rc) return vp__err(rc, "stream 0x%llx", ULL(stream));
   return VP_OK;
 }
@@ -135,8 +129,8 @@ int vp_sim_inject(vp_device_t h, int kind, uint64_t n) {
   if (rc) return rc;
   rc = vp__be_inject(dev, kind, n);
   if (rc == VP_EUNSUPPORTED)
-    return vp__unlock(dev, vp__err(rc, "the %s backend has no fault "
-                                   "injection", dev->caps.name));
+    return vp__unlock(dev, vp__err(rc, "the %s backend has no fault injection",
+                                   dev->caps.name));
   if (rc) return vp__unlock(dev, vp__err(rc, "kind %d", kind));
   vp__budget_invalidate(dev); /* capacity may have changed */
   return vp__unlock(dev, VP_OK);
@@ -218,9 +212,8 @@ int vp_vbar_set_order(vp_vbar_t h, int order) {
   vp__vbar_t *vb = NULL;
   VP__VBAR_ENTER(h, vb);
   if (vb->resident)
-    return vp__unlock(vb->dev, vp__err(VP_EBUSY, "%u pages "
-                                   "are resident; free them first",
-                                   vb->resident));
+    return vp__unlock(vb->dev, vp__err(VP_EBUSY, "%u pages are resident; free "
+                                       "them first", vb->resident));
   vp__weights_set_order(vb, order);
   return vp__unlock(vb->dev, VP_OK);
 }
@@ -231,9 +224,9 @@ int vp_vbar_set_watermark(vp_vbar_t h, uint64_t bytes) {
   VP__VBAR_ENTER(h, vb);
   uint64_t pages = bytes >> vb->dev->page_shift;
   if (pages > vb->npages)
-    return vp__unlock(vb->dev, vp__err(VP_ERANGE, "%llu "
-                                   "bytes is more than the VBAR's %llu",
-                                   ULL(bytes), ULL(vb->size)));
+    return vp__unlock(vb->dev, vp__err(VP_ERANGE, "%llu bytes is more than the "
+                                       "VBAR's %llu", ULL(bytes),
+                                       ULL(vb->size)));
   vb->watermark = (uint32_t)pages;
   return vp__unlock(vb->dev, VP_OK);
 }
@@ -252,8 +245,8 @@ static int page_range(vp__vbar_t *vb, uint64_t off, uint64_t size,
                       uint32_t *p0, uint32_t *p1) {
   if (size == 0) return vp__err(VP_EINVAL, "size is 0");
   if (off >= vb->size || size > vb->size - off)
-    return vp__err(VP_ERANGE, "[%llu, +%llu) is outside the VBAR of %llu "
-                   "bytes", ULL(off), ULL(size), ULL(vb->size));
+    return vp__err(VP_ERANGE, "[%llu, +%llu) is outside the VBAR of %llu bytes",
+                   ULL(off), ULL(size), ULL(vb->size));
   int shift = vb->dev->page_shift;
   *p0 = (uint32_t)(off >> shift);
   *p1 = (uint32_t)(((off + size - 1) >> shift) + 1);
@@ -268,8 +261,8 @@ int vp_fault(vp_vbar_t h, uint64_t offset, uint64_t size, uint32_t *gens,
   VP__VBAR_ENTER(h, vb);
   int rc = page_range(vb, offset, size, &p0, &p1);
   if (rc == VP_OK && gens && ngens < p1 - p0)
-    rc = vp__err(VP_EINVAL, "the range has %u pages but gens has "
-                 "room for %zu", p1 - p0, ngens);
+    rc = vp__err(VP_EINVAL, "the range has %u pages but gens has room for %zu",
+                 p1 - p0, ngens);
   if (rc == VP_OK) rc = vp__fault(vb, p0, p1, gens);
   return vp__unlock(vb->dev, rc);
 }
@@ -301,8 +294,8 @@ int vp_vbar_residency(vp_vbar_t h, uint8_t *flags, size_t n) {
   int rc = vp__vbar_lock(h, &vb);
   if (rc) return rc;
   if (n > vb->npages)
-    return vp__unlock(vb->dev, vp__err(VP_ERANGE, "%zu flags "
-                                   "asked of %u pages", n, vb->npages));
+    return vp__unlock(vb->dev, vp__err(VP_ERANGE, "%zu flags asked of %u pages",
+                                       n, vb->npages));
   for (size_t i = 0; i < n; i++)
     flags[i] = (uint8_t)((vb->pages[i].resident ? VP_PAGE_RESIDENT : 0) |
                          (vb->pages[i].pins ? VP_PAGE_PINNED : 0));

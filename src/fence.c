@@ -16,16 +16,14 @@ int vp__fence_get(vp__device_t *dev, vp_stream_t stream, vp__fence_t **out) {
     int rc = vp__be_event_create(dev, &f->event);
     if (rc) {
       free(f);
-      return vp__err(rc,
-                     "creating an event failed");
+      return vp__err(rc, "creating an event failed");
     }
   }
   int rc = vp__be_event_record(dev, f->event, stream);
   if (rc) {
     f->next = dev->free_fences;
     dev->free_fences = f;
-    return vp__err(rc,
-                   "recording an event on stream 0x%llx failed",
+    return vp__err(rc, "recording an event on stream 0x%llx failed",
                    (unsigned long long)stream);
   }
   f->stream = stream;

@@ -38,8 +38,8 @@ static int ring_get(vp__device_t *dev, struct vp__file_ring **out) {
     struct vp__file_ring *r = NULL;
     if (vp__inject_fail(&dev->inject) ||
         !(r = calloc(1, sizeof *r + n * sizeof r->slots[0])))
-      return vp__err(VP_ENOMEM, "file reader: no memory for a ring of %u "
-                     "slots", n);
+      return vp__err(VP_ENOMEM, "file reader: no memory for a ring of %u slots",
+                     n);
     r->n = n;
     r->slot_size = dev->opts.file_slot_size;
     dev->file_ring = r;
@@ -63,8 +63,8 @@ static int slot_ready(vp__device_t *dev, struct vp__file_ring *r,
   if (s->in_flight) {
     int rc = vp__be_event_synchronize(dev, s->ev);
     if (rc)
-      return vp__err(rc, "%s: waiting for an upload of the file reader "
-                     "failed", what);
+      return vp__err(rc, "%s: waiting for an upload of the file reader failed",
+                     what);
     s->in_flight = false;
   }
   if (!s->has_event) {
@@ -124,9 +124,9 @@ static int read_full(int fd, void *buf, uint64_t n, uint64_t off,
                    "bytes at offset %llu failed: %s", what, ULL(n - got),
                    ULL(off + got), strerror(e));
   if (e < 0)
-    return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before "
-                   "the %llu bytes at offset %llu were read (it is shorter "
-                   "than expected)", what, ULL(off + got), ULL(n), ULL(off));
+    return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before the "
+                   "%llu bytes at offset %llu were read (it is shorter than "
+                   "expected)", what, ULL(off + got), ULL(n), ULL(off));
   return VP_OK;
 }
 
@@ -146,12 +146,12 @@ int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
   }
   if (offset > UINT64_MAX - size ||
       (S_ISREG(sb.st_mode) && offset + size > (uint64_t)sb.st_size))
-    return vp__err(VP_ERANGE, "%s: [%llu, +%llu) runs past the end of the "
-                   "file (%llu bytes)", what, ULL(offset), ULL(size),
+    return vp__err(VP_ERANGE, "%s: [%llu, +%llu) runs past the end of the file "
+                   "(%llu bytes)", what, ULL(offset), ULL(size),
                    ULL(sb.st_size));
   if (offset + size > (uint64_t)INT64_MAX)
-    return vp__err(VP_ERANGE, "%s: offset %llu + %llu is too large for a "
-                   "file", what, ULL(offset), ULL(size));
+    return vp__err(VP_ERANGE, "%s: offset %llu + %llu is too large for a file",
+                   what, ULL(offset), ULL(size));
   struct vp__file_ring *r = NULL;
   int rc = ring_get(dev, &r);
   if (rc) return rc;
@@ -166,16 +166,15 @@ int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
     if (rc) return rc;
     rc = vp__be_copy_htod(dev, dst + done, s->buf, n, stream);
     if (rc)
-      return vp__err(rc, "%s: uploading "
-                     "%llu bytes to 0x%llx on stream 0x%llx failed", what,
-                     ULL(n), ULL(dst + done), ULL(stream));
+      return vp__err(rc, "%s: uploading %llu bytes to 0x%llx on stream 0x%llx "
+                     "failed", what, ULL(n), ULL(dst + done), ULL(stream));
     rc = vp__be_event_record(dev, s->ev, stream);
     if (rc) {
       /* Without the event the slot is safe again only once the stream has
        * drained. */
       vp__be_stream_synchronize(dev, stream);
-      return vp__err(rc, "%s: recording "
-                     "an event on stream 0x%llx failed", what, ULL(stream));
+      return vp__err(rc, "%s: recording an event on stream 0x%llx failed",
+                     what, ULL(stream));
     }
     s->in_flight = true;
     done += n;
@@ -205,8 +204,8 @@ int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
   if (fd < 0) return vp__err(VP_EINVAL, "fd %d is negative", fd);
   if (size == 0) return vp__err(VP_EINVAL, "size is 0");
   if (offset > UINT64_MAX - size)
-    return vp__err(VP_ERANGE, "offset %llu + size %llu overflows",
-                   ULL(offset), ULL(size));
+    return vp__err(VP_ERANGE, "offset %llu + size %llu overflows", ULL(offset),
+                   ULL(size));
   vp__device_t *dev = NULL;
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;

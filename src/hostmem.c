@@ -254,8 +254,8 @@ static int hb_reserve(vp__device_t *dev, hostbuf_t *hb, uint64_t max) {
     p = mmap(NULL, len, PROT_NONE,
              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED)
-    return vp__err(VP_ENOMEM, "cannot reserve %llu bytes of address "
-                   "space", ULL(max));
+    return vp__err(VP_ENOMEM, "cannot reserve %llu bytes of address space",
+                   ULL(max));
   hb->ptr = p;
   hb->reserved = len;
   hb->max_size = max;
@@ -271,7 +271,8 @@ static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size) {
   uint64_t len = end - hb->committed;
   if (vp__inject_fail(&dev->inject) ||
       mprotect(p, len, PROT_READ | PROT_WRITE))
-    return vp__err(VP_ENOMEM, "cannot commit %llu bytes of host memory", ULL(len));
+    return vp__err(VP_ENOMEM, "cannot commit %llu bytes of host memory",
+                   ULL(len));
   hb->chunks[hb->nchunks++] = (hb_chunk_t){p, len, false};
   hb->committed = end;
   return VP_OK;
@@ -399,8 +400,7 @@ int vp_hostbuf_register(vp_device_t h, void *ptr, uint64_t size,
   if (!ptr) return vp__err(VP_EINVAL, "ptr is NULL");
   if (!size) return vp__err(VP_EINVAL, "size is 0");
   if ((uintptr_t)ptr > UINTPTR_MAX - size)
-    return vp__err(VP_EINVAL, "[%p, +%llu) wraps around", ptr,
-                   ULL(size));
+    return vp__err(VP_EINVAL, "[%p, +%llu) wraps around", ptr, ULL(size));
   vp__device_t *dev = NULL;
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
@@ -423,17 +423,17 @@ static int grow_check(const hostbuf_t *hb, uint64_t size) {
     return vp__err(VP_EDEVICE, "the %s device is broken; close it",
                    hb->dev->caps.name);
   if (hb->busy)
-    return vp__err(VP_EBUSY, "host buffer 0x%llx is being pinned by "
-                   "another thread", ULL(hb->id));
+    return vp__err(VP_EBUSY, "host buffer 0x%llx is being pinned by another "
+                   "thread", ULL(hb->id));
   if (size < hb->size)
-    return vp__err(VP_EINVAL, "%llu is below the size %llu (buffers do "
-                   "not shrink)", ULL(size), ULL(hb->size));
+    return vp__err(VP_EINVAL, "%llu is below the size %llu (buffers do not "
+                   "shrink)", ULL(size), ULL(hb->size));
   if (size > hb->size && !hb->reserved)
-    return vp__err(VP_EINVAL, "host buffer 0x%llx is registered caller "
-                   "memory, which cannot grow", ULL(hb->id));
+    return vp__err(VP_EINVAL, "host buffer 0x%llx is registered caller memory, "
+                   "which cannot grow", ULL(hb->id));
   if (size > hb->max_size)
-    return vp__err(VP_ERANGE, "%llu is past max_size %llu",
-                   ULL(size), ULL(hb->max_size));
+    return vp__err(VP_ERANGE, "%llu is past max_size %llu", ULL(size),
+                   ULL(hb->max_size));
   return VP_OK;
 }
 
@@ -485,9 +485,8 @@ int vp_hostbuf_free(vp_hostbuf_t h) {
   if (rc) return rc;
   vp__device_t *dev = hb->dev;
   if (hb->busy)
-    return vp__unlock(dev, vp__err(VP_EBUSY, "host buffer 0x%llx is "
-                                   "being pinned by another thread",
-                                   ULL(hb->id)));
+    return vp__unlock(dev, vp__err(VP_EBUSY, "host buffer 0x%llx is being "
+                                   "pinned by another thread", ULL(hb->id)));
   /* Out of the table first: no one else can reach it while unlocked. */
   vp__table_remove(&dev->hostbufs, hb->id);
   pthread_mutex_unlock(&dev->lock);

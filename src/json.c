@@ -150,6 +150,37 @@ static size_t utf8_len(const unsigned char *p, size_t n) {
   return len;
 }
 
+/* The escape at s[*i] (a backslash): its code point in *cp and *i past it,
+ * or an error message with *at where it is. */
+static const char *unescape(const vp__json_t *j, size_t end, size_t *i,
+                            uint32_t *cp, size_t *at) {
+  static const char from[] = "\"\\/bfnrt", to[] = "\"\\/\b\f\n\r\t";
+  const unsigned char *s = (const unsigned char *)j->s;
+  const char *e = s[*i + 1] ? strchr(from, s[*i + 1]) : NULL;
+  *at = *i;
+  if (e) {
+    *cp = (unsigned char)to[e - from];
+    *i += 2;
+    return NULL;
+  }
+  if (s[*i + 1] != 'u') return "invalid escape in a string";
+  if (end - *i < 6 || hex4(j->s + *i + 2, cp))
+    return "\\u needs four hex digits";
+  *i += 6;
+  if (*cp >= 0xdc00 && *cp <= 0xdfff) return "unpaired low surrogate escape";
+  if (*cp >= 0xd800 && *cp <= 0xdbff) {
+    uint32_t lo;
+    if (end - *i < 6 || s[*i] != '\\' || s[*i + 1] != 'u' ||
+        hex4(j->s + *i + 2, &lo) || lo < 0xdc00 || lo > 0xdfff)
+      return "unpaired high surrogate escape";
+    *cp = 0x10000 + ((*cp - 0xd800) << 10) + (lo - 0xdc00);
+    *i += 6;
+  }
+  *at = *i - 6;
+  if (*cp == 0) return "\\u0000 (NUL) in a string is not supported";
+  return NULL;
+}
+
 int vp__json_string(vp__json_t *j, char **out, size_t *len) {
   *out = NULL;
   if (vp__json_expect(j, '"', "expected a string")) return -1;
@@ -187,44 +218,12 @@ int vp__json_string(vp__json_t *j, char **out, size_t *len) {
       i++;
       continue;
     }
-    char e = (char)s[i + 1];
     uint32_t cp;
-    switch (e) {
-    case '"': o[n++] = '"'; i += 2; continue;
-    case '\\': o[n++] = '\\'; i += 2; continue;
-    case '/': o[n++] = '/'; i += 2; continue;
-    case 'b': o[n++] = '\b'; i += 2; continue;
-    case 'f': o[n++] = '\f'; i += 2; continue;
-    case 'n': o[n++] = '\n'; i += 2; continue;
-    case 'r': o[n++] = '\r'; i += 2; continue;
-    case 't': o[n++] = '\t'; i += 2; continue;
-    case 'u': break;
-    default:
+    size_t at;
+    const char *bad = unescape(j, end, &i, &cp, &at);
+    if (bad) {
       free(o);
-      return fail(j, i, "invalid escape in a string");
-    }
-    if (end - i < 6 || hex4(j->s + i + 2, &cp)) {
-      free(o);
-      return fail(j, i, "\\u needs four hex digits");
-    }
-    i += 6;
-    if (cp >= 0xdc00 && cp <= 0xdfff) {
-      free(o);
-      return fail(j, i - 6, "unpaired low surrogate escape");
-    }
-    if (cp >= 0xd800 && cp <= 0xdbff) {
-      uint32_t lo;
-      if (end - i < 6 || s[i] != '\\' || s[i + 1] != 'u' ||
-          hex4(j->s + i + 2, &lo) || lo < 0xdc00 || lo > 0xdfff) {
-        free(o);
-        return fail(j, i - 6, "unpaired high surrogate escape");
-      }
-      cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
-      i += 6;
-    }
-    if (cp == 0) {
-      free(o);
-      return fail(j, i - 6, "\\u0000 (NUL) in a string is not supported");
+      return fail(j, at, bad);
     }
     n += put_utf8(o + n, cp);
   }

@@ -44,9 +44,8 @@ static int parse_size(const char *text, uint64_t *out) {
     for (unsigned i = 0; i < power; i++) unit *= binary ? 1024 : 1000;
   }
   if (*end != '\0' || v > UINT64_MAX / unit)
-    return vp__err(VP_EINVAL, "'%s' is not a size "
-                   "(digits with an optional K/M/G/T, KiB/MiB/GiB/TiB or "
-                   "KB/MB/GB/TB suffix)", text);
+    return vp__err(VP_EINVAL, "'%s' is not a size (digits with an optional "
+                   "K/M/G/T, KiB/MiB/GiB/TiB or KB/MB/GB/TB suffix)", text);
   *out = (uint64_t)v * unit;
   return VP_OK;
 }
@@ -202,31 +201,27 @@ static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
 /* Checks that need no backend (granularity is checked after open). */
 int vp__options_check(const vp_options_t *o) {
   if (o->size != sizeof(vp_options_t))
-    return vp__err(VP_EINVAL, "options.size is %u, expected "
-                   "%zu (call vp_options_init)", o->size, sizeof(vp_options_t));
+    return vp__err(VP_EINVAL, "options.size is %u, expected %zu (call "
+                   "vp_options_init)", o->size, sizeof(vp_options_t));
   if (o->backend < VP_BACKEND_AUTO || o->backend > VP_BACKEND_SIM)
-    return vp__err(VP_EINVAL, "backend %d is unknown",
-                   o->backend);
+    return vp__err(VP_EINVAL, "backend %d is unknown", o->backend);
   if (!is_pow2(o->page_size))
-    return vp__err(VP_EINVAL, "page size %llu is not a power "
-                   "of two", (unsigned long long)o->page_size);
+    return vp__err(VP_EINVAL, "page size %llu is not a power of two",
+                   (unsigned long long)o->page_size);
   if (o->page_size > (1ull << 40))
     return vp__err(VP_EINVAL, "page size %llu is over 1 TiB",
                    (unsigned long long)o->page_size);
   if (o->evict_order != VP_ORDER_TAIL_FIRST &&
       o->evict_order != VP_ORDER_INTERLEAVED)
-    return vp__err(VP_EINVAL, "eviction order %d is unknown",
-                   o->evict_order);
+    return vp__err(VP_EINVAL, "eviction order %d is unknown", o->evict_order);
   if (o->sim_streams != VP_SIM_SYNC && o->sim_streams != VP_SIM_WORKER)
-    return vp__err(VP_EINVAL, "sim_streams %d is unknown",
-                   o->sim_streams);
+    return vp__err(VP_EINVAL, "sim_streams %d is unknown", o->sim_streams);
   if (o->device_index < 0)
-    return vp__err(VP_EINVAL, "device index %d is negative",
-                   o->device_index);
+    return vp__err(VP_EINVAL, "device index %d is negative", o->device_index);
   if (o->file_slots < 2 || o->file_slots > 64 || o->file_slot_size < 4096)
-    return vp__err(VP_EINVAL, "the file reader needs 2-64 "
-                   "slots of at least 4 KiB (have %u of %llu bytes)",
-                   o->file_slots, (unsigned long long)o->file_slot_size);
+    return vp__err(VP_EINVAL, "the file reader needs 2-64 slots of at least 4 "
+                   "KiB (have %u of %llu bytes)", o->file_slots,
+                   (unsigned long long)o->file_slot_size);
   if (memchr(o->sim_shared, '\0', sizeof o->sim_shared) == NULL)
     return vp__err(VP_EINVAL, "sim_shared is not terminated");
   return VP_OK;

@@ -61,8 +61,8 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
       int rc = vp__fence_wait(dev, pg->fence);
       /* On a broken device nothing queued will run again: free anyway. */
       if (rc && !dev->broken)
-        return vp__err(rc, "evicting page %u at 0x%llx: waiting for its "
-                       "fence failed", p, (unsigned long long)va);
+        return vp__err(rc, "evicting page %u at 0x%llx: waiting for its fence "
+                       "failed", p, (unsigned long long)va);
     }
     vp__fence_put(dev, pg->fence);
     pg->fence = NULL;

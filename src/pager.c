@@ -126,10 +126,10 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
   uint64_t npages = (size >> dev->page_shift) +
                     ((size & (dev->page_size - 1)) != 0);
   if (npages > VP__MAX_PAGES)
-    return vp__err(VP_ELIMIT, "%llu bytes is %llu pages; at "
-                   "most %u pages of %llu bytes per VBAR",
-                   (unsigned long long)size, (unsigned long long)npages,
-                   VP__MAX_PAGES, (unsigned long long)dev->page_size);
+    return vp__err(VP_ELIMIT, "%llu bytes is %llu pages; at most %u pages of "
+                   "%llu bytes per VBAR", (unsigned long long)size,
+                   (unsigned long long)npages, VP__MAX_PAGES,
+                   (unsigned long long)dev->page_size);
   vp__vbar_t *vb = NULL;
   int rc = vbar_alloc(dev, (uint32_t)npages, &vb);
   if (rc) return rc;
@@ -139,9 +139,8 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
   rc = vp__be_va_reserve(dev, vb->size, &vb->va);
   if (rc) {
     vbar_free_struct(vb);
-    return vp__err(rc,
-                   "reserving %llu bytes of address space "
-                   "failed", (unsigned long long)(npages << dev->page_shift));
+    return vp__err(rc, "reserving %llu bytes of address space failed",
+                   (unsigned long long)(npages << dev->page_shift));
   }
   rc = vp__table_add(dev, &dev->vbars, vb, &vb->id);
   if (rc) {
@@ -293,8 +292,8 @@ static int miss_or_error(vp__vbar_t *vb, int rc) {
     VP__COUNT(vb, budget_misses, 1);
     return VP_MISS;
   }
-  return vp__err(rc, "the %s device failed while making pages "
-                 "resident", vb->dev->caps.name);
+  return vp__err(rc, "the %s device failed while making pages resident",
+                 vb->dev->caps.name);
 }
 
 /* Commit the missing pages of [p0, p1) and pin the whole range. Resident
@@ -348,8 +347,8 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
 int vp__unpin_check(vp__vbar_t *vb, uint32_t p0, uint32_t p1) {
   for (uint32_t p = p0; p < p1; p++)
     if (vb->pages[p].pins == 0)
-      return vp__err(VP_ENOTPINNED, "page %u (offset %llu) is not "
-                     "pinned", p, (unsigned long long)p << vb->dev->page_shift);
+      return vp__err(VP_ENOTPINNED, "page %u (offset %llu) is not pinned", p,
+                     (unsigned long long)p << vb->dev->page_shift);
   return VP_OK;
 }
 
@@ -366,9 +365,8 @@ int vp__order_after(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
     if (vp__be_event_query(dev, f->event) == VP_OK) continue;
     int rc = vp__be_stream_wait_event(dev, stream, f->event);
     if (rc)
-      return vp__err(rc,
-                     "ordering stream 0x%llx after earlier work "
-                     "failed", (unsigned long long)stream);
+      return vp__err(rc, "ordering stream 0x%llx after earlier work failed",
+                     (unsigned long long)stream);
   }
   return VP_OK;
 }

@@ -24,8 +24,7 @@ int vp__registry_add(vp__device_t *dev) {
   }
   pthread_mutex_unlock(&registry_lock);
   if (rc != VP_OK)
-    return vp__err(rc, "%d devices are open already",
-                   VP__MAX_DEVICES);
+    return vp__err(rc, "%d devices are open already", VP__MAX_DEVICES);
   return VP_OK;
 }
 

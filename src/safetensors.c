@@ -102,8 +102,8 @@ __attribute__((format(printf, 3, 4))) static int perr(parse_t *ps, int code,
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
   if (ps->tensor)
-    return vp__err(code, "%s: tensor \"%.200s\": %s", ps->path,
-                   ps->tensor, msg);
+    return vp__err(code, "%s: tensor \"%.200s\": %s", ps->path, ps->tensor,
+                   msg);
   return vp__err(code, "%s: %s", ps->path, msg);
 }
 
@@ -401,11 +401,11 @@ static int read_exact(const char *path, int fd, void *buf,
   uint64_t got;
   int e = vp__pread_exact(fd, buf, n, off, &got);
   if (e > 0)
-    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading "
-                   "%s failed: %s", path, what, strerror(e));
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading %s "
+                   "failed: %s", path, what, strerror(e));
   if (e < 0)
-    return vp__err(VP_EINVAL, "%s: the file ended while reading %s "
-                   "(it changed while being opened?)", path, what);
+    return vp__err(VP_EINVAL, "%s: the file ended while reading %s (it changed "
+                   "while being opened?)", path, what);
   return VP_OK;
 }
 
@@ -414,39 +414,39 @@ static int st_read(vp__st_t *st) {
   st->fd = open(path, O_RDONLY | O_CLOEXEC);
   if (st->fd < 0) {
     int e = errno;
-    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: cannot "
-                   "open: %s", path, strerror(e));
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: cannot open: %s",
+                   path, strerror(e));
   }
   struct stat sb;
   if (fstat(st->fd, &sb) != 0) {
     int e = errno;
-    return vp__err(VP_EINVAL, "%s: fstat failed: %s", path,
-                   strerror(e));
+    return vp__err(VP_EINVAL, "%s: fstat failed: %s", path, strerror(e));
   }
   if (!S_ISREG(sb.st_mode))
     return vp__err(VP_EINVAL, "%s: not a regular file", path);
   st->file_size = (uint64_t)sb.st_size;
   st->mtime = sb.st_mtim;
   if (st->file_size < 8)
-    return vp__err(VP_EINVAL, "%s: the file is %llu bytes, too short "
-                   "for the 8-byte header length", path,
-                   ULL(st->file_size));
+    return vp__err(VP_EINVAL, "%s: the file is %llu bytes, too short for the "
+                   "8-byte header length", path, ULL(st->file_size));
   unsigned char lb[8];
   int rc = read_exact(path, st->fd, lb, 8, 0, "the header length");
   if (rc) return rc;
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lb[i];
   if (hlen > MAX_HEADER)
-    return vp__err(VP_EINVAL, "%s: the header length %llu is over the "
-                   "limit of %llu bytes (100 MiB); not a safetensors file?", path, ULL(hlen), ULL(MAX_HEADER));
+    return vp__err(VP_EINVAL, "%s: the header length %llu is over the limit of "
+                   "%llu bytes (100 MiB); not a safetensors file?", path,
+                   ULL(hlen), ULL(MAX_HEADER));
   if (hlen > st->file_size - 8)
-    return vp__err(VP_EINVAL, "%s: the header length %llu runs past the "
-                   "end of the file (%llu bytes)", path, ULL(hlen),
+    return vp__err(VP_EINVAL, "%s: the header length %llu runs past the end of "
+                   "the file (%llu bytes)", path, ULL(hlen),
                    ULL(st->file_size));
   st->data_start = 8 + hlen;
   char *hdr = malloc(hlen + 1);
   if (!hdr)
-    return vp__err(VP_ENOMEM, "%s: no memory for a header of %llu bytes", path, ULL(hlen));
+    return vp__err(VP_ENOMEM, "%s: no memory for a header of %llu bytes", path,
+                   ULL(hlen));
   rc = read_exact(path, st->fd, hdr, hlen, 8, "the header");
   if (rc == VP_OK) {
     parse_t ps = {.path = path, .st = st,
@@ -483,8 +483,9 @@ int vp_st_open(vp_device_t h, const char *path, vp_st_t *out) {
     st_free(st);
     return rc;
   }
-  vp__log(VP_LOG_DEBUG, dev->caps.name, "vp_st_open: %s: %zu tensors, data at %llu",
-          path, st->n, ULL(st->data_start));
+  vp__log(VP_LOG_DEBUG, dev->caps.name,
+          "vp_st_open: %s: %zu tensors, data at %llu", path, st->n,
+          ULL(st->data_start));
   out->id = st->id;
   return VP_OK;
 }
@@ -535,9 +536,8 @@ int vp_st_tensor(vp_st_t h, size_t index, vp_st_tensor_t *t) {
   vp__st_t *st = NULL;
   ST_ENTER(h, st);
   if (index >= st->n)
-    return vp__unlock(st->dev, vp__err(VP_ERANGE, "%s: index "
-                                       "%zu is past its %zu tensors",
-                                       st->path, index, st->n));
+    return vp__unlock(st->dev, vp__err(VP_ERANGE, "%s: index %zu is past its "
+                                       "%zu tensors", st->path, index, st->n));
   *t = st->t[index].t;
   return vp__unlock(st->dev, VP_OK);
 }
@@ -545,8 +545,7 @@ int vp_st_tensor(vp_st_t h, size_t index, vp_st_tensor_t *t) {
 int vp_st_find(vp_st_t h, const char *name, size_t *index) {
   VP__ENTER();
   if (!name || !index)
-    return vp__err(VP_EINVAL, "%s is NULL",
-                   !name ? "name" : "index");
+    return vp__err(VP_EINVAL, "%s is NULL", !name ? "name" : "index");
   vp__st_t *st = NULL;
   ST_ENTER(h, st);
   size_t lo = 0, hi = st->n;
@@ -560,8 +559,8 @@ int vp_st_find(vp_st_t h, const char *name, size_t *index) {
     if (c < 0) lo = mid + 1;
     else hi = mid;
   }
-  return vp__unlock(st->dev, vp__err(VP_EINVAL, "%s: no tensor "
-                                     "\"%.200s\"", st->path, name));
+  return vp__unlock(st->dev, vp__err(VP_EINVAL, "%s: no tensor \"%.200s\"",
+                                     st->path, name));
 }
 
 int vp_st_source(vp_st_t h, size_t index, vp_source_t *src) {
@@ -570,9 +569,8 @@ int vp_st_source(vp_st_t h, size_t index, vp_source_t *src) {
   vp__st_t *st = NULL;
   ST_ENTER(h, st);
   if (index >= st->n)
-    return vp__unlock(st->dev, vp__err(VP_ERANGE, "%s: index "
-                                       "%zu is past its %zu tensors",
-                                       st->path, index, st->n));
+    return vp__unlock(st->dev, vp__err(VP_ERANGE, "%s: index %zu is past its "
+                                       "%zu tensors", st->path, index, st->n));
   *src = (vp_source_t){.kind = VP_SOURCE_FILE,
                        .fd = st->fd,
                        .file_offset = st->t[index].t.offset};
@@ -589,8 +587,8 @@ int vp_st_mmap(vp_st_t h, const void **base, uint64_t *size) {
     void *p = mmap(NULL, st->file_size, PROT_READ, MAP_SHARED, st->fd, 0);
     if (p == MAP_FAILED) {
       int e = errno;
-      return vp__unlock(st->dev, vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL,
-                                         "%s: mmap of %llu bytes "
+      int code = e == ENOMEM ? VP_ENOMEM : VP_EINVAL;
+      return vp__unlock(st->dev, vp__err(code, "%s: mmap of %llu bytes "
                                          "failed: %s", st->path,
                                          ULL(st->file_size), strerror(e)));
     }
@@ -608,13 +606,12 @@ int vp_st_drop_pages(vp_st_t h) {
   int rc = VP_OK;
   if (st->map && madvise(st->map, st->file_size, MADV_DONTNEED) != 0) {
     int e = errno;
-    rc = vp__err(VP_EINVAL, "%s: madvise failed: %s",
-                 st->path, strerror(e));
+    rc = vp__err(VP_EINVAL, "%s: madvise failed: %s", st->path, strerror(e));
   }
   int e = posix_fadvise(st->fd, 0, 0, POSIX_FADV_DONTNEED);
   if (rc == VP_OK && e != 0)
-    rc = vp__err(VP_EINVAL, "%s: posix_fadvise failed: %s",
-                 st->path, strerror(e));
+    rc = vp__err(VP_EINVAL, "%s: posix_fadvise failed: %s", st->path,
+                 strerror(e));
   return vp__unlock(st->dev, rc);
 }
 
@@ -632,15 +629,14 @@ static int check_unchanged(vp__st_t *st) {
   struct stat sb;
   if (fstat(st->fd, &sb) != 0) {
     int e = errno;
-    return vp__err(VP_EINVAL, "%s: fstat failed: %s", st->path,
-                   strerror(e));
+    return vp__err(VP_EINVAL, "%s: fstat failed: %s", st->path, strerror(e));
   }
   if ((uint64_t)sb.st_size != st->file_size ||
       sb.st_mtim.tv_sec != st->mtime.tv_sec ||
       sb.st_mtim.tv_nsec != st->mtime.tv_nsec)
-    return vp__err(VP_EINVAL, "%s: the file changed since it was opened "
-                   "(%llu bytes then, %llu now%s); open it again",
-                   st->path, ULL(st->file_size), ULL(sb.st_size),
+    return vp__err(VP_EINVAL, "%s: the file changed since it was opened (%llu "
+                   "bytes then, %llu now%s); open it again", st->path,
+                   ULL(st->file_size), ULL(sb.st_size),
                    (uint64_t)sb.st_size == st->file_size ? ", modified" : "");
   return VP_OK;
 }
@@ -665,8 +661,8 @@ static int load_check(vp__st_t *st, vp__vbar_t *vb, size_t n,
     uint64_t off = offsets[i], size = t->t.size;
     if (off > vb->size || size > vb->size - off)
       return vp__err(VP_ERANGE, "%s: tensor \"%.200s\": [%llu, +%llu) is "
-                     "outside the VBAR of %llu bytes", st->path,
-                     t->t.name, ULL(off), ULL(size), ULL(vb->size));
+                     "outside the VBAR of %llu bytes", st->path, t->t.name,
+                     ULL(off), ULL(size), ULL(vb->size));
     r[i] = (load_range_t){.t = t, .off = off};
     if (size) {
       r[i].p0 = (uint32_t)(off >> shift);
@@ -782,8 +778,8 @@ static int st_elsewhere(vp_st_t h, vp__device_t *dev) {
     pthread_mutex_unlock(&other->lock);
   }
   if (live)
-    return vp__err(VP_EINVAL, "the safetensors file and the VBAR belong "
-                   "to different devices");
+    return vp__err(VP_EINVAL, "the safetensors file and the VBAR belong to "
+                   "different devices");
   return vp__err(VP_EHANDLE, "safetensors handle 0x%llx is not open",
                  ULL(h.id));
 }
@@ -792,8 +788,7 @@ int vp_st_load(vp_st_t h, size_t n, const size_t *indices, vp_vbar_t vbar,
                const uint64_t *offsets, vp_stream_t stream) {
   VP__ENTER();
   if (n && (!indices || !offsets))
-    return vp__err(VP_EINVAL, "%s is NULL",
-                   !indices ? "indices" : "offsets");
+    return vp__err(VP_EINVAL, "%s is NULL", !indices ? "indices" : "offsets");
   vp__vbar_t *vb = NULL;
   int rc = vp__vbar_enter(vbar, &vb);
   if (rc) return rc;

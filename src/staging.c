@@ -21,8 +21,7 @@ int vp__copy_stream(vp__device_t *dev, vp_stream_t *out) {
     int rc = vp__be_stream_create(dev, &dev->copy_stream);
     if (rc) {
       dev->copy_stream = 0;
-      return vp__err(rc,
-                     "creating the copy stream failed");
+      return vp__err(rc, "creating the copy stream failed");
     }
   }
   *out = dev->copy_stream;
@@ -43,8 +42,8 @@ int vp__staging_open(vp__device_t *dev) {
   if (rc) {
     vp__vbar_free(vb);
     if (rc == VP_MISS)
-      rc = vp__err(VP_EOOM, "no device memory for the %llu MiB "
-                   "staging ring (lower staging_size or free memory)",
+      rc = vp__err(VP_EOOM, "no device memory for the %llu MiB staging ring "
+                   "(lower staging_size or free memory)",
                    (unsigned long long)(size >> 20));
     goto fail;
   }
@@ -122,11 +121,10 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   while ((k = ring_fit(st, size, &off)) == SIZE_MAX) {
     if ((victim = ring_victim(st, prefetch)) == SIZE_MAX) {
       if (prefetch) return VP_MISS;
-      return vp__err(VP_ELIMIT, "a weight of %llu bytes does not "
-                     "fit in the %llu-byte staging ring beside the weights "
-                     "acquired and not released (raise staging_size)",
-                     (unsigned long long)w->size,
-                     (unsigned long long)st->size);
+      return vp__err(VP_ELIMIT, "a weight of %llu bytes does not fit in the "
+                     "%llu-byte staging ring beside the weights acquired and "
+                     "not released (raise staging_size)",
+                     (unsigned long long)w->size, (unsigned long long)st->size);
     }
     if ((rc = ring_reclaim(dev, st, victim))) return rc;
   }
@@ -175,8 +173,8 @@ int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size) {
     for (uint64_t p = off >> dev->page_shift;
          p <= (off + size - 1) >> dev->page_shift; p++)
       if (!vb->pages[p].pins)
-        return vp__err(VP_ENOTPINNED, "page %llu of the range at 0x%llx "
-                       "is not pinned", ULL(p), ULL(addr));
+        return vp__err(VP_ENOTPINNED, "page %llu of the range at 0x%llx is not "
+                       "pinned", ULL(p), ULL(addr));
     VP__COUNT(vb, bytes_copied, size);
     return VP_OK;
   }
@@ -184,8 +182,7 @@ int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size) {
     dev->stats.bytes_copied += size;
     return VP_OK;
   }
-  return vp__err(VP_ERANGE, "0x%llx is in no VBAR of this device",
-                 ULL(addr));
+  return vp__err(VP_ERANGE, "0x%llx is in no VBAR of this device", ULL(addr));
 }
 
 /* Device close: wait for the copy stream and every staging reader, then

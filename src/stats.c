@@ -87,6 +87,6 @@ int vp__report(vp__device_t *dev, int json, char *buf, size_t len,
   if (needed) *needed = o.pos;
   if (o.pos < len) return VP_OK;
   if (len) buf[len - 1] = '\0';
-  return vp__err(VP_ERANGE, "the report needs %zu bytes, "
-                 "the buffer has %zu", o.pos + 1, len);
+  return vp__err(VP_ERANGE, "the report needs %zu bytes, the buffer has %zu",
+                 o.pos + 1, len);
 }

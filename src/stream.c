@@ -67,8 +67,7 @@ static int copy_one(vp__device_t *dev, const copy_t *c, vp_stream_t cs) {
   int rc = vp__copy_htod(dev, c->dst, (const char *)c->src->host + c->src_off,
                          c->size, cs, true);
   if (rc)
-    return vp__err(rc,
-                   "copying %llu bytes to 0x%llx failed",
+    return vp__err(rc, "copying %llu bytes to 0x%llx failed",
                    (unsigned long long)c->size, (unsigned long long)c->dst);
   return VP_OK;
 }
@@ -270,13 +269,13 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
     else f->refs++;
     if (rc == VP_OK) {
       rc = vp__be_stream_wait_event(dev, stream, f->event);
-      if (rc) rc = vp__err(rc,
-                           "stream 0x%llx cannot wait for the "
-                           "copy stream", (unsigned long long)stream);
+      if (rc) rc = vp__err(rc, "stream 0x%llx cannot wait for the copy stream",
+                           (unsigned long long)stream);
       dev->stats.stream_waits++;
       vp__fence_put(dev, f);
     }
-    if (rc) acquire_undo(dev, ws, n, stream, ptrs, &b); /* nothing stays acquired */
+    if (rc) /* nothing stays acquired */
+      acquire_undo(dev, ws, n, stream, ptrs, &b);
   }
   free(b.c);
   free(b.filled);
@@ -290,8 +289,7 @@ int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
   if (!n || !w || !ptrs)
     return vp__err(VP_EINVAL, "n is 0 or weights/ptrs is NULL");
   vp__weight_t *few[FEW], **ws = n <= FEW ? few : malloc(n * sizeof *ws);
-  if (!ws) return vp__err(VP_ENOMEM, "no memory for %zu handles",
-                          n);
+  if (!ws) return vp__err(VP_ENOMEM, "no memory for %zu handles", n);
   vp__device_t *dev = NULL;
   int rc = vp__dev_enter(h, &dev);
   if (rc == VP_OK) {
@@ -316,8 +314,7 @@ static int slot_order_after(vp__device_t *dev, vp__slot_t *s,
     return VP_OK;
   int rc = vp__be_stream_wait_event(dev, stream, f->event);
   if (rc)
-    return vp__err(rc, ""
-                   "ordering stream 0x%llx after earlier readers failed",
+    return vp__err(rc, "ordering stream 0x%llx after earlier readers failed",
                    (unsigned long long)stream);
   return VP_OK;
 }
@@ -339,9 +336,9 @@ static int release_check(vp__weight_t **ws, size_t n, vp_stream_t stream) {
     const vp__hold_t *h = vp__hold_find(w, stream);
     uint32_t k = ++w->listed;
     if (!h || k > h->resident + h->staged) {
-      rc = vp__err(VP_ENOTPINNED, "weights[%zu] is not "
-                   "acquired on stream 0x%llx as often as listed (%u listed, "
-                   "%u held)", i, (unsigned long long)stream, k,
+      rc = vp__err(VP_ENOTPINNED, "weights[%zu] is not acquired on stream "
+                   "0x%llx as often as listed (%u listed, %u held)", i,
+                   (unsigned long long)stream, k,
                    h ? h->resident + h->staged : 0);
       break;
     }
@@ -379,8 +376,7 @@ int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
   if (!n || !w)
     return vp__err(VP_EINVAL, "n is 0 or weights is NULL");
   vp__weight_t *few[FEW], **ws = n <= FEW ? few : malloc(n * sizeof *ws);
-  if (!ws) return vp__err(VP_ENOMEM, "no memory for %zu handles",
-                          n);
+  if (!ws) return vp__err(VP_ENOMEM, "no memory for %zu handles", n);
   vp__device_t *dev = NULL;
   vp__fence_t *f;
   int rc = vp__dev_enter(h, &dev);

@@ -68,8 +68,7 @@ static int source_check(const vp_source_t *s, size_t i) {
   if (s->kind == VP_SOURCE_NONE) return VP_OK;
   if (s->kind == VP_SOURCE_HOST && s->host) return VP_OK;
   if (s->kind == VP_SOURCE_FILE && s->fd >= 0) return VP_OK;
-  return vp__err(VP_EINVAL, "weight %zu: source kind %d "
-                 "with %s", i, s->kind,
+  return vp__err(VP_EINVAL, "weight %zu: source kind %d with %s", i, s->kind,
                  s->kind == VP_SOURCE_HOST ? "a NULL host pointer"
                  : s->kind == VP_SOURCE_FILE ? "a negative fd"
                  : "an unknown kind");
@@ -98,18 +97,17 @@ static int weights_check(vp__vbar_t *vb, size_t n, const uint64_t *offsets,
   for (size_t i = 0; i < n; i++) {
     uint64_t off = offsets[i], size = sizes[i];
     if (size == 0 || off >= vb->size || size > vb->size - off)
-      return vp__err(size ? VP_ERANGE : VP_EINVAL, ""
-                     "weight %zu [%llu, +%llu) is empty or outside the VBAR "
-                     "of %llu bytes", i, (unsigned long long)off,
-                     (unsigned long long)size, (unsigned long long)vb->size);
+      return vp__err(size ? VP_ERANGE : VP_EINVAL, "weight %zu [%llu, +%llu) "
+                     "is empty or outside the VBAR of %llu bytes", i,
+                     (unsigned long long)off, (unsigned long long)size,
+                     (unsigned long long)vb->size);
     if (srcs && source_check(&srcs[i], i)) return VP_EINVAL;
     if (overlaps_existing(vb, off, size))
-      return vp__err(VP_EINVAL, "weight %zu at %llu "
-                     "overlaps an existing weight", i, (unsigned long long)off);
+      return vp__err(VP_EINVAL, "weight %zu at %llu overlaps an existing "
+                     "weight", i, (unsigned long long)off);
     for (size_t j = 0; j < i; j++)
       if (offsets[j] < off + size && off < offsets[j] + sizes[j])
-        return vp__err(VP_EINVAL, "weights %zu and %zu "
-                       "overlap", j, i);
+        return vp__err(VP_EINVAL, "weights %zu and %zu overlap", j, i);
   }
   return VP_OK;
 }
@@ -167,8 +165,7 @@ int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
                       vp_weight_t *out) {
   VP__ENTER();
   if (!n || !offsets || !sizes || !out)
-    return vp__err(VP_EINVAL, "n is 0 or an array is "
-                   "NULL");
+    return vp__err(VP_EINVAL, "n is 0 or an array is NULL");
   vp__vbar_t *vb = NULL;
   int rc = vp__vbar_enter(h, &vb);
   if (rc) return rc;
@@ -178,8 +175,7 @@ int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
     return vp__unlock(dev, rc);
   size_t made = 0;
   vp__weight_t **ws = malloc(n * sizeof *ws);
-  if (!ws) return vp__unlock(dev, vp__err(VP_ENOMEM, ""
-                                          "no memory"));
+  if (!ws) return vp__unlock(dev, vp__err(VP_ENOMEM, "no memory"));
   for (; made < n && rc == VP_OK; made++)
     rc = weight_new(vb, offsets[made], sizes[made], srcs ? &srcs[made] : NULL,
                     &ws[made]);
@@ -205,7 +201,8 @@ static void mark_pages(const vp__vbar_t *vb, uint8_t *mark) {
   for (uint32_t i = 0; i < vb->nweights; i++) {
     const vp__weight_t *w = vb->weights[i];
     if (!mark[w->p0]) mark[w->p0] = VP__PAGE_GROUP_START;
-    for (uint32_t p = w->p0 + 1; p < w->p1; p++) mark[p] = VP__PAGE_GROUP_JOINED;
+    for (uint32_t p = w->p0 + 1; p < w->p1; p++)
+      mark[p] = VP__PAGE_GROUP_JOINED;
   }
 }
 
@@ -237,8 +234,8 @@ int vp_weight_destroy(vp_weight_t h) {
                            &dev, (void **)&w);
   if (rc) return rc;
   if (w->acq_resident || w->acq_staged)
-    return vp__unlock(dev, vp__err(VP_EBUSY, "the weight "
-                                   "is acquired; release it first"));
+    return vp__unlock(dev, vp__err(VP_EBUSY, "the weight is acquired; release "
+                                   "it first"));
   weight_unlist(w);
   weight_free(dev, w);
   return vp__unlock(dev, VP_OK);
@@ -257,9 +254,8 @@ int vp__weights_find(vp__device_t *dev, const vp_weight_t *h, size_t n,
                      vp__weight_t **ws) {
   for (size_t i = 0; i < n; i++)
     if (!(ws[i] = vp__table_get(&dev->weights, h[i].id)))
-      return vp__err(VP_EHANDLE, "weights[%zu] (0x%llx) is not a live "
-                     "weight of this device", i,
-                     (unsigned long long)h[i].id);
+      return vp__err(VP_EHANDLE, "weights[%zu] (0x%llx) is not a live weight "
+                     "of this device", i, (unsigned long long)h[i].id);
   return VP_OK;
 }
 
