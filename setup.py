@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build hooks for `pip install .` (the metadata is in pyproject.toml).
 
 build_py runs `make` for build/libvpager.so and copies it into the package;
