@@ -1,3 +1,5 @@
 """The old name of vpager.torch.views (comfy_aimdo imports it)."""
 
-from .torch.views import nbytes, placeholder, view  # noqa: F401
+from .torch.views import nbytes, placeholder, view
+
+__all__ = ["view", "placeholder", "nbytes"]

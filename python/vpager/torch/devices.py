@@ -242,9 +242,10 @@ def ring_size(room, need, page, budget=True):
     twice need if that is more (one unit's copies then overlap the
     previous unit's compute). Never below need, and need alone when more
     would not fit in room."""
-    ring = min(default_options()["staging_size"], room // _RING_SHARE)
+    default = default_options()["staging_size"]
+    ring = min(default, room // _RING_SHARE)
     if budget:
-        ring = max(ring, min(default_options()["staging_size"], 2 * need))
+        ring = max(ring, min(default, 2 * need))
     if ring_pages(ring, page) > room:
         ring = need
     return max(ring, need)
@@ -266,8 +267,12 @@ def _refusal(fn, ring, room, budget, largest, fixed):
         return ("vpager.torch.%s: %s cannot hold the %d-byte staging ring: "
                 "lower staging_size or raise the budget" % (fn, what, ring))
     unit, need = largest
-    hint = ("a budget of at least %d bytes" % ring if not fixed else
-            "staging_size >= %d and a budget that holds the ring" % need)
+    if fixed:
+        hint = "staging_size >= %d and a budget that holds the ring" % need
+    elif budget is not None:
+        hint = "a budget of at least %d bytes" % ring
+    else:
+        hint = "a device with at least %d bytes free" % ring
     return ("vpager.torch.%s: %s cannot hold the staging ring: unit %s (%s) "
             "needs %d bytes of it at once for its weights, and the ring takes "
             "%d bytes of device memory (whole pages); give %s"
