@@ -1,0 +1,338 @@
+/* The staging ring: slot reuse after release fences, a full ring. */
+#include "stream_fixture.h"
+
+/* ----------------------------------------------------- ring reuse fences */
+
+/* Weights of exactly one page each; the ring holds two. Every weight is a
+ * miss (watermark 0). */
+static vp_device_t ring_setup(test_ctx_t *ctx, model_t *m, size_t n) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  model_uniform(m, dev, n * o.page_size, n, o.page_size, SRC_SCATTER, 7);
+  ASSERT_OK(vp_vbar_set_watermark(m->v, 0));
+  return dev;
+}
+
+TEST(stream_ring_reuse_after_fence, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 4);
+  uint64_t ps = m.size[0];
+  vp_stream_t a = 0, b = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  ASSERT_OK(vp_stream_create(dev, &b));
+  checks_t c = {0};
+  uint64_t p0 = 0, p1 = 0, p2 = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, a, &p0, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  slow_t k = {.ptr = p0, .size = ps, .ms = 100, .expect = m.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, a));
+
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, b, &p1, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  ASSERT_NE_U64(p1, p0);
+  launch_check(dev, b, p1, m.srcs[1].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, b));
+
+  /* The ring is full: w2 takes w0's slot (the least recently used), whose
+   * reader is still asleep on stream a. The copy must wait for it; the CPU
+   * must not. */
+  uint64_t t0 = test_now_ms();
+  ASSERT_OK(vp_acquire(dev, &m.w[2], 1, b, &p2, &f));
+  uint64_t took = test_now_ms() - t0;
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  ASSERT_EQ_U64(p2, p0);
+  ASSERT_FALSE(slow_done(&k)); /* vp_acquire did not block */
+  test_log("acquire with a ring wait took %" PRIu64 " ms", took);
+  launch_check(dev, b, p2, m.srcs[2].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[2], 1, b));
+
+  checks_expect_clean(dev, b, &c);
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k)); /* w0's slot was not overwritten early */
+  vp_stats_t st = dstats(dev);
+  ASSERT_GE_U64(st.ring_waits, 1);
+  ASSERT_EQ_U64(st.weight_staged, 3);
+
+  /* A released slot whose fence completed is reused without a wait. */
+  uint64_t waits = st.ring_waits, p3 = 0;
+  ASSERT_OK(vp_acquire(dev, &m.w[3], 1, b, &p3, &f));
+  ASSERT_TRUE(p3 == p1 || p3 == p2);
+  ASSERT_EQ_U64(dstats(dev).ring_waits, waits);
+  launch_check(dev, b, p3, m.srcs[3].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[3], 1, b));
+  checks_expect_clean(dev, b, &c);
+  ASSERT_OK(vp_stream_destroy(dev, a));
+  ASSERT_OK(vp_stream_destroy(dev, b));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
+/* One staged weight acquired on two streams and released on both: its slot
+ * is reused only after both streams' work read it. */
+TEST(stream_ring_reuse_two_streams, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 4);
+  uint64_t ps = m.size[0];
+  vp_stream_t a = 0, b = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  ASSERT_OK(vp_stream_create(dev, &b));
+  uint64_t pa = 0, pb = 0, p = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, a, &pa, &f));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, b, &pb, &f));
+  ASSERT_EQ_U64(pa, pb); /* the cached slot */
+  slow_t k = {.ptr = pa, .size = ps, .ms = 150, .expect = m.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, a)); /* reader still asleep on a */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, b)); /* b: nothing queued */
+  /* Fill the ring past w0's slot. */
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, b, &p, &f));
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, b));
+  ASSERT_OK(vp_acquire(dev, &m.w[2], 1, b, &p, &f));
+  ASSERT_EQ_U64(p, pa);
+  ASSERT_OK(vp_release(dev, &m.w[2], 1, b));
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_OK(vp_stream_synchronize(dev, b));
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
+  ASSERT_OK(vp_stream_destroy(dev, a));
+  ASSERT_OK(vp_stream_destroy(dev, b));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
+/* A weight acquired staged on stream a (a slow reader queued there), then
+ * resident on stream b, and released on b first: the release on b ends
+ * b's use (the resident one); the staged slot a still reads must not be
+ * reused before a's work is done. */
+TEST(stream_release_mixed_kinds_two_streams, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  model_t wa, xb;
+  model_uniform(&wa, dev, ps, 1, ps, SRC_SCATTER, 15);
+  model_uniform(&xb, dev, 2 * ps, 2, ps, SRC_SCATTER, 16);
+  ASSERT_OK(vp_vbar_set_watermark(wa.v, 0));
+  ASSERT_OK(vp_vbar_set_watermark(xb.v, 0));
+  vp_stream_t a = 0, b = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  ASSERT_OK(vp_stream_create(dev, &b));
+  uint64_t pa = 0, pb = 0, p = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, wa.w, 1, a, &pa, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  slow_t k = {.ptr = pa, .size = ps, .ms = 150, .expect = wa.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_OK(vp_vbar_prioritize(wa.v));
+  ASSERT_OK(vp_acquire(dev, wa.w, 1, b, &pb, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED);
+  checks_t c = {0};
+  launch_check(dev, b, pb, wa.srcs[0].host, ps, &c);
+  ASSERT_OK(vp_release(dev, wa.w, 1, b));
+  /* Two more misses, one at a time, through the two-page ring. */
+  for (int i = 0; i < 2; i++) {
+    ASSERT_OK(vp_acquire(dev, &xb.w[i], 1, b, &p, &f));
+    launch_check(dev, b, p, xb.srcs[i].host, ps, &c);
+    ASSERT_OK(vp_release(dev, &xb.w[i], 1, b));
+  }
+  ASSERT_OK(vp_release(dev, wa.w, 1, a));
+  checks_expect_clean(dev, b, &c);
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
+  ASSERT_FALSE(map_has_pin(wa.v));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&wa);
+  model_free(&xb);
+}
+
+/* A source-NONE weight staged into a reused slot is filled by the caller on
+ * its stream: that stream must not write the slot before the old reader
+ * (on another stream) is done. */
+TEST(stream_ring_reuse_empty_fill, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  model_t m;
+  model_uniform(&m, dev, 2 * ps, 2, ps, SRC_SCATTER, 9);
+  vp_vbar_t vn = test_vbar(dev, ps);
+  vp_weight_t wn;
+  uint64_t zero = 0;
+  ASSERT_OK(vp_weights_create(vn, 1, &zero, &ps, NULL, &wn));
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  ASSERT_OK(vp_vbar_set_watermark(vn, 0));
+  vp_stream_t a = 0, b = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  ASSERT_OK(vp_stream_create(dev, &b));
+  uint64_t p0 = 0, p1 = 0, pn = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, a, &p0, &f));
+  slow_t k = {.ptr = p0, .size = ps, .ms = 150, .expect = m.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, a));
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, b, &p1, &f));
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, b));
+  ASSERT_OK(vp_acquire(dev, &wn, 1, b, &pn, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_EMPTY);
+  ASSERT_EQ_U64(pn, p0);
+  unsigned char *junk = malloc(ps);
+  ASSERT_NOT_NULL(junk);
+  test_pattern(junk, ps, 4242);
+  fill_t fl = {pn, ps, junk};
+  ASSERT_OK(vp_sim_launch(dev, b, fill_fn, &fl));
+  ASSERT_OK(vp_release(dev, &wn, 1, b));
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_OK(vp_stream_synchronize(dev, b));
+  ASSERT_TRUE(slow_ok(&k)); /* the reader saw its bytes */
+  ASSERT_OK(vp_device_close(dev));
+  free(junk);
+  model_free(&m);
+}
+
+/* ------------------------------------------------------------- ring full */
+
+TEST(stream_ring_full, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  model_t m;
+  model_uniform(&m, dev, 8 * ps, 8, ps, SRC_SCATTER, 3);
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  uint64_t ptrs[8] = {0};
+  uint8_t fl[8] = {0};
+
+  /* Three pages of misses in one call, a ring of two. */
+  ASSERT_RC(vp_acquire(dev, m.w, 3, 0, ptrs, fl), VP_ELIMIT);
+  ASSERT_STR_CONTAINS(vp_last_error(), "staging_size");
+  ASSERT_FALSE(map_has_pin(m.v));
+  /* Nothing stayed acquired: two fit now, and can be released once. */
+  ASSERT_OK(vp_acquire(dev, m.w, 2, 0, ptrs, fl));
+  ASSERT_EQ_INT(fl[0] & VP_ACQUIRED_STAGED, VP_ACQUIRED_STAGED);
+  ASSERT_EQ_INT(fl[1] & VP_ACQUIRED_STAGED, VP_ACQUIRED_STAGED);
+  if (is_sim(ctx)) {
+    verify_staged_sim(dev, 0, ptrs[0], m.srcs[0].host, ps);
+    verify_staged_sim(dev, 0, ptrs[1], m.srcs[1].host, ps);
+  }
+  /* Held: a third does not fit beside them. */
+  ASSERT_RC(vp_acquire(dev, &m.w[2], 1, 0, ptrs + 2, fl + 2), VP_ELIMIT);
+  ASSERT_STR_CONTAINS(vp_last_error(), "staging_size");
+  ASSERT_RC(vp_weight_destroy(m.w[2]), VP_OK); /* it was not left acquired */
+  ASSERT_RC(vp_acquire(dev, &m.w[2], 1, 0, ptrs + 2, fl + 2), VP_EHANDLE);
+  ASSERT_OK(vp_release(dev, m.w, 2, 0));
+  ASSERT_RC(vp_release(dev, m.w, 1, 0), VP_ENOTPINNED);
+  ASSERT_OK(vp_acquire(dev, &m.w[3], 1, 0, ptrs + 3, fl + 3));
+  if (is_sim(ctx)) verify_staged_sim(dev, 0, ptrs[3], m.srcs[3].host, ps);
+  ASSERT_OK(vp_release(dev, &m.w[3], 1, 0));
+
+  /* A weight larger than the whole ring never fits. */
+  vp_vbar_t big = test_vbar(dev, 4 * ps);
+  vp_weight_t wb;
+  uint64_t zero = 0, bsz = 3 * ps;
+  unsigned char *bsrc = calloc(1, bsz);
+  ASSERT_NOT_NULL(bsrc);
+  vp_source_t bs = {.kind = VP_SOURCE_HOST, .host = bsrc};
+  ASSERT_OK(vp_weights_create(big, 1, &zero, &bsz, &bs, &wb));
+  ASSERT_OK(vp_vbar_set_watermark(big, 0));
+  uint64_t bp = 0;
+  ASSERT_RC(vp_acquire(dev, &wb, 1, 0, &bp, NULL), VP_ELIMIT);
+  ASSERT_STR_CONTAINS(vp_last_error(), "staging_size");
+  /* Resident weights in the same failed call are let go as well. */
+  ASSERT_OK(vp_vbar_prioritize(m.v));
+  vp_weight_t mix[2] = {m.w[4], wb};
+  ASSERT_RC(vp_acquire(dev, mix, 2, 0, ptrs, fl), VP_ELIMIT);
+  ASSERT_FALSE(map_has_pin(m.v));
+  ASSERT_OK(vp_weight_destroy(m.w[4]));
+  ASSERT_OK(vp_vbar_destroy(big));
+  ASSERT_OK(vp_vbar_destroy(m.v));
+  ASSERT_OK(vp_device_close(dev));
+  free(bsrc);
+  model_free(&m);
+}
+
+/* A small weight whose cached slot is the oldest in the ring, held while
+ * other misses are staged: the rest of the ring (unreferenced cached
+ * slots) is still usable, so a weight that fits beside it gets a slot. */
+TEST(stream_ring_held_oldest_slot, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size, hs = ps / 2;
+  model_t m;
+  model_uniform(&m, dev, 4 * ps, 8, hs, SRC_SCATTER, 14);
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  uint64_t p[2];
+  uint8_t f[2];
+  /* Fill the ring with four released (cached) slots. */
+  for (int i = 0; i < 4; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, p, f));
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+  }
+  /* w0 (a cached hit, the oldest slot) with a new miss, in one call. */
+  vp_weight_t two[2] = {m.w[0], m.w[4]};
+  ASSERT_OK(vp_acquire(dev, two, 2, 0, p, f));
+  ASSERT_EQ_INT(f[0], VP_ACQUIRED_STAGED);
+  ASSERT_EQ_INT(f[1], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  if (is_sim(ctx)) {
+    verify_staged_sim(dev, 0, p[0], m.srcs[0].host, hs);
+    verify_staged_sim(dev, 0, p[1], m.srcs[4].host, hs);
+  }
+  ASSERT_OK(vp_release(dev, &m.w[4], 1, 0));
+  /* w0 still held: more misses, one call each. */
+  for (int i = 5; i < 8; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, p + 1, f + 1));
+    if (is_sim(ctx)) {
+      verify_staged_sim(dev, 0, p[1], m.srcs[i].host, hs);
+      verify_staged_sim(dev, 0, p[0], m.srcs[0].host, hs);
+    }
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+  }
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
+/* A weight held staged by one call, then acquired resident in a call that
+ * fails: the failed call must undo its own (resident) acquire, not the
+ * earlier staged one. */
+TEST(stream_error_undo_keeps_earlier_acquire, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  model_t a, b;
+  model_uniform(&a, dev, 2 * ps, 2, ps, SRC_SCATTER, 11);
+  model_uniform(&b, dev, 3 * ps, 3, ps, SRC_SCATTER, 12);
+  ASSERT_OK(vp_vbar_set_watermark(a.v, 0));
+  ASSERT_OK(vp_vbar_set_watermark(b.v, 0));
+  uint64_t pw = 0, p[3] = {0};
+  uint8_t f = 0, fl[3] = {0};
+  ASSERT_OK(vp_acquire(dev, &a.w[0], 1, 0, &pw, &f)); /* held, staged */
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  ASSERT_OK(vp_vbar_prioritize(a.v)); /* a.w[0] can be resident now */
+  vp_weight_t call[3] = {a.w[0], b.w[0], b.w[1]};
+  ASSERT_RC(vp_acquire(dev, call, 3, 0, p, fl), VP_ELIMIT);
+  /* Nothing of the failed call stays: a.w[0]'s page is not pinned. */
+  ASSERT_EQ_STR(test_map(a.v), "#.");
+  /* The first acquire still holds its slot: staging b's weights (one at a
+   * time, in the other page of the ring) never takes it. */
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(vp_acquire(dev, &b.w[i], 1, 0, p, fl));
+    ASSERT_NE_U64(p[0], pw);
+    verify_staged_sim(dev, 0, p[0], b.srcs[i].host, ps);
+    verify_staged_sim(dev, 0, pw, a.srcs[0].host, ps);
+    ASSERT_OK(vp_release(dev, &b.w[i], 1, 0));
+  }
+  ASSERT_OK(vp_release(dev, &a.w[0], 1, 0));
+  ASSERT_RC(vp_release(dev, &a.w[0], 1, 0), VP_ENOTPINNED);
+  ASSERT_FALSE(map_has_pin(a.v));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&a);
+  model_free(&b);
+}
