@@ -12,12 +12,18 @@ as passed, with a note) when torch cannot be imported.
 
 import array
 import ctypes
+import gc
+import json
+import math
 import os
+import pkgutil
 import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import types
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +35,7 @@ for _p in (os.path.join(REPO, "python", "compat"),
 
 from comfy_aimdo import control  # noqa: E402
 from comfy_aimdo import host_buffer, model_mmap, model_vbar  # noqa: E402
-from comfy_aimdo import vram_buffer  # noqa: E402
+from comfy_aimdo import malloc_graph, storage, vram_buffer  # noqa: E402
 
 sys.path.insert(0, HERE)
 import _runner  # noqa: E402
@@ -95,7 +101,8 @@ def test_every_submodule_imports_without_init():
     out = run_py(
         "import comfy_aimdo.control as c, comfy_aimdo.model_vbar as mv\n"
         "import comfy_aimdo.host_buffer, comfy_aimdo.vram_buffer\n"
-        "import comfy_aimdo.model_mmap\n"
+        "import comfy_aimdo.model_mmap, comfy_aimdo.malloc_graph as mg\n"
+        "import comfy_aimdo.storage as st\n"
         "try:\n import comfy_aimdo.torch\nexcept ImportError as e:\n"
         " assert 'torch' in str(e), e\n"
         "assert c.lib is None\n"
@@ -107,8 +114,70 @@ def test_every_submodule_imports_without_init():
         "mv.vbar_unpin(None)\n"
         "mv.vbars_reset_watermark_limits()\n"
         "c.set_log_info(); c.set_log_warning()\n"
+        "assert st.fast_disk('/') is None\n"
+        "g = mg.record(None); g.push('a'); assert g.pop() is False\n"
+        "assert g.pop() is False; g.abort()\n"
+        "assert c.get_simple_vram_headroom() == 0\n"
         "try:\n c.get_devctx(0)\nexcept RuntimeError:\n print('ok')\n")
     assert out.strip() == "ok", out
+
+
+def _submodules():
+    import comfy_aimdo
+    return sorted(m.name for m in pkgutil.iter_modules(comfy_aimdo.__path__))
+
+
+def test_each_submodule_imports_alone_without_torch():
+    """Every comfy_aimdo submodule, each in a fresh interpreter: it imports
+    before init() and imports neither torch nor vpager (comfy_aimdo.torch
+    is the one that is about torch)."""
+    names = _submodules()
+    for new in ("malloc_graph", "storage", "control", "host_buffer",
+                "model_vbar", "vram_buffer", "model_mmap"):
+        assert new in names, names
+    for name in names:
+        if name == "torch":
+            continue
+        out = run_py(
+            "import importlib, json, sys\n"
+            "m = importlib.import_module('comfy_aimdo.%s')\n"
+            "import comfy_aimdo.control as c\n"
+            "print(json.dumps([m.__name__, 'torch' in sys.modules,\n"
+            "                  'vpager' in sys.modules, c.lib is None]))\n"
+            % name)
+        assert json.loads(out) == ["comfy_aimdo." + name, False, False,
+                                   True], (name, out)
+    # The package itself imports every torch-free submodule, still no torch.
+    out = run_py("import sys, comfy_aimdo\n"
+                 "print(sorted(n for n in sys.modules\n"
+                 "             if n.startswith('comfy_aimdo.')),\n"
+                 "      'torch' in sys.modules)\n")
+    for name in names:
+        if name != "torch" and not name.startswith("_"):
+            assert "comfy_aimdo." + name in out, (name, out)
+    assert out.strip().endswith("False"), out
+
+
+# -------------------------------------------------------------- storage
+
+def test_storage_fast_disk_is_none_on_linux_and_never_raises():
+    path = _tmpfile(b"x" * 100)
+    try:
+        for arg in (path, "/", "/nonexistent/model.safetensors", "", b"/",
+                    os.path.dirname(path), None, 0, -1, 1 << 80, 1.5,
+                    float("nan"), [], {}, object(), ("a", "b"), "\0bad",
+                    "x" * 100000, type("P", (), {"__fspath__":
+                                                  lambda self: 1 / 0})()):
+            assert storage.fast_disk(arg) is None, arg
+        assert storage.fast_disk() is None
+        assert storage.fast_disk(path, 1, 2, key="v") is None
+        rng = random.Random(12)
+        for _ in range(200):
+            junk = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))
+            assert storage.fast_disk(junk.decode("latin-1")) is None
+            assert storage.fast_disk(junk) is None
+    finally:
+        os.unlink(path)
 
 
 # -------------------------------------------------------------- control
@@ -136,23 +205,114 @@ def test_init_call_shapes():
     raises(ValueError, control.set_simple_vram_headroom, -1)
 
 
+def _reinit():
+    control.deinit()
+    assert control.init() is True
+
+
 def test_init_devices_shapes():
     control.deinit()
     assert control.init_devices(i for i in [0]) is False   # before init
-    assert control.init() is True
+    _reinit()
     assert control.init_devices(i for i in [0]) is True    # a generator
+    _reinit()
     assert control.init_devices([0]) is True                # bare indices
+    _reinit()
     assert control.init_devices([(0, 64 * MiB)]) is True   # (index, extra)
     dev = control.get_devctx(0)
     base = control._default_headroom[0]
     assert dev.info()["headroom"] == base + 64 * MiB
+    _reinit()
     assert control.init_devices(((0, 0) for _ in range(1))) is True
-    assert dev.info()["headroom"] == base
+    assert control.get_devctx(0).info()["headroom"] == base
+    _reinit()
     raises(ValueError, control.init_devices, [(0, -1)])
     raises(ValueError, control.init_device, 0, -5)
     assert control.init_device(-1) is False                  # unusable
+    _reinit()
     assert control.init_devices([0, -1]) is False
     raises(RuntimeError, control.get_devctx, 7)
+
+
+def test_init_devices_twice_warns_and_keeps_devices():
+    _reinit()
+    assert control.init_devices([(0, 64 * MiB)]) is True
+    dev = control.get_devctx(0)
+    base = control._default_headroom[0]
+    vb = model_vbar.ModelVBAR(PAGE, 0)
+    for again in ([0], [(0, 0)], ((0, 128 * MiB) for _ in range(1)), []):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert control.init_devices(again) is False
+        assert [x.category for x in w] == [RuntimeWarning], w
+        assert "init_devices" in str(w[0].message)
+        # The devices stay as they are: same object, same headroom.
+        assert control.get_devctx(0) is dev and not dev.closed
+        assert dev.info()["headroom"] == base + 64 * MiB
+        assert not vb.closed
+    # Bad arguments are still refused as such, before the warning.
+    raises(ValueError, control.init_devices, [(0, -1)])
+    raises(ValueError, control.init_devices, [(0, 1, 2)])
+    # init_device() still retunes one device; deinit() allows it again.
+    assert control.init_device(0, 0) is True
+    assert dev.info()["headroom"] == base
+    control.deinit()
+    assert control.init() is True
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert control.init_devices([0]) is True
+    assert not w
+    assert control.get_devctx(0) is not dev
+
+
+def test_simple_vram_headroom_get_set_rules():
+    control.deinit()
+    assert control.get_simple_vram_headroom() == 0           # before init
+    raises(RuntimeError, control.set_simple_vram_headroom, 1 << 30)
+    # Out of range is a ValueError, before init too (checked first).
+    for bad in (-1, -(1 << 70), (1 << 60) + 1, 1 << 64, float("inf"),
+                float("-inf"), float("nan"), -0.5e9):
+        raises(ValueError, control.set_simple_vram_headroom, bad)
+    for bad in ("1", b"1", [], {}, object(), 1j):
+        raises(TypeError, control.set_simple_vram_headroom, bad)
+    raises(ValueError, control.init, simple_vram_headroom=(1 << 60) + 1)
+    assert control.lib is None                # a refused init loads nothing
+    assert control.init(simple_vram_headroom=3 << 30) is True
+    assert control.get_simple_vram_headroom() == 3 << 30
+    assert control.lib.get_simple_vram_headroom() == 3 << 30
+    assert control.init_devices([0]) is True
+    dev = control.get_devctx(0)
+    total = dev.info()["total_memory"]
+    for v in (0, 1, 512 * MiB, total, total + 1, 1 << 60, 2.0 * (1 << 30),
+              True, None):
+        control.set_simple_vram_headroom(v)
+        want = 0 if v is None else int(v)
+        assert control.get_simple_vram_headroom() == want, v
+        assert type(control.get_simple_vram_headroom()) is int
+        assert dev.info()["budget"] <= max(total - want, 0) or v is None
+    control.lib.set_simple_vram_headroom(total)     # nothing may be held
+    vb = model_vbar.ModelVBAR(PAGE, 0)
+    assert model_vbar.vbar_fault(vb.alloc(10)) is None
+    control.set_simple_vram_headroom(0)
+    a = (vb, vb.base, 10)
+    assert model_vbar.vbar_fault(a) is not None
+    model_vbar.vbar_unpin(a)
+    # Property: any int either sets exactly that or is a ValueError, and a
+    # refused value leaves the last one in place.
+    rng = random.Random(60)
+    last = control.get_simple_vram_headroom()
+    for _ in range(300):
+        v = rng.choice([rng.randint(-(1 << 62), 1 << 62),
+                        rng.randint(0, 1 << 61), rng.randint(0, total * 2)])
+        if 0 <= v <= 1 << 60:
+            control.set_simple_vram_headroom(v)
+            last = v
+        else:
+            raises(ValueError, control.set_simple_vram_headroom, v)
+        assert control.get_simple_vram_headroom() == last
+    control.deinit()
+    assert control.get_simple_vram_headroom() == 0
+    raises(RuntimeError, control.set_simple_vram_headroom, 0)
 
 
 def test_log_setters_and_analyze():

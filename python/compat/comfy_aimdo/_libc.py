@@ -5,7 +5,7 @@ import ctypes
 import os
 
 __all__ = ["libc", "PAGE", "map_anon", "map_file", "unmap", "protect",
-           "advise", "pread_into", "fileno", "page_up"]
+           "advise", "populate", "pread_into", "fileno", "page_up"]
 
 libc = ctypes.CDLL(None, use_errno=True)
 _vp = ctypes.c_void_p
@@ -26,6 +26,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
 MADV_DONTNEED = 4
+MADV_POPULATE_WRITE = 23    # Linux >= 5.14
 MAP_FAILED = (1 << (8 * ctypes.sizeof(_vp))) - 1
 
 
@@ -69,6 +70,16 @@ def protect(addr, size, prot):
 def advise(addr, size, advice):
     if size and libc.madvise(addr, size, advice) != 0:
         raise _err("madvise")
+
+
+def populate(addr, size):
+    """Fault [addr, +size) in, writable (read-write memory): one
+    MADV_POPULATE_WRITE, or a write per page where the kernel lacks it."""
+    if not size:
+        return
+    if libc.madvise(addr, size, MADV_POPULATE_WRITE) == 0:
+        return
+    ctypes.memset(addr, 0, size)
 
 
 def fileno(f):

@@ -14,13 +14,17 @@ default headroom plus the extra).
 """
 
 import ctypes
+import math
+import numbers
 import os
 import sys
 import threading
+import warnings
 
 __all__ = [
     "init", "init_devices", "init_device", "get_devctx", "deinit",
     "analyze", "get_total_vram_usage", "set_simple_vram_headroom",
+    "get_simple_vram_headroom",
     "set_log_none", "set_log_critical", "set_log_error", "set_log_warning",
     "set_log_info", "set_log_detail", "set_log_debug", "set_log_verbose",
     "set_log_vverbose", "lib", "PAGE_SIZE",
@@ -28,12 +32,14 @@ __all__ = [
 
 PAGE_SIZE = 32 << 20        # the signature rule counts 32 MiB pages
 _NO_LIMIT = (1 << 64) - 1
+MAX_HEADROOM = 1 << 60      # set_simple_vram_headroom's largest value
 
 lib = None                  # None before init(); then a _Lib
 _vpager = None              # the vpager module once loaded
 _devices = {}               # index -> vpager.Device
 _default_headroom = {}      # index -> vpager's own headroom at open
 _simple_headroom = None     # bytes, or None: no cap
+_devices_inited = False     # init_devices ran since init()
 _nvml_pressure = False
 _log_level = None           # vpager level set before init, applied at init
 _lock = threading.RLock()
@@ -48,6 +54,9 @@ class _Lib:
 
     def set_simple_vram_headroom(self, nbytes):
         set_simple_vram_headroom(nbytes)
+
+    def get_simple_vram_headroom(self):
+        return get_simple_vram_headroom()
 
     def get_total_vram_usage(self):
         return get_total_vram_usage()
@@ -85,9 +94,7 @@ def init(implementation=None, simple_vram_headroom=None, nvml_pressure=False):
     `implementation` is accepted and ignored (there is one: vpager)."""
     global lib, _vpager, _nvml_pressure
     with _lock:
-        if simple_vram_headroom is not None and simple_vram_headroom < 0:
-            raise ValueError("simple_vram_headroom must be >= 0, not %r"
-                             % (simple_vram_headroom,))
+        simple_vram_headroom = _headroom_bytes(simple_vram_headroom)
         _nvml_pressure = bool(nvml_pressure)
         if lib is None:
             try:
@@ -126,14 +133,25 @@ def init_devices(devices):
     """Open each device of the iterable (may be a generator): items are an
     index or (index, extra_headroom_bytes). False (no exception) when
     init() never ran or a device is unusable; ValueError for a negative
-    headroom."""
+    headroom. Once per init(): a second call before deinit() changes
+    nothing and returns False with a RuntimeWarning (init_device() still
+    retunes one device)."""
+    global _devices_inited
     items = [_parse_item(d) for d in devices]     # validate all first
-    if not _is_inited():
-        return False
-    ok = True
-    for index, extra in items:
-        ok = init_device(index, extra) and ok
-    return ok
+    with _lock:
+        if not _is_inited():
+            return False
+        if _devices_inited:
+            warnings.warn("comfy_aimdo (vpager): init_devices() was called "
+                          "already; the devices stay as they are (deinit() "
+                          "first to open them again)", RuntimeWarning,
+                          stacklevel=2)
+            return False
+        _devices_inited = True
+        ok = True
+        for index, extra in items:
+            ok = init_device(index, extra) and ok
+        return ok
 
 
 def _index(device):
@@ -221,9 +239,10 @@ def devices():
 
 def deinit():
     """Close every device (their VBARs, buffers) and unload."""
-    global lib, _vpager, _simple_headroom, _nvml_pressure
+    global lib, _vpager, _simple_headroom, _nvml_pressure, _devices_inited
     with _lock:
         _simple_headroom = None
+        _devices_inited = False
         _nvml_pressure = False
         for index in sorted(_devices):
             try:
@@ -273,15 +292,45 @@ def get_total_vram_usage():
                if not d.closed)
 
 
+def _headroom_bytes(nbytes):
+    """An int in 0..MAX_HEADROOM from an int or an integral-valued float
+    (None: no cap); TypeError for other types, ValueError out of range."""
+    if nbytes is None:
+        return None
+    if isinstance(nbytes, numbers.Integral):
+        n = int(nbytes)
+    elif isinstance(nbytes, numbers.Real):
+        f = float(nbytes)
+        if not math.isfinite(f):
+            raise ValueError("headroom must be a number of bytes in 0..2**60,"
+                             " not %r" % (nbytes,))
+        n = int(f)
+    else:
+        raise TypeError("headroom must be a number of bytes (an int), not %s"
+                        % type(nbytes).__name__)
+    if n < 0 or n > MAX_HEADROOM:
+        raise ValueError("headroom must be in 0..2**60 bytes, not %d" % n)
+    return n
+
+
+def get_simple_vram_headroom():
+    """The headroom set_simple_vram_headroom() (or init()) set, in bytes; 0
+    when none is set (also before init())."""
+    h = _simple_headroom
+    return 0 if h is None else h
+
+
 def set_simple_vram_headroom(nbytes):
     """Keep what vpager holds on every device at or below its total memory
-    minus `nbytes` (live: the next fault obeys it; None removes the cap)."""
+    minus `nbytes` (live: the next fault obeys it; None removes the cap).
+    ValueError outside 0..2**60 (checked first), RuntimeError before
+    init()."""
     global _simple_headroom
-    if nbytes is not None:
-        nbytes = int(nbytes)
-        if nbytes < 0:
-            raise ValueError("headroom must be >= 0, not %d" % nbytes)
+    nbytes = _headroom_bytes(nbytes)
     with _lock:
+        if not _is_inited():
+            raise RuntimeError("comfy_aimdo: set_simple_vram_headroom before "
+                               "init()")
         _simple_headroom = nbytes
         for index, dev in list(_devices.items()):
             if not dev.closed:

@@ -9,9 +9,20 @@ keyed by its offset (unregister(offset)); register=False leaves the new
 part ordinary page-aligned memory the caller may register itself. Pinning
 uses the lowest-index vpager device and its pin budget; before init, or
 over the budget, memory stays pageable (correct, slower), as in vpager.
+
+A caller that registers a register=False part itself (cudaHostRegister at
+the address extend() returned, as ComfyUI >= 0.38 does) may unregister it
+itself too, and the buffer stays mapped. truncate(n, do_unregister=True)
+and close() drop such registrations past n (each part once, by its start
+address, through the CUDA driver: a part the caller unregistered already
+answers "not registered", which is ignored); do_unregister=False leaves
+them to the caller. vpager's own registrations are never touched by that:
+a part is either the buffer's (register=True or register()) or the
+caller's.
 """
 
 import ctypes
+import operator
 import os
 
 from . import _libc, control
@@ -34,26 +45,95 @@ def _pin_device():
     return None
 
 
+def _external_unregister(ptr):
+    """Drop a registration the caller made itself at host address `ptr`
+    (the start of a register=False part): cuMemHostUnregister when the
+    machine has CUDA; nothing on the simulated device (its host memory
+    needs no registration). True when something was unregistered. Tests
+    replace this to see the calls."""
+    if not control._probe_cuda():
+        return False
+    devs = control.devices()
+    ordinal = min([i for i, d in devs.items()
+                   if not d.closed and d.backend != "sim"] or [0])
+    try:
+        from . import _cuda
+        return _cuda.host_unregister(ptr, ordinal) == 0
+    except OSError:
+        return False
+
+
+MAX_BYTES = 1 << 56          # past any address space: refused outright
+
+
+def _nbytes(value, what, none=None):
+    """A byte count: an int (or a whole float) in 0..MAX_BYTES; None gives
+    `none` where that is not None, else a TypeError."""
+    if value is None and none is not None:
+        return none
+    try:
+        n = _index(value)
+    except TypeError:
+        raise TypeError("HostBuffer: %s must be an int, not %s"
+                        % (what, type(value).__name__)) from None
+    if n < 0 or n > MAX_BYTES:
+        raise ValueError("HostBuffer: %s must be in 0..2**56 bytes, not %d"
+                         % (what, n))
+    return n
+
+
+def _index(value):
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")) or \
+                value != int(value):
+            raise TypeError("not a whole number")
+        return int(value)
+    return operator.index(value)
+
+
 class HostBuffer:
     """HostBuffer(size, prewarm=0, max_grow_size=0, mark_cold=True).
 
-    `size` bytes are extended (and registered) at once; `prewarm` bytes of
-    them are touched now; the reservation is the largest of size,
-    max_grow_size and the machine's RAM (address space only), so extend()
-    keeps the address. mark_cold is accepted (no effect)."""
+    `size` bytes are extended (and registered) at once; the first
+    `prewarm` bytes of the region (at most a quarter of the machine's RAM)
+    are made usable and touched now (also past `size`: with size 0, as
+    HostBuffer(0, 64 MiB, max) does, the first extends then land on
+    populated memory; a truncate() below them returns them like any other
+    memory); the reservation is the
+    largest of size, prewarm, max_grow_size and the machine's RAM (address
+    space only), so extend() keeps the address. mark_cold is accepted (no
+    effect). HostBuffer(0, 0, 0) reserves nothing."""
 
-    def __init__(self, size, prewarm=0, max_grow_size=0, mark_cold=True):
+    def __init__(self, size=0, prewarm=0, max_grow_size=0, mark_cold=True):
         self.size = 0
         self._base = 0
         self._cap = 0
         self._mapped = 0                # bytes made read-write
-        self._want_cap = max(int(size), int(max_grow_size or 0))
         self._regs = {}                 # offset -> (size, vpager.HostBuf)
+        self._parts = {}                # offset -> size: register=False parts
+        size = _nbytes(size, "size")
+        prewarm = _nbytes(prewarm, "prewarm", none=0)
+        self._want_cap = max(size, prewarm,
+                             _nbytes(max_grow_size, "max_grow_size", none=0))
         self.mark_cold = mark_cold
         if size:
-            self.extend(int(size))
-            if prewarm:
-                ctypes.memset(self._base, 0, min(int(prewarm), self.size))
+            self.extend(size)
+        if prewarm:
+            self._prewarm(min(prewarm, _ram() // 4))
+
+    def _prewarm(self, n):
+        try:
+            if not self._base:
+                self._reserve(n)
+            end = _libc.page_up(min(n, self._cap))
+            if end > self._mapped:
+                _libc.protect(self._base + self._mapped, end - self._mapped,
+                              _libc.PROT_READ | _libc.PROT_WRITE)
+                self._mapped = end
+            _libc.populate(self._base, end)
+        except OSError as e:
+            raise RuntimeError("HostBuffer(prewarm=%d): %s" % (n, e)) \
+                from None
 
     # ------------------------------------------------------------ memory
     def _reserve(self, need):
@@ -69,9 +149,7 @@ class HostBuffer:
         """Grow by `size` bytes; returns the address of the new part.
         RuntimeError when it cannot grow (past the reservation without
         reallocate, or out of memory)."""
-        size = int(size)
-        if size < 0:
-            raise ValueError("extend(%d)" % size)
+        size = _nbytes(size, "extend(size)")
         old = self.size
         new = old + size
         try:
@@ -93,7 +171,24 @@ class HostBuffer:
         self.size = new
         if register and size:
             self.register(old, size)
+        elif size:
+            self._parts[old] = size
         return self._base + old
+
+    def _drop_parts(self, size, unregister):
+        """Forget the register=False parts past `size` (trimming one that
+        straddles it), dropping the caller's registrations of those that
+        end past it first when `unregister`."""
+        for off in sorted(self._parts):
+            n = self._parts[off]
+            if off + n <= size:
+                continue
+            if unregister:
+                _external_unregister(self._base + off)
+            if off < size and not unregister:
+                self._parts[off] = size - off
+            else:
+                del self._parts[off]
 
     def _move(self, need):
         """Reallocate: a bigger reservation, the bytes copied over, the
@@ -101,6 +196,7 @@ class HostBuffer:
         regs = [(off, n) for off, (n, _) in sorted(self._regs.items())]
         for off in list(self._regs):
             self.unregister(off)
+        self._drop_parts(0, True)       # the old addresses go away
         old_base, old_cap, old_mapped = self._base, self._cap, self._mapped
         self._want_cap = max(self._want_cap, need * 2)
         self._reserve(need)
@@ -118,14 +214,16 @@ class HostBuffer:
         """Shrink to `size` bytes: the memory past it is returned to the
         system (registrations there are dropped first when do_unregister;
         otherwise they stay until unregister()). The address stays."""
-        size = int(size)
-        if size < 0 or size > self.size:
+        size = _nbytes(size, "truncate(size)")
+        if size > self.size:
             raise ValueError("truncate(%d) of a %d-byte buffer"
                              % (size, self.size))
+        do_unregister = bool(do_unregister)
         if do_unregister:
             for off in [o for o, (n, _) in self._regs.items()
                         if o + n > size]:
                 self.unregister(off)
+        self._drop_parts(size, do_unregister)
         keep = _libc.page_up(size)
         if self._base and keep < self._mapped:
             pinned_past = any(o + n > keep for o, (n, _) in
@@ -141,12 +239,15 @@ class HostBuffer:
     def register(self, offset, size):
         """Page-lock [offset, +size) through vpager (a no-op before any
         device is open; over the pin budget the memory stays pageable)."""
-        offset, size = int(offset), int(size)
-        if offset < 0 or size <= 0 or offset + size > self.size:
+        offset = _nbytes(offset, "register(offset)")
+        size = _nbytes(size, "register(size)")
+        if size <= 0 or offset + size > self.size:
             raise ValueError("register [%d, +%d) of a %d-byte buffer"
                              % (offset, size, self.size))
         if offset in self._regs:
             raise ValueError("offset %d is registered already" % offset)
+        # The part is the buffer's from now on: never the caller's to drop.
+        self._parts.pop(offset, None)
         dev = _pin_device()
         if dev is None:
             return
@@ -157,7 +258,10 @@ class HostBuffer:
         self._regs[offset] = (size, hb)
 
     def unregister(self, offset):
-        reg = self._regs.pop(int(offset), None)
+        """Unpin what register() (or extend()) pinned at `offset`; nothing
+        when it pinned nothing there (a caller's own registration of a
+        register=False part is the caller's to drop)."""
+        reg = self._regs.pop(_nbytes(offset, "unregister(offset)"), None)
         if reg is not None and not reg[1].closed:
             reg[1].close()
 
@@ -208,6 +312,8 @@ class HostBuffer:
     def close(self):
         for off in list(self._regs):
             self.unregister(off)
+        if self._parts:
+            self._drop_parts(0, True)
         if self._base:
             _libc.unmap(self._base, self._cap)
         self._base = self._cap = self._mapped = self.size = 0

@@ -10,6 +10,7 @@ allocations.
 """
 
 import array
+import numbers
 import weakref
 
 from . import control
@@ -30,6 +31,11 @@ class ModelVBAR:
     "cuda:N" string or a torch.device); MemoryError on failure."""
 
     def __init__(self, size, device=0):
+        size = _int(size, "ModelVBAR(size)")
+        if size < 0:
+            raise ValueError("ModelVBAR(size): %d bytes" % size)
+        if size >= 1 << 63:
+            raise MemoryError("ModelVBAR(%d): past any address space" % size)
         dev, index = control._device_for(device)
         vp = control._vpager
         try:
@@ -46,7 +52,7 @@ class ModelVBAR:
 
     # ---------------------------------------------------------- allocation
     def alloc(self, n):
-        n = int(n)
+        n = _int(n, "ModelVBAR.alloc(size)")
         if n < 0:
             raise ValueError("alloc(%d)" % n)
         start = (self.offset + ALIGN - 1) // ALIGN * ALIGN
@@ -57,6 +63,11 @@ class ModelVBAR:
         return (self, self.base + start, n)
 
     def _off(self, address, size):
+        if type(address) is not int or type(size) is not int:
+            address = _int(address, "address")
+            size = _int(size, "size")
+        if size < 0:
+            raise ValueError("range 0x%x %d: negative size" % (address, size))
         off = address - self.base
         if off < 0 or off + size > self._vbar.size:
             raise ValueError("range 0x%x +%d is outside this ModelVBAR"
@@ -66,8 +77,8 @@ class ModelVBAR:
     # -------------------------------------------------------- fault, unpin
     def fault(self, address, size):
         """Pin [address, +size): its signature, or None on a miss."""
-        size = int(size)
         off = self._off(address, size)
+        size = int(size)
         n = _sig_len(size)
         if size == 0:
             return array.array("I", bytes(4 * n))
@@ -80,9 +91,10 @@ class ModelVBAR:
         return sig
 
     def unpin(self, address, size, stream=0):
+        off = self._off(address, size)
         size = int(size)
         if size:
-            self._vbar.unpin(self._off(address, size), size, stream)
+            self._vbar.unpin(off, size, _stream(stream))
 
     # ------------------------------------------------------------ priority
     def prioritize(self):
@@ -127,11 +139,51 @@ class ModelVBAR:
             self.size, self.base, self.device_index)
 
 
+def _int(value, what):
+    """An int from an int (or a whole float); TypeError otherwise."""
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise TypeError("%s must be an int, not %r" % (what, value))
+
+
+def _stream(stream):
+    """A stream argument as vpager takes it: an int handle, or a torch
+    stream's (cuda_stream); None is the default stream."""
+    if stream is None:
+        return 0
+    if isinstance(stream, numbers.Integral) and not isinstance(stream, bool):
+        if stream < 0:
+            raise ValueError("stream handle %d" % stream)
+        return int(stream)
+    handle = getattr(stream, "cuda_stream", None)
+    if isinstance(handle, numbers.Integral):
+        return int(handle)
+    raise TypeError("stream must be an int handle or a torch stream, not %r"
+                    % (stream,))
+
+
+def _unpack(alloc, what):
+    """(vbar, address, size) of an allocation (as alloc() makes, or a
+    synthetic span over several); TypeError for anything else."""
+    try:
+        vbar, address, size = alloc
+    except (TypeError, ValueError):
+        raise TypeError("%s: %r is not an allocation (vbar, address, size)"
+                        % (what, alloc)) from None
+    if not isinstance(vbar, ModelVBAR):
+        raise TypeError("%s: %r is not a ModelVBAR allocation" % (what, alloc))
+    return vbar, address, size
+
+
 def vbar_fault(alloc):
     """Signature of the allocation's range after pinning it, or None when
     it cannot be made resident (a normal outcome; a broken device raises
-    RuntimeError)."""
-    vbar, address, size = alloc
+    RuntimeError). The range may be a synthetic (vbar, first address,
+    span) over several allocations: its signature stays equal exactly
+    while every page of the span stays resident and is not refilled."""
+    vbar, address, size = _unpack(alloc, "vbar_fault")
     return vbar.fault(address, size)
 
 
@@ -139,7 +191,7 @@ def vbar_unpin(alloc, stream=0):
     """Unpin what vbar_fault(alloc) pinned; None is a no-op."""
     if alloc is None:
         return
-    vbar, address, size = alloc
+    vbar, address, size = _unpack(alloc, "vbar_unpin")
     vbar.unpin(address, size, stream)
 
 

@@ -6,6 +6,7 @@ tensor is a CPU tensor over it. The tensors never own the memory: they are
 valid while the range stays pinned (or the buffer alive).
 """
 
+import operator
 import warnings
 
 import torch as _torch
@@ -46,11 +47,39 @@ def get_tensor_from_raw_ptr(ptr, size, device):
                          _target(device))
 
 
+def _alloc_device(owner, device):
+    """Where a tensor over an allocation of `owner` (a ModelVBAR or a
+    VRAMBuffer) lives: the owner's own device, whatever `device` the
+    caller names (on two GPUs the caller's argument may be the other one);
+    CPU on the simulated device. Objects that do not say their device get
+    the caller's."""
+    vpdev = getattr(owner, "device", None)
+    index = getattr(owner, "device_index", None)
+    backend = getattr(vpdev, "backend", None)
+    if backend is None or not isinstance(index, int):
+        return _target(device)
+    if getattr(vpdev, "closed", False):
+        raise RuntimeError("aimdo_to_tensor: the allocation's device %d is "
+                           "closed (deinit() ran)" % index)
+    if backend == "sim":
+        return _torch.device("cpu")
+    return _torch.device("cuda", index)
+
+
 def aimdo_to_tensor(alloc, device=None):
-    """A writable uint8 tensor over an allocation (vbar, address, size)."""
-    vbar, address, size = alloc
-    return _views().view(int(address), _torch.uint8, (int(size),),
-                         _target(device, getattr(vbar, "device", None)))
+    """A writable uint8 tensor over an allocation (vbar, address, size), on
+    the allocation's own device (see _alloc_device)."""
+    try:
+        vbar, address, size = alloc
+        address, size = operator.index(address), operator.index(size)
+    except (TypeError, ValueError):
+        raise TypeError("aimdo_to_tensor: %r is not an allocation (vbar, "
+                        "address, size)" % (alloc,)) from None
+    if size < 0 or address <= 0:
+        raise ValueError("aimdo_to_tensor: [0x%x, +%d) is not device memory"
+                         % (address, size))
+    return _views().view(address, _torch.uint8, (size,),
+                         _alloc_device(vbar, device))
 
 
 def hostbuf_to_tensor(hostbuf):

@@ -8,16 +8,33 @@ the memory. A new VBAR is at the top of vpager's priority list, so its
 commits evict model weights first.
 """
 
+import numbers
+
 from . import control
 
 __all__ = ["VRAMBuffer"]
 
 
+def _size(n):
+    if isinstance(n, float) and n.is_integer():
+        n = int(n)
+    if not isinstance(n, numbers.Integral):
+        raise TypeError("VRAMBuffer: a size must be an int, not %r" % (n,))
+    n = int(n)
+    if n >= 1 << 63:
+        raise MemoryError("VRAMBuffer: %d bytes are past any address space"
+                          % n)
+    return n
+
+
 class VRAMBuffer:
     def __init__(self, max_size, device=0):
+        self._vbar = None
+        self.max_size = _size(max_size)
+        if self.max_size < 0:
+            raise ValueError("VRAMBuffer(%d): a negative size" % max_size)
         dev, index = control._device_for(device)
         vp = control._vpager
-        self.max_size = int(max_size)
         try:
             self._vbar = dev.create_vbar(max(self.max_size, 1))
         except (vp.OutOfMemory, vp.HostOutOfMemory, vp.LimitError,
@@ -32,7 +49,7 @@ class VRAMBuffer:
     def get(self, size, offset=0):
         """(self, address, size) of [offset, offset+size), committed; a
         MemoryError when the memory cannot be had."""
-        size, offset = int(size), int(offset)
+        size, offset = _size(size), _size(offset)
         if offset < 0 or size < 0 or offset + size > self.max_size:
             raise MemoryError("VRAMBuffer.get: [%d, +%d) is past %d bytes"
                               % (offset, size, self.max_size))
