@@ -583,6 +583,572 @@ def test_vram_buffer_cheap_and_commit_on_demand():
     assert control.get_total_vram_usage() == vb.loaded_size() <= PAGE
 
 
+# -------------------------------------------------------- malloc_graph
+
+class _FakeStream:
+    """A stand-in for a torch stream on a machine without CUDA."""
+
+    def __init__(self, name="s", cuda=False):
+        self.name, self.fake_cuda = name, cuda
+        self.device = types.SimpleNamespace(type="cuda" if cuda else "cpu",
+                                            index=0 if cuda else None)
+
+    def __repr__(self):
+        return "<stream %s>" % self.name
+
+
+def _fresh_thread_graph():
+    """No active graph on this thread (a test before may have left one)."""
+    g = malloc_graph.active_graph()
+    if g is not None:
+        g.abort()
+
+
+def test_malloc_graph_interface_pass_through():
+    _fresh_thread_graph()
+    raises(RuntimeError, malloc_graph.MallocGraph)
+    g = malloc_graph.record(None)
+    assert isinstance(g, malloc_graph.MallocGraph)
+    for attr in ("peak_used", "virtual_bytes", "physical_bytes",
+                 "rogue_count"):
+        assert type(getattr(g, attr)) is int and getattr(g, attr) == 0
+    assert g.depth == 1 and g.active and malloc_graph.active_graph() is g
+    # One graph per thread.
+    e = raises(RuntimeError, malloc_graph.record, None)
+    assert "one per thread" in str(e)
+    # Scopes: push/pop nest; iterate replaces its own scope; pop closes
+    # what iterate left open inside the pushed scope.
+    g.push()
+    g.push("blocks")
+    assert g.depth == 3
+    assert g.iterate("block") is False and g.depth == 4
+    assert g.iterate("block") is False and g.depth == 4
+    assert g.iterate(None) is False and g.depth == 3
+    assert g.iterate(None) is False and g.depth == 3    # nothing to close
+    assert g.iterate("x") is False and g.depth == 4
+    assert g.pop() is False and g.depth == 2             # x and "blocks"
+    assert g.pop() is False and g.pop() is False and g.depth == 0
+    e = raises(RuntimeError, g.pop)
+    assert "pop without" in str(e)
+    raises(RuntimeError, g.iterate, "block")             # no scope open
+    g.push()                                             # a graph reopens
+    assert g.depth == 1
+    # pause/resume nest; resume without pause is an error.
+    raises(RuntimeError, g.resume)
+    g.pause()
+    g.pause(sync=True)
+    g.resume(sync=True)
+    g.resume()
+    raises(RuntimeError, g.resume, sync=True)
+    # use_stream follows a stream and restores the previous one.
+    s1, s2 = _FakeStream("1"), _FakeStream("2")
+    with g.use_stream(s1) as same:
+        assert same is g and g.stream is s1
+        with g.use_stream(s2):
+            assert g.stream is s2
+        assert g.stream is s1
+    assert g.stream is None
+    try:
+        with g.use_stream(s1):
+            raise KeyError("inside")
+    except KeyError:
+        pass
+    assert g.stream is None
+    # Bad arguments.
+    for bad in ("s", 3, 2.5, b"x", True, [], object()):
+        raises(RuntimeError, g.use_stream, bad)
+        raises(RuntimeError, malloc_graph.record, bad)
+    for bad in (3, b"x", [], object(), 1.5):
+        raises(RuntimeError, g.push, bad)
+        raises(RuntimeError, g.iterate, bad)
+    assert g.depth == 1
+    # Clients hang their own state on it (ComfyUI does).
+    g._comfy_active = True
+    g._comfy_cuda_graph_modules = set()
+    for attr in ("peak_used", "rogue_count", "virtual_bytes"):
+        try:
+            setattr(g, attr, 5)
+        except AttributeError:
+            pass
+        else:
+            raise AssertionError("%s is writable" % attr)
+    # Another thread: its own graph; this thread's graph refuses its calls.
+    seen = []
+
+    def other():
+        try:
+            h = malloc_graph.record(_FakeStream("t"))
+            h.push("a")
+            h.pop()
+            seen.append(h.pop())
+            try:
+                g.push()
+            except RuntimeError as e:
+                seen.append("refused: %s" % e)
+            h.abort()
+        except Exception as e:      # reported below
+            seen.append(e)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen[0] is False and "from thread" in seen[1], seen
+    # abort: the end; attributes stay; every other call refuses; a second
+    # abort is a no-op; the thread may record again.
+    with g.use_stream(s1):
+        g.abort()                       # inside a block: exit is quiet
+    assert not g.active and g.depth == 0 and g.rogue_count == 0
+    assert g.peak_used == 0 and g.physical_bytes == 0
+    g.abort()
+    for call in (g.push, g.pop, g.iterate, g.pause, g.resume,
+                 lambda: g.use_stream(None), lambda: g.iterate("b")):
+        e = raises(RuntimeError, call)
+        assert "abort" in str(e), e
+    assert malloc_graph.active_graph() is None
+    g2 = malloc_graph.record(None, assert_graph_breaks=True)
+    assert g2.assert_graph_breaks is True and g2 is not g
+    # A dropped graph frees the thread, also from inside a reference cycle.
+    del g2
+    g3 = malloc_graph.record(None)
+    g3.cycle = g3
+    del g3
+    g4 = malloc_graph.record(None)          # gc.collect() found the cycle
+    g4.abort()
+    assert "aborted" in repr(g4)
+
+
+def test_malloc_graph_random_calls_against_a_model():
+    """Property: random calls (with random and garbage arguments) on one
+    graph either succeed or raise RuntimeError exactly when the rules say;
+    nothing else is ever raised, and the depth follows the model."""
+    import contextlib
+    rng = random.Random(35)
+    names = [None, "block", "a", "b", "", 7, b"n", [], 1.5]
+    streams = [None, _FakeStream("x"), _FakeStream("y"), "junk", 5, object()]
+    for trial in range(30):
+        _fresh_thread_graph()
+        first = rng.choice(streams[:3])
+        g = malloc_graph.record(first)
+        frames, paused, aborted = ["push"], 0, False
+        with contextlib.ExitStack() as stack:
+            opened = []             # use_stream blocks entered, innermost last
+            for step in range(120):
+                op = rng.choice(["push", "pop", "iterate", "pause", "resume",
+                                 "enter", "exit", "abort", "record",
+                                 "attrs"] + ["iterate", "push", "pop"] * 2)
+                name = rng.choice(names)
+                stream = rng.choice(streams)
+                good_name = name is None or isinstance(name, str)
+                good_stream = stream is None or isinstance(stream,
+                                                           _FakeStream)
+                if op == "push":
+                    err = aborted or not good_name
+                    call = lambda: g.push(name)
+                elif op == "pop":
+                    err = aborted or "push" not in frames
+                    call = g.pop
+                elif op == "iterate":
+                    err = aborted or not good_name or not frames
+                    call = lambda: g.iterate(name)
+                elif op == "pause":
+                    err = aborted
+                    call = lambda: g.pause(sync=rng.random() < 0.5)
+                elif op == "resume":
+                    err = aborted or paused == 0
+                    call = lambda: g.resume(sync=rng.random() < 0.5)
+                elif op == "enter":
+                    err = aborted or not good_stream
+                    call = lambda: (stack.enter_context(g.use_stream(stream)),
+                                    opened.append(stream))
+                elif op == "exit":
+                    err = False             # every open block, innermost first
+                    call = stack.close
+                elif op == "abort":
+                    err = False
+                    call = g.abort
+                elif op == "record":
+                    err = not aborted
+                    call = lambda: malloc_graph.record(None).abort()
+                else:
+                    assert (g.peak_used, g.virtual_bytes, g.physical_bytes,
+                            g.rogue_count) == (0, 0, 0, 0)
+                    continue
+                if call is not None:
+                    try:
+                        r = call()
+                    except RuntimeError:
+                        assert err, (trial, step, op, name, stream)
+                        continue
+                    assert not err, (trial, step, op, name, stream)
+                    if op in ("pop", "iterate"):
+                        assert r is False
+                if op == "push":
+                    frames.append("push")
+                elif op == "pop":
+                    i = len(frames) - 1 - frames[::-1].index("push")
+                    del frames[i:]
+                elif op == "iterate":
+                    if frames[-1] == "iter":
+                        frames.pop()
+                    if name is not None:
+                        frames.append("iter")
+                elif op == "pause":
+                    paused += 1
+                elif op == "resume":
+                    paused -= 1
+                elif op == "abort":
+                    aborted, frames, paused = True, [], 0
+                elif op == "exit":
+                    opened.clear()
+                elif op == "record":
+                    # The thread was free: record() made a graph and it was
+                    # aborted at once. g stays aborted.
+                    pass
+                assert g.depth == len(frames), (trial, step, op)
+                assert g.active is not aborted
+                if not aborted:
+                    assert g.stream is (opened[-1] if opened else first)
+        g.abort()
+
+
+def test_malloc_graph_peak_used_from_torch_stats():
+    """peak_used, with torch's allocator statistics played by a fake: the
+    most the device held inside the graph's scopes (exact when that was a
+    new peak, else what the scope boundaries saw); paused time and time
+    outside every scope do not count; torch's counters are never reset."""
+    class Alloc:
+        cur = peak = 0
+
+        def take(self, n):
+            self.cur += n
+            self.peak = max(self.peak, self.cur)
+
+        def give(self, n):
+            self.cur -= n
+    gpu = Alloc()
+    calls = []
+
+    def stats(index):
+        calls.append(index)
+        return None if index is None else (gpu.cur, gpu.peak)
+    saved = malloc_graph._stats, malloc_graph._cuda_index
+    malloc_graph._stats = stats
+    malloc_graph._cuda_index = lambda s: 0 if getattr(s, "fake_cuda",
+                                                      False) else None
+    _fresh_thread_graph()
+    try:
+        cuda = _FakeStream("cuda", cuda=True)
+        gpu.take(100)
+        gpu.give(100)                       # a peak of 100 before the graph
+        g = malloc_graph.record(cuda)
+        gpu.take(30)
+        gpu.give(30)                        # under the old peak: unseen
+        assert g.pop() is False
+        assert g.peak_used == 0
+        g.push()
+        gpu.take(150)
+        gpu.give(150)                       # a new peak, inside: exact
+        g.pop()
+        assert g.peak_used == 150
+        g.push()
+        g.pause(sync=True)
+        gpu.take(500)
+        gpu.give(500)                       # paused: not the graph's
+        g.resume(sync=True)
+        g.pop()
+        assert g.peak_used == 150
+        gpu.take(1000)
+        gpu.give(1000)                      # outside every scope
+        g.push()
+        assert g.peak_used == 150
+        gpu.take(200)
+        assert g.peak_used == 200           # read while inside: sampled
+        with g.use_stream(_FakeStream("cpu")):
+            gpu.take(5000)                  # another device's stream
+            gpu.give(5000)
+        gpu.take(50)
+        assert g.peak_used == 250
+        gpu.give(250)
+        g.iterate("block")
+        g.iterate(None)
+        g.pop()
+        assert g.peak_used == 250 and gpu.peak == 5200
+        assert all(i in (0, None) for i in calls)
+        g.abort()
+        assert g.peak_used == 250                   # readable after abort
+        # CPU and None streams: 0, and torch is not consulted.
+        calls.clear()
+        h = malloc_graph.record(None)
+        gpu.take(1 << 20)
+        h.pop()
+        assert h.peak_used == 0 and set(calls) <= {None}
+        h.abort()
+    finally:
+        malloc_graph._stats, malloc_graph._cuda_index = saved
+
+
+class _ComfyPrefetch:
+    """Drives comfy_aimdo.malloc_graph with the call sequence of ComfyUI's
+    comfy/model_prefetch.py (>= 0.35; read from its public source, written
+    anew here): one graph per thread kept in a dict; a model forward is a
+    scope (record the first time, push after; pop at its end, counting a
+    break when pop says True, dropping the graph when pop raises); each
+    transformer block iterate()s a named scope, or None when a captured
+    CUDA graph of the block is replayed instead; a block being captured
+    pauses around creating the capture, then pause(sync=True), use_stream
+    (capture stream) with resume()/core/pause() inside, resume(sync=True);
+    a warm-up block runs under use_stream(capture stream); BLAS workspaces
+    are made under pause()/resume() once; at the end of every node the
+    graph is aborted if a scope is open, and its rogue_count summed."""
+
+    def __init__(self, stream, capture_stream):
+        self.graphs = {}
+        self.breaks = self.rogues = 0
+        self.used = False
+        self.stream, self.capture = stream, capture_stream
+        self.blas_ready = False
+        self.log = []
+
+    def _graph(self):
+        return self.graphs.get(threading.get_ident())
+
+    # model_prefetch's malloc_graph_begin / _end / cleanup_malloc_graph
+    def begin(self):
+        g = self._graph()
+        if g is None:
+            g = malloc_graph.record(self.stream, False)
+            g._comfy_cuda_graph_modules = set()
+            self.graphs[threading.get_ident()] = g
+        else:
+            g.push()
+        g._comfy_active = True
+        self.used = True
+
+    def end(self):
+        g = self._graph()
+        if g is not None and g._comfy_active:
+            try:
+                broken = g.pop()
+            except Exception:
+                self.graphs.pop(threading.get_ident(), None)
+                g._comfy_active = False
+                raise
+            g._comfy_active = False
+            if broken:
+                self.breaks += 1
+
+    def cleanup(self):
+        g = self.graphs.pop(threading.get_ident(), None)
+        if g is not None:
+            if g._comfy_active:
+                g._comfy_active = False
+                try:
+                    g.abort()
+                except Exception as e:
+                    self.log.append("abort failed: %s" % e)
+            g._comfy_cuda_graph_modules.clear()
+            self.rogues += g.rogue_count
+
+    def paused(self, sync=False):
+        """_PauseMallocGraph: pause/resume only while a scope is active."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            g = self._graph()
+            if g is not None and g._comfy_active:
+                g.pause(sync=sync)
+            try:
+                yield
+            finally:
+                g = self._graph()
+                if g is not None and g._comfy_active:
+                    g.resume(sync=sync)
+        return cm()
+
+    def block(self, blk, core, use_graphs):
+        """prefetch_queue_pop for one block (malloc_scope="block")."""
+        g = self._graph()
+        if g is not None and not g._comfy_active:
+            g = None
+        enable = use_graphs and g is not None
+        if enable and not self.blas_ready:
+            g.pause()
+            core(workspace=True)
+            g.resume()
+            self.blas_ready = True
+        hit = False
+        sig = None
+        if enable and blk.captured is not None:
+            sig = model_vbar.vbar_fault(blk.span)
+            if sig is not None:
+                blk.span_faulted = True
+                hit = model_vbar.vbar_signature_compare(sig, blk.captured)
+        if g is not None:
+            if g.iterate(None if hit else "block"):
+                self.breaks += 1
+        if hit:
+            blk.replays += 1
+            return
+        if enable and blk.warm:
+            if sig is None:
+                sig = model_vbar.vbar_fault(blk.span)
+                blk.span_faulted = sig is not None
+            if sig is not None:
+                g.pause()
+                g.resume()                      # the CUDAGraph object
+                g.pause(sync=True)
+                with g.use_stream(self.capture):
+                    g.resume()
+                    with self.paused():         # comfy-kitchen's context
+                        pass
+                    core()
+                    g.pause()
+                g.resume(sync=True)
+                blk.captured = sig
+                blk.captures += 1
+                g._comfy_cuda_graph_modules.add(blk)
+                return
+        if enable:
+            with g.use_stream(self.capture):
+                core()
+            blk.warm = True
+        else:
+            core()
+
+    def forward(self, blocks, core, use_graphs, fail_at=None):
+        """A model forward: the scope, the blocks, iterate(None) after."""
+        self.begin()
+        try:
+            for i, blk in enumerate(blocks):
+                if i == fail_at:
+                    raise ValueError("a node failed in block %d" % i)
+                self.block(blk, lambda workspace=False, b=blk:
+                           None if workspace else core(b), use_graphs)
+            g = self._graph()
+            if g is not None and g._comfy_active:
+                if g.iterate(None):
+                    self.breaks += 1
+        except BaseException:
+            self.cleanup()
+            raise
+        self.end()
+        self.release(blocks)
+
+    @staticmethod
+    def release(blocks):
+        """cleanup_prefetched_modules: unpin the block spans faulted."""
+        for blk in blocks:
+            if blk.span_faulted:
+                model_vbar.vbar_unpin(blk.span)
+                blk.span_faulted = False
+
+
+class _Block:
+    def __init__(self, allocs):
+        self.allocs = allocs
+        v = allocs[0]
+        for a in allocs[1:]:        # ComfyUI's _v_block rule
+            v = (v[0], v[1], max(v[2], a[1] + a[2] - v[1]))
+        self.span = v
+        self.captured = None
+        self.warm = False
+        self.span_faulted = False
+        self.captures = self.replays = 0
+
+
+def _comfy_model(vb, rng, nblocks=6):
+    """ComfyUI's layout in a VBAR: tiny modules first, then the blocks'
+    weights largest first, 512-byte aligned; a block is adjacent ones."""
+    for _ in range(12):
+        vb.alloc(rng.choice([256, 1024, 4096]))
+    sizes = sorted((rng.randint(1, 24) * MiB + rng.randint(0, 4096)
+                    for _ in range(nblocks * 3)), reverse=True)
+    allocs = [vb.alloc(n) for n in sizes]
+    return [_Block(allocs[i:i + 3]) for i in range(0, len(allocs), 3)]
+
+
+def test_malloc_graph_driven_as_model_prefetch_does():
+    dev = fresh(budget_pages=8)
+    rng = random.Random(38)
+    vb = model_vbar.ModelVBAR(16 * PAGE, 0)
+    blocks = _comfy_model(vb, rng)
+    used = []
+
+    def core(blk):
+        for a in blk.allocs:                    # the per-weight cycle
+            s = model_vbar.vbar_fault(a)
+            if s is not None:
+                model_vbar.vbar_unpin(a)
+        used.append(blk)
+
+    def node(driver, steps, use_graphs, fail_at=None, model=None):
+        try:
+            for step in range(steps):
+                driver.forward(model or blocks, core, use_graphs,
+                               fail_at if step == steps - 1 else None)
+        finally:
+            driver.cleanup()                    # every node's end
+            driver.release(model or blocks)
+    d = _ComfyPrefetch(_FakeStream("main"), _FakeStream("capture"))
+    _fresh_thread_graph()
+    for use_graphs in (False, True, True):
+        node(d, 4, use_graphs)
+        assert d.graphs == {} and malloc_graph.active_graph() is None
+    assert d.breaks == 0 and d.rogues == 0 and d.log == []
+    assert sum(b.captures for b in blocks) >= len(blocks)
+    assert sum(b.replays for b in blocks) > 0
+    assert len(used) == 12 * len(blocks) - sum(b.replays for b in blocks)
+    # A node that raises in the middle of a forward: the scope's exit runs
+    # cleanup, which aborts the open graph; the next node records anew.
+    try:
+        node(d, 3, True, fail_at=2)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the failing node did not fail")
+    assert d.graphs == {} and d.log == [] and d.rogues == 0
+    node(d, 2, True)
+    assert d.breaks == 0
+    # pop() raising: the client drops the graph without abort(); the next
+    # record() on the thread must work (the dropped graph frees it).
+    d.begin()
+    g = d._graph()
+    g.pop()                                   # a misbehaving extra pop
+    try:
+        d.end()
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("pop without a scope did not raise")
+    del g
+    assert d.graphs == {}
+    node(d, 1, True)
+    # Two threads at once, each with its own graph and model.
+    errs = []
+    models = [_comfy_model(model_vbar.ModelVBAR(16 * PAGE, 0),
+                           random.Random(i), 3) for i in range(2)]
+
+    def worker(seed):
+        try:
+            w = _ComfyPrefetch(_FakeStream("main%d" % seed),
+                               _FakeStream("cap%d" % seed))
+            for _ in range(3):
+                node(w, 2, seed % 2 == 0, model=models[seed])
+            assert w.breaks == 0 and w.rogues == 0 and w.log == []
+        except Exception as e:
+            errs.append(e)
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errs == [], errs
+    for blk in blocks:
+        assert not blk.span_faulted
+    assert not any(f & 2 for f in vb.get_residency())     # nothing pinned
+    assert dev.info()["committed"] <= 8 * PAGE
+
+
 # ---------------------------------------------------------- host_buffer
 
 def _tmpfile(data):
