@@ -1238,6 +1238,234 @@ def test_host_buffer_read_file_slice_and_to_device():
         os.unlink(path)
 
 
+class _FakeCudart:
+    """The registrations a CUDA driver keeps, as ComfyUI reaches them
+    through torch.cuda.cudart(): ranges that may not overlap, unregistered
+    by their start address (713: not registered). The memory must be
+    mapped read-write to be registered (checked by writing a byte)."""
+
+    def __init__(self):
+        self.regs = {}                  # start -> size
+        self.by = []                    # (who, ptr, rc) of every unregister
+
+    def cudaHostRegister(self, ptr, size, flags):
+        for s, n in self.regs.items():
+            if ptr < s + n and s < ptr + size:
+                return 712              # already registered
+        b = ctypes.c_ubyte.from_address(ptr)
+        b.value = b.value               # faults if not mapped read-write
+        self.regs[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr, who="client"):
+        rc = 0 if self.regs.pop(ptr, None) is not None else 713
+        self.by.append((who, ptr, rc))
+        return rc
+
+    def bad(self):
+        return [x for x in self.by if x[2] != 0]
+
+
+class _Pins:
+    """ComfyUI >= 0.38's pins over one HostBuffer (comfy/pinned_memory.py
+    and ModelPatcherDynamic, read from the public source and written anew
+    here): pin = extend(register=False) + cudaHostRegister of the new part;
+    a refused registration truncates it back (do_unregister=False);
+    unregister_inactive = cudaHostUnregister by the client, the buffer
+    left mapped; unload = pop pins, truncate(offset,
+    do_unregister=registered)."""
+
+    def __init__(self, hb, cudart):
+        self.hb, self.cu = hb, cudart
+        self.stack = []                 # [offset, size, registered]
+        self.split = -1
+
+    def pin(self, size):
+        off = self.hb.size
+        ptr = self.hb.extend(size=size, register=False)
+        assert ptr == self.hb.get_raw_address() + off
+        if self.cu.cudaHostRegister(ptr, size, 1) != 0:
+            self.hb.truncate(off, do_unregister=False)
+            return False
+        self.stack.append([off, size, True])
+        self.split = max(self.split, len(self.stack) - 1)
+        return True
+
+    def unregister_inactive(self, n):
+        while self.split >= 0 and n > 0:
+            pin = self.stack[self.split]
+            self.split -= 1
+            if not pin[2]:
+                continue
+            base = self.hb.get_raw_address()
+            assert self.cu.cudaHostUnregister(base + pin[0]) == 0
+            pin[2] = False
+            n -= 1
+
+    def unload(self, n):
+        while self.stack and n > 0:
+            off, size, registered = self.stack.pop()
+            self.hb.truncate(off, do_unregister=registered)
+            self.split = min(self.split, len(self.stack) - 1)
+            n -= 1
+
+    def check(self):
+        """Every live registration lies inside the buffer, at a pin the
+        client holds registered."""
+        base, size = self.hb.get_raw_address(), self.hb.size
+        mine = {base + o: n for o, n, r in self.stack if r}
+        inside = {p: n for p, n in self.cu.regs.items()
+                  if base <= p < base + max(size, 1)}
+        assert inside == mine, (inside, mine)
+        for p, n in inside.items():
+            assert p + n <= base + size
+
+
+def _with_fake_cudart(fn):
+    cu = _FakeCudart()
+    saved = host_buffer._external_unregister
+    host_buffer._external_unregister = \
+        lambda ptr: cu.cudaHostUnregister(ptr, "buffer") == 0
+    try:
+        fn(cu)
+    finally:
+        host_buffer._external_unregister = saved
+
+
+def test_host_buffer_comfy_038_six_per_model():
+    fresh()
+    t0 = time.perf_counter()
+    # The placeholders made per model and device, then the real ones.
+    holders = {k: host_buffer.HostBuffer(0, 0, 0) for k in (
+        "weights", "patches", "weights-loaded", "patches-loaded",
+        "weights-fast", "patches-fast")}
+    for hb in holders.values():
+        assert hb.size == 0 and hb.get_raw_address() == 0
+    t1 = time.perf_counter()
+    grow = 3 << 30
+    bufs = {}
+    for k in holders:
+        warm = (64 if k.startswith("weights") else 8) * MiB
+        bufs[k] = host_buffer.HostBuffer(0, warm, grow) if k.endswith("s") \
+            else host_buffer.HostBuffer(0, prewarm=warm, max_grow_size=grow)
+    t2 = time.perf_counter()
+    print("    6 placeholders %.0f us; 6 prewarmed buffers %.1f ms"
+          % ((t1 - t0) * 1e6, (t2 - t1) * 1e3))
+    holders.clear()                                   # replaced, freed
+    for k, hb in bufs.items():
+        assert hb.size == 0 and hb.get_raw_address() != 0
+        p = hb.extend(5 * MiB, register=False)        # on warm memory
+        assert p == hb.get_raw_address()
+        ctypes.memset(p, 1, 5 * MiB)
+        assert hb.extend(1000, register=False) == p + 5 * MiB
+        hb.truncate(0, do_unregister=False)
+        assert hb.size == 0
+    # Also accepted: max_grow_size 0 (pinning disabled), whole floats,
+    # None for the optional sizes; refused: the rest.
+    host_buffer.HostBuffer(0, 8 * MiB, 0).close()
+    host_buffer.HostBuffer(0.0, float(MiB), None).close()
+    host_buffer.HostBuffer(MiB, None, None, False).close()
+    for args in ((-1,), (0, -1), (0, 0, -1), ("1",), (0, "x"), (0, 0, []),
+                 (1.5,), (float("nan"),), (1 << 57,), (0, 1 << 70),
+                 (0, 0, 1 << 64), (object(),)):
+        try:
+            host_buffer.HostBuffer(*args)
+        except (TypeError, ValueError):
+            continue
+        raise AssertionError("HostBuffer%r was accepted" % (args,))
+    for hb in bufs.values():
+        hb.close()
+
+
+def test_host_buffer_caller_registers_and_unregisters_parts():
+    """ComfyUI >= 0.38 registers register=False parts itself and may
+    unregister them itself, leaving the buffer mapped: the buffer must
+    drop exactly the registrations still held when told to
+    (truncate(do_unregister=True), close()), each once, never one the
+    caller dropped, never its own; and new pins over truncated memory must
+    register (no stale registration left)."""
+    def run(cu):
+        dev = fresh()
+        rng = random.Random(238)
+        bufs = [host_buffer.HostBuffer(0, rng.choice([8, 64]) * MiB,
+                                       1 << 30) for _ in range(6)]
+        pins = [_Pins(hb, cu) for hb in bufs]
+        for step in range(400):
+            p = rng.choice(pins)
+            op = rng.random()
+            if op < 0.5:
+                assert p.pin(rng.choice([4096, 100000, MiB, 3 * MiB + 512]))
+            elif op < 0.7:
+                p.unregister_inactive(rng.randint(1, 3))
+            else:
+                p.unload(rng.randint(1, 4))
+            p.check()
+            assert cu.bad() == [], cu.bad()[:3]
+        # The buffer's calls: one per registered pin it truncated, no more.
+        mine = [x for x in cu.by if x[0] == "buffer"]
+        assert mine and len(set(x[1] for x in mine)) >= 1
+        # Unload everything: no registration left, none dropped twice.
+        for p in pins:
+            p.unload(1 << 30)
+            p.check()
+        assert cu.regs == {} and cu.bad() == []
+        # close() with pins still registered drops each of them once.
+        for p in pins[:3]:
+            for _ in range(3):
+                p.pin(MiB)
+        pins[0].unregister_inactive(1)            # one the client dropped
+        n_before = len(cu.by)
+        for hb in bufs:
+            hb.close()
+        closing = cu.by[n_before:]
+        assert cu.regs == {}, cu.regs
+        assert all(who == "buffer" for who, _, _ in closing)
+        assert len(closing) == len(set(p for _, p, _ in closing)) == 9
+        # The one the client dropped answers "not registered": ignored.
+        assert [rc for _, _, rc in closing].count(713) == 1
+        for hb in bufs:
+            hb.close()                            # twice: nothing more
+        assert len(cu.by) == n_before + 9
+        # The buffer's own registrations are vpager's, never the driver's:
+        # a caller unregistering one behind its back leaves nothing to
+        # double-free (vpager ignores the refused unregister), and the
+        # buffer never sends it to the driver shim.
+        hb = host_buffer.HostBuffer(0, 0, 0)
+        own = hb.extend(2 * MiB)                  # register=True: vpager's
+        assert dev.stats()["host_pinned_bytes"] == 2 * MiB
+        ext = hb.extend(MiB, register=False)
+        assert cu.cudaHostRegister(ext, MiB, 1) == 0
+        n_before = len(cu.by)
+        hb.truncate(MiB, do_unregister=True)
+        assert cu.by[n_before:] == [("buffer", ext, 0)]  # the caller's one
+        assert dev.stats()["host_pinned_bytes"] == 0
+        hb.register(0, MiB)                       # the buffer's again
+        hb.extend(MiB, register=False)
+        hb.register(MiB, MiB)         # a part made the buffer's: not sent
+        n_before = len(cu.by)
+        hb.truncate(0, do_unregister=True)
+        hb.close()
+        assert cu.by[n_before:] == [] and cu.regs == {}
+        assert dev.stats()["host_pinned_bytes"] == 0
+        del own
+    _with_fake_cudart(run)
+
+
+def test_host_buffer_default_unregister_without_cuda():
+    """Without CUDA the default driver call is never made (and the
+    simulated device's memory needs no registration)."""
+    fresh()
+    hb = host_buffer.HostBuffer(0, 0, 0)
+    p = hb.extend(MiB, register=False)
+    if control._probe_cuda():
+        hb.close()
+        _runner.skip("this machine has CUDA")
+    assert host_buffer._external_unregister(p) is False
+    hb.truncate(0, do_unregister=True)
+    hb.extend(MiB, register=False)
+    hb.close()
+
+
 # ----------------------------------------------------------- model_mmap
 
 def test_model_mmap_get_bounce():
