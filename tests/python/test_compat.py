@@ -1522,6 +1522,231 @@ def test_torch_views():
         assert w
 
 
+def test_block_span_signature_stable_exactly_while_resident():
+    """vbar_fault on a synthetic (vbar, first address, span) over a whole
+    block of adjacent allocations (ComfyUI's _v_block): the signature
+    compares equal to the last one exactly when every page of the span
+    stayed resident and was not refilled since (the oracle: residency
+    before and after every fault), under pressure from a second model,
+    evictions, budget changes and nested faults of the members."""
+    dev = fresh(budget_pages=6)
+    rng = random.Random(812)
+    vb = model_vbar.ModelVBAR(14 * PAGE, 0)
+    blocks = _comfy_model(vb, rng, nblocks=7)
+    other = model_vbar.ModelVBAR(6 * PAGE, 0)
+    fills = {id(vb): [0] * vb.get_nr_pages(),
+             id(other): [0] * other.get_nr_pages()}
+
+    def pages(alloc):
+        v, a, n = alloc
+        first = (a - v.base) // PAGE
+        return range(first, (a - v.base + max(n, 1) - 1) // PAGE + 1)
+
+    def fault(alloc):
+        v = alloc[0]
+        before = v.get_residency()
+        sig = model_vbar.vbar_fault(alloc)
+        after = v.get_residency()
+        f = fills[id(v)]
+        for p in range(len(f)):
+            if not before[p] & 1 and after[p] & 1:
+                f[p] += 1
+        if sig is not None:
+            assert all(after[p] & 3 == 3 for p in pages(alloc))
+        return sig
+
+    for b in blocks:
+        b.sig = b.seen = None
+    counts = dict(same=0, changed=0, miss=0)
+    for step in range(500):
+        op = rng.random()
+        if op < 0.45:
+            b = rng.choice(blocks)
+            sig = fault(b.span)
+            if sig is None:
+                counts["miss"] += 1
+                continue
+            assert len(sig) == b.span[2] // PAGE + 2
+            now = [fills[id(vb)][p] for p in pages(b.span)]
+            if b.sig is not None:
+                same = model_vbar.vbar_signature_compare(sig, b.sig)
+                assert same == (now == b.seen), (step, now, b.seen)
+                counts["same" if same else "changed"] += 1
+            b.sig, b.seen = sig, now
+            for a in rng.sample(b.allocs, rng.randint(0, len(b.allocs))):
+                s = fault(a)                    # nested: pinned already
+                assert s is not None
+                model_vbar.vbar_unpin(a)
+            model_vbar.vbar_unpin(b.span, stream=0)
+        elif op < 0.6:
+            a = rng.choice(rng.choice(blocks).allocs)
+            if fault(a) is not None:
+                model_vbar.vbar_unpin(a)
+        elif op < 0.72:
+            span = (other, other.base + rng.randrange(4) * PAGE,
+                    rng.randint(1, 2) * PAGE)
+            if fault(span) is not None:
+                model_vbar.vbar_unpin(span)
+        elif op < 0.82:
+            vb.free_memory(rng.randint(1, 3) * PAGE)
+        elif op < 0.92:
+            rng.choice([vb, other]).prioritize()
+        else:
+            total = dev.info()["total_memory"]
+            control.set_simple_vram_headroom(total - rng.randint(4, 8) * PAGE)
+    print("     block spans:", counts)
+    assert counts["same"] >= 10 and counts["changed"] >= 10, counts
+    assert not any(f & 2 for f in vb.get_residency() + other.get_residency())
+    # The span is stable while resident: fault it twice in a row.
+    vb.prioritize()
+    control.set_simple_vram_headroom(None)
+    b = blocks[0]
+    s1 = fault(b.span)
+    model_vbar.vbar_unpin(b.span)
+    s2 = fault(b.span)
+    model_vbar.vbar_unpin(b.span)
+    assert model_vbar.vbar_signature_compare(s1, s2)
+
+
+def test_aimdo_to_tensor_labels_the_vbars_device():
+    if not have_torch():
+        return
+    import torch
+    from comfy_aimdo import torch as at
+    dev = fresh()
+    vb = model_vbar.ModelVBAR(PAGE, 0)
+    a = vb.alloc(4096)
+    assert model_vbar.vbar_fault(a) is not None
+    want = torch.device(tdevice(dev))
+    for asked in (None, "cuda", "cuda:0", "cuda:1", torch.device("cuda", 3),
+                  "cpu", 0, 1):
+        t = at.aimdo_to_tensor(a, asked)
+        assert t.device == want, (asked, t.device)
+        assert t.numel() == 4096 and t.dtype == torch.uint8
+    vbuf = vram_buffer.VRAMBuffer(PAGE, 0)
+    assert at.aimdo_to_tensor(vbuf.get(100), "cuda:5").device == want
+    # A VBAR of another GPU keeps its own label, whatever the caller says
+    # (the caller's device being the other GPU is the case that matters).
+    class Owner:
+        def __init__(self, backend, index, closed=False):
+            self.device = types.SimpleNamespace(backend=backend,
+                                                closed=closed)
+            self.device_index = index
+    assert at._alloc_device(Owner("cuda", 1), "cuda:0") == \
+        torch.device("cuda", 1)
+    assert at._alloc_device(Owner("cuda", 0), torch.device("cuda", 1)) == \
+        torch.device("cuda", 0)
+    assert at._alloc_device(Owner("sim", 1), "cuda:1") == \
+        torch.device("cpu")
+    raises(RuntimeError, at._alloc_device, Owner("cuda", 1, True), "cuda")
+    # Garbage allocations are refused as such.
+    for bad in (None, (), (vb,), (vb, a[1]), (vb, "x", 10), (vb, a[1], 1.5),
+                (vb, a[1], -1), (vb, 0, 10), 5, "alloc"):
+        raises((TypeError, ValueError), at.aimdo_to_tensor, bad, "cuda")
+    model_vbar.vbar_unpin(a)
+    vbuf.close()
+    control.deinit()
+    raises(RuntimeError, at.aimdo_to_tensor, a, "cuda:0")     # device gone
+
+
+_GARBAGE = [None, -1, -(1 << 63), 1 << 64, 1 << 70, 1.5, float("nan"),
+            float("inf"), "x", b"x", [], {}, (1, 2), object(), True, 1j]
+
+
+def test_garbage_arguments_raise_clear_exceptions():
+    """Property: every entry point, called with garbage, returns or raises
+    TypeError, ValueError, RuntimeError, MemoryError or OverflowError
+    (OSError for file calls); never another exception, never a crash (it
+    runs in a subprocess, so a crash shows as its exit status)."""
+    code = r'''
+import json, random, sys
+import comfy_aimdo.control as c, comfy_aimdo.model_vbar as mv
+import comfy_aimdo.host_buffer as hbm, comfy_aimdo.vram_buffer as vbm
+import comfy_aimdo.malloc_graph as mg, comfy_aimdo.storage as st
+import comfy_aimdo.model_mmap as mm
+G = %s
+OK = (TypeError, ValueError, RuntimeError, MemoryError, OverflowError)
+bad, calls = [], 0
+def call(name, fn, *a, ok=OK, **kw):
+    global calls
+    calls += 1
+    try:
+        fn(*a, **kw)
+    except ok:
+        pass
+    except BaseException as e:
+        bad.append("%%s%%r: %%s: %%s" %% (name, a, type(e).__name__, e))
+for g in G:
+    call("init_devices", c.init_devices, g)
+    call("init_devices([g])", c.init_devices, [g])
+assert c.init() and c.init_devices([0])
+vb = mv.ModelVBAR(1 << 30, 0)
+a = vb.alloc(4096)
+hb = hbm.HostBuffer(0, 0, 0)
+hb.extend(1 << 20)
+vbuf = vbm.VRAMBuffer(1 << 30, 0)
+gr = mg.record(None)
+for g in G:
+    for h in G[:6]:
+        call("ModelVBAR", mv.ModelVBAR, g, 0)
+        call("ModelVBAR(dev)", mv.ModelVBAR, 1 << 20, g)
+        call("alloc", vb.alloc, g)
+        call("vbar_fault", mv.vbar_fault, g)
+        call("vbar_fault3", mv.vbar_fault, (vb, g, h))
+        call("vbar_fault3b", mv.vbar_fault, (vb, a[1], g))
+        call("vbar_unpin", mv.vbar_unpin, (vb, g, h))
+        call("vbar_unpin(stream)", mv.vbar_unpin, a, g)
+        call("compare", mv.vbar_signature_compare, g, h)
+        call("set_watermark", vb.set_watermark, g)
+        call("set_watermark_limit", vb.set_watermark_limit, g)
+        call("free_memory", vb.free_memory, g)
+        call("vbars_analyze", mv.vbars_analyze, g)
+        call("HostBuffer", hbm.HostBuffer, g, h, 0)
+        call("HostBuffer3", hbm.HostBuffer, 0, h, g)
+        call("extend", hb.extend, g)
+        call("truncate", hb.truncate, g, h)
+        call("register", hb.register, g, h)
+        call("unregister", hb.unregister, g)
+        call("read_file_slice", hb.read_file_slice, 0, g, h,
+             ok=OK + (OSError,))
+        call("VRAMBuffer", vbm.VRAMBuffer, g, 0)
+        call("VRAMBuffer.get", vbuf.get, g, h)
+        call("init_device", c.init_device, g, h)
+        call("set_headroom", c.set_simple_vram_headroom, g)
+        call("get_devctx", c.get_devctx, g)
+        call("record", mg.record, g, h)
+        call("push", gr.push, g)
+        call("iterate", gr.iterate, g)
+        call("pause", gr.pause, g)
+        call("use_stream", gr.use_stream, g)
+        call("ModelMMAP", mm.ModelMMAP, g, ok=OK + (OSError,))
+    if st.fast_disk(g) is not None:
+        bad.append("fast_disk(%%r)" %% (g,))
+gr.abort()
+try:
+    import torch, comfy_aimdo.torch as at
+    for g in G:
+        for h in G[:6]:
+            call("aimdo_to_tensor", at.aimdo_to_tensor, g, h)
+            call("aimdo_to_tensor3", at.aimdo_to_tensor, (vb, g, h), "cuda")
+            call("raw_ptr", at.get_tensor_from_raw_ptr, g, 0, h)
+except ImportError:
+    pass
+print(json.dumps({"bad": bad, "calls": calls}))
+''' % repr(_GARBAGE)
+    # repr() of object() and nan/inf is not Python source: build them there.
+    code = code.replace(repr(_GARBAGE), "[None, -1, -(1 << 63), 1 << 64, "
+                        "1 << 70, 1.5, float('nan'), float('inf'), 'x', "
+                        "b'x', [], {}, (1, 2), object(), True, 1j]")
+    env = dict(ENV, VPAGER_BACKEND="sim")
+    r = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    print("     %d garbage calls" % out["calls"])
+    assert out["bad"] == [], "\n".join(out["bad"][:30])
+
+
 def test_deinit_closes_everything():
     fresh()
     vb = model_vbar.ModelVBAR(PAGE, 0)
