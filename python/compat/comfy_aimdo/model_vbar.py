@@ -47,6 +47,7 @@ class ModelVBAR:
         self.device_index = index
         self.size = int(size)
         self.base = self._vbar.base
+        self._vsize = self._vbar.size   # fixed: read once, not per fault
         self.offset = 0                 # the bump allocator's next byte
         _vbars.add(self)
 
@@ -69,7 +70,7 @@ class ModelVBAR:
         if size < 0:
             raise ValueError("range 0x%x %d: negative size" % (address, size))
         off = address - self.base
-        if off < 0 or off + size > self._vbar.size:
+        if off < 0 or off + size > self._vsize:
             raise ValueError("range 0x%x +%d is outside this ModelVBAR"
                              % (address, size))
         return off
@@ -151,6 +152,8 @@ def _int(value, what):
 def _stream(stream):
     """A stream argument as vpager takes it: an int handle, or a torch
     stream's (cuda_stream); None is the default stream."""
+    if type(stream) is int and stream >= 0:
+        return stream
     if stream is None:
         return 0
     if isinstance(stream, numbers.Integral) and not isinstance(stream, bool):
@@ -172,7 +175,7 @@ def _unpack(alloc, what):
     except (TypeError, ValueError):
         raise TypeError("%s: %r is not an allocation (vbar, address, size)"
                         % (what, alloc)) from None
-    if not isinstance(vbar, ModelVBAR):
+    if type(vbar) is not ModelVBAR and not isinstance(vbar, ModelVBAR):
         raise TypeError("%s: %r is not a ModelVBAR allocation" % (what, alloc))
     return vbar, address, size
 
