@@ -12,9 +12,7 @@ as passed, with a note) when torch cannot be imported.
 
 import array
 import ctypes
-import gc
 import json
-import math
 import os
 import pkgutil
 import random
@@ -1464,6 +1462,27 @@ def test_host_buffer_default_unregister_without_cuda():
     hb.truncate(0, do_unregister=True)
     hb.extend(MiB, register=False)
     hb.close()
+    # Where CUDA is there, the default goes to the driver (played here by
+    # a fake): 0 is "dropped", 713 "was not registered", no driver: False.
+    from comfy_aimdo import _cuda
+    calls = []
+    answers = iter([0, _cuda.NOT_REGISTERED, OSError("no libcuda")])
+
+    def fake(ptr, ordinal=0):
+        calls.append((ptr, ordinal))
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+    saved = _cuda.host_unregister, control._cuda_count
+    _cuda.host_unregister, control._cuda_count = fake, 1
+    try:
+        assert host_buffer._external_unregister(4096) is True
+        assert host_buffer._external_unregister(8192) is False
+        assert host_buffer._external_unregister(12288) is False
+    finally:
+        _cuda.host_unregister, control._cuda_count = saved
+    assert calls == [(4096, 0), (8192, 0), (12288, 0)], calls
 
 
 # ----------------------------------------------------------- model_mmap

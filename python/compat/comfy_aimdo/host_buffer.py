@@ -24,6 +24,7 @@ caller's.
 import ctypes
 import operator
 import os
+import sys
 
 from . import _libc, control
 
@@ -48,10 +49,16 @@ def _pin_device():
 def _external_unregister(ptr):
     """Drop a registration the caller made itself at host address `ptr`
     (the start of a register=False part): cuMemHostUnregister when the
-    machine has CUDA; nothing on the simulated device (its host memory
-    needs no registration). True when something was unregistered. Tests
-    replace this to see the calls."""
-    if not control._probe_cuda():
+    caller can have registered it (the machine has CUDA, or torch has
+    initialised CUDA); nothing otherwise, as on the simulated device (its
+    host memory needs no registration). True when something was
+    unregistered. Tests replace this to see the calls."""
+    torch = sys.modules.get("torch")
+    try:
+        torch_cuda = torch is not None and torch.cuda.is_initialized()
+    except Exception:
+        torch_cuda = False
+    if not torch_cuda and not control._probe_cuda():
         return False
     devs = control.devices()
     ordinal = min([i for i, d in devs.items()

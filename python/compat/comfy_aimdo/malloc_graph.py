@@ -10,8 +10,9 @@ comfy/model_prefetch.py) run unchanged and their misuse is still caught:
 
 * record(stream, assert_graph_breaks=False) starts a MallocGraph on the
   calling thread and opens its first scope. A thread has at most one
-  active graph: a second record() there is a RuntimeError until the first
-  is aborted or garbage-collected.
+  active graph (active_graph() returns it): a second record() there is a
+  RuntimeError until the first is aborted or garbage-collected. A graph's
+  methods refuse calls from other threads, abort() excepted.
 * push(name=None) opens a nested scope; pop() closes the innermost one
   (and any scope iterate() left open inside it) and returns whether it
   "broke" (here: never, False). A graph whose scopes are all closed stays
