@@ -27,9 +27,12 @@ FUZZ_SAN     = -fsanitize=address,undefined -fno-sanitize-recover=all \
                -fno-omit-frame-pointer
 # Take the top Makefile's -D/-I/-std/visibility flags (so new ones follow),
 # but not its warnings-as-errors, optimisation or sanitizer choice.
+# VP_DEBUG: the library re-checks its page counts after every public call
+# (src/invariants.c) and aborts on a mismatch, a finding like any other.
 FUZZ_CFLAGS  = $(filter-out -Werror -O% -fsanitize=% -fno-sanitize-recover% \
                  -fPIC,$(CFLAGS_BASE)) \
                -std=c11 -D_GNU_SOURCE -DVPAGER_BUILD -fvisibility=hidden \
+               -DVP_DEBUG \
                -Isrc -Isrc/backend -Iinclude -pthread -g -O1 \
                -Wno-unused-parameter $(FUZZ_SAN)
 FUZZ_LIB_OBJ = $(patsubst %.c,$(FUZZ_BUILD)/obj/%.o,$(LIB_SRC))

@@ -90,11 +90,18 @@ static inline void fz_trace_dump(void) {
   fprintf(stderr, "==== end of trace ====\n");
 }
 
-/* Sanitizer reports (a crash in a worker thread too) end with the trace. */
-void __sanitizer_set_death_callback(void (*callback)(void));
+/* AddressSanitizer reports (a crash in a worker thread too) come with the
+ * trace. (libFuzzer owns the death callback; UBSan reports have no hook:
+ * rerun with FUZZ_TRACE=1 to see the calls.) */
+void __asan_set_error_report_callback(void (*callback)(const char *));
+
+static inline void fz_trace_dump_report(const char *report) {
+  (void)report;
+  fz_trace_dump();
+}
 
 static inline void fz_dump_on_death(void) {
-  __sanitizer_set_death_callback(fz_trace_dump);
+  __asan_set_error_report_callback(fz_trace_dump_report);
 }
 
 /* A check failed: print the trace and the reason, then abort (libFuzzer
@@ -146,14 +153,17 @@ static inline int fz_rule(const char *fn, int rc, bool miss_ok) {
 
 __attribute__((format(printf, 4, 5))) static inline int
 fz_after(const char *text, int rc, bool miss_ok, const char *fmt, ...) {
-  char args[160];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(args, sizeof args, fmt, ap);
-  va_end(ap);
   const char *paren = strchr(text, '(');
   int fnlen = paren ? (int)(paren - text) : (int)strlen(text);
-  if (!fz_quiet) fz_trace("%.*s(%s) = %s", fnlen, text, args, vp_err_name(rc));
+  if (!fz_quiet) {
+    char args[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    fz_trace("%.*s(%s) = %s", fnlen, text, args, vp_err_name(rc));
+  }
+  if (rc == VP_OK) return rc;
   char fn[64];
   snprintf(fn, sizeof fn, "%.*s", fnlen, text);
   fz_rule(fn, rc, miss_ok);
