@@ -48,6 +48,8 @@ typedef struct vp__fence {
 typedef struct vp__page {
   vp__phys_t phys;
   vp__fence_t *fence; /* last unpin's fence; it implies all earlier ones */
+  vp__fence_t *fill;  /* the copy stream's last write into it (prefetch):
+                         kept apart, so it never hides a reader's fence */
   uint32_t gen;       /* generation of the current commit */
   uint32_t pins;
   bool resident;
@@ -257,6 +259,10 @@ int vp__order_after(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
                     vp_stream_t stream);
 void vp__unpin_attach(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
                       vp__fence_t *f);
+/* The same for pages the copy stream filled: f (on the copy stream) goes to
+ * the pages' fill fence; their readers' fence stays. */
+void vp__unpin_attach_fill(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                           vp__fence_t *f);
 void vp__unpin_nofence(vp__vbar_t *vb, uint32_t p0, uint32_t p1);
 int vp__vbar_evict(vp__vbar_t *vb, uint64_t bytes, uint32_t min_rank,
                    uint64_t *freed);

@@ -49,24 +49,35 @@ int vp__page_commit(vp__vbar_t *vb, uint32_t p) {
   return VP_OK;
 }
 
-/* Evict page p (resident, unpinned): wait for its fence only, then unmap and
- * release. The wait is what keeps queued work from reading a freed page. */
+/* Wait for one of page p's fences, then let it go. On a broken device
+ * nothing queued will run again: the page is freed anyway. */
+static int fence_done(vp__vbar_t *vb, uint32_t p, vp__fence_t **slot) {
+  vp__device_t *dev = vb->dev;
+  vp__fence_t *f = *slot;
+  if (!f) return VP_OK;
+  if (vp__be_event_query(dev, f->event) != VP_OK) {
+    VP__COUNT(vb, evict_waits, 1);
+    int rc = vp__fence_wait(dev, f);
+    uint64_t va = vb->va + ((uint64_t)p << dev->page_shift);
+    if (rc && !dev->broken)
+      return vp__err(rc, "evicting page %u at 0x%llx: waiting for its fence "
+                     "failed", p, (unsigned long long)va);
+  }
+  vp__fence_put(dev, f);
+  *slot = NULL;
+  return VP_OK;
+}
+
+/* Evict page p (resident, unpinned): wait for its fences only (its readers'
+ * and the copy stream's), then unmap and release. The wait is what keeps
+ * queued work from touching a freed page. */
 int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
   vp__device_t *dev = vb->dev;
   vp__page_t *pg = &vb->pages[p];
   uint64_t va = vb->va + ((uint64_t)p << dev->page_shift);
-  if (pg->fence) {
-    if (vp__be_event_query(dev, pg->fence->event) != VP_OK) {
-      VP__COUNT(vb, evict_waits, 1);
-      int rc = vp__fence_wait(dev, pg->fence);
-      /* On a broken device nothing queued will run again: free anyway. */
-      if (rc && !dev->broken)
-        return vp__err(rc, "evicting page %u at 0x%llx: waiting for its fence "
-                       "failed", p, (unsigned long long)va);
-    }
-    vp__fence_put(dev, pg->fence);
-    pg->fence = NULL;
-  }
+  int rc = fence_done(vb, p, &pg->fence);
+  if (rc == VP_OK) rc = fence_done(vb, p, &pg->fill);
+  if (rc) return rc;
   vp__be_unmap(dev, va, dev->page_size);
   vp__be_phys_release(dev, pg->phys, dev->page_size);
   pg->resident = false;

@@ -382,6 +382,17 @@ void vp__unpin_attach(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
   }
 }
 
+void vp__unpin_attach_fill(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                           vp__fence_t *f) {
+  for (uint32_t p = p0; p < p1; p++) {
+    vp__page_t *pg = &vb->pages[p];
+    if (pg->fill) vp__fence_put(vb->dev, pg->fill);
+    pg->fill = f; /* the copy stream is in order: f implies the older fill */
+    f->refs++;
+    unpin_one(vb, pg);
+  }
+}
+
 /* Drop pins that no queued work used (the page keeps its last fence). */
 void vp__unpin_nofence(vp__vbar_t *vb, uint32_t p0, uint32_t p1) {
   for (uint32_t p = p0; p < p1; p++) unpin_one(vb, &vb->pages[p]);

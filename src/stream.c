@@ -219,7 +219,7 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
     } else {
       w->acq_resident--;
       hold->resident--;
-      if (f) vp__unpin_attach(w->vb, w->p0, w->p1, f);
+      if (f) vp__unpin_attach_fill(w->vb, w->p0, w->p1, f);
       else vp__unpin_nofence(w->vb, w->p0, w->p1);
     }
     vp__hold_trim(w, stream);
@@ -440,7 +440,7 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
       u->slot = NULL;
     } else if (!u->slot) {
       if (f) {
-        vp__unpin_attach(u->vb, u->p0, u->p1, f);
+        vp__unpin_attach_fill(u->vb, u->p0, u->p1, f);
       } else {
         vp__unpin_nofence(u->vb, u->p0, u->p1);
         u->gens[0] = 0;

@@ -841,3 +841,43 @@ TEST(stream_fail_walk, TEST_SIM_ONLY) {
     ASSERT_EQ_INT(clean, 8);
   }
 }
+
+/* A page shared by two weights: one's reader is still queued on stream a
+ * when prefetch fills the other into the same page from the copy stream.
+ * The copy's fence must not replace the reader's, or eviction frees the
+ * page under the reader (found by bench/soak.py). */
+TEST(stream_prefetch_keeps_readers_fence, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  /* w0 alone on page 1; w1 and w2 share page 0. */
+  uint64_t off[3] = {ps, 0, 1024}, size[3] = {ps, 1000, 1024};
+  model_t m;
+  model_init(&m, dev, 4 * ps, 3, off, size, SRC_SCATTER, 11);
+  vp_stream_t a = 0, b = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  ASSERT_OK(vp_stream_create(dev, &b));
+  uint64_t p1 = 0, p0 = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, a, &p1, &f));
+  ASSERT_TRUE(f & VP_ACQUIRED_RESIDENT);
+  slow_t k = {.ptr = p1, .size = 1000, .ms = 150, .expect = m.srcs[1].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, a));
+  ASSERT_OK(vp_device_set_lookahead(dev, 1 << 20));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, b, &p0, &f)); /* prefetches w2 */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, b));
+  vp_stats_t st = dstats(dev);
+  ASSERT_GT_U64(st.prefetch_bytes, 0);
+  uint64_t freed = 0;
+  ASSERT_OK(vp_device_free_memory(dev, 1ull << 30, &freed));
+  ASSERT_TRUE(slow_done(&k)); /* eviction waited for the reader */
+  ASSERT_TRUE(slow_ok(&k));
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_OK(vp_stream_synchronize(dev, b));
+  ASSERT_OK(vp_stream_destroy(dev, a));
+  ASSERT_OK(vp_stream_destroy(dev, b));
+  model_free(&m);
+  ASSERT_OK(vp_device_close(dev));
+}
