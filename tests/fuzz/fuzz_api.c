@@ -521,7 +521,7 @@ enum {
   OP_SET_WM_LIMIT, OP_SET_LIMIT, OP_SET_HEADROOM, OP_SET_LOOKAHEAD,
   OP_STREAM_CREATE, OP_STREAM_DESTROY, OP_STREAM_DESTROY_FAKE, OP_STREAM_SYNC,
   OP_WEIGHT_DESTROY, OP_VBAR_DESTROY, OP_INJECT, OP_CHECK_HELD, OP_STATS,
-  OP_SET_ORDER, OP_RESET_LIMITS, OP_BREAK, OP_COUNT
+  OP_SET_ORDER, OP_RESET_LIMITS, OP_BREAK, OP_ACQUIRE_EACH, OP_COUNT
 };
 
 static void s_vbar_create(fz_reader_t *r) {
@@ -665,15 +665,38 @@ typedef struct seen {
   bool res, res_empty, stg, stg_empty;
 } seen_t;
 
+static void s_acquire_on(int s, const int *idx, size_t n);
+
 static void s_acquire(fz_reader_t *r) {
   int s = pick_stream(r);
   size_t n = 1 + fz_u8(r) % 4;
   int idx[4];
+  for (size_t i = 0; i < n; i++)
+    if ((idx[i] = pick_weight(r)) < 0) return;
+  s_acquire_on(s, idx, n);
+}
+
+/* The same weights acquired on 2-4 live streams in turn, one call each
+ * (several streams running one layer). */
+static void s_acquire_each(fz_reader_t *r) {
+  uint8_t k = fz_u8(r);
+  size_t n = 1 + (k & 1);
+  int idx[2];
+  for (size_t i = 0; i < n; i++)
+    if ((idx[i] = pick_weight(r)) < 0) return;
+  int live[MAXS], nl = 0;
+  for (int s = 0; s < g.nS; s++)
+    if (g.S[s].live) live[nl++] = s;
+  int count = 2 + (k >> 1) % 3, first = (k >> 3) % nl;
+  for (int j = 0; j < count && j < nl; j++)
+    s_acquire_on(live[(first + j) % nl], idx, n);
+}
+
+static void s_acquire_on(int s, const int *idx, size_t n) {
   vp_weight_t hs[4];
   bool dead = false, must_res[4];
   char names[64] = "";
   for (size_t i = 0; i < n; i++) {
-    if ((idx[i] = pick_weight(r)) < 0) return;
     hs[i] = g.W[idx[i]].h;
     dead |= !g.W[idx[i]].live;
     size_t len = strlen(names);
@@ -1561,6 +1584,7 @@ static void run_strict(fz_reader_t *r) {
     case OP_SET_ORDER: s_set_order(r); break;
     case OP_RESET_LIMITS: s_reset_limits(); break;
     case OP_BREAK: s_break(r); break;
+    case OP_ACQUIRE_EACH: s_acquire_each(r); break;
     }
     if (!g.maybe_broken) check_all();
   }
