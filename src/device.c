@@ -65,6 +65,11 @@ free_dev:
  * the weights, the VBARs, host memory, fences and the backend. */
 static void device_destroy(vp__device_t *dev) {
   vp__registry_remove(dev);
+  /* Work the caller queued and did not wait for (copies, launches) may
+   * still touch pages: it finishes before anything is freed. */
+  vp__be_stream_synchronize(dev, 0);
+  for (uint32_t i = 0; i < dev->nstreams; i++)
+    vp__be_stream_synchronize(dev, dev->streams[i]);
   vp__st_close_all(dev);
   vp__fileio_close(dev);
   vp__staging_close(dev);

@@ -101,8 +101,13 @@ static int batch_issue(vp__device_t *dev, batch_t *b, vp__fence_t **fence) {
  * only for the newest such fill among the weights it takes. */
 static void wait_for_copy(vp__device_t *dev, vp__weight_t *w, waits_t *wait) {
   if (vp__weight_copy_pending(dev, w) &&
-      (!wait->newest || w->copy_fence->seq > wait->newest->seq))
+      (!wait->newest || w->copy_fence->seq > wait->newest->seq)) {
+    /* Our own reference: a later listing of the same weight may see the
+     * copy done and let go of the weight's. */
+    if (wait->newest) vp__fence_put(dev, wait->newest);
     wait->newest = w->copy_fence;
+    wait->newest->refs++;
+  }
 }
 
 
@@ -205,7 +210,7 @@ static int acquire_one(vp__device_t *dev, vp__weight_t *w, batch_t *b,
  * fails, those weights are left unfilled instead. */
 static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
                          vp_stream_t stream, const uint64_t *ptrs,
-                         batch_t *b) {
+                         const uint8_t *flags, batch_t *b) {
   vp__fence_t *f = NULL;
   bool issued = batch_issue(dev, b, &f) == VP_OK;
   for (size_t i = 0; i < n; i++) {
@@ -216,9 +221,14 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
       w->acq_staged--;
       hold->staged--;
       w->slot->refs--;
+      if ((flags[i] & VP_ACQUIRED_EMPTY) && !w->slot->refs) {
+        w->slot->owner = NULL; /* nobody wrote it: reclaimed like a free slot */
+        w->slot = NULL;
+      }
     } else {
       w->acq_resident--;
       hold->resident--;
+      if (flags[i] & VP_ACQUIRED_EMPTY) w->gens[0] = 0; /* nobody wrote it */
       if (f) vp__unpin_attach_fill(w->vb, w->p0, w->p1, f);
       else vp__unpin_nofence(w->vb, w->p0, w->p1);
     }
@@ -255,13 +265,12 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
     if (!vp__all_resident(ws[i])) rc = vp__staging_open(dev);
   if (rc) return rc;
   for (i = 0; i < n && rc == VP_OK; i++) {
-    uint8_t f = 0;
-    rc = acquire_one(dev, ws[i], &b, stream, &ptrs[i], &f, &wait);
-    if (flags) flags[i] = f;
+    flags[i] = 0;
+    rc = acquire_one(dev, ws[i], &b, stream, &ptrs[i], &flags[i], &wait);
     if (rc == VP_OK) ws[i]->vb->acquired++;
   }
   if (rc) {
-    acquire_undo(dev, ws, i - 1, stream, ptrs, &b);
+    acquire_undo(dev, ws, i - 1, stream, ptrs, flags, &b);
   } else if (b.nfilled || wait.tail || wait.newest) {
     /* A fence after this call's copies covers every earlier fill too. */
     vp__fence_t *f = wait.newest;
@@ -275,8 +284,9 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
       vp__fence_put(dev, f);
     }
     if (rc) /* nothing stays acquired */
-      acquire_undo(dev, ws, n, stream, ptrs, &b);
+      acquire_undo(dev, ws, n, stream, ptrs, flags, &b);
   }
+  if (wait.newest) vp__fence_put(dev, wait.newest);
   free(b.c);
   free(b.filled);
   if (rc == VP_OK && dev->lookahead) prefetch(dev, ws[n - 1]);
@@ -288,16 +298,21 @@ int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
   VP__ENTER();
   if (!n || !w || !ptrs)
     return vp__err(VP_EINVAL, "n is 0 or weights/ptrs is NULL");
+  /* Flags are kept even when the caller wants none: undoing a failed call
+   * needs to know which weights it handed out EMPTY. */
   vp__weight_t *few[FEW], **ws = n <= FEW ? few : malloc(n * sizeof *ws);
-  if (!ws) return vp__err(VP_ENOMEM, "no memory for %zu handles", n);
+  uint8_t few_flags[FEW], *fl = flags ? flags
+                                : n <= FEW ? few_flags : malloc(n);
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, &dev);
+  int rc = ws && fl ? vp__dev_enter(h, &dev)
+                    : vp__err(VP_ENOMEM, "no memory for %zu handles", n);
   if (rc == VP_OK) {
     rc = vp__weights_find(dev, w, n, ws);
-    if (rc == VP_OK) rc = acquire_locked(dev, ws, n, stream, ptrs, flags);
+    if (rc == VP_OK) rc = acquire_locked(dev, ws, n, stream, ptrs, fl);
     vp__unlock(dev, rc);
   }
   if (ws != few) free(ws);
+  if (fl != flags && fl != few_flags) free(fl);
   return rc;
 }
 

@@ -881,3 +881,90 @@ TEST(stream_prefetch_keeps_readers_fence, TEST_SIM_ONLY) {
   model_free(&m);
   ASSERT_OK(vp_device_close(dev));
 }
+
+/* One call listing a weight many times while its fill is still copying (a
+ * fuzzer finding): a later listing can see the copy done and let go of the
+ * weight's fence, so the call must hold its own reference to the fence it
+ * waits for, or the fence is put back into the pool twice. The race is
+ * timing-dependent here; tests/fuzz/corpus/api keeps the fuzzer's input. */
+TEST(stream_repeat_listing_while_copying, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  model_t m;
+  model_uniform(&m, dev, 4 * o.page_size, 1, o.page_size, SRC_CONTIG, 5);
+  vp_weight_t many[64];
+  uint64_t ptrs[64];
+  for (int i = 0; i < 64; i++) many[i] = m.w[0];
+  for (uint64_t r = 0; r < test_scale(200); r++) {
+    uint64_t freed;
+    ASSERT_OK(vp_vbar_free_memory(m.v, 4 * o.page_size, &freed));
+    ASSERT_OK(vp_acquire(dev, m.w, 1, 0, ptrs, NULL)); /* refills it */
+    ASSERT_OK(vp_acquire(dev, many, 64, 0, ptrs, NULL));
+    ASSERT_OK(vp_release(dev, many, 64, 0));
+    verify_resident(dev, 0, ptrs[0], m.srcs[0].host, m.size[0]);
+    ASSERT_OK(vp_release(dev, m.w, 1, 0));
+  }
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  model_free(&m);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* A failed acquire undoes what it handed out EMPTY: nobody wrote those
+ * bytes, so the next acquire says EMPTY again (a fuzzer finding). */
+TEST(stream_failed_acquire_keeps_empty, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  vp_device_t dev = test_open_cap(ctx, &o, 6);
+  uint64_t ps = o.page_size;
+  vp_vbar_t v = test_vbar(dev, 8 * ps);
+  unsigned char *host = calloc(1, 5 * ps);
+  ASSERT_NOT_NULL(host);
+  uint64_t off[2] = {1024, 1024 + 5 * ps}, size[2] = {5 * ps, 4096};
+  vp_source_t src[2] = {{.kind = VP_SOURCE_HOST, .host = host},
+                        {.kind = VP_SOURCE_NONE}};
+  vp_weight_t w[2];
+  ASSERT_OK(vp_weights_create(v, 2, off, size, src, w));
+  vp_weight_t order[2] = {w[1], w[0]};
+  uint64_t ptrs[2];
+  uint8_t fl[2];
+  ASSERT_RC(vp_acquire(dev, order, 2, 0, ptrs, fl), VP_ELIMIT);
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, ptrs, fl));
+  ASSERT_TRUE(fl[0] & VP_ACQUIRED_EMPTY);
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  /* The caller wrote it then: a failed call must not forget that. */
+  ASSERT_RC(vp_acquire(dev, order, 2, 0, ptrs, NULL), VP_ELIMIT);
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, ptrs, fl));
+  ASSERT_FALSE(fl[0] & VP_ACQUIRED_EMPTY);
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  /* Handed out EMPTY by a call that fails with flags NULL: undone too. */
+  uint64_t freed;
+  ASSERT_OK(vp_vbar_free_memory(v, 8 * ps, &freed));
+  ASSERT_RC(vp_acquire(dev, order, 2, 0, ptrs, NULL), VP_ELIMIT);
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, ptrs, fl));
+  ASSERT_TRUE(fl[0] & VP_ACQUIRED_EMPTY);
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_OK(vp_weight_destroy(w[0]));
+  ASSERT_OK(vp_weight_destroy(w[1]));
+  ASSERT_OK(vp_vbar_destroy(v));
+  free(host);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Closing a device with a copy still queued on a worker stream waits for
+ * it instead of freeing the page under it (a fuzzer finding). */
+TEST(stream_close_waits_for_queued_copy, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  vp_vbar_t v = test_vbar(dev, 4 * ps);
+  unsigned char *buf = malloc(4 * ps);
+  ASSERT_NOT_NULL(buf);
+  test_pattern(buf, 4 * ps, 3);
+  ASSERT_OK(vp_fault(v, 0, 4 * ps, NULL, 0));
+  ASSERT_OK(vp_copy_to_device(dev, test_vbar_base(v), buf, 4 * ps, 0));
+  ASSERT_OK(vp_device_close(dev)); /* no synchronize first */
+  free(buf);
+}
