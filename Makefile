@@ -97,6 +97,10 @@ check: check-abi
 	$(MAKE) check-python
 	$(MAKE) test SAN=address,undefined OPT=-O1 DEBUG=1
 	$(MAKE) test SAN=thread OPT=-O1
+	$(MAKE) fuzz
+
+# libFuzzer harnesses (clang): make fuzz [FUZZ_SECONDS=60] (tests/fuzz/README.md)
+include tests/fuzz/fuzz.mk
 
 $(BUILD)/demo/demo: demo/demo.c $(BUILD)/libvpager.a | $(BUILD)/demo
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libvpager.a $(LDLIBS)
@@ -131,5 +135,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-abi check-exports check-python demo bench install clean
+.PHONY: all test check check-abi check-exports check-layers check-python demo bench install clean fuzz fuzz-build
 .SECONDARY:
