@@ -52,7 +52,7 @@ $(BUILD) $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench $(BUILD)/demo:
 	mkdir -p $@
 
 # Tests link the static library so they may reach internal helpers too.
-$(BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h) include/vpager.h | $(BUILD)/tests
+$(BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h src/*.h src/backend/*.h) include/vpager.h | $(BUILD)/tests
 	$(CC) $(CFLAGS) -Itests -c $< -o $@
 
 $(BUILD)/tests/runner: $(TEST_OBJ) $(BUILD)/libvpager.a

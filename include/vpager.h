@@ -164,6 +164,14 @@ typedef struct vp_options {
   uint32_t file_slots;     /* pinned bounce slots of the file reader;
                               VPAGER_FILE_SLOTS (default 3) */
   uint64_t file_slot_size; /* bytes each; VPAGER_FILE_SLOT_SIZE (default 64M) */
+  /* The GPU's ledger, shared by processes (see "ledger" below). */
+  char ledger[64];         /* "" (default): the GPU's UUID on CUDA, the
+                              sim_shared name on the simulated device (none
+                              when it is not shared); "off": no ledger; else
+                              a name of letters, digits, - and _;
+                              VPAGER_LEDGER */
+  uint32_t ledger_timeout_us; /* how long a release request waits for each
+                              other process; 0 = 50000; VPAGER_LEDGER_TIMEOUT_US */
 } vp_options_t;
 
 /* Fill opts with defaults, then apply VPAGER_* environment variables; a bad
@@ -468,6 +476,65 @@ VP_API int vp_st_load(vp_st_t st, size_t n, const size_t *indices,
 VP_API int vp_st_mmap(vp_st_t st, const void **base, uint64_t *size);
 /* Drop the file's pages from memory (the mapping's and the page cache's). */
 VP_API int vp_st_drop_pages(vp_st_t st);
+
+/* ---------------------------------------------------------------- ledger */
+
+/* Every device handle on a GPU joins that GPU's ledger: a shared-memory
+ * segment (/dev/shm/vpager-ledger-<name>, <name> "GPU-<uuid>" on CUDA and
+ * "sim-<sim_shared>" on a shared simulated device; vp_options_t.ledger
+ * overrides it). Each participant publishes its process (pid, start time,
+ * command), committed bytes, its framework allocator's reservation, and
+ * per VBAR the label, size, resident, pinned and reclaimable bytes,
+ * priority rank, last use and hit and miss counts.
+ *
+ * One order across processes: when vp_fault finds no room, it first asks
+ * other participants to release pages of VBARs used less recently than
+ * its own candidates (least recently used first; never a VBAR with pinned
+ * pages), re-measuring device free memory between steps and asking each
+ * only for what is still missing; then it evicts its own pages as it would
+ * without a ledger. vp_acquire asks other participants after the call when
+ * its own pages could not make room. Each participant runs a service
+ * thread that answers requests by evicting its own pages (waiting for its
+ * own fences); one that does not answer within ledger_timeout_us is
+ * skipped for a second, with a warning. Pages released so lower their
+ * VBAR's watermark as any eviction under pressure does (vp_vbar_prioritize
+ * lifts it when the model is used again). Participants that died are
+ * reaped by pid and start time.
+ *
+ * A segment of another layout version, a truncated or corrupt one, or one
+ * this user may not open is not joined: the device works alone and says
+ * why (a warning, and "reason" in vp_ledger_snapshot). */
+
+#define VP_LABEL_MAX 64 /* bytes of a VBAR label, the NUL included */
+
+/* Name a VBAR in the ledger and in reports: printable ASCII, at most
+ * VP_LABEL_MAX - 1 bytes ("" clears it). */
+VP_API int vp_vbar_set_label(vp_vbar_t vbar, const char *label);
+/* The VBAR's label, NUL-terminated, in buf (VP_ERANGE when len is too
+ * small; VP_LABEL_MAX bytes always suffice). */
+VP_API int vp_vbar_label(vp_vbar_t vbar, char *buf, size_t len);
+/* Publish how much device memory the framework's own allocator holds now
+ * (e.g. torch's reserved bytes: the instantaneous value, not the peak). */
+VP_API int vp_device_set_external_reserved(vp_device_t dev, uint64_t bytes);
+/* The device's ledger as one JSON object (every participant, their VBARs,
+ * pending requests; {"joined": false, "reason": ...} without one), into buf
+ * as vp_device_report does (*needed, VP_ERANGE). */
+VP_API int vp_ledger_snapshot(vp_device_t dev, char *buf, size_t len,
+                              size_t *needed);
+/* Free `bytes` of device memory over every participant, this one
+ * included: least recently used VBAR first, never one with pinned pages,
+ * re-measuring device free memory between steps and stopping once it grew
+ * by `bytes`. *freed (may be NULL) gets the bytes the participants
+ * evicted; less than `bytes` means the rest could not be freed. Without a
+ * ledger it is vp_device_free_memory. */
+VP_API int vp_ledger_free_memory(vp_device_t dev, uint64_t bytes,
+                                 uint64_t *freed);
+/* No device needed, nothing joined or changed: the names of this machine's
+ * ledgers as a JSON array of strings, and one ledger (by name) as
+ * vp_ledger_snapshot gives it. */
+VP_API int vp_ledger_list(char *buf, size_t len, size_t *needed);
+VP_API int vp_ledger_read(const char *name, char *buf, size_t len,
+                          size_t *needed);
 
 /* ----------------------------------------------------------------- stats */
 

@@ -154,7 +154,10 @@ int vp_vbar_create(vp_device_t h, uint64_t size, vp_vbar_t *out) {
   VP__DEVICE_ENTER(h, dev);
   vp__vbar_t *vb = NULL;
   int rc = vp__vbar_new(dev, size, &vb);
-  if (rc == VP_OK) out->id = vb->id;
+  if (rc == VP_OK) {
+    out->id = vb->id;
+    vp__ledger_used(dev, vb);
+  }
   return vp__unlock(dev, rc);
 }
 
@@ -164,7 +167,46 @@ int vp_vbar_destroy(vp_vbar_t h) {
   int rc = vp__vbar_lock(h, &vb);
   if (rc) return rc;
   vp__device_t *dev = vb->dev;
-  return vp__unlock(dev, vp__weights_vbar_destroy(vb));
+  rc = vp__weights_vbar_destroy(vb);
+  vp__ledger_sync(dev);
+  return vp__unlock(dev, rc);
+}
+
+/* Labels are printable ASCII without quotes or backslashes, so reports and
+ * the ledger show them as they are. */
+int vp_vbar_set_label(vp_vbar_t h, const char *label) {
+  VP__ENTER();
+  VP__NEED(label, "label is NULL");
+  size_t n = strnlen(label, VP_LABEL_MAX);
+  if (n == VP_LABEL_MAX)
+    return vp__err(VP_EINVAL, "the label is longer than %d bytes",
+                   VP_LABEL_MAX - 1);
+  for (size_t i = 0; i < n; i++)
+    if (label[i] < 0x20 || label[i] > 0x7e || label[i] == '"' ||
+        label[i] == '\\')
+      return vp__err(VP_EINVAL, "byte %zu of the label (0x%02x) is not "
+                     "printable ASCII other than \" and \\", i,
+                     (unsigned char)label[i]);
+  vp__vbar_t *vb = NULL;
+  VP__VBAR_ENTER(h, vb);
+  memcpy(vb->label, label, n + 1);
+  vp__ledger_sync(vb->dev);
+  return vp__unlock(vb->dev, VP_OK);
+}
+
+int vp_vbar_label(vp_vbar_t h, char *buf, size_t len) {
+  VP__ENTER();
+  VP__NEED(buf, "buf is NULL");
+  vp__vbar_t *vb = NULL;
+  int rc = vp__vbar_lock(h, &vb);
+  if (rc) return rc;
+  size_t n = strlen(vb->label);
+  if (n >= len)
+    rc = vp__err(VP_ERANGE, "the label needs %zu bytes, the buffer has %zu",
+                 n + 1, len);
+  else
+    memcpy(buf, vb->label, n + 1);
+  return vp__unlock(vb->dev, rc);
 }
 
 /* Read one field of a VBAR. */
@@ -194,6 +236,7 @@ int vp_vbar_prioritize(vp_vbar_t h) {
   VP__VBAR_ENTER(h, vb);
   vp__vbar_to_top(vb);
   vb->watermark = vb->npages;
+  vp__ledger_sync(vb->dev);
   return vp__unlock(vb->dev, VP_OK);
 }
 
@@ -202,6 +245,7 @@ int vp_vbar_deprioritize(vp_vbar_t h) {
   vp__vbar_t *vb = NULL;
   VP__VBAR_ENTER(h, vb);
   vp__vbar_to_bottom(vb);
+  vp__ledger_sync(vb->dev);
   return vp__unlock(vb->dev, VP_OK);
 }
 
@@ -253,6 +297,29 @@ static int page_range(vp__vbar_t *vb, uint64_t off, uint64_t size,
   return VP_OK;
 }
 
+/* A fault that other processes' memory could serve asks them first,
+ * without the device lock (they may be asking us at the same time), then
+ * faults again, taking its own pages only for what is still missing. If
+ * the VBAR goes while unlocked, *vbp is NULL and nothing is locked. */
+static int fault_asking(vp_vbar_t h, vp__vbar_t **vbp, uint32_t p0,
+                        uint32_t p1, uint32_t *gens) {
+  vp__device_t *dev = (*vbp)->dev;
+  dev->ask = (vp__ask_t){.mode = VP__ASK_FIRST};
+  int rc = vp__fault(*vbp, p0, p1, gens);
+  vp__ask_t ask = dev->ask;
+  dev->ask = (vp__ask_t){.mode = VP__ASK_OFF};
+  if (rc != VP__ASK) return rc;
+  if (!vp__release_may_help(dev)) return vp__fault(*vbp, p0, p1, gens);
+  vp__unlock(dev, VP_OK);
+  vp__release_ask(dev, &ask);
+  rc = vp__vbar_enter(h, vbp);
+  if (rc) {
+    *vbp = NULL;
+    return rc;
+  }
+  return vp__fault(*vbp, p0, p1, gens);
+}
+
 int vp_fault(vp_vbar_t h, uint64_t offset, uint64_t size, uint32_t *gens,
              size_t ngens) {
   VP__ENTER();
@@ -263,7 +330,9 @@ int vp_fault(vp_vbar_t h, uint64_t offset, uint64_t size, uint32_t *gens,
   if (rc == VP_OK && gens && ngens < p1 - p0)
     rc = vp__err(VP_EINVAL, "the range has %u pages but gens has room for %zu",
                  p1 - p0, ngens);
-  if (rc == VP_OK) rc = vp__fault(vb, p0, p1, gens);
+  if (rc == VP_OK) rc = fault_asking(h, &vb, p0, p1, gens);
+  if (!vb) return rc;
+  if (rc >= 0) vp__ledger_used(vb->dev, vb);
   return vp__unlock(vb->dev, rc);
 }
 
@@ -274,6 +343,7 @@ int vp_unpin(vp_vbar_t h, uint64_t offset, uint64_t size, vp_stream_t stream) {
   VP__VBAR_ENTER(h, vb);
   int rc = page_range(vb, offset, size, &p0, &p1);
   if (rc == VP_OK) rc = vp__unpin(vb, p0, p1, stream);
+  if (rc == VP_OK) vp__ledger_used(vb->dev, vb);
   return vp__unlock(vb->dev, rc);
 }
 
@@ -284,6 +354,7 @@ int vp_vbar_free_memory(vp_vbar_t h, uint64_t bytes, uint64_t *freed) {
   uint64_t done = 0;
   int rc = vp__vbar_evict(vb, bytes, 0, &done);
   if (freed) *freed = done;
+  vp__ledger_sync(vb->dev);
   return vp__unlock(vb->dev, rc);
 }
 

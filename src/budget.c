@@ -14,6 +14,12 @@ uint64_t vp__now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t vp__coarse_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 void vp__budget_init(vp__device_t *dev) {
   vp__budget_t *b = &dev->budget;
   b->poll_interval_ns = (uint64_t)dev->opts.poll_interval_us * 1000;
@@ -53,4 +59,17 @@ int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed) {
   *allowed = cap > head ? cap - head : 0;
   if (*allowed > b->limit) *allowed = b->limit;
   return VP_OK;
+}
+
+/* Others' memory can help only when device free memory is what binds:
+ * committed + want <= free + committed - headroom needs free >= want +
+ * headroom, and the device and the limit must hold the result. */
+bool vp__budget_free_bound(vp__device_t *dev, uint64_t want,
+                           uint64_t *target) {
+  const vp__budget_t *b = &dev->budget;
+  uint64_t head = (uint64_t)b->headroom, after = dev->committed + want;
+  if (after > b->limit || after > b->total || head > b->total - after)
+    return false;
+  *target = want + head;
+  return true;
 }

@@ -1,6 +1,7 @@
 /* Devices: open and close, the composition root that starts and stops every
  * service in order (so no lower layer calls up to tear another down), and
  * the device's public getters and setters. */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "internal.h"
@@ -45,6 +46,16 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
   dev->stats.version = 1;
   rc = vp__registry_add(dev);
   if (rc) goto destroy_lock;
+  /* The ledger last: joining never fails the open, and from here on the
+   * service thread may serve other processes' requests. */
+  vp__ledger_open(dev);
+  if (vp__release_start(dev)) {
+    vp__ledger_close(dev);
+    snprintf(dev->ledger_why, sizeof dev->ledger_why,
+             "the ledger's service thread could not start");
+    vp__log(VP_LOG_WARN, dev->caps.name, "%s; this device runs alone",
+            dev->ledger_why);
+  }
   vp__log(VP_LOG_INFO, dev->caps.name,
           "device %d open: page %llu MiB, memory %llu MiB, headroom %lld MiB",
           opts->device_index, ULL(dev->page_size >> 20),
@@ -61,8 +72,9 @@ free_dev:
   return rc;
 }
 
-/* Top down: files and copies first (they read VBARs and host memory), then
- * the weights, the VBARs, host memory, fences and the backend. */
+/* Top down: the ledger's service thread first (it evicts under the device
+ * lock), files and copies (they read VBARs and host memory), then the
+ * weights, the VBARs, host memory, fences and the backend. */
 static void device_destroy(vp__device_t *dev) {
   vp__registry_remove(dev);
   /* Work the caller queued and did not wait for (copies, launches) may
@@ -70,6 +82,8 @@ static void device_destroy(vp__device_t *dev) {
   vp__be_stream_synchronize(dev, 0);
   for (uint32_t i = 0; i < dev->nstreams; i++)
     vp__be_stream_synchronize(dev, dev->streams[i]);
+  vp__release_stop(dev);
+  vp__ledger_close(dev);
   vp__st_close_all(dev);
   vp__fileio_close(dev);
   vp__staging_close(dev);
@@ -147,6 +161,7 @@ int vp_device_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
   uint64_t done = 0;
   rc = vp__device_evict(dev, bytes, &done);
   if (freed) *freed = done;
+  vp__ledger_sync(dev);
   return vp__unlock(dev, rc);
 }
 
@@ -187,6 +202,8 @@ DEVICE_SETTER(vp_device_set_lookahead, uint64_t, (void)0,
               dev->lookahead = bytes)
 DEVICE_SETTER(vp_device_set_pin_budget, uint64_t, (void)0,
               dev->pin_budget = bytes)
+DEVICE_SETTER(vp_device_set_external_reserved, uint64_t, (void)0,
+              (dev->external_reserved = bytes, vp__ledger_sync(dev)))
 
 int vp_device_reset_limits(vp_device_t h) {
   VP__ENTER();

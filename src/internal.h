@@ -7,7 +7,8 @@
  *   L0  diagnostics (log, error), options, json, registry, inject
  *   L1  backend/: the sim and CUDA backends and backend.c, their one door
  *   L2  handles, fence, budget, page, pager, stats, invariants, entry
- *   L3  hostmem, weights, staging, fileio, stream, safetensors
+ *   L3  ledger, release, ledger_view (the per-GPU ledger shared by
+ *       processes), hostmem, weights, staging, fileio, stream, safetensors
  *   L4  device (open/close: the composition root) and api
  *
  * Glossary (see include/vpager.h for the public terms)
@@ -16,6 +17,9 @@
  *   vp__vbar_t    a VBAR: its address range, pages, eviction order.
  *   vp__page_t    one page of a VBAR.
  *   vp__fence_t   a shared, reference-counted event recorded at unpin.
+ *   vp__ask_t     what a fault that found no room needs from other
+ *                 processes (pager.c fills it, release.c asks for it).
+ *   vp__ledger_t  this device's membership of its GPU's ledger (ledger.h).
  */
 #ifndef VPAGER_INTERNAL_H
 #define VPAGER_INTERNAL_H
@@ -90,6 +94,12 @@ typedef struct vp__vbar {
    * copy, at pages epoch prefetch_epoch; a lost staging slot clears it. */
   bool prefetch_idle;
   uint64_t prefetch_epoch;
+  /* ledger.c: the label, the VBAR's entry in the ledger (index + 1; 0 =
+   * none yet) and its last use (CLOCK_MONOTONIC_COARSE ns), stamped by the
+   * public calls that use it, never by the pager's hot path. */
+  char label[VP_LABEL_MAX];
+  uint32_t ledger_entry;
+  uint64_t last_use;
 } vp__vbar_t;
 
 typedef struct vp__budget {
@@ -101,6 +111,25 @@ typedef struct vp__budget {
   int64_t headroom;
   uint64_t limit;          /* cap on our own commits */
 } vp__budget_t;
+
+/* A fault that found no room, for the ledger to take to other processes.
+ * The caller of vp__fault picks the mode; make_room (pager.c) fills the
+ * rest. FIRST: a shortfall other processes could cover makes vp__fault
+ * return VP__ASK before anything is evicted, so the caller can ask them
+ * without the device lock and fault again (api.c). AFTER: a budget miss
+ * only records what was missing, to ask once the call is done (stream.c). */
+enum { VP__ASK_OFF = 0, VP__ASK_FIRST = 1, VP__ASK_AFTER = 2 };
+#define VP__ASK 2 /* vp__fault in mode FIRST: ask other processes first */
+
+typedef struct vp__ask {
+  int mode;
+  bool pending;    /* a fault filled the fields below */
+  uint64_t vbar;   /* the faulting VBAR's id */
+  uint64_t target; /* device free memory that would let the fault commit */
+  uint64_t own;    /* bytes the device's own eviction could add to that */
+} vp__ask_t;
+
+struct vp__ledger;
 
 struct vp__device {
   uint64_t id;
@@ -135,6 +164,13 @@ struct vp__device {
   /* fileio.c, safetensors.c */
   struct vp__file_ring *file_ring;
   vp__table_t sts;
+  /* ledger.c, release.c: the device's membership of its GPU's ledger
+   * (NULL: none; ledger_why says why), the framework allocator's
+   * reservation it publishes, and the question a fault left. */
+  struct vp__ledger *ledger;
+  char ledger_why[192];
+  uint64_t external_reserved;
+  vp__ask_t ask;
 };
 
 /* ================================================================ L0 */
@@ -204,6 +240,10 @@ int vp__be_host_unregister(vp__device_t *dev, void *ptr);
 int vp__be_launch(vp__device_t *dev, vp_stream_t stream, void (*fn)(void *),
                   void *arg); /* VP_EUNSUPPORTED off the simulated device */
 int vp__be_inject(vp__device_t *dev, int kind, uint64_t n);
+/* The name of the physical device's ledger: "GPU-<uuid>" on CUDA,
+ * "sim-<sim_shared>" on a shared simulated device; VP_EUNSUPPORTED when
+ * the device has no identity others could share (an unshared sim). */
+int vp__be_ledger_key(vp__device_t *dev, char *out, size_t len);
 
 /* ================================================================ L2 */
 
@@ -228,6 +268,12 @@ void vp__budget_init(vp__device_t *dev);
 int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed);
 void vp__budget_invalidate(vp__device_t *dev);
 uint64_t vp__now_ns(void);
+uint64_t vp__coarse_ns(void); /* CLOCK_MONOTONIC_COARSE: ms, cheap */
+/* When more device free memory would let `want` more bytes be committed
+ * (neither the limit nor the device's size is what stops it), the free
+ * memory that would: *target. */
+bool vp__budget_free_bound(vp__device_t *dev, uint64_t want,
+                           uint64_t *target);
 
 /* page.c: committing and evicting one page. */
 int vp__page_commit(vp__vbar_t *vb, uint32_t p);
@@ -249,6 +295,7 @@ enum { VP__PAGE_GROUP_START = 1, VP__PAGE_GROUP_JOINED = 2 };
 void vp__vbar_set_order(vp__vbar_t *vb, int kind, const uint8_t *mark);
 void vp__vbar_to_top(vp__vbar_t *vb);
 void vp__vbar_to_bottom(vp__vbar_t *vb);
+/* VP_OK, VP_MISS, an error, or VP__ASK in dev->ask.mode FIRST. */
 int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens);
 int vp__unpin(vp__vbar_t *vb, uint32_t p0, uint32_t p1, vp_stream_t stream);
 /* vp__unpin in steps, so one fence can serve many ranges: check pins, order
@@ -301,6 +348,28 @@ int vp__broken(vp__device_t *dev); /* VP_EDEVICE with its message */
   } while (0)
 
 /* ================================================================ L3 */
+
+/* ledger.c: joining the GPU's ledger (never fatal: a device that cannot
+ * join runs alone and says why in dev->ledger_why), leaving it, and
+ * publishing the device's VBARs. _used stamps vb's last use and publishes
+ * its entry; _sync publishes every VBAR (ranks, destroyed ones); both are
+ * no-ops without a ledger and need the device lock. */
+void vp__ledger_open(vp__device_t *dev);
+void vp__ledger_close(vp__device_t *dev);
+void vp__ledger_used(vp__device_t *dev, vp__vbar_t *vb);
+void vp__ledger_sync(vp__device_t *dev);
+
+/* release.c: release requests between processes. The service thread
+ * answers other processes' requests. vp__release_ask takes a fault's
+ * question (a copy of dev->ask made under the lock) to the other
+ * participants; it must be called without the device lock, which it takes
+ * only between steps, and waits at most the ledger timeout per peer. */
+int vp__release_start(vp__device_t *dev);
+void vp__release_stop(vp__device_t *dev);
+void vp__release_ask(vp__device_t *dev, const vp__ask_t *ask);
+/* Whether another participant has anything to release (reads the
+ * segment only; callable with the device lock held). */
+bool vp__release_may_help(vp__device_t *dev);
 
 /* hostmem.c: page-locking within the device's pin budget. *pinned says
  * whether it happened; failing to pin is not an error. */

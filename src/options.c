@@ -153,6 +153,10 @@ static const struct option_entry {
      "a count such as 3"},
     {"VPAGER_FILE_SLOT_SIZE", offsetof(vp_options_t, file_slot_size),
      parse_u64, "a size such as 64M"},
+    {"VPAGER_LEDGER", offsetof(vp_options_t, ledger), parse_name,
+     "off, or a name of letters, digits, - and _"},
+    {"VPAGER_LEDGER_TIMEOUT_US", offsetof(vp_options_t, ledger_timeout_us),
+     parse_u32, "microseconds"},
 };
 
 int vp_options_init(vp_options_t *opts) {
@@ -224,5 +228,11 @@ int vp__options_check(const vp_options_t *o) {
                    (unsigned long long)o->file_slot_size);
   if (memchr(o->sim_shared, '\0', sizeof o->sim_shared) == NULL)
     return vp__err(VP_EINVAL, "sim_shared is not terminated");
+  if (memchr(o->ledger, '\0', sizeof o->ledger) == NULL)
+    return vp__err(VP_EINVAL, "ledger is not terminated");
+  char name[sizeof o->ledger];
+  if (o->ledger[0] && parse_name(o->ledger, name))
+    return vp__err(VP_EINVAL, "ledger \"%s\" is not a name of letters, "
+                   "digits, - and _", o->ledger);
   return VP_OK;
 }

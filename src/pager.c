@@ -255,10 +255,24 @@ static uint64_t evictable_for(vp__vbar_t *vb, uint32_t max_rank) {
   return pages;
 }
 
+/* Leave the shortfall in dev->ask for the ledger to take to other
+ * processes, when their memory could cover it; keeps the largest of a
+ * call's shortfalls. */
+static bool note_ask(vp__vbar_t *vb, uint64_t want, uint64_t own) {
+  vp__device_t *dev = vb->dev;
+  vp__ask_t *a = &dev->ask;
+  uint64_t target;
+  if (!dev->ledger || !vp__budget_free_bound(dev, want, &target)) return false;
+  if (!a->pending || target > a->target)
+    *a = (vp__ask_t){a->mode, true, vb->id, target, own};
+  return true;
+}
+
 /* Make room for `npages` more pages for vb, whose needed pages rank at most
  * max_rank: lower-priority VBARs first, then vb's own pages ranked above
  * max_rank, never a higher-priority VBAR. VP_MISS, evicting nothing, when
- * that cannot free enough: a miss must not cost others their pages. */
+ * that cannot free enough: a miss must not cost others their pages. In ask
+ * mode FIRST, VP__ASK before any eviction: other processes go first. */
 static int make_room(vp__vbar_t *vb, uint32_t npages, uint32_t max_rank) {
   vp__device_t *dev = vb->dev;
   uint64_t allowed, want = (uint64_t)npages << dev->page_shift;
@@ -266,7 +280,13 @@ static int make_room(vp__vbar_t *vb, uint32_t npages, uint32_t max_rank) {
   if (rc) return rc;
   if (dev->committed + want <= allowed) return VP_OK;
   uint64_t need = dev->committed + want - allowed, freed = 0;
-  if (evictable_for(vb, max_rank) << dev->page_shift < need) return VP_MISS;
+  uint64_t own = evictable_for(vb, max_rank) << dev->page_shift;
+  if (dev->ask.mode == VP__ASK_FIRST && note_ask(vb, want, own))
+    return VP__ASK;
+  if (own < need) {
+    if (dev->ask.mode == VP__ASK_AFTER) note_ask(vb, want, own);
+    return VP_MISS;
+  }
   rc = evict_below(dev, vb, need, &freed);
   if (rc == VP_OK && freed < need)
     rc = vp__vbar_evict(vb, need - freed, max_rank + 1, &freed);
@@ -314,8 +334,8 @@ static int fault_fill(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
   return rc;
 }
 
-int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
-  VP__COUNT(vb, faults, 1);
+static int fault_range(vp__vbar_t *vb, uint32_t p0, uint32_t p1,
+                       uint32_t *gens) {
   uint32_t lim = vb->watermark < vb->limit ? vb->watermark : vb->limit;
   uint32_t missing = 0, max_rank = 0;
   for (uint32_t p = p0; p < p1; p++) {
@@ -336,12 +356,21 @@ int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
     VP__COUNT(vb, hits, 1);
   } else {
     int rc = fault_fill(vb, p0, p1, missing, max_rank);
+    if (rc == VP__ASK) return rc;
     if (rc) return miss_or_error(vb, rc);
     VP__COUNT(vb, fills, 1);
   }
   if (gens)
     for (uint32_t p = p0; p < p1; p++) gens[p - p0] = vb->pages[p].gen;
   return VP_OK;
+}
+
+/* A fault that returns VP__ASK is made again after the ask: it counts
+ * once, then. */
+int vp__fault(vp__vbar_t *vb, uint32_t p0, uint32_t p1, uint32_t *gens) {
+  int rc = fault_range(vb, p0, p1, gens);
+  if (rc != VP__ASK) VP__COUNT(vb, faults, 1);
+  return rc;
 }
 
 int vp__unpin_check(vp__vbar_t *vb, uint32_t p0, uint32_t p1) {

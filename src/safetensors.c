@@ -799,5 +799,7 @@ int vp_st_load(vp_st_t h, size_t n, const size_t *indices, vp_vbar_t vbar,
     return st_elsewhere(h, dev);
   }
   if (n == 0) return vp__unlock(dev, VP_OK);
-  return vp__unlock(dev, load_locked(st, vb, n, indices, offsets, stream));
+  rc = load_locked(st, vb, n, indices, offsets, stream);
+  vp__ledger_used(dev, vb);
+  return vp__unlock(dev, rc);
 }

@@ -293,6 +293,12 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   return rc;
 }
 
+/* Tell the ledger which VBARs were used (weights come a VBAR at a time). */
+static void ledger_used(vp__device_t *dev, vp__weight_t **ws, size_t n) {
+  for (size_t i = 0; dev->ledger && i < n; i++)
+    if (i == 0 || ws[i]->vb != ws[i - 1]->vb) vp__ledger_used(dev, ws[i]->vb);
+}
+
 int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
                vp_stream_t stream, uint64_t *ptrs, uint8_t *flags) {
   VP__ENTER();
@@ -304,12 +310,21 @@ int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
   uint8_t few_flags[FEW], *fl = flags ? flags
                                 : n <= FEW ? few_flags : malloc(n);
   vp__device_t *dev = NULL;
+  vp__ask_t ask = {0};
   int rc = ws && fl ? vp__dev_enter(h, &dev)
                     : vp__err(VP_ENOMEM, "no memory for %zu handles", n);
   if (rc == VP_OK) {
     rc = vp__weights_find(dev, w, n, ws);
+    /* Budget misses that our own pages could not cover are taken to
+     * other processes after the call, unlocked: the next acquire finds
+     * the room. */
+    dev->ask = (vp__ask_t){.mode = VP__ASK_AFTER};
     if (rc == VP_OK) rc = acquire_locked(dev, ws, n, stream, ptrs, fl);
+    ask = dev->ask;
+    dev->ask = (vp__ask_t){.mode = VP__ASK_OFF};
+    if (rc == VP_OK) ledger_used(dev, ws, n);
     vp__unlock(dev, rc);
+    vp__release_ask(dev, &ask);
   }
   if (ws != few) free(ws);
   if (fl != flags && fl != few_flags) free(fl);
@@ -401,6 +416,7 @@ int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
         (rc = vp__fence_get(dev, stream, &f)) == VP_OK) {
       for (size_t i = 0; i < n; i++) release_one(dev, ws[i], f, stream);
       vp__fence_put(dev, f);
+      ledger_used(dev, ws, n);
     }
     vp__unlock(dev, rc);
   }

@@ -158,6 +158,9 @@ TEST(sim_shared_same_process, TEST_SIM_ONLY) {
   uint64_t ps = opts.page_size;
   opts.sim_capacity = 8 * ps;
   shared_name(opts.sim_shared, sizeof opts.sim_shared, "same");
+  /* The shared count alone: with the ledger, b would have a's idle pages
+   * released to it (test_ledger.c). */
+  snprintf(opts.ledger, sizeof opts.ledger, "off");
   vp_device_t a = test_open(ctx, &opts), b = test_open(ctx, &opts);
   vp_vbar_t va = test_vbar(a, 8 * ps), vb = test_vbar(b, 8 * ps);
   ASSERT_OK(vp_fault(va, 0, 6 * ps, NULL, 0));
@@ -253,6 +256,9 @@ TEST(sim_shared_dead_process, TEST_SIM_ONLY) {
   uint64_t ps = opts.page_size;
   opts.sim_capacity = 8 * ps;
   shared_name(opts.sim_shared, sizeof opts.sim_shared, "dead");
+  /* No ledger: its service thread would make the fork below one of a
+   * threaded process, whose child TSan does not let start threads. */
+  snprintf(opts.ledger, sizeof opts.ledger, "off");
   vp_device_t a = test_open(ctx, &opts);
   int sync[2];
   ASSERT_EQ_INT(pipe(sync), 0);

@@ -60,6 +60,8 @@ VP_SIM_BREAK = 4
 VP_PAGE_RESIDENT = 0x1
 VP_PAGE_PINNED = 0x2
 
+VP_LABEL_MAX = 64
+
 VP_SOURCE_NONE, VP_SOURCE_HOST, VP_SOURCE_FILE = 0, 1, 2
 
 VP_ACQUIRED_RESIDENT = 0x1
@@ -91,6 +93,8 @@ class vp_options_t(Structure):
         ("pin_budget", c_uint64),
         ("file_slots", c_uint32),
         ("file_slot_size", c_uint64),
+        ("ledger", c_char * 64),
+        ("ledger_timeout_us", c_uint32),
     ]
 
 
@@ -209,7 +213,7 @@ class vp_st_tensor_t(Structure):
 
 # Fixed sizes on LP64 (x86-64, aarch64): a changed header shows up here.
 EXPECTED_SIZES = {
-    vp_options_t: 176,
+    vp_options_t: 248,
     vp_device_info_t: 64,
     vp_hostbuf_info_t: 32,
     vp_source_t: 32,
@@ -305,6 +309,14 @@ PROTOTYPES = {
     "vp_st_load": (_i, [_st, _sz, P(c_size_t), _vb, P(c_uint64), _s]),
     "vp_st_mmap": (_i, [_st, P(c_void_p), P(c_uint64)]),
     "vp_st_drop_pages": (_i, [_st]),
+    # ledger
+    "vp_vbar_set_label": (_i, [_vb, c_char_p]),
+    "vp_vbar_label": (_i, [_vb, P(c_char), _sz]),
+    "vp_device_set_external_reserved": (_i, [_dev, _u64]),
+    "vp_ledger_snapshot": (_i, [_dev, P(c_char), _sz, P(c_size_t)]),
+    "vp_ledger_free_memory": (_i, [_dev, _u64, P(c_uint64)]),
+    "vp_ledger_list": (_i, [P(c_char), _sz, P(c_size_t)]),
+    "vp_ledger_read": (_i, [c_char_p, P(c_char), _sz, P(c_size_t)]),
     # stats
     "vp_device_stats": (_i, [_dev, P(vp_stats_t)]),
     "vp_vbar_stats": (_i, [_vb, P(vp_stats_t)]),

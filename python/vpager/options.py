@@ -42,11 +42,11 @@ def _convert(name, value):
                               % (name, value, ", ".join(names)))
             return names[value]
         return int(value)
-    if name == "sim_shared":
+    if name in ("sim_shared", "ledger"):
         raw = value.encode() if isinstance(value, str) else bytes(value)
         if len(raw) >= 64 or b"\0" in raw:
-            raise _einval("option sim_shared: %r must be under 64 bytes, "
-                          "without NUL" % (value,))
+            raise _einval("option %s: %r must be under 64 bytes, "
+                          "without NUL" % (name, value))
         return raw
     if name in _SIZE_FIELDS and isinstance(value, str):
         return parse_size(value)
@@ -72,14 +72,15 @@ def make_options(**kwargs):
             setattr(opts, name, value)
         except (TypeError, ValueError) as e:
             raise _einval("option %s: %r: %s" % (name, value, e)) from None
-        if name != "sim_shared" and getattr(opts, name) != value:
+        if name not in ("sim_shared", "ledger") and \
+                getattr(opts, name) != value:
             raise _einval("option %s: %r does not fit the field"
                           % (name, value))
     return opts
 
 
 def options_dict(opts):
-    """The fields of a vp_options_t as a dict (sim_shared as str)."""
+    """The fields of a vp_options_t as a dict (sim_shared, ledger as str)."""
     out = {}
     for name in OPTION_NAMES:
         value = getattr(opts, name)

@@ -3,6 +3,8 @@
  * applies the broken-device rule: VP_EDEVICE marks the device broken for
  * good (logged once), whichever layer made the call. This is the only file
  * outside src/backend/ that knows which backends exist. */
+#include <stdio.h>
+
 #include "internal.h"
 
 /* The backends, in the order VP_BACKEND_AUTO tries them. */
@@ -54,6 +56,23 @@ int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
                      uint64_t *dev_total, uint64_t *proc_used) {
   if (dev->be != &vp__backend_cuda) return VP_EUNSUPPORTED;
   return vp__cuda_nvml_info(dev->ctx, dev_used, dev_total, proc_used);
+}
+
+/* The ledger is per physical device: the GPU's UUID (not its ordinal,
+ * which CUDA_VISIBLE_DEVICES changes), or the simulated device's shared
+ * name; an unshared simulated device is no one else's. */
+int vp__be_ledger_key(vp__device_t *dev, char *out, size_t len) {
+  int n;
+  if (dev->be == &vp__backend_cuda) {
+    char uuid[48];
+    vp__cuda_uuid(dev->ctx, uuid);
+    n = snprintf(out, len, "%s", uuid);
+  } else if (dev->opts.sim_shared[0]) {
+    n = snprintf(out, len, "sim-%s", dev->opts.sim_shared);
+  } else {
+    return VP_EUNSUPPORTED;
+  }
+  return n > 0 && (size_t)n < len ? VP_OK : VP_ELIMIT;
 }
 
 /* A wrapper per operation: the backend call and the broken-device rule. */

@@ -105,5 +105,8 @@ const char *vp__cuda_open_reason(void);
 const char *vp__cuda_error_name(void *ctx);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used);
+/* The device's UUID as NVML and nvidia-smi print it ("GPU-xxxxxxxx-...";
+ * 41 bytes with the NUL). */
+void vp__cuda_uuid(void *ctx, char out[48]);
 
 #endif /* VPAGER_BACKEND_H */

@@ -620,6 +620,11 @@ static void format_uuid(const vp_cu_uuid_t *u, const char *prefix,
   out[n < 48 ? n : 47] = '\0';
 }
 
+void vp__cuda_uuid(void *ctx, char out[48]) {
+  cuda_t *c = ctx;
+  format_uuid(&c->uuid, "GPU-", out);
+}
+
 /* By UUID, not index: NVML and CUDA may number GPUs differently
  * (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER). A MIG instance is "MIG-". */
 static bool nvml_find(cuda_t *c, vp_nvml_get_handle_by_uuid_fn by_uuid) {

@@ -134,6 +134,7 @@ typedef struct sim_ctx {
   int slot;               /* ours in shm->slot */
   pid_t pid;              /* the opener (a forked child owns no workers) */
   char shm_name[96];
+  uint64_t reaped_ns;     /* when dead processes' memory was last freed */
 } sim_ctx_t;
 
 /* ------------------------------------------------------------- tables */
@@ -570,10 +571,25 @@ static void sim_close(void *ctx) {
 
 /* ------------------------------------------------------------- memory */
 
+/* A process that died holding device memory gives it back, as the driver
+ * does at its exit: looked for at most every 100 ms, when free memory is
+ * read (c->mu held). */
+static void sim_reap_dead(sim_ctx_t *c) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  if (!c->shm || now - c->reaped_ns < 100000000ull) return;
+  c->reaped_ns = now;
+  if (!shm_lock(c->shm)) return;
+  shm_reclaim(c->shm);
+  shm_unlock(c->shm);
+}
+
 static int sim_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total) {
   sim_ctx_t *c = ctx;
   if (!free_bytes || !total) return VP_EINVAL;
   sim_lock(c);
+  sim_reap_dead(c);
   int rc = sim_enter(c, VP_EDEVICE);
   uint64_t cap = c->capacity, used = c->used;
   if (c->shm) {

@@ -1,0 +1,596 @@
+/* The per-GPU ledger: every device handle on a physical device joins one
+ * shared-memory segment (ledger.h has its layout) and publishes its
+ * process and its VBARs there. This file maps, creates and checks the
+ * segment, keeps the membership lock (robust: a holder that dies is
+ * detected and the lock recovered), reaps dead participants by pid and
+ * start time, joins, leaves, and publishes.
+ *
+ * Publishing costs the hot path nothing: the pager keeps its counts as
+ * before; the public calls that used a VBAR stamp its last use and copy its
+ * counts into the entry with plain atomic stores (no lock: an entry has one
+ * writer, its participant, under the device lock). */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include "ledger.h"
+
+#define ULL(x) ((unsigned long long)(x))
+#define RELAXED memory_order_relaxed
+
+/* ------------------------------------------------------------- text */
+
+static void text_put(lword_t *w, size_t nwords, const char *s) {
+  char buf[128] = {0};
+  size_t n = strnlen(s, nwords * 8 - 1);
+  memcpy(buf, s, n);
+  for (size_t i = 0; i < nwords; i++) {
+    uint64_t v;
+    memcpy(&v, buf + 8 * i, 8);
+    atomic_store_explicit(&w[i], v, RELAXED);
+  }
+}
+
+void vp__ltext_get(const lword_t *w, size_t nwords, char *out) {
+  size_t i = 0;
+  for (; i < nwords; i++) {
+    uint64_t v = atomic_load_explicit(&w[i], RELAXED);
+    memcpy(out + 8 * i, &v, 8);
+  }
+  out[8 * nwords - 1] = '\0';
+  for (char *c = out; *c; c++)
+    if (*c < 0x20 || *c > 0x7e) *c = '?';
+}
+
+/* ------------------------------------------------------- processes */
+
+/* Field 22 of /proc/<pid>/stat: when the process started (clock ticks
+ * since boot). 1: found; 0: no such process, or a zombie (dead, not yet
+ * waited for); -1: unreadable (hidden /proc). */
+static int proc_start(int32_t pid, uint64_t *start) {
+  char path[64], buf[1024];
+  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT ? 0 : -1;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return n == 0 ? 0 : -1;
+  buf[n] = '\0';
+  char *p = strrchr(buf, ')'); /* the command may hold spaces and ')' */
+  if (!p || p[1] != ' ') return -1;
+  p += 2;
+  if (*p == 'Z' || *p == 'X') return 0;
+  for (int field = 3; field < 22; field++) {
+    p = strchr(p, ' ');
+    if (!p) return -1;
+    p++;
+  }
+  *start = strtoull(p, NULL, 10);
+  return 1;
+}
+
+static uint64_t own_pidns(void) {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* Live while a process with its pid and start time exists: a recycled pid
+ * belongs to someone else. A pid of another pid namespace (a container
+ * sharing /dev/shm) means nothing here: such a participant counts as live,
+ * for its own namespace to reap. Where /proc is hidden, kill(2) decides. */
+bool vp__lpart_alive(const ledger_part_t *p) {
+  int32_t pid = atomic_load_explicit(&p->pid, RELAXED);
+  uint64_t start = 0, want = atomic_load_explicit(&p->start, RELAXED);
+  if (atomic_load_explicit(&p->pidns, RELAXED) != own_pidns()) return true;
+  if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH)) return false;
+  int found = proc_start(pid, &start);
+  if (found < 0) return true;
+  return found && (want == 0 || start == want);
+}
+
+/* ------------------------------------------------------------ reaping */
+
+static void part_clear(ledger_part_t *p) {
+  for (int v = 0; v < LEDGER_VBARS; v++)
+    atomic_store_explicit(&p->vbar[v].id, 0, RELAXED);
+  atomic_store(&p->reclaimable, 0);
+  atomic_store(&p->state, PART_FREE);
+  atomic_store(&p->serial, 0);
+  atomic_store(&p->pid, 0);
+}
+
+static bool slot_live(const ledger_seg_t *seg, uint32_t slot,
+                      uint64_t serial) {
+  return slot < LEDGER_PARTS &&
+         atomic_load(&seg->part[slot].state) == PART_LIVE &&
+         atomic_load(&seg->part[slot].serial) == serial;
+}
+
+/* Requests whose requester is gone are freed; one a live peer is serving
+ * is left for it to free (ABANDONED); one whose server is gone is freed
+ * once its requester gave up on it. */
+static void reap_request(ledger_seg_t *seg, ledger_req_t *r) {
+  uint32_t s = atomic_load(&r->state);
+  if (s == REQ_FREE) return;
+  bool from = slot_live(seg, atomic_load(&r->from),
+                        atomic_load(&r->from_serial));
+  bool to = slot_live(seg, atomic_load(&r->to), atomic_load(&r->to_serial));
+  if (!from && s == REQ_TAKEN && to)
+    atomic_compare_exchange_strong(&r->state, &s, REQ_ABANDONED);
+  else if (!from || (!to && s == REQ_ABANDONED))
+    atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
+}
+
+void vp__lseg_reap(ledger_seg_t *seg) {
+  for (int i = 0; i < LEDGER_PARTS; i++) {
+    ledger_part_t *p = &seg->part[i];
+    if (atomic_load(&p->state) != PART_LIVE || vp__lpart_alive(p)) continue;
+    vp__log(VP_LOG_INFO, "ledger", "reaped participant %d (pid %d): its "
+            "process is gone", i, (int)atomic_load(&p->pid));
+    part_clear(p);
+  }
+  for (int i = 0; i < LEDGER_REQS; i++) reap_request(seg, &seg->req[i]);
+}
+
+/* ---------------------------------------------------- membership lock */
+
+/* A holder that died leaves the lock EOWNERDEAD: take it, remove the dead
+ * participants (whatever the holder was doing was its own slot or a
+ * reap), mark it consistent. Bounded, so a stopped holder costs a timeout,
+ * never a hang. */
+int vp__lseg_lock(ledger_seg_t *seg) {
+  struct timespec ts;
+  /* trylock first: it is uncontended nearly always, and TSan follows a
+   * trylock's EOWNERDEAD (not a timedlock's). */
+  int r = pthread_mutex_trylock(&seg->lock);
+  if (r == EBUSY) {
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += (LEDGER_LOCK_MS % 1000) * 1000000L;
+    ts.tv_sec += LEDGER_LOCK_MS / 1000 + ts.tv_nsec / 1000000000L;
+    ts.tv_nsec %= 1000000000L;
+    r = pthread_mutex_timedlock(&seg->lock, &ts);
+  }
+  if (r == EOWNERDEAD) {
+    vp__log(VP_LOG_WARN, "ledger", "a process died holding the ledger lock; "
+            "recovered it and reaped the dead");
+    vp__lseg_reap(seg);
+    pthread_mutex_consistent(&seg->lock);
+    return VP_OK;
+  }
+  if (r == ETIMEDOUT)
+    vp__log(VP_LOG_WARN, "ledger", "the ledger lock was held for over %d ms "
+            "(a stopped process?); going on without it", LEDGER_LOCK_MS);
+  return r == 0 ? VP_OK : r == ETIMEDOUT ? VP_EAGAIN : VP_EDEVICE;
+}
+
+void vp__lseg_unlock(ledger_seg_t *seg) { pthread_mutex_unlock(&seg->lock); }
+
+/* --------------------------------------------------------- mapping */
+
+static void nap_ms(long ms) {
+  struct timespec ts = {0, ms * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static int init_lock(pthread_mutex_t *m) {
+  pthread_mutexattr_t a;
+  if (pthread_mutexattr_init(&a)) return -1;
+  int r = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+  if (!r) r = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+  if (!r) r = pthread_mutex_init(m, &a);
+  pthread_mutexattr_destroy(&a);
+  return r;
+}
+
+/* Exclusive create: size, map, initialise, and store the magic last, so a
+ * joiner that sees it sees the rest. VP_EAGAIN: it exists already. */
+static int seg_create(const char *shm, ledger_seg_t **out, char *why,
+                      size_t len) {
+  int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return VP_EAGAIN;
+    snprintf(why, len, "cannot create %s: %s", shm, strerror(errno));
+    return VP_EUNSUPPORTED;
+  }
+  /* posix_fallocate, not ftruncate: a full /dev/shm fails here, not with
+   * SIGBUS at a later touch. */
+  int e = posix_fallocate(fd, 0, sizeof(ledger_seg_t));
+  void *p = e ? MAP_FAILED : mmap(NULL, sizeof(ledger_seg_t),
+                                  PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (!e && p == MAP_FAILED) e = errno;
+  close(fd);
+  ledger_seg_t *seg = p;
+  if (!e && init_lock(&seg->lock)) e = ENOMEM;
+  if (e) {
+    if (p != MAP_FAILED) munmap(p, sizeof(ledger_seg_t));
+    shm_unlink(shm);
+    snprintf(why, len, "cannot make %s: %s", shm, strerror(e));
+    return VP_EUNSUPPORTED;
+  }
+  atomic_store(&seg->version, LEDGER_VERSION);
+  atomic_store(&seg->size, sizeof(ledger_seg_t));
+  text_put(seg->name, LEDGER_WORDS(80), shm + strlen(LEDGER_PREFIX));
+  atomic_store_explicit(&seg->magic, LEDGER_MAGIC, memory_order_release);
+  *out = seg;
+  return VP_OK;
+}
+
+/* The file's size once its creator has sized it (it may be racing us). */
+static int wait_sized(int fd, off_t *size) {
+  struct stat st;
+  for (int i = 0; i < 250; i++, nap_ms(1)) {
+    if (fstat(fd, &st)) return errno;
+    if (st.st_size != 0) break;
+  }
+  *size = st.st_size;
+  return 0;
+}
+
+/* Refuse a segment that is not this layout: why says what it is. */
+static int check_header(ledger_seg_t *seg, char *why, size_t len,
+                        const char *shm) {
+  uint64_t magic = 0;
+  for (int i = 0; i < 250 && !magic; i++) {
+    magic = atomic_load_explicit(&seg->magic, memory_order_acquire);
+    if (!magic) nap_ms(1);
+  }
+  uint32_t version = atomic_load(&seg->version);
+  if (magic != LEDGER_MAGIC)
+    snprintf(why, len, "%s is not a vpager ledger (corrupt header)", shm);
+  else if (version != LEDGER_VERSION)
+    snprintf(why, len, "%s has ledger layout version %u; this library "
+             "uses version %u", shm, version, LEDGER_VERSION);
+  else if (atomic_load(&seg->size) != sizeof(ledger_seg_t))
+    snprintf(why, len, "%s has a %llu-byte layout; this library's is %zu "
+             "(another build)", shm, ULL(atomic_load(&seg->size)),
+             sizeof(ledger_seg_t));
+  else
+    return VP_OK;
+  return VP_EUNSUPPORTED;
+}
+
+static int open_fail(char *why, size_t len, const char *shm, int e) {
+  if (e == ENOENT) return VP_ENODEV;
+  if (e == EACCES)
+    snprintf(why, len, "%s belongs to another user and is not open to us",
+             shm);
+  else
+    snprintf(why, len, "cannot open %s: %s", shm, strerror(e));
+  return VP_EUNSUPPORTED;
+}
+
+/* Map an existing segment after checking its owner, size and header.
+ * VP_ENODEV: it is not there. */
+static int seg_open(const char *shm, bool writable, ledger_seg_t **out,
+                    char *why, size_t len) {
+  int fd = shm_open(shm, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
+  if (fd < 0) return open_fail(why, len, shm, errno);
+  struct stat st;
+  off_t size = 0;
+  int e = fstat(fd, &st) ? errno : wait_sized(fd, &size);
+  void *p = MAP_FAILED;
+  if (e) {
+    snprintf(why, len, "cannot stat %s: %s", shm, strerror(e));
+  } else if (writable && st.st_uid != geteuid()) {
+    snprintf(why, len, "%s belongs to uid %u, not to us (uid %u)", shm,
+             (unsigned)st.st_uid, (unsigned)geteuid());
+  } else if (size != (off_t)sizeof(ledger_seg_t)) {
+    snprintf(why, len, "%s is %lld bytes, not %zu: truncated, or another "
+             "layout version", shm, (long long)size, sizeof(ledger_seg_t));
+  } else {
+    p = mmap(NULL, sizeof(ledger_seg_t),
+             PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+      snprintf(why, len, "cannot map %s: %s", shm, strerror(errno));
+  }
+  close(fd);
+  if (p == MAP_FAILED) return VP_EUNSUPPORTED;
+  int rc = check_header(p, why, len, shm);
+  if (rc) munmap(p, sizeof(ledger_seg_t));
+  else *out = p;
+  return rc;
+}
+
+int vp__lseg_map(const char *shm, bool writable, ledger_seg_t **out,
+                 char *why, size_t len) {
+  if (!writable) return seg_open(shm, false, out, why, len);
+  for (int tries = 0; tries < 20; tries++) {
+    int rc = seg_create(shm, out, why, len);
+    if (rc != VP_EAGAIN) return rc;
+    rc = seg_open(shm, true, out, why, len);
+    if (rc != VP_ENODEV) return rc; /* ENODEV: it went away meanwhile */
+  }
+  snprintf(why, len, "%s kept appearing and vanishing", shm);
+  return VP_EUNSUPPORTED;
+}
+
+void vp__lseg_unmap(ledger_seg_t *seg) { munmap(seg, sizeof *seg); }
+
+/* ---------------------------------------------------------- joining */
+
+/* What `vpager top` shows for us: the command line, spaces for NULs. */
+static void own_command(char *out, size_t len) {
+  int fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd < 0 ? -1 : read(fd, out, len - 1);
+  if (fd >= 0) close(fd);
+  if (n <= 0) n = 0;
+  out[n] = '\0';
+  for (ssize_t i = 0; i < n; i++)
+    if (out[i] == '\0') out[i] = i + 1 < n ? ' ' : '\0';
+}
+
+static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start) {
+  char cmd[64];
+  own_command(cmd, sizeof cmd);
+  part_clear(p); /* a dead predecessor's entries */
+  l->serial = atomic_fetch_add(&l->seg->serials, 1) + 1;
+  atomic_store(&p->pid, (int32_t)getpid());
+  atomic_store(&p->uid, (uint32_t)geteuid());
+  atomic_store(&p->start, start);
+  atomic_store(&p->pidns, own_pidns());
+  atomic_store(&p->serial, l->serial);
+  atomic_store(&p->joined, vp__coarse_ns());
+  atomic_store(&p->page_size, l->dev->page_size);
+  atomic_store(&p->committed, 0);
+  atomic_store(&p->external_reserved, 0);
+  atomic_store(&p->served, 0);
+  atomic_store(&p->released, 0);
+  text_put(p->command, LEDGER_WORDS(64), cmd);
+}
+
+/* Take a free participant slot (lock held). VP_EAGAIN: the segment was
+ * unlinked since we opened it; open the name again. */
+static int join_locked(vp__ledger_t *l, char *why, size_t len) {
+  ledger_seg_t *seg = l->seg;
+  if (atomic_load(&seg->unlinked)) return VP_EAGAIN;
+  vp__lseg_reap(seg);
+  uint64_t start = 0;
+  if (proc_start((int32_t)getpid(), &start) != 1) start = 0;
+  for (int i = 0; i < LEDGER_PARTS; i++) {
+    ledger_part_t *p = &seg->part[i];
+    if (atomic_load(&p->state) != PART_FREE) continue;
+    part_fill(l, p, start);
+    atomic_store(&p->state, PART_LIVE);
+    l->part = i;
+    return VP_OK;
+  }
+  snprintf(why, len, "all %d participant slots of %s are taken", LEDGER_PARTS,
+           l->shm);
+  return VP_ELIMIT;
+}
+
+static int join(vp__ledger_t *l, char *why, size_t len) {
+  for (int tries = 0; tries < 20; tries++) {
+    int rc = vp__lseg_map(l->shm, true, &l->seg, why, len);
+    if (rc) return rc;
+    rc = vp__lseg_lock(l->seg);
+    if (rc == VP_OK) {
+      rc = join_locked(l, why, len);
+      vp__lseg_unlock(l->seg);
+    } else {
+      snprintf(why, len, "the lock of %s stayed taken for %d ms", l->shm,
+               LEDGER_LOCK_MS);
+    }
+    if (rc == VP_OK) return VP_OK;
+    vp__lseg_unmap(l->seg);
+    l->seg = NULL;
+    if (rc != VP_EAGAIN) return rc;
+  }
+  snprintf(why, len, "%s kept being removed while we joined", l->shm);
+  return VP_EUNSUPPORTED;
+}
+
+/* The ledger's name: the option, else the backend's key for the device. */
+static bool ledger_name(vp__device_t *dev, char *out, size_t len) {
+  const char *opt = dev->opts.ledger;
+  if (strcmp(opt, "off") == 0) {
+    snprintf(dev->ledger_why, sizeof dev->ledger_why,
+             "the ledger is off (the ledger option)");
+    return false;
+  }
+  if (opt[0]) return snprintf(out, len, "%s", opt), true;
+  if (vp__be_ledger_key(dev, out, len) == VP_OK) return true;
+  snprintf(dev->ledger_why, sizeof dev->ledger_why,
+           "the simulated device is not shared (sim_shared), so it has no "
+           "ledger");
+  return false;
+}
+
+void vp__ledger_open(vp__device_t *dev) {
+  char name[80], why[192] = "no memory for the ledger";
+  if (!ledger_name(dev, name, sizeof name)) return;
+  vp__ledger_t *l = calloc(1, sizeof *l);
+  int rc = !l || pthread_mutex_init(&l->skip_mu, NULL) ? VP_ENOMEM : VP_OK;
+  if (rc == VP_OK) {
+    snprintf(l->name, sizeof l->name, "%s", name);
+    snprintf(l->shm, sizeof l->shm, LEDGER_PREFIX "%s", name);
+    l->dev = dev;
+    l->pid = getpid();
+    uint32_t us = dev->opts.ledger_timeout_us;
+    l->timeout_ns = (uint64_t)(us ? us : LEDGER_TIMEOUT_US) * 1000;
+    rc = join(l, why, sizeof why);
+    if (rc) pthread_mutex_destroy(&l->skip_mu);
+  }
+  if (rc) {
+    vp__log(VP_LOG_WARN, dev->caps.name, "not joining ledger %s: %s; this "
+            "device runs alone", name, why);
+    snprintf(dev->ledger_why, sizeof dev->ledger_why, "%s", why);
+    free(l);
+    return;
+  }
+  vp__log(VP_LOG_INFO, dev->caps.name, "joined ledger %s as participant %d",
+          name, l->part);
+  dev->ledger = l;
+}
+
+/* Give our slot back; the last one out removes the name, so a stale
+ * segment does not outlive its users (a crashed run's dead are reaped at
+ * the next join). Without the lock we still clear our own slot. */
+static void leave(vp__ledger_t *l) {
+  ledger_seg_t *seg = l->seg;
+  bool locked = vp__lseg_lock(seg) == VP_OK;
+  ledger_part_t *p = &seg->part[l->part];
+  if (atomic_load(&p->serial) == l->serial) part_clear(p);
+  if (!locked) return;
+  vp__lseg_reap(seg);
+  int live = 0;
+  for (int i = 0; i < LEDGER_PARTS; i++)
+    live += atomic_load(&seg->part[i].state) == PART_LIVE;
+  if (live == 0) {
+    atomic_store(&seg->unlinked, 1);
+    shm_unlink(l->shm);
+  }
+  vp__lseg_unlock(seg);
+}
+
+/* A forked child's copy of the device is not a participant: it only
+ * unmaps. */
+void vp__ledger_close(vp__device_t *dev) {
+  vp__ledger_t *l = dev->ledger;
+  if (!l) return;
+  dev->ledger = NULL;
+  if (l->pid == getpid()) leave(l);
+  vp__lseg_unmap(l->seg);
+  pthread_mutex_destroy(&l->skip_mu);
+  free(l);
+}
+
+/* ------------------------------------------------------- publishing */
+
+#define RANK_KEEP UINT32_MAX
+
+static bool entry_take(vp__ledger_t *l, vp__vbar_t *vb) {
+  ledger_part_t *p = &l->seg->part[l->part];
+  for (uint32_t i = 0; l->entries < LEDGER_VBARS && i < LEDGER_VBARS; i++) {
+    if (atomic_load_explicit(&p->vbar[i].id, RELAXED)) continue;
+    vb->ledger_entry = i + 1;
+    l->entries++;
+    return true;
+  }
+  if (!l->warned_full)
+    vp__log(VP_LOG_INFO, "ledger", "more than %d VBARs: the others are not "
+            "published", LEDGER_VBARS);
+  l->warned_full = true;
+  return false;
+}
+
+/* Write vb's entry (device lock held). The sequence number is odd while
+ * the words change, so a reader takes all of them from one write. */
+static void entry_put(vp__ledger_t *l, vp__vbar_t *vb, uint32_t rank,
+                      bool label) {
+  if (!vb->ledger_entry && !entry_take(l, vb)) return;
+  ledger_vbar_t *e = &l->seg->part[l->part].vbar[vb->ledger_entry - 1];
+  int shift = vb->dev->page_shift;
+  uint32_t seq = atomic_load_explicit(&e->seq, RELAXED) | 1;
+  atomic_store_explicit(&e->seq, seq, RELAXED);
+  atomic_thread_fence(memory_order_release);
+  if (label || !atomic_load_explicit(&e->id, RELAXED)) {
+    text_put(e->label, LEDGER_WORDS(VP_LABEL_MAX), vb->label);
+    atomic_store_explicit(&e->size, vb->size, RELAXED);
+  }
+  atomic_store_explicit(&e->id, vb->id, RELAXED);
+  atomic_store_explicit(&e->resident, (uint64_t)vb->resident << shift,
+                        RELAXED);
+  atomic_store_explicit(&e->pinned, (uint64_t)vb->pinned << shift, RELAXED);
+  uint64_t was = atomic_load_explicit(&e->reclaimable, RELAXED);
+  uint64_t now = (uint64_t)(vb->resident - vb->pinned) << shift;
+  atomic_store_explicit(&e->reclaimable, now, RELAXED);
+  atomic_store_explicit(&e->last_use, vb->last_use, RELAXED);
+  atomic_store_explicit(&e->hits, vb->stats.hits, RELAXED);
+  atomic_store_explicit(&e->misses, vb->stats.misses, RELAXED);
+  if (rank != RANK_KEEP) atomic_store_explicit(&e->rank, rank, RELAXED);
+  atomic_store_explicit(&e->seq, seq + 1, memory_order_release);
+  lword_t *sum = &l->seg->part[l->part].reclaimable;
+  atomic_store_explicit(sum, atomic_load_explicit(sum, RELAXED) + now - was,
+                        RELAXED);
+}
+
+static void entry_free(vp__ledger_t *l, ledger_vbar_t *e) {
+  lword_t *sum = &l->seg->part[l->part].reclaimable;
+  uint32_t seq = atomic_load_explicit(&e->seq, RELAXED) | 1;
+  atomic_store_explicit(&e->seq, seq, RELAXED);
+  atomic_store_explicit(sum, atomic_load_explicit(sum, RELAXED) -
+                        atomic_load_explicit(&e->reclaimable, RELAXED),
+                        RELAXED);
+  atomic_store_explicit(&e->reclaimable, 0, RELAXED);
+  atomic_store_explicit(&e->id, 0, memory_order_release);
+  atomic_store_explicit(&e->seq, seq + 1, memory_order_release);
+  l->entries--;
+}
+
+bool vp__lvbar_read(const ledger_vbar_t *e, ledger_vbar_view_t *v) {
+  for (int tries = 0; tries < 16; tries++) {
+    uint32_t seq = atomic_load_explicit(&e->seq, memory_order_acquire);
+    if (seq & 1) continue;
+    v->id = atomic_load_explicit(&e->id, RELAXED);
+    v->size = atomic_load_explicit(&e->size, RELAXED);
+    v->resident = atomic_load_explicit(&e->resident, RELAXED);
+    v->pinned = atomic_load_explicit(&e->pinned, RELAXED);
+    v->reclaimable = atomic_load_explicit(&e->reclaimable, RELAXED);
+    v->last_use = atomic_load_explicit(&e->last_use, RELAXED);
+    v->hits = atomic_load_explicit(&e->hits, RELAXED);
+    v->misses = atomic_load_explicit(&e->misses, RELAXED);
+    v->rank = atomic_load_explicit(&e->rank, RELAXED);
+    vp__ltext_get(e->label, LEDGER_WORDS(VP_LABEL_MAX), v->label);
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&e->seq, RELAXED) == seq) return v->id != 0;
+  }
+  return false;
+}
+
+/* Our counts, and device free memory as we know it: the last poll less
+ * what we committed since (stored only when it changed: every participant
+ * writes these words). */
+static void part_put(vp__ledger_t *l, vp__device_t *dev) {
+  ledger_part_t *p = &l->seg->part[l->part];
+  const vp__budget_t *b = &dev->budget;
+  atomic_store_explicit(&p->committed, dev->committed, RELAXED);
+  atomic_store_explicit(&p->external_reserved, dev->external_reserved,
+                        RELAXED);
+  uint64_t have = b->free_at_poll + b->ours_at_poll;
+  uint64_t free_now = have > dev->committed ? have - dev->committed : 0;
+  if (b->last_poll_ns && free_now != l->free_published) {
+    l->free_published = free_now;
+    vp__ledger_put_memory(l, free_now, b->total);
+  }
+}
+
+void vp__ledger_used(vp__device_t *dev, vp__vbar_t *vb) {
+  vp__ledger_t *l = dev->ledger;
+  if (!l || !vb->listed) return;
+  vb->last_use = vp__coarse_ns();
+  entry_put(l, vb, RANK_KEEP, false);
+  part_put(l, dev);
+}
+
+/* Every listed VBAR with its rank; entries of VBARs that are gone are
+ * freed. */
+void vp__ledger_sync(vp__device_t *dev) {
+  vp__ledger_t *l = dev->ledger;
+  if (!l) return;
+  uint64_t live[LEDGER_VBARS / 64] = {0};
+  uint32_t rank = 0;
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down, rank++) {
+    entry_put(l, vb, rank, true);
+    uint32_t e = vb->ledger_entry;
+    if (e) live[(e - 1) / 64] |= 1ull << ((e - 1) % 64);
+  }
+  ledger_part_t *p = &l->seg->part[l->part];
+  for (uint32_t i = 0; i < LEDGER_VBARS; i++)
+    if (!(live[i / 64] >> (i % 64) & 1) &&
+        atomic_load_explicit(&p->vbar[i].id, RELAXED))
+      entry_free(l, &p->vbar[i]);
+  part_put(l, dev);
+}
+
+void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
+                           uint64_t total) {
+  atomic_store_explicit(&l->seg->free, free_bytes, RELAXED);
+  atomic_store_explicit(&l->seg->total, total, RELAXED);
+  atomic_store_explicit(&l->seg->measured, vp__coarse_ns(), RELAXED);
+}

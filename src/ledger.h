@@ -1,0 +1,153 @@
+/* The ledger segment: one per physical device, shared by every process
+ * that uses the device. Private to ledger.c (joining, leaving, reaping,
+ * publishing), release.c (release requests and the service thread) and
+ * ledger_view.c (the JSON snapshot).
+ *
+ * Layout, version LEDGER_VERSION (magic, version and size stay at offsets
+ * 0, 8 and 16 in every version, so any version can tell another apart):
+ *   header  magic, version, size, the membership lock (a robust,
+ *           process-shared mutex), device memory as last measured, name
+ *   req[]   release requests, each a small state machine on a futex word
+ *   part[]  participants, one per device handle, each with its VBARs
+ *
+ * Who writes what:
+ *   - a participant's counters and VBAR entries: only that participant,
+ *     under its own device lock; readers take them lock-free (a sequence
+ *     number per entry makes an entry's words one snapshot);
+ *   - a participant's state and identity: only under the membership lock
+ *     (join, leave, reap);
+ *   - requests: by compare-and-swap on their state.
+ * Every field is atomic, so nobody (another process, `vpager top`, a
+ * hostile segment) sees a torn word, and every index read from the segment
+ * is bounded before use. */
+#ifndef VPAGER_LEDGER_H
+#define VPAGER_LEDGER_H
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define LEDGER_MAGIC 0x72656764656c7076ull /* "vpledger" */
+#define LEDGER_VERSION 1u
+#define LEDGER_PARTS 64   /* device handles per GPU */
+#define LEDGER_VBARS 128  /* published VBARs per participant */
+#define LEDGER_REQS 64    /* release requests in flight per GPU */
+#define LEDGER_WORDS(bytes) ((bytes) / 8)
+#define LEDGER_PREFIX "/vpager-ledger-"
+#define LEDGER_LOCK_MS 500   /* longest wait for the membership lock */
+#define LEDGER_SKIP_NS 1000000000ull /* a peer that timed out is skipped */
+#define LEDGER_TIMEOUT_US 50000u     /* default wait per peer */
+
+typedef _Atomic uint64_t lword_t;
+
+enum { PART_FREE = 0, PART_LIVE = 1 };
+enum { REQ_FREE = 0, REQ_CLAIMED, REQ_POSTED, REQ_TAKEN, REQ_DONE,
+       REQ_ABANDONED };
+
+typedef struct ledger_vbar {
+  _Atomic uint32_t seq;  /* odd while its participant writes the entry */
+  _Atomic uint32_t rank; /* place in its process's priority list, 0 = top */
+  lword_t id;            /* the VBAR's handle id; 0 = a free entry */
+  lword_t size, resident, pinned, reclaimable; /* bytes */
+  lword_t last_use;      /* CLOCK_MONOTONIC_COARSE ns */
+  lword_t hits, misses;
+  lword_t label[LEDGER_WORDS(VP_LABEL_MAX)]; /* NUL-padded */
+} ledger_vbar_t;
+
+typedef struct ledger_part {
+  _Atomic uint32_t state; /* PART_*, under the lock */
+  _Atomic uint32_t wake;  /* futex: bumped to wake its service thread */
+  _Atomic int32_t pid;
+  _Atomic uint32_t uid;
+  lword_t start;          /* field 22 of /proc/<pid>/stat; 0 unknown */
+  lword_t pidns;          /* its pid namespace (inode of /proc/self/ns/pid) */
+  lword_t serial;         /* new at every join: a respawn is a new one */
+  lword_t joined;         /* CLOCK_MONOTONIC_COARSE ns */
+  lword_t committed, external_reserved, page_size;
+  lword_t served, released; /* requests answered, bytes they freed */
+  lword_t reclaimable;    /* the sum over its entries: a quick "anything?" */
+  lword_t command[LEDGER_WORDS(64)];
+  ledger_vbar_t vbar[LEDGER_VBARS];
+} ledger_part_t;
+
+typedef struct ledger_req {
+  _Atomic uint32_t state; /* REQ_*; the requester's futex word */
+  _Atomic uint32_t from, to;   /* participant slots */
+  lword_t from_serial, to_serial;
+  lword_t bytes;   /* asked for */
+  lword_t before;  /* evict only VBARs last used no later than this */
+  lword_t freed;   /* the answer */
+  lword_t posted;  /* CLOCK_MONOTONIC_COARSE ns */
+} ledger_req_t;
+
+typedef struct ledger_seg {
+  lword_t magic;   /* LEDGER_MAGIC, stored last at creation */
+  _Atomic uint32_t version;
+  _Atomic uint32_t unlinked; /* the name was removed: open it anew */
+  lword_t size;    /* sizeof(ledger_seg_t) */
+  lword_t serials; /* the last participant serial given */
+  lword_t total, free, measured; /* device memory, and when (coarse ns) */
+  lword_t name[LEDGER_WORDS(80)];
+  pthread_mutex_t lock; /* membership: join, leave, reap */
+  char pad[64];
+  ledger_req_t req[LEDGER_REQS];
+  ledger_part_t part[LEDGER_PARTS];
+} ledger_seg_t;
+
+/* A device's membership (process-local). */
+typedef struct vp__ledger {
+  ledger_seg_t *seg;
+  vp__device_t *dev;
+  int part;           /* our participant slot */
+  uint64_t serial;    /* our serial */
+  pid_t pid;          /* the process that joined; a forked child is not it */
+  char name[80];      /* the ledger's name ("GPU-...", "sim-...") */
+  char shm[112];      /* LEDGER_PREFIX name */
+  uint64_t timeout_ns;
+  bool warned_full;   /* more VBARs than entries, said once */
+  uint64_t free_published; /* device free memory we last published */
+  uint32_t entries;   /* of our part's entries in use */
+  /* release.c */
+  pthread_t thread;
+  bool thread_started;
+  atomic_bool stop;
+  pthread_mutex_t skip_mu; /* guards skip[] (requesting threads share it) */
+  struct { uint64_t serial, until; } skip[LEDGER_PARTS];
+} vp__ledger_t;
+
+/* ledger.c */
+int vp__lseg_map(const char *shm, bool writable, ledger_seg_t **out,
+                 char *why, size_t len);
+void vp__lseg_unmap(ledger_seg_t *seg);
+int vp__lseg_lock(ledger_seg_t *seg); /* VP_EAGAIN after LEDGER_LOCK_MS */
+void vp__lseg_unlock(ledger_seg_t *seg);
+void vp__lseg_reap(ledger_seg_t *seg); /* lock held */
+bool vp__lpart_alive(const ledger_part_t *p);
+/* Device memory as a participant measured it, for everyone to see. */
+void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
+                           uint64_t total);
+/* One entry read lock-free: false when it is free or kept changing. */
+typedef struct ledger_vbar_view {
+  uint64_t id, size, resident, pinned, reclaimable, last_use, hits, misses;
+  uint32_t rank;
+  char label[VP_LABEL_MAX];
+} ledger_vbar_view_t;
+bool vp__lvbar_read(const ledger_vbar_t *e, ledger_vbar_view_t *v);
+/* Text words to a string: printable ASCII kept, the rest '?'. */
+void vp__ltext_get(const lword_t *w, size_t nwords, char *out);
+
+static inline long vp__futex(_Atomic uint32_t *addr, int op, uint32_t val,
+                             const struct timespec *ts) {
+  return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+
+/* Wake every waiter on a shared futex word. */
+static inline void vp__futex_wake(_Atomic uint32_t *addr) {
+  vp__futex(addr, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+#endif /* VPAGER_LEDGER_H */

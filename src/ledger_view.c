@@ -1,0 +1,234 @@
+/* The ledger as JSON: a device's own (vp_ledger_snapshot, which publishes
+ * the device first), any ledger by name, read only (vp_ledger_read, for
+ * `vpager top`), and the list of this machine's ledgers. What comes from
+ * the segment is bounded and escaped: a hostile segment gives odd numbers,
+ * never a crash or broken JSON. */
+#include <dirent.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ledger.h"
+
+#define ULL(x) ((unsigned long long)(x))
+#define LD(field) ULL(atomic_load_explicit(&(field), memory_order_relaxed))
+
+typedef struct out {
+  char *buf;
+  size_t len, pos;
+} out_t;
+
+static void put(out_t *o, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void put(out_t *o, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  size_t room = o->pos < o->len ? o->len - o->pos : 0;
+  int n = vsnprintf(room ? o->buf + o->pos : NULL, room, fmt, ap);
+  va_end(ap);
+  if (n > 0) o->pos += (size_t)n;
+}
+
+/* s is printable ASCII (vp__ltext_get): only quotes and backslashes need
+ * escapes. */
+static void put_str(out_t *o, const char *s) {
+  put(o, "\"");
+  for (; *s; s++) put(o, "%s%c", *s == '"' || *s == '\\' ? "\\" : "", *s);
+  put(o, "\"");
+}
+
+static uint64_t ms_ago(uint64_t now, uint64_t t) {
+  return t && t <= now ? (now - t) / 1000000u : 0;
+}
+
+static void view_vbars(out_t *o, const ledger_part_t *p, uint64_t now) {
+  const char *sep = "";
+  put(o, "\"vbars\":[");
+  for (int v = 0; v < LEDGER_VBARS; v++) {
+    ledger_vbar_view_t e;
+    if (!vp__lvbar_read(&p->vbar[v], &e)) continue;
+    put(o, "%s{\"id\":%llu,\"label\":", sep, ULL(e.id));
+    put_str(o, e.label);
+    put(o, ",\"size\":%llu,\"resident\":%llu,\"pinned\":%llu,"
+        "\"reclaimable\":%llu,\"priority\":%u,\"last_use_ms_ago\":%llu,"
+        "\"hits\":%llu,\"misses\":%llu}", ULL(e.size), ULL(e.resident),
+        ULL(e.pinned), ULL(e.reclaimable), e.rank, ULL(ms_ago(now, e.last_use)),
+        ULL(e.hits), ULL(e.misses));
+    sep = ",";
+  }
+  put(o, "]");
+}
+
+static void view_part(out_t *o, const ledger_part_t *p, int i, bool self,
+                      uint64_t now) {
+  char cmd[64];
+  vp__ltext_get(p->command, LEDGER_WORDS(64), cmd);
+  put(o, "{\"slot\":%d,\"pid\":%d,\"serial\":%llu,\"command\":", i,
+      (int)atomic_load(&p->pid), LD(p->serial));
+  put_str(o, cmd);
+  put(o, ",\"self\":%s,\"alive\":%s,\"joined_ms_ago\":%llu,\"page_size\":%llu,"
+      "\"committed\":%llu,\"external_reserved\":%llu,\"served\":%llu,"
+      "\"released\":%llu,", self ? "true" : "false",
+      vp__lpart_alive(p) ? "true" : "false",
+      ULL(ms_ago(now, atomic_load(&p->joined))), LD(p->page_size),
+      LD(p->committed), LD(p->external_reserved), LD(p->served),
+      LD(p->released));
+  view_vbars(o, p, now);
+  put(o, "}");
+}
+
+static const char *req_state(uint32_t s) {
+  static const char *const names[] = {"free", "claimed", "posted", "taken",
+                                      "done", "abandoned"};
+  return s < sizeof names / sizeof *names ? names[s] : "corrupt";
+}
+
+static int req_pid(const ledger_seg_t *seg, uint32_t slot) {
+  return slot < LEDGER_PARTS ? (int)atomic_load(&seg->part[slot].pid) : -1;
+}
+
+static void view_requests(out_t *o, const ledger_seg_t *seg, uint64_t now) {
+  const char *sep = "";
+  put(o, "\"requests\":[");
+  for (int i = 0; i < LEDGER_REQS; i++) {
+    const ledger_req_t *r = &seg->req[i];
+    uint32_t s = atomic_load(&r->state);
+    if (s == REQ_FREE) continue;
+    uint32_t from = atomic_load(&r->from), to = atomic_load(&r->to);
+    put(o, "%s{\"slot\":%d,\"state\":\"%s\",\"from\":%u,\"to\":%u,"
+        "\"from_pid\":%d,\"to_pid\":%d,\"bytes\":%llu,\"freed\":%llu,"
+        "\"age_ms\":%llu}", sep, i, req_state(s), from, to,
+        req_pid(seg, from), req_pid(seg, to), LD(r->bytes), LD(r->freed),
+        ULL(ms_ago(now, atomic_load(&r->posted))));
+    sep = ",";
+  }
+  put(o, "]");
+}
+
+/* The whole segment; self: our slot, or -1. */
+static void view(out_t *o, const ledger_seg_t *seg, int self) {
+  char name[80];
+  uint64_t now = vp__coarse_ns();
+  vp__ltext_get(seg->name, LEDGER_WORDS(80), name);
+  put(o, "{\"ledger\":");
+  put_str(o, name);
+  uint64_t measured = atomic_load(&seg->measured);
+  put(o, ",\"joined\":%s,\"version\":%u,\"device\":{\"total\":%llu,"
+      "\"free\":%llu,\"measured_ms_ago\":", self >= 0 ? "true" : "false",
+      atomic_load(&seg->version), LD(seg->total), LD(seg->free));
+  if (measured) put(o, "%llu", ULL(ms_ago(now, measured)));
+  else put(o, "null");
+  put(o, "},\"processes\":[");
+  const char *sep = "";
+  for (int i = 0; i < LEDGER_PARTS; i++) {
+    const ledger_part_t *p = &seg->part[i];
+    if (atomic_load(&p->state) != PART_LIVE) continue;
+    put(o, "%s", sep);
+    view_part(o, p, i, i == self, now);
+    sep = ",";
+  }
+  put(o, "],");
+  view_requests(o, seg, now);
+  put(o, "}");
+}
+
+static int finish(out_t *o, size_t *needed) {
+  if (needed) *needed = o->pos;
+  if (o->pos < o->len) return VP_OK;
+  if (o->len) o->buf[o->len - 1] = '\0';
+  return vp__err(VP_ERANGE, "the snapshot needs %zu bytes, the buffer has "
+                 "%zu", o->pos + 1, o->len);
+}
+
+int vp_ledger_snapshot(vp_device_t h, char *buf, size_t len, size_t *needed) {
+  VP__ENTER();
+  VP__NEED(buf || len == 0, "buf is NULL");
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_lock(h, &dev);
+  if (rc) return rc;
+  out_t o = {buf, len, 0};
+  vp__ledger_t *l = dev->ledger;
+  if (l) {
+    vp__ledger_sync(dev);
+    view(&o, l->seg, l->part);
+  } else {
+    put(&o, "{\"ledger\":null,\"joined\":false,\"reason\":");
+    char why[sizeof dev->ledger_why];
+    snprintf(why, sizeof why, "%s", dev->ledger_why);
+    for (char *c = why; *c; c++)
+      if (*c < 0x20 || *c > 0x7e) *c = '?';
+    put_str(&o, why);
+    put(&o, "}");
+  }
+  return vp__unlock(dev, finish(&o, needed));
+}
+
+static bool name_ok(const char *s) {
+  size_t n = strnlen(s, 80);
+  if (n == 0 || n == 80) return false;
+  for (size_t i = 0; i < n; i++)
+    if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') ||
+          (s[i] >= '0' && s[i] <= '9') || s[i] == '-' || s[i] == '_'))
+      return false;
+  return true;
+}
+
+int vp_ledger_read(const char *name, char *buf, size_t len, size_t *needed) {
+  VP__ENTER();
+  VP__NEED(name, "name is NULL");
+  VP__NEED(buf || len == 0, "buf is NULL");
+  if (!name_ok(name))
+    return vp__err(VP_EINVAL, "\"%.80s\" is not a ledger name (letters, "
+                   "digits, - and _, under 80 bytes)", name);
+  char shm[112], why[192] = "";
+  snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  ledger_seg_t *seg = NULL;
+  int rc = vp__lseg_map(shm, false, &seg, why, sizeof why);
+  if (rc == VP_ENODEV)
+    return vp__err(rc, "no ledger named %s (no /dev/shm%s)", name, shm);
+  if (rc) return vp__err(rc, "%s", why);
+  out_t o = {buf, len, 0};
+  view(&o, seg, -1);
+  vp__lseg_unmap(seg);
+  return finish(&o, needed);
+}
+
+static int cmp_str(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* glibc keeps POSIX shared memory in /dev/shm. */
+int vp_ledger_list(char *buf, size_t len, size_t *needed) {
+  VP__ENTER();
+  VP__NEED(buf || len == 0, "buf is NULL");
+  const char *prefix = LEDGER_PREFIX + 1;
+  size_t plen = strlen(prefix), n = 0, cap = 0;
+  char **names = NULL;
+  DIR *d = opendir("/dev/shm");
+  for (struct dirent *e; d && (e = readdir(d));) {
+    if (strncmp(e->d_name, prefix, plen) || !name_ok(e->d_name + plen))
+      continue;
+    if (n == cap) {
+      size_t ncap = cap ? cap * 2 : 16;
+      char **g = realloc(names, ncap * sizeof *g);
+      if (!g) break;
+      names = g;
+      cap = ncap;
+    }
+    if (!(names[n] = strdup(e->d_name + plen))) break;
+    n++;
+  }
+  if (d) closedir(d);
+  if (n) qsort(names, n, sizeof *names, cmp_str);
+  out_t o = {buf, len, 0};
+  put(&o, "[");
+  for (size_t i = 0; i < n; i++) {
+    put(&o, "%s", i ? "," : "");
+    put_str(&o, names[i]);
+    free(names[i]);
+  }
+  put(&o, "]");
+  free(names);
+  return finish(&o, needed);
+}

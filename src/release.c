@@ -1,0 +1,401 @@
+/* Release requests between the processes of a ledger, and the walk that
+ * frees memory across them in one order: least recently used VBAR first,
+ * whichever process holds it, never one with pinned pages.
+ *
+ * A request is a slot in the segment (ledger.h): the requester claims a
+ * free one, fills it (bytes, `before`), posts it and bumps the holder's
+ * wake word; the holder's service thread, asleep on that futex (it never
+ * polls), takes it, evicts its own pages of VBARs last used no later than
+ * `before` (through the pager, under its device lock, waiting for its own
+ * fences), and answers what it freed on the request's futex word. The
+ * requester waits at most the ledger timeout, then gives the request up
+ * (a holder still serving it frees the slot when done) and skips that
+ * holder for a second. Nobody touches another process's memory.
+ *
+ * Locks: a requester holds no device lock while it waits (api.c and
+ * stream.c call vp__release_ask after unlocking), so two processes asking
+ * each other at once both get answers; between steps it takes its own
+ * device lock only to re-measure free memory. The service thread takes its
+ * device lock only to serve. Neither takes the membership lock, except to
+ * reap a participant found dead. */
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ledger.h"
+
+#define ULL(x) ((unsigned long long)(x))
+
+static ledger_part_t *own_part(vp__ledger_t *l) {
+  return &l->seg->part[l->part];
+}
+
+/* ------------------------------------------------------------ serving */
+
+typedef struct victim {
+  vp__vbar_t *vb;
+  uint64_t last_use;
+} victim_t;
+
+static int victim_cmp(const void *a, const void *b) {
+  const victim_t *x = a, *y = b;
+  return x->last_use < y->last_use ? -1 : x->last_use > y->last_use;
+}
+
+/* Evict up to `bytes` from our VBARs last used no later than `before`
+ * that have no pinned page, least recently used first (device lock held).
+ * Eviction lowers their watermarks as pressure does. */
+static uint64_t serve_evict(vp__device_t *dev, uint64_t bytes,
+                            uint64_t before) {
+  size_t n = 0, cap = 0;
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) cap++;
+  victim_t *v = cap ? malloc(cap * sizeof *v) : NULL;
+  if (!v) return 0;
+  for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
+    if (!vb->pinned && vb->resident && vb->last_use <= before)
+      v[n++] = (victim_t){vb, vb->last_use};
+  qsort(v, n, sizeof *v, victim_cmp);
+  uint64_t freed = 0;
+  for (size_t i = 0; i < n && freed < bytes; i++)
+    if (vp__vbar_evict(v[i].vb, bytes - freed, 0, &freed)) break;
+  free(v);
+  return freed;
+}
+
+static void serve_one(vp__ledger_t *l, ledger_req_t *r) {
+  vp__device_t *dev = l->dev;
+  uint64_t bytes = atomic_load(&r->bytes), before = atomic_load(&r->before);
+  uint64_t freed = 0;
+  pthread_mutex_lock(&dev->lock);
+  if (!dev->broken) freed = serve_evict(dev, bytes, before);
+  vp__ledger_sync(dev);
+  vp__unlock(dev, VP_OK);
+  ledger_part_t *p = own_part(l);
+  atomic_fetch_add(&p->served, 1);
+  atomic_fetch_add(&p->released, freed);
+  atomic_store(&r->freed, freed);
+  uint32_t s = REQ_TAKEN;
+  if (!atomic_compare_exchange_strong(&r->state, &s, REQ_DONE)) {
+    s = REQ_ABANDONED; /* the requester gave up: the slot is ours to free */
+    atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
+  }
+  vp__futex_wake(&r->state);
+  vp__log(VP_LOG_DEBUG, dev->caps.name, "ledger: released %llu of %llu "
+          "bytes asked", ULL(freed), ULL(bytes));
+}
+
+static void serve_all(vp__ledger_t *l) {
+  for (int i = 0; i < LEDGER_REQS; i++) {
+    ledger_req_t *r = &l->seg->req[i];
+    uint32_t s = REQ_POSTED;
+    if (atomic_load(&r->state) != REQ_POSTED ||
+        atomic_load(&r->to) != (uint32_t)l->part ||
+        atomic_load(&r->to_serial) != l->serial ||
+        !atomic_compare_exchange_strong(&r->state, &s, REQ_TAKEN))
+      continue;
+    serve_one(l, r);
+  }
+}
+
+/* Sleeps on its wake word: requests and the stop flag bump it. */
+static void *service_main(void *arg) {
+  vp__ledger_t *l = arg;
+  _Atomic uint32_t *wake = &own_part(l)->wake;
+  for (;;) {
+    uint32_t seen = atomic_load(wake);
+    if (atomic_load(&l->stop)) break;
+    serve_all(l);
+    vp__futex(wake, FUTEX_WAIT, seen, NULL);
+  }
+  return NULL;
+}
+
+static void wake_part(ledger_part_t *p) {
+  atomic_fetch_add(&p->wake, 1);
+  vp__futex_wake(&p->wake);
+}
+
+/* The thread takes no signals: they are the application's. */
+int vp__release_start(vp__device_t *dev) {
+  vp__ledger_t *l = dev->ledger;
+  if (!l) return VP_OK;
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  int e = pthread_create(&l->thread, NULL, service_main, l);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (e) return VP_ENOMEM;
+  l->thread_started = true;
+  return VP_OK;
+}
+
+void vp__release_stop(vp__device_t *dev) {
+  vp__ledger_t *l = dev->ledger;
+  if (!l || !l->thread_started || l->pid != getpid()) return;
+  atomic_store(&l->stop, true);
+  wake_part(own_part(l));
+  pthread_join(l->thread, NULL);
+  l->thread_started = false;
+}
+
+/* ------------------------------------------------------------- asking */
+
+/* Device free memory now (the device lock taken briefly), published for
+ * everyone; false when the device cannot say. */
+static bool measure(vp__device_t *dev, uint64_t *free_bytes) {
+  uint64_t allowed;
+  pthread_mutex_lock(&dev->lock);
+  vp__budget_invalidate(dev);
+  bool ok = !dev->broken && vp__budget_allowed(dev, &allowed) == VP_OK;
+  *free_bytes = dev->budget.free_at_poll;
+  if (ok) vp__ledger_put_memory(dev->ledger, *free_bytes, dev->budget.total);
+  vp__unlock(dev, VP_OK);
+  return ok;
+}
+
+static bool skipped(vp__ledger_t *l, uint32_t part, uint64_t serial) {
+  pthread_mutex_lock(&l->skip_mu);
+  bool skip = l->skip[part].serial == serial &&
+              vp__now_ns() < l->skip[part].until;
+  pthread_mutex_unlock(&l->skip_mu);
+  return skip;
+}
+
+static void skip_for_a_while(vp__ledger_t *l, uint32_t part,
+                             uint64_t serial) {
+  pthread_mutex_lock(&l->skip_mu);
+  l->skip[part].serial = serial;
+  l->skip[part].until = vp__now_ns() + LEDGER_SKIP_NS;
+  pthread_mutex_unlock(&l->skip_mu);
+}
+
+/* A VBAR some participant might release. */
+typedef struct cand {
+  uint32_t part;
+  uint64_t serial, id, last_use;
+} cand_t;
+
+static int cand_cmp(const void *a, const void *b) {
+  const cand_t *x = a, *y = b;
+  if (x->last_use != y->last_use) return x->last_use < y->last_use ? -1 : 1;
+  return x->part < y->part ? -1 : x->part > y->part;
+}
+
+static bool cand_add(cand_t **c, size_t *n, size_t *cap, cand_t v) {
+  if (*n == *cap) {
+    size_t ncap = *cap ? *cap * 2 : 32;
+    cand_t *g = realloc(*c, ncap * sizeof *g);
+    if (!g) return false;
+    *c = g;
+    *cap = ncap;
+  }
+  (*c)[(*n)++] = v;
+  return true;
+}
+
+/* One participant's entries that may go: no pinned page, something to
+ * reclaim, last used no later than `before`. */
+static void collect_part(vp__ledger_t *l, uint32_t i, uint64_t before,
+                         cand_t **c, size_t *n, size_t *cap) {
+  ledger_part_t *p = &l->seg->part[i];
+  uint64_t serial = atomic_load(&p->serial);
+  for (int v = 0; v < LEDGER_VBARS; v++) {
+    ledger_vbar_view_t e;
+    if (!vp__lvbar_read(&p->vbar[v], &e) || e.pinned || !e.reclaimable ||
+        e.last_use > before)
+      continue;
+    if (!cand_add(c, n, cap, (cand_t){i, serial, e.id, e.last_use})) return;
+  }
+}
+
+/* Every candidate VBAR of the live participants (ours only when `self`),
+ * least recently used first. Participants found dead are reaped. */
+static size_t collect(vp__ledger_t *l, uint64_t before, bool self,
+                      cand_t **out) {
+  size_t n = 0, cap = 0;
+  bool dead = false;
+  *out = NULL;
+  for (uint32_t i = 0; i < LEDGER_PARTS; i++) {
+    ledger_part_t *p = &l->seg->part[i];
+    if (atomic_load(&p->state) != PART_LIVE) continue;
+    bool me = i == (uint32_t)l->part;
+    if (me ? !self : skipped(l, i, atomic_load(&p->serial))) continue;
+    size_t first = n;
+    collect_part(l, i, before, out, &n, &cap);
+    if (n > first && !me && !vp__lpart_alive(p)) n = first, dead = true;
+  }
+  if (dead && vp__lseg_lock(l->seg) == VP_OK) {
+    vp__lseg_reap(l->seg);
+    vp__lseg_unlock(l->seg);
+  }
+  if (n) qsort(*out, n, sizeof **out, cand_cmp);
+  return n;
+}
+
+static ledger_req_t *post(vp__ledger_t *l, const cand_t *c, uint64_t bytes) {
+  for (int i = 0; i < LEDGER_REQS; i++) {
+    ledger_req_t *r = &l->seg->req[i];
+    uint32_t s = REQ_FREE;
+    if (!atomic_compare_exchange_strong(&r->state, &s, REQ_CLAIMED)) continue;
+    atomic_store(&r->from, (uint32_t)l->part);
+    atomic_store(&r->from_serial, l->serial);
+    atomic_store(&r->to, c->part);
+    atomic_store(&r->to_serial, c->serial);
+    atomic_store(&r->bytes, bytes);
+    atomic_store(&r->before, c->last_use);
+    atomic_store(&r->freed, 0);
+    atomic_store(&r->posted, vp__coarse_ns());
+    atomic_store(&r->state, REQ_POSTED);
+    wake_part(&l->seg->part[c->part]);
+    return r;
+  }
+  return NULL;
+}
+
+/* Take the answer of a DONE request and free its slot. */
+static bool answer(ledger_req_t *r, uint64_t *freed) {
+  *freed = atomic_load(&r->freed);
+  atomic_store(&r->state, REQ_FREE);
+  return true;
+}
+
+/* Wait for the answer at most the timeout; then give the request up (a
+ * holder still serving it frees the slot itself). */
+static bool await(vp__ledger_t *l, ledger_req_t *r, uint64_t *freed) {
+  uint64_t deadline = vp__now_ns() + l->timeout_ns;
+  for (;;) {
+    uint32_t s = atomic_load(&r->state);
+    if (s == REQ_DONE) return answer(r, freed);
+    uint64_t now = vp__now_ns();
+    if (now >= deadline || (s != REQ_POSTED && s != REQ_TAKEN)) break;
+    uint64_t left = deadline - now;
+    struct timespec ts = {(time_t)(left / 1000000000u),
+                          (long)(left % 1000000000u)};
+    vp__futex(&r->state, FUTEX_WAIT, s, &ts);
+  }
+  uint32_t s = REQ_POSTED;
+  if (atomic_compare_exchange_strong(&r->state, &s, REQ_FREE)) return false;
+  if (s == REQ_TAKEN &&
+      atomic_compare_exchange_strong(&r->state, &s, REQ_ABANDONED))
+    return false;
+  return s == REQ_DONE ? answer(r, freed) : false;
+}
+
+static bool ask_peer(vp__ledger_t *l, const cand_t *c, uint64_t bytes,
+                     uint64_t *got) {
+  if (skipped(l, c->part, c->serial)) return false;
+  ledger_req_t *r = post(l, c, bytes);
+  if (!r) {
+    vp__log(VP_LOG_DEBUG, "ledger", "every request slot is in use");
+    return false;
+  }
+  if (await(l, r, got)) return true;
+  skip_for_a_while(l, c->part, c->serial);
+  vp__log(VP_LOG_WARN, l->dev->caps.name, "ledger %s: participant %u (pid "
+          "%d) did not answer a release request within %llu us; skipping "
+          "it for a second", l->name, c->part,
+          (int)atomic_load(&l->seg->part[c->part].pid),
+          ULL(l->timeout_ns / 1000));
+  return false;
+}
+
+/* One of our own VBARs, in the cross-process order. */
+static uint64_t evict_own(vp__device_t *dev, uint64_t id, uint64_t bytes) {
+  uint64_t freed = 0;
+  pthread_mutex_lock(&dev->lock);
+  vp__vbar_t *vb = vp__table_get(&dev->vbars, id);
+  if (vb && vb->listed && !vb->pinned && !dev->broken)
+    vp__vbar_evict(vb, bytes, 0, &freed);
+  vp__ledger_sync(dev);
+  vp__unlock(dev, VP_OK);
+  return freed;
+}
+
+/* Least recently used first until device free memory reaches `target`,
+ * freeing at most what it lacked at the start; re-measures after every
+ * step and asks each holder only for what is still missing. Returns the
+ * bytes freed. */
+static uint64_t walk(vp__ledger_t *l, uint64_t target, uint64_t before,
+                     bool self) {
+  vp__device_t *dev = l->dev;
+  cand_t *c = NULL;
+  uint64_t free_now = 0, freed = 0;
+  size_t n = collect(l, before, self, &c);
+  bool ok = n && measure(dev, &free_now);
+  uint64_t cap = ok && free_now < target ? target - free_now : 0;
+  for (size_t i = 0; ok && i < n && free_now < target && freed < cap; i++) {
+    uint64_t want = target - free_now, got = 0;
+    if (want > cap - freed) want = cap - freed;
+    if (c[i].part == (uint32_t)l->part) got = evict_own(dev, c[i].id, want);
+    else if (!ask_peer(l, &c[i], want, &got)) continue;
+    freed += got;
+    ok = measure(dev, &free_now);
+  }
+  free(c);
+  return freed;
+}
+
+/* The last use of our VBARs below the faulting one that could give pages:
+ * other processes' VBARs older than that go first. */
+static uint64_t own_oldest(vp__device_t *dev, uint64_t vbar, uint64_t now) {
+  uint64_t oldest = now;
+  pthread_mutex_lock(&dev->lock);
+  vp__vbar_t *vb = vp__table_get(&dev->vbars, vbar);
+  for (vp__vbar_t *w = vb && vb->listed ? vb->down : NULL; w; w = w->down)
+    if (w->resident > w->pinned && w->last_use < oldest) oldest = w->last_use;
+  vp__unlock(dev, VP_OK);
+  return oldest;
+}
+
+/* Whether another live participant publishes anything reclaimable: a
+ * fault asks nobody, and drops no lock, when none does. Reads only the
+ * segment (any locks may be held). */
+bool vp__release_may_help(vp__device_t *dev) {
+  vp__ledger_t *l = dev->ledger;
+  for (int i = 0; l && i < LEDGER_PARTS; i++) {
+    const ledger_part_t *p = &l->seg->part[i];
+    if (i != l->part && atomic_load(&p->state) == PART_LIVE &&
+        atomic_load_explicit(&p->reclaimable, memory_order_relaxed))
+      return true;
+  }
+  return false;
+}
+
+/* Two steps: others' VBARs older than our own candidates, enough for the
+ * whole shortfall; then, if our own pages still could not cover the rest,
+ * any of theirs not in use, for the part ours cannot. */
+void vp__release_ask(vp__device_t *dev, const vp__ask_t *ask) {
+  vp__ledger_t *l = dev->ledger;
+  if (!l || !ask->pending || !vp__release_may_help(dev)) return;
+  uint64_t now = vp__coarse_ns(), before = own_oldest(dev, ask->vbar, now);
+  uint64_t freed = walk(l, ask->target, before, false);
+  if (before < now && ask->own < ask->target)
+    freed += walk(l, ask->target - ask->own, now, false);
+  vp__log(VP_LOG_DEBUG, dev->caps.name, "ledger: other processes released "
+          "%llu bytes toward %llu free", ULL(freed), ULL(ask->target));
+}
+
+int vp_ledger_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  uint64_t done = 0, start = 0;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  if (!dev->ledger) {
+    rc = vp__device_evict(dev, bytes, &done);
+    if (freed) *freed = done;
+    return vp__unlock(dev, rc);
+  }
+  vp__ledger_sync(dev);
+  vp__unlock(dev, VP_OK);
+  if (!measure(dev, &start)) return vp__broken(dev);
+  uint64_t target = start > UINT64_MAX - bytes ? UINT64_MAX : start + bytes;
+  done = walk(dev->ledger, target, vp__coarse_ns(), true);
+  if (done < bytes)
+    vp__log(VP_LOG_INFO, dev->caps.name, "ledger: freed %llu of the %llu "
+            "bytes asked; nothing else is reclaimable now", ULL(done),
+            ULL(bytes));
+  if (freed) *freed = done;
+  return VP_OK;
+}

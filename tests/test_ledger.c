@@ -1,0 +1,732 @@
+/* The per-GPU ledger on the simulated device (VPAGER_SIM_SHARED): processes
+ * that share one device's memory give each other memory back, least
+ * recently used first, and survive peers that die, stop, or leave a bad
+ * segment behind.
+ *
+ * Most tests fork peers: each holds one device and one VBAR and obeys
+ * one-byte commands from the test (peer_main), answering with a number.
+ * Peers are forked before the test opens a device of its own: a device
+ * with a ledger has a thread, and TSan lets no child of a threaded
+ * process start threads. */
+#include "test.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ledger.h"
+
+#define PAGES_CAP 12 /* shared capacity of most tests, in pages */
+
+/* ------------------------------------------------------------ helpers */
+
+static void ledger_name(char *buf, size_t n, const char *what) {
+  static int counter;
+  snprintf(buf, n, "vpl-%s-%d-%d", what, (int)getpid(), counter++);
+}
+
+/* Options of a shared device named `name` of `cap` pages. */
+static void shared_opts(test_ctx_t *ctx, vp_options_t *o, const char *name,
+                        uint64_t cap) {
+  test_options(ctx, o);
+  o->sim_capacity = cap * o->page_size;
+  snprintf(o->sim_shared, sizeof o->sim_shared, "%s", name);
+  o->ledger_timeout_us = 2000000; /* generous: sanitizers are slow */
+}
+
+static void put_u64(int fd, uint64_t v) {
+  ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
+}
+
+static uint64_t get_u64(int fd) {
+  uint64_t v = 0;
+  ASSERT_EQ_INT(read(fd, &v, sizeof v), (int)sizeof v);
+  return v;
+}
+
+/* Others may change the ledger between two calls: grow until it fits. */
+static char *snapshot(vp_device_t dev) {
+  size_t len = 4096, need = 0;
+  for (;;) {
+    char *buf = malloc(len);
+    ASSERT_NOT_NULL(buf);
+    int rc = vp_ledger_snapshot(dev, buf, len, &need);
+    if (rc == VP_OK) return buf;
+    ASSERT_RC(rc, VP_ERANGE);
+    free(buf);
+    len = 2 * (need + 1);
+  }
+}
+
+/* How many times `needle` occurs in s. */
+static int count_of(const char *s, const char *needle) {
+  int n = 0;
+  for (const char *p = s; (p = strstr(p, needle)); p += strlen(needle)) n++;
+  return n;
+}
+
+/* ---------------------------------------------------------------- peers */
+
+typedef struct peer_cfg {
+  const char *name;   /* the shared device */
+  uint64_t cap;       /* its capacity, pages */
+  uint64_t pages;     /* the peer's model */
+  uint64_t key;       /* its bytes' pattern */
+  const char *label;
+  int streams;        /* vp_sim_streams_t */
+} peer_cfg_t;
+
+typedef struct peer {
+  pid_t pid;
+  int to, from;
+} peer_t;
+
+typedef struct model {
+  vp_device_t dev;
+  vp_vbar_t v;
+  uint64_t ps, pages, key;
+  uint32_t gens[64];
+} model_t;
+
+/* One pass over the model: pages that fault are filled when their
+ * generation changed and checked bitwise either way. Returns the pages
+ * that were resident (faulted) in the pass. */
+static uint64_t model_pass(model_t *m, bool keep_pinned) {
+  uint64_t ok = 0;
+  for (uint64_t p = 0; p < m->pages; p++) {
+    uint32_t gen = 0;
+    int rc = test_fault_page(m->v, p, &gen);
+    ASSERT_RC2(rc, VP_OK, VP_MISS);
+    if (rc == VP_MISS) continue;
+    uint64_t addr = test_vbar_base(m->v) + p * m->ps;
+    if (gen != m->gens[p]) test_write_pattern(m->dev, addr, m->ps, m->key + p);
+    ASSERT_TRUE(test_check_pattern(m->dev, addr, m->ps, m->key + p));
+    m->gens[p] = gen;
+    ok++;
+    if (!keep_pinned) ASSERT_OK(vp_unpin(m->v, p * m->ps, m->ps, 0));
+  }
+  return ok;
+}
+
+static void model_unpin_all(model_t *m) {
+  for (uint64_t p = 0; p < m->pages; p++)
+    if (test_resid(m->v, p) & VP_PAGE_PINNED)
+      ASSERT_OK(vp_unpin(m->v, p * m->ps, m->ps, 0));
+}
+
+static void model_open(test_ctx_t *ctx, const peer_cfg_t *c, model_t *m) {
+  vp_options_t o;
+  shared_opts(ctx, &o, c->name, c->cap);
+  o.sim_streams = c->streams;
+  memset(m, 0, sizeof *m);
+  m->dev = test_open(ctx, &o);
+  m->ps = o.page_size;
+  m->pages = c->pages;
+  m->key = c->key;
+  m->v = test_vbar(m->dev, c->pages * m->ps);
+  if (c->label) ASSERT_OK(vp_vbar_set_label(m->v, c->label));
+}
+
+static void sleep_fn(void *arg) {
+  (void)arg;
+  test_sleep_ms(10000);
+}
+
+/* The last page, unpinned on a stream that is busy for 10 s: evicting it
+ * (it goes first, tail-first) waits that long under the device lock. */
+static uint64_t slow_fence(model_t *m) {
+  vp_stream_t s = 0;
+  uint64_t p = m->pages - 1;
+  ASSERT_OK(vp_stream_create(m->dev, &s));
+  ASSERT_OK(test_fault_page(m->v, p, NULL));
+  ASSERT_OK(vp_sim_launch(m->dev, s, sleep_fn, NULL));
+  ASSERT_OK(vp_unpin(m->v, p * m->ps, m->ps, s));
+  return 0;
+}
+
+/* Commands: R run a pass (prioritized first), T touch (a pass as it is),
+ * P a pass keeping pages pinned, U unpin, C resident page count, W a slow
+ * fence on the last page, Q quit. Each answers a number. */
+static void peer_main(test_ctx_t *ctx, const peer_cfg_t *c, int in, int out) {
+  model_t m;
+  model_open(ctx, c, &m);
+  put_u64(out, 0); /* joined */
+  for (;;) {
+    char cmd = 0;
+    if (read(in, &cmd, 1) != 1) break;
+    uint64_t v = 0;
+    if (cmd == 'R') ASSERT_OK(vp_vbar_prioritize(m.v));
+    if (cmd == 'R' || cmd == 'T' || cmd == 'P') v = model_pass(&m, cmd == 'P');
+    if (cmd == 'U') model_unpin_all(&m);
+    if (cmd == 'C') v = test_resident_count(m.v);
+    if (cmd == 'W') v = slow_fence(&m);
+    if (cmd == 'Q') break;
+    put_u64(out, v);
+  }
+  model_unpin_all(&m);
+  ASSERT_OK(vp_device_close(m.dev));
+  exit(0);
+}
+
+static peer_t peer_start(test_ctx_t *ctx, const peer_cfg_t *c) {
+  int down[2], up[2];
+  ASSERT_EQ_INT(pipe(down), 0);
+  ASSERT_EQ_INT(pipe(up), 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE_INT(pid, 0);
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    peer_main(ctx, c, down[0], up[1]);
+  }
+  close(down[0]);
+  close(up[1]);
+  peer_t p = {pid, down[1], up[0]};
+  ASSERT_EQ_U64(get_u64(p.from), 0);
+  return p;
+}
+
+static uint64_t peer_do(peer_t *p, char cmd) {
+  ASSERT_EQ_INT(write(p->to, &cmd, 1), 1);
+  return get_u64(p->from);
+}
+
+static void peer_quit(peer_t *p) {
+  char q = 'Q';
+  ASSERT_EQ_INT(write(p->to, &q, 1), 1);
+  int st = test_wait(p->pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  close(p->to);
+  close(p->from);
+}
+
+/* A peer that is gone (killed): reap it. */
+static void peer_reap(peer_t *p) {
+  test_wait(p->pid);
+  close(p->to);
+  close(p->from);
+}
+
+/* ---------------------------------------------------------------- tests */
+
+/* Two devices of one process on one shared device: the idle one's pages
+ * go to the one that faults; the snapshot shows both, with labels. */
+TEST(ledger_two_devices, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "two");
+  peer_cfg_t ca = {name, 8, 6, 100, "idle-model", VP_SIM_SYNC};
+  peer_cfg_t cb = {name, 8, 6, 200, "busy-model", VP_SIM_SYNC};
+  model_t a, b;
+  model_open(ctx, &ca, &a);
+  model_open(ctx, &cb, &b);
+  ASSERT_EQ_U64(model_pass(&a, false), 6);
+  /* b gets the 2 free pages, then 4 of a's, least recently used first. */
+  ASSERT_EQ_U64(model_pass(&b, false), 6);
+  ASSERT_EQ_U64(test_resident_count(a.v), 2);
+  ASSERT_EQ_STR(test_map(a.v), "##....");
+  vp_stats_t sa = test_vbar_stats(a.v);
+  ASSERT_EQ_U64(sa.pages_evicted, 4);
+  char *s = snapshot(b.dev);
+  ASSERT_STR_CONTAINS(s, "\"joined\":true");
+  ASSERT_STR_CONTAINS(s, "\"label\":\"idle-model\"");
+  ASSERT_STR_CONTAINS(s, "\"label\":\"busy-model\"");
+  ASSERT_EQ_INT(count_of(s, "\"slot\":"), 2);
+  free(s);
+  /* a's remaining pages are still a's bytes. */
+  ASSERT_EQ_U64(model_pass(&a, false), 2);
+  char label[VP_LABEL_MAX];
+  ASSERT_OK(vp_vbar_label(a.v, label, sizeof label));
+  ASSERT_EQ_STR(label, "idle-model");
+  ASSERT_OK(vp_device_close(a.dev));
+  ASSERT_OK(vp_device_close(b.dev));
+}
+
+/* Three processes whose models together are twice the shared capacity (one
+ * alone is larger than it) take turns: the one whose turn it is gets every
+ * page the idle ones hold, and every byte is checked in every pass. */
+TEST(ledger_alternating_processes, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "alt");
+  static const uint64_t sizes[3] = {8, 8, 16};
+  peer_t p[3];
+  for (int i = 0; i < 3; i++) {
+    peer_cfg_t c = {name, PAGES_CAP, sizes[i], 1000u * (i + 1), NULL,
+                    i == 1 ? VP_SIM_WORKER : VP_SIM_SYNC};
+    p[i] = peer_start(ctx, &c);
+  }
+  uint64_t rounds = test_scale(6);
+  for (uint64_t r = 0; r < rounds; r++)
+    for (int i = 0; i < 3; i++) {
+      uint64_t want = sizes[i] < PAGES_CAP ? sizes[i] : PAGES_CAP;
+      test_note("round %" PRIu64 ", process %d", r, i);
+      ASSERT_EQ_U64(peer_do(&p[i], 'R'), want);
+      uint64_t held = 0;
+      for (int j = 0; j < 3; j++) held += peer_do(&p[j], 'C');
+      ASSERT_LE_U64(held, PAGES_CAP);
+    }
+  for (int i = 0; i < 3; i++) peer_quit(&p[i]);
+}
+
+/* The order is least recently used first over every process: a model
+ * loaded long ago in an idle process goes before a busy process's, and a
+ * model with pinned pages is never a victim. */
+TEST(ledger_idle_before_active, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "lru");
+  peer_cfg_t ci = {name, PAGES_CAP, 4, 10, "idle", VP_SIM_SYNC};
+  peer_cfg_t cb = {name, PAGES_CAP, 4, 20, "busy", VP_SIM_SYNC};
+  peer_t idle = peer_start(ctx, &ci), busy = peer_start(ctx, &cb);
+  ASSERT_EQ_U64(peer_do(&idle, 'R'), 4);
+  test_sleep_ms(20); /* coarse clocks: make "less recently" unambiguous */
+  ASSERT_EQ_U64(peer_do(&busy, 'R'), 4);
+  test_sleep_ms(20);
+  peer_cfg_t cr = {name, PAGES_CAP, 12, 30, "requester", VP_SIM_SYNC};
+  model_t m;
+  model_open(ctx, &cr, &m);
+  m.pages = 6; /* 4 free, 2 from the idle process */
+  ASSERT_EQ_U64(model_pass(&m, false), 6);
+  ASSERT_EQ_U64(peer_do(&idle, 'C'), 2);
+  ASSERT_EQ_U64(peer_do(&busy, 'C'), 4);
+  ASSERT_EQ_U64(peer_do(&busy, 'T'), 4); /* busy again */
+  m.pages = 8; /* 2 more: the idle process's last two */
+  ASSERT_EQ_U64(model_pass(&m, false), 8);
+  ASSERT_EQ_U64(peer_do(&idle, 'C'), 0);
+  ASSERT_EQ_U64(peer_do(&busy, 'C'), 4);
+  /* busy pins its pages: nothing more to be had, a miss. */
+  ASSERT_EQ_U64(peer_do(&busy, 'P'), 4);
+  m.pages = 10;
+  ASSERT_EQ_U64(model_pass(&m, false), 8);
+  ASSERT_EQ_U64(peer_do(&busy, 'C'), 4);
+  ASSERT_EQ_U64(peer_do(&busy, 'U'), 0);
+  ASSERT_EQ_U64(model_pass(&m, false), 10);
+  ASSERT_EQ_U64(peer_do(&busy, 'C'), 2);
+  peer_quit(&idle);
+  peer_quit(&busy);
+  ASSERT_OK(vp_device_close(m.dev));
+}
+
+/* Our own older VBAR goes before another process's newer one; theirs
+ * older than ours goes first. */
+TEST(ledger_own_older_first, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "own");
+  peer_cfg_t cp = {name, 8, 4, 40, "peer", VP_SIM_SYNC};
+  peer_t peer = peer_start(ctx, &cp); /* forked before we have threads */
+  peer_cfg_t cr = {name, 8, 4, 30, "old-own", VP_SIM_SYNC};
+  model_t old;
+  model_open(ctx, &cr, &old);
+  ASSERT_EQ_U64(model_pass(&old, false), 4);
+  test_sleep_ms(20);
+  ASSERT_EQ_U64(peer_do(&peer, 'R'), 4);
+  test_sleep_ms(20);
+  /* A second VBAR of ours, above `old` in our priority list. */
+  model_t cur = old;
+  cur.v = test_vbar(old.dev, 4 * old.ps);
+  cur.key = 50;
+  memset(cur.gens, 0, sizeof cur.gens);
+  ASSERT_EQ_U64(model_pass(&cur, false), 4);
+  ASSERT_EQ_U64(test_resident_count(old.v), 0);
+  ASSERT_EQ_U64(peer_do(&peer, 'C'), 4);
+  peer_quit(&peer);
+  ASSERT_OK(vp_device_close(old.dev));
+}
+
+/* ------------------------------------------------------------- faults */
+
+static void shm_of(char *buf, size_t n, const char *name) {
+  snprintf(buf, n, LEDGER_PREFIX "sim-%s", name);
+}
+
+static int count_pid(const char *snap, pid_t pid) {
+  char key[32];
+  snprintf(key, sizeof key, "\"pid\":%d,", (int)pid);
+  return count_of(snap, key);
+}
+
+/* A process killed while it holds the ledger's lock: the next one to take
+ * it recovers it (EOWNERDEAD) and reaps the dead at once; the memory the
+ * dead held comes back as the driver frees it (the sim: within 100 ms). */
+TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
+  char name[64], shm[128];
+  ledger_name(name, sizeof name, "kill");
+  shm_of(shm, sizeof shm, name);
+  peer_cfg_t ck = {name, 8, 3, 10, "doomed", VP_SIM_SYNC};
+  int sync[2];
+  ASSERT_EQ_INT(pipe(sync), 0);
+  fflush(stdout);
+  pid_t k = fork();
+  ASSERT_GE_INT(k, 0);
+  if (k == 0) {
+    model_t m;
+    model_open(ctx, &ck, &m);
+    ASSERT_EQ_U64(model_pass(&m, false), 3);
+    ledger_seg_t *seg = NULL;
+    char why[192];
+    ASSERT_OK(vp__lseg_map(shm, true, &seg, why, sizeof why));
+    ASSERT_OK(vp__lseg_lock(seg));
+    put_u64(sync[1], 1);
+    pause();
+    _exit(0);
+  }
+  ASSERT_EQ_U64(get_u64(sync[0]), 1);
+  ASSERT_EQ_INT(kill(k, SIGKILL), 0);
+  test_wait(k);
+  uint64_t t0 = test_now_ms();
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t joined_ms = test_now_ms() - t0;
+  char *s = snapshot(dev);
+  test_note("%s", s);
+  ASSERT_STR_CONTAINS(s, "\"joined\":true");
+  ASSERT_EQ_INT(count_pid(s, k), 0);
+  free(s);
+  ASSERT_LT_U64(joined_ms, 1000);
+  while (test_info(dev).free_memory != 8 * o.page_size) {
+    ASSERT_LT_U64(test_now_ms() - t0, 1000);
+    test_sleep_ms(5);
+  }
+  vp_vbar_t v = test_vbar(dev, 8 * o.page_size);
+  test_load_pages(v, 0, 8);
+  ASSERT_OK(vp_device_close(dev));
+  close(sync[0]);
+  close(sync[1]);
+}
+
+/* A holder killed while it answers (its eviction waits for a fence): the
+ * requester gives up after the timeout and goes on; the dead one's memory
+ * and its place in the ledger come back. */
+TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "mid");
+  peer_cfg_t cp = {name, 8, 4, 10, "slow", VP_SIM_WORKER};
+  peer_t p = peer_start(ctx, &cp);
+  ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
+  ASSERT_EQ_U64(peer_do(&p, 'W'), 0);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  o.ledger_timeout_us = 200000;
+  vp_device_t dev = test_open(ctx, &o);
+  vp_vbar_t v = test_vbar(dev, 8 * o.page_size);
+  test_load_pages(v, 0, 4);
+  uint64_t t0 = test_now_ms();
+  ASSERT_RC(test_fault_page(v, 4, NULL), VP_MISS); /* the peer is stuck */
+  uint64_t waited = test_now_ms() - t0;
+  ASSERT_GE_U64(waited, 150);
+  ASSERT_LT_U64(waited, 1000);
+  ASSERT_EQ_INT(kill(p.pid, SIGKILL), 0);
+  peer_reap(&p);
+  t0 = test_now_ms();
+  while (test_fault_page(v, 4, NULL) != VP_OK) {
+    ASSERT_LT_U64(test_now_ms() - t0, 1000);
+    test_sleep_ms(5);
+  }
+  ASSERT_OK(vp_unpin(v, 4 * o.page_size, o.page_size, 0));
+  vp_device_t other = test_open(ctx, &o); /* joining reaps the dead */
+  char *s = snapshot(other);
+  test_note("%s", s);
+  ASSERT_EQ_INT(count_pid(s, p.pid), 0);
+  ASSERT_STR_CONTAINS(s, "\"requests\":[]");
+  free(s);
+  ASSERT_OK(vp_device_close(other));
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* A stopped holder: the request times out, the requester goes on (a miss)
+ * and skips the holder for a second instead of waiting again; once it runs
+ * again it answers. */
+TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "stop");
+  peer_cfg_t cp = {name, 8, 4, 10, "stopped", VP_SIM_SYNC};
+  peer_t p = peer_start(ctx, &cp);
+  ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  o.ledger_timeout_us = 100000;
+  vp_device_t dev = test_open(ctx, &o);
+  vp_vbar_t v = test_vbar(dev, 8 * o.page_size);
+  test_load_pages(v, 0, 4);
+  ASSERT_EQ_INT(kill(p.pid, SIGSTOP), 0);
+  int st = 0; /* stopped for sure, not just signalled */
+  ASSERT_EQ_INT(waitpid(p.pid, &st, WUNTRACED), p.pid);
+  ASSERT_TRUE(WIFSTOPPED(st));
+  uint64_t t0 = test_now_ms();
+  ASSERT_RC(test_fault_page(v, 4, NULL), VP_MISS);
+  uint64_t first = test_now_ms() - t0;
+  t0 = test_now_ms();
+  ASSERT_RC(test_fault_page(v, 4, NULL), VP_MISS);
+  uint64_t second = test_now_ms() - t0;
+  ASSERT_GE_U64(first, 90);
+  ASSERT_LT_U64(first, 1000);
+  ASSERT_LT_U64(second, 50);
+  ASSERT_EQ_INT(kill(p.pid, SIGCONT), 0);
+  test_sleep_ms(1100); /* the skip ends */
+  ASSERT_OK(test_fault_page(v, 4, NULL));
+  ASSERT_OK(vp_unpin(v, 4 * o.page_size, o.page_size, 0));
+  ASSERT_EQ_U64(peer_do(&p, 'C'), 3);
+  peer_quit(&p);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Write a segment by hand: `size` bytes, the header words given. */
+static void bad_segment(const char *shm, off_t size, uint64_t magic,
+                        uint32_t version, bool garbage) {
+  shm_unlink(shm);
+  int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE_INT(fd, 0);
+  ASSERT_EQ_INT(ftruncate(fd, size), 0);
+  unsigned char buf[24];
+  memset(buf, garbage ? 0xa5 : 0, sizeof buf);
+  if (!garbage) {
+    memcpy(buf, &magic, 8);
+    memcpy(buf + 8, &version, 4);
+  }
+  if (size >= (off_t)sizeof buf)
+    ASSERT_EQ_INT(pwrite(fd, buf, sizeof buf, 0), (int)sizeof buf);
+  close(fd);
+}
+
+/* A truncated, corrupt or other-version segment is not joined: the device
+ * works alone and says why; the segment is left as it is. */
+TEST(ledger_bad_segment, TEST_SIM_ONLY) {
+  static const struct {
+    off_t size;
+    uint64_t magic;
+    uint32_t version;
+    bool garbage;
+    const char *why;
+  } cases[] = {
+      {0, 0, 0, false, "is 0 bytes"},
+      {100, 0, 0, true, "is 100 bytes, not"},
+      {sizeof(ledger_seg_t), 0, 0, true, "not a vpager ledger"},
+      {sizeof(ledger_seg_t), LEDGER_MAGIC, 2, false, "version 2"},
+      {sizeof(ledger_seg_t) + 4096, LEDGER_MAGIC, 1, false, "bytes, not"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    char name[64], shm[128];
+    ledger_name(name, sizeof name, "bad");
+    snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+    test_note("case %zu: %s", i, cases[i].why);
+    bad_segment(shm, cases[i].size, cases[i].magic, cases[i].version,
+                cases[i].garbage);
+    vp_options_t o;
+    test_options(ctx, &o);
+    snprintf(o.ledger, sizeof o.ledger, "%s", name); /* asked for */
+    vp_device_t dev = test_open(ctx, &o);
+    char *s = snapshot(dev);
+    ASSERT_STR_CONTAINS(s, "\"joined\":false");
+    ASSERT_STR_CONTAINS(s, cases[i].why);
+    free(s);
+    vp_vbar_t v = test_vbar(dev, 4 * o.page_size);
+    test_load_pages(v, 0, 4);
+    char buf[4096];
+    ASSERT_FAILS(vp_ledger_read(name, buf, sizeof buf, NULL));
+    ASSERT_STR_CONTAINS(vp_last_error(), cases[i].why);
+    ASSERT_OK(vp_device_close(dev));
+    struct stat st;
+    int fd = shm_open(shm, O_RDONLY, 0);
+    ASSERT_GE_INT(fd, 0);
+    ASSERT_EQ_INT(fstat(fd, &st), 0);
+    ASSERT_EQ_INT(st.st_size, cases[i].size);
+    close(fd);
+    ASSERT_EQ_INT(shm_unlink(shm), 0);
+  }
+}
+
+/* --------------------------------------------------------- membership */
+
+static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
+                        int seed) {
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 64);
+  for (uint64_t i = 0; i < loops; i++) {
+    vp_device_t dev = test_open(ctx, &o);
+    vp_vbar_t v = test_vbar(dev, 2 * o.page_size);
+    ASSERT_OK(vp_vbar_set_label(v, "churn"));
+    if ((i + (uint64_t)seed) % 2) test_load_pages(v, 0, 2);
+    char *s = snapshot(dev);
+    ASSERT_STR_CONTAINS(s, "\"joined\":true");
+    free(s);
+    ASSERT_OK(vp_device_close(dev));
+  }
+  exit(0);
+}
+
+/* Many processes join and leave at once, two of them (looping until then)
+ * killed on the way:
+ * every join succeeds, and once all are gone the ledger goes too. */
+TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "churn");
+  enum { N = 20 };
+  uint64_t loops = test_scale(12);
+  pid_t pids[N];
+  fflush(stdout);
+  fflush(stderr);
+  for (int i = 0; i < N; i++) {
+    pids[i] = fork();
+    ASSERT_GE_INT(pids[i], 0);
+    if (pids[i] == 0) churn_child(ctx, name, i < 2 ? UINT64_MAX : loops, i);
+  }
+  test_sleep_ms(5);
+  kill(pids[0], SIGKILL);
+  kill(pids[1], SIGKILL);
+  for (int i = 0; i < N; i++) {
+    int st = test_wait(pids[i]);
+    if (i >= 2) ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
+  /* A last one reaps whoever was killed inside and removes the name. */
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 64);
+  vp_device_t dev = test_open(ctx, &o);
+  char *s = snapshot(dev);
+  test_note("%s", s);
+  ASSERT_EQ_INT(count_of(s, "\"slot\":"), 1);
+  ASSERT_STR_CONTAINS(s, "\"requests\":[]");
+  free(s);
+  ASSERT_OK(vp_device_close(dev));
+  char buf[256], ledger[96];
+  snprintf(ledger, sizeof ledger, "sim-%s", name);
+  ASSERT_RC(vp_ledger_read(ledger, buf, sizeof buf, NULL), VP_ENODEV);
+}
+
+/* ------------------------------------------------------- the model API */
+
+/* Asking for more than every participant could free frees what can be
+ * freed, once (no loop), and says how much that was. */
+TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "much");
+  peer_cfg_t cp = {name, 8, 4, 10, "peer", VP_SIM_SYNC};
+  peer_t p = peer_start(ctx, &cp);
+  ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = o.page_size, freed = 0;
+  vp_vbar_t v = test_vbar(dev, 4 * ps), pinned = test_vbar(dev, ps);
+  test_load_pages(v, 0, 2);
+  ASSERT_OK(test_fault_page(pinned, 0, NULL));
+  uint64_t t0 = test_now_ms();
+  ASSERT_OK(vp_ledger_free_memory(dev, 100 * ps, &freed));
+  ASSERT_LT_U64(test_now_ms() - t0, 1000);
+  ASSERT_EQ_U64(freed, 6 * ps); /* the peer's 4 and our 2; not the pinned */
+  ASSERT_EQ_U64(peer_do(&p, 'C'), 0);
+  ASSERT_EQ_U64(test_resident_count(v), 0);
+  ASSERT_EQ_U64(test_resident_count(pinned), 1);
+  ASSERT_OK(vp_ledger_free_memory(dev, 100 * ps, &freed));
+  ASSERT_EQ_U64(freed, 0);
+  /* Exactly what is asked, least recently used first: ours went last. As
+   * under pressure, eviction lowered our watermark: prioritize lifts it. */
+  ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
+  test_sleep_ms(20);
+  ASSERT_OK(vp_vbar_prioritize(v));
+  test_load_pages(v, 0, 2);
+  ASSERT_OK(vp_ledger_free_memory(dev, 3 * ps, &freed));
+  ASSERT_EQ_U64(freed, 3 * ps);
+  ASSERT_EQ_U64(peer_do(&p, 'C'), 1);
+  ASSERT_EQ_U64(test_resident_count(v), 2);
+  ASSERT_OK(vp_unpin(pinned, 0, ps, 0));
+  peer_quit(&p);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* vp_acquire's misses that our own pages could not cover are taken to the
+ * other processes after the call: the next acquire finds the room. */
+TEST(ledger_acquire_asks_after, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "acq");
+  peer_cfg_t cp = {name, 8, 6, 10, "peer", VP_SIM_SYNC};
+  peer_t p = peer_start(ctx, &cp);
+  ASSERT_EQ_U64(peer_do(&p, 'R'), 6);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  uint64_t ps = o.page_size;
+  o.staging_size = ps;
+  o.lookahead = 0;
+  vp_device_t dev = test_open(ctx, &o);
+  vp_vbar_t v = test_vbar(dev, 2 * ps);
+  unsigned char *host = malloc(2 * ps);
+  ASSERT_NOT_NULL(host);
+  test_pattern(host, 2 * ps, 77);
+  uint64_t off[2] = {0, ps}, size[2] = {ps, ps};
+  vp_source_t src[2] = {{.kind = VP_SOURCE_HOST, .host = host},
+                        {.kind = VP_SOURCE_HOST, .host = host + ps}};
+  vp_weight_t w[2];
+  ASSERT_OK(vp_weights_create(v, 2, off, size, src, w));
+  uint64_t ptr[2];
+  uint8_t flags[2];
+  /* The ring takes one free page, weight 0 the other; weight 1 misses. */
+  ASSERT_OK(vp_acquire(dev, w, 2, 0, ptr, flags));
+  ASSERT_EQ_INT(flags[0] & VP_ACQUIRED_RESIDENT, VP_ACQUIRED_RESIDENT);
+  ASSERT_EQ_INT(flags[1] & VP_ACQUIRED_STAGED, VP_ACQUIRED_STAGED);
+  ASSERT_OK(vp_release(dev, w, 2, 0));
+  ASSERT_EQ_U64(peer_do(&p, 'C'), 5);
+  ASSERT_OK(vp_acquire(dev, w, 2, 0, ptr, flags));
+  ASSERT_EQ_INT(flags[1] & VP_ACQUIRED_RESIDENT, VP_ACQUIRED_RESIDENT);
+  unsigned char *back = malloc(ps);
+  ASSERT_NOT_NULL(back);
+  ASSERT_OK(vp_copy_to_host(dev, back, ptr[1], ps, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(back, host + ps, ps);
+  ASSERT_OK(vp_release(dev, w, 2, 0));
+  peer_quit(&p);
+  ASSERT_OK(vp_device_close(dev));
+  free(back);
+  free(host);
+}
+
+/* What `vpager top` reads: the list of ledgers, one by name (read only),
+ * the reservation a framework published, and a device without a ledger. */
+TEST(ledger_views, TEST_SIM_ONLY) {
+  char name[64], ledger[96];
+  ledger_name(name, sizeof name, "view");
+  snprintf(ledger, sizeof ledger, "sim-%s", name);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  vp_device_t dev = test_open(ctx, &o);
+  vp_vbar_t v = test_vbar(dev, 2 * o.page_size);
+  ASSERT_OK(vp_vbar_set_label(v, "unet (fp16)"));
+  test_load_pages(v, 0, 1);
+  ASSERT_OK(vp_device_set_external_reserved(dev, 12345));
+  char buf[1 << 16];
+  size_t need = 0;
+  ASSERT_OK(vp_ledger_list(buf, sizeof buf, NULL));
+  char quoted[112];
+  snprintf(quoted, sizeof quoted, "\"%s\"", ledger);
+  ASSERT_STR_CONTAINS(buf, quoted);
+  ASSERT_OK(vp_ledger_read(ledger, buf, sizeof buf, &need));
+  ASSERT_EQ_U64(strlen(buf), need);
+  ASSERT_STR_CONTAINS(buf, "\"joined\":false"); /* a reader is no member */
+  ASSERT_STR_CONTAINS(buf, "\"label\":\"unet (fp16)\"");
+  ASSERT_STR_CONTAINS(buf, "\"external_reserved\":12345");
+  ASSERT_STR_CONTAINS(buf, "\"resident\":65536");
+  ASSERT_RC(vp_ledger_read(ledger, buf, 8, NULL), VP_ERANGE);
+  ASSERT_RC(vp_ledger_read("no/such", buf, sizeof buf, NULL), VP_EINVAL);
+  ASSERT_RC(vp_ledger_read("sim-none-here", buf, sizeof buf, NULL),
+            VP_ENODEV);
+  ASSERT_RC(vp_vbar_set_label(v, "quote\""), VP_EINVAL);
+  char big[VP_LABEL_MAX + 1];
+  memset(big, 'x', VP_LABEL_MAX);
+  big[VP_LABEL_MAX] = '\0';
+  ASSERT_RC(vp_vbar_set_label(v, big), VP_EINVAL);
+  ASSERT_RC(vp_vbar_label(v, buf, 4), VP_ERANGE);
+  ASSERT_OK(vp_device_close(dev));
+  vp_device_t alone = test_open(ctx, NULL);
+  char *s = snapshot(alone);
+  ASSERT_STR_CONTAINS(s, "\"joined\":false");
+  ASSERT_STR_CONTAINS(s, "not shared");
+  free(s);
+  uint64_t freed = 1;
+  ASSERT_OK(vp_ledger_free_memory(alone, 1, &freed));
+  ASSERT_EQ_U64(freed, 0);
+  ASSERT_OK(vp_device_close(alone));
+}
