@@ -132,6 +132,19 @@ class Device(Handle):
     def set_pin_budget(self, nbytes):
         check(C.vp_device_set_pin_budget(self._handle(), nbytes))
 
+    # ------------------------------------------- the ledger (vpager.ledger)
+    def ledger_snapshot(self):
+        from . import ledger
+        return ledger.snapshot(self)
+
+    def ledger_free_memory(self, nbytes):
+        from . import ledger
+        return ledger.free_memory(self, nbytes)
+
+    def set_external_reserved(self, nbytes):
+        from . import ledger
+        ledger.set_external_reserved(self, nbytes)
+
     # ------------------------------------------------------------ streams
     def create_stream(self):
         """vp_stream_create(): a new stream (an int)."""

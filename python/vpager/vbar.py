@@ -156,6 +156,17 @@ class Vbar(Handle):
         """vp_vbar_stats() as a dict (vpager.STAT_NAMES)."""
         return read_stats(C.vp_vbar_stats, self._handle())
 
+    @property
+    def label(self):
+        """The VBAR's name in the ledger and reports (vpager.ledger)."""
+        from . import ledger
+        return ledger.label(self)
+
+    @label.setter
+    def label(self, text):
+        from . import ledger
+        ledger.set_label(self, text)
+
     # ------------------------------------------------------------ weights
     def create_weights(self, offsets, sizes, sources=None):
         """vp_weights_create(): see vpager.Weights."""
