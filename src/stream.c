@@ -221,10 +221,6 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
       w->acq_staged--;
       hold->staged--;
       w->slot->refs--;
-      if ((flags[i] & VP_ACQUIRED_EMPTY) && !w->slot->refs) {
-        w->slot->owner = NULL; /* nobody wrote it: reclaimed like a free slot */
-        w->slot = NULL;
-      }
     } else {
       w->acq_resident--;
       hold->resident--;
@@ -233,6 +229,17 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
       else vp__unpin_nofence(w->vb, w->p0, w->p1);
     }
     vp__hold_trim(w, stream);
+  }
+  /* A slot this call handed out EMPTY holds nothing anyone wrote: once no
+   * hold is left (later listings of the weight included), it is reclaimed
+   * like a free one. */
+  for (size_t i = 0; i < n; i++) {
+    vp__slot_t *s = ws[i]->slot;
+    if ((flags[i] & VP_ACQUIRED_EMPTY) && s && !s->refs &&
+        ptrs[i] != ws[i]->vb->va + ws[i]->offset) {
+      s->owner = NULL;
+      ws[i]->slot = NULL;
+    }
   }
   for (size_t i = 0; !issued && i < b->nfilled; i++) {
     vp__weight_t *w = b->filled[i];

@@ -944,7 +944,21 @@ TEST(stream_failed_acquire_keeps_empty, TEST_SIM_ONLY) {
   ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, ptrs, fl));
   ASSERT_TRUE(fl[0] & VP_ACQUIRED_EMPTY);
   ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  /* Staged and listed twice before the call fails: the second listing
+   * reuses the slot the first handed out EMPTY; undone, it is dropped. */
+  ASSERT_OK(vp_vbar_set_watermark(v, 0));
+  uint64_t off2 = 7 * ps, size2 = 4096;
+  vp_source_t none = {.kind = VP_SOURCE_NONE};
+  vp_weight_t w2;
+  ASSERT_OK(vp_weights_create(v, 1, &off2, &size2, &none, &w2));
+  vp_weight_t twice[3] = {w2, w2, w[0]};
+  ASSERT_RC(vp_acquire(dev, twice, 3, 0, ptrs, NULL), VP_ELIMIT);
+  ASSERT_OK(vp_acquire(dev, &w2, 1, 0, ptrs, fl));
+  ASSERT_TRUE(fl[0] & VP_ACQUIRED_STAGED);
+  ASSERT_TRUE(fl[0] & VP_ACQUIRED_EMPTY);
+  ASSERT_OK(vp_release(dev, &w2, 1, 0));
   ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_OK(vp_weight_destroy(w2));
   ASSERT_OK(vp_weight_destroy(w[0]));
   ASSERT_OK(vp_weight_destroy(w[1]));
   ASSERT_OK(vp_vbar_destroy(v));
