@@ -16,6 +16,7 @@ import json
 import os
 import pkgutil
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -1483,6 +1484,375 @@ def test_host_buffer_default_unregister_without_cuda():
     finally:
         _cuda.host_unregister, control._cuda_count = saved
     assert calls == [(4096, 0), (8192, 0), (12288, 0)], calls
+
+
+# ----------------------------------------------- host_buffer: cold start
+
+def _resident(addr, size):
+    """Resident pages of those [addr, +size) touches (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pg = os.sysconf("SC_PAGE_SIZE")
+    size += addr % pg
+    addr -= addr % pg
+    n = (size + pg - 1) // pg
+    vec = (ctypes.c_ubyte * n)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size),
+                        vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec)
+
+
+def _vma_flags(addr):
+    """The VmFlags of the mapping holding addr (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for ln in f:
+            head = ln.split()
+            if head and "-" in head[0] and not ln.startswith("VmFlags"):
+                try:
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    inside = lo <= addr < hi
+                    continue
+                except ValueError:
+                    pass
+            if inside and ln.startswith("VmFlags:"):
+                return ln.split()[1:]
+    return None
+
+
+def test_host_buffer_extend_populates_memory():
+    """extend() hands out memory that is faulted in already (a client's
+    cudaHostRegister of it pins what is there), advised for transparent
+    huge pages, starting on a huge page; truncate() returns it; the same
+    with the kernel's MADV_POPULATE_WRITE missing (the zeroing fallback)
+    and over one thread or several."""
+    from comfy_aimdo import _libc, _par
+    pg = os.sysconf("SC_PAGE_SIZE")
+    control.deinit()
+    saved = _par.threads(), _libc._populate_write
+    try:
+        for threads, fallback in ((1, False), (4, False), (3, True)):
+            _par.set_threads(threads)
+            _libc._populate_write = not fallback
+            hb = host_buffer.HostBuffer(0, 0, 0)
+            p = hb.extend(37 * MiB + 1000, register=False)
+            base = hb.get_raw_address()
+            assert base % _libc.HUGE == 0
+            npg = lambda a, n: (a + n - 1) // pg - a // pg + 1  # noqa: E731
+            assert _resident(p, 37 * MiB + 1000) == \
+                npg(p, 37 * MiB + 1000)                 # all of it
+            assert "hg" in (_vma_flags(base) or ["hg"])  # THP advised
+            p2 = hb.extend(20 * MiB + 3, register=False)
+            assert p2 == p + 37 * MiB + 1000
+            assert _resident(p2, 20 * MiB + 3) == npg(p2, 20 * MiB + 3)
+            assert ctypes.string_at(p2, 4096) == bytes(4096)   # zeroed
+            ctypes.memset(base, 9, hb.size)
+            hb.truncate(5 * MiB + 17)
+            past = base + _libc.page_up(5 * MiB + 17)
+            assert _resident(past, 40 * MiB) == 0           # given back
+            # The rest of the last page was zeroed: extend gives zeros.
+            p3 = hb.extend(MiB, register=False)
+            assert ctypes.string_at(p3, MiB) == bytes(MiB)
+            assert _resident(p3, MiB) == npg(p3, MiB)
+            assert ctypes.string_at(base + 5 * MiB, 17) == b"\x09" * 17
+            hb.close()
+        # Prewarm populates too.
+        hb = host_buffer.HostBuffer(0, 8 * MiB, 1 << 30)
+        assert _resident(hb.get_raw_address(), 8 * MiB) == 8 * MiB // pg
+        hb.close()
+    finally:
+        _par.set_threads(saved[0])
+        _libc._populate_write = saved[1]
+
+
+def test_host_buffer_extend_out_of_memory_leaves_it_as_it_was():
+    """A populate that fails (the kernel's ENOMEM) makes extend() a
+    RuntimeError, as ComfyUI expects of a buffer that cannot grow, and
+    leaves the buffer as it was (size, mapping, what it holds)."""
+    import errno
+    from comfy_aimdo import _libc
+    control.deinit()
+    hb = host_buffer.HostBuffer(0, 0, 0)
+    p = hb.extend(3 * MiB, register=False)
+    ctypes.memset(p, 5, 3 * MiB)
+    saved = _libc.populate
+
+    def refuse(addr, size, workers=None):
+        raise OSError(errno.ENOMEM, "no memory")
+    _libc.populate = refuse
+    try:
+        raises(RuntimeError, hb.extend, 64 * MiB, register=False)
+    finally:
+        _libc.populate = saved
+    assert hb.size == 3 * MiB
+    assert _resident(hb.get_raw_address() + 4 * MiB, 64 * MiB) == 0
+    assert ctypes.string_at(p, 3 * MiB) == b"\x05" * (3 * MiB)
+    assert hb.extend(64 * MiB, register=False) == p + 3 * MiB
+    hb.close()
+
+
+def test_host_buffer_reallocate_and_memory_limits():
+    """extend(reallocate=True) past the reservation moves the buffer with
+    its bytes and registrations, the new memory populated; without
+    reallocate it is a RuntimeError; an extend of more memory than the
+    system has available is a RuntimeError before anything is touched
+    (not a visit from the OOM killer)."""
+    from comfy_aimdo import _libc
+    dev = fresh()
+    saved = host_buffer._ram
+    host_buffer._ram = lambda: 8 * MiB         # a small reservation
+    try:
+        hb = host_buffer.HostBuffer(0, 0, 0)
+        p = hb.extend(3 * MiB)                   # registered: vpager's
+        ctypes.memset(p, 3, 3 * MiB)
+        q = hb.extend(4 * MiB + 5, register=False)
+        ctypes.memset(q, 4, 4 * MiB + 5)
+        assert hb._cap == 8 * MiB
+        raises(RuntimeError, hb.extend, 2 * MiB)
+        assert hb.size == 7 * MiB + 5
+        r = hb.extend(2 * MiB, reallocate=True, register=False)
+        base = hb.get_raw_address()
+        assert base % _libc.HUGE == 0 and r == base + 7 * MiB + 5
+        assert ctypes.string_at(base, 3 * MiB) == b"\x03" * (3 * MiB)
+        assert ctypes.string_at(base + 3 * MiB, 4 * MiB + 5) == \
+            b"\x04" * (4 * MiB + 5)
+        assert ctypes.string_at(r, 2 * MiB) == bytes(2 * MiB)
+        assert _resident(base, hb.size) == \
+            (hb.size + os.sysconf("SC_PAGE_SIZE") - 1) // \
+            os.sysconf("SC_PAGE_SIZE")
+        assert dev.stats()["host_pinned_bytes"] == 3 * MiB   # redone
+        hb.close()
+        assert dev.stats()["host_pinned_bytes"] == 0
+    finally:
+        host_buffer._ram = saved
+    avail = _libc.mem_available()
+    if avail is None:
+        return
+    hb = host_buffer.HostBuffer(0, 0, 2 * avail + (4 << 30))
+    hb.extend(MiB, register=False)
+    raises(RuntimeError, hb.extend, avail + (1 << 30), register=False)
+    assert hb.size == MiB
+    assert _resident(hb.get_raw_address() + 2 * MiB, 64 * MiB) == 0
+    hb.close()
+
+
+def test_par_run_order_and_errors():
+    """_par.run: results in item order; an exception is raised only after
+    every call finished (they write memory the caller then owns)."""
+    from comfy_aimdo import _par
+    saved = _par.set_threads(4)
+    try:
+        assert _par.run(lambda x: x * x, range(50)) == [x * x for x in
+                                                         range(50)]
+        assert _par.run(lambda x: x, []) == []
+        finished = []
+
+        def work(x):
+            time.sleep(0.002 * (x % 3))
+            finished.append(x)
+            if x in (3, 7):
+                raise OSError("piece %d" % x)
+            return x
+        try:
+            _par.run(work, range(12))
+            raise AssertionError("no error")
+        except OSError as e:
+            assert str(e) == "piece 3", e
+        assert sorted(finished) == list(range(12))
+        _par.set_threads(1)
+        assert _par.run(lambda x: threading.get_ident(), range(5)) == \
+            [threading.get_ident()] * 5
+    finally:
+        _par.set_threads(saved)
+
+
+def test_host_buffer_read_file_slice_threads_equal_and_errors():
+    """read_file_slice: the file's bytes for unaligned offsets and sizes,
+    the same over one thread and several (pieces of every size, also the
+    small pieces of a chained upload); a range past the file's end, a bad
+    descriptor, a directory, a pipe: OSError with the buffer unchanged
+    where the range is known to be bad before reading; bad numbers:
+    ValueError or TypeError."""
+    from comfy_aimdo import _libc, _par
+    dev = fresh()
+    data = data_for(1212, 29 * MiB + 4321)
+    path = _tmpfile(data)
+    rng = random.Random(1212)
+    saved = _par.threads(), _libc.READ_PIECE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hb = host_buffer.HostBuffer(0, 0, 0)
+        hb.extend(30 * MiB, register=False)
+        base = hb.get_raw_address()
+        _libc.READ_PIECE = 256 << 10            # many pieces
+        cases = [(0, len(data), 0), (1, len(data) - 1, 3),
+                 (len(data) - 1, 1, 30 * MiB - 1), (4096, 5 * MiB, 4096)]
+        cases += [(rng.randrange(len(data) - 1), None, None)
+                  for _ in range(12)]
+        for fo, n, off in cases:
+            if n is None:
+                n = rng.randint(1, min(len(data) - fo, 12 * MiB))
+                off = rng.randrange(30 * MiB - n + 1)
+            got = []
+            for threads in (1, 2, 5):
+                _par.set_threads(threads)
+                ctypes.memset(base, 0xEE, 30 * MiB)
+                hb.read_file_slice(fd, fo, n, offset=off)
+                assert ctypes.string_at(base + off, n) == data[fo:fo + n], \
+                    (fo, n, off, threads)
+                got.append(ctypes.string_at(base, 30 * MiB))
+            assert got[0] == got[1] == got[2]       # nothing else written
+        # Chained to an upload: the pieces (forced small) arrive whole.
+        vb = model_vbar.ModelVBAR(2 * PAGE, 0)
+        a = vb.alloc(20 * MiB)
+        assert model_vbar.vbar_fault(a) is not None
+        for threads in (1, 4):
+            _par.set_threads(threads)
+            hb.read_file_slice(fd, 999, 19 * MiB + 77, offset=12345,
+                               stream=0, device_ptr=a[1], device=0)
+            dev.synchronize()
+            assert dev.read(a[1], 19 * MiB + 77) == \
+                data[999:999 + 19 * MiB + 77]
+        seen = []
+        _par.set_threads(3)
+        _libc.read_pieces(fd, base, 7 * MiB + 5, 11,
+                          lambda p, n: seen.append((p - base, n)),
+                          piece=300000)
+        assert seen[0][0] == 0 and sum(n for _, n in seen) == 7 * MiB + 5
+        assert all(seen[i][0] + seen[i][1] == seen[i + 1][0]
+                   for i in range(len(seen) - 1))
+        assert ctypes.string_at(base, 7 * MiB + 5) == data[11:11 + 7 * MiB
+                                                           + 5]
+
+        def boom(p, n):
+            raise RuntimeError("upload failed")
+        raises(RuntimeError, _libc.read_pieces, fd, base, 7 * MiB, 0, boom,
+               300000)
+        # Errors.
+        ctypes.memset(base, 0xEE, 30 * MiB)
+        before = ctypes.string_at(base, 30 * MiB)
+        for threads in (1, 4):
+            _par.set_threads(threads)
+            raises(OSError, hb.read_file_slice, fd, len(data) - 10, 100)
+            raises(OSError, hb.read_file_slice, fd, 0, 29 * MiB + 4322)
+            raises(OSError, hb.read_file_slice, fd, 5 * MiB, 25 * MiB)
+            raises(OSError, hb.read_file_slice, fd, len(data) - 10, 100,
+                   0, 0, a[1], 0)
+        assert ctypes.string_at(base, 30 * MiB) == before   # untouched
+        raises(ValueError, hb.read_file_slice, fd, 0, 31 * MiB)
+        raises(ValueError, hb.read_file_slice, fd, -1, 10)
+        raises(ValueError, hb.read_file_slice, fd, 0, 10, -5)
+        raises(TypeError, hb.read_file_slice, fd, 0, "10")
+        raises(TypeError, hb.read_file_slice, fd, 1.5, 10)
+        hb.read_file_slice(fd, 0, 0)                        # nothing
+        bad = os.open(path, os.O_RDONLY)
+        os.close(bad)
+        raises(OSError, hb.read_file_slice, bad, 0, 10)      # EBADF
+        d = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            raises(OSError, hb.read_file_slice, d, 0, 10)    # EISDIR
+        finally:
+            os.close(d)
+        r, w = os.pipe()
+        try:
+            raises(OSError, hb.read_file_slice, r, 0, 10)    # ESPIPE
+        finally:
+            os.close(r)
+            os.close(w)
+        model_vbar.vbar_unpin(a)
+        hb.close()
+    finally:
+        _par.set_threads(saved[0])
+        _libc.READ_PIECE = saved[1]
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_host_buffer_read_file_to_device_staged():
+    """read_file_to_device over the staging slots (large reads, or memory
+    vpager does not manage) equals the file, across slot edges and slot
+    reuse, over one thread and several; a range past the file's end is an
+    OSError before anything is uploaded; cleanup_file_reader() and
+    deinit() free the slots, which come back on the next read."""
+    from comfy_aimdo import _par
+    dev = fresh()
+    slot = host_buffer._FileReader.SLOT
+    data = data_for(4242, 3 * slot + 5 * MiB + 11)
+    path = _tmpfile(data)
+    saved = _par.threads()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hb = host_buffer.HostBuffer(0, 0, 0)
+        vb = model_vbar.ModelVBAR(len(data) + PAGE, 0)
+        a = vb.alloc(len(data))
+        assert model_vbar.vbar_fault(a) is not None
+        for threads in (1, 3):
+            _par.set_threads(threads)
+            for fo, n, off in ((0, len(data), 0),
+                               (7, len(data) - 7 - 4096, 512),
+                               (slot - 3, slot + 6, 1)):
+                hb.read_file_to_device(fd, fo, n, 0, a[1] + off, 0,
+                                       mark_cold=False)
+                dev.synchronize()
+                assert dev.read(a[1] + off, n) == data[fo:fo + n], \
+                    (threads, fo, n)
+        assert host_buffer._readers                 # slots were used
+        # Memory vpager does not manage (on the simulated device: host
+        # memory) goes through the slots even when small.
+        out = ctypes.create_string_buffer(3 * MiB)
+        hb.read_file_to_device(fd, 33, 3 * MiB, 0, ctypes.addressof(out), 0)
+        assert out.raw == data[33:33 + 3 * MiB]
+        ctypes.memset(a[1], 0, 4096)
+        raises(OSError, hb.read_file_to_device, fd, len(data) - 100, 200, 0,
+               a[1], 0)
+        dev.synchronize()
+        assert dev.read(a[1], 4096) == bytes(4096)
+        raises(ValueError, hb.read_file_to_device, fd, -1, 200, 0, a[1], 0)
+        hb.cleanup_file_reader()
+        assert not host_buffer._readers
+        hb.read_file_to_device(fd, 0, 20 * MiB, 0, a[1], 0)
+        dev.synchronize()
+        assert dev.read(a[1], 20 * MiB) == data[:20 * MiB]
+        model_vbar.vbar_unpin(a)
+        assert host_buffer._readers
+        control.deinit()
+        assert not host_buffer._readers
+        hb.close()
+    finally:
+        _par.set_threads(saved)
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_bench_compat_cold_dry_run():
+    """bench/bench_compat_cold.py --dry-run (small) runs every section on
+    the simulated device without an error, the bytes equal the file."""
+    if not have_torch():
+        return
+    out = tempfile.mkdtemp()
+    try:
+        env = dict(ENV, OUT=out, VPAGER_COMPAT_THREADS="3")
+        env.pop("VPAGER_BACKEND", None)
+        r = subprocess.run(
+            [sys.executable, os.path.join(REPO, "bench",
+                                          "bench_compat_cold.py"),
+             "--dry-run", "--size", "40M", "--extend-size", "3M",
+             "--read-size", "5M", "--register", "none", "--dir", out],
+            env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        with open(os.path.join(out, "bench_compat_cold.json")) as f:
+            res = json.load(f)
+        assert "errors" not in res, res["errors"]
+        assert res["threads"] == 3
+        assert all(x["equal"] for x in res["read"]["runs"]["dropin"])
+        chain = res["chain"]["runs"]
+        assert len(chain) == 2 and all(x["equal"] for x in chain.values())
+        assert [n for n in os.listdir(out)
+                if n.startswith("bench_compat_cold.")] == \
+            ["bench_compat_cold.json"]              # the file is removed
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 # ----------------------------------------------------------- model_mmap

@@ -2,10 +2,15 @@
 region, page-locked piecewise through vpager (vp_hostbuf_register).
 
 The region is an anonymous mapping reserved once (address space only, on
-the first extend: HostBuffer(0, 0, 0) costs nothing) and made usable as it
-is extended; it never moves unless extend(..., reallocate=True) must grow
-past the reservation. Each registered piece is its own vpager host buffer,
-keyed by its offset (unregister(offset)); register=False leaves the new
+the first extend: HostBuffer(0, 0, 0) costs nothing), starting on a huge
+page and advised for transparent huge pages (MADV_HUGEPAGE), and made
+usable as it is extended: read-write to the next huge page and populated
+there and then (MADV_POPULATE_WRITE over several threads for a large
+extend, _par), so that a client's cudaHostRegister of it pins memory that
+is there (at the speed of touched memory) instead of faulting every page
+in one by one. It never moves unless extend(..., reallocate=True) must
+grow past the reservation. Each registered piece is its own vpager host
+buffer, keyed by its offset (unregister(offset)); register=False leaves the new
 part ordinary page-aligned memory the caller may register itself. Pinning
 uses the lowest-index vpager device and its pin budget; before init, or
 over the budget, memory stays pageable (correct, slower), as in vpager.
@@ -19,14 +24,24 @@ answers "not registered", which is ignored); do_unregister=False leaves
 them to the caller. vpager's own registrations are never touched by that:
 a part is either the buffer's (register=True or register()) or the
 caller's.
+
+File reads (read_file_slice, read_file_to_device) check the range
+against the file first (OSError, nothing read), then read large ranges in
+pieces over several threads (pread into the destination); chained to a
+device upload, each finished run of pieces is uploaded while later ones
+are read. read_file_to_device goes through this module's file reader: a
+few pinned staging slots per device, each slot's upload overlapping the
+next slot's reads (a small read to pinned VBAR memory: vpager's own file
+reader).
 """
 
 import ctypes
 import operator
 import os
 import sys
+import threading
 
-from . import _libc, control
+from . import _libc, _par, control
 
 __all__ = ["HostBuffer"]
 
@@ -103,7 +118,7 @@ class HostBuffer:
 
     `size` bytes are extended (and registered) at once; the first
     `prewarm` bytes of the region (at most a quarter of the machine's RAM)
-    are made usable and touched now (also past `size`: with size 0, as
+    are made usable and populated now (also past `size`: with size 0, as
     HostBuffer(0, 64 MiB, max) does, the first extends then land on
     populated memory; a truncate() below them returns them like any other
     memory); the reservation is the
@@ -115,7 +130,8 @@ class HostBuffer:
         self.size = 0
         self._base = 0
         self._cap = 0
-        self._mapped = 0                # bytes made read-write
+        self._mapped = 0                # bytes made read-write (whole HUGE)
+        self._populated = 0             # bytes of that faulted in
         self._regs = {}                 # offset -> (size, vpager.HostBuf)
         self._parts = {}                # offset -> size: register=False parts
         size = _nbytes(size, "size")
@@ -132,21 +148,49 @@ class HostBuffer:
         try:
             if not self._base:
                 self._reserve(n)
-            end = _libc.page_up(min(n, self._cap))
-            if end > self._mapped:
-                _libc.protect(self._base + self._mapped, end - self._mapped,
-                              _libc.PROT_READ | _libc.PROT_WRITE)
-                self._mapped = end
-            _libc.populate(self._base, end)
+            self._make_usable(min(n, self._cap))
         except OSError as e:
             raise RuntimeError("HostBuffer(prewarm=%d): %s" % (n, e)) \
                 from None
 
     # ------------------------------------------------------------ memory
     def _reserve(self, need):
-        cap = _libc.page_up(max(need, self._want_cap, _ram()))
-        self._base = _libc.map_anon(cap)
+        """Address space for the buffer, starting on a huge page and
+        advised for transparent huge pages (no memory yet)."""
+        cap = _libc.huge_up(max(need, self._want_cap, _ram()))
+        self._base = _libc.map_anon(cap, align=_libc.HUGE)
         self._cap = cap
+        _libc.hugepage(self._base, cap)
+
+    def _make_usable(self, end):
+        """Make [0, end) read-write and faulted in: the mapping grows in
+        whole huge pages, and what it adds is populated at once (over
+        several threads when large), so the client's cudaHostRegister of
+        it pins memory that is there instead of faulting it in 4 KiB at a
+        time. On failure (out of memory) what this call added is returned
+        and OSError raised."""
+        end = min(_libc.huge_up(end), self._cap)
+        if end <= self._populated:
+            return
+        old_mapped, old_populated = self._mapped, self._populated
+        try:
+            if end > self._mapped:
+                _libc.protect(self._base + self._mapped, end - self._mapped,
+                              _libc.PROT_READ | _libc.PROT_WRITE)
+                self._mapped = end
+            _libc.populate(self._base + self._populated,
+                           end - self._populated)
+            self._populated = end
+        except OSError:
+            _libc.libc.madvise(self._base + old_populated,
+                               self._mapped - old_populated,
+                               _libc.MADV_DONTNEED)
+            if self._mapped > old_mapped:
+                _libc.libc.mprotect(self._base + old_mapped,
+                                    self._mapped - old_mapped,
+                                    _libc.PROT_NONE)
+            self._mapped, self._populated = old_mapped, old_populated
+            raise
 
     def get_raw_address(self):
         """The base address (0 until something was extended)."""
@@ -167,11 +211,7 @@ class HostBuffer:
                     raise RuntimeError("HostBuffer: %d bytes are past the %d "
                                        "reserved" % (new, self._cap))
                 self._move(new)
-            end = _libc.page_up(new)
-            if end > self._mapped:
-                _libc.protect(self._base + self._mapped, end - self._mapped,
-                              _libc.PROT_READ | _libc.PROT_WRITE)
-                self._mapped = end
+            self._make_usable(new)
         except OSError as e:
             raise RuntimeError("HostBuffer.extend(%d): %s" % (size, e)) \
                 from None
@@ -204,15 +244,21 @@ class HostBuffer:
         for off in list(self._regs):
             self.unregister(off)
         self._drop_parts(0, True)       # the old addresses go away
-        old_base, old_cap, old_mapped = self._base, self._cap, self._mapped
+        old_base, old_cap = self._base, self._cap
+        old_mapped, old_populated = self._mapped, self._populated
         self._want_cap = max(self._want_cap, need * 2)
         self._reserve(need)
-        self._mapped = 0
-        if old_mapped:
-            _libc.protect(self._base, old_mapped,
-                          _libc.PROT_READ | _libc.PROT_WRITE)
-            self._mapped = old_mapped
-            ctypes.memmove(self._base, old_base, self.size)
+        self._mapped = self._populated = 0
+        try:
+            self._make_usable(old_populated)
+        except OSError:
+            _libc.unmap(self._base, self._cap)
+            self._base, self._cap = old_base, old_cap
+            self._mapped, self._populated = old_mapped, old_populated
+            for off, n in regs:
+                self.register(off, n)
+            raise
+        ctypes.memmove(self._base, old_base, self.size)
         _libc.unmap(old_base, old_cap)
         for off, n in regs:
             self.register(off, n)
@@ -232,15 +278,22 @@ class HostBuffer:
                 self.unregister(off)
         self._drop_parts(size, do_unregister)
         keep = _libc.page_up(size)
-        if self._base and keep < self._mapped:
+        if self._base and keep < self._populated:
             pinned_past = any(o + n > keep for o, (n, _) in
                               self._regs.items())
             if not pinned_past:
-                _libc.advise(self._base + keep, self._mapped - keep,
+                # The memory past the new size goes back (the rest of its
+                # page is zeroed, so extend() always gives zeroed memory);
+                # the mapping stays read-write to the next huge page.
+                ctypes.memset(self._base + size, 0, keep - size)
+                _libc.advise(self._base + keep, self._populated - keep,
                              _libc.MADV_DONTNEED)
-                _libc.protect(self._base + keep, self._mapped - keep,
-                              _libc.PROT_NONE)
-                self._mapped = keep
+                self._populated = keep
+                keep_map = min(_libc.huge_up(keep), self._cap)
+                if keep_map < self._mapped:
+                    _libc.protect(self._base + keep_map,
+                                  self._mapped - keep_map, _libc.PROT_NONE)
+                    self._mapped = keep_map
         self.size = size
 
     def register(self, offset, size):
@@ -277,43 +330,61 @@ class HostBuffer:
                         device_ptr=0, device=-1):
         """Read `size` bytes of the file at file_offset into the buffer at
         `offset`; then, if device_ptr, upload them there ordered on
-        `stream`."""
-        size, offset = int(size), int(offset)
-        if offset < 0 or offset + size > self.size:
+        `stream`. Large slices are read over several threads (_par), and
+        with device_ptr each finished run of pieces is uploaded while the
+        next ones are read. OSError (nothing read) when the range is not
+        in the file; ValueError when it is not in the buffer."""
+        size = _nbytes(size, "read_file_slice(size)")
+        offset = _nbytes(offset, "read_file_slice(offset)")
+        file_offset = _nbytes(file_offset, "read_file_slice(file_offset)")
+        device_ptr = _index(device_ptr) if device_ptr else 0
+        if offset + size > self.size:
             raise ValueError("read_file_slice: [%d, +%d) is past the %d-byte"
                              " buffer" % (offset, size, self.size))
         fd = _libc.fileno(file)
-        if size:
-            _libc.pread_into(fd, self._base + offset, size, int(file_offset))
-        if device_ptr and size:
-            _upload(self._base + offset, size, device_ptr, stream, device,
-                    self)
+        if not size:
+            return
+        _libc.check_file_range(fd, file_offset, size)
+        dst = self._base + offset
+        if not device_ptr:
+            _libc.pread_par(fd, dst, size, file_offset)
+            return
+        up = _Uploader(device_ptr, stream, device)
+        _libc.read_pieces(fd, dst, size, file_offset,
+                          lambda a, n: up.upload(a - dst, a, n, self))
 
     def read_file_to_device(self, file, file_offset, size, stream, device_ptr,
                             device=-1, mark_cold=True):
         """File bytes straight to device memory at device_ptr, ordered on
-        `stream` (through vpager's file reader when device_ptr is pinned
-        VBAR memory); raises on failure."""
+        `stream`; raises on failure (OSError, nothing read, when the range
+        is not in the file). Through pinned staging slots of this
+        module's file reader (read over several threads, each slot's
+        upload overlapping the next slot's reads); a small read to pinned
+        VBAR memory through vpager's own file reader."""
         fd = _libc.fileno(file)
-        size = int(size)
+        size = _nbytes(size, "read_file_to_device(size)")
+        file_offset = _nbytes(file_offset, "read_file_to_device(file_offset)")
+        device_ptr = _index(device_ptr)
         if size:
-            dev = _device_of(device_ptr, device)
+            _libc.check_file_range(fd, file_offset, size)
+            up = _Uploader(device_ptr, stream, device)
             vp = control._vpager
-            try:
-                dev.file_read_to_device(fd, int(file_offset), size,
-                                        device_ptr, stream)
-            except (vp.NotPinnedError, vp.RangeError, vp.InvalidArgument):
-                # Not vpager memory: read, upload, wait.
-                tmp = ctypes.create_string_buffer(size)
-                _libc.pread_into(fd, ctypes.addressof(tmp), size,
-                                 int(file_offset))
-                _upload(ctypes.addressof(tmp), size, device_ptr, stream,
-                        device, tmp, wait=True)
+            staged = size >= _SMALL_READ and _par.threads() > 1
+            if not staged:
+                try:
+                    up.dev.file_read_to_device(fd, file_offset, size,
+                                               device_ptr, stream)
+                except (vp.NotPinnedError, vp.RangeError, vp.InvalidArgument):
+                    staged = True       # not vpager memory
+            if staged:
+                _reader(up.dev).read(fd, file_offset, size, up)
         if mark_cold:
-            _libc.drop_cache(fd, int(file_offset), size)
+            _libc.drop_cache(fd, file_offset, size)
 
     def cleanup_file_reader(self):
-        """Nothing to free: vpager's file reader belongs to the device."""
+        """Free the file reader's staging slots (made again on the next
+        read_file_to_device)."""
+        _release_readers()
 
     # -------------------------------------------------------------- life
     def close(self):
@@ -324,6 +395,7 @@ class HostBuffer:
         if self._base:
             _libc.unmap(self._base, self._cap)
         self._base = self._cap = self._mapped = self.size = 0
+        self._populated = 0
 
     def __del__(self):
         try:
@@ -345,30 +417,173 @@ def _device_of(device_ptr, device):
     return dev
 
 
-def _upload(src, size, device_ptr, stream, device, keep, wait=False):
-    """Host [src, +size) to device_ptr on `stream`: vpager's copy for
-    pinned VBAR memory; else torch (CUDA) or a plain copy (the simulated
-    device's memory is host memory)."""
-    dev = _device_of(device_ptr, device)
-    vp = control._vpager
-    try:
-        dev.copy_to_device(device_ptr, src, size, stream)
-        return
-    except (vp.NotPinnedError, vp.RangeError, vp.InvalidArgument):
-        pass
-    if dev.backend == "sim":
-        dev.synchronize(stream)
-        ctypes.memmove(device_ptr, src, size)
-        return
-    import torch
-    from vpager import _views
-    idx = [i for i, d in control.devices().items() if d is dev][0]
-    cuda = torch.device("cuda", idx)
-    dst = _views.view(device_ptr, torch.uint8, (size,), cuda)
-    host = _views.view(src, torch.uint8, (size,), "cpu")
-    s = torch.cuda.ExternalStream(stream, device=cuda) if stream else \
-        torch.cuda.default_stream(cuda)
-    with torch.cuda.stream(s):
-        dst.copy_(host, non_blocking=True)
-    if wait:
-        s.synchronize()
+_SMALL_READ = 8 << 20        # below: one read (vpager's reader for VBARs)
+
+
+class _Uploader:
+    """Host memory to device memory from device_ptr on, ordered on
+    `stream`: vpager's copy for pinned VBAR memory; else torch (CUDA) or a
+    plain copy (the simulated device's memory is host memory). What it
+    is is found on the first upload and kept for the next ones."""
+
+    def __init__(self, device_ptr, stream, device):
+        self.dev = _device_of(device_ptr, device)
+        self.ptr = device_ptr
+        self.stream = stream
+        self.how = None                 # "vpager", "sim" or "torch"
+        self._torch = None              # (torch, stream object, views)
+
+    def upload(self, dst_off, src, size, keep=None):
+        """[src, +size) to device_ptr + dst_off."""
+        dst = self.ptr + dst_off
+        vp = control._vpager
+        if self.how in (None, "vpager"):
+            try:
+                self.dev.copy_to_device(dst, src, size, self.stream)
+                self.how = "vpager"
+                return
+            except (vp.NotPinnedError, vp.RangeError, vp.InvalidArgument):
+                if self.how == "vpager":
+                    raise
+        if self.dev.backend == "sim":
+            self.how = "sim"
+            self.dev.synchronize(self.stream)
+            ctypes.memmove(dst, src, size)
+            return
+        self.how = "torch"
+        torch, s, cuda, views = self._torch_stream()
+        d = views.view(dst, torch.uint8, (size,), cuda)
+        h = views.view(src, torch.uint8, (size,), "cpu")
+        with torch.cuda.stream(s):
+            d.copy_(h, non_blocking=True)
+
+    def _torch_stream(self):
+        if self._torch is None:
+            import torch
+            from vpager import _views
+            idx = [i for i, d in control.devices().items()
+                   if d is self.dev][0]
+            cuda = torch.device("cuda", idx)
+            s = torch.cuda.ExternalStream(self.stream, device=cuda) \
+                if self.stream else torch.cuda.default_stream(cuda)
+            self._torch = (torch, s, cuda, _views)
+        return self._torch
+
+    def fence(self):
+        """A callable that returns once what was uploaded so far has been
+        read from host memory."""
+        if self.how == "torch":
+            torch, s = self._torch[0], self._torch[1]
+            ev = torch.cuda.Event()
+            ev.record(s)
+            return ev.synchronize
+        if self.how == "sim" or self.how is None:
+            return _nothing
+        dev, stream = self.dev, self.stream
+        if dev.backend != "sim" and "torch" in sys.modules:
+            torch = sys.modules["torch"]
+            try:
+                idx = [i for i, d in control.devices().items()
+                       if d is dev][0]
+                cuda = torch.device("cuda", idx)
+                s = torch.cuda.ExternalStream(stream, device=cuda) \
+                    if stream else torch.cuda.default_stream(cuda)
+                ev = torch.cuda.Event()
+                ev.record(s)
+                return ev.synchronize
+            except Exception:           # noqa: BLE001
+                pass
+        return lambda: dev.synchronize(stream)
+
+
+def _nothing():
+    pass
+
+
+class _FileReader:
+    """A device's staging slots for read_file_to_device: SLOTS populated,
+    huge-page-backed host areas of SLOT bytes, page-locked through vpager
+    (its pin budget; pageable when over it). A read goes a slot at a time:
+    wait for the slot's last upload, read into it over several threads,
+    upload it; so slot k's upload overlaps slot k+1's reads. One read at
+    a time per device (a lock)."""
+
+    SLOT = 64 << 20
+    SLOTS = 3
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.lock = threading.Lock()
+        self.slots = []                 # [address, HostBuf or None, fence]
+        self.next = 0
+
+    def _slot(self):
+        if len(self.slots) < self.SLOTS:
+            addr = _libc.map_anon(self.SLOT, _libc.PROT_READ |
+                                  _libc.PROT_WRITE, align=_libc.HUGE)
+            try:
+                _libc.hugepage(addr, self.SLOT)
+                _libc.populate(addr, self.SLOT)
+                reg = self.dev.register_hostbuf(addr, self.SLOT)
+            except BaseException:
+                _libc.unmap(addr, self.SLOT)
+                raise
+            self.slots.append([addr, reg, _nothing])
+            return self.slots[-1]
+        s = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        s[2]()                          # its last upload has read it
+        s[2] = _nothing
+        return s
+
+    def read(self, fd, offset, size, up):
+        with self.lock:
+            done = 0
+            while done < size:
+                n = min(self.SLOT, size - done)
+                s = self._slot()
+                _libc.pread_par(fd, s[0], n, offset + done)
+                up.upload(done, s[0], n)
+                s[2] = up.fence()
+                done += n
+
+    def close(self):
+        with self.lock:
+            for addr, reg, fence in self.slots:
+                try:
+                    fence()
+                except Exception:       # noqa: BLE001
+                    pass
+                try:
+                    if not self.dev.closed and not reg.closed:
+                        reg.close()
+                except Exception:       # noqa: BLE001
+                    pass
+                _libc.unmap(addr, self.SLOT)
+            self.slots = []
+
+
+_readers = {}                   # id(device) -> _FileReader
+_readers_lock = threading.Lock()
+
+
+def _reader(dev):
+    with _readers_lock:
+        for key, r in list(_readers.items()):
+            if r.dev.closed:            # deinit(): its registrations are gone
+                del _readers[key]
+                r.close()
+        r = _readers.get(id(dev))
+        if r is None or r.dev is not dev:
+            r = _readers[id(dev)] = _FileReader(dev)
+        return r
+
+
+def _release_readers():
+    """Free every device's staging slots (control.deinit, and
+    cleanup_file_reader)."""
+    with _readers_lock:
+        rs = list(_readers.values())
+        _readers.clear()
+    for r in rs:
+        r.close()
