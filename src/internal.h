@@ -193,6 +193,15 @@ void vp__clear_error(void);
     if (!(cond)) return vp__err(VP_EINVAL, "%s", what);                        \
   } while (0)
 
+/* out.c: formatted text appended to buf[len]; pos counts what it would
+ * need, also past the end. */
+typedef struct vp__out {
+  char *buf;
+  size_t len, pos;
+} vp__out_t;
+void vp__put(vp__out_t *o, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
 /* options.c */
 void vp__options_defaults(vp_options_t *opts); /* and VPAGER_* variables */
 int vp__options_check(const vp_options_t *opts);

@@ -14,60 +14,45 @@
 #define ULL(x) ((unsigned long long)(x))
 #define LD(field) ULL(atomic_load_explicit(&(field), memory_order_relaxed))
 
-typedef struct out {
-  char *buf;
-  size_t len, pos;
-} out_t;
-
-static void put(out_t *o, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-static void put(out_t *o, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  size_t room = o->pos < o->len ? o->len - o->pos : 0;
-  int n = vsnprintf(room ? o->buf + o->pos : NULL, room, fmt, ap);
-  va_end(ap);
-  if (n > 0) o->pos += (size_t)n;
-}
 
 /* s is printable ASCII (vp__ltext_get): only quotes and backslashes need
  * escapes. */
-static void put_str(out_t *o, const char *s) {
-  put(o, "\"");
-  for (; *s; s++) put(o, "%s%c", *s == '"' || *s == '\\' ? "\\" : "", *s);
-  put(o, "\"");
+static void put_str(vp__out_t *o, const char *s) {
+  vp__put(o, "\"");
+  for (; *s; s++) vp__put(o, "%s%c", *s == '"' || *s == '\\' ? "\\" : "", *s);
+  vp__put(o, "\"");
 }
 
 static uint64_t ms_ago(uint64_t now, uint64_t t) {
   return t && t <= now ? (now - t) / 1000000u : 0;
 }
 
-static void view_vbars(out_t *o, const ledger_part_t *p, uint64_t now) {
+static void view_vbars(vp__out_t *o, const ledger_part_t *p, uint64_t now) {
   const char *sep = "";
-  put(o, "\"vbars\":[");
+  vp__put(o, "\"vbars\":[");
   for (int v = 0; v < LEDGER_VBARS; v++) {
     ledger_vbar_view_t e;
     if (!vp__lvbar_read(&p->vbar[v], &e)) continue;
-    put(o, "%s{\"id\":%llu,\"label\":", sep, ULL(e.id));
+    vp__put(o, "%s{\"id\":%llu,\"label\":", sep, ULL(e.id));
     put_str(o, e.label);
-    put(o, ",\"size\":%llu,\"resident\":%llu,\"pinned\":%llu,"
+    vp__put(o, ",\"size\":%llu,\"resident\":%llu,\"pinned\":%llu,"
         "\"reclaimable\":%llu,\"priority\":%u,\"last_use_ms_ago\":%llu,"
         "\"hits\":%llu,\"misses\":%llu}", ULL(e.size), ULL(e.resident),
         ULL(e.pinned), ULL(e.reclaimable), e.rank, ULL(ms_ago(now, e.last_use)),
         ULL(e.hits), ULL(e.misses));
     sep = ",";
   }
-  put(o, "]");
+  vp__put(o, "]");
 }
 
-static void view_part(out_t *o, const ledger_part_t *p, int i, bool self,
+static void view_part(vp__out_t *o, const ledger_part_t *p, int i, bool self,
                       uint64_t now) {
   char cmd[64];
   vp__ltext_get(p->command, LEDGER_WORDS(64), cmd);
-  put(o, "{\"slot\":%d,\"pid\":%d,\"serial\":%llu,\"command\":", i,
+  vp__put(o, "{\"slot\":%d,\"pid\":%d,\"serial\":%llu,\"command\":", i,
       (int)atomic_load(&p->pid), LD(p->serial));
   put_str(o, cmd);
-  put(o, ",\"self\":%s,\"alive\":%s,\"joined_ms_ago\":%llu,\"page_size\":%llu,"
+  vp__put(o, ",\"self\":%s,\"alive\":%s,\"joined_ms_ago\":%llu,\"page_size\":%llu,"
       "\"committed\":%llu,\"external_reserved\":%llu,\"served\":%llu,"
       "\"released\":%llu,", self ? "true" : "false",
       vp__lpart_alive(p) ? "true" : "false",
@@ -75,7 +60,7 @@ static void view_part(out_t *o, const ledger_part_t *p, int i, bool self,
       LD(p->committed), LD(p->external_reserved), LD(p->served),
       LD(p->released));
   view_vbars(o, p, now);
-  put(o, "}");
+  vp__put(o, "}");
 }
 
 static const char *req_state(uint32_t s) {
@@ -88,52 +73,52 @@ static int req_pid(const ledger_seg_t *seg, uint32_t slot) {
   return slot < LEDGER_PARTS ? (int)atomic_load(&seg->part[slot].pid) : -1;
 }
 
-static void view_requests(out_t *o, const ledger_seg_t *seg, uint64_t now) {
+static void view_requests(vp__out_t *o, const ledger_seg_t *seg, uint64_t now) {
   const char *sep = "";
-  put(o, "\"requests\":[");
+  vp__put(o, "\"requests\":[");
   for (int i = 0; i < LEDGER_REQS; i++) {
     const ledger_req_t *r = &seg->req[i];
     uint32_t s = atomic_load(&r->state);
     if (s == REQ_FREE) continue;
     uint32_t from = atomic_load(&r->from), to = atomic_load(&r->to);
-    put(o, "%s{\"slot\":%d,\"state\":\"%s\",\"from\":%u,\"to\":%u,"
+    vp__put(o, "%s{\"slot\":%d,\"state\":\"%s\",\"from\":%u,\"to\":%u,"
         "\"from_pid\":%d,\"to_pid\":%d,\"bytes\":%llu,\"freed\":%llu,"
         "\"age_ms\":%llu}", sep, i, req_state(s), from, to,
         req_pid(seg, from), req_pid(seg, to), LD(r->bytes), LD(r->freed),
         ULL(ms_ago(now, atomic_load(&r->posted))));
     sep = ",";
   }
-  put(o, "]");
+  vp__put(o, "]");
 }
 
 /* The whole segment; self: our slot, or -1. */
-static void view(out_t *o, const ledger_seg_t *seg, int self) {
+static void view(vp__out_t *o, const ledger_seg_t *seg, int self) {
   char name[80];
   uint64_t now = vp__coarse_ns();
   vp__ltext_get(seg->name, LEDGER_WORDS(80), name);
-  put(o, "{\"ledger\":");
+  vp__put(o, "{\"ledger\":");
   put_str(o, name);
   uint64_t measured = atomic_load(&seg->measured);
-  put(o, ",\"joined\":%s,\"version\":%u,\"device\":{\"total\":%llu,"
+  vp__put(o, ",\"joined\":%s,\"version\":%u,\"device\":{\"total\":%llu,"
       "\"free\":%llu,\"measured_ms_ago\":", self >= 0 ? "true" : "false",
       atomic_load(&seg->version), LD(seg->total), LD(seg->free));
-  if (measured) put(o, "%llu", ULL(ms_ago(now, measured)));
-  else put(o, "null");
-  put(o, "},\"processes\":[");
+  if (measured) vp__put(o, "%llu", ULL(ms_ago(now, measured)));
+  else vp__put(o, "null");
+  vp__put(o, "},\"processes\":[");
   const char *sep = "";
   for (int i = 0; i < LEDGER_PARTS; i++) {
     const ledger_part_t *p = &seg->part[i];
     if (atomic_load(&p->state) != PART_LIVE) continue;
-    put(o, "%s", sep);
+    vp__put(o, "%s", sep);
     view_part(o, p, i, i == self, now);
     sep = ",";
   }
-  put(o, "],");
+  vp__put(o, "],");
   view_requests(o, seg, now);
-  put(o, "}");
+  vp__put(o, "}");
 }
 
-static int finish(out_t *o, size_t *needed) {
+static int finish(vp__out_t *o, size_t *needed) {
   if (needed) *needed = o->pos;
   if (o->pos < o->len) return VP_OK;
   if (o->len) o->buf[o->len - 1] = '\0';
@@ -147,19 +132,19 @@ int vp_ledger_snapshot(vp_device_t h, char *buf, size_t len, size_t *needed) {
   vp__device_t *dev = NULL;
   int rc = vp__dev_lock(h, &dev);
   if (rc) return rc;
-  out_t o = {buf, len, 0};
+  vp__out_t o = {buf, len, 0};
   vp__ledger_t *l = dev->ledger;
   if (l) {
     vp__ledger_sync(dev);
     view(&o, l->seg, l->part);
   } else {
-    put(&o, "{\"ledger\":null,\"joined\":false,\"reason\":");
+    vp__put(&o, "{\"ledger\":null,\"joined\":false,\"reason\":");
     char why[sizeof dev->ledger_why];
     snprintf(why, sizeof why, "%s", dev->ledger_why);
     for (char *c = why; *c; c++)
       if (*c < 0x20 || *c > 0x7e) *c = '?';
     put_str(&o, why);
-    put(&o, "}");
+    vp__put(&o, "}");
   }
   return vp__unlock(dev, finish(&o, needed));
 }
@@ -188,7 +173,7 @@ int vp_ledger_read(const char *name, char *buf, size_t len, size_t *needed) {
   if (rc == VP_ENODEV)
     return vp__err(rc, "no ledger named %s (no /dev/shm%s)", name, shm);
   if (rc) return vp__err(rc, "%s", why);
-  out_t o = {buf, len, 0};
+  vp__out_t o = {buf, len, 0};
   view(&o, seg, -1);
   vp__lseg_unmap(seg);
   return finish(&o, needed);
@@ -221,14 +206,14 @@ int vp_ledger_list(char *buf, size_t len, size_t *needed) {
   }
   if (d) closedir(d);
   if (n) qsort(names, n, sizeof *names, cmp_str);
-  out_t o = {buf, len, 0};
-  put(&o, "[");
+  vp__out_t o = {buf, len, 0};
+  vp__put(&o, "[");
   for (size_t i = 0; i < n; i++) {
-    put(&o, "%s", i ? "," : "");
+    vp__put(&o, "%s", i ? "," : "");
     put_str(&o, names[i]);
     free(names[i]);
   }
-  put(&o, "]");
+  vp__put(&o, "]");
   free(names);
   return finish(&o, needed);
 }

@@ -5,22 +5,6 @@
 
 #include "internal.h"
 
-/* Appends to a fixed buffer, counting what it would need past the end. */
-typedef struct out {
-  char *buf;
-  size_t len, pos;
-} out_t;
-
-static void put(out_t *o, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-static void put(out_t *o, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  size_t room = o->pos < o->len ? o->len - o->pos : 0;
-  int n = vsnprintf(room ? o->buf + o->pos : NULL, room, fmt, ap);
-  va_end(ap);
-  if (n > 0) o->pos += (size_t)n;
-}
 
 static char page_char(const vp__page_t *pg) {
   return pg->pins ? 'P' : pg->resident ? '#' : '.';
@@ -30,59 +14,59 @@ static const char *order_name(int kind) {
   return kind == VP_ORDER_INTERLEAVED ? "interleaved" : "tail-first";
 }
 
-static void report_text(vp__device_t *dev, out_t *o) {
+static void report_text(vp__device_t *dev, vp__out_t *o) {
   const vp_stats_t *s = &dev->stats;
-  put(o, "vpager device [%s]: page %llu KiB, memory %llu MiB, committed "
+  vp__put(o, "vpager device [%s]: page %llu KiB, memory %llu MiB, committed "
       "%llu MiB, headroom %lld MiB\n", dev->caps.name,
       (unsigned long long)(dev->page_size >> 10),
       (unsigned long long)(dev->budget.total >> 20),
       (unsigned long long)(dev->committed >> 20),
       (long long)(dev->budget.headroom >> 20));
-#define VP__STAT_TEXT(name, doc) put(o, "  %-18s %llu\n", #name, \
+#define VP__STAT_TEXT(name, doc) vp__put(o, "  %-18s %llu\n", #name, \
                                      (unsigned long long)s->name);
   VP_STAT_FIELDS(VP__STAT_TEXT)
 #undef VP__STAT_TEXT
   int rank = 0;
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down, rank++) {
-    put(o, "vbar #%d (priority %d): %u pages, %u resident, %u pinned, "
+    vp__put(o, "vbar #%d (priority %d): %u pages, %u resident, %u pinned, "
         "watermark %u, limit %u, %s\n  ", rank, rank, vb->npages, vb->resident,
         vb->pinned, vb->watermark, vb->limit, order_name(vb->order_kind));
     for (uint32_t p = 0; p < vb->npages; p++)
-      put(o, "%c%s", page_char(&vb->pages[p]),
+      vp__put(o, "%c%s", page_char(&vb->pages[p]),
           (p + 1) % 64 == 0 && p + 1 < vb->npages ? "\n  " : "");
-    put(o, "\n");
+    vp__put(o, "\n");
   }
 }
 
-static void report_json(vp__device_t *dev, out_t *o) {
+static void report_json(vp__device_t *dev, vp__out_t *o) {
   const vp_stats_t *s = &dev->stats;
-  put(o, "{\"backend\":\"%s\",\"page_size\":%llu,\"total_memory\":%llu,"
+  vp__put(o, "{\"backend\":\"%s\",\"page_size\":%llu,\"total_memory\":%llu,"
       "\"committed\":%llu,\"headroom\":%lld,\"stats\":{", dev->caps.name,
       (unsigned long long)dev->page_size,
       (unsigned long long)dev->budget.total,
       (unsigned long long)dev->committed, (long long)dev->budget.headroom);
   const char *sep = "";
-#define VP__STAT_JSON(name, doc) put(o, "%s\"%s\":%llu", sep, #name, \
+#define VP__STAT_JSON(name, doc) vp__put(o, "%s\"%s\":%llu", sep, #name, \
                                      (unsigned long long)s->name), sep = ",";
   VP_STAT_FIELDS(VP__STAT_JSON)
 #undef VP__STAT_JSON
-  put(o, "},\"vbars\":[");
+  vp__put(o, "},\"vbars\":[");
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) {
-    put(o, "%s{\"id\":%llu,\"pages\":%u,\"resident\":%u,\"pinned\":%u,"
+    vp__put(o, "%s{\"id\":%llu,\"pages\":%u,\"resident\":%u,\"pinned\":%u,"
         "\"watermark\":%u,\"limit\":%u,\"order\":\"%s\",\"map\":\"",
         vb == dev->top ? "" : ",", (unsigned long long)vb->id, vb->npages,
         vb->resident, vb->pinned, vb->watermark, vb->limit,
         order_name(vb->order_kind));
     for (uint32_t p = 0; p < vb->npages; p++)
-      put(o, "%c", page_char(&vb->pages[p]));
-    put(o, "\"}");
+      vp__put(o, "%c", page_char(&vb->pages[p]));
+    vp__put(o, "\"}");
   }
-  put(o, "]}");
+  vp__put(o, "]}");
 }
 
 int vp__report(vp__device_t *dev, int json, char *buf, size_t len,
                size_t *needed) {
-  out_t o = {buf, len, 0};
+  vp__out_t o = {buf, len, 0};
   if (json) report_json(dev, &o); else report_text(dev, &o);
   if (needed) *needed = o.pos;
   if (o.pos < len) return VP_OK;
