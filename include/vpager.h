@@ -119,7 +119,11 @@ typedef enum vp_evict_order {
    * sharing a page, are ranked together), so eviction takes whole weights.
    * Ranks follow the weights when they are created while no page of the
    * VBAR is resident. Put a page boundary between weights to split groups. */
-  VP_ORDER_INTERLEAVED = 1
+  VP_ORDER_INTERLEAVED = 1,
+  /* The caller's ranking, given page by page (vp_vbar_set_ranks): a
+   * scheduler that knows which weights to keep resident ranks their pages
+   * first. Not an option value: vp_vbar_set_order() refuses it. */
+  VP_ORDER_CUSTOM = 2
 } vp_evict_order_t;
 
 typedef enum vp_sim_streams {
@@ -286,6 +290,13 @@ VP_API int vp_vbar_prioritize(vp_vbar_t vbar);
 VP_API int vp_vbar_deprioritize(vp_vbar_t vbar);
 /* Eviction order (vp_evict_order_t); VP_EBUSY unless no page is resident. */
 VP_API int vp_vbar_set_order(vp_vbar_t vbar, int order);
+/* The caller's eviction order (VP_ORDER_CUSTOM): pages[r] is the page of
+ * rank r (pages[0] is evicted last), a permutation of all n pages of the
+ * VBAR (n = its page count). The watermark works on these ranks as on any
+ * order, so a squeezed VBAR keeps the pages ranked first. It stays until
+ * vp_vbar_set_order() (new weights do not change it). VP_EBUSY unless no
+ * page is resident; VP_EINVAL if pages is not such a permutation. */
+VP_API int vp_vbar_set_ranks(vp_vbar_t vbar, const uint32_t *pages, size_t n);
 
 /* The watermark in ranks (pages): non-resident pages ranked at or above
  * min(watermark, limit) are misses. Eviction lowers it; only
@@ -313,7 +324,8 @@ VP_API int vp_fault(vp_vbar_t vbar, uint64_t offset, uint64_t size,
                     uint32_t *gens, size_t ngens);
 /* Drop one pin from each page of the range and record a fence on `stream`:
  * the pages are not evicted before the work queued so far on it completes.
- * VP_ENOTPINNED (nothing changes) if any page of the range is not pinned. */
+ * VP_ENOTPINNED (nothing changes) if any page of the range is not pinned,
+ * or is pinned only by acquired weights (vp_release ends those). */
 VP_API int vp_unpin(vp_vbar_t vbar, uint64_t offset, uint64_t size,
                     vp_stream_t stream);
 /* Evict unpinned pages of this VBAR in its eviction order until at least
@@ -516,6 +528,9 @@ VP_API int vp_vbar_label(vp_vbar_t vbar, char *buf, size_t len);
 /* Publish how much device memory the framework's own allocator holds now
  * (e.g. torch's reserved bytes: the instantaneous value, not the peak). */
 VP_API int vp_device_set_external_reserved(vp_device_t dev, uint64_t bytes);
+/* And the least it holds once warmed up (measured once, after the first
+ * forward): what it cannot give back. */
+VP_API int vp_device_set_external_floor(vp_device_t dev, uint64_t bytes);
 /* The device's ledger as one JSON object (every participant, their VBARs,
  * pending requests; {"joined": false, "reason": ...} without one), into buf
  * as vp_device_report does (*needed, VP_ERANGE). */
@@ -529,6 +544,11 @@ VP_API int vp_ledger_snapshot(vp_device_t dev, char *buf, size_t len,
  * ledger it is vp_device_free_memory. */
 VP_API int vp_ledger_free_memory(vp_device_t dev, uint64_t bytes,
                                  uint64_t *freed);
+/* vp_ledger_free_memory leaving the `nkeep` VBARs of `keep` (handles of
+ * this process, of any device) alone. */
+VP_API int vp_ledger_free_memory_keep(vp_device_t dev, uint64_t bytes,
+                                      const vp_vbar_t *keep, size_t nkeep,
+                                      uint64_t *freed);
 /* No device needed, nothing joined or changed: the names of this machine's
  * ledgers as a JSON array of strings, and one ledger (by name) as
  * vp_ledger_snapshot gives it. */

@@ -262,6 +262,17 @@ int vp_vbar_set_order(vp_vbar_t h, int order) {
   return vp__unlock(vb->dev, VP_OK);
 }
 
+int vp_vbar_set_ranks(vp_vbar_t h, const uint32_t *pages, size_t n) {
+  VP__ENTER();
+  if (!pages || !n) return vp__err(VP_EINVAL, "pages is NULL or n is 0");
+  vp__vbar_t *vb = NULL;
+  VP__VBAR_ENTER(h, vb);
+  if (vb->resident)
+    return vp__unlock(vb->dev, vp__err(VP_EBUSY, "%u pages are resident; free "
+                                       "them first", vb->resident));
+  return vp__unlock(vb->dev, vp__vbar_set_ranks(vb, pages, n));
+}
+
 int vp_vbar_set_watermark(vp_vbar_t h, uint64_t bytes) {
   VP__ENTER();
   vp__vbar_t *vb = NULL;
@@ -342,6 +353,7 @@ int vp_unpin(vp_vbar_t h, uint64_t offset, uint64_t size, vp_stream_t stream) {
   uint32_t p0, p1;
   VP__VBAR_ENTER(h, vb);
   int rc = page_range(vb, offset, size, &p0, &p1);
+  if (rc == VP_OK) rc = vp__unpin_check_owned(vb, p0, p1);
   if (rc == VP_OK) rc = vp__unpin(vb, p0, p1, stream);
   if (rc == VP_OK) vp__ledger_used(vb->dev, vb);
   return vp__unlock(vb->dev, rc);

@@ -302,6 +302,7 @@ void vp__pager_close(vp__device_t *dev); /* every VBAR, pinned or not */
  * groups. */
 enum { VP__PAGE_GROUP_START = 1, VP__PAGE_GROUP_JOINED = 2 };
 void vp__vbar_set_order(vp__vbar_t *vb, int kind, const uint8_t *mark);
+int vp__vbar_set_ranks(vp__vbar_t *vb, const uint32_t *pages, size_t n);
 void vp__vbar_to_top(vp__vbar_t *vb);
 void vp__vbar_to_bottom(vp__vbar_t *vb);
 /* VP_OK, VP_MISS, an error, or VP__ASK in dev->ask.mode FIRST. */
@@ -476,6 +477,9 @@ static inline void vp__gens_take(vp__weight_t *w) {
 /* weights.c */
 /* True while w's last fill may still be running on the copy stream. */
 bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w);
+/* vp_unpin drops only pins that faults took: VP_ENOTPINNED for a page whose
+ * pins all belong to acquired weights. */
+int vp__unpin_check_owned(const vp__vbar_t *vb, uint32_t p0, uint32_t p1);
 vp__hold_t *vp__hold_find(const vp__weight_t *w, vp_stream_t stream);
 /* w's hold on `stream`, added (empty) if it has none; vp__hold_trim forgets
  * it once it holds nothing. */

@@ -84,6 +84,27 @@ static uint32_t lower_bound(const vp__vbar_t *vb, uint64_t offset) {
   return lo;
 }
 
+/* Pins that acquires of weights hold on page p: each resident acquire pins
+ * every page of its weight once. Weights do not overlap, so only the one
+ * before the first weight starting in p can reach into it. */
+static uint32_t weight_pins(const vp__vbar_t *vb, uint32_t p) {
+  uint32_t i = lower_bound(vb, (uint64_t)p << vb->dev->page_shift), n = 0;
+  if (i > 0 && vb->weights[i - 1]->p1 > p) n += vb->weights[i - 1]->acq_resident;
+  for (; i < vb->nweights && vb->weights[i]->p0 <= p; i++)
+    n += vb->weights[i]->acq_resident;
+  return n;
+}
+
+int vp__unpin_check_owned(const vp__vbar_t *vb, uint32_t p0, uint32_t p1) {
+  if (vb->acquired == 0) return VP_OK; /* every pin is a fault's */
+  for (uint32_t p = p0; p < p1; p++)
+    if (vb->pages[p].pins && vb->pages[p].pins <= weight_pins(vb, p))
+      return vp__err(VP_ENOTPINNED, "page %u (offset %llu) is pinned only by "
+                     "acquired weights, which a release ends", p,
+                     (unsigned long long)p << vb->dev->page_shift);
+  return VP_OK;
+}
+
 static bool overlaps_existing(const vp__vbar_t *vb, uint64_t off,
                               uint64_t size) {
   uint32_t i = lower_bound(vb, off);
