@@ -98,6 +98,31 @@ void vp__vbar_set_order(vp__vbar_t *vb, int kind, const uint8_t *mark) {
   vb->order_kind = kind;
 }
 
+/* The caller's order (VP_ORDER_CUSTOM): pages[r] is the page of rank r.
+ * Checked to be a permutation before anything changes. */
+int vp__vbar_set_ranks(vp__vbar_t *vb, const uint32_t *pages, size_t n) {
+  uint32_t np = vb->npages;
+  if (n != np)
+    return vp__err(VP_EINVAL, "%zu ranks given for a VBAR of %u pages", n, np);
+  uint8_t *seen = vp__inject_fail(&vb->dev->inject) ? NULL : calloc(np, 1);
+  if (!seen) return vp__err(VP_ENOMEM, "no memory for %u pages", np);
+  for (uint32_t r = 0; r < np; r++) {
+    if (pages[r] >= np || seen[pages[r]]) {
+      free(seen);
+      return vp__err(VP_EINVAL, "pages[%u] = %u is %s", r, pages[r],
+                     pages[r] >= np ? "past the VBAR" : "listed twice");
+    }
+    seen[pages[r]] = 1;
+  }
+  free(seen);
+  for (uint32_t r = 0; r < np; r++) {
+    vb->order[r] = pages[r];
+    vb->rank[pages[r]] = r;
+  }
+  vb->order_kind = VP_ORDER_CUSTOM;
+  return VP_OK;
+}
+
 static int vbar_alloc(vp__device_t *dev, uint32_t npages, vp__vbar_t **out) {
   vp__vbar_t *vb = NULL;
   if (vp__inject_fail(&dev->inject) || !(vb = calloc(1, sizeof *vb)))

@@ -11,7 +11,9 @@ static char page_char(const vp__page_t *pg) {
 }
 
 static const char *order_name(int kind) {
-  return kind == VP_ORDER_INTERLEAVED ? "interleaved" : "tail-first";
+  return kind == VP_ORDER_INTERLEAVED ? "interleaved"
+         : kind == VP_ORDER_CUSTOM    ? "custom"
+                                      : "tail-first";
 }
 
 static void report_text(vp__device_t *dev, vp__out_t *o) {

@@ -83,6 +83,55 @@ TEST(evict_interleaved_order, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_device_close(dev));
 }
 
+/* The caller's ranking: pages go highest rank first; the watermark follows
+ * it (a squeezed VBAR keeps the pages ranked first); new weights keep it;
+ * vp_vbar_set_order() replaces it; bad permutations change nothing. */
+TEST(evict_custom_ranks, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  uint64_t ps = test_page_size(ctx);
+  vp_vbar_t v = test_vbar(dev, 6 * ps);
+  static const uint32_t ranks[6] = {4, 0, 5, 2, 1, 3};
+  static const uint32_t dup[6] = {4, 0, 5, 2, 1, 4};
+  static const uint32_t past[6] = {4, 0, 5, 2, 1, 6};
+  ASSERT_RC(vp_vbar_set_ranks(v, ranks, 5), VP_EINVAL);
+  ASSERT_RC(vp_vbar_set_ranks(v, dup, 6), VP_EINVAL);
+  ASSERT_RC(vp_vbar_set_ranks(v, past, 6), VP_EINVAL);
+  ASSERT_RC(vp_vbar_set_ranks(v, NULL, 6), VP_EINVAL);
+  ASSERT_OK(vp_vbar_set_ranks(v, ranks, 6));
+  uint64_t off[2] = {0, 3 * ps}, size[2] = {2 * ps, ps};
+  vp_weight_t ws[2];
+  ASSERT_OK(vp_weights_create(v, 2, off, size, NULL, ws));
+  test_load_pages(v, 0, 6);
+  ASSERT_RC(vp_vbar_set_ranks(v, ranks, 6), VP_EBUSY);
+  uint64_t seq[6];
+  eviction_sequence(v, 6, seq);
+  for (int k = 0; k < 6; k++) ASSERT_EQ_U64(seq[k], ranks[5 - k]);
+  char *rep = malloc(1 << 16);
+  ASSERT_NOT_NULL(rep);
+  ASSERT_OK(vp_device_report(dev, 0, rep, 1 << 16, NULL));
+  ASSERT_NOT_NULL(strstr(rep, "custom"));
+  free(rep);
+  /* Squeezed: the watermark keeps pages 4 and 0 (ranks 0, 1) and no more. */
+  ASSERT_OK(vp_vbar_prioritize(v));
+  test_load_pages(v, 4, 1);
+  test_load_pages(v, 0, 1);
+  uint64_t wm = 0;
+  ASSERT_OK(vp_vbar_set_watermark(v, 2 * ps));
+  ASSERT_OK(vp_vbar_get_watermark(v, &wm));
+  ASSERT_EQ_U64(wm, 2);
+  uint32_t g[1];
+  ASSERT_RC(vp_fault(v, 5 * ps, ps, g, 1), VP_MISS);   /* rank 2 */
+  ASSERT_OK(vp_fault(v, 4 * ps, ps, g, 1));
+  ASSERT_OK(vp_unpin(v, 4 * ps, ps, 0));
+  ASSERT_OK(vp_vbar_free_memory(v, 6 * ps, NULL));
+  ASSERT_OK(vp_vbar_set_order(v, VP_ORDER_TAIL_FIRST));
+  ASSERT_OK(vp_vbar_prioritize(v));
+  test_load_pages(v, 0, 6);
+  eviction_sequence(v, 6, seq);
+  for (uint64_t k = 0; k < 6; k++) ASSERT_EQ_U64(seq[k], 5 - k);
+  ASSERT_OK(vp_device_close(dev));
+}
+
 TEST(evict_never_pinned, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   uint64_t ps = test_page_size(ctx);

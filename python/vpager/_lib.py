@@ -47,7 +47,7 @@ LOG_LEVELS = {"none": 0, "error": 1, "warn": 2, "info": 3, "debug": 4,
 
 VP_BACKEND_AUTO, VP_BACKEND_CUDA, VP_BACKEND_SIM = 0, 1, 2
 BACKENDS = {"auto": 0, "cuda": 1, "sim": 2}
-VP_ORDER_TAIL_FIRST, VP_ORDER_INTERLEAVED = 0, 1
+VP_ORDER_TAIL_FIRST, VP_ORDER_INTERLEAVED, VP_ORDER_CUSTOM = 0, 1, 2
 ORDERS = {"tail": 0, "interleaved": 1}
 VP_SIM_SYNC, VP_SIM_WORKER = 0, 1
 SIM_STREAMS = {"sync": 0, "worker": 1}
@@ -274,6 +274,7 @@ PROTOTYPES = {
     "vp_vbar_prioritize": (_i, [_vb]),
     "vp_vbar_deprioritize": (_i, [_vb]),
     "vp_vbar_set_order": (_i, [_vb, _i]),
+    "vp_vbar_set_ranks": (_i, [_vb, P(c_uint32), _sz]),
     "vp_vbar_set_watermark": (_i, [_vb, _u64]),
     "vp_vbar_get_watermark": (_i, [_vb, P(c_uint64)]),
     "vp_vbar_set_watermark_limit": (_i, [_vb, _u64]),

@@ -80,6 +80,14 @@ class Vbar(Handle):
         "interleaved". BusyError unless no page is resident."""
         check(C.vp_vbar_set_order(self._handle(), _order(order)))
 
+    def set_ranks(self, pages):
+        """vp_vbar_set_ranks: pages[r] is the page of rank r (pages[0] is
+        evicted last), a permutation of the VBAR's pages. BusyError unless
+        no page is resident."""
+        pages = list(pages)
+        arr = (ctypes.c_uint32 * max(len(pages), 1))(*pages)
+        check(C.vp_vbar_set_ranks(self._handle(), arr, len(pages)))
+
     def set_watermark(self, nbytes):
         check(C.vp_vbar_set_watermark(self._handle(), nbytes))
 
