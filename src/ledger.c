@@ -338,6 +338,7 @@ static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start) {
   atomic_store(&p->page_size, l->dev->page_size);
   atomic_store(&p->committed, 0);
   atomic_store(&p->external_reserved, 0);
+  atomic_store(&p->external_floor, 0);
   atomic_store(&p->served, 0);
   atomic_store(&p->released, 0);
   text_put(p->command, LEDGER_WORDS(64), cmd);
@@ -593,4 +594,17 @@ void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
   atomic_store_explicit(&l->seg->free, free_bytes, RELAXED);
   atomic_store_explicit(&l->seg->total, total, RELAXED);
   atomic_store_explicit(&l->seg->measured, vp__coarse_ns(), RELAXED);
+}
+
+/* The framework allocator's floor: what it holds at least once warmed up
+ * (torch's context, workspaces), measured once. Only the ledger keeps it. */
+int vp_device_set_external_floor(vp_device_t h, uint64_t bytes) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  vp__ledger_t *l = dev->ledger;
+  if (l) atomic_store_explicit(&l->seg->part[l->part].external_floor, bytes,
+                               RELAXED);
+  return vp__unlock(dev, VP_OK);
 }

@@ -32,7 +32,7 @@
 #include "internal.h"
 
 #define LEDGER_MAGIC 0x72656764656c7076ull /* "vpledger" */
-#define LEDGER_VERSION 1u
+#define LEDGER_VERSION 2u /* 2: external_floor */
 #define LEDGER_PARTS 64   /* device handles per GPU */
 #define LEDGER_VBARS 128  /* published VBARs per participant */
 #define LEDGER_REQS 64    /* release requests in flight per GPU */
@@ -68,6 +68,7 @@ typedef struct ledger_part {
   lword_t serial;         /* new at every join: a respawn is a new one */
   lword_t joined;         /* CLOCK_MONOTONIC_COARSE ns */
   lword_t committed, external_reserved, page_size;
+  lword_t external_floor; /* what the framework keeps at least (warmed up) */
   lword_t served, released; /* requests answered, bytes they freed */
   lword_t reclaimable;    /* the sum over its entries: a quick "anything?" */
   lword_t command[LEDGER_WORDS(64)];

@@ -33,6 +33,19 @@ static ledger_part_t *own_part(vp__ledger_t *l) {
 
 /* ------------------------------------------------------------ serving */
 
+/* VBARs a free-memory call must not evict (its keep list): handles of this
+ * process, of any of its devices. */
+typedef struct keep {
+  const vp_vbar_t *vbar;
+  size_t n;
+} keep_t;
+
+static bool kept(const keep_t *k, uint64_t id) {
+  for (size_t i = 0; k && i < k->n; i++)
+    if (k->vbar[i].id == id) return true;
+  return false;
+}
+
 typedef struct victim {
   vp__vbar_t *vb;
   uint64_t last_use;
@@ -47,13 +60,14 @@ static int victim_cmp(const void *a, const void *b) {
  * that have no pinned page, least recently used first (device lock held).
  * Eviction lowers their watermarks as pressure does. */
 static uint64_t serve_evict(vp__device_t *dev, uint64_t bytes,
-                            uint64_t before) {
+                            uint64_t before, const keep_t *keep) {
   size_t n = 0, cap = 0;
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) cap++;
   victim_t *v = cap ? malloc(cap * sizeof *v) : NULL;
   if (!v) return 0;
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
-    if (!vb->pinned && vb->resident && vb->last_use <= before)
+    if (!vb->pinned && vb->resident && vb->last_use <= before &&
+        !kept(keep, vb->id))
       v[n++] = (victim_t){vb, vb->last_use};
   qsort(v, n, sizeof *v, victim_cmp);
   uint64_t freed = 0;
@@ -68,7 +82,7 @@ static void serve_one(vp__ledger_t *l, ledger_req_t *r) {
   uint64_t bytes = atomic_load(&r->bytes), before = atomic_load(&r->before);
   uint64_t freed = 0;
   pthread_mutex_lock(&dev->lock);
-  if (!dev->broken) freed = serve_evict(dev, bytes, before);
+  if (!dev->broken) freed = serve_evict(dev, bytes, before, NULL);
   vp__ledger_sync(dev);
   vp__unlock(dev, VP_OK);
   ledger_part_t *p = own_part(l);
@@ -197,13 +211,15 @@ static bool cand_add(cand_t **c, size_t *n, size_t *cap, cand_t v) {
 /* One participant's entries that may go: no pinned page, something to
  * reclaim, last used no later than `before`. */
 static void collect_part(vp__ledger_t *l, uint32_t i, uint64_t before,
-                         cand_t **c, size_t *n, size_t *cap) {
+                         const keep_t *keep, cand_t **c, size_t *n,
+                         size_t *cap) {
   ledger_part_t *p = &l->seg->part[i];
   uint64_t serial = atomic_load(&p->serial);
+  if (keep && atomic_load(&p->pid) != (int32_t)l->pid) keep = NULL;
   for (int v = 0; v < LEDGER_VBARS; v++) {
     ledger_vbar_view_t e;
     if (!vp__lvbar_read(&p->vbar[v], &e) || e.pinned || !e.reclaimable ||
-        e.last_use > before)
+        e.last_use > before || kept(keep, e.id))
       continue;
     if (!cand_add(c, n, cap, (cand_t){i, serial, e.id, e.last_use})) return;
   }
@@ -212,7 +228,7 @@ static void collect_part(vp__ledger_t *l, uint32_t i, uint64_t before,
 /* Every candidate VBAR of the live participants (ours only when `self`),
  * least recently used first. Participants found dead are reaped. */
 static size_t collect(vp__ledger_t *l, uint64_t before, bool self,
-                      cand_t **out) {
+                      const keep_t *keep, cand_t **out) {
   size_t n = 0, cap = 0;
   bool dead = false;
   *out = NULL;
@@ -222,7 +238,7 @@ static size_t collect(vp__ledger_t *l, uint64_t before, bool self,
     bool me = i == (uint32_t)l->part;
     if (me ? !self : skipped(l, i, atomic_load(&p->serial))) continue;
     size_t first = n;
-    collect_part(l, i, before, out, &n, &cap);
+    collect_part(l, i, before, keep, out, &n, &cap);
     if (n > first && !me && !vp__lpart_alive(p)) n = first, dead = true;
   }
   if (dead && vp__lseg_lock(l->seg) == VP_OK) {
@@ -317,11 +333,11 @@ static uint64_t evict_own(vp__device_t *dev, uint64_t id, uint64_t bytes) {
  * step and asks each holder only for what is still missing. Returns the
  * bytes freed. */
 static uint64_t walk(vp__ledger_t *l, uint64_t target, uint64_t before,
-                     bool self) {
+                     bool self, const keep_t *keep) {
   vp__device_t *dev = l->dev;
   cand_t *c = NULL;
   uint64_t free_now = 0, freed = 0;
-  size_t n = collect(l, before, self, &c);
+  size_t n = collect(l, before, self, keep, &c);
   bool ok = n && measure(dev, &free_now);
   uint64_t cap = ok && free_now < target ? target - free_now : 0;
   for (size_t i = 0; ok && i < n && free_now < target && freed < cap; i++) {
@@ -369,21 +385,40 @@ void vp__release_ask(vp__device_t *dev, const vp__ask_t *ask) {
   vp__ledger_t *l = dev->ledger;
   if (!l || !ask->pending || !vp__release_may_help(dev)) return;
   uint64_t now = vp__coarse_ns(), before = own_oldest(dev, ask->vbar, now);
-  uint64_t freed = walk(l, ask->target, before, false);
+  uint64_t freed = walk(l, ask->target, before, false, NULL);
   if (before < now && ask->own < ask->target)
-    freed += walk(l, ask->target - ask->own, now, false);
+    freed += walk(l, ask->target - ask->own, now, false, NULL);
   vp__log(VP_LOG_DEBUG, dev->caps.name, "ledger: other processes released "
           "%llu bytes toward %llu free", ULL(freed), ULL(ask->target));
 }
 
-int vp_ledger_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
+/* Without a ledger: our own VBARs, least recently used first; the keep
+ * list's left alone. */
+static int free_alone(vp__device_t *dev, uint64_t bytes, const keep_t *keep,
+                      uint64_t *done) {
+  if (!keep->n) return vp__device_evict(dev, bytes, done);
+  /* No last-use stamps without a ledger: the priority list, bottom up. */
+  int rc = VP_OK;
+  for (vp__vbar_t *vb = dev->bottom; vb && *done < bytes && !rc; vb = vb->up)
+    if (vb->resident > vb->pinned && !kept(keep, vb->id))
+      rc = vp__vbar_evict(vb, bytes - *done, 0, done);
+  vp__ledger_sync(dev);
+  return rc;
+}
+
+int vp_ledger_free_memory_keep(vp_device_t h, uint64_t bytes,
+                               const vp_vbar_t *keep, size_t nkeep,
+                               uint64_t *freed) {
   VP__ENTER();
+  VP__NEED(keep || nkeep == 0, "keep is NULL");
   vp__device_t *dev = NULL;
   uint64_t done = 0, start = 0;
+  keep_t k = {keep, nkeep};
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
+  if (freed) *freed = 0;
   if (!dev->ledger) {
-    rc = vp__device_evict(dev, bytes, &done);
+    rc = free_alone(dev, bytes, &k, &done);
     if (freed) *freed = done;
     return vp__unlock(dev, rc);
   }
@@ -391,11 +426,15 @@ int vp_ledger_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
   vp__unlock(dev, VP_OK);
   if (!measure(dev, &start)) return vp__broken(dev);
   uint64_t target = start > UINT64_MAX - bytes ? UINT64_MAX : start + bytes;
-  done = walk(dev->ledger, target, vp__coarse_ns(), true);
+  done = walk(dev->ledger, target, vp__coarse_ns(), true, &k);
   if (done < bytes)
     vp__log(VP_LOG_INFO, dev->caps.name, "ledger: freed %llu of the %llu "
             "bytes asked; nothing else is reclaimable now", ULL(done),
             ULL(bytes));
   if (freed) *freed = done;
   return VP_OK;
+}
+
+int vp_ledger_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
+  return vp_ledger_free_memory_keep(h, bytes, NULL, 0, freed);
 }

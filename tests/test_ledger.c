@@ -507,8 +507,10 @@ TEST(ledger_bad_segment, TEST_SIM_ONLY) {
       {0, 0, 0, false, "is 0 bytes"},
       {100, 0, 0, true, "is 100 bytes, not"},
       {sizeof(ledger_seg_t), 0, 0, true, "not a vpager ledger"},
-      {sizeof(ledger_seg_t), LEDGER_MAGIC, 2, false, "version 2"},
-      {sizeof(ledger_seg_t) + 4096, LEDGER_MAGIC, 1, false, "bytes, not"},
+      {sizeof(ledger_seg_t), LEDGER_MAGIC, LEDGER_VERSION + 1, false,
+       "version 3"},
+      {sizeof(ledger_seg_t) + 4096, LEDGER_MAGIC, LEDGER_VERSION, false,
+       "bytes, not"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     char name[64], shm[128];
@@ -637,6 +639,52 @@ TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   ASSERT_OK(vp_unpin(pinned, 0, ps, 0));
   peer_quit(&p);
   ASSERT_OK(vp_device_close(dev));
+}
+
+/* A keep list: the kept VBARs (ours, of two devices of this process) stay
+ * whole; the others go least recently used first, the peer's too. Without
+ * a ledger the keep list holds as well. */
+TEST(ledger_free_memory_keep, TEST_SIM_ONLY) {
+  char name[64];
+  ledger_name(name, sizeof name, "keep");
+  peer_cfg_t cp = {name, 12, 3, 10, "peer", VP_SIM_SYNC};
+  peer_t p = peer_start(ctx, &cp);
+  ASSERT_EQ_U64(peer_do(&p, 'R'), 3);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 12);
+  uint64_t ps = o.page_size, freed = 0;
+  vp_device_t d1 = test_open(ctx, &o), d2 = test_open(ctx, &o);
+  vp_vbar_t a = test_vbar(d1, 3 * ps), b = test_vbar(d1, 3 * ps);
+  vp_vbar_t c = test_vbar(d2, 3 * ps);
+  test_load_pages(a, 0, 3);
+  test_load_pages(b, 0, 3);
+  test_load_pages(c, 0, 3);
+  vp_vbar_t keep[2] = {a, c};
+  ASSERT_RC(vp_ledger_free_memory_keep(d1, ps, NULL, 1, &freed), VP_EINVAL);
+  ASSERT_OK(vp_ledger_free_memory_keep(d1, 100 * ps, keep, 2, &freed));
+  ASSERT_EQ_U64(freed, 6 * ps); /* the peer's 3 and b's 3 */
+  ASSERT_EQ_U64(peer_do(&p, 'C'), 0);
+  ASSERT_EQ_U64(test_resident_count(a), 3);
+  ASSERT_EQ_U64(test_resident_count(b), 0);
+  ASSERT_EQ_U64(test_resident_count(c), 3);
+  ASSERT_OK(vp_device_set_external_floor(d1, 777));
+  char *s = snapshot(d1);
+  ASSERT_STR_CONTAINS(s, "\"external_floor\":777");
+  free(s);
+  peer_quit(&p);
+  ASSERT_OK(vp_device_close(d2));
+  ASSERT_OK(vp_device_close(d1));
+  vp_device_t alone = test_open(ctx, NULL);
+  uint64_t aps = test_info(alone).page_size;
+  vp_vbar_t x = test_vbar(alone, 2 * aps), y = test_vbar(alone, 2 * aps);
+  test_load_pages(x, 0, 2);
+  test_load_pages(y, 0, 2);
+  ASSERT_OK(vp_ledger_free_memory_keep(alone, 100 * aps, &x, 1, &freed));
+  ASSERT_EQ_U64(freed, 2 * aps);
+  ASSERT_EQ_U64(test_resident_count(x), 2);
+  ASSERT_EQ_U64(test_resident_count(y), 0);
+  ASSERT_OK(vp_device_set_external_floor(alone, 1)); /* no ledger: kept nowhere */
+  ASSERT_OK(vp_device_close(alone));
 }
 
 /* vp_acquire's misses that our own pages could not cover are taken to the

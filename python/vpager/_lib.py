@@ -316,6 +316,9 @@ PROTOTYPES = {
     "vp_device_set_external_reserved": (_i, [_dev, _u64]),
     "vp_ledger_snapshot": (_i, [_dev, P(c_char), _sz, P(c_size_t)]),
     "vp_ledger_free_memory": (_i, [_dev, _u64, P(c_uint64)]),
+    "vp_ledger_free_memory_keep": (_i, [_dev, _u64, P(_vb), _sz,
+                                        P(c_uint64)]),
+    "vp_device_set_external_floor": (_i, [_dev, _u64]),
     "vp_ledger_list": (_i, [P(c_char), _sz, P(c_size_t)]),
     "vp_ledger_read": (_i, [c_char_p, P(c_char), _sz, P(c_size_t)]),
     # stats

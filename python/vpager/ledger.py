@@ -22,6 +22,7 @@ from ._lib import C
 from .errors import check
 
 __all__ = ["LABEL_MAX", "set_label", "label", "set_external_reserved",
+           "set_external_floor",
            "snapshot", "free_memory", "names", "read"]
 
 LABEL_MAX = _lib.VP_LABEL_MAX
@@ -69,14 +70,27 @@ def snapshot(device):
     return _json(lambda b, n, need: C.vp_ledger_snapshot(h, b, n, need))
 
 
-def free_memory(device, nbytes):
+def free_memory(device, nbytes, keep=()):
     """vp_ledger_free_memory(): free nbytes of device memory over every
     participant, least recently used VBAR first; returns the bytes freed
-    (less than nbytes when nothing else could be freed)."""
+    (less than nbytes when nothing else could be freed). keep: VBARs of
+    this process (any device) left alone (vp_ledger_free_memory_keep)."""
     freed = ctypes.c_uint64()
-    check(C.vp_ledger_free_memory(device._handle(), int(nbytes),
-                                  ctypes.byref(freed)))
+    keep = [v._handle() for v in keep]
+    if not keep:
+        check(C.vp_ledger_free_memory(device._handle(), int(nbytes),
+                                      ctypes.byref(freed)))
+        return freed.value
+    arr = (_lib.vp_vbar_t * len(keep))(*keep)
+    check(C.vp_ledger_free_memory_keep(device._handle(), int(nbytes), arr,
+                                       len(keep), ctypes.byref(freed)))
     return freed.value
+
+
+def set_external_floor(device, nbytes):
+    """vp_device_set_external_floor(): the least the framework's allocator
+    holds once warmed up (measured once)."""
+    check(C.vp_device_set_external_floor(device._handle(), int(nbytes)))
 
 
 def names():
