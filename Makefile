@@ -92,6 +92,9 @@ check-python: $(BUILD)/libvpager.so
 	PYTHONPATH=python:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_compat.py
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_ledger.py
+	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_node.py
+	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	  $(PYTHON) tests/python/test_bench_torch.py
 
 check: check-abi
 	$(MAKE) test

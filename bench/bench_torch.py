@@ -25,15 +25,36 @@ each against baselines measured in the same run:
   3. a compute-bound DiT-like stack (hidden 3072, 4x MLP, attention, 4096
      tokens x batch 2, ~13 GB of weights) in an 8.6 GB budget, 20 steps:
      ms per step against all-resident (target <= 1.05x) and VMM calls after
-     the first step (device pages_committed + pages_evicted; target 0).
+     the first step (device pages_committed + pages_evicted; target 0);
+  4-6. issue 13, models that look like real ones, each at budgets of 1/3,
+     1/2 and 2/3 of its weights (--budgets): ms per forward of
+     vpager.torch.offload(model, device, budget) against all-resident and
+     against L = max(all-resident, (W - B + 2 w_max) / link) (W weights,
+     B budget, w_max the largest weight, link measured above), bitwise
+     equality, bytes copied per forward (vpager stats) and how long the
+     compute stream waited in acquires (CUDA events around each unit's
+     vp_acquire, on one forward of its own: benchlib.WaitProbe);
+     4. a Flux-class DiT in plain torch (8 double-stream blocks with
+        separate img/txt modulation, qkv/proj and MLP linears, 16
+        single-stream blocks with fused linear1/linear2, modulation
+        linears on the pooled 1 x 3072 vector; hidden 3072, bf16, ~9.4 GiB;
+        4096 image + 256 text tokens); targets <= 1.10x L at 1/2 and 2/3,
+        <= 1.15x at 1/3;
+     5. 1536 x 2 MiB bf16 weights, tanh(x @ W) per layer, batch 256,
+        against a hand-written double-buffered streamer (pinned host
+        copies, two device buffers, a copy stream, events) at the same
+        budget; target vpager <= 1.15x the streamer;
+     6. the decoder of section 2, prefill and decode; target <= 1.10x L.
 
     make -j16 && PYTHONUNBUFFERED=1 PYTHONPATH=python \
         python3 bench/bench_torch.py | tee $OUT/bench_torch.log
     PYTHONPATH=python /usr/bin/python3 bench/bench_torch.py --dry-run
 
 --dry-run runs everything on the CPU with the simulated device and tiny
-sizes (what CI and a laptop can check; no figure means anything there).
---only 1,3 runs some sections. Each section catches its own errors (the
+sizes (what CI and a laptop can check, tests/python/test_bench_torch.py;
+no figure means anything there); --small runs sections 4-6 at those sizes
+on the GPU. --only 1,3 runs some sections; --iters N timed forwards per
+variant in 4-6 (3). Each section catches its own errors (the
 traceback is printed and the run goes on). Writes a JSON of the figures to
 $OUT/bench_torch.json when OUT is set.
 
@@ -89,7 +110,7 @@ def copied(a, b):
 class Cfg:
     """Sizes. FULL for the GPU; DRY for --dry-run (CPU, simulated device)."""
 
-    def __init__(self, dry):
+    def __init__(self, dry, small=False):
         self.dry = dry
         # 1. hot path
         self.hot_ns = (1, 16, 64)
@@ -122,6 +143,24 @@ class Cfg:
         self.dit_cap_s = 30.0      # fewer steps if a variant is that slow
         self.soft_limit_s = 150.0  # section 3 shortened if started later
         self.dtype = torch.bfloat16
+        # 4-6. issue 13 (small: the same models scaled down, any device)
+        tiny = dry or small
+        self.i13_fracs = (1 / 3, 1 / 2, 2 / 3)
+        self.i13_iters = 3
+        self.i13_decode = 4 if tiny else 8
+        if tiny:
+            self.flux = dict(hidden=128, heads=4, mlp=4, double=2, single=4,
+                             img=64, txt=16, in_ch=16, ctx_in=64, vec_in=32)
+            self.small = dict(layers=96, d=64, batch=16)
+        else:
+            self.flux = dict(hidden=3072, heads=24, mlp=4, double=8,
+                             single=16, img=4096, txt=256, in_ch=64,
+                             ctx_in=4096, vec_in=768)
+            self.small = dict(layers=1536, d=1024, batch=256)
+        if small and not dry:
+            self.llama = dict(hidden=1024, inter=2816, layers=4, heads=8,
+                              kv_heads=2, vocab=4096)
+            self.prefill = 256
 
 
 class Ctx(benchlib.Ctx):
@@ -1062,6 +1101,664 @@ def bench_dit(ctx, cfg):
         out["ratio"] = x_
 
 
+# ------------------------------------- 4-6. issue 13: real model shapes
+#
+# Each model at budgets of 1/3, 1/2 and 2/3 of its weights: ms per forward
+# of vpager.torch.offload(model, device, budget) against all-resident and
+# against the limit L = max(all-resident, (W - B + 2 w_max) / link)
+# (benchlib.stream_limit_ms), bitwise equality with all-resident, bytes
+# copied per forward (vpager stats) and how long the compute stream stood
+# still in acquires (benchlib.WaitProbe, on one forward of its own).
+
+def bitwise_equal(a, b):
+    """Same bits (NaN included), compared as float32 on the CPU (exact for
+    bf16)."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return a.shape == b.shape and bool(torch.equal(a.view(torch.int32),
+                                                   b.view(torch.int32)))
+
+
+def _finite_note(y):
+    y = y.detach().float()
+    return "max |out| %.3g%s" % (y.abs().max().item(), "" if bool(
+        torch.isfinite(y).all()) else ", NOT all finite")
+
+
+def largest_weight(model):
+    return max(t.numel() * t.element_size() for t in model.parameters())
+
+
+def _frac_name(f):
+    return {1 / 3: "1/3", 1 / 2: "1/2", 2 / 3: "2/3"}.get(f, "%.3f" % f)
+
+
+class _RMS(nn.Module):
+    """Flux's QK norm: RMSNorm with a learned scale over the head dim."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return xf.to(x.dtype) * self.scale
+
+
+class _QKNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.query_norm = _RMS(d)
+        self.key_norm = _RMS(d)
+
+
+class _Mod(nn.Module):
+    """Flux's Modulation: one big Linear(d, n d) on silu(vec), vec a pooled
+    1 x d vector: megabytes of weights for almost no compute."""
+
+    def __init__(self, d, n):
+        super().__init__()
+        self.n = n
+        self.lin = nn.Linear(d, n * d)
+
+    def forward(self, vec):
+        return self.lin(F.silu(vec))[:, None, :].chunk(self.n, dim=-1)
+
+
+class _MLPEmbed(nn.Module):
+    def __init__(self, i, d):
+        super().__init__()
+        self.in_layer = nn.Linear(i, d)
+        self.out_layer = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.out_layer(F.silu(self.in_layer(x)))
+
+
+class _SelfAttn(nn.Module):
+    def __init__(self, d, head_dim):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.norm = _QKNorm(head_dim)
+        self.proj = nn.Linear(d, d)
+
+
+class _FluxMLP(nn.Module):
+    def __init__(self, d, mlp):
+        super().__init__()
+        self.fc1 = nn.Linear(d, mlp * d)
+        self.fc2 = nn.Linear(mlp * d, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def _rope(x, pe):
+    """Rotary embedding: pe = (cos, sin) of (L, D/2), float32."""
+    cos, sin = pe
+    xf = x.float().reshape(*x.shape[:-1], -1, 2)
+    a, b = xf[..., 0], xf[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos),
+                       -1).flatten(-2).to(x.dtype)
+
+
+def _split_heads(qkv, heads):
+    b, t, d3 = qkv.shape
+    return qkv.view(b, t, 3, heads, d3 // 3 // heads).permute(2, 0, 3, 1, 4)
+
+
+def _flux_attn(q, k, v, pe):
+    q, k = _rope(q, pe), _rope(k, pe)
+    a = attention(q, k, v, causal=False)
+    b, h, t, dh = a.shape
+    return a.transpose(1, 2).reshape(b, t, h * dh)
+
+
+class _Double(nn.Module):
+    """Flux's double-stream block: image and text streams with their own
+    modulation, attention qkv/proj and MLP linears, one joint attention."""
+
+    def __init__(self, d, heads, mlp):
+        super().__init__()
+        self.heads = heads
+        hd = d // heads
+        for s in ("img", "txt"):
+            setattr(self, s + "_mod", _Mod(d, 6))
+            setattr(self, s + "_norm1", nn.LayerNorm(
+                d, elementwise_affine=False, eps=1e-6))
+            setattr(self, s + "_attn", _SelfAttn(d, hd))
+            setattr(self, s + "_norm2", nn.LayerNorm(
+                d, elementwise_affine=False, eps=1e-6))
+            setattr(self, s + "_mlp", _FluxMLP(d, mlp))
+
+    def _qkv(self, s, x, m):
+        attn = getattr(self, s + "_attn")
+        x = (1 + m[1]) * getattr(self, s + "_norm1")(x) + m[0]
+        q, k, v = _split_heads(attn.qkv(x), self.heads)
+        return attn.norm.query_norm(q), attn.norm.key_norm(k), v
+
+    def _out(self, s, x, a, m):
+        x = x + m[2] * getattr(self, s + "_attn").proj(a)
+        h = (1 + m[4]) * getattr(self, s + "_norm2")(x) + m[3]
+        return x + m[5] * getattr(self, s + "_mlp")(h)
+
+    def forward(self, img, txt, vec, pe):
+        mi, mt = self.img_mod(vec), self.txt_mod(vec)
+        iq, ik, iv = self._qkv("img", img, mi)
+        tq, tk, tv = self._qkv("txt", txt, mt)
+        a = _flux_attn(torch.cat((tq, iq), 2), torch.cat((tk, ik), 2),
+                       torch.cat((tv, iv), 2), pe)
+        nt = txt.shape[1]
+        return (self._out("img", img, a[:, nt:], mi),
+                self._out("txt", txt, a[:, :nt], mt))
+
+
+class _Single(nn.Module):
+    """Flux's single-stream block: one fused linear1 (qkv + MLP in) and
+    linear2 (attention out + MLP out) over the joint sequence."""
+
+    def __init__(self, d, heads, mlp):
+        super().__init__()
+        self.heads, self.d, self.mlp_d = heads, d, mlp * d
+        self.linear1 = nn.Linear(d, 3 * d + self.mlp_d)
+        self.linear2 = nn.Linear(d + self.mlp_d, d)
+        self.norm = _QKNorm(d // heads)
+        self.pre_norm = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.modulation = _Mod(d, 3)
+
+    def forward(self, x, vec, pe):
+        shift, scale, gate = self.modulation(vec)
+        h = (1 + scale) * self.pre_norm(x) + shift
+        qkv, m = torch.split(self.linear1(h), [3 * self.d, self.mlp_d], -1)
+        q, k, v = _split_heads(qkv.contiguous(), self.heads)
+        a = _flux_attn(self.norm.query_norm(q), self.norm.key_norm(k), v, pe)
+        return x + gate * self.linear2(
+            torch.cat((a, F.gelu(m, approximate="tanh")), 2))
+
+
+class _Final(nn.Module):
+    def __init__(self, d, out):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(d, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(d, out)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 2 * d))
+
+    def forward(self, x, vec):
+        shift, scale = self.adaLN_modulation(vec)[:, None, :].chunk(2, -1)
+        return self.linear((1 + scale) * self.norm_final(x) + shift)
+
+
+def _t_embed(t, dim, dtype):
+    half = dim // 2
+    f = torch.exp(-torch.log(torch.tensor(10000.0)) *
+                  torch.arange(half, dtype=torch.float32) / half).to(t.device)
+    a = t.float()[:, None] * 1000.0 * f[None]
+    return torch.cat((torch.cos(a), torch.sin(a)), -1).to(dtype)
+
+
+class FluxDiT(nn.Module):
+    """A Flux-class DiT in plain torch (the shapes of black-forest-labs'
+    Flux: hidden 3072, 24 heads, MLP 4x, in 64 channels, T5 context 4096,
+    pooled CLIP vector 768), with fewer blocks: bf16 weights, random."""
+
+    def __init__(self, c):
+        super().__init__()
+        d, h, m = c["hidden"], c["heads"], c["mlp"]
+        self.img_in = nn.Linear(c["in_ch"], d)
+        self.time_in = _MLPEmbed(256, d)
+        self.vector_in = _MLPEmbed(c["vec_in"], d)
+        self.guidance_in = _MLPEmbed(256, d)
+        self.txt_in = nn.Linear(c["ctx_in"], d)
+        self.double_blocks = nn.ModuleList(_Double(d, h, m)
+                                           for _ in range(c["double"]))
+        self.single_blocks = nn.ModuleList(_Single(d, h, m)
+                                           for _ in range(c["single"]))
+        self.final_layer = _Final(d, c["in_ch"])
+        self.head_dim = d // h
+
+    def forward(self, img, txt, t, y, guidance):
+        dt = img.dtype
+        img = self.img_in(img)
+        vec = (self.time_in(_t_embed(t, 256, dt)) +
+               self.guidance_in(_t_embed(guidance, 256, dt)) +
+               self.vector_in(y))
+        txt = self.txt_in(txt)
+        n = txt.shape[1] + img.shape[1]
+        half = self.head_dim // 2
+        inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32,
+                                            device=img.device) / half))
+        ang = torch.arange(n, dtype=torch.float32, device=img.device)[:, None] \
+            * inv[None]
+        pe = (torch.cos(ang), torch.sin(ang))
+        for b in self.double_blocks:
+            img, txt = b(img, txt, vec, pe)
+        x = torch.cat((txt, img), 1)
+        for b in self.single_blocks:
+            x = b(x, vec, pe)
+        return self.final_layer(x[:, txt.shape[1]:], vec)
+
+
+class _TanhMM(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d, d))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight)
+
+
+class SmallStack(nn.Module):
+    """n layers of tanh(x @ W), W a d x d bf16 matrix (2 MiB at d = 1024)."""
+
+    def __init__(self, n, d):
+        super().__init__()
+        self.layers = nn.ModuleList(_TanhMM(d) for _ in range(n))
+
+    def forward(self, x):
+        for m in self.layers:
+            x = m(x)
+        return x
+
+
+def spread(n, k):
+    """k of range(n) spread evenly (the streamed layers of a hand-written
+    streamer that keeps n - k resident)."""
+    return [i for i in range(n) if (i + 1) * k // n > i * k // n]
+
+
+class HandStreamer:
+    """A hand-written double-buffered streamer of SmallStack: the layers
+    that fit in the budget beside two buffers stay resident (their device
+    tensors), the rest (spread evenly) are copied from pinned host copies
+    into two device buffers on a copy stream, each copy issued as soon as
+    its buffer's last reader is queued, with events both ways. On the CPU
+    (dry run) the copies are plain copy_() calls."""
+
+    def __init__(self, ctx, dev_ws, host_ws, budget):
+        w = dev_ws[0].numel() * dev_ws[0].element_size()
+        n = len(dev_ws)
+        keep = max(0, min(n, (budget - 2 * w) // w))
+        self.streamed = spread(n, n - keep)
+        s = set(self.streamed)
+        self.ctx = ctx
+        self.res = [None if i in s else dev_ws[i] for i in range(n)]
+        self.host = [host_ws[i] if i in s else None for i in range(n)]
+        self.bufs = [torch.empty_like(dev_ws[0]) for _ in range(2)]
+        self.keep, self.w = keep, w
+        if ctx.cuda:
+            self.cs = torch.cuda.Stream()
+            E = torch.cuda.Event
+            self.ready = [E(), E()]
+            self.free = [E(), E()]
+        self.used = [False, False]
+        self.wait_pairs = None      # [(event, event)] when probing
+
+    def _issue(self, k):
+        j = k % 2
+        src = self.host[self.streamed[k]]
+        if not self.ctx.cuda:
+            self.bufs[j].copy_(src)
+            return
+        with torch.cuda.stream(self.cs):
+            if self.used[j]:
+                self.cs.wait_event(self.free[j])
+            self.bufs[j].copy_(src, non_blocking=True)
+            self.ready[j].record(self.cs)
+
+    def __call__(self, x):
+        st = self.streamed
+        for k in range(min(2, len(st))):
+            self._issue(k)
+        k = 0
+        cuda = self.ctx.cuda
+        main = torch.cuda.current_stream() if cuda else None
+        for i, W in enumerate(self.res):
+            if W is None:
+                j = k % 2
+                if cuda:
+                    if self.wait_pairs is not None:
+                        a = self.ctx.mark()
+                    main.wait_event(self.ready[j])
+                    if self.wait_pairs is not None:
+                        self.wait_pairs.append((a, self.ctx.mark()))
+                W = self.bufs[j]
+            x = torch.tanh(x @ W)
+            if self.res[i] is None:
+                if cuda:
+                    self.free[j].record(main)
+                self.used[j] = True
+                if k + 2 < len(st):
+                    self._issue(k + 2)
+                k += 1
+        return x
+
+
+def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
+                  resident_ms, ref_out, out, extra_opts=None):
+    """For each budget fraction: offload the CPU model, a cold forward,
+    timed forwards, one probed forward (compute-stream waits), stats,
+    unload. fwd() -> output tensor. Fills out[frac name]."""
+    rows = []
+    for f in fracs:
+        budget = int(wbytes * f)
+        fn = _frac_name(f)
+        r = {"budget": budget}
+        out[fn] = r
+        try:
+            t0 = time.perf_counter()
+            opts = dict(ctx.vp_opts)
+            opts.update(extra_opts or {})
+            h = vt.offload(model, device=ctx.device, budget=budget, **opts)
+            r["offload_s"] = time.perf_counter() - t0
+            o = h.device.options
+            try:
+                with torch.no_grad():
+                    r["cold_ms"], _ = ctx.once(lambda: sdpa_call(fwd))
+                    s1 = h.stats()
+                    box = []
+                    with sdpa_ctx():
+                        ts, wall = ctx.series(
+                            lambda: box.__setitem__(slice(None), [fwd()]),
+                            cfg.i13_iters)
+                    s2 = h.stats()
+                    y = box[0]
+                    box[:] = []
+                    probe = benchlib.WaitProbe(ctx, h._layout.units)
+                    with sdpa_ctx(), probe:
+                        fwd()
+                    ctx.sync()
+                    wait_ms = probe.total_ms()
+                n = len(ts)
+                d = stats_delta(s1, s2)
+                dd = stats_delta(s1["device"], s2["device"])
+                r.update(ms=med(ts), all_ms=ts, wall_ms=wall,
+                         copied_bytes=copied_bytes(d) / n,
+                         copies=dd["copies"] / n,
+                         stream_waits=dd["stream_waits"] / n,
+                         ring_waits=dd["ring_waits"] / n,
+                         vmm=(dd["pages_committed"] + dd["pages_evicted"]),
+                         wait_ms=wait_ms, waits_probed=probe.count(),
+                         resident_bytes=s2["resident_bytes"],
+                         staging=o["staging_size"], lookahead=o["lookahead"],
+                         page=o["page_size"], units=s2["units"],
+                         equal=bitwise_equal(y, ref_out))
+            finally:
+                t0 = time.perf_counter()
+                h.unload()
+                r["unload_s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(file=sys.stdout)
+            say("   %s budget %s: FAILED (%s: %s)" % (label, fn,
+                                                    type(e).__name__, e))
+            r["error"] = "%s: %s" % (type(e).__name__, e)
+            ctx.empty_cache()
+            continue
+        lim, link_ms = benchlib.stream_limit_ms(resident_ms, wbytes, budget,
+                                                w_max, ctx.link)
+        r.update(limit_ms=lim, link_term_ms=link_ms,
+                 vs_resident=r["ms"] / resident_ms, vs_limit=r["ms"] / lim)
+        say("   %s budget %s (%.3f GB; staging %s, lookahead %s, %d units; "
+            "offload %.1f s): %.2f ms (cold %.1f; %s) = %.3fx resident, "
+            "%.3fx L (L = max(%.2f, %.2f)); copied %.3f GB/fwd in %.0f "
+            "copies, resident %.3f GB; compute stream waited %.2f ms in %d "
+            "acquires (probed fwd); VMM after cold %d; outputs %s" % (
+                label, fn, budget / GB, size_str(r["staging"]),
+                size_str(r["lookahead"]), r["units"], r["offload_s"],
+                r["ms"], r["cold_ms"], " ".join("%.2f" % t for t in ts),
+                r["vs_resident"], r["vs_limit"], resident_ms, link_ms,
+                r["copied_bytes"] / GB, r["copies"], r["resident_bytes"] / GB,
+                wait_ms, probe.count(), r["vmm"],
+                "bitwise equal" if r["equal"] else "DIFFER"))
+        rows.append((fn, r))
+        ctx.empty_cache()
+    return rows
+
+
+def _i13_targets(name, rows, goals):
+    for fn, r in rows:
+        g = goals.get(fn)
+        if g is not None:
+            target("%s at %s: vpager / L" % (name, fn), r["vs_limit"], "<=",
+                   g)
+        target("%s at %s: outputs bitwise equal" % (name, fn),
+               1.0 if r["equal"] else 0.0, ">=", 1.0)
+
+
+def bench_flux(ctx, cfg):
+    c = cfg.flux
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with building(ctx.device, cfg.dtype):
+        model = FluxDiT(c)
+    model = randomize(finish(model, ctx.device, cfg.dtype))
+    ctx.sync()
+    wbytes, w_max = weight_bytes(model), largest_weight(model)
+    say("\n4. Flux-class DiT (issue 13): %d double-stream + %d single-stream "
+        "blocks, hidden %d, %d heads, MLP %dx, bf16, %.3f GB of weights "
+        "(%d tensors, largest %.1f MiB; built in %.1f s); input %d image + "
+        "%d text tokens, pooled vector 1 x %d; %d timed forwards per "
+        "variant after a cold one; SDPA: %s" % (
+            c["double"], c["single"], c["hidden"], c["heads"], c["mlp"],
+            wbytes / GB, len(list(model.parameters())), w_max / MiB,
+            time.perf_counter() - t0, c["img"], c["txt"], c["vec_in"],
+            cfg.i13_iters, _SDPA["names"]))
+    out = RESULTS.setdefault("flux", {"weight_bytes": wbytes,
+                                      "w_max": w_max, "config": dict(c)})
+    g = torch.Generator().manual_seed(2)
+
+    def inp(*shape):
+        return torch.randn(*shape, generator=g).to(ctx.device, cfg.dtype)
+    img, txt = inp(1, c["img"], c["in_ch"]), inp(1, c["txt"], c["ctx_in"])
+    y = inp(1, c["vec_in"])
+    tt = torch.full((1,), 0.5, device=ctx.device)
+    gd = torch.full((1,), 3.5, device=ctx.device)
+
+    def fwd():
+        return model(img, txt, tt, y, gd)
+    with torch.no_grad():
+        ctx.once(lambda: sdpa_call(fwd))
+        box = []
+        with sdpa_ctx():
+            ts, _ = ctx.series(lambda: box.__setitem__(slice(None), [fwd()]),
+                               cfg.i13_iters + 1)
+    ref = box[0].float().cpu()
+    res_ms = med(ts)
+    out["resident_ms"] = res_ms
+    say("   all-resident: %.2f ms (%s); %s" % (res_ms, " ".join(
+        "%.2f" % t for t in ts), _finite_note(ref)))
+    model = model.to("cpu")
+    ctx.empty_cache()
+    rows = _offload_runs(ctx, cfg, model, fwd, "vpager", cfg.i13_fracs,
+                         wbytes, w_max, res_ms, ref, out)
+    _i13_targets("4. Flux", rows, {"1/3": 1.15, "1/2": 1.10, "2/3": 1.10})
+
+
+def bench_small(ctx, cfg):
+    n, d, b = cfg.small["layers"], cfg.small["d"], cfg.small["batch"]
+    torch.manual_seed(0)
+    with building(ctx.device, cfg.dtype):
+        model = SmallStack(n, d)
+    model = randomize(finish(model, ctx.device, cfg.dtype))
+    # tanh(x @ W) stays in range with W ~ N(0, 1/d)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_((1.0 / d) ** 0.5 / 0.02)
+    ctx.sync()
+    wbytes, w_max = weight_bytes(model), largest_weight(model)
+    say("\n5. small weights (issue 13): %d x tanh(x @ W), W %d x %d bf16 "
+        "(%s each), %.3f GB; batch %d; %d timed forwards per variant; "
+        "hand-written double-buffered streamer in the same run" % (
+            n, d, d, size_str(w_max), wbytes / GB, b, cfg.i13_iters))
+    out = RESULTS.setdefault("small", {"weight_bytes": wbytes,
+                                       "w_max": w_max, "layers": n, "d": d,
+                                       "batch": b})
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(b, d, generator=g).to(ctx.device, cfg.dtype)
+    with torch.no_grad():
+        ctx.once(lambda: model(x))
+        box = []
+        ts, _ = ctx.series(lambda: box.__setitem__(slice(None), [model(x)]),
+                           cfg.i13_iters + 1)
+    ref = box[0].float().cpu()
+    res_ms = med(ts)
+    out["resident_ms"] = res_ms
+    say("   all-resident: %.2f ms (%s); %s" % (res_ms, " ".join(
+        "%.2f" % t for t in ts), _finite_note(ref)))
+    # The hand streamer: resident layers are the model's device tensors,
+    # streamed ones come from pinned host copies.
+    dev_ws = [m.weight.data for m in model.layers]
+    t0 = time.perf_counter()
+    wsz = dev_ws[0].numel() * dev_ws[0].element_size()
+    pool = torch.empty(len(dev_ws) * wsz, dtype=torch.uint8,
+                       pin_memory=ctx.cuda)     # one pinned allocation
+    host_ws = [pool[i * wsz:(i + 1) * wsz].view(w.dtype).view(w.shape)
+               for i, w in enumerate(dev_ws)]
+    for h_, w in zip(host_ws, dev_ws):
+        h_.copy_(w)
+    say("   host copies for the hand streamer in %.1f s" % (
+        time.perf_counter() - t0))
+    hand = {}
+    for f in cfg.i13_fracs:
+        fn = _frac_name(f)
+        budget = int(wbytes * f)
+        hs = HandStreamer(ctx, dev_ws, host_ws, budget)
+        with torch.no_grad():
+            ctx.once(lambda: hs(x))
+            box = []
+            ts, _ = ctx.series(lambda: box.__setitem__(slice(None), [hs(x)]),
+                               cfg.i13_iters)
+            eq = bitwise_equal(box[0], ref)
+            box[:] = []
+            wait = float("nan")
+            if ctx.cuda:
+                hs.wait_pairs = []
+                hs(x)
+                ctx.sync()
+                wait = sum(ctx.ms(a, c) for a, c in hs.wait_pairs)
+                hs.wait_pairs = None
+        lim, link_ms = benchlib.stream_limit_ms(res_ms, wbytes, budget,
+                                                w_max, ctx.link)
+        hand[fn] = {"ms": med(ts), "all_ms": ts, "equal": eq,
+                    "streamed": len(hs.streamed), "wait_ms": wait,
+                    "copied_bytes": len(hs.streamed) * hs.w,
+                    "limit_ms": lim, "vs_limit": med(ts) / lim}
+        say("   hand streamer budget %s (%.3f GB): %.2f ms (%s) = %.3fx "
+            "resident, %.3fx L (L = max(%.2f, %.2f)); %d of %d layers "
+            "streamed (%.3f GB/fwd), compute stream waited %s "
+            "(probed fwd); outputs %s" % (
+                fn, budget / GB, med(ts), " ".join("%.2f" % t for t in ts),
+                med(ts) / res_ms, med(ts) / lim, res_ms, link_ms,
+                len(hs.streamed), n, len(hs.streamed) * hs.w / GB,
+                "%.2f ms" % wait if ctx.cuda else "n/a (CPU copies)",
+                "bitwise equal" if eq else "DIFFER"))
+        del hs
+    out["hand"] = hand
+    del host_ws, dev_ws, pool
+    model = model.to("cpu")
+    ctx.empty_cache()
+
+    def fwd():
+        return model(x)
+    rows = _offload_runs(ctx, cfg, model, fwd, "vpager", cfg.i13_fracs,
+                         wbytes, w_max, res_ms, ref, out)
+    for fn, r in rows:
+        hr = hand.get(fn)
+        if hr:
+            r["vs_hand"] = r["ms"] / hr["ms"]
+            say("   budget %s: vpager / hand streamer %.3f (%.2f vs %.2f ms)"
+                ", %s" % (fn, r["vs_hand"], r["ms"], hr["ms"], target(
+                    "5. small weights at %s: vpager / hand streamer" % fn,
+                    r["vs_hand"], "<=", 1.15)))
+    _i13_targets("5. small", rows, {})
+
+
+def bench_llama3(ctx, cfg):
+    """The Llama decoder of section 2 at three budgets: prefill and decode
+    against all-resident and L (no accelerate: section 2 has it)."""
+    c = cfg.llama
+    sub = types.SimpleNamespace(**vars(cfg))
+    sub.prefill_reps = cfg.i13_iters
+    sub.decode = cfg.i13_decode
+    sub.warm_decode = 2
+    t0 = time.perf_counter()
+    model, what = build_decoder(ctx, cfg)
+    ctx.sync()
+    wbytes, w_max = weight_bytes(model), largest_weight(model)
+    say("\n6. Llama-shaped decoder at three budgets (issue 13): %s; %d "
+        "layers, %.3f GB of weights (largest %.1f MiB), built in %.1f s; "
+        "prefill 1x%d (%d timed), decode %d tokens" % (
+            what, c["layers"], wbytes / GB, w_max / MiB,
+            time.perf_counter() - t0, cfg.prefill, sub.prefill_reps,
+            sub.decode))
+    out = RESULTS.setdefault("llama3", {"weight_bytes": wbytes,
+                                        "w_max": w_max, "model": what})
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c["vocab"], (1, cfg.prefill), generator=g).to(
+        ctx.device)
+    ref = run_decoder(ctx, sub, model, ids, "resident")
+    out["resident"] = {k: v for k, v in ref.items() if k != "logits"}
+    model = model.to("cpu")
+    ctx.empty_cache()
+    for f in cfg.i13_fracs:
+        fn = _frac_name(f)
+        budget = int(wbytes * f)
+        r = {"budget": budget}
+        out[fn] = r
+        try:
+            h = vt.offload(model, device=ctx.device, budget=budget,
+                           **ctx.vp_opts)
+            try:
+                vp = run_decoder(ctx, sub, model, ids, "vpager " + fn,
+                                 stats=h.stats)
+                # One probed prefill and one probed token.
+                probe = benchlib.WaitProbe(ctx, h._layout.units)
+                pkw = {"use_cache": True}
+                with torch.no_grad(), sdpa_ctx():
+                    with probe:
+                        o = model(input_ids=ids, **pkw)
+                    ctx.sync()
+                    wp = probe.total_ms()
+                    tok = o.logits[:, -1:, :].argmax(-1)
+                    with probe:
+                        model(input_ids=tok, past_key_values=o.past_key_values,
+                              **pkw)
+                    ctx.sync()
+                    wd = probe.total_ms()
+                    o = None
+            finally:
+                h.unload()
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc(file=sys.stdout)
+            r["error"] = "%s: %s" % (type(e).__name__, e)
+            ctx.empty_cache()
+            continue
+        r.update({k: v for k, v in vp.items() if k != "logits"})
+        r["same"] = _same(ref, vp)
+        r["equal"] = bool(torch.equal(ref["logits"], vp["logits"]) and
+                          ref["token_ids"] == vp["token_ids"][
+                              :len(ref["token_ids"])])
+        r["prefill_wait_ms"], r["decode_wait_ms"] = wp, wd
+        for ph in ("prefill", "decode"):
+            lim, link_ms = benchlib.stream_limit_ms(
+                ref[ph + "_ms"], wbytes, budget, w_max, ctx.link)
+            x_ = vp[ph + "_ms"] / lim
+            r[ph + "_limit_ms"], r[ph + "_vs_limit"] = lim, x_
+            say("   vpager %s %s: %.2f ms = %.3fx resident (%.2f), %.3fx L "
+                "(L = max(%.2f, %.2f)); copied %.3f GB, compute stream "
+                "waited %.2f ms (probed), %s" % (
+                    fn, ph, vp[ph + "_ms"], vp[ph + "_ms"] / ref[ph + "_ms"],
+                    ref[ph + "_ms"], x_, ref[ph + "_ms"], link_ms,
+                    vp[ph + "_bytes"] / GB, wp if ph == "prefill" else wd,
+                    target("6. Llama %s at %s: vpager / L" % (ph, fn), x_,
+                           "<=", 1.10)))
+        say("   vpager %s: outputs %s" % (fn, r["same"]))
+        target("6. Llama at %s: outputs bitwise equal" % fn,
+               1.0 if r["equal"] else 0.0, ">=", 1.0)
+        ctx.empty_cache()
+    del model
+    ctx.empty_cache()
+
+
 # ---------------------------------------------------------------- main
 
 def main():
@@ -1069,18 +1766,31 @@ def main():
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU and the simulated device, tiny sizes")
     ap.add_argument("--only", default="",
-                    help="comma-separated sections to run (1,2,3)")
+                    help="comma-separated sections to run (1-6)")
     ap.add_argument("--llama-layers", type=int, help="decoder layers (16)")
     ap.add_argument("--decode", type=int, help="decode tokens timed (32)")
     ap.add_argument("--dit-layers", type=int, help="DiT blocks (57)")
     ap.add_argument("--steps", type=int, help="DiT steps (20)")
+    ap.add_argument("--small", action="store_true",
+                    help="sections 4-6 (issue 13) at tiny sizes on any "
+                    "device (as --dry-run sizes them)")
+    ap.add_argument("--iters", type=int,
+                    help="sections 4-6: timed forwards per variant (3)")
+    ap.add_argument("--budgets", default="",
+                    help="sections 4-6: budget fractions of the weights, "
+                    "e.g. 0.5,0.667 (default 1/3,1/2,2/3)")
     args = ap.parse_args()
     only = {int(x) for x in args.only.split(",") if x.strip()}
     if not args.dry_run and not torch.cuda.is_available():
         say("bench_torch: no CUDA GPU visible to torch; use --dry-run for "
             "the CPU check")
         return 0
-    cfg = Cfg(args.dry_run)
+    cfg = Cfg(args.dry_run, args.small)
+    if args.iters:
+        cfg.i13_iters = max(1, args.iters)
+    if args.budgets.strip():
+        cfg.i13_fracs = tuple(float(x) for x in args.budgets.split(",")
+                              if x.strip())
     if args.llama_layers:
         cfg.llama["layers"] = args.llama_layers
     if args.decode:
@@ -1107,7 +1817,8 @@ def main():
         ctx.link = 55.0
         say("link: FAILED to measure; using 55 GB/s (FACTS.md) for the "
             "bounds")
-    for k, fn in ((1, bench_hotpath), (2, bench_llama), (3, bench_dit)):
+    for k, fn in ((1, bench_hotpath), (2, bench_llama), (3, bench_dit),
+                  (4, bench_flux), (5, bench_small), (6, bench_llama3)):
         if only and k not in only:
             continue
         t0 = time.perf_counter()

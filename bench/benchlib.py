@@ -39,7 +39,7 @@ __all__ = [
     "med", "gbps", "host_ram", "gpu_line", "host_line", "source_rev",
     "module_versions", "software_line", "machine_lines", "utc_now", "Ctx",
     "TARGETS", "target", "target_lines", "targets_json", "write_json",
-    "stats_delta", "copied_bytes",
+    "stats_delta", "copied_bytes", "stream_limit_ms", "WaitProbe",
 ]
 
 
@@ -361,3 +361,82 @@ def copied_bytes(d):
     (staged_bytes, fill_bytes) and ahead of need (prefetch_bytes, counted
     apart)."""
     return d["staged_bytes"] + d["fill_bytes"] + d["prefetch_bytes"]
+
+
+# ------------------------------------------------------------- issue 13
+
+def stream_limit_ms(resident_ms, wbytes, budget, w_max, link_GBps):
+    """The limit of issue 13: L = max(all-resident time, (W - B + 2 w_max)
+    / link): what the budget forces across the link (double-buffered
+    staging of the largest weight included), not what a streamer chose to
+    copy. (L ms, the link term ms)."""
+    link_ms = max(0, wbytes - budget + 2 * w_max) / (link_GBps * GB) * 1e3
+    return max(resident_ms, link_ms), link_ms
+
+
+class WaitProbe:
+    """How long the compute stream stood still in acquires: around every
+    unit's vp_acquire (which makes the caller's stream wait on the copy
+    stream's event, and enqueues nothing else there) a mark is taken
+    before and after; on CUDA the marks are timing events recorded on the
+    current stream, so the time between them is the stream's stall; on
+    the CPU (simulated device) it is the host time of the acquire.
+
+        probe = WaitProbe(ctx, units)     # vpager.torch Unit objects
+        with probe:                       # one instrumented forward
+            model(x)
+        probe.total_ms()                  # after ctx.sync()
+
+    Marks cost host time (~2 events per unit), so use it on a forward of
+    its own, not on the timed ones."""
+
+    class _Batch:
+        __slots__ = ("_b", "_p")
+
+        def __init__(self, b, probe):
+            self._b, self._p = b, probe
+
+        def acquire(self, stream=0):
+            p = self._p
+            a = p._mark()
+            r = self._b.acquire(stream)
+            p.pairs.append((a, p._mark()))
+            return r
+
+        def __getattr__(self, k):
+            return getattr(self._b, k)
+
+    def __init__(self, ctx, units, pool=0):
+        self.ctx, self.units, self.pairs = ctx, list(units), []
+        self._pool = []
+        if ctx.cuda:
+            ev = ctx.torch.cuda.Event
+            self._pool = [ev(enable_timing=True)
+                          for _ in range(pool or 4 * len(self.units) + 8)]
+
+    def _mark(self):
+        if not self.ctx.cuda:
+            return time.perf_counter()
+        e = self._pool.pop() if self._pool else \
+            self.ctx.torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def __enter__(self):
+        self.pairs = []
+        for u in self.units:
+            u.batch = WaitProbe._Batch(u.batch, self)
+        return self
+
+    def __exit__(self, *exc):
+        for u in self.units:
+            if isinstance(u.batch, WaitProbe._Batch):
+                u.batch = u.batch._b
+        return False
+
+    def total_ms(self):
+        """Summed stall of the instrumented forward(s), ms (sync first)."""
+        return sum(self.ctx.ms(a, b) for a, b in self.pairs)
+
+    def count(self):
+        return len(self.pairs)
