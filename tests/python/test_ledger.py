@@ -52,9 +52,10 @@ def _env():
 HOLDER = r"""
 import sys, vpager
 name, label, pages = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cap = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 PAGE = %d
 d = vpager.Device(backend="sim", page_size=PAGE, sim_granularity=PAGE,
-                  sim_capacity=8 * PAGE, sim_shared=name, lookahead=0)
+                  sim_capacity=cap * PAGE, sim_shared=name, lookahead=0)
 v = d.create_vbar(pages * PAGE)
 v.label = label
 for p in range(pages):
@@ -68,9 +69,9 @@ d.close()
 """ % PAGE
 
 
-def start_holder(name, label, pages):
+def start_holder(name, label, pages, cap=8):
     p = subprocess.Popen([sys.executable, "-c", HOLDER, name, label,
-                          str(pages)], stdin=subprocess.PIPE,
+                          str(pages), str(cap)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, env=_env(), text=True)
     assert p.stdout.readline().strip() == "ready"
     return p
@@ -168,6 +169,160 @@ def test_errors():
     raises(vpager.InvalidArgument, ledger.read, "bad/name")
     with sim(shared_name("off"), ledger="off") as dev:
         assert "off" in dev.ledger_snapshot()["reason"]
+
+
+# ------------------------------------------------------ vpager.torch.ledger
+
+def _torch():
+    try:
+        import torch
+        import vpager.torch  # noqa: F401
+        from vpager.torch import ledger as ml
+    except ImportError as e:
+        _runner.skip("no torch: %s" % e)
+    return torch, vpager.torch, ml
+
+
+def _stack(torch, n, width=128):
+    """n linears of width x width (fp32: 64 KiB each with the bias
+    aligned), outputs deterministic."""
+    torch.manual_seed(n)
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width)
+                                 for _ in range(n)])
+
+
+def _offload(vt, module, name, pages, **kw):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return vt.offload(module, device="cpu", sim_shared=name,
+                          page_size=PAGE, sim_granularity=PAGE,
+                          sim_capacity=pages * PAGE, lookahead=0,
+                          ledger_timeout_us=2000000, order="tail",
+                          reorder=False, **kw)
+
+
+def _in_ledger(dev, pid=None):
+    """{label: vbar entry} of one process's VBARs in dev's ledger (all
+    its devices)."""
+    pid = os.getpid() if pid is None else pid
+    return {v["label"]: v for p in ledger.snapshot(dev)["processes"]
+            if p["pid"] == pid for v in p["vbars"]}
+
+
+def test_torch_models_named_sized_freed():
+    torch, vt, ml = _torch()
+    name = shared_name("tmodel")
+    holder = start_holder(name, "idle-peer", 4, 24)
+    try:
+        a, b = _stack(torch, 4), _stack(torch, 3)
+        x = torch.randn(2, 128)
+        with torch.no_grad():
+            ra, rb = a(x), b(x)
+        dev = vpager.Device(backend="sim", page_size=PAGE,
+                            sim_granularity=PAGE, sim_capacity=24 * PAGE,
+                            sim_shared=name, lookahead=0,
+                            staging_size=2 * PAGE,
+                            ledger_timeout_us=2000000)
+        ha = vt.offload(a, dev=dev, order="tail", reorder=False)
+        hb = vt.offload(b, dev=dev, order="tail", reorder=False)
+        assert ha.vbar.label == "Sequential"        # the class name
+        assert ml.name(hb, 'text "encoder"') == "text _encoder_"
+        with torch.no_grad():
+            assert torch.equal(a(x), ra) and torch.equal(b(x), rb)
+        ia, ib = ml.info(ha), ml.info(hb)
+        assert ia["size"] == ha.weight_bytes and ia["loaded_size"] > 0
+        assert ia["reclaimable"] == ia["loaded_size"] and ia["pinned"] == 0
+        assert [m["name"] for m in ml.models("cpu")
+                if m["handle"] in (ha, hb)] == ["Sequential", "text _encoder_"]
+        labels = _in_ledger(dev)
+        assert set(labels) == {"Sequential", "text _encoder_"}, labels
+        # Make the whole device free but keep a: the idle peer (least
+        # recently used) and b go; only the shortfall is freed.
+        free0 = dev.info()["free_memory"]
+        want = free0 + 4 * PAGE + ib["loaded_size"]
+        freed = ml.free_memory("cpu", want, keep=[a])
+        assert freed == 4 * PAGE + ib["loaded_size"], (freed, want, free0)
+        assert ml.info(ha)["loaded_size"] == ia["loaded_size"]
+        assert ml.info(hb)["loaded_size"] == 0
+        assert _in_ledger(dev, holder.pid)["idle-peer"]["resident"] == 0
+        assert ml.free_memory(dev, 1) == 0          # already free: nothing
+        # b was evicted: its next forward brings it back whole.
+        with torch.no_grad():
+            assert torch.equal(b(x), rb)
+        assert ml.info(hb)["loaded_size"] == ib["loaded_size"]
+        # unload_all: every model not in use; each comes back when used.
+        assert ml.unload_all("cpu") == ia["loaded_size"] + ib["loaded_size"]
+        assert ml.info(ha)["loaded_size"] == 0
+        with torch.no_grad():
+            assert torch.equal(a(x), ra)
+        assert ml.info(ha)["loaded_size"] == ia["loaded_size"]
+        raises(ValueError, ml.free_memory, "cpu", want, keep=[object()])
+        ha.unload()
+        hb.unload()
+        dev.close()
+    finally:
+        stop_holder(holder)
+
+
+def test_torch_dead_handle_leaves_ledger():
+    import gc
+    torch, vt, ml = _torch()
+    name = shared_name("tdead")
+    keep_dev = sim(name, sim_capacity=16 * PAGE)    # keeps the ledger
+    m = _stack(torch, 2)
+    h = _offload(vt, m, name, 16)
+    ml.name(h, "doomed")
+    dev = h.device
+    with torch.no_grad():
+        m(torch.randn(1, 128))
+    assert "doomed" in _in_ledger(keep_dev)
+    del m, h
+    gc.collect()
+    assert "doomed" not in _in_ledger(keep_dev)
+    assert dev.closed                   # offload() opened it: closed too
+    keep_dev.close()
+
+
+def test_torch_publishes_reserved_floor_and_platform_limit():
+    torch, vt, ml = _torch()
+    name = shared_name("tpub")
+    m = _stack(torch, 2)
+    h = _offload(vt, m, name, 16)
+    pub = ml._DEVICES[h.device]
+    pub.index = 0                       # as on CUDA device 0
+    seen = {"reserved": 3 * PAGE, "peak": 9 * PAGE}
+    old = (vt._torch_reserved, ml.platform_soft_limit, ml._LIMIT_MARGIN)
+    vt._torch_reserved = lambda i: (seen["reserved"], seen["peak"])
+    ml.platform_soft_limit = lambda i: 10 * PAGE
+    ml._LIMIT_MARGIN = 0
+    try:
+        x = torch.randn(1, 128)
+        with torch.no_grad():
+            m(x)
+        (me,) = [p for p in ledger.snapshot(h.device)["processes"]
+                 if p["self"]]
+        assert me["external_reserved"] == 3 * PAGE      # never the peak
+        assert me["external_floor"] == 3 * PAGE
+        seen["reserved"] = 5 * PAGE
+        ml.publish(h.device, force=True)
+        (me,) = [p for p in ledger.snapshot(h.device)["processes"]
+                 if p["self"]]
+        assert me["external_reserved"] == 5 * PAGE
+        assert me["external_floor"] == 3 * PAGE        # measured once
+        # Under the soft limit: vpager may commit soft - reserved at most.
+        pub.limit_at = float("-inf")
+        ml.publish(h.device, force=True)
+        assert h.device.info()["budget"] <= 5 * PAGE
+        ml.platform_soft_limit = lambda i: None        # the limit went away
+        pub.limit_at = float("-inf")
+        ml.publish(h.device, force=True)
+        assert h.device.info()["budget"] > 5 * PAGE
+        assert ml.platform_soft_limit is not old[1]
+        assert old[1](0) is None or isinstance(old[1](0), int)
+    finally:
+        vt._torch_reserved, ml.platform_soft_limit, ml._LIMIT_MARGIN = old
+        h.unload()
 
 
 if __name__ == "__main__":

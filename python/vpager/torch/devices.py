@@ -125,12 +125,14 @@ def resolve_target(src, device, dev, options=None):
 class DevState:
     """What vpager.torch keeps per vpager.Device."""
 
-    __slots__ = ("top", "users", "owned", "sync", "user_headroom", "learned",
-                 "oom_margin", "learned_at", "__weakref__")
+    __slots__ = ("_top", "users", "owned", "sync", "user_headroom",
+                 "learned", "oom_margin", "learned_at", "__weakref__")
 
     def __init__(self, dev, owned):
-        self.top = None            # the Offloaded whose VBAR is on top
-        self.users = set()         # live Offloaded handles on the device
+        self._top = None           # the Offloaded whose VBAR is on top
+        # Both weak: a handle whose module was dropped can die (and leave
+        # the ledger: vpager.torch.ledger's finalizer).
+        self.users = weakref.WeakSet()  # live Offloaded handles on the device
         self.owned = owned         # opened by vpager.torch: closed with
         # the last user
         # Simulated streams in worker mode run copies later, on a thread;
@@ -144,6 +146,14 @@ class DevState:
         self.learned = 0           # torch's peak - what it holds + margin
         self.oom_margin = 0        # raised by each OOM retry
         self.learned_at = float("-inf")  # when a forward last learned
+
+    @property
+    def top(self):
+        return self._top() if self._top is not None else None
+
+    @top.setter
+    def top(self, handle):
+        self._top = weakref.ref(handle) if handle is not None else None
 
 
 DEVSTATES = weakref.WeakKeyDictionary()

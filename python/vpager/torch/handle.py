@@ -13,6 +13,7 @@ import torch
 
 from ..weights import WeightBatch
 from .devices import attach, devstate, DEVSTATES, leave, open_for
+from . import ledger as _ledger
 from .hotpath import HotPath
 from .layout import Layout
 from .replace import Recorder
@@ -63,6 +64,7 @@ class Offloaded:
         self._recorder = Recorder(lay, self._may_replace, self._swap)
         self._hot = HotPath(self, lay, self._ds, self.target, self._recorder)
         self._install(plan.settings.reorder)
+        _ledger.track(self, budget=plan.settings.budget)
 
     # ------------------------------------------------------ installing
     def _install(self, reorder=True):
