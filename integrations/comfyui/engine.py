@@ -1,0 +1,519 @@
+"""The node's engine, free of ComfyUI: one model's weights in a VBAR of a
+shared vpager.Device, in the manner of vpager.torch's units.
+
+A *unit* is a module whose forward reads its own weights (for ComfyUI: an
+op of comfy.ops, Linear, Conv, norms, Embedding). Its forward is wrapped
+(an instance attribute, as vpager.torch does): one vp_acquire for its
+weights, each parameter's .data set to a view of the returned device
+address, the original forward (ComfyUI's op, which casts on the GPU when
+the stored dtype is not the compute dtype), then the CPU tensor back and
+one vp_release on the current stream. vpager fills, stages and prefetches
+on its copy stream; the op only ever computes on views.
+
+Outside the forward a parameter holds a CPU tensor with the weight's
+(unpatched) bytes: the pinned host copy, or ComfyUI's memory-mapped file
+tensor when the weight's source is the file. So code that reads a weight
+outside its op's forward sees the right values on the CPU (as under
+ComfyUI's own dynamic loading), never garbage.
+
+Sources: a pinned host copy (one HostBuf, at the VBAR's offsets so copies
+of neighbours merge), or, when asked (ComfyUI's --fast-disk) and the
+tensor is a slice of an open file, the file region itself (vpager's file
+reader, no host copy). A patched weight (LoRA) gets a source of its own,
+a pinned copy of the patched bytes; set_patched() swaps the source of
+that weight only (vp_weight_destroy and a new weight at the same offset),
+so only the weights whose patch changed are refilled.
+"""
+
+import ctypes
+import functools
+import time
+
+import torch
+
+import vpager
+from vpager import _lib
+from vpager.weights import Source, WeightBatch
+from vpager.torch import ALIGN, view
+
+try:    # the interleaved order's page-aligned groups (vpager.torch)
+    from vpager.torch.placement import group_room as _group_room
+    from vpager.torch.placement import groups as _groups
+    from vpager.torch.placement import place as _place
+except ImportError:         # pragma: no cover - an older vpager
+    _groups = _place = _group_room = None
+
+ALL = 1 << 62               # "evict everything unpinned"
+_RESIDENT = _lib.VP_ACQUIRED_RESIDENT
+_STAGED_VIEWS = 8
+_OOM = getattr(torch.cuda, "OutOfMemoryError", None)
+
+
+def is_oom(e):
+    if _OOM is not None and isinstance(e, _OOM):
+        return True
+    return isinstance(e, RuntimeError) and "out of memory" in str(e)
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def round_up(x, a):
+    return (x + a - 1) // a * a
+
+
+def comfy_file_slice(t):
+    """(fd, file offset) of a tensor that ComfyUI's safetensors loader
+    mapped from a file (its storage tagged _comfy_tensor_file_slice), when
+    the tensor is the whole, contiguous storage; else None."""
+    try:
+        storage = (t.untyped_storage() if hasattr(t, "untyped_storage")
+                   else t.storage())
+    except Exception:       # pragma: no cover - exotic tensors
+        return None
+    info = getattr(storage, "_comfy_tensor_file_slice", None)
+    if info is None or not t.is_contiguous() or t.storage_offset() != 0:
+        return None
+    fd, _lock, offset, size = info[:4]
+    if size < nbytes(t) or not isinstance(fd, int):
+        return None
+    return fd, offset
+
+
+class Entry:
+    """One managed parameter: a vpager weight."""
+
+    __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
+                 "offset", "cpu", "host", "file", "base_src", "w", "unit",
+                 "rview", "staged", "patch", "patch_hb")
+
+    def __init__(self, key, module, pname, param):
+        self.key = key                  # state-dict key, e.g. "a.b.weight"
+        self.module = module
+        self.pname = pname
+        self.param = param
+        self.dtype = param.dtype
+        self.shape = tuple(param.shape)
+        self.size = nbytes(param)
+        self.offset = 0
+        self.cpu = param.data           # what .data holds outside forward
+        self.host = None                # CPU view of its host copy slot
+        self.file = None                # (fd, offset) when file-sourced
+        self.base_src = None            # the unpatched source
+        self.w = None                   # its vpager.Weight
+        self.unit = None
+        self.rview = None               # view of its VBAR address
+        self.staged = {}                # staging address -> view
+        self.patch = None               # the patch set it was filled with
+        self.patch_hb = None            # HostBuf of the patched bytes
+
+
+class Unit:
+    __slots__ = ("name", "module", "entries", "batch", "depth",
+                 "had_forward", "saved_forward")
+
+    def __init__(self, name, module, entries):
+        self.name = name
+        self.module = module
+        self.entries = entries
+        self.batch = None
+        self.depth = 0
+        self.had_forward = False
+        self.saved_forward = None
+
+
+class DevState:
+    """Per vpager.Device: the pager on top of its priority list, and the
+    headroom learned for torch's activations (CUDA)."""
+
+    def __init__(self, dev, user_headroom):
+        self.top = None
+        self.user_headroom = user_headroom
+        self.learned = 0
+        self.learned_at = float("-inf")
+        self.oom_margin = 0
+        self.sync = dev.backend == "sim" and bool(dev.info()["async_copies"])
+
+
+_DEVSTATES = {}
+
+
+def devstate(dev):
+    ds = _DEVSTATES.get(id(dev))
+    if ds is None or ds[0] is not dev:
+        ds = _DEVSTATES[id(dev)] = (dev, DevState(dev, dev.info()["headroom"]))
+    return ds[1]
+
+
+LEARN_EVERY = 0.002
+MARGIN_MAX = 256 << 20
+
+
+def learn_headroom(dev, ds, index):
+    """Keep free what torch may still grab in the forward about to run:
+    its peak reserved minus what it holds now, plus a margin (5% of the
+    peak, at most 256 MiB, raised by each OOM retry); never below the
+    headroom the user asked for (--reserve-vram)."""
+    reserved = torch.cuda.memory_reserved(index)
+    peak = torch.cuda.max_memory_reserved(index)
+    margin = max(min(peak // 20, MARGIN_MAX), ds.oom_margin)
+    ds.learned = max(peak - reserved, 0) + margin
+    dev.set_headroom(max(ds.user_headroom, ds.learned))
+
+
+class Pager:
+    """One model's weights in a VBAR of `dev` (a vpager.Device shared by
+    every model on that GPU). units: [(name, module, [(key, pname)])] in
+    execution order (module order for ComfyUI's models); target: the
+    torch device the ops compute on (cuda:N, or cpu for the simulated
+    device); prefer_file: file sources where the tensor is a file slice
+    (file_slice(t) -> (fd, offset) or None)."""
+
+    def __init__(self, dev, target, units, prefer_file=False,
+                 file_slice=comfy_file_slice, label=None):
+        self.dev = dev
+        self.target = torch.device(target)
+        self.ds = devstate(dev)
+        self.units = []
+        self.entries = []
+        for name, module, params in units:
+            es = []
+            for key, pname in params:
+                p = module._parameters[pname]
+                e = Entry(key, module, pname, p)
+                e.unit = len(self.units)
+                es.append(e)
+            if es:
+                self.units.append(Unit(name, module, es))
+                self.entries.extend(es)
+        self.by_key = {e.key: e for e in self.entries}
+        self.vbar = self.hb = None
+        self.closed = False
+        self.refills = 0                # weights whose source was swapped
+        try:
+            self._build(prefer_file, file_slice, label)
+        except BaseException:
+            self._close_objects()
+            raise
+        self._install()
+
+    # ------------------------------------------------------------ build
+    def _build(self, prefer_file, file_slice, label):
+        dev, entries = self.dev, self.entries
+        grouping = (_groups(dev, None, entries)
+                    if _groups is not None else None)
+        if _place is not None:
+            offsets, end = _place(entries, ALIGN, grouping)
+        else:
+            offsets, end = [], 0
+            for e in entries:
+                end = round_up(end, ALIGN)
+                offsets.append(end)
+                end += e.size
+        for e, off in zip(entries, offsets):
+            e.offset = off
+        room = _group_room(grouping, end) if _group_room else 0
+        self.vbar = dev.create_vbar(max(round_up(end, ALIGN), 1) + room)
+        if label:
+            try:
+                self.vbar.label = label
+            except Exception:       # pragma: no cover - label too long
+                pass
+        hosted = []
+        for e in entries:
+            fs = file_slice(e.cpu) if prefer_file else None
+            if fs is not None:
+                e.file = fs
+                e.base_src = Source(_lib.VP_SOURCE_FILE, fd=fs[0],
+                                    file_offset=fs[1], keep=e.cpu)
+            else:
+                hosted.append(e)
+        if hosted:
+            total = round_up(max(e.offset + e.size for e in hosted), ALIGN)
+            self.hb = dev.alloc_hostbuf(total)
+            base = self.hb.ptr
+            buf = torch.frombuffer((ctypes.c_uint8 * total).from_address(base),
+                                   dtype=torch.uint8)
+            with torch.no_grad(), torch.inference_mode(False):
+                for e in hosted:
+                    h = buf[e.offset:e.offset + e.size].view(e.dtype)
+                    h = h.view(e.shape)
+                    h.copy_(e.cpu.detach())
+                    e.host = h
+                    e.base_src = Source.from_host(base + e.offset)
+                    # The host copy is the CPU tensor now: the old storage
+                    # (ComfyUI's mapping or RAM) can go.
+                    e.cpu = h
+                    e.param.data = h
+        ws = self.vbar.create_weights([e.offset for e in entries],
+                                      [e.size for e in entries],
+                                      [e.base_src for e in entries])
+        for i, e in enumerate(entries):
+            e.w = ws[i]
+        for u in self.units:
+            self._batch(u)
+
+    def _batch(self, u):
+        u.batch = WeightBatch(self.dev, [e.w for e in u.entries])
+
+    # ------------------------------------------------------- installing
+    def _install(self):
+        for u in self.units:
+            fwd = u.module.forward
+            u.had_forward = "forward" in u.module.__dict__
+            u.saved_forward = u.module.__dict__.get("forward")
+            u.module.forward = self._wrap(u, fwd)
+
+    def _uninstall(self):
+        for u in self.units:
+            if u.had_forward:
+                u.module.forward = u.saved_forward
+            else:
+                u.module.__dict__.pop("forward", None)
+
+    def _wrap(self, unit, fwd):
+        enter, leave, call = self._enter, self._leave, self._call
+
+        @functools.wraps(fwd)
+        def forward(*args, **kwargs):
+            if unit.depth:
+                return fwd(*args, **kwargs)
+            stream = enter(unit)
+            unit.depth = 1
+            ok = False
+            try:
+                out = call(unit, fwd, args, kwargs)
+                ok = True
+            finally:
+                unit.depth = 0
+                leave(unit, stream, ok)
+            return out
+
+        forward._vpager_comfyui_unit = unit
+        return forward
+
+    def _stream(self):
+        if self.target.type == "cuda":
+            return torch.cuda.current_stream(self.target).cuda_stream
+        return 0
+
+    def prioritize(self):
+        """This model's VBAR on top of the device's priority list (the last
+        model used keeps its pages longest)."""
+        if self.ds.top is not self:
+            self.vbar.prioritize()
+            self.ds.top = self
+
+    def _enter(self, unit):
+        if self.closed:
+            raise RuntimeError("vpager ComfyUI node: %s ran after its model's "
+                               "pager was closed" % unit.name)
+        self.prioritize()
+        stream = self._stream()
+        batch = unit.batch
+        ptrs = batch.acquire(stream)
+        try:
+            if self.ds.sync:
+                self.dev.synchronize(stream)
+            flags = batch.flags
+            target = self.target
+            for i, e in enumerate(unit.entries):
+                p = ptrs[i]
+                if flags[i] & _RESIDENT:
+                    v = e.rview
+                    if v is None:
+                        v = e.rview = view(p, e.dtype, e.shape, target)
+                else:
+                    v = e.staged.get(p)
+                    if v is None:
+                        if len(e.staged) >= _STAGED_VIEWS:
+                            e.staged.clear()
+                        v = e.staged[p] = view(p, e.dtype, e.shape, target)
+                e.param.data = v
+        except BaseException:
+            self._leave(unit, stream, False)
+            raise
+        return stream
+
+    @staticmethod
+    def _leave(unit, stream, raise_errors):
+        for e in unit.entries:
+            e.param.data = e.cpu
+        try:
+            unit.batch.release(stream)
+        except vpager.Error:
+            if raise_errors:
+                raise
+
+    def _call(self, unit, fwd, args, kwargs):
+        """fwd(), once more after an out-of-memory error with vpager's
+        unpinned pages evicted and torch's cache emptied."""
+        try:
+            return fwd(*args, **kwargs)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+        self.dev.free_memory(ALL)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        self.ds.oom_margin = min(max(2 * self.ds.oom_margin, 2 * MARGIN_MAX),
+                                 4 << 30)
+        self.learn(force=True)
+        return fwd(*args, **kwargs)
+
+    def learn(self, force=False):
+        """Activations first (CUDA): see learn_headroom()."""
+        if self.target.type != "cuda" or self.closed:
+            return
+        now = time.monotonic()
+        if force or now - self.ds.learned_at >= LEARN_EVERY:
+            self.ds.learned_at = now
+            learn_headroom(self.dev, self.ds, self.target.index or 0)
+
+    # ---------------------------------------------------------- patches
+    def set_patched(self, key, patch, make):
+        """Weight `key` is to hold the bytes `make()` returns (a tensor of
+        its dtype and shape: the patched weight), filled for the patch set
+        `patch` (compared with same_patch); patch None: its own bytes.
+        Swaps the weight's source only when the patch set changed; returns
+        True if it did (the weight refills at its next acquire)."""
+        e = self.by_key[key]
+        if same_patch(e.patch, patch):
+            return False
+        if patch is None:
+            self._swap(e, e.base_src, None)
+            e.patch = None
+            return True
+        t = make()
+        if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+            raise ValueError("patched %s is %s %s, the weight %s %s"
+                             % (key, t.dtype, tuple(t.shape), e.dtype,
+                                e.shape))
+        hb = self.dev.alloc_hostbuf(max(e.size, 1))
+        try:
+            dst = torch.frombuffer(
+                (ctypes.c_uint8 * max(e.size, 1)).from_address(hb.ptr),
+                dtype=torch.uint8)[:e.size].view(e.dtype).view(e.shape)
+            with torch.no_grad(), torch.inference_mode(False):
+                dst.copy_(t.detach())
+            self._swap(e, Source.from_host(hb.ptr), hb)
+        except BaseException:
+            hb.close()
+            raise
+        e.patch = patch
+        return True
+
+    def _swap(self, e, src, hb):
+        """The weight at e's offset gets source `src`: its old weight is
+        destroyed, its pages' contents dropped with it, a new one made."""
+        ws = e.w.weights
+        ws.destroy(e.w.index)
+        nw = self.vbar.create_weights([e.offset], [e.size], [src])
+        e.w = nw[0]
+        self._batch(self.units[e.unit])
+        old, e.patch_hb = e.patch_hb, hb
+        if old is not None:
+            old.close()
+        self.refills += 1
+
+    def patched_keys(self):
+        return [e.key for e in self.entries if e.patch is not None]
+
+    # ----------------------------------------------------------- ledger
+    @property
+    def weight_bytes(self):
+        return sum(e.size for e in self.entries)
+
+    def loaded_size(self):
+        """Bytes of this model's weights resident in VRAM."""
+        return 0 if self.closed else self.vbar.loaded_size()
+
+    def free_memory(self, nbytes):
+        """Evict at least `nbytes` of this model's unpinned pages if it
+        has them; returns the bytes freed."""
+        if self.closed or nbytes <= 0:
+            return 0
+        return self.vbar.free_memory(min(int(nbytes), ALL))
+
+    def host_bytes(self):
+        """Host memory held for sources: the host copy and patched copies."""
+        n = self.hb.size if self.hb is not None else 0
+        return n + sum(e.patch_hb.size for e in self.entries
+                       if e.patch_hb is not None)
+
+    def stats(self):
+        s = self.vbar.stats()
+        s["weights"] = len(self.entries)
+        s["weight_bytes"] = self.weight_bytes
+        s["resident_bytes"] = self.vbar.loaded_size()
+        s["units"] = len(self.units)
+        s["file_weights"] = sum(e.file is not None for e in self.entries)
+        s["patched_weights"] = len(self.patched_keys())
+        s["refills"] = self.refills
+        return s
+
+    # ------------------------------------------------------------ close
+    def close(self):
+        """Wrappers out, parameters back to CPU tensors of their own (the
+        host copy is freed), vpager objects closed. The model is then as
+        ComfyUI loaded it (its own path can take it)."""
+        if self.closed:
+            return
+        if any(u.depth for u in self.units):
+            raise RuntimeError("vpager ComfyUI node: close() inside a forward")
+        self._uninstall()
+        # The device closed first (process exit, tests): the host copy is
+        # gone with it; the parameters get empty stand-ins, not dangling
+        # memory.
+        gone = self.dev.closed or (self.hb is not None and self.hb.closed)
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self.entries:
+                if e.host is not None:
+                    e.cpu = (torch.zeros((), dtype=e.dtype).expand(e.shape)
+                             if gone else e.host.clone())
+                e.param.data = e.cpu
+                e.host = e.rview = None
+                e.staged = {}
+        self.closed = True
+        if self.ds.top is self:
+            self.ds.top = None
+        self._close_objects()
+
+    def _close_objects(self):
+        for e in self.entries:
+            if e.patch_hb is not None and not e.patch_hb.closed:
+                e.patch_hb.close()
+                e.patch_hb = None
+            e.w = e.base_src = None
+        for obj in (self.vbar, self.hb):
+            if obj is not None and not obj.closed:
+                obj.close()
+
+
+def _same(a, b):
+    """Equal for filling: the same object; tuples and lists item by item;
+    tensors only when they are the same tensor; other values by ==."""
+    if a is b:
+        return True
+    if isinstance(a, (tuple, list)) and type(a) is type(b):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def same_patch(a, b):
+    """Two patch sets (lists of ComfyUI patch tuples (strength_patch,
+    patch data, strength_model, offset, function)) give the same weight
+    when they match item by item: the same patch objects (LoRA adapters,
+    tensors), equal strengths and offsets, the same function. None is no
+    patch. So a patcher clone, or a cached LoRA node's output, refills
+    nothing; a new strength or another LoRA refills the weights it
+    touches."""
+    if a is None or b is None:
+        return a is b
+    return _same(list(a), list(b))

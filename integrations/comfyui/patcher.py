@@ -1,0 +1,411 @@
+"""The ComfyUI side: VpagerModelPatcher, a subclass of ComfyUI's
+ModelPatcherDynamic in which vpager (engine.Pager), not ComfyUI's
+per-weight comfy_aimdo cycle, fills, stages and prefetches the weights of
+a model, while ComfyUI's ledger keeps working: loaded_size(),
+partially_unload(), detach(), get_free_memory(), unload_all_models() and
+--disable-smart-memory go through the same methods ComfyUI calls.
+
+Everything ComfyUI is reached through the `comfy` namespace passed to
+make_class() (the real one, or the tests' stand-ins), so this module
+imports nothing of ComfyUI itself."""
+
+import logging
+import os
+import weakref
+
+import torch
+
+from . import engine
+
+log = logging.getLogger("vpager.comfyui")
+
+SMALL = 16 * 1024           # ComfyUI force-loads modules this small
+ENV = "VPAGER_COMFYUI"      # "0"/"off"/"false"/"no": the node is off
+OPTION = "vpager"           # model_options[OPTION] = False: off for a model
+DEFAULT_HEADROOM = 256 << 20
+
+# Seams (the tests set them): open the vpager.Device serving a torch
+# device, and whether a CPU load device means the simulated device.
+DEVICE_FACTORY = None
+ALLOW_SIM = False
+
+_DEVICES = {}               # torch device -> vpager.Device
+_LOGGED = set()             # (model class, reason) already logged
+
+
+def env_off():
+    return os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false",
+                                                        "no")
+
+
+def note(model, why):
+    """One log line per model class and reason."""
+    key = (type(model).__name__, why)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    log.info("vpager: %s uses ComfyUI's own loading: %s",
+             type(model).__name__, why)
+
+
+def headroom_bytes(args):
+    """What vpager keeps free on the GPU: --reserve-vram (GB, as comfy_aimdo
+    takes it; its default otherwise) plus --vram-headroom."""
+    r = getattr(args, "reserve_vram", None)
+    head = int(r * (1 << 30)) if r is not None else DEFAULT_HEADROOM
+    return head + int((getattr(args, "vram_headroom", 0) or 0) * (1 << 30))
+
+
+def vp_device(target, args):
+    """The vpager.Device every model on torch device `target` shares."""
+    dev = _DEVICES.get(target)
+    if dev is not None and not dev.closed:
+        return dev
+    if DEVICE_FACTORY is not None:
+        dev = DEVICE_FACTORY(target)
+    else:
+        import vpager.torch
+        dev = vpager.torch.open_device(str(target),
+                                       headroom=headroom_bytes(args))
+    _DEVICES[target] = dev
+    return dev
+
+
+def reclaimable(device):
+    """Bytes vpager could give back on `device` now (its unpinned pages)."""
+    total = 0
+    for target, dev in list(_DEVICES.items()):
+        if dev.closed:
+            continue
+        if device is None or _same_device(target, device):
+            total += dev.reclaimable()
+    return total
+
+
+def _same_device(a, b):
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return (a.index or 0) == (b.index or 0)
+
+
+# ------------------------------------------------------------ planning
+
+class Plan:
+    """What a model's load would hand to vpager: units [(name, module,
+    [(key, pname)])], forced [(key, module, pname)] (params ComfyUI's way:
+    straight to the device), or why (a reason to fall back)."""
+
+    def __init__(self):
+        self.units = []
+        self.forced = []
+        self.why = None
+
+
+def plan_model(model, comfy):
+    """Unit collection: every ComfyUI op (a module with comfy_cast_weights)
+    above SMALL bytes whose parameters are all its own is a unit of its
+    weight and bias; other parameters (tiny ops, a parent's own
+    parameters, an op's extra ones) are loaded ComfyUI's way. Returns a
+    Plan; plan.why is set for what vpager cannot take."""
+    plan = Plan()
+    for n, m in model.named_modules():
+        own = [(k, p) for k, p in m._parameters.items() if p is not None]
+        if not own:
+            continue
+        leaf = not any(True for c in m.children() for _ in c.parameters())
+        is_op = hasattr(m, "comfy_cast_weights")
+        size = sum(engine.nbytes(p) for _, p in own)
+        params = []
+        for k, p in own:
+            key = "%s.%s" % (n, k) if n else k
+            if is_op and leaf and k in ("weight", "bias") and size > SMALL:
+                why = _refuse(key, m, k, p)
+                if why is not None:
+                    plan.why = why
+                    return plan
+                params.append((key, k))
+            else:
+                plan.forced.append((key, m, k))
+        if params:
+            plan.units.append((n, m, params))
+    if not plan.units:
+        plan.why = "no ComfyUI op holds weights above %d bytes" % SMALL
+    return plan
+
+
+def _refuse(key, m, k, p):
+    """Why weight `key` cannot be a vpager weight, or None."""
+    t = p.data
+    if hasattr(m, "set_" + k) or hasattr(m, "convert_" + k):
+        return ("%s is set through the op (set_%s/convert_%s: quantized or "
+                "mixed-precision ops)" % (key, k, k))
+    if type(t) is not torch.Tensor:
+        return "%s is a %s, not a plain tensor" % (key, type(t).__name__)
+    if t.device.type == "meta":
+        return "%s is on the meta device" % key
+    if t.device.type != "cpu":
+        return "%s is on %s, not in host memory" % (key, t.device)
+    if t.layout != torch.strided or t.is_quantized:
+        return "%s is not a dense tensor" % key
+    if not t.is_contiguous():
+        return "%s is not contiguous" % key
+    return None
+
+
+def patch_refusal(patcher, plan, comfy):
+    """Why the patcher's patches keep it off vpager, or None: weight hooks,
+    or a patch that changes a managed weight's shape."""
+    if getattr(patcher, "hook_patches", None):
+        return "weight hooks (hook patches) are applied"
+    managed = {key: (m, k) for _, m, params in plan.units for key, k in params}
+    for key, patches in patcher.patches.items():
+        if key not in managed or not patches:
+            continue
+        m, k = managed[key]
+        w = m._parameters[k]
+        shape = comfy.lora.calculate_shape(patches, w, key)
+        if tuple(shape) != tuple(w.shape):
+            return "a patch changes the shape of %s" % key
+    return None
+
+
+# ------------------------------------------------------------- the class
+
+def make_class(comfy, base):
+    """VpagerModelPatcher for ComfyUI's ModelPatcherDynamic `base`.
+    comfy: a namespace with model_patcher, model_management, utils, lora
+    and cli_args.args."""
+    ModelPatcher = comfy.model_patcher.ModelPatcher
+    utils = comfy.utils
+    args = comfy.args
+
+    class VpagerModelPatcher(base):
+        """ComfyUI's ModelPatcherDynamic with vpager paging the weights of
+        the models it can take (see the package README); the others, and
+        all when the node is off, go ComfyUI's own way."""
+
+        # -------------------------------------------------- which path
+        def _vp(self):
+            p = getattr(self.model, "_vpager_pager", None)
+            return p if p is not None and not p.closed else None
+
+        def vpager_active(self):
+            """True while this model's weights are vpager's."""
+            return (getattr(self, "_vp_mode", None) == "vpager"
+                    and self._vp() is not None)
+
+        def _vp_why_not(self):
+            if env_off():
+                return "turned off (%s=0)" % ENV
+            if self.model_options.get(OPTION, True) is False:
+                return "turned off for this model (VpagerSettings node)"
+            dev = self.load_device
+            if not (getattr(dev, "type", None) == "cuda"
+                    or (ALLOW_SIM and getattr(dev, "type", None) == "cpu")):
+                return "load device %s is not a CUDA device" % (dev,)
+            if getattr(self, "force_cast_weights", False):
+                return "force_cast_weights is set"
+            plan = self._vp_plan()
+            if plan.why is not None:
+                return plan.why
+            return patch_refusal(self, plan, comfy)
+
+        def _vp_plan(self):
+            plan = getattr(self.model, "_vpager_plan", None)
+            if plan is None:
+                plan = plan_model(self.model, comfy)
+                self.model._vpager_plan = plan
+            return plan
+
+        def _vp_leave(self):
+            """Hand the model back to ComfyUI's own path."""
+            pager = getattr(self.model, "_vpager_pager", None)
+            if pager is not None:
+                pager.close()
+                self.model._vpager_pager = None
+            self.model._vpager_plan = None
+
+        # ------------------------------------------------------ loading
+        def partially_load(self, device_to, extra_memory=0,
+                           force_patch_weights=False):
+            why = self._vp_why_not()
+            if why is not None:
+                if self._vp() is not None:
+                    self._vp_leave()
+                note(self.model, why)
+                self._vp_mode = "comfy"
+                return super().partially_load(device_to, extra_memory,
+                                              force_patch_weights)
+            self._vp_mode = "vpager"
+            assert not force_patch_weights
+            with self.use_ejected(skip_and_inject_on_exit_only=True):
+                self.unpatch_model(self.offload_device, unpatch_weights=False)
+                self.patch_model(load_weights=False)
+                try:
+                    self._vp_load(device_to)
+                except Exception:
+                    self.detach()
+                    raise
+            return 0
+
+        def load(self, device_to=None, lowvram_model_memory=0,
+                 force_patch_weights=False, full_load=False, dirty=False):
+            if getattr(self, "_vp_mode", None) != "vpager":
+                return super().load(device_to, lowvram_model_memory,
+                                    force_patch_weights, full_load, dirty)
+            with self.use_ejected():
+                self._vp_load(device_to)
+
+        def _vp_pager(self, device_to):
+            pager = self._vp()
+            plan = self._vp_plan()
+            if pager is not None and any(
+                    e.module._parameters.get(e.pname) is not e.param
+                    for e in pager.entries):
+                # A parameter was replaced behind vpager's back.
+                self._vp_leave()
+                pager, plan = None, self._vp_plan()
+            if pager is None:
+                target = torch.device(device_to)
+                if target.type == "cuda" and target.index is None:
+                    target = torch.device("cuda", torch.cuda.current_device())
+                dev = vp_device(target, args)
+                pager = engine.Pager(
+                    dev, target, plan.units,
+                    prefer_file=bool(getattr(args, "fast_disk", False)),
+                    label="comfyui:%s" % type(self.model).__name__)
+                self.model._vpager_pager = pager
+                root = getattr(self.model, "diffusion_model", None)
+                root = root if isinstance(root, torch.nn.Module) else \
+                    self.model
+                ref = weakref.ref(pager)
+
+                def learn(_module, _args):
+                    p = ref()
+                    if p is not None:
+                        p.learn()
+                root.register_forward_pre_hook(learn)
+                weakref.finalize(self.model, pager.close)
+            return pager, plan
+
+        def _vp_load(self, device_to):
+            assert device_to == self.load_device
+            self.restore_loaded_backups()
+            self.unpatch_hooks()
+            pager, plan = self._vp_pager(device_to)
+            for name, m, _params in plan.units:
+                self._vp_prepare_op(name, m)
+            # Patched weights: only those whose patch set changed refill.
+            refilled = 0
+            for e in pager.entries:
+                patches = self.patches.get(e.key) or None
+                if engine.same_patch(e.patch, patches):
+                    continue
+                key = e.key
+                pager.set_patched(
+                    key, list(patches) if patches else None,
+                    lambda key=key: self.patch_weight_to_device(
+                        key, device_to=device_to,
+                        return_weight=True).to("cpu"))
+                refilled += 1
+            # The rest ComfyUI's way: straight to the device.
+            for key, m, k in plan.forced:
+                if m._parameters.get(k) is None:
+                    continue
+                self.patch_weight_to_device(key, device_to=device_to,
+                                            force_cast=True)
+                w = m._parameters[k]
+                self.model.model_loaded_weight_memory += engine.nbytes(w)
+            for key, buf in self.model.named_buffers(recurse=True):
+                if key not in self.backup_buffers:
+                    self.backup_buffers[key] = buf
+                module, name = utils.resolve_attr(self.model, key)
+                dtype = getattr(module, name + "_comfy_model_dtype", None)
+                moved = buf.to(dtype=dtype, device=device_to)
+                utils.set_attr_buffer(self.model, key, moved)
+                self.model.model_loaded_weight_memory += engine.nbytes(moved)
+            pager.prioritize()
+            pager.learn(force=True)
+            self.model.device = device_to
+            self.model.current_weight_patches_uuid = self.patches_uuid
+            self._vp_refilled = refilled
+            log.info("vpager: %s on vpager: %d weights (%d MB) in %d units, "
+                     "%d patched (%d refilled), %d loaded ComfyUI's way",
+                     type(self.model).__name__, len(pager.entries),
+                     pager.weight_bytes >> 20, len(pager.units),
+                     len(pager.patched_keys()), refilled, len(plan.forced))
+            for callback in self.get_all_callbacks(
+                    comfy.model_patcher.CallbacksMP.ON_LOAD):
+                callback(self, device_to, 0, False, False)
+            self.apply_hooks(self.forced_hooks, force_apply=True)
+
+        def _vp_prepare_op(self, n, m):
+            """The op computes on what vpager hands it: no aimdo state, its
+            class's comfy_cast_weights, ComfyUI's weight wrappers kept."""
+            for attr in ("_v", "_v_signature", "_v_weight", "_v_bias",
+                         "weight_lowvram_function", "bias_lowvram_function",
+                         "comfy_cast_weights", "prev_comfy_cast_weights"):
+                if attr in m.__dict__:
+                    vbar = getattr(comfy, "model_vbar", None)
+                    if attr == "_v" and vbar is not None:
+                        try:
+                            vbar.vbar_unpin(m._v)
+                        except Exception:
+                            pass
+                    delattr(m, attr)
+            m.seed_key = n
+            for k in ("weight", "bias"):
+                fns = []
+                key = "%s.%s" % (n, k) if n else k
+                if key in self.weight_wrapper_patches:
+                    fns.extend(self.weight_wrapper_patches[key])
+                setattr(m, k + "_function", fns)
+
+        # ------------------------------------------------------- ledger
+        def loaded_size(self):
+            if not self.vpager_active():
+                return super().loaded_size()
+            return (self._vp().loaded_size()
+                    + self.model.model_loaded_weight_memory)
+
+        def partially_unload(self, device_to, memory_to_free=0,
+                             force_patch_weights=False):
+            if not self.vpager_active():
+                return super().partially_unload(device_to, memory_to_free,
+                                                force_patch_weights)
+            freed = self._vp().free_memory(memory_to_free)
+            if freed < memory_to_free:
+                freed += self.restore_loaded_backups()
+            return freed
+
+        def unpatch_model(self, device_to=None, unpatch_weights=True):
+            if not self.vpager_active():
+                return super().unpatch_model(device_to, unpatch_weights)
+            ModelPatcher.unpatch_model(self, device_to=None,
+                                       unpatch_weights=False)
+            if unpatch_weights:
+                self._vp().free_memory(engine.ALL)
+                self.restore_loaded_backups()
+
+        def get_free_memory(self, device):
+            return super().get_free_memory(device) + reclaimable(device)
+
+        def loaded_ram_size(self):
+            n = super().loaded_ram_size()
+            p = self._vp()
+            return n + (p.host_bytes() if p is not None else 0)
+
+        def pinned_memory_size(self):
+            n = super().pinned_memory_size()
+            p = self._vp()
+            return n + (p.host_bytes() if p is not None else 0)
+
+        def vpager_stats(self):
+            """The pager's counters (engine.Pager.stats()), or None."""
+            p = self._vp()
+            return p.stats() if p is not None else None
+
+    VpagerModelPatcher.__name__ = "VpagerModelPatcher"
+    VpagerModelPatcher.__qualname__ = "VpagerModelPatcher"
+    return VpagerModelPatcher

@@ -1,0 +1,837 @@
+"""Tests of the ComfyUI node (integrations/comfyui/) without ComfyUI: stand-in
+modules mimic the parts of ComfyUI 0.33 the node meets (ModelPatcher and
+ModelPatcherDynamic's methods and attributes, comfy.ops-style layers with
+comfy_cast_weights and weight_function, comfy.lora's calculate_weight /
+calculate_shape, the LoadedModel / free_memory ledger calls), on vpager's
+simulated device (CPU tensors over its memory).
+
+    make && PYTHONPATH=python:integrations python3 tests/python/test_comfyui_node.py
+
+Checked: the node's unit collection, outputs bitwise equal to the same
+model with resident weights, the ledger's answers (loaded_size,
+partially_unload, detach, get_free_memory, the model_unload escalation),
+patch identity (only weights whose patch set changed refill), stored dtype
+other than compute dtype, file sources, two models on one device, and the
+fallback decisions with their one log line.
+"""
+
+import contextlib
+import copy
+import gc
+import logging
+import os
+import sys
+import tempfile
+import types
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+for p in (os.path.join(REPO, "python"), os.path.join(REPO, "integrations")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+try:
+    import torch
+    from torch import nn
+except ImportError:         # pragma: no cover - depends on the machine
+    torch = None
+    if __name__ != "__main__":
+        import pytest
+        pytest.skip("torch is not importable", allow_module_level=True)
+
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+from _runner import raises  # noqa: E402,F401
+
+if torch is not None:
+    import vpager  # noqa: E402
+    import vpager.torch as vt  # noqa: E402
+    import comfyui as node  # noqa: E402  (integrations/comfyui)
+    from comfyui import engine, patcher as glue  # noqa: E402
+
+K = 1 << 10
+PAGE = 64 * K
+CPU = torch.device("cpu") if torch is not None else None
+
+
+# ----------------------------------------------------------- stand-ins
+
+class Args:
+    reserve_vram = None
+    vram_headroom = 0
+    fast_disk = False
+    disable_dynamic_vram = False
+    disable_smart_memory = False
+
+
+def calculate_shape(patches, weight, key):
+    shape = tuple(weight.shape)
+    for p in patches:
+        kind, data = p[1]
+        if kind == "resize":
+            shape = tuple(data[0].shape)
+    return shape
+
+
+def calculate_weight(patches, weight, key, intermediate_dtype=None):
+    """ComfyUI's merge, reduced to its "diff" kind: w*sm + sp*diff."""
+    for strength, (kind, data), strength_model, offset, function in patches:
+        if strength_model != 1.0:
+            weight = weight * strength_model
+        weight = weight + strength * data[0].to(weight.dtype)
+    return weight
+
+
+def resolve_attr(obj, attr):
+    names = attr.split(".")
+    for n in names[:-1]:
+        obj = getattr(obj, n)
+    return obj, names[-1]
+
+
+def set_attr_param(obj, attr, value):
+    o, n = resolve_attr(obj, attr)
+    prev = getattr(o, n)
+    setattr(o, n, nn.Parameter(value, requires_grad=False))
+    return prev
+
+
+def set_attr_buffer(obj, attr, value):
+    o, n = resolve_attr(obj, attr)
+    prev = getattr(o, n)
+    o.register_buffer(n, value)
+    return prev
+
+
+class Backup:
+    def __init__(self, weight, inplace_update=False):
+        self.weight, self.inplace_update = weight, inplace_update
+
+
+class CallbacksMP:
+    ON_LOAD = "on_load"
+
+
+class ModelPatcher:
+    """ComfyUI's ModelPatcher, the attributes and methods the node uses."""
+
+    def __init__(self, model, load_device, offload_device, size=0,
+                 weight_inplace_update=False):
+        self.model, self.size = model, size
+        self.load_device, self.offload_device = load_device, offload_device
+        self.patches, self.backup, self.backup_buffers = {}, {}, {}
+        self.object_patches, self.weight_wrapper_patches = {}, {}
+        self.model_options = {"transformer_options": {}}
+        self.weight_inplace_update = weight_inplace_update
+        self.force_cast_weights = False
+        self.patches_uuid = uuid.uuid4()
+        self.hook_patches, self.forced_hooks = {}, None
+        self.callbacks = {CallbacksMP.ON_LOAD: []}
+        for k, v in (("model_loaded_weight_memory", 0), ("device", None),
+                     ("current_weight_patches_uuid", None)):
+            if not hasattr(model, k):
+                setattr(model, k, v)
+
+    def is_dynamic(self):
+        return False
+
+    def model_size(self):
+        if not self.size:
+            self.size = sum(t.numel() * t.element_size()
+                            for t in self.model.state_dict().values())
+        return self.size
+
+    def loaded_size(self):
+        return self.model.model_loaded_weight_memory
+
+    def get_free_memory(self, device):
+        return MM.free
+
+    def clone(self):
+        n = self.__class__(self.model, self.load_device, self.offload_device,
+                           self.model_size())
+        n.patches = {k: v[:] for k, v in self.patches.items()}
+        n.patches_uuid = self.patches_uuid
+        n.model_options = copy.deepcopy(self.model_options)
+        n.backup, n.backup_buffers = self.backup, self.backup_buffers
+        return n
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        for key, data in patches.items():
+            self.patches.setdefault(key, []).append(
+                (strength_patch, data, strength_model, None, None))
+        self.patches_uuid = uuid.uuid4()
+
+    @contextlib.contextmanager
+    def use_ejected(self, skip_and_inject_on_exit_only=False):
+        yield
+
+    def patch_model(self, device_to=None, lowvram_model_memory=0,
+                    load_weights=True, force_patch_weights=False):
+        return self.model
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        self.unpatched = getattr(self, "unpatched", 0) + 1
+
+    def unpatch_hooks(self):
+        pass
+
+    def apply_hooks(self, hooks, force_apply=False):
+        pass
+
+    def get_all_callbacks(self, kind):
+        return self.callbacks.get(kind, [])
+
+    def detach(self, unpatch_all=True):
+        if unpatch_all:
+            self.unpatch_model(self.offload_device, unpatch_weights=True)
+        return self.model
+
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False,
+                               return_weight=False, force_cast=False):
+        o, n = resolve_attr(self.model, key)
+        weight = getattr(o, n)
+        if key not in self.patches and not force_cast:
+            return weight
+        if key not in self.backup and not return_weight:
+            self.backup[key] = Backup(weight)
+        if key in self.patches:
+            out = calculate_weight(self.patches[key],
+                                   weight.to(torch.float32, copy=True), key)
+            out = out.to(weight.dtype)
+        else:
+            out = weight.to(device_to, copy=True)
+        if return_weight:
+            return out
+        set_attr_param(self.model, key, out)
+
+
+class ModelPatcherDynamic(ModelPatcher):
+    """ComfyUI's own dynamic path: here it just marks what it did."""
+
+    def is_dynamic(self):
+        return True
+
+    def restore_loaded_backups(self):
+        restored = self.model.model_loaded_weight_memory
+        for key in list(self.backup):
+            set_attr_param(self.model, key, self.backup.pop(key).weight)
+        for key in list(self.backup_buffers):
+            set_attr_buffer(self.model, key, self.backup_buffers.pop(key))
+        self.model.model_loaded_weight_memory = 0
+        return restored
+
+    def partially_load(self, device_to, extra_memory=0,
+                       force_patch_weights=False):
+        self.load(device_to)
+
+    def load(self, device_to=None, lowvram_model_memory=0,
+             force_patch_weights=False, full_load=False, dirty=False):
+        self.model.comfy_loaded = getattr(self.model, "comfy_loaded", 0) + 1
+
+    def partially_unload(self, device_to, memory_to_free=0,
+                         force_patch_weights=False):
+        return 0
+
+    def loaded_ram_size(self):
+        return 0
+
+    def pinned_memory_size(self):
+        return 0
+
+
+class MMState:
+    free = 1000
+
+
+MM = MMState()
+
+
+def comfy_ns(args=None):
+    mp = types.SimpleNamespace(ModelPatcher=ModelPatcher,
+                               ModelPatcherDynamic=ModelPatcherDynamic,
+                               CoreModelPatcher=ModelPatcherDynamic,
+                               CallbacksMP=CallbacksMP)
+    return types.SimpleNamespace(
+        model_patcher=mp, model_management=MM,
+        utils=types.SimpleNamespace(resolve_attr=resolve_attr,
+                                    set_attr_buffer=set_attr_buffer,
+                                    set_attr_param=set_attr_param),
+        lora=types.SimpleNamespace(calculate_shape=calculate_shape,
+                                   calculate_weight=calculate_weight),
+        args=args or Args(), model_vbar=None)
+
+
+def model_unload(model, memory_to_free=None):
+    """ComfyUI's LoadedModel.model_unload: partially_unload first, detach
+    when that freed less than asked. True if the model was detached."""
+    if memory_to_free is not None and memory_to_free < model.loaded_size():
+        if model.partially_unload(model.offload_device,
+                                  memory_to_free) >= memory_to_free:
+            return False
+    model.detach(True)
+    return True
+
+
+# ------------------------------------------------------ stand-in ops
+
+class CastOp:
+    comfy_cast_weights = False
+    weight_function = []
+    bias_function = []
+
+
+class Linear(nn.Linear, CastOp):
+    """comfy.ops' Linear: casts the weight to the input's dtype (on the
+    device the weight is on) when comfy_cast_weights or functions ask."""
+
+    def forward(self, x):
+        if self.comfy_cast_weights or self.weight_function:
+            w = self.weight.to(x.dtype)
+            for f in self.weight_function:
+                w = f(w)
+            b = self.bias.to(x.dtype) if self.bias is not None else None
+            return torch.nn.functional.linear(x, w, b)
+        return super().forward(x)
+
+
+class CastLinear(Linear):
+    comfy_cast_weights = True       # manual_cast: stored dtype != compute
+
+
+class LayerNorm(nn.LayerNorm, CastOp):
+    pass
+
+
+class QuantLinear(Linear):
+    def set_weight(self, weight, **kw):     # mixed-precision ops have this
+        pass
+
+
+class Block(nn.Module):
+    def __init__(self, d, h, op=Linear, dtype=torch.float32):
+        super().__init__()
+        self.norm = LayerNorm(d)
+        self.up = op(d, h, dtype=dtype)
+        self.down = op(h, d, dtype=dtype)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class DiT(nn.Module):
+    """A DiT-shaped stand-in: ComfyUI's BaseModel holds diffusion_model."""
+
+    def __init__(self, n=6, d=64, h=256, op=Linear, dtype=torch.float32,
+                 seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.diffusion_model = nn.Module()
+        dm = self.diffusion_model
+        dm.pos = nn.Parameter(torch.randn(d) * 0.1, requires_grad=False)
+        dm.blocks = nn.ModuleList(Block(d, h, op, dtype) for _ in range(n))
+        dm.register_buffer("scale", torch.full((d,), 0.5))
+        for p in self.parameters():
+            p.requires_grad_(False)
+            p.data = (torch.randn(p.shape) * 0.05).to(p.dtype)
+
+    def forward(self, x):
+        dm = self.diffusion_model
+        x = x + dm.pos
+        for b in dm.blocks:
+            x = b(x)
+        return x * dm.scale
+
+
+def sim_factory(capacity=640 * K, staging=256 * K):
+    def factory(target):
+        return vt.open_device("sim", sim_capacity=capacity, page_size=PAGE,
+                              sim_granularity=PAGE, staging_size=staging,
+                              lookahead=0, sim_shared="", sim_streams="sync")
+    return factory
+
+
+class Env:
+    """The node wired to the stand-ins on a fresh simulated device."""
+
+    def __init__(self, capacity=640 * K, staging=256 * K, args=None):
+        self.comfy = comfy_ns(args)
+        glue.DEVICE_FACTORY = sim_factory(capacity, staging)
+        glue.ALLOW_SIM = True
+        glue._DEVICES.clear()
+        glue._LOGGED.clear()
+        self.cls = glue.make_class(self.comfy, ModelPatcherDynamic)
+
+    def patcher(self, model):
+        return self.cls(model, CPU, CPU)
+
+    def close(self):
+        for dev in glue._DEVICES.values():
+            if not dev.closed:
+                dev.close()
+        glue._DEVICES.clear()
+        glue.DEVICE_FACTORY = None
+        glue.ALLOW_SIM = False
+
+
+@contextlib.contextmanager
+def env(**kw):
+    e = Env(**kw)
+    try:
+        yield e
+    finally:
+        gc.collect()
+        e.close()
+
+
+class Logs(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def logs():
+    h = Logs()
+    lg = logging.getLogger("vpager.comfyui")
+    lg.addHandler(h)
+    old = lg.level
+    lg.setLevel(logging.INFO)
+    try:
+        yield h.lines
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
+
+
+def frozen(model):
+    ref = copy.deepcopy(model)
+    return ref
+
+
+X = None
+
+
+def inputs():
+    global X
+    if X is None:
+        g = torch.Generator().manual_seed(1)
+        X = torch.randn(4, 64, generator=g)
+    return X
+
+
+def run(model):
+    with torch.inference_mode():
+        return model(inputs())
+
+
+# ---------------------------------------------------------------- tests
+
+def test_unit_collection():
+    m = DiT()
+    plan = glue.plan_model(m, comfy_ns())
+    assert plan.why is None
+    names = [n for n, _, _ in plan.units]
+    assert names == ["diffusion_model.blocks.%d.%s" % (i, k)
+                     for i in range(6) for k in ("up", "down")], names
+    keys = [key for _, _, ps in plan.units for key, _ in ps]
+    assert "diffusion_model.blocks.0.up.weight" in keys
+    assert "diffusion_model.blocks.0.up.bias" in keys
+    forced = sorted(key for key, _, _ in plan.forced)
+    # The root's own parameter and the tiny norms go ComfyUI's way.
+    assert "diffusion_model.pos" in forced
+    assert "diffusion_model.blocks.3.norm.weight" in forced
+    assert not any(k.endswith("up.weight") for k in forced)
+
+
+def test_outputs_bitwise_and_paging():
+    with env() as e:
+        m = DiT()
+        ref = frozen(m)
+        want = run(ref)
+        p = e.patcher(m)
+        assert p.partially_load(CPU) == 0
+        assert p.vpager_active()
+        for _ in range(3):
+            assert torch.equal(run(m), want)
+        s = p.vpager_stats()
+        # 12 units of ~64 KiB in a 640 KiB device with a 256 KiB ring:
+        # weights are paged, and some stay resident.
+        assert s["weights"] == 24 and s["units"] == 12
+        assert s["misses"] > 0 and s["hits"] > 0, s
+        # Outside the forward the weights are real CPU tensors.
+        w = m.diffusion_model.blocks[0].up.weight
+        assert w.device.type == "cpu"
+        assert torch.equal(w, ref.diffusion_model.blocks[0].up.weight)
+        assert "forward" in m.diffusion_model.blocks[0].up.__dict__
+
+
+def test_ledger():
+    with env(capacity=4 << 20) as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        run(m)
+        pager = m._vpager_pager
+        forced = m.model_loaded_weight_memory
+        assert forced > 0           # pos, norms and the buffer
+        resident = pager.loaded_size()
+        assert resident >= pager.weight_bytes    # everything fits here
+        assert p.loaded_size() == resident + forced
+        # get_free_memory: ComfyUI's free plus what vpager could reclaim.
+        MM.free = 1000
+        assert p.get_free_memory(CPU) == 1000 + pager.dev.reclaimable()
+        assert pager.dev.reclaimable() >= resident
+        # partially_unload: evict that many bytes, report what was freed.
+        freed = p.partially_unload(CPU, 3 * PAGE)
+        assert freed >= 3 * PAGE and freed < resident, (freed, resident)
+        assert pager.loaded_size() == resident - freed
+        assert m.model_loaded_weight_memory == forced
+        # Still right afterwards (refilled as needed).
+        want = run(frozen_unpaged(m))
+        assert torch.equal(run(m), want)
+        # model_unload asking for less than is loaded: a partial unload.
+        assert model_unload(p, PAGE) is False
+        # Asking for more than vpager holds: the backups go too and
+        # ComfyUI's escalation to detach happens.
+        assert model_unload(p, 1e30) is True
+        assert pager.loaded_size() == 0
+        assert m.model_loaded_weight_memory == 0
+        assert p.loaded_size() == 0
+        # unload_all_models / --disable-smart-memory detach the same way;
+        # the next load brings it back.
+        p.partially_load(CPU)
+        assert torch.equal(run(m), want)
+        p.detach(True)
+        assert p.loaded_size() == 0
+        p.partially_load(CPU)
+        assert torch.equal(run(m), want)
+
+
+def frozen_unpaged(m):
+    """A resident copy of an offloaded stand-in model (its CPU tensors)."""
+    ref = DiT()
+    sd = {}
+    for name, t in m.state_dict().items():
+        sd[name] = t.detach().cpu().clone()
+    ref.load_state_dict(sd)
+    return ref
+
+
+def test_patches_identity_and_refill():
+    with env(capacity=4 << 20) as e:
+        m = DiT()
+        base = frozen(m)
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        want0 = run(base)
+        assert torch.equal(run(m), want0)
+        pager = m._vpager_pager
+        k1 = "diffusion_model.blocks.1.up.weight"
+        k2 = "diffusion_model.blocks.4.down.weight"
+        d1 = torch.randn(256, 64) * 0.01
+        d2 = torch.randn(64, 256) * 0.01
+        # A LoRA: a clone with two patched weights (ComfyUI's way).
+        q = p.clone()
+        q.add_patches({k1: ("diff", (d1,)), k2: ("diff", (d2,))}, 0.8)
+        fills0 = pager.vbar.stats()["weight_fills"]
+        q.partially_load(CPU)
+        assert q._vp_refilled == 2 and sorted(pager.patched_keys()) == \
+            sorted([k1, k2])
+        ref = frozen(base)
+        sd = ref.state_dict()
+        ref.diffusion_model.blocks[1].up.weight.data = sd[k1] + 0.8 * d1
+        ref.diffusion_model.blocks[4].down.weight.data = sd[k2] + 0.8 * d2
+        want1 = run(ref)
+        assert torch.equal(run(m), want1)
+        # Only the two patched weights were filled again.
+        assert pager.vbar.stats()["weight_fills"] - fills0 == 2
+        # The same patch set again (another clone): nothing refills.
+        q2 = q.clone()
+        fills1 = pager.vbar.stats()["weight_fills"]
+        q2.partially_load(CPU)
+        assert q2._vp_refilled == 0
+        assert torch.equal(run(m), want1)
+        assert pager.vbar.stats()["weight_fills"] == fills1
+        # Changed: one patch's strength; only that weight refills.
+        q3 = p.clone()
+        q3.add_patches({k1: ("diff", (d1,))}, 0.8)
+        q3.add_patches({k2: ("diff", (d2,))}, 0.5)
+        assert not engine.same_patch(q3.patches[k2], q2.patches[k2])
+        # ... k1's patch tuple is equal (same data object, same strength)
+        q3.partially_load(CPU)
+        assert q3._vp_refilled == 1, q3._vp_refilled
+        ref.diffusion_model.blocks[4].down.weight.data = sd[k2] + 0.5 * d2
+        assert torch.equal(run(m), run(ref))
+        # Removed: the base model again; both refill from their sources.
+        p.partially_load(CPU)
+        assert p._vp_refilled == 2 and pager.patched_keys() == []
+        assert torch.equal(run(m), want0)
+        # The weights outside the forward stayed the unpatched ones.
+        assert torch.equal(m.diffusion_model.blocks[1].up.weight,
+                           base.diffusion_model.blocks[1].up.weight)
+
+
+def test_patched_forced_weight():
+    """A patch on a weight loaded ComfyUI's way (a tiny norm) is applied by
+    ComfyUI's patch_weight_to_device, as ComfyUI does."""
+    with env() as e:
+        m = DiT()
+        ref = frozen(m)
+        key = "diffusion_model.blocks.2.norm.weight"
+        d = torch.randn(64) * 0.1
+        p = e.patcher(m)
+        p.add_patches({key: ("diff", (d,))})
+        p.partially_load(CPU)
+        ref.diffusion_model.blocks[2].norm.weight.data += d
+        assert torch.equal(run(m), run(ref))
+        assert m._vpager_pager.patched_keys() == []
+
+
+def test_stored_dtype_not_compute_dtype():
+    """fp16 stored, fp32 compute (manual_cast ops): vpager pages the fp16
+    bytes, the op casts on the device."""
+    with env(capacity=1 << 20, staging=128 * K) as e:
+        m = DiT(op=CastLinear, dtype=torch.float16)
+        assert m.diffusion_model.blocks[0].up.weight.dtype == torch.float16
+        ref = frozen(m)
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        pager = m._vpager_pager
+        assert all(en.dtype == torch.float16 for en in pager.entries)
+        assert pager.weight_bytes == 6 * 2 * (64 * 256 + 256 // 1) * 2 - \
+            6 * (256 - 64) * 2, pager.weight_bytes
+        assert torch.equal(run(m), run(ref))
+        assert torch.equal(run(m), run(ref))
+
+
+def test_weight_wrappers_kept():
+    with env() as e:
+        m = DiT()
+        ref = frozen(m)
+        key = "diffusion_model.blocks.0.up.weight"
+        p = e.patcher(m)
+        p.weight_wrapper_patches[key] = [lambda w: w * 2]
+        p.partially_load(CPU)
+        ref.diffusion_model.blocks[0].up.weight.data *= 2
+        assert torch.allclose(run(m), run(ref))
+        assert m.diffusion_model.blocks[0].up.weight_function
+
+
+def test_file_sources():
+    """--fast-disk: weights that are slices of an open file are read from
+    it (vpager's file reader), with no host copy."""
+    with env(capacity=4 << 20) as e:
+        m = DiT()
+        ref = frozen(m)
+        plan = glue.plan_model(m, e.comfy)
+        fd, path = tempfile.mkstemp()
+        try:
+            where = {}
+            off = 0
+            with os.fdopen(os.dup(fd), "wb") as f:
+                for _, mod, params in plan.units:
+                    for key, k in params:
+                        t = mod._parameters[k].data
+                        b = t.numpy().tobytes()
+                        f.write(b)
+                        where[t.data_ptr()] = off
+                        off += len(b)
+            dev = glue.vp_device(CPU, e.comfy.args)
+            pager = engine.Pager(
+                dev, CPU, plan.units, prefer_file=True,
+                file_slice=lambda t: (fd, where[t.data_ptr()]))
+            assert pager.hb is None and pager.host_bytes() == 0
+            assert pager.stats()["file_weights"] == 24
+            for _, mod, params in plan.units:
+                pass
+            with torch.inference_mode():
+                x = inputs()
+                # Forced params ComfyUI's way: here they are on the CPU.
+                assert torch.equal(m(x), ref(x))
+            assert pager.vbar.stats()["file_bytes_read"] > 0 or \
+                dev.stats()["file_bytes_read"] > 0
+            pager.close()
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+
+def test_two_models_last_used_on_top():
+    with env(capacity=640 * K, staging=128 * K) as e:
+        a, b = DiT(seed=1), DiT(n=3, seed=2)
+        ra, rb = frozen(a), frozen(b)
+        pa, pb = e.patcher(a), e.patcher(b)
+        pa.partially_load(CPU)
+        pb.partially_load(CPU)
+        assert a._vpager_pager.dev is b._vpager_pager.dev
+        for _ in range(2):          # the UNet, then the VAE, each prompt
+            assert torch.equal(run(a), run(ra))
+            assert torch.equal(run(b), run(rb))
+        # b ran last: its pages survive pressure, a's go first.
+        dev = a._vpager_pager.dev
+        before_a = a._vpager_pager.loaded_size()
+        before_b = b._vpager_pager.loaded_size()
+        assert before_a > 0 and before_b > 0
+        assert dev.free_memory(before_a) >= before_a
+        assert a._vpager_pager.loaded_size() == 0
+        assert b._vpager_pager.loaded_size() == before_b
+        # a runs again: it goes on top, and its pressure takes b's pages.
+        assert torch.equal(run(a), run(ra))
+        assert b._vpager_pager.loaded_size() < before_b
+
+
+def test_fallbacks_with_one_log_line():
+    with env() as e:
+        # The environment variable, read at load time.
+        m = DiT()
+        p = e.patcher(m)
+        os.environ["VPAGER_COMFYUI"] = "0"
+        try:
+            with logs() as lines:
+                p.partially_load(CPU)
+                p.partially_load(CPU)
+        finally:
+            del os.environ["VPAGER_COMFYUI"]
+        assert m.comfy_loaded == 2 and not p.vpager_active()
+        assert len(lines) == 1 and "VPAGER_COMFYUI=0" in lines[0], lines
+        # On again: vpager takes it.
+        p.partially_load(CPU)
+        assert p.vpager_active()
+        ref = frozen_unpaged(m)
+        assert torch.equal(run(m), run(ref))
+        # The node setting, per model: a clone with it off. The model goes
+        # back to ComfyUI (real CPU tensors, wrappers out).
+        q = node.VpagerSettings().apply(p, enabled=False)[0]
+        assert q.model_options["vpager"] is False
+        with logs() as lines:
+            q.partially_load(CPU)
+        assert not q.vpager_active() and m._vpager_pager is None
+        assert "VpagerSettings" in lines[0]
+        assert "forward" not in m.diffusion_model.blocks[0].up.__dict__
+        assert torch.equal(run(m), run(ref))
+        # A patch that changes a weight's shape.
+        r = p.clone()
+        key = "diffusion_model.blocks.0.up.weight"
+        r.add_patches({key: ("resize", (torch.zeros(300, 64),))})
+        with logs() as lines:
+            r.partially_load(CPU)
+        assert not r.vpager_active()
+        assert len(lines) == 1 and key in lines[0] and "shape" in lines[0]
+        # Weight hooks.
+        h = p.clone()
+        h.hook_patches = {"hook": {}}
+        with logs() as lines:
+            h.partially_load(CPU)
+        assert not h.vpager_active() and "hook" in lines[0]
+        # A CUDA-less load device (the simulated device not allowed).
+        glue.ALLOW_SIM = False
+        try:
+            with logs() as lines:
+                e.patcher(DiT()).partially_load(CPU)
+            assert "not a CUDA device" in lines[0]
+        finally:
+            glue.ALLOW_SIM = True
+
+
+def test_fallback_model_types():
+    with env() as e:
+        q = DiT(op=QuantLinear)
+        with logs() as lines:
+            p = e.patcher(q)
+            p.partially_load(CPU)
+        assert not p.vpager_active() and q.comfy_loaded == 1
+        assert "set_weight" in lines[0], lines
+        # A model without ComfyUI ops holding weights.
+        plain = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+        plain.device = None
+        with logs() as lines:
+            p = e.patcher(plain)
+            p.partially_load(CPU)
+        assert not p.vpager_active()
+        assert "no ComfyUI op" in lines[0], lines
+        # A meta weight.
+        mm = DiT()
+        mm.diffusion_model.blocks[0].up.weight = nn.Parameter(
+            torch.empty(256, 64, device="meta"), requires_grad=False)
+        plan = glue.plan_model(mm, e.comfy)
+        assert "meta" in plan.why
+
+
+def test_replaced_parameter_rebuilds():
+    """A parameter replaced behind vpager's back (another path's backup
+    restored): the next load builds the pager anew around the new one."""
+    with env() as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        old = m._vpager_pager
+        up = m.diffusion_model.blocks[0].up
+        up.weight = nn.Parameter(up.weight.data.clone() * 3,
+                                 requires_grad=False)
+        p.partially_load(CPU)
+        assert m._vpager_pager is not old and old.closed
+        ref = frozen_unpaged(m)
+        assert torch.equal(run(m), run(ref))
+
+
+def test_install():
+    ns = comfy_ns()
+    cls = node.install(ns)
+    try:
+        assert cls is not None and ns.model_patcher.CoreModelPatcher is cls
+        assert issubclass(cls, ModelPatcherDynamic)
+        assert node.install(ns) is cls           # once
+    finally:
+        node.INSTALLED[0] = None
+    # ComfyUI's dynamic VRAM off: CoreModelPatcher stays the legacy one.
+    ns = comfy_ns()
+    ns.model_patcher.CoreModelPatcher = ModelPatcher
+    with logs() as lines:
+        assert node.install(ns) is None
+    assert ns.model_patcher.CoreModelPatcher is ModelPatcher
+    assert "dynamic VRAM is not on" in lines[0]
+    args = Args()
+    args.disable_dynamic_vram = True
+    ns = comfy_ns(args)
+    with logs() as lines:
+        assert node.install(ns) is None
+    assert "--disable-dynamic-vram" in lines[0]
+    os.environ["VPAGER_COMFYUI"] = "off"
+    try:
+        assert node.install(comfy_ns()) is None
+    finally:
+        del os.environ["VPAGER_COMFYUI"]
+    assert node.INSTALLED[0] is None
+    assert "VpagerSettings" in node.NODE_CLASS_MAPPINGS
+    assert node.NODE_DISPLAY_NAME_MAPPINGS["VpagerSettings"]
+
+
+def test_flags():
+    a = Args()
+    assert glue.headroom_bytes(a) == glue.DEFAULT_HEADROOM
+    a.reserve_vram = 2.5
+    a.vram_headroom = 1
+    assert glue.headroom_bytes(a) == int(3.5 * (1 << 30))
+
+
+def test_same_patch():
+    d = torch.zeros(2)
+    a = [(1.0, ("diff", (d,)), 1.0, None, None)]
+    assert engine.same_patch(a, list(a))
+    assert engine.same_patch(None, None)
+    assert not engine.same_patch(a, None)
+    assert not engine.same_patch(a, [(1.0, ("diff", (d.clone(),)), 1.0,
+                                      None, None)])
+    assert not engine.same_patch(a, [(0.5, a[0][1], 1.0, None, None)])
+    assert not engine.same_patch(a, a + a)
+
+
+if __name__ == "__main__":
+    sys.exit(_runner.main(
+        globals(), after_each=gc.collect,
+        unavailable=None if torch is not None else "torch is not importable"))
