@@ -328,6 +328,21 @@ VP_API int vp_fault(vp_vbar_t vbar, uint64_t offset, uint64_t size,
  * or is pinned only by acquired weights (vp_release ends those). */
 VP_API int vp_unpin(vp_vbar_t vbar, uint64_t offset, uint64_t size,
                     vp_stream_t stream);
+/* A range of a VBAR described once, for callers that fault and unpin the
+ * same ranges over and over (a binding then passes one pointer per call,
+ * not three converted arguments). */
+typedef struct vp_range {
+  vp_vbar_t vbar;
+  uint64_t offset;
+  uint64_t size;
+} vp_range_t;
+/* vp_fault() and vp_unpin() of *range, with the same results and errors.
+ * On VP_OK, vp_fault_range also sets gens[i] to 0 for every i from the
+ * range's page count up to ngens, so a caller may keep signatures of a
+ * fixed length (larger than the page count). VP_EINVAL if range is NULL. */
+VP_API int vp_fault_range(const vp_range_t *range, uint32_t *gens,
+                          size_t ngens);
+VP_API int vp_unpin_range(const vp_range_t *range, vp_stream_t stream);
 /* Evict unpinned pages of this VBAR in its eviction order until at least
  * `bytes` are freed; *freed (may be NULL) gets the count. */
 VP_API int vp_vbar_free_memory(vp_vbar_t vbar, uint64_t bytes,
@@ -437,6 +452,11 @@ VP_API int vp_release(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream);
 /* Change the prefetch lookahead (bytes; 0 = off). */
 VP_API int vp_device_set_lookahead(vp_device_t dev, uint64_t bytes);
+/* Change the staging ring's size (bytes, > 0; charged to the budget): the
+ * ring is freed, once the copies and the work reading it are done (this
+ * waits for them), and the next miss opens it at the new size. VP_EBUSY
+ * while a staged weight is acquired. */
+VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
 
 /* ----------------------------------------------------------------- files */
 

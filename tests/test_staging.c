@@ -336,3 +336,42 @@ TEST(stream_error_undo_keeps_earlier_acquire, TEST_SIM_ONLY) {
   model_free(&a);
   model_free(&b);
 }
+
+/* vp_device_set_staging_size: refused while a staged weight is held; the
+ * ring is given back (a slow reader finished first) and the next miss
+ * opens it at the new size, whose limits then hold. */
+TEST(stream_ring_resize, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 4);
+  uint64_t ps = m.size[0];
+  vp_stream_t a = 0;
+  ASSERT_OK(vp_stream_create(dev, &a));
+  uint64_t p[2] = {0, 0};
+  uint8_t f[2] = {0, 0};
+  ASSERT_RC(vp_device_set_staging_size(dev, 0), VP_EINVAL);
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, a, &p[0], &f[0]));
+  slow_t k = {.ptr = p[0], .size = ps, .ms = 50, .expect = m.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, a, slow_fn, &k));
+  ASSERT_RC(vp_device_set_staging_size(dev, ps), VP_EBUSY);
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, a));
+  vp_device_info_t before = test_info(dev);
+  ASSERT_OK(vp_device_set_staging_size(dev, ps));
+  ASSERT_TRUE(slow_done(&k)); /* its reader was waited for */
+  ASSERT_TRUE(slow_ok(&k));
+  vp_device_info_t after = test_info(dev);
+  ASSERT_EQ_U64(before.committed - after.committed, 2 * ps);
+  /* One page now: two weights at once no longer fit. */
+  ASSERT_RC(vp_acquire(dev, m.w, 2, a, p, f), VP_ELIMIT);
+  checks_t c = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, a, &p[1], &f[1]));
+  ASSERT_EQ_INT(f[1], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  launch_check(dev, a, p[1], m.srcs[1].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, a));
+  checks_expect_clean(dev, a, &c);
+  ASSERT_OK(vp_device_set_staging_size(dev, 2 * ps));
+  ASSERT_OK(vp_acquire(dev, m.w, 2, a, p, f));
+  ASSERT_OK(vp_release(dev, m.w, 2, a));
+  ASSERT_OK(vp_stream_synchronize(dev, a));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}

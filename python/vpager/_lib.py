@@ -299,6 +299,7 @@ PROTOTYPES = {
                         P(c_uint8)]),
     "vp_release": (_i, [_dev, P(vp_weight_t), _sz, _s]),
     "vp_device_set_lookahead": (_i, [_dev, _u64]),
+    "vp_device_set_staging_size": (_i, [_dev, _u64]),
     # files
     "vp_file_read_to_device": (_i, [_dev, _i, _u64, _u64, _u64, _s]),
     "vp_st_open": (_i, [_dev, c_char_p, P(vp_st_t)]),

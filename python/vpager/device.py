@@ -129,6 +129,14 @@ class Device(Handle):
     def set_lookahead(self, nbytes):
         check(C.vp_device_set_lookahead(self._handle(), nbytes))
 
+    def set_staging_size(self, nbytes):
+        """vp_device_set_staging_size: the ring is freed (after the work
+        reading it) and reopened at this size by the next miss; BusyError
+        while a staged weight is acquired. options["staging_size"]
+        follows."""
+        check(C.vp_device_set_staging_size(self._handle(), nbytes))
+        self.options["staging_size"] = nbytes
+
     def set_pin_budget(self, nbytes):
         check(C.vp_device_set_pin_budget(self._handle(), nbytes))
 
