@@ -1,0 +1,725 @@
+#!/usr/bin/env python3
+"""ComfyUI 0.33 sampling on the comfy_aimdo drop-in (issue 12 section 3):
+the real client, unmodified, in library mode.
+
+A random-weight Flux-class checkpoint (ComfyUI's own model classes; by
+default 8 double + 16 single blocks, hidden 3072: 9.4 GiB bf16) is made
+and saved as .safetensors in a temporary folder (--workdir), then sampled
+at 1024x1024, euler, "simple", 6 steps, cfg 1 (one forward a step), in
+one process per run:
+
+  resident  the drop-in, no --reserve-vram: every weight stays resident
+  6, 4      the drop-in under a budget of 6 and 4 GiB: --reserve-vram is
+            (device total - budget) GiB, so vpager pages the weights
+  legacy    (only if asked: --runs resident,legacy,...) ComfyUI's legacy
+            ModelPatcher, --disable-dynamic-vram --gpu-only
+
+Each run reproduces main.py's two init blocks (comfy.options.
+enable_args_parsing() first, or --reserve-vram is ignored; comfy_aimdo.
+control.init before torch, in its three call shapes; init_devices with a
+generator; the log level; the CoreModelPatcher / aimdo_enabled switch),
+loads the file with comfy.sd.load_diffusion_model and samples --reps
+times (comfy.sample.sample), each as one node: afterwards what execution.
+py does after every node (reset_cast_buffers, cleanup_prefetch_queues,
+vbars_reset_watermark_limits). Reported per run and repetition: every
+step's time (a callback that synchronizes; the first step counts from the
+call of sample(), so it holds the loading and every first fault), the
+VBAR's resident bytes (ModelVBAR.loaded_size), control.
+get_total_vram_usage, torch's reserved bytes and mem_get_info; and the
+ratios that need no peer: first step / steady step (median of steps 2..n)
+and steady step / the all-resident run's. Every repetition's latents are
+compared bitwise with the all-resident run's same repetition (ComfyUI's
+own outputs may differ between repetitions of one process; said where
+they do). Exit 0; 1 when a run failed; 2 when latents differ.
+
+    # ComfyUI 0.33.0 in build-clients/ComfyUI, comfy_kitchen, torchsde
+    # and a trampoline module in build-clients/pydeps (see --check):
+    make -j16 && PYTHONUNBUFFERED=1 python3 bench/comfyui_run.py \\
+        --comfyui build-clients/ComfyUI --out $OUT/comfyui
+    python3 bench/comfyui_run.py --comfyui build-clients/ComfyUI --dry-run
+    python3 bench/comfyui_run.py --check [--comfyui PATH]
+
+--dry-run: a tiny model (1 + 1 blocks, hidden 256), 256x256, 3 steps,
+runs resident and a 1 GiB budget: it checks the whole path in a minute.
+It still needs CUDA and torch >= 2.8 (ComfyUI's dynamic VRAM has no CPU
+path, and ComfyUI 0.33 does not import under older torch: the torch 1.13
+of the CPU CI machines cannot run it, so CI runs only --check).
+--check: says what is needed and what is missing (no import of ComfyUI,
+torch or vpager); exit 0, or 3 with --strict when something is missing.
+
+Needs: vpager built (VPAGER_LIBRARY, else build/libvpager.so), the
+drop-in python/compat on the path (this script sets PYTHONPATH for its
+children: python, python/compat, --deps, --comfyui), ComfyUI's Python
+dependencies for library mode: numpy, einops, safetensors, transformers,
+tokenizers, sentencepiece, scipy, tqdm, psutil, PIL, yaml, packaging,
+torchvision (not av, aiohttp or the frontend: nothing of comfy/ imports
+them). Never patches ComfyUI; writes nothing into the ComfyUI tree.
+"""
+
+import argparse
+import ctypes
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GiB, MiB = 1 << 30, 1 << 20
+TAG = "COMFYUI_RUN "          # children print their result as TAG + JSON
+
+# ComfyUI's library-mode needs (import name, what provides it).
+NEEDS = [
+    ("torch", "PyTorch >= 2.8 with CUDA"), ("numpy", "numpy"),
+    ("einops", "einops"), ("safetensors", "safetensors"),
+    ("transformers", "transformers (>= 4.50)"), ("tokenizers", "tokenizers"),
+    ("sentencepiece", "sentencepiece"), ("scipy", "scipy"),
+    ("tqdm", "tqdm"), ("psutil", "psutil"), ("PIL", "Pillow"),
+    ("yaml", "PyYAML"), ("packaging", "packaging"),
+    ("torchvision", "torchvision"),
+    ("comfy_kitchen", "comfy-kitchen 0.2.31 source (pure Python: its eager "
+     "and triton backends)"),
+    ("torchsde", "torchsde source (pure Python)"),
+    ("trampoline", "a trampoline module (a few lines; torchsde imports it)"),
+]
+
+
+def say(*a):
+    print(*a, flush=True)
+
+
+# ------------------------------------------------------------ arguments
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--comfyui", help="ComfyUI 0.33 source tree (its root)")
+    p.add_argument("--deps", action="append", default=None,
+                   help="a folder with comfy_kitchen, torchsde, trampoline "
+                        "(repeatable; default: pydeps next to --comfyui)")
+    p.add_argument("--out", default=None,
+                   help="logs, latents' hashes, comfyui_run.json "
+                        "(default: $OUT/comfyui or ./comfyui-run)")
+    p.add_argument("--workdir", default=None,
+                   help="where the checkpoint goes (default: a new "
+                        "temporary folder, removed at the end)")
+    p.add_argument("--runs", default=None,
+                   help="comma list of resident, legacy and budgets in GiB "
+                        "(default: resident,6,4; dry run: resident,1)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--size", type=int, default=None, help="image side, px")
+    p.add_argument("--double", type=int, default=None)
+    p.add_argument("--single", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--check", action="store_true",
+                   help="say what is needed / missing, run nothing")
+    p.add_argument("--strict", action="store_true",
+                   help="with --check: exit 3 when something is missing")
+    p.add_argument("--timeout", type=int, default=300,
+                   help="seconds per child process")
+    p.add_argument("--child", choices=["gen", "sample"], help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    d = a.dry_run
+    for k, full, dry in (("steps", 6, 3), ("size", 1024, 256),
+                         ("double", 8, 1), ("single", 16, 1),
+                         ("hidden", 3072, 256)):
+        if getattr(a, k) is None:
+            setattr(a, k, dry if d else full)
+    if a.runs is None:
+        a.runs = "resident,1" if d else "resident,6,4"
+    if a.hidden % 128:
+        p.error("--hidden must be a multiple of 128 (Flux's rope axes)")
+    if a.size % 16:
+        p.error("--size must be a multiple of 16")
+    if a.comfyui and a.deps is None:
+        a.deps = [os.path.join(os.path.dirname(os.path.abspath(a.comfyui)),
+                               "pydeps")]
+    a.deps = [os.path.abspath(x) for x in (a.deps or []) if os.path.isdir(x)]
+    return a
+
+
+def child_path(a):
+    """sys.path entries of a child: vpager, the drop-in, deps, ComfyUI."""
+    return [os.path.join(ROOT, "python"), os.path.join(ROOT, "python",
+            "compat")] + a.deps + [os.path.abspath(a.comfyui)]
+
+
+# ---------------------------------------------------------------- check
+
+def check(a):
+    """What the run needs, what is there; nothing imported."""
+    missing = []
+    old = list(sys.path)
+    if a.comfyui:
+        sys.path[:0] = child_path(a)
+    try:
+        for mod, what in NEEDS:
+            try:
+                ok = importlib.util.find_spec(mod) is not None
+            except (ImportError, ValueError):
+                ok = False
+            note = ""
+            if ok and mod == "torch":
+                note = " (found %s)" % _torch_version()
+            say("  %-14s %-8s %s%s" % (mod, "ok" if ok else "MISSING", what,
+                                       note))
+            if not ok:
+                missing.append(mod)
+        drop = importlib.util.find_spec("comfy_aimdo")
+        where = os.path.dirname(drop.origin) if drop and drop.origin else None
+        ours = where == os.path.join(ROOT, "python", "compat", "comfy_aimdo")
+        say("  %-14s %-8s %s" % ("comfy_aimdo", "ok" if ours else "MISSING",
+                                 "the drop-in (python/compat), found: %s"
+                                 % where))
+        if not ours:
+            missing.append("comfy_aimdo (drop-in)")
+    finally:
+        sys.path[:] = old
+    lib = os.environ.get("VPAGER_LIBRARY") or os.path.join(
+        ROOT, "build", "libvpager.so")
+    ok = os.path.exists(lib)
+    say("  %-14s %-8s %s" % ("libvpager", "ok" if ok else "MISSING", lib))
+    if not ok:
+        missing.append("libvpager.so (make; or VPAGER_LIBRARY)")
+    ver = None
+    if a.comfyui:
+        try:
+            with open(os.path.join(a.comfyui, "comfyui_version.py")) as f:
+                ver = f.read().split('__version__ = "')[1].split('"')[0]
+        except (OSError, IndexError):
+            pass
+    say("  %-14s %-8s %s" % ("ComfyUI", "ok" if ver else "MISSING",
+                             "%s at %s" % (ver, a.comfyui) if ver else
+                             "--comfyui PATH (0.33.0 tree)"))
+    if not ver:
+        missing.append("ComfyUI tree (--comfyui)")
+    say("also needed: a CUDA GPU (dynamic VRAM has no CPU path)")
+    if missing:
+        say("NOT READY, missing: %s" % ", ".join(missing))
+    else:
+        say("READY")
+    return 3 if (missing and a.strict) else 0
+
+
+def _torch_version():
+    """torch's version read off disk (torch/version.py), not imported."""
+    try:
+        spec = importlib.util.find_spec("torch")
+        with open(os.path.join(os.path.dirname(spec.origin),
+                               "version.py")) as f:
+            for ln in f:
+                if ln.startswith("__version__"):
+                    return ln.split("=", 1)[1].strip().strip("'\"")
+    except (OSError, AttributeError, ImportError):
+        pass
+    return "?"
+
+
+# --------------------------------------------------------- child helpers
+
+def device_total_bytes(index=0):
+    """Device memory total through the CUDA driver (no context is made, so
+    nothing is taken from the budget), or None."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        if cu.cuInit(0) != 0:
+            return None
+        dev = ctypes.c_int()
+        if cu.cuDeviceGet(ctypes.byref(dev), index) != 0:
+            return None
+        tot = ctypes.c_size_t()
+        if cu.cuDeviceTotalMem_v2(ctypes.byref(tot), dev) != 0:
+            return None
+        return tot.value
+    except OSError:
+        return None
+
+
+def comfy_argv(a):
+    """ComfyUI's command line for this run."""
+    if a.run == "legacy":
+        return ["--disable-dynamic-vram", "--gpu-only"], None
+    if a.run == "resident":
+        return [], None
+    budget = float(a.run) * GiB
+    total = device_total_bytes()
+    if total is None:
+        raise SystemExit("cannot read the device's total memory (libcuda)")
+    return ["--reserve-vram", "%.6f" % ((total - budget) / GiB)], total
+
+
+def comfy_init(extra_argv):
+    """main.py's block A, in library mode (before torch)."""
+    sys.argv = [sys.argv[0]] + list(extra_argv)
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    from comfy.cli_args import args, enables_dynamic_vram
+    torch_before = "torch" in sys.modules
+    import comfy_aimdo.control
+    shape = None
+    if enables_dynamic_vram():
+        h = None if args.reserve_vram is None else int(
+            args.reserve_vram * 1024 ** 3)
+        try:
+            comfy_aimdo.control.init(simple_vram_headroom=h,
+                                     nvml_pressure=not args.disable_nvml_pressure)
+            shape = "init(simple_vram_headroom, nvml_pressure)"
+        except TypeError:
+            try:
+                comfy_aimdo.control.init(simple_vram_headroom=h)
+                shape = "init(simple_vram_headroom)"
+            except TypeError:
+                comfy_aimdo.control.init()
+                shape = "init()"
+    return args, shape, torch_before
+
+
+def comfy_init_devices(args):
+    """main.py's block B: init_devices, the log level, the patcher switch."""
+    import logging
+    import comfy_aimdo.control
+    import comfy.utils  # noqa: F401  (main.py imports these first)
+    import comfy.model_management as mm
+    import comfy.memory_management
+    import comfy.model_patcher
+    from comfy.cli_args import enables_dynamic_vram, get_console_log_level
+
+    def supported():
+        if mm.is_nvidia():
+            return True
+        return mm.is_amd() and getattr(mm, "rocm_version", (0, 0)) >= (7, 14)
+
+    state = "legacy"
+    if args.enable_dynamic_vram or (enables_dynamic_vram() and supported()):
+        if (not args.enable_dynamic_vram) and mm.torch_version_numeric < (2, 8):
+            state = "legacy (torch < 2.8)"
+        else:
+            try:
+                ok = comfy_aimdo.control.init_devices(
+                    (d.index, int(args.vram_headroom * 1024 ** 3))
+                    for d in mm.get_all_torch_devices())
+            except TypeError:
+                ok = comfy_aimdo.control.init_devices(
+                    d.index for d in mm.get_all_torch_devices())
+            if ok:
+                level = get_console_log_level(args.verbose)
+                c = comfy_aimdo.control
+                if level == "DEBUG":
+                    c.set_log_debug()
+                elif level == "DETAIL":
+                    try:
+                        c.set_log_detail()
+                    except AttributeError:
+                        c.set_log_info()
+                elif level == "CRITICAL":
+                    c.set_log_critical()
+                elif level == "ERROR":
+                    c.set_log_error()
+                elif level == "WARNING":
+                    c.set_log_warning()
+                else:
+                    c.set_log_info()
+                comfy.model_patcher.CoreModelPatcher = \
+                    comfy.model_patcher.ModelPatcherDynamic
+                comfy.memory_management.aimdo_enabled = True
+                state = "dynamic"
+                logging.info("DynamicVRAM support detected and enabled")
+            else:
+                state = "legacy (init_devices failed)"
+    return state
+
+
+def flux_keys(a):
+    """The keys (meta tensors) that make ComfyUI detect a Flux (dev) model
+    of this size."""
+    import torch
+    m = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa
+    h = a.hidden
+    ctx = 4096 if not a.dry_run else 256
+    sd = {"img_in.weight": m(h, 64), "txt_in.weight": m(h, ctx),
+          "vector_in.in_layer.weight": m(h, 768),
+          "guidance_in.in_layer.weight": m(h, 256)}
+    for i in range(a.double):
+        sd["double_blocks.%d.img_attn.norm.key_norm.scale" % i] = m(128)
+    for i in range(a.single):
+        sd["single_blocks.%d.norm.key_norm.scale" % i] = m(128)
+    return sd, ctx
+
+
+def child_gen(a):
+    """Make the random-weight checkpoint with ComfyUI's own classes."""
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    sys.argv = [sys.argv[0]]
+    import torch
+    import comfy.model_detection as md
+    from safetensors.torch import save_file
+    t0 = time.perf_counter()
+    keys, ctx = flux_keys(a)
+    cfg = md.detect_unet_config(keys, "")
+    mc = md.model_config_from_unet_config(cfg, keys)
+    if mc is None:
+        raise SystemExit("ComfyUI did not detect a model from %s" % cfg)
+    mc.set_inference_dtype(torch.bfloat16, None)
+    model = mc.get_model(keys, "", device=torch.device("cuda"))
+    dm = model.diffusion_model
+    res = {"warmup": warm(a, dm, ctx, torch)}
+    g = torch.Generator(device="cuda").manual_seed(a.seed)
+    sd = {}
+    nbytes = 0
+    for name, t in sorted(dm.state_dict().items()):
+        if t.dim() == 1 and ("norm" in name or name.endswith(".scale")):
+            v = torch.ones(t.shape, device="cuda", dtype=torch.float32)
+        elif t.dim() == 1:
+            v = torch.randn(t.shape, generator=g, device="cuda") * 0.02
+        else:
+            fan_in = t[0].numel()
+            v = torch.randn(t.shape, generator=g, device="cuda") \
+                * (1.0 / fan_in ** 0.5)
+        sd[name] = v.to(torch.bfloat16).cpu()
+        nbytes += sd[name].numel() * 2
+    del dm, model
+    t1 = time.perf_counter()
+    path = os.path.join(a.workdir, "flux_random_%dd%ds_%d.safetensors"
+                        % (a.double, a.single, a.hidden))
+    save_file(sd, path)
+    t2 = time.perf_counter()
+    res.update({"path": path, "bytes": nbytes, "file_bytes": os.path.getsize(path),
+           "tensors": len(sd), "unet_config": {k: str(v) for k, v in
+                                               cfg.items()},
+           "model_config": type(mc).__name__, "context_dim": ctx,
+           "make_s": t1 - t0, "save_s": t2 - t1})
+    say(TAG + json.dumps(res))
+
+
+def warm(a, dm, ctx, torch):
+    """One forward at the sampled shapes before the weights are filled:
+    it checks that the model runs, and fills whatever compile cache on
+    disk the GPU path has (comfy_kitchen's triton backend, when enabled)
+    before any timed run."""
+    try:
+        s = a.size // 8
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            dm(torch.randn(1, 16, s, s, device="cuda", dtype=torch.bfloat16),
+               torch.tensor([0.5], device="cuda"),
+               torch.randn(1, 256, ctx, device="cuda", dtype=torch.bfloat16),
+               y=torch.randn(1, 768, device="cuda", dtype=torch.bfloat16),
+               guidance=torch.tensor([3.5], device="cuda"))
+        torch.cuda.synchronize()
+        return "one forward, %.2f s" % (time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001
+        return "failed: %s: %s" % (type(e).__name__, str(e)[:300])
+
+
+def child_sample(a):
+    import logging
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    extra, total = comfy_argv(a)
+    args, shape, torch_before = comfy_init(extra)
+    state = comfy_init_devices(args)
+    import torch
+    import comfy.sd
+    import comfy.sample
+    import comfy.model_management as mm
+    import comfy.memory_management
+    import comfy.model_prefetch
+    import comfy_aimdo.control
+    import comfy_aimdo.model_vbar
+    res = {"run": a.run, "comfy_argv": extra, "device_total": total,
+           "init_shape": shape, "torch_imported_before_control": torch_before,
+           "patcher_state": state,
+           "aimdo_enabled": bool(comfy.memory_management.aimdo_enabled),
+           "comfy_aimdo": os.path.dirname(comfy_aimdo.control.__file__)}
+    t0 = time.perf_counter()
+    patcher = comfy.sd.load_diffusion_model(a.ckpt)
+    res["load_s"] = time.perf_counter() - t0
+    res["patcher"] = type(patcher).__name__
+    res["model_size"] = patcher.model_size()
+    _, ctx = flux_keys(a)
+    g = torch.Generator().manual_seed(a.seed + 1)
+    cond = torch.randn(1, 256, ctx, generator=g)
+    pooled = torch.randn(1, 768, generator=g)
+    pos = [[cond, {"pooled_output": pooled, "guidance": 3.5}]]
+    neg = [[torch.zeros_like(cond), {"pooled_output": torch.zeros_like(pooled),
+                                     "guidance": 3.5}]]
+    latent = torch.zeros(1, 16, a.size // 8, a.size // 8)
+    latent = comfy.sample.fix_empty_latent_channels(patcher, latent)
+    noise = comfy.sample.prepare_noise(latent, a.seed)
+    reps = []
+    for rep in range(a.reps):
+        marks = []
+
+        def cb(step, x0, x, total_steps):
+            torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = comfy.sample.sample(patcher, noise, a.steps, 1.0, "euler",
+                                  "simple", pos, neg, latent, callback=cb,
+                                  disable_pbar=True, seed=a.seed)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        pts = [t0] + marks
+        r = {"steps_ms": [(pts[i + 1] - pts[i]) * 1e3
+                          for i in range(len(pts) - 1)],
+             "sample_s": t1 - t0}
+        r.update(memory(patcher, torch))
+        lat = out.detach().float().contiguous().cpu()
+        raw = lat.numpy().tobytes()
+        r["latent_sha256"] = hashlib.sha256(raw).hexdigest()
+        r["latent_finite"] = bool(torch.isfinite(lat).all())
+        r["latent_std"] = float(lat.std())
+        with open(os.path.join(a.workdir, "latent_%s_%d.bin"
+                               % (a.run, rep)), "wb") as f:
+            f.write(raw)
+        if comfy.memory_management.aimdo_enabled:    # the node's end
+            mm.reset_cast_buffers()
+            comfy.model_prefetch.cleanup_prefetch_queues()
+            comfy_aimdo.model_vbar.vbars_reset_watermark_limits()
+        r["after_node"] = memory(patcher, torch)
+        reps.append(r)
+        del out
+    res["reps"] = reps
+    say(TAG + json.dumps(res))
+
+
+def memory(patcher, torch):
+    import comfy_aimdo.control
+    m = {}
+    vbar = patcher._vbar_get() if hasattr(patcher, "_vbar_get") else None
+    m["vbar_resident"] = vbar.loaded_size() if vbar is not None else None
+    m["patcher_loaded"] = patcher.loaded_size()
+    m["total_vram_usage"] = comfy_aimdo.control.get_total_vram_usage()
+    m["torch_reserved"] = torch.cuda.memory_reserved()
+    m["torch_allocated"] = torch.cuda.memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    m["device_used"] = total - free
+    return m
+
+
+# ----------------------------------------------------------- orchestrator
+
+def run_child(a, kind, extra, log_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        child_path(a) + [x for x in env.get("PYTHONPATH", "").split(
+            os.pathsep) if x])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if "VPAGER_LIBRARY" not in env:
+        lib = os.path.join(ROOT, "build", "libvpager.so")
+        if os.path.exists(lib):
+            env["VPAGER_LIBRARY"] = lib
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind,
+           "--comfyui", a.comfyui, "--workdir", a.workdir,
+           "--steps", str(a.steps), "--size", str(a.size),
+           "--double", str(a.double), "--single", str(a.single),
+           "--hidden", str(a.hidden), "--reps", str(a.reps),
+           "--seed", str(a.seed)] + (["--dry-run"] if a.dry_run else []) \
+        + [x for d in a.deps for x in ("--deps", d)] + extra
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
+                               stderr=log, text=True, timeout=a.timeout)
+            out, rc = p.stdout, p.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout or ""
+            if isinstance(out, bytes):
+                out = out.decode(errors="replace")
+            rc = "timeout"
+        log.write("\n--- stdout ---\n" + out)
+    wall = time.perf_counter() - t0
+    res = None
+    for ln in out.splitlines():
+        if ln.startswith(TAG):
+            res = json.loads(ln[len(TAG):])
+    if res is None:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        say("  %s %s FAILED (rc %s, %.0f s); log %s:\n%s"
+            % (kind, extra, rc, wall, log_path, tail))
+    else:
+        res["wall_s"] = wall
+    return res
+
+
+def steady(ms):
+    return statistics.median(ms[1:]) if len(ms) > 1 else float("nan")
+
+
+def machine(a):
+    sys.path[:0] = [HERE]
+    import benchlib as bl
+    lines = [bl.host_line()]
+    try:
+        lines.insert(0, "gpu: " + subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+             "--format=csv,noheader"], capture_output=True, text=True,
+            timeout=20).stdout.strip())
+    except Exception as e:  # noqa: BLE001
+        lines.insert(0, "gpu: nvidia-smi failed: %s" % e)
+    ver = "?"
+    try:
+        with open(os.path.join(a.comfyui, "comfyui_version.py")) as f:
+            ver = f.read().split('__version__ = "')[1].split('"')[0]
+    except (OSError, IndexError):
+        pass
+    lines.append("software: python %s; ComfyUI %s (%s); vpager %s; %s UTC"
+                 % (platform.python_version(), ver,
+                    os.path.abspath(a.comfyui), bl.source_rev(),
+                    bl.utc_now()))
+    return lines
+
+
+def main(argv=None):
+    a = parse(sys.argv[1:] if argv is None else argv)
+    if a.child:
+        if not a.comfyui or not a.workdir:
+            raise SystemExit("--child needs --comfyui and --workdir")
+        if a.child == "gen":
+            return child_gen(a)
+        return child_sample(a)
+    if a.check:
+        return check(a)
+    if not a.comfyui:
+        raise SystemExit("--comfyui PATH is needed (or --check)")
+    out = a.out or (os.path.join(os.environ["OUT"], "comfyui")
+                     if os.environ.get("OUT") else "comfyui-run")
+    os.makedirs(out, exist_ok=True)
+    made = a.workdir is None
+    if made:
+        a.workdir = tempfile.mkdtemp(prefix="vp-comfyui-")
+    os.makedirs(a.workdir, exist_ok=True)
+    runs = [x.strip() for x in a.runs.split(",") if x.strip()]
+    lines = machine(a)
+    for ln in lines:
+        say(ln)
+    say("inputs: Flux-class random weights (seed %d), %d double + %d single "
+        "blocks, hidden %d, bf16; %dx%d, euler/simple, %d steps, cfg 1, "
+        "%d repetitions a run; runs %s; checkpoint in %s%s"
+        % (a.seed, a.double, a.single, a.hidden, a.size, a.size, a.steps,
+           a.reps, runs, a.workdir, "; DRY RUN" if a.dry_run else ""))
+    summary = {"machine": lines, "args": vars(a), "runs": {}}
+    try:
+        gen = run_child(a, "gen", [], os.path.join(out, "gen.log"))
+        if gen is None:
+            return 1
+        say("checkpoint: %.2f GiB, %d tensors (%s), made in %.1f s, saved in "
+            "%.1f s; warm-up: %s" % (gen["bytes"] / GiB, gen["tensors"],
+                                     gen["model_config"], gen["make_s"],
+                                     gen["save_s"], gen["warmup"]))
+        summary["checkpoint"] = gen
+        for run in runs:
+            say("run %s ..." % run)
+            r = run_child(a, "sample", ["--run", run, "--ckpt", gen["path"]],
+                          os.path.join(out, "run_%s.log" % run))
+            summary["runs"][run] = r
+            if r is not None:
+                report_run(r)
+        rc = compare(a, summary)
+    finally:
+        if made:
+            shutil.rmtree(a.workdir, ignore_errors=True)
+    with open(os.path.join(out, "comfyui_run.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return rc
+
+
+def report_run(r):
+    say("  %s: patcher %s (%s), init %s, %s; model %.2f GiB, loaded in "
+        "%.2f s, process %.0f s"
+        % (r["run"], r["patcher"], r["patcher_state"], r["init_shape"],
+           " ".join(r["comfy_argv"]) or "no flags", r["model_size"] / GiB,
+           r["load_s"], r["wall_s"]))
+    for i, rep in enumerate(r["reps"]):
+        ms = rep["steps_ms"]
+        res = rep["vbar_resident"]
+        say("    rep %d: steps ms %s; first %.0f ms, steady %.1f ms; "
+            "resident %s, vram usage %.2f GiB, torch reserved %.2f GiB, "
+            "device used %.2f GiB; after the node: resident %s; latents %s%s"
+            % (i, " ".join("%.1f" % x for x in ms), ms[0], steady(ms),
+               "%.2f GiB" % (res / GiB) if res is not None else "-",
+               rep["total_vram_usage"] / GiB, rep["torch_reserved"] / GiB,
+               rep["device_used"] / GiB,
+               "%.2f GiB" % (rep["after_node"]["vbar_resident"] / GiB)
+               if rep["after_node"]["vbar_resident"] is not None else "-",
+               rep["latent_sha256"][:16],
+               "" if rep["latent_finite"] else " (NOT FINITE)"))
+
+
+def max_abs_diff(a, name, rep):
+    import array
+    x = array.array("f", open(os.path.join(
+        a.workdir, "latent_resident_%d.bin" % rep), "rb").read())
+    y = array.array("f", open(os.path.join(
+        a.workdir, "latent_%s_%d.bin" % (name, rep)), "rb").read())
+    return max(abs(p - q) for p, q in zip(x, y))
+
+
+def compare(a, summary):
+    runs = summary["runs"]
+    base = runs.get("resident")
+    rc = 0 if all(r is not None for r in runs.values()) else 1
+    if base is None:
+        say("no all-resident run: no ratios, no comparison")
+        return rc
+    b0 = base["reps"][0]
+    b_steady = steady(b0["steps_ms"])
+    same_reps = len({r["latent_sha256"] for r in base["reps"]}) == 1
+    say("all-resident repetitions: %s" % (
+        "bitwise equal" if same_reps else "differ between themselves "
+        "(ComfyUI's own behaviour; each repetition is compared with the "
+        "all-resident run's same repetition)"))
+    table = []
+    for name, r in runs.items():
+        if r is None:
+            continue
+        r0 = r["reps"][0]
+        eqs, diffs = [], []
+        for i, rep in enumerate(r["reps"][:len(base["reps"])]):
+            eq = rep["latent_sha256"] == base["reps"][i]["latent_sha256"]
+            eqs.append(eq)
+            diffs.append(None if eq else max_abs_diff(a, name, i))
+        row = {"run": name, "first_ms": r0["steps_ms"][0],
+               "steady_ms": steady(r0["steps_ms"]),
+               "first_ms_rep1": r["reps"][1]["steps_ms"][0]
+               if len(r["reps"]) > 1 else None,
+               "steady_ms_rep1": steady(r["reps"][1]["steps_ms"])
+               if len(r["reps"]) > 1 else None,
+               "first_over_steady": r0["steps_ms"][0] / steady(r0["steps_ms"]),
+               "steady_over_resident": steady(r0["steps_ms"]) / b_steady,
+               "resident_bytes": r0["vbar_resident"],
+               "bitwise_equal_to_resident": eqs, "max_abs_diff": diffs}
+        table.append(row)
+        say("  %-9s first %7.0f ms  steady %6.1f ms  first/steady %5.1f  "
+            "steady/resident %.3f  resident %s  latents %s"
+            % (name, row["first_ms"], row["steady_ms"],
+               row["first_over_steady"], row["steady_over_resident"],
+               "%.2f GiB" % (row["resident_bytes"] / GiB)
+               if row["resident_bytes"] is not None else "-",
+               "bitwise equal to resident's (every repetition)" if all(eqs)
+               else "DIFFER (max |d| by repetition: %s)" % diffs))
+        if not all(eqs) and name != "legacy":
+            rc = 2
+    summary["table"] = table
+    summary["resident_reps_equal"] = same_reps
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
