@@ -201,7 +201,10 @@ class Pager:
     # ------------------------------------------------------------ build
     def _build(self, prefer_file, file_slice, label):
         dev, entries = self.dev, self.entries
-        grouping = (_groups(dev, None, entries)
+        # The interleaved eviction order (vpager.torch's default): the
+        # weights that do not fit are spread through the model, so their
+        # copies overlap the resident ones' compute.
+        grouping = (_groups(dev, "interleaved", entries)
                     if _groups is not None else None)
         if _place is not None:
             offsets, end = _place(entries, ALIGN, grouping)
@@ -215,6 +218,8 @@ class Pager:
             e.offset = off
         room = _group_room(grouping, end) if _group_room else 0
         self.vbar = dev.create_vbar(max(round_up(end, ALIGN), 1) + room)
+        if grouping is not None:
+            self.vbar.set_order("interleaved")
         if label:
             try:
                 self.vbar.label = label
@@ -233,9 +238,11 @@ class Pager:
             total = round_up(max(e.offset + e.size for e in hosted), ALIGN)
             self.hb = dev.alloc_hostbuf(total)
             base = self.hb.ptr
-            buf = torch.frombuffer((ctypes.c_uint8 * total).from_address(base),
-                                   dtype=torch.uint8)
+            # Outside inference mode: these become the parameters' data.
             with torch.no_grad(), torch.inference_mode(False):
+                buf = torch.frombuffer(
+                    (ctypes.c_uint8 * total).from_address(base),
+                    dtype=torch.uint8)
                 for e in hosted:
                     h = buf[e.offset:e.offset + e.size].view(e.dtype)
                     h = h.view(e.shape)
@@ -392,10 +399,10 @@ class Pager:
                                 e.shape))
         hb = self.dev.alloc_hostbuf(max(e.size, 1))
         try:
-            dst = torch.frombuffer(
-                (ctypes.c_uint8 * max(e.size, 1)).from_address(hb.ptr),
-                dtype=torch.uint8)[:e.size].view(e.dtype).view(e.shape)
             with torch.no_grad(), torch.inference_mode(False):
+                dst = torch.frombuffer(
+                    (ctypes.c_uint8 * max(e.size, 1)).from_address(hb.ptr),
+                    dtype=torch.uint8)[:e.size].view(e.dtype).view(e.shape)
                 dst.copy_(t.detach())
             self._swap(e, Source.from_host(hb.ptr), hb)
         except BaseException:
