@@ -104,8 +104,8 @@ static void part_clear(ledger_part_t *p) {
   atomic_store(&p->pid, 0);
 }
 
-static bool slot_live(const ledger_seg_t *seg, uint32_t slot,
-                      uint64_t serial) {
+bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot,
+                    uint64_t serial) {
   return slot < LEDGER_PARTS &&
          atomic_load(&seg->part[slot].state) == PART_LIVE &&
          atomic_load(&seg->part[slot].serial) == serial;
@@ -117,9 +117,9 @@ static bool slot_live(const ledger_seg_t *seg, uint32_t slot,
 static void reap_request(ledger_seg_t *seg, ledger_req_t *r) {
   uint32_t s = atomic_load(&r->state);
   if (s == REQ_FREE) return;
-  bool from = slot_live(seg, atomic_load(&r->from),
+  bool from = vp__lslot_live(seg, atomic_load(&r->from),
                         atomic_load(&r->from_serial));
-  bool to = slot_live(seg, atomic_load(&r->to), atomic_load(&r->to_serial));
+  bool to = vp__lslot_live(seg, atomic_load(&r->to), atomic_load(&r->to_serial));
   if (!from && s == REQ_TAKEN && to)
     atomic_compare_exchange_strong(&r->state, &s, REQ_ABANDONED);
   else if (!from || (!to && s == REQ_ABANDONED))
@@ -437,6 +437,18 @@ static void leave(vp__ledger_t *l) {
   bool locked = vp__lseg_lock(seg) == VP_OK;
   ledger_part_t *p = &seg->part[l->part];
   if (atomic_load(&p->serial) == l->serial) part_clear(p);
+  /* Requests posted to us that nobody will serve now: answered "nothing"
+   * (requesters also notice the slot change while they wait). */
+  for (int i = 0; i < LEDGER_REQS; i++) {
+    ledger_req_t *r = &seg->req[i];
+    uint32_t s = REQ_POSTED;
+    if (atomic_load(&r->to) != (uint32_t)l->part ||
+        atomic_load(&r->to_serial) != l->serial)
+      continue;
+    atomic_store(&r->freed, 0);
+    if (atomic_compare_exchange_strong(&r->state, &s, REQ_DONE))
+      vp__futex_wake(&r->state);
+  }
   if (!locked) return;
   vp__lseg_reap(seg);
   int live = 0;

@@ -128,6 +128,9 @@ int vp__lseg_lock(ledger_seg_t *seg); /* VP_EAGAIN after LEDGER_LOCK_MS */
 void vp__lseg_unlock(ledger_seg_t *seg);
 void vp__lseg_reap(ledger_seg_t *seg); /* lock held */
 bool vp__lpart_alive(const ledger_part_t *p);
+/* Whether participant `slot` is live with that serial (not left, reaped or
+ * replaced). */
+bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot, uint64_t serial);
 /* Device memory as a participant measured it, for everyone to see. */
 void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
                            uint64_t total);

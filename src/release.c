@@ -278,14 +278,22 @@ static bool answer(ledger_req_t *r, uint64_t *freed) {
 
 /* Wait for the answer at most the timeout; then give the request up (a
  * holder still serving it frees the slot itself). */
-static bool await(vp__ledger_t *l, ledger_req_t *r, uint64_t *freed) {
+#define AWAIT_SLICE_NS 10000000ull /* how often the holder is looked at */
+
+static bool await(vp__ledger_t *l, ledger_req_t *r, const cand_t *c,
+                  uint64_t *freed, bool *left_us) {
   uint64_t deadline = vp__now_ns() + l->timeout_ns;
   for (;;) {
     uint32_t s = atomic_load(&r->state);
     if (s == REQ_DONE) return answer(r, freed);
     uint64_t now = vp__now_ns();
     if (now >= deadline || (s != REQ_POSTED && s != REQ_TAKEN)) break;
+    if (!vp__lslot_live(l->seg, c->part, c->serial)) {
+      *left_us = true; /* it left (or was reaped) meanwhile: no answer */
+      break;
+    }
     uint64_t left = deadline - now;
+    if (left > AWAIT_SLICE_NS) left = AWAIT_SLICE_NS;
     struct timespec ts = {(time_t)(left / 1000000000u),
                           (long)(left % 1000000000u)};
     vp__futex(&r->state, FUTEX_WAIT, s, &ts);
@@ -306,7 +314,9 @@ static bool ask_peer(vp__ledger_t *l, const cand_t *c, uint64_t bytes,
     vp__log(VP_LOG_DEBUG, "ledger", "every request slot is in use");
     return false;
   }
-  if (await(l, r, got)) return true;
+  bool gone = false;
+  if (await(l, r, c, got, &gone)) return true;
+  if (gone) return false;
   skip_for_a_while(l, c->part, c->serial);
   vp__log(VP_LOG_WARN, l->dev->caps.name, "ledger %s: participant %u (pid "
           "%d) did not answer a release request within %llu us; skipping "

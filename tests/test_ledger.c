@@ -467,6 +467,7 @@ TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
   ASSERT_GE_U64(first, 90);
   ASSERT_LT_U64(first, 1000);
   ASSERT_LT_U64(second, 50);
+
   ASSERT_EQ_INT(kill(p.pid, SIGCONT), 0);
   test_sleep_ms(1100); /* the skip ends */
   ASSERT_OK(test_fault_page(v, 4, NULL));
@@ -543,6 +544,75 @@ TEST(ledger_bad_segment, TEST_SIM_ONLY) {
   }
 }
 
+/* A segment another user made (0600, theirs) is not joined: the device
+ * runs alone and says whose it is; the owner's ledger is left alone. As
+ * root (CI) a child that became nobody makes it; otherwise our own segment
+ * with no permissions stands in for a foreign one (the open fails). */
+TEST(ledger_other_users_segment, TEST_SIM_ONLY) {
+  char name[64], shm[128];
+  ledger_name(name, sizeof name, "user");
+  snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  vp_options_t o;
+  test_options(ctx, &o);
+  snprintf(o.ledger, sizeof o.ledger, "%s", name);
+  int up[2], down[2];
+  ASSERT_EQ_INT(pipe(up), 0);
+  ASSERT_EQ_INT(pipe(down), 0);
+  bool root = geteuid() == 0;
+  pid_t child = -1;
+  const char *why = "is not open to us";
+  if (root) {
+    why = "belongs to uid 65534, not to us (uid 0)";
+    fflush(stdout);
+    fflush(stderr);
+    child = fork();
+    ASSERT_GE_INT(child, 0);
+    if (child == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+      vp_device_t d = test_open(ctx, &o);
+      put_u64(up[1], 1);
+      char c;
+      if (read(down[0], &c, 1) != 1) _exit(4);
+      ASSERT_OK(vp_device_close(d));
+      _exit(0);
+    }
+    ASSERT_EQ_U64(get_u64(up[0]), 1);
+  } else {
+    bad_segment(shm, sizeof(ledger_seg_t), LEDGER_MAGIC, LEDGER_VERSION,
+                false);
+    char path[160];
+    snprintf(path, sizeof path, "/dev/shm%s", shm);
+    ASSERT_EQ_INT(chmod(path, 0), 0);
+  }
+  vp_device_t dev = test_open(ctx, &o);
+  char *s = snapshot(dev);
+  test_note("%s", s);
+  ASSERT_STR_CONTAINS(s, "\"joined\":false");
+  ASSERT_STR_CONTAINS(s, why);
+  free(s);
+  vp_vbar_t v = test_vbar(dev, 4 * o.page_size); /* alone, it works */
+  test_load_pages(v, 0, 4);
+  ASSERT_OK(vp_device_close(dev));
+  if (root) {
+    char buf[1 << 16]; /* `vpager top` (read only) still sees it */
+    char ledger[96];
+    snprintf(ledger, sizeof ledger, "%s", name);
+    ASSERT_OK(vp_ledger_read(ledger, buf, sizeof buf, NULL));
+    ASSERT_STR_CONTAINS(buf, "\"joined\":false");
+    ASSERT_EQ_INT(write(down[1], "q", 1), 1);
+    int st = test_wait(child);
+    ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  } else {
+    ASSERT_EQ_INT(shm_unlink(shm), 0);
+  }
+  int fd = shm_open(shm, O_RDONLY, 0); /* the owner's last one removed it */
+  ASSERT_LT_INT(fd, 0);
+  for (int i = 0; i < 2; i++) {
+    close(up[i]);
+    close(down[i]);
+  }
+}
+
 /* --------------------------------------------------------- membership */
 
 static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
@@ -562,13 +632,13 @@ static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
   exit(0);
 }
 
-/* Many processes join and leave at once, two of them (looping until then)
- * killed on the way:
+/* As many processes as the ledger has slots join and leave in a loop, two
+ * of them (looping until then) killed on the way:
  * every join succeeds, and once all are gone the ledger goes too. */
 TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "churn");
-  enum { N = 20 };
+  enum { N = LEDGER_PARTS }; /* every slot, in and out */
   uint64_t loops = test_scale(12);
   pid_t pids[N];
   fflush(stdout);
@@ -622,10 +692,17 @@ TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   ASSERT_LT_U64(test_now_ms() - t0, 1000);
   ASSERT_EQ_U64(freed, 6 * ps); /* the peer's 4 and our 2; not the pinned */
   ASSERT_EQ_U64(peer_do(&p, 'C'), 0);
+  char *s = snapshot(dev); /* the peer was asked once: no loop */
+  ASSERT_STR_CONTAINS(s, "\"served\":1,");
+  free(s);
   ASSERT_EQ_U64(test_resident_count(v), 0);
   ASSERT_EQ_U64(test_resident_count(pinned), 1);
   ASSERT_OK(vp_ledger_free_memory(dev, 100 * ps, &freed));
   ASSERT_EQ_U64(freed, 0);
+  s = snapshot(dev); /* nothing reclaimable: nobody asked at all */
+  ASSERT_STR_CONTAINS(s, "\"served\":1,");
+  ASSERT_EQ_INT(count_of(s, "\"served\":0,"), 1); /* we served nothing */
+  free(s);
   /* Exactly what is asked, least recently used first: ours went last. As
    * under pressure, eviction lowered our watermark: prioritize lifts it. */
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
