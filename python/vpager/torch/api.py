@@ -16,13 +16,15 @@ from .units import collect, largest, unit_rule
 
 class Settings:
     """What offload() was asked, checked: budget and lookahead (bytes or
-    None), order (the VBAR's eviction order, or None for the device's),
+    None), order (the VBAR's eviction order, or None for the device's;
+    order_asked: whether the caller chose it),
     options (vp_options_t fields for a device offload() opens), align,
     weights_from (a safetensors path or None), reorder, units (offload()'s
     units= argument)."""
 
     __slots__ = ("budget", "lookahead", "order", "options", "align",
-                 "weights_from", "reorder", "units")
+                 "weights_from", "reorder", "units", "order_asked",
+                 "scheduled")
 
     def __init__(self, budget=None, lookahead=None, order=None, options=None,
                  align=ALIGN, weights_from=None, reorder=True, units=None):
@@ -33,11 +35,15 @@ class Settings:
             raise ValueError("vpager.torch.offload: weights_from=%r is not a "
                              "file" % (weights_from,))
         options = dict(options or {})
-        if order is None and "VPAGER_ORDER" not in os.environ and \
-                "evict_order" not in options:
+        # An order asked for is kept; otherwise the first forward runs
+        # interleaved and the schedule (tuner.py) then ranks the pages.
+        self.order_asked = (order is not None or "VPAGER_ORDER" in os.environ
+                            or "evict_order" in options)
+        if not self.order_asked:
             order = "interleaved"
         self.budget, self.lookahead = size(budget), size(lookahead)
         self.order = order
+        self.scheduled = False      # set by Offloaded (tuner.enabled())
         self.options = options
         self.align = align
         self.weights_from = weights_from

@@ -126,7 +126,8 @@ class DevState:
     """What vpager.torch keeps per vpager.Device."""
 
     __slots__ = ("_top", "users", "owned", "sync", "user_headroom",
-                 "learned", "oom_margin", "learned_at", "__weakref__")
+                 "learned", "oom_margin", "learned_at", "window",
+                 "__weakref__")
 
     def __init__(self, dev, owned):
         self._top = None           # the Offloaded whose VBAR is on top
@@ -146,6 +147,7 @@ class DevState:
         self.learned = 0           # torch's peak - what it holds + margin
         self.oom_margin = 0        # raised by each OOM retry
         self.learned_at = float("-inf")  # when a forward last learned
+        self.window = None         # the lookahead a unit's window last set
 
     @property
     def top(self):
@@ -308,8 +310,19 @@ def check_ring(dev, room, budget, largest, fn="offload", fixed=True):
 
 # ------------------------------------------------------- opening
 
-def _options(target, budget, lookahead, options):
+# Pages of a device offload() opens for a scheduled model (tuner.py): each
+# run of resident weights ends in a partly used page, so small pages waste
+# little of the budget (the schedule interleaves resident and streamed runs
+# finely); the VMM calls they cost come at fills only, none in steady state.
+SCHEDULED_PAGE = 2 << 20
+
+
+def _options(target, budget, lookahead, options, scheduled=False):
     opts = dict(options)
+    if scheduled and "page_size" not in opts and \
+            "VPAGER_PAGE_SIZE" not in os.environ:
+        gran = parse_size(opts.get("sim_granularity", 0) or 0)
+        opts["page_size"] = max(SCHEDULED_PAGE, gran)
     if target.type == "cuda":
         opts.setdefault("backend", "cuda")
         opts.setdefault("device_index", cuda_index(target))
@@ -345,14 +358,14 @@ def _open_with(opts, budget, ring, auto_lookahead):
 
 
 def open_for(target, budget, lookahead, options, largest=None,
-             fn="offload"):
+             fn="offload", scheduled=False):
     """A new vpager.Device for `target`, the budget applied. Unless the
     options set staging_size, the ring is sized by ring_size() from the
     budget and what the device can give (vp_device_info's budget: free
     memory less the headroom, capped by the budget); the device is opened
     again when that differs from the first guess. ValueError, nothing left
     open, when that room cannot hold the ring the largest unit needs."""
-    opts = _options(target, budget, lookahead, options)
+    opts = _options(target, budget, lookahead, options, scheduled)
     need = largest[1] if largest is not None else 0
     auto_lookahead = ("lookahead" not in opts and
                       "VPAGER_LOOKAHEAD" not in os.environ)

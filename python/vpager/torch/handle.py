@@ -8,6 +8,7 @@ hooks) and takes them out again at unload()."""
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -17,6 +18,7 @@ from . import ledger as _ledger
 from .hotpath import HotPath
 from .layout import Layout
 from .replace import Recorder
+from . import tuner as _tuner
 from .sources import host_copy
 from .units import CLOSED, OPEN, UNLOADED, Unit, refuse_copy, unmanaged
 from .views import placeholder
@@ -27,7 +29,7 @@ def _open_device(plan, dev):
     s = plan.settings
     if dev is None:
         return open_for(plan.target, s.budget, s.lookahead, s.options,
-                        plan.largest), True
+                        plan.largest, scheduled=s.scheduled), True
     attach(dev, s.budget, s.lookahead, plan.largest)
     return dev, False
 
@@ -47,6 +49,8 @@ class Offloaded:
         self._hooks = []
         self._moved = []
         self._held = 0              # acquired() blocks open
+        s = plan.settings
+        s.scheduled = _tuner.enabled(s, dev is not None)
         dev, owned = _open_device(plan, dev)
         try:
             lay = Layout.build(dev, plan)
@@ -63,6 +67,16 @@ class Offloaded:
         self._ds.users.add(self)
         self._recorder = Recorder(lay, self._may_replace, self._swap)
         self._hot = HotPath(self, lay, self._ds, self.target, self._recorder)
+        self._tuner = None
+        if s.scheduled:
+            env = os.environ
+            self._tuner = _tuner.Tuner(
+                self, lay, self._ds, self.target,
+                windows=(s.lookahead is None and "lookahead" not in s.options
+                         and "VPAGER_LOOKAHEAD" not in env),
+                resize=(owned and "staging_size" not in s.options
+                        and "VPAGER_STAGING" not in env))
+            self._hot.tuner = self._tuner
         self._install(plan.settings.reorder)
         _ledger.track(self, budget=plan.settings.budget)
 
@@ -87,6 +101,8 @@ class Offloaded:
                 self._hot.learn_hook))
         if reorder and len(self._layout.units) > 1:
             self._recorder.install(self.module)
+        if self._tuner is not None:     # after the Recorder's hooks
+            self._tuner.install(self.module)
 
     def _placeholders(self):
         with torch.no_grad(), torch.inference_mode(False):
@@ -124,6 +140,8 @@ class Offloaded:
             h.remove()
         self._hooks = []
         self._recorder.remove()
+        if self._tuner is not None:
+            self._tuner.remove()
         for e in self._layout.entries:
             e.forget_views()
             try:
@@ -242,7 +260,27 @@ class Offloaded:
         s["host_bytes"] = lay.hb.size if lay.hb is not None else 0
         s["file_weights"] = sum(e.host is None for e in lay.entries)
         s["activation_headroom"] = self._ds.learned
+        s["schedule"] = self.schedule()
         return s
+
+    def schedule(self):
+        """What the schedule chose after the first forward (tuner.py), or
+        None (not scheduled, or before that forward): predicted_ms and
+        all_resident_ms (the forward, predicted; its measured compute),
+        streamed_bytes (copied per forward), resident_bytes,
+        resident_weights, staging (the ring), link (bytes/s),
+        windows (lookahead bytes per unit, placement order, or None)."""
+        t = self._tuner
+        if t is None or t.schedule is None:
+            return None
+        sch = t.schedule
+        return {"predicted_ms": sch.predicted * 1e3,
+                "all_resident_ms": sch.all_resident * 1e3,
+                "streamed_bytes": sch.streamed,
+                "resident_bytes": sch.resident_bytes,
+                "resident_weights": sum(sch.resident),
+                "staging": t.ring, "link": t.link,
+                "windows": list(sch.window) if t.windows else None}
 
     def residency(self):
         """One byte per VBAR page: vpager.PAGE_RESIDENT | PAGE_PINNED."""

@@ -28,6 +28,13 @@ _RESIDENT = _lib.VP_ACQUIRED_RESIDENT
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
 
 
+class _NoTuner:
+    on = False          # tuner.Tuner.on: a forward is being measured
+
+
+_NO_TUNER = _NoTuner()
+
+
 def is_oom(e):
     if _OOM is not None:
         return isinstance(e, _OOM)
@@ -57,6 +64,7 @@ class HotPath:
         self.ds = ds
         self.target = target
         self.recorder = recorder
+        self.tuner = _NO_TUNER      # handle.py sets the Tuner, if any
         self._check_open = handle._check_open
         if target.type == "cuda":
             self.stream = functools.partial(_cuda_stream, target)
@@ -123,7 +131,17 @@ class HotPath:
             ds.top = self.handle
         stream = self.stream()
         batch = unit.batch
-        ptrs = batch.acquire(stream)
+        win = unit.window
+        if win is not None and win != ds.window:    # the schedule's window
+            self.device.set_lookahead(win)
+            ds.window = win
+        tuner = self.tuner
+        if tuner.on:
+            tuner.before(unit)
+            ptrs = batch.acquire(stream)
+            tuner.after()
+        else:
+            ptrs = batch.acquire(stream)
         prev = [(e.cur, e.curv) for e in entries]
         try:
             if ds.sync:

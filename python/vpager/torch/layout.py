@@ -55,7 +55,10 @@ class Layout:
             e.offset = off
         # Room for any order of the weights (re-placement keeps the VBAR).
         size = vbar_bytes(entries, self.align)
-        self.vbar = dev.create_vbar(size + group_room(self.groups, size))
+        room = group_room(self.groups, size)
+        if s.scheduled:     # resident runs start on pages (place_runs)
+            room = max(room, len(entries) * dev.page_size)
+        self.vbar = dev.create_vbar(size + room)
         if s.order is not None:
             self.vbar.set_order(s.order)
         self.hb, slots = sources(dev, entries, self.align, self.st, match)

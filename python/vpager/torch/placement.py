@@ -93,3 +93,64 @@ def group_room(grouping, vbar_size):
         return 0
     page, size = grouping
     return ((vbar_size // size + 1) * 4 // 3 + 1) * page
+
+
+def place_runs(entries, align, page, resident):
+    """Offsets for a scheduled layout (schedule.py): entries in this order,
+    each at an `align` boundary, and every run of consecutive resident
+    entries (resident[i] True) starting on a page boundary, so resident
+    runs share no page with the streamed weight before them; returns
+    (offsets, end)."""
+    offsets = []
+    off = 0
+    prev = False
+    for e, r in zip(entries, resident):
+        off = round_up(off, page if r and not prev else align)
+        offsets.append(off)
+        off += e.size
+        prev = r
+    return offsets, off
+
+
+def _bitrev_order(n):
+    bits = 0
+    while (1 << bits) < n:
+        bits += 1
+    out = []
+    for i in range(1 << bits):
+        g = int(format(i, "0%db" % bits)[::-1], 2) if bits else 0
+        if g < n:
+            out.append(g)
+    return out
+
+
+def scheduled_ranks(entries, offsets, resident, page, npages):
+    """vp_vbar_set_ranks' pages for a scheduled layout: the pages of the
+    resident runs first (whole runs, the runs in bit-reversed order so
+    that a budget that shrinks takes resident weights evenly from the
+    whole model), then the streamed weights' pages in order, then the
+    pages no weight touches. A page shared by a resident run and a
+    streamed weight goes with the run."""
+    runs, cur = [], None
+    for e, off, r in zip(entries, offsets, resident):
+        if r:
+            if cur is None:
+                cur = [off // page, (off + e.size - 1) // page]
+                runs.append(cur)
+            cur[1] = (off + e.size - 1) // page
+        else:
+            cur = None
+    order, seen = [], bytearray(npages)
+
+    def take(p0, p1):
+        for p in range(p0, p1 + 1):
+            if not seen[p]:
+                seen[p] = 1
+                order.append(p)
+    for i in _bitrev_order(len(runs)):
+        take(*runs[i])
+    for e, off, r in zip(entries, offsets, resident):
+        if not r:
+            take(off // page, (off + e.size - 1) // page)
+    order += [p for p in range(npages) if not seen[p]]
+    return order

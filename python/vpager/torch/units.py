@@ -65,7 +65,8 @@ class Unit:
     """A module whose forward acquires a group of weights."""
 
     __slots__ = ("prefix", "name", "module", "entries", "slots", "buffers",
-                 "batch", "depth", "saved_forward", "had_forward", "pack")
+                 "batch", "depth", "saved_forward", "had_forward", "pack",
+                 "window")
 
     def __init__(self, prefix, module):
         self.prefix = prefix    # qualified name in the offloaded module
@@ -79,6 +80,7 @@ class Unit:
         self.saved_forward = None
         self.had_forward = False
         self.pack = None
+        self.window = None      # prefetch lookahead at its acquire (tuner)
 
 
 def managed_buffer(owner, name, buf):

@@ -1,0 +1,315 @@
+"""The copy schedule of an offloaded module, in time rather than bytes.
+
+Pure arithmetic on measured costs, no torch and no vpager calls: the
+first forward measures what each unit costs (`work`: seconds of device
+time from the start of the unit to the start of the next one, its own
+compute and whatever the module computes between the two) and the link
+(bytes per second, plus a fixed cost per copy); plan() then returns
+
+* the resident set: the weights to keep in VRAM, chosen so the streamed
+  bytes sit where compute hides them. A copy can only overlap the compute
+  that runs before its unit, and the copy engine moves `link` bytes per
+  second, so the streamed bytes up to each unit should grow with the
+  compute done before it: weights that follow long compute are streamed,
+  weights that follow little (a modulation linear fed a 1 x 3072 vector,
+  after another one) stay resident.
+* the window: for each unit, how many bytes of the streamed weights after
+  it prefetch should have started by the time it is acquired. It is
+  found in predicted time: a weight joins the window of the last unit
+  acquired before its copy must start for no unit to wait.
+* the predicted forward time (simulate()), to compare choices.
+
+Weights are given per unit in placement (execution) order; a weight used
+by several units is listed under the first. Units run one after another
+on one compute stream, copies on one copy stream in weight order, into a
+ring of `ring` bytes whose slots are free again once their unit is done.
+The model is cyclic: the copies for a forward's first weights overlap
+the previous forward's last units."""
+
+SLOT_ALIGN = 256            # the staging ring's slot alignment (stream.c)
+
+
+def _round(x, a):
+    return (x + a - 1) // a * a
+
+
+class Schedule:
+    """plan()'s answer: resident (one bool per weight, in order), window
+    (lookahead bytes per unit), predicted (seconds per forward), streamed
+    (bytes copied per forward) and resident_bytes (VRAM the resident set
+    takes, whole pages)."""
+
+    __slots__ = ("resident", "window", "predicted", "streamed",
+                 "resident_bytes", "all_resident")
+
+    def __init__(self, resident, window, predicted, streamed, resident_bytes,
+                 all_resident):
+        self.resident = resident
+        self.window = window
+        self.predicted = predicted
+        self.streamed = streamed
+        self.resident_bytes = resident_bytes
+        self.all_resident = all_resident
+
+    def __repr__(self):
+        return ("<Schedule %d of %d weights resident (%d bytes), %d bytes "
+                "streamed, %.3f ms predicted (%.3f all-resident)>"
+                % (sum(self.resident), len(self.resident),
+                   self.resident_bytes, self.streamed,
+                   self.predicted * 1e3, self.all_resident * 1e3))
+
+
+def flat(sizes):
+    """[(unit index, size)] of per-unit size lists, in order."""
+    return [(u, s) for u, ss in enumerate(sizes) for s in ss]
+
+
+def resident_pages(sizes, resident, page, align=512):
+    """VRAM bytes the resident weights take when each run of consecutive
+    resident weights starts on a page boundary (placement.place_runs):
+    whole pages per run."""
+    total = run = 0
+    for s, r in zip((s for ss in sizes for s in ss), resident):
+        if r:
+            run = _round(run, align) + s
+        elif run:
+            total += _round(run, page)
+            run = 0
+    return total + _round(run, page)
+
+
+def copy_seconds(size, link, per_copy):
+    return size / link + per_copy
+
+
+def simulate(work, sizes, resident, link, ring, per_copy=0.0, cycles=3,
+             detail=False):
+    """Predicted seconds per forward (steady state: `cycles` forwards run
+    back to back, the period of the last) with these weights resident.
+    Copies run in weight order as soon as the copy engine is free and the
+    ring has room (a FIFO of slots: the oldest held slots are freed when
+    their unit is done); a unit starts when the unit before it is done and
+    its copies are. With detail: (period, unit start times, copy start
+    times of the streamed weights, the streamed weights' (unit, size)),
+    of the last cycle, relative to its start (copies that started in the
+    cycle before are negative)."""
+    n = len(work)
+    streamed = [(u, s) for (u, s), r in zip(flat(sizes), resident) if not r]
+    m = len(streamed)
+    if not m:
+        t = float(sum(work))
+        return (t, _starts(work), [], []) if detail else t
+    slots = [_round(s, SLOT_ALIGN) for _, s in streamed]
+    cost = [copy_seconds(s, link, per_copy) for _, s in streamed]
+    unit_of = [u for u, _ in streamed]
+    last_of = {}                # unit -> its last streamed weight
+    for k, u in enumerate(unit_of):
+        last_of[u] = k
+    done = {}                   # (cycle, unit) -> when it is done
+    cstart, cend = [], []       # per global copy index
+    st = {"engine": 0.0, "oldest": 0, "held": 0}
+
+    def copy_upto(g_end, now):
+        while len(cend) < g_end:
+            g = len(cend)
+            k = g % m
+            t_ring = 0.0
+            while st["held"] + slots[k] > ring and st["oldest"] < g:
+                o = st["oldest"]
+                t_ring = max(t_ring, done.get((o // m, unit_of[o % m]), now))
+                st["held"] -= slots[o % m]
+                st["oldest"] = o + 1
+            t0 = max(st["engine"], t_ring)
+            st["engine"] = t0 + cost[k]
+            cstart.append(t0)
+            cend.append(st["engine"])
+            st["held"] += slots[k]
+
+    starts = []
+    prev = 0.0
+    for c in range(cycles):
+        row = []
+        for u in range(n):
+            ready = prev
+            k = last_of.get(u)
+            if k is not None:
+                copy_upto(c * m + k + 1, prev)
+                first = k
+                while first > 0 and unit_of[first - 1] == u:
+                    first -= 1
+                for j in range(first, k + 1):
+                    ready = max(ready, cend[c * m + j])
+            row.append(ready)
+            prev = done[(c, u)] = ready + work[u]
+        starts.append(row)
+    period = starts[-1][0] - starts[-2][0] if cycles > 1 else prev
+    if not detail:
+        return period
+    base = starts[-1][0]
+    copy_upto(cycles * m, prev)
+    c0 = (cycles - 1) * m
+    return (period, [t - base for t in starts[-1]],
+            [t - base for t in cstart[c0:c0 + m]], streamed)
+
+
+def _starts(work):
+    out, t = [], 0.0
+    for w in work:
+        out.append(t)
+        t += w
+    return out
+
+
+def _positions(work, sizes, mix):
+    """Per weight: where it lies in the forward, in seconds of compute:
+    mix * (compute before its unit) + (1 - mix) * (its share of the bytes
+    up to and including it, times the forward's compute)."""
+    starts = _starts(work)
+    T = float(sum(work))
+    W = float(sum(s for ss in sizes for s in ss)) or 1.0
+    out, acc = [], 0
+    for u, ss in enumerate(sizes):
+        for s in ss:
+            acc += s
+            out.append(mix * starts[u] + (1 - mix) * T * acc / W)
+    return out
+
+
+def _pick(sizes, pos, ring, scale, head):
+    """Stream weights in order while the bytes streamed so far stay within
+    scale * position + head bytes (and each unit's streamed weights fit in
+    the ring); returns the resident flags."""
+    out = []
+    streamed = i = 0
+    for ss in sizes:
+        unit_staged = 0
+        for s in ss:
+            slot = _round(s, SLOT_ALIGN)
+            take = (streamed + s / 2 <= scale * pos[i] + head
+                    and unit_staged + slot <= ring)
+            if take:
+                streamed += s
+                unit_staged += slot
+            out.append(not take)
+            i += 1
+    return out
+
+
+def _streamed(sizes, resident):
+    return sum(s for (_, s), r in zip(flat(sizes), resident) if not r)
+
+
+MIXES = (1.0, 0.75, 0.5, 0.0)   # compute-weighted ... byte-weighted
+
+
+def _fit(sizes, pos, room, page, ring, head, align):
+    """The fewest streamed bytes at this head start whose resident pages
+    fit in room: bisection on the streaming rate; None if none fits."""
+    T = max(pos) if pos else 0.0
+    if T <= 0:
+        return None
+    total = sum(s for ss in sizes for s in ss)
+    lo, hi = 0.0, None
+    scale = max(total - room, 1) / T
+    for _ in range(40):
+        res = _pick(sizes, pos, ring, scale, head)
+        if resident_pages(sizes, res, page, align) <= room:
+            hi = scale
+            break
+        lo = scale
+        scale *= 2
+    if hi is None:
+        return None
+    for _ in range(30):
+        if hi - lo <= hi * 2e-3:
+            break
+        mid = (lo + hi) / 2
+        res = _pick(sizes, pos, ring, mid, head)
+        if resident_pages(sizes, res, page, align) <= room:
+            hi = mid
+        else:
+            lo = mid
+    return _pick(sizes, pos, ring, hi, head)
+
+
+def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
+    """The resident flags (one per weight, in order) whose resident pages
+    fit in `room` bytes, chosen to hide the streamed bytes under compute.
+    Candidates: streaming that follows the compute before each weight
+    (mix 1), the bytes before it (mix 0, as the interleaved order does),
+    or a blend, each with a head start of 0 to half the ring (copies for
+    the first weights run under the previous forward's last units) and
+    the fewest streamed bytes that fit; the one simulate() predicts
+    fastest (then: fewest bytes streamed) wins."""
+    n = len(flat(sizes))
+    if resident_pages(sizes, [True] * n, page, align) <= room:
+        return [True] * n
+    best = None
+    for mix in MIXES:
+        pos = _positions(work, sizes, mix)
+        for head in (0, ring // 4, ring // 2):
+            res = _fit(sizes, pos, room, page, ring, head, align)
+            if res is None:
+                continue
+            t = simulate(work, sizes, res, link, ring, per_copy)
+            key = (round(t, 7), _streamed(sizes, res), -mix, head)
+            if best is None or key < best[0]:
+                best = (key, res)
+    if best is None:        # nothing fits: stream all the ring allows
+        return _pick(sizes, [1.0] * n, ring, float("inf"), 0)
+    return best[1]
+
+
+def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
+    """Lookahead bytes per unit: at unit i's acquire, prefetch should have
+    started every streamed weight whose predicted copy start comes before
+    unit i + 2 starts (the acquire of unit i + 1 may come late), plus
+    `margin` seconds; at least the next streamed weight. The bytes count
+    the streamed weights after unit i, in order and wrapping, as
+    vp_acquire's prefetch counts them."""
+    n = len(work)
+    period, starts, cstarts, streamed = simulate(
+        work, sizes, resident, link, ring, per_copy, detail=True)
+    m = len(streamed)
+    if not m:
+        return [0] * n
+    # streamed weights in cyclic order with absolute times: this cycle's
+    # and the next one's (shifted by a period)
+    first_after = []            # per unit: index of its first streamed
+    # weight after the unit (weights of later units)
+    k = 0
+    for u in range(n):
+        while k < m and streamed[k][0] <= u:
+            k += 1
+        first_after.append(k)
+    out = []
+    for i in range(n):
+        j = i + 2
+        deadline = (starts[j] if j < n else period + starts[j - n]) + margin
+        k0 = first_after[i]
+        total = 0
+        for step in range(m):
+            g = k0 + step
+            c, k = divmod(g, m)
+            t = cstarts[k] + c * period
+            if step and t > deadline:
+                break
+            total += streamed[k][1]
+        out.append(total)
+    return out
+
+
+def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
+         margin=0.0):
+    """The Schedule for measured costs: work (seconds per unit, in
+    execution order), sizes (bytes of each unit's weights, placement
+    order, a shared weight under its first unit), room (VRAM bytes for
+    resident weights), page (page size), link (bytes per second),
+    per_copy (seconds each copy costs beyond its bytes), ring (staging
+    ring bytes)."""
+    res = choose(work, sizes, room, page, link, ring, per_copy, align)
+    win = windows(work, sizes, res, link, ring, per_copy, margin)
+    t = simulate(work, sizes, res, link, ring, per_copy)
+    return Schedule(res, win, t, _streamed(sizes, res),
+                    resident_pages(sizes, res, page, align),
+                    float(sum(work)))

@@ -1,0 +1,238 @@
+"""The measured forward and the schedule applied (schedule.py decides).
+
+The module's first complete forward (not inside acquired(), not one that
+raised) is measured: a mark before and after each unit's acquire (CUDA:
+timing events on the compute stream, so the acquire's wait for copies
+falls between the two and is left out; the simulated device: the host
+clock, its compute being the CPU's), one at the start and one at the end
+of the forward. A unit's work is the time from the end of its acquire to
+the start of the next unit's: its own compute and what the module
+computes before the next unit. The link is timed once per process and
+GPU (a pinned host-to-device copy); the simulated device uses a fixed
+figure, so its decisions depend only on the measured compute.
+
+Right after that forward (after the re-placement in execution order,
+replace.py), schedule.plan() picks the resident set, the staging ring
+(among the sizes the largest unit allows, when offload() sized the ring)
+and each unit's prefetch window; the weights are placed again with each
+resident run on a page boundary (placement.place_runs), the VBAR gets the
+matching eviction order (vp_vbar_set_ranks: resident runs first), and
+each unit's acquire sets the device's lookahead to its window. All of it
+once: the order stays the same for every later forward."""
+
+import os
+import time
+
+import torch
+
+from . import schedule
+from .devices import ring_pages
+from .placement import place_runs, scheduled_ranks, staging_need
+
+PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
+SIM_LINK = 10e9             # bytes/s assumed on the simulated device
+_LINKS = {}                 # CUDA device index -> measured bytes/s
+
+
+def measure_link(index):
+    """Pinned host-to-device bytes per second on CUDA device `index`: the
+    best of three 32 MiB copies on a side stream; once per process."""
+    link = _LINKS.get(index)
+    if link is not None:
+        return link
+    n = 32 << 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", index))
+    s = torch.cuda.Stream(device=index)
+    best = float("inf")
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record(s)
+            dev.copy_(host, non_blocking=True)
+            b.record(s)
+            b.synchronize()
+            best = min(best, a.elapsed_time(b) / 1e3)
+    del dev, host
+    link = _LINKS[index] = n / max(best, 1e-9)
+    return link
+
+
+def enabled(settings, dev_given):
+    """Whether offload() schedules: not on a shared device (dev=), not
+    when an eviction order was asked for (order=, VPAGER_ORDER or the
+    evict_order option), not with VPAGER_SCHEDULE=0."""
+    if dev_given or os.environ.get("VPAGER_SCHEDULE", "1") == "0":
+        return False
+    return settings.order_asked is False
+
+
+class Tuner:
+    """Measures one forward and applies the schedule (see the module's
+    doc). handle: the Offloaded (its state, _busy(), _swap()); windows:
+    set each unit's lookahead (off when lookahead= or VPAGER_LOOKAHEAD
+    was given); resize: may change the ring (off when staging_size= or
+    VPAGER_STAGING was given). on is True while a forward is measured:
+    the hot path then calls before() and after() around each acquire."""
+
+    def __init__(self, handle, layout, ds, target, windows, resize):
+        self.handle = handle
+        self.layout = layout
+        self.ds = ds
+        self.target = target
+        self.windows = windows
+        self.resize = resize
+        self.cuda = target.type == "cuda"
+        self.on = False
+        self.done = False
+        self.calls = []
+        self.start = None
+        self.hooks = []
+        self.schedule = None        # the Schedule applied, once done
+        self.ring = None            # the ring it chose
+        self.link = None
+
+    def install(self, module):
+        self.hooks = [module.register_forward_pre_hook(self._begin),
+                      module.register_forward_hook(self._end)]
+
+    def remove(self):
+        for hk in self.hooks:
+            hk.remove()
+        self.hooks = []
+        self.on = False
+        self.calls = []
+
+    # ------------------------------------------------------------ marks
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.target))
+            return ev
+        return time.perf_counter()
+
+    def _seconds(self, a, b):
+        if self.cuda:
+            return max(a.elapsed_time(b), 0.0) / 1e3
+        return max(b - a, 0.0)
+
+    def before(self, unit):
+        self.calls.append([unit, self._mark(), None])
+
+    def after(self):
+        self.calls[-1][2] = self._mark()
+
+    # ------------------------------------------------------------ hooks
+    def _begin(self, module, args):
+        if self.done or self.handle._busy():
+            return
+        self.calls = []
+        self.start = self._mark()
+        self.on = True
+
+    def _end(self, module, args, out):
+        if not self.on:
+            return
+        self.on = False
+        calls, self.calls = self.calls, []
+        if not calls or any(c[2] is None for c in calls) or \
+                not self.handle._may_replace():
+            return                  # the next forward measures
+        end = self._mark()
+        if self.cuda:
+            end.synchronize()
+        work = {}
+        cur = None
+        for i, (u, _, e) in enumerate(calls):
+            nxt = calls[i + 1][1] if i + 1 < len(calls) else end
+            if u not in work:
+                work[u] = 0.0
+                cur = u
+            work[cur] += self._seconds(e, nxt)
+        # What runs before the first unit follows the last one (cyclic).
+        work[cur] += self._seconds(self.start, calls[0][1])
+        self.done = True
+        self.remove()
+        self.apply(work)
+
+    # ------------------------------------------------------------ apply
+    def _costs(self, work):
+        """(units, per-unit work, per-unit sizes, entries in that order):
+        each entry under the first unit that holds it."""
+        units = list(self.layout.units)
+        seen = set()
+        sizes, flat = [], []
+        for u in units:
+            ss = []
+            for e in u.entries:
+                if id(e) not in seen:
+                    seen.add(id(e))
+                    ss.append(e.size)
+                    flat.append(e)
+            sizes.append(ss)
+        rest = [e for e in self.layout.entries if id(e) not in seen]
+        if rest:        # entries no unit holds: resident, last
+            units.append(None)
+            sizes.append([e.size for e in rest])
+            flat += rest
+        return units, [work.get(u, 0.0) for u in units], sizes, flat
+
+    def _rings(self, dev, need):
+        """Ring sizes to try: the current one and, when offload() sized
+        it, smaller ones the largest unit still fits in (under pressure
+        any unit may miss whole)."""
+        cur = dev.options["staging_size"]
+        if not self.resize:
+            return [cur]
+        out = {cur}
+        for k in (1, 2, 3):
+            r = k * need
+            if need <= r < cur:
+                out.add(r)
+        return sorted(out, reverse=True)
+
+    def plan(self, work, sizes, need):
+        """(Schedule, ring bytes) with the best predicted time."""
+        dev = self.layout.device
+        page = dev.page_size
+        total = dev.info()["budget"]
+        best = None
+        link = self.link
+        for ring in self._rings(dev, need):
+            room = total - ring_pages(ring, page) - 2 * page
+            sch = schedule.plan(work, sizes, room, page, link, ring,
+                                PER_COPY, self.layout.align)
+            key = (round(sch.predicted, 6), -ring)
+            if best is None or key < best[0]:
+                best = (key, sch, ring)
+        return best[1], best[2]
+
+    def apply(self, work):
+        lay, h = self.layout, self.handle
+        dev = lay.device
+        if self.link is None:
+            self.link = (measure_link(self.handle._hot.index) if self.cuda
+                         else SIM_LINK)
+        units, w, sizes, flat = self._costs(work)
+        need = max(staging_need(u.entries) for u in lay.units)
+        sch, ring = self.plan(w, sizes, need)
+        offsets, end = place_runs(flat, lay.align, dev.page_size,
+                                  sch.resident)
+        if end > lay.vbar.size:
+            return                  # no room to place it: keep the layout
+        if ring != dev.options["staging_size"]:
+            dev.set_staging_size(ring)
+        self.ring = ring
+        h._swap(flat, offsets, [e.src for e in flat])
+        lay.groups = None
+        lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
+                                           dev.page_size,
+                                           lay.vbar.size // dev.page_size))
+        h.order = "scheduled"
+        self.schedule = sch
+        if self.windows:
+            for u, win in zip(units, sch.window):
+                if u is not None:
+                    u.window = win
+            self.ds.window = None
