@@ -82,8 +82,11 @@ def install(comfy=None):
     cls = _patcher.make_class(comfy, base)
     mp.CoreModelPatcher = cls
     INSTALLED[0] = cls
+    r = getattr(comfy.args, "reserve_vram", None)
     log.info("vpager: ComfyUI's dynamic VRAM models page through vpager "
-             "(headroom %d MB%s)",
+             "(%s, headroom %d MB%s)",
+             "weights and activations within the device's total less "
+             "--reserve-vram %.2f GB" % r if r is not None else "no budget",
              _patcher.headroom_bytes(comfy.args) >> 20,
              ", file sources (--fast-disk)"
              if getattr(comfy.args, "fast_disk", False) else "")

@@ -125,12 +125,16 @@ class Unit:
 
 class DevState:
     """Per vpager.Device: the pager on top of its priority list, and the
-    headroom learned for torch's activations (CUDA)."""
+    memory kept for torch's activations (CUDA): user_headroom (what stays
+    free, from the flags), budget (bytes this process may use on the GPU,
+    weights and activations together, or None: no cap but the headroom)."""
 
-    def __init__(self, dev, user_headroom):
+    def __init__(self, dev, user_headroom, budget=None):
         self.top = None
         self.user_headroom = user_headroom
+        self.budget = budget
         self.learned = 0
+        self.limit = None
         self.learned_at = float("-inf")
         self.oom_margin = 0
         self.sync = dev.backend == "sim" and bool(dev.info()["async_copies"])
@@ -139,10 +143,12 @@ class DevState:
 _DEVSTATES = {}
 
 
-def devstate(dev):
+def devstate(dev, budget=None):
+    """The DevState of dev (made at its first use, with `budget`)."""
     ds = _DEVSTATES.get(id(dev))
     if ds is None or ds[0] is not dev:
-        ds = _DEVSTATES[id(dev)] = (dev, DevState(dev, dev.info()["headroom"]))
+        ds = _DEVSTATES[id(dev)] = (dev, DevState(dev, dev.info()["headroom"],
+                                                  budget))
     return ds[1]
 
 
@@ -150,16 +156,36 @@ LEARN_EVERY = 0.002
 MARGIN_MAX = 256 << 20
 
 
+def torch_reserved(index):
+    """(bytes torch's caching allocator holds on CUDA device `index`, the
+    most it has held): the seam the tests replace."""
+    return (torch.cuda.memory_reserved(index),
+            torch.cuda.max_memory_reserved(index))
+
+
 def learn_headroom(dev, ds, index):
-    """Keep free what torch may still grab in the forward about to run:
-    its peak reserved minus what it holds now, plus a margin (5% of the
-    peak, at most 256 MiB, raised by each OOM retry); never below the
-    headroom the user asked for (--reserve-vram)."""
-    reserved = torch.cuda.memory_reserved(index)
-    peak = torch.cuda.max_memory_reserved(index)
+    """Activations first. What torch may still grab in the forward about to
+    run (its peak reserved minus what it holds now, plus a margin: 5% of the
+    peak, at most 256 MiB, raised by each OOM retry) stays free on top of
+    the flags' headroom; with a budget (ComfyUI's --reserve-vram: the
+    device's total less it), vpager may commit the budget less torch's
+    peak and the margin, so weights and activations share the budget."""
+    reserved, peak = torch_reserved(index)
     margin = max(min(peak // 20, MARGIN_MAX), ds.oom_margin)
     ds.learned = max(peak - reserved, 0) + margin
-    dev.set_headroom(max(ds.user_headroom, ds.learned))
+    dev.set_headroom(ds.user_headroom + ds.learned)
+    if ds.budget is not None:
+        limit = max(ds.budget - peak - margin, 0)
+        if limit != ds.limit:
+            dev.set_limit(limit)
+            # A lower cap binds at the next commit; pages already resident
+            # over it are given back now, so activations find their room.
+            if ds.limit is None or limit < ds.limit:
+                over = dev.stats()["committed_bytes"] - limit
+                if over > 0:
+                    dev.free_memory(over)
+            ds.limit = limit
+    return ds.learned
 
 
 class Pager:
@@ -168,13 +194,15 @@ class Pager:
     execution order (module order for ComfyUI's models); target: the
     torch device the ops compute on (cuda:N, or cpu for the simulated
     device); prefer_file: file sources where the tensor is a file slice
-    (file_slice(t) -> (fd, offset) or None)."""
+    (file_slice(t) -> (fd, offset) or None); budget: the device's budget
+    for weights and activations together (see learn_headroom), set by
+    the first pager on the device."""
 
     def __init__(self, dev, target, units, prefer_file=False,
-                 file_slice=comfy_file_slice, label=None):
+                 file_slice=comfy_file_slice, label=None, budget=None):
         self.dev = dev
         self.target = torch.device(target)
-        self.ds = devstate(dev)
+        self.ds = devstate(dev, budget)
         self.units = []
         self.entries = []
         for name, module, params in units:

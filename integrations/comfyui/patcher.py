@@ -29,7 +29,7 @@ DEFAULT_HEADROOM = 256 << 20
 DEVICE_FACTORY = None
 ALLOW_SIM = False
 
-_DEVICES = {}               # torch device -> vpager.Device
+_DEVICES = {}               # torch device -> (vpager.Device, budget)
 _LOGGED = set()             # (model class, reason) already logged
 
 
@@ -49,32 +49,48 @@ def note(model, why):
 
 
 def headroom_bytes(args):
-    """What vpager keeps free on the GPU: --reserve-vram (GB, as comfy_aimdo
-    takes it; its default otherwise) plus --vram-headroom."""
+    """What vpager keeps free on the GPU beyond torch's needs: comfy_aimdo's
+    default floor (256 MiB) plus --vram-headroom."""
+    return DEFAULT_HEADROOM + int((getattr(args, "vram_headroom", 0) or 0)
+                                  * (1 << 30))
+
+
+def budget_bytes(args, total):
+    """The GPU memory this process may use, weights and activations
+    together: the device's total less --reserve-vram; None without it."""
     r = getattr(args, "reserve_vram", None)
-    head = int(r * (1 << 30)) if r is not None else DEFAULT_HEADROOM
-    return head + int((getattr(args, "vram_headroom", 0) or 0) * (1 << 30))
+    if r is None or total is None:
+        return None
+    return max(int(total - r * (1 << 30)), 0)
+
+
+def _total(target):
+    if target.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(target).total_memory
 
 
 def vp_device(target, args):
-    """The vpager.Device every model on torch device `target` shares."""
+    """(the vpager.Device every model on torch device `target` shares, the
+    budget of weights and activations on it or None)."""
     dev = _DEVICES.get(target)
-    if dev is not None and not dev.closed:
+    if dev is not None and not dev[0].closed:
         return dev
     if DEVICE_FACTORY is not None:
-        dev = DEVICE_FACTORY(target)
+        dev, budget = DEVICE_FACTORY(target), None
     else:
         import vpager.torch
-        dev = vpager.torch.open_device(str(target),
+        budget = budget_bytes(args, _total(target))
+        dev = vpager.torch.open_device(str(target), budget=budget,
                                        headroom=headroom_bytes(args))
-    _DEVICES[target] = dev
-    return dev
+    _DEVICES[target] = (dev, budget)
+    return dev, budget
 
 
 def reclaimable(device):
     """Bytes vpager could give back on `device` now (its unpinned pages)."""
     total = 0
-    for target, dev in list(_DEVICES.items()):
+    for target, (dev, _budget) in list(_DEVICES.items()):
         if dev.closed:
             continue
         if device is None or _same_device(target, device):
@@ -270,11 +286,12 @@ def make_class(comfy, base):
                 target = torch.device(device_to)
                 if target.type == "cuda" and target.index is None:
                     target = torch.device("cuda", torch.cuda.current_device())
-                dev = vp_device(target, args)
+                dev, budget = vp_device(target, args)
                 pager = engine.Pager(
                     dev, target, plan.units,
                     prefer_file=bool(getattr(args, "fast_disk", False)),
-                    label="comfyui:%s" % type(self.model).__name__)
+                    label="comfyui:%s" % type(self.model).__name__,
+                    budget=budget)
                 self.model._vpager_pager = pager
                 root = getattr(self.model, "diffusion_model", None)
                 root = root if isinstance(root, torch.nn.Module) else \

@@ -367,7 +367,7 @@ class Env:
         return self.cls(model, CPU, CPU)
 
     def close(self):
-        for dev in glue._DEVICES.values():
+        for dev, _budget in glue._DEVICES.values():
             if not dev.closed:
                 dev.close()
         glue._DEVICES.clear()
@@ -641,7 +641,7 @@ def test_file_sources():
                         f.write(b)
                         where[t.data_ptr()] = off
                         off += len(b)
-            dev = glue.vp_device(CPU, e.comfy.args)
+            dev, _ = glue.vp_device(CPU, e.comfy.args)
             pager = engine.Pager(
                 dev, CPU, plan.units, prefer_file=True,
                 file_slice=lambda t: (fd, where[t.data_ptr()]))
@@ -814,9 +814,66 @@ def test_install():
 def test_flags():
     a = Args()
     assert glue.headroom_bytes(a) == glue.DEFAULT_HEADROOM
-    a.reserve_vram = 2.5
+    assert glue.budget_bytes(a, 80 << 30) is None
+    a.reserve_vram = 74
     a.vram_headroom = 1
-    assert glue.headroom_bytes(a) == int(3.5 * (1 << 30))
+    assert glue.headroom_bytes(a) == glue.DEFAULT_HEADROOM + (1 << 30)
+    assert glue.budget_bytes(a, 80 << 30) == 6 << 30
+    a.fast_disk = True
+    with env(args=a, capacity=4 << 20) as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        # No file slices here: the host copy serves (file sources only
+        # where the tensor is a slice of ComfyUI's mapped file).
+        assert m._vpager_pager.stats()["file_weights"] == 0
+        assert torch.equal(run(m), run(frozen_unpaged(m)))
+
+
+class FakeDev:
+    def __init__(self):
+        self.calls = []
+
+    def set_headroom(self, n):
+        self.calls.append(("headroom", n))
+
+    def set_limit(self, n):
+        self.calls.append(("limit", n))
+
+    def stats(self):
+        return {"committed_bytes": 5500 << 20}
+
+    def free_memory(self, n):
+        self.calls.append(("free", n))
+        return n
+
+
+def test_activations_first():
+    """Torch's growth stays free beyond the flags' headroom; with a budget
+    (--reserve-vram) vpager may commit the budget less torch's peak."""
+    saved = engine.torch_reserved
+    M = 1 << 20
+    try:
+        engine.torch_reserved = lambda index: (600 * M, 900 * M)
+        ds = engine.DevState.__new__(engine.DevState)
+        ds.user_headroom, ds.budget, ds.limit, ds.oom_margin = \
+            256 * M, 6144 * M, None, 0
+        dev = FakeDev()
+        learned = engine.learn_headroom(dev, ds, 0)
+        assert learned == 300 * M + 45 * M
+        limit = 6144 * M - 900 * M - 45 * M
+        assert dev.calls == [("headroom", 256 * M + 345 * M),
+                             ("limit", limit),
+                             ("free", 5500 * M - limit)]   # the excess
+        dev.calls = []
+        engine.learn_headroom(dev, ds, 0)       # the limit unchanged
+        assert dev.calls == [("headroom", 601 * M)]
+        ds.budget = None
+        dev.calls = []
+        engine.learn_headroom(dev, ds, 0)
+        assert [c[0] for c in dev.calls] == ["headroom"]
+    finally:
+        engine.torch_reserved = saved
 
 
 def test_same_patch():
