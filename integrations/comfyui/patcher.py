@@ -303,7 +303,8 @@ def make_class(comfy, base):
                     if p is not None:
                         p.learn()
                 root.register_forward_pre_hook(learn)
-                weakref.finalize(self.model, pager.close)
+                fin = weakref.finalize(self.model, pager.close)
+                fin.atexit = False      # at exit the device goes anyway
             return pager, plan
 
         def _vp_load(self, device_to):
