@@ -12,7 +12,10 @@ comfy/model_prefetch.py) run unchanged and their misuse is still caught:
   calling thread and opens its first scope. A thread has at most one
   active graph (active_graph() returns it): a second record() there is a
   RuntimeError until the first is aborted or garbage-collected. A graph's
-  methods refuse calls from other threads, abort() excepted.
+  methods refuse calls from other threads, abort() excepted. A graph
+  belongs to its thread, not to the thread's ident: once the thread has
+  ended, a new thread that gets the same ident may record() and the old
+  graph refuses its calls.
 * push(name=None) opens a nested scope; pop() closes the innermost one
   (and any scope iterate() left open inside it) and returns whether it
   "broke" (here: never, False). A graph whose scopes are all closed stays
@@ -52,6 +55,19 @@ __all__ = ["record", "MallocGraph"]
 _MAX_DEPTH = 1 << 16            # nested scopes one graph may hold
 _lock = threading.RLock()
 _active = {}                    # thread ident -> weakref to its MallocGraph
+_tls = threading.local()
+
+
+def _token():
+    """An object unique to the calling thread for its lifetime. Thread
+    idents are reused once a thread has ended (a new thread often gets a
+    dead one's), so a graph names its thread by this token, not by the
+    ident alone: a graph whose thread has ended neither blocks a new
+    thread's record() nor takes calls from it."""
+    t = getattr(_tls, "token", None)
+    if t is None:
+        t = _tls.token = object()
+    return t
 
 
 # ------------------------------------------------------------ arguments
@@ -141,6 +157,7 @@ class MallocGraph:
     def _start(cls, stream, assert_graph_breaks):
         g = object.__new__(cls)
         g._owner = threading.get_ident()
+        g._token = _token()
         g._stream = stream
         g._device = _cuda_index(stream)
         g._streams = []             # saved streams of open use_stream blocks
@@ -197,10 +214,13 @@ class MallocGraph:
     def _check(self, what):
         if self._aborted:
             raise RuntimeError("MallocGraph.%s after abort()" % what)
-        if threading.get_ident() != self._owner:
+        if _token() is not self._token:
             raise RuntimeError("MallocGraph.%s from thread %d: the graph "
-                               "records on thread %d" % (
-                                   what, threading.get_ident(), self._owner))
+                               "records on thread %d%s" % (
+                                   what, threading.get_ident(), self._owner,
+                                   " (which has ended)" if
+                                   threading.get_ident() == self._owner
+                                   else ""))
 
     # ------------------------------------------------------------ peak
     def _counting(self):
@@ -351,12 +371,14 @@ def _forget(owner, ref):
 
 
 def _taken(owner):
+    """Whether the calling thread (ident `owner`) has an active graph; an
+    entry left by an ended thread of the same ident is dropped."""
     with _lock:
         ref = _active.get(owner)
         if ref is None:
             return False
         g = ref()
-        if g is None or g._aborted:
+        if g is None or g._aborted or g._token is not _token():
             del _active[owner]
             return False
         return True
@@ -388,4 +410,6 @@ def active_graph():
     with _lock:
         ref = _active.get(threading.get_ident())
         g = ref() if ref is not None else None
-        return g if g is not None and not g._aborted else None
+        if g is None or g._aborted or g._token is not _token():
+            return None
+        return g
