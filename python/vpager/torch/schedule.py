@@ -27,6 +27,7 @@ The model is cyclic: the copies for a forward's first weights overlap
 the previous forward's last units."""
 
 SLOT_ALIGN = 256            # the staging ring's slot alignment (stream.c)
+FRAGMENTATION = 0.9         # share of the ring its first-fit slots fill
 
 
 def _round(x, a):
@@ -251,7 +252,8 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
             res = _fit(sizes, pos, room, page, ring, head, align)
             if res is None:
                 continue
-            t = simulate(work, sizes, res, link, ring, per_copy)
+            t = simulate(work, sizes, res, link, int(ring * FRAGMENTATION),
+                         per_copy)
             key = (round(t, 7), _streamed(sizes, res), -mix, head)
             if best is None or key < best[0]:
                 best = (key, res)
@@ -264,7 +266,8 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
     """Lookahead bytes per unit: at unit i's acquire, prefetch should have
     started every streamed weight whose predicted copy start comes before
     unit i + 2 starts (the acquire of unit i + 1 may come late), plus
-    `margin` seconds; at least the next streamed weight. The bytes count
+    `margin` seconds; at least the weights of the next unit that streams
+    any. The bytes count
     the streamed weights after unit i, in order and wrapping, as
     vp_acquire's prefetch counts them."""
     n = len(work)
@@ -288,11 +291,12 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
         deadline = (starts[j] if j < n else period + starts[j - n]) + margin
         k0 = first_after[i]
         total = 0
+        first_unit = streamed[k0 % m][0]
         for step in range(m):
             g = k0 + step
             c, k = divmod(g, m)
             t = cstarts[k] + c * period
-            if step and t > deadline:
+            if t > deadline and (streamed[k][0] != first_unit or step >= m):
                 break
             total += streamed[k][1]
         out.append(total)
@@ -300,7 +304,7 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
 
 
 def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
-         margin=0.0):
+         margin=5e-4):
     """The Schedule for measured costs: work (seconds per unit, in
     execution order), sizes (bytes of each unit's weights, placement
     order, a shared weight under its first unit), room (VRAM bytes for
@@ -308,8 +312,9 @@ def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
     per_copy (seconds each copy costs beyond its bytes), ring (staging
     ring bytes)."""
     res = choose(work, sizes, room, page, link, ring, per_copy, align)
-    win = windows(work, sizes, res, link, ring, per_copy, margin)
-    t = simulate(work, sizes, res, link, ring, per_copy)
+    eff = int(ring * FRAGMENTATION)
+    win = windows(work, sizes, res, link, eff, per_copy, margin)
+    t = simulate(work, sizes, res, link, eff, per_copy)
     return Schedule(res, win, t, _streamed(sizes, res),
                     resident_pages(sizes, res, page, align),
                     float(sum(work)))

@@ -1,0 +1,162 @@
+"""vpager.torch.schedule: the scheduler's decisions from given costs (no
+device, no torch needed to decide; the module is imported on its own).
+
+    PYTHONPATH=python python3 tests/python/test_schedule.py"""
+
+import importlib.util
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _runner import main  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PATH = os.path.join(_HERE, "..", "..", "python", "vpager", "torch",
+                     "schedule.py")
+_spec = importlib.util.spec_from_file_location("vp_schedule", _PATH)
+S = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(S)     # pure: no vpager library, no torch
+
+MB = 10 ** 6
+MS = 1e-3
+PAGE = 2 << 20
+LINK = 50e9                     # 50 GB/s: 100 MB in 2 ms
+
+
+def flags(sch):
+    return ["R" if r else "s" for r in sch.resident]
+
+
+def test_all_fits_all_resident():
+    work = [1 * MS] * 4
+    sizes = [[10 * MB]] * 4
+    sch = S.plan(work, sizes, room=1 << 30, page=PAGE, link=LINK,
+                 ring=64 << 20)
+    assert all(sch.resident) and sch.streamed == 0
+    assert sch.window == [0, 0, 0, 0]
+    assert abs(sch.predicted - 4 * MS) < 1e-12
+
+
+def test_simulate_by_hand():
+    # Unit 0 computes 3 ms with its weight resident; unit 1's 100 MB weight
+    # (2 ms of copy) streams under it: nothing waits, 4 ms a forward.
+    work, sizes = [3 * MS, 1 * MS], [[10 * MB], [100 * MB]]
+    t = S.simulate(work, sizes, [True, False], LINK, ring=256 << 20)
+    assert abs(t - 4 * MS) < 1e-9, t
+    # Two streamed 100 MB weights after 1 ms of compute: the copies take
+    # 4 ms a forward: copy-bound.
+    work, sizes = [1 * MS, 0.1 * MS, 0.1 * MS], [[MB], [100 * MB],
+                                                  [100 * MB]]
+    t = S.simulate(work, sizes, [True, False, False], LINK, ring=256 << 20)
+    assert abs(t - 4 * MS) < 2e-5, t
+    # A ring of one weight: the second copy waits for unit 1 to finish.
+    t1, starts, cstarts, streamed = S.simulate(
+        work, sizes, [True, False, False], LINK, ring=101 * MB, detail=True)
+    assert t1 > t and len(cstarts) == 2
+    assert cstarts[1] >= starts[1] + work[1] - 1e-12
+
+
+def _dit(blocks):
+    """A DiT-like forward: per block a modulation linear (100 MB, ~no
+    compute: a 1 x d input), then a linear computing 2 ms (100 MB)."""
+    work, sizes, kinds = [], [], []
+    for _ in range(blocks):
+        work += [0.01 * MS, 2 * MS]
+        sizes += [[100 * MB], [100 * MB]]
+        kinds += ["mod", "heavy"]
+    return work, sizes, kinds
+
+
+def test_stream_what_compute_hides():
+    # Room for half the weights: a copy hides only under the compute
+    # before it, so the modulation weights (each after a heavy linear)
+    # stream and the heavy ones (each after a modulation) stay resident;
+    # the first modulation follows the forward's start (the copies of the
+    # next forward start under the last heavy units): it may stay, and a
+    # last heavy one stream in its place.
+    work, sizes, kinds = _dit(8)
+    total = sum(s for ss in sizes for s in ss)
+    ring = 150 * MB              # one weight in flight at a time
+    sch = S.plan(work, sizes, room=total // 2 + 4 * PAGE, page=PAGE,
+                 link=LINK, ring=ring)
+    streamed = [k for k, r in zip(kinds, sch.resident) if not r]
+    assert streamed.count("mod") >= 7, flags(sch)
+    assert all(sch.resident[i] for i in range(1, 14, 2)), flags(sch)
+    assert sch.resident_bytes <= total // 2 + 4 * PAGE
+    # Every copy hides: the forward takes its compute.
+    assert sch.predicted <= sch.all_resident * 1.01, sch
+    # Streaming the other half (every heavy one, each after a modulation
+    # that hides nothing) makes each heavy unit wait for its copy.
+    by_bytes = [i % 2 == 0 for i in range(len(kinds))]
+    t = S.simulate(work, sizes, by_bytes, LINK, int(ring * 0.9))
+    assert t > sch.predicted * 1.2, (t, sch.predicted)
+
+
+def test_window_in_time_not_bytes():
+    # A 10 ms unit, then four streamed 10 MB weights computing nothing:
+    # all four copies must start under the long unit, so the window at
+    # its acquire (and the one before) covers the four, 40 MB; after
+    # that the copies are ahead and each window is the rest.
+    link = 10e9                 # 10 MB: 1 ms
+    work = [0.1 * MS, 10 * MS] + [0.01 * MS] * 4
+    sizes = [[MB], [MB]] + [[10 * MB]] * 4
+    res = [True, True, False, False, False, False]
+    win = S.windows(work, sizes, res, link, ring=64 << 20)
+    assert win[0] == 40 * MB, win          # before the long unit
+    assert win[1] == 40 * MB, win
+    # Byte-counted lookahead of 10 MB would have started one copy only:
+    t = S.simulate(work, sizes, res, link, ring=64 << 20)
+    assert abs(t - sum(work)) < 1e-6        # predicted: no unit waits
+    # The same four weights after a unit computing 0.1 ms: nothing hides
+    # them, the window still starts them all as early as possible.
+    work2 = [0.1 * MS, 0.1 * MS] + [0.01 * MS] * 4
+    win2 = S.windows(work2, sizes, res, link, ring=64 << 20)
+    assert win2[1] >= 10 * MB
+
+
+def test_ring_bounds_a_unit():
+    # A unit whose weights do not fit in the ring stays resident: under
+    # the schedule it would have to stage whole.
+    work = [2 * MS, 2 * MS, 2 * MS]
+    sizes = [[10 * MB], [300 * MB], [10 * MB]]
+    total = sum(s for ss in sizes for s in ss)
+    sch = S.plan(work, sizes, room=total - 15 * MB, page=PAGE, link=LINK,
+                 ring=256 << 20)
+    assert sch.resident[1], flags(sch)
+
+
+def test_page_runs_counted():
+    # Resident pages: each run of resident weights starts on a page.
+    sizes = [[PAGE // 2], [PAGE // 2], [PAGE // 2]]
+    assert S.resident_pages(sizes, [True, True, True], PAGE) == PAGE * 2
+    assert S.resident_pages(sizes, [True, False, True], PAGE) == PAGE * 2
+    assert S.resident_pages(sizes, [True, True, False], PAGE) == PAGE
+
+
+def test_decisions_are_stable():
+    # The same costs give the same schedule (the order stays across
+    # forwards: it is decided once, and deterministically).
+    work, sizes, _ = _dit(6)
+    total = sum(s for ss in sizes for s in ss)
+    a = S.plan(work, sizes, total // 3, PAGE, LINK, 256 << 20)
+    b = S.plan(list(work), [list(s) for s in sizes], total // 3, PAGE, LINK,
+               256 << 20)
+    assert a.resident == b.resident and a.window == b.window
+    assert a.resident_bytes <= total // 3
+
+
+def test_copy_bound_streams_the_minimum():
+    # Little compute (decode-like): every byte streamed costs link time;
+    # the schedule streams no more than the room forces.
+    work = [0.05 * MS] * 32
+    sizes = [[50 * MB]] * 32
+    total = 32 * 50 * MB
+    room = total // 2
+    sch = S.plan(work, sizes, room, PAGE, LINK, 128 << 20)
+    assert sch.resident_bytes <= room
+    assert sch.streamed <= total - room + 50 * MB + PAGE, sch
+    assert sch.predicted <= (sch.streamed / LINK) * 1.05 + sum(work), sch
+
+
+if __name__ == "__main__":
+    main(globals())
