@@ -373,9 +373,10 @@ static int join(vp__ledger_t *l, char *why, size_t len) {
     if (rc == VP_OK) {
       rc = join_locked(l, why, len);
       vp__lseg_unlock(l->seg);
-    } else {
+    } else { /* a stopped holder, or a hostile lock word: alone, at once */
       snprintf(why, len, "the lock of %s stayed taken for %d ms", l->shm,
                LEDGER_LOCK_MS);
+      rc = VP_EUNSUPPORTED;
     }
     if (rc == VP_OK) return VP_OK;
     vp__lseg_unmap(l->seg);

@@ -189,7 +189,7 @@ static int cmp_str(const void *a, const void *b) {
 int vp_ledger_list(char *buf, size_t len, size_t *needed) {
   VP__ENTER();
   VP__NEED(buf || len == 0, "buf is NULL");
-  const char *prefix = LEDGER_PREFIX + 1;
+  const char *prefix = &LEDGER_PREFIX[1]; /* without the slash */
   size_t plen = strlen(prefix), n = 0, cap = 0;
   char **names = NULL;
   DIR *d = opendir("/dev/shm");

@@ -8,7 +8,8 @@
 #
 #   make fuzz                       every harness FUZZ_SECONDS (60) seconds
 #   make fuzz FUZZ_SECONDS=600      longer
-#   make fuzz FUZZ_TARGETS=api      one harness (api, safetensors, options)
+#   make fuzz FUZZ_TARGETS=api      one harness (api, safetensors, options,
+#                                   ledger)
 #   make fuzz-build                 only build build-fuzz/fuzz_*
 #
 # A run fails (non-zero exit) on any finding: crash, sanitizer report, leak,
@@ -17,7 +18,7 @@
 
 FUZZ_CC      ?= clang
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= api safetensors options
+FUZZ_TARGETS ?= api safetensors options ledger
 FUZZ_BUILD   ?= build-fuzz
 FUZZ_DIR     := tests/fuzz
 # Extra libFuzzer flags for every run, e.g. FUZZ_FLAGS='-jobs=2 -workers=2'.
