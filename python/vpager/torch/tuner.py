@@ -21,15 +21,18 @@ each unit's acquire sets the device's lookahead to its window. All of it
 once: the order stays the same for every later forward."""
 
 import os
+import sys
 import time
 
 import torch
 
+from ..weights import WeightBatch
 from . import schedule
 from .devices import ring_pages
 from .placement import place_runs, scheduled_ranks, staging_need
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
+SLACK = 1.5                 # a window up to this much larger is kept
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 _LINKS = {}                 # CUDA device index -> measured bytes/s
 
@@ -231,8 +234,63 @@ class Tuner:
                                            lay.vbar.size // dev.page_size))
         h.order = "scheduled"
         self.schedule = sch
+        self.warm(flat, sch.resident, ring)
+        # The streamed weights miss at once (no commit tried, so nothing
+        # evicted for them): the watermark just above the resident runs.
+        page = dev.page_size
+        runs = set()
+        for e, off, r in zip(flat, offsets, sch.resident):
+            if r:
+                runs.update(range(off // page, (off + e.size - 1) // page + 1))
+        lay.vbar.set_watermark(len(runs) * page)
         if self.windows:
-            for u, win in zip(units, sch.window):
+            for u, win in zip(units, smooth(sch.window)):
                 if u is not None:
                     u.window = win
             self.ds.window = None
+        if os.environ.get("VPAGER_SCHEDULE_LOG"):
+            sys.stderr.write(
+                "vpager.torch schedule: %r; ring %d; link %.2f GB/s; units "
+                "%d; work %.3f ms; windows %s\n" % (
+                    sch, ring, self.link / 1e9, len(units), sum(w) * 1e3,
+                    " ".join("%d" % (x >> 10) for x in sch.window[:64])))
+
+    def warm(self, entries, resident, ring):
+        """Fill the resident set now, at the end of the measured forward,
+        so that the next forward is already a steady one: acquire and
+        release the resident weights in batches the ring could hold (were
+        they to miss) on the compute stream."""
+        lay = self.layout
+        hot = self.handle._hot
+        stream = hot.stream()
+        todo = [lay.weights[e.index] for e, r in zip(entries, resident) if r]
+        chunks, cur, size = [], [], 0
+        for w in todo:
+            if cur and size + w.size > ring // 2:
+                chunks.append(cur)
+                cur, size = [], 0
+            cur.append(w)
+            size += w.size
+        if cur:
+            chunks.append(cur)
+        for ws in chunks:
+            b = WeightBatch(lay.device, ws)
+            b.acquire(stream)
+            b.release(stream)
+        if self.ds.sync:
+            lay.device.synchronize(stream)
+
+
+def smooth(window, slack=SLACK):
+    """The windows a unit's acquire sets (None: keep the one set before):
+    a window at most `slack` times larger than needed does no harm (the
+    ring bounds prefetch anyway) and saves a call; one that is smaller
+    than needed, or much larger, is set. The first unit sets its own."""
+    out, cur = [], None
+    for w in window:
+        if cur is not None and w <= cur <= w * slack:
+            out.append(None)
+        else:
+            out.append(w)
+            cur = w
+    return out
