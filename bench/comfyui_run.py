@@ -162,8 +162,8 @@ def check(a):
     """What the run needs, what is there; nothing imported."""
     missing = []
     old = list(sys.path)
-    if a.comfyui:
-        sys.path[:0] = child_path(a)
+    sys.path[:0] = child_path(a) if a.comfyui else [
+        os.path.join(ROOT, "python"), os.path.join(ROOT, "python", "compat")]
     try:
         for mod, what in NEEDS:
             try:
