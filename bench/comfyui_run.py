@@ -172,7 +172,15 @@ def check(a):
                 ok = False
             note = ""
             if ok and mod == "torch":
-                note = " (found %s)" % _torch_version()
+                v = _torch_version()
+                note = " (found %s)" % v
+                try:
+                    old = tuple(int(x) for x in v.split(".")[:2]) < (2, 8)
+                except ValueError:
+                    old = False
+                if old:
+                    ok = False
+                    note += ": too old"
             say("  %-14s %-8s %s%s" % (mod, "ok" if ok else "MISSING", what,
                                        note))
             if not ok:
