@@ -331,9 +331,10 @@ static int fault_asking(vp_vbar_t h, vp__vbar_t **vbp, uint32_t p0,
   return vp__fault(*vbp, p0, p1, gens);
 }
 
-int vp_fault(vp_vbar_t h, uint64_t offset, uint64_t size, uint32_t *gens,
-             size_t ngens) {
-  VP__ENTER();
+/* vp_fault and vp_fault_range, after VP__ENTER: with `zero_tail`, gens
+ * past the range's pages (up to ngens) are set to 0 on VP_OK. */
+static int fault_call(vp_vbar_t h, uint64_t offset, uint64_t size,
+                      uint32_t *gens, size_t ngens, bool zero_tail) {
   vp__vbar_t *vb = NULL;
   uint32_t p0, p1;
   VP__VBAR_ENTER(h, vb);
@@ -342,13 +343,22 @@ int vp_fault(vp_vbar_t h, uint64_t offset, uint64_t size, uint32_t *gens,
     rc = vp__err(VP_EINVAL, "the range has %u pages but gens has room for %zu",
                  p1 - p0, ngens);
   if (rc == VP_OK) rc = fault_asking(h, &vb, p0, p1, gens);
+  if (rc == VP_OK && gens && zero_tail)
+    memset(gens + (p1 - p0), 0, (ngens - (p1 - p0)) * sizeof *gens);
   if (!vb) return rc;
   if (rc >= 0) vp__ledger_used(vb->dev, vb);
   return vp__unlock(vb->dev, rc);
 }
 
-int vp_unpin(vp_vbar_t h, uint64_t offset, uint64_t size, vp_stream_t stream) {
+int vp_fault(vp_vbar_t h, uint64_t offset, uint64_t size, uint32_t *gens,
+             size_t ngens) {
   VP__ENTER();
+  return fault_call(h, offset, size, gens, ngens, false);
+}
+
+/* vp_unpin and vp_unpin_range, after VP__ENTER. */
+static int unpin_call(vp_vbar_t h, uint64_t offset, uint64_t size,
+                      vp_stream_t stream) {
   vp__vbar_t *vb = NULL;
   uint32_t p0, p1;
   VP__VBAR_ENTER(h, vb);
@@ -357,6 +367,26 @@ int vp_unpin(vp_vbar_t h, uint64_t offset, uint64_t size, vp_stream_t stream) {
   if (rc == VP_OK) rc = vp__unpin(vb, p0, p1, stream);
   if (rc == VP_OK) vp__ledger_used(vb->dev, vb);
   return vp__unlock(vb->dev, rc);
+}
+
+int vp_unpin(vp_vbar_t h, uint64_t offset, uint64_t size, vp_stream_t stream) {
+  VP__ENTER();
+  return unpin_call(h, offset, size, stream);
+}
+
+/* The same two calls on a range the caller describes once: a binding
+ * passes one pointer instead of converting three arguments per call. */
+int vp_fault_range(const vp_range_t *range, uint32_t *gens, size_t ngens) {
+  VP__ENTER();
+  VP__NEED(range, "range is NULL");
+  return fault_call(range->vbar, range->offset, range->size, gens, ngens,
+                    true);
+}
+
+int vp_unpin_range(const vp_range_t *range, vp_stream_t stream) {
+  VP__ENTER();
+  VP__NEED(range, "range is NULL");
+  return unpin_call(range->vbar, range->offset, range->size, stream);
 }
 
 int vp_vbar_free_memory(vp_vbar_t h, uint64_t bytes, uint64_t *freed) {

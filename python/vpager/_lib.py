@@ -121,6 +121,10 @@ class vp_st_t(Structure):
 vp_stream_t = c_uint64
 
 
+class vp_range_t(Structure):
+    _fields_ = [("vbar", vp_vbar_t), ("offset", c_uint64), ("size", c_uint64)]
+
+
 class vp_device_info_t(Structure):
     _fields_ = [
         ("page_size", c_uint64),
@@ -218,6 +222,7 @@ EXPECTED_SIZES = {
     vp_hostbuf_info_t: 32,
     vp_source_t: 32,
     vp_st_tensor_t: 112,
+    vp_range_t: 24,
 }
 if ctypes.sizeof(c_void_p) == 8:
     for _t, _n in EXPECTED_SIZES.items():
@@ -281,6 +286,8 @@ PROTOTYPES = {
     "vp_vbar_get_watermark_limit": (_i, [_vb, P(c_uint64)]),
     "vp_fault": (_i, [_vb, _u64, _u64, P(c_uint32), _sz]),
     "vp_unpin": (_i, [_vb, _u64, _u64, _s]),
+    "vp_fault_range": (_i, [P(vp_range_t), P(c_uint32), _sz]),
+    "vp_unpin_range": (_i, [P(vp_range_t), _s]),
     "vp_vbar_free_memory": (_i, [_vb, _u64, P(c_uint64)]),
     "vp_vbar_loaded_size": (_i, [_vb, P(c_uint64)]),
     "vp_vbar_residency": (_i, [_vb, P(c_uint8), _sz]),

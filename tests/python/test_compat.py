@@ -2136,6 +2136,137 @@ print(json.dumps({"bad": bad, "calls": calls}))
     assert out["bad"] == [], "\n".join(out["bad"][:30])
 
 
+def test_hit_path_same_as_plain_path():
+    """vbar_fault / vbar_unpin (vp_fault_range on a range described once,
+    issue 12) against ModelVBAR.fault / unpin (vp_fault through the
+    binding): the same signatures, the same pins, for allocations, spans
+    over several of them, ranges straddling pages, fresh tuples of the
+    same values and tuples whose id is recycled with other values."""
+    dev = fresh(budget_pages=6)
+    rng = random.Random(1212)
+    vb = model_vbar.ModelVBAR(10 * PAGE + 4096, 0)
+    blocks = _comfy_model(vb, rng, nblocks=4)
+    ranges = [a for b in blocks for a in b.allocs] + [b.span for b in blocks]
+    for _ in range(40):
+        a = rng.randrange(vb.size)
+        ranges.append((vb, vb.base + a, rng.randint(1, vb.size - a)))
+
+    def pinned():
+        return [f & 2 for f in vb.get_residency()]
+    for r in ranges * 2:
+        for make in (lambda: r, lambda: (r[0], r[1], r[2]),
+                     lambda: [r[0], r[1], r[2]]):
+            sig = model_vbar.vbar_fault(make())
+            if sig is None:
+                assert vb.fault(r[1], r[2]) is None
+                assert not any(pinned())
+                continue
+            ref = vb.fault(r[1], r[2])
+            assert isinstance(sig, array.array) and sig.typecode == "I"
+            assert sig == ref and len(sig) == r[2] // PAGE + 2, (sig, ref)
+            assert model_vbar.vbar_signature_compare(sig, ref)
+            vb.unpin(r[1], r[2])
+            first = (r[1] - vb.base) // PAGE
+            last = (r[1] - vb.base + r[2] - 1) // PAGE
+            assert pinned() == [2 if first <= p <= last else 0
+                                for p in range(vb.get_nr_pages())]
+            model_vbar.vbar_unpin(make())
+            assert not any(pinned())
+    # A recycled id: one list object, its values changed between calls.
+    lst = [vb, vb.base, MiB]
+    vb.prioritize()                             # lift the watermark
+    for off in (0, 3 * PAGE + 5, 0, 5 * PAGE, 0):
+        lst[1] = vb.base + off
+        sig = model_vbar.vbar_fault(lst)
+        assert sig is not None and sig == vb.fault(lst[1], lst[2])
+        assert pinned()[off // PAGE] == 2, (off, vb.get_residency())
+        vb.unpin(lst[1], lst[2])
+        model_vbar.vbar_unpin(lst)
+        assert not any(pinned())
+    # Size 0 takes the plain path: zeros, nothing pinned, unpin a no-op.
+    z = model_vbar.vbar_fault((vb, vb.base + PAGE, 0))
+    assert z == array.array("I", [0, 0]) and not any(pinned())
+    model_vbar.vbar_unpin((vb, vb.base + PAGE, 0))
+    # Torch-style stream objects and ints reach vp_unpin_range.
+    a = blocks[0].allocs[0]
+    own = dev.create_stream()
+    for stream in (0, None, own, types.SimpleNamespace(cuda_stream=own),
+                   types.SimpleNamespace(cuda_stream=0)):
+        assert model_vbar.vbar_fault(a) is not None
+        model_vbar.vbar_unpin(a, stream)
+    dev.synchronize(own)
+    dev.destroy_stream(own)
+    assert not any(pinned())
+    # The same errors as before: a range unpinned twice, outside the VBAR,
+    # a closed VBAR, something that is no allocation.
+    model_vbar.vbar_fault(a)
+    model_vbar.vbar_unpin(a)
+    raises(control._vpager.NotPinnedError, model_vbar.vbar_unpin, a)
+    raises(ValueError, model_vbar.vbar_fault, (vb, vb.base - 512, 1024))
+    raises(ValueError, model_vbar.vbar_unpin, (vb, vb.base + 11 * PAGE, 1))
+    raises(TypeError, model_vbar.vbar_fault, (object(), vb.base, 1))
+    raises(TypeError, model_vbar.vbar_fault, (vb, vb.base))
+    raises(TypeError, model_vbar.vbar_unpin, 5)
+    vb.close()
+    raises(control._vpager.HandleError, model_vbar.vbar_fault, a)
+    raises(control._vpager.HandleError, model_vbar.vbar_unpin, a)
+
+
+def test_hit_path_threads_get_their_own_signatures():
+    """Two threads faulting the same ranges at once (the calls drop the
+    GIL): each signature is the one vp_fault gives, and every pin is
+    dropped."""
+    dev = fresh(budget_pages=4)
+    vb = model_vbar.ModelVBAR(4 * PAGE, 0)
+    allocs = [vb.alloc(PAGE // 2) for _ in range(8)]
+    for a in allocs:
+        assert model_vbar.vbar_fault(a) is not None
+        model_vbar.vbar_unpin(a)
+    ref = {id(a): vb.fault(a[1], a[2]) for a in allocs}
+    for a in allocs:
+        vb.unpin(a[1], a[2])
+    errs = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(3000):
+                a = rng.choice(allocs)
+                sig = model_vbar.vbar_fault(a)
+                assert sig == ref[id(a)], (sig, ref[id(a)])
+                model_vbar.vbar_unpin(a)
+        except Exception as e:      # noqa: BLE001
+            errs.append(e)
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert errs == [], errs[:3]
+    assert not any(f & 2 for f in vb.get_residency())
+    assert dev.stats()["pages_committed"] >= 4
+
+
+def test_hit_path_after_deinit_raises():
+    """A ModelVBAR whose device deinit() closed: its remembered ranges
+    raise HandleError as the plain path does, never touch memory."""
+    fresh()
+    vb = model_vbar.ModelVBAR(2 * PAGE, 0)
+    a = vb.alloc(MiB)
+    assert model_vbar.vbar_fault(a) is not None
+    model_vbar.vbar_unpin(a)
+    import vpager
+    control.deinit()
+    raises(vpager.HandleError, model_vbar.vbar_fault, a)
+    raises(vpager.HandleError, model_vbar.vbar_unpin, a)
+    fresh()
+    vb2 = model_vbar.ModelVBAR(2 * PAGE, 0)
+    raises(vpager.HandleError, model_vbar.vbar_fault, a)
+    b = vb2.alloc(MiB)
+    assert model_vbar.vbar_fault(b) is not None
+    model_vbar.vbar_unpin(b)
+
+
 def test_deinit_closes_everything():
     fresh()
     vb = model_vbar.ModelVBAR(PAGE, 0)

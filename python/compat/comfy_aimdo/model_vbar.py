@@ -7,9 +7,26 @@ returns the range's signature: array('I') of the pages' generations (one
 per 32 MiB page, then zeros, `size // 32 MiB + 2` entries), or None on a
 miss. Pins are counted per page by vpager, so ranges may overlap and span
 allocations.
+
+The hit path (issue 12): ComfyUI faults and unpins every weight of every
+forward, so vbar_fault / vbar_unpin cost one ctypes call each and little
+else. What a range needs for its calls (a vp_range_t with its VBAR, offset
+and size, its signature length, a zeroed signature to copy) is worked out
+and checked once, at its first fault, and kept in its ModelVBAR keyed by
+the id of the range's tuple (and checked against its address and size, so
+a recycled id only costs a slower call). The calls are vp_fault_range /
+vp_unpin_range (the same as vp_fault / vp_unpin, on a range described
+once) through function objects of our own without argtypes, given ctypes
+objects made beforehand: converting arguments is most of a ctypes call's
+cost, and a pointer made by byref() once is the cheapest argument there
+is. vp_fault_range writes the generations into the new signature and
+zeroes the rest, so the signature is the pages' generations exactly as
+vp_fault gives them. Objects shared between threads are never written
+after they are made, so threads may fault the same range at once.
 """
 
 import array
+import ctypes
 import numbers
 import weakref
 
@@ -20,10 +37,36 @@ __all__ = ["ModelVBAR", "vbar_fault", "vbar_unpin", "vbar_signature_compare",
 
 ALIGN = 512
 _vbars = weakref.WeakSet()      # live ModelVBARs
+_FAST_MAX = 1 << 16             # ranges remembered per ModelVBAR
 
 
 def _sig_len(size):
     return size // control.PAGE_SIZE + 2
+
+
+_calls = None                   # (vp_fault_range, vp_unpin_range)
+_fault_range = _unpin_range = None      # the same two, once loaded
+_VOIDP = ctypes.c_void_p
+_U64 = ctypes.c_uint64
+_STREAM0 = ctypes.c_uint64(0)
+_id = id
+_array = array.array
+
+
+def _fast_calls():
+    """libvpager's vp_fault_range and vp_unpin_range as function objects
+    of our own: no argtypes (every argument is a ctypes object of the
+    declared type), int results. The binding's declarations stay as they
+    are."""
+    global _calls, _fault_range, _unpin_range
+    if _calls is None:
+        from vpager import _lib
+        lib = _lib.load()
+        f, u = lib["vp_fault_range"], lib["vp_unpin_range"]
+        f.restype = u.restype = ctypes.c_int
+        _calls = (f, u)
+        _fault_range, _unpin_range = f, u
+    return _calls
 
 
 class ModelVBAR:
@@ -48,6 +91,10 @@ class ModelVBAR:
         self.size = int(size)
         self.base = self._vbar.base
         self._vsize = self._vbar.size   # fixed: read once, not per fault
+        self._page = dev.info()["page_size"]
+        self._hv = self._vbar._h        # the vp_vbar_t (never changes)
+        self._fast = {}                 # id(range) -> _entry (module doc)
+        self._calls = _fast_calls()
         self.offset = 0                 # the bump allocator's next byte
         _vbars.add(self)
 
@@ -76,6 +123,40 @@ class ModelVBAR:
         return off
 
     # -------------------------------------------------------- fault, unpin
+    def _entry(self, key, address, size):
+        """What the hit path needs for the range [address, +size), checked
+        (the errors _off raises) and remembered under `key` (the id of the
+        range's tuple): (address, size, byref of its vp_range_t, the
+        signature's length as c_size_t, a zeroed signature). None when the
+        range takes the plain path: size 0, or pages smaller than the
+        signature's 32 MiB (more generations than signature entries)."""
+        from vpager._lib import vp_range_t
+        off = self._off(address, size)
+        if self._vbar.closed:
+            self._vbar._handle()                # raises HandleError
+        size = int(size)
+        n = _sig_len(size)
+        if size == 0 or (off + size - 1) // self._page - off // self._page \
+                >= n:
+            return None
+        r = vp_range_t(self._hv, off, size)
+        e = (address, size, ctypes.byref(r), ctypes.c_size_t(n),
+             array.array("I", bytes(4 * n)))
+        fast = self._fast
+        if len(fast) >= _FAST_MAX:
+            fast.clear()
+        fast[key] = e
+        return e
+
+    def _failed(self, rc):
+        """A negative code of the hit path, raised as the plain path
+        raises it (HandleError naming this VBAR once it is closed)."""
+        if self._vbar.closed:
+            self._fast.clear()
+            self._vbar._handle()
+        from vpager.errors import check
+        check(rc)
+
     def fault(self, address, size):
         """Pin [address, +size): its signature, or None on a miss."""
         off = self._off(address, size)
@@ -130,6 +211,7 @@ class ModelVBAR:
     def close(self):
         """Free the VBAR (vpager.BusyError while pages are pinned)."""
         self._vbar.close()
+        self._fast.clear()
 
     @property
     def closed(self):
@@ -186,16 +268,53 @@ def vbar_fault(alloc):
     RuntimeError). The range may be a synthetic (vbar, first address,
     span) over several allocations: its signature stays equal exactly
     while every page of the span stays resident and is not refilled."""
-    vbar, address, size = _unpack(alloc, "vbar_fault")
-    return vbar.fault(address, size)
+    try:
+        vbar, address, size = alloc
+        e = vbar._fast.get(_id(alloc))
+    except (TypeError, ValueError, AttributeError):
+        vbar, address, size = _unpack(alloc, "vbar_fault")  # raises
+        e = None
+    if e is None or e[0] != address or e[1] != size:
+        e = _entry(vbar, alloc, address, size, "vbar_fault")
+        if e is None:
+            return vbar.fault(address, size)
+    sig = e[4][:]
+    rc = _fault_range(e[2], _VOIDP(sig.buffer_info()[0]), e[3])
+    if rc == 0:
+        return sig
+    if rc == 1:                                     # VP_MISS
+        return None
+    vbar._failed(rc)
 
 
 def vbar_unpin(alloc, stream=0):
     """Unpin what vbar_fault(alloc) pinned; None is a no-op."""
     if alloc is None:
         return
-    vbar, address, size = _unpack(alloc, "vbar_unpin")
-    vbar.unpin(address, size, stream)
+    try:
+        vbar, address, size = alloc
+        e = vbar._fast.get(_id(alloc))
+    except (TypeError, ValueError, AttributeError):
+        vbar, address, size = _unpack(alloc, "vbar_unpin")  # raises
+        e = None
+    if e is None or e[0] != address or e[1] != size:
+        e = _entry(vbar, alloc, address, size, "vbar_unpin")
+        if e is None:
+            return vbar.unpin(address, size, stream)
+    if stream == 0 and type(stream) is int:
+        rc = _unpin_range(e[2], _STREAM0)
+    else:
+        rc = _unpin_range(e[2], _U64(_stream(stream)))
+    if rc:
+        vbar._failed(rc)
+
+
+def _entry(vbar, alloc, address, size, what):
+    """The hit path's entry of a range seen for the first time (or whose
+    id was recycled); TypeError for what is not a ModelVBAR's range."""
+    if type(vbar) is not ModelVBAR and not isinstance(vbar, ModelVBAR):
+        _unpack(alloc, what)                        # raises TypeError
+    return vbar._entry(_id(alloc), address, size)
 
 
 def _as_bytes(sig):
@@ -214,6 +333,9 @@ def vbar_signature_compare(a, b):
     refilled between the two faults."""
     if a is None or b is None:
         return False
+    if type(a) is _array and type(b) is _array and a.typecode == b.typecode:
+        if len(a) == len(b):                    # vbar_fault's signatures
+            return a == b                       # (elementwise, in C)
     a, b = _as_bytes(a), _as_bytes(b)
     if len(a) != len(b):
         raise ValueError("signatures of different lengths (%d and %d bytes)"
