@@ -175,10 +175,10 @@ def check(a):
                 v = _torch_version()
                 note = " (found %s)" % v
                 try:
-                    old = tuple(int(x) for x in v.split(".")[:2]) < (2, 8)
+                    too_old = tuple(int(x) for x in v.split(".")[:2]) < (2, 8)
                 except ValueError:
-                    old = False
-                if old:
+                    too_old = False
+                if too_old:
                     ok = False
                     note += ": too old"
             say("  %-14s %-8s %s%s" % (mod, "ok" if ok else "MISSING", what,
