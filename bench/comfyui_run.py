@@ -40,7 +40,9 @@ they do). Exit 0; 1 when a run failed; 2 when latents differ.
     python3 bench/comfyui_run.py --check [--comfyui PATH]
 
 --dry-run: a tiny model (1 + 1 blocks, hidden 256), 256x256, 3 steps,
-runs resident and a 1 GiB budget: it checks the whole path in a minute.
+runs resident and a 1 GiB budget: it checks the whole path in a minute
+(not yet run on a GPU as such; the same path at --double 1 --single 2,
+hidden 3072, 512x512 ran on the H200 on 2026-12-01).
 It still needs CUDA and torch >= 2.8 (ComfyUI's dynamic VRAM has no CPU
 path, and ComfyUI 0.33 does not import under older torch: the torch 1.13
 of the CPU CI machines cannot run it, so CI runs only --check).
