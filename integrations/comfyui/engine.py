@@ -85,8 +85,8 @@ class Entry:
     """One managed parameter: a vpager weight."""
 
     __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
-                 "offset", "cpu", "host", "file", "base_src", "w", "unit",
-                 "rview", "staged", "patch", "patch_hb")
+                 "offset", "cpu", "host", "file", "base_src", "src", "w",
+                 "unit", "rview", "staged", "patch", "patch_hb")
 
     def __init__(self, key, module, pname, param):
         self.key = key                  # state-dict key, e.g. "a.b.weight"
@@ -101,6 +101,7 @@ class Entry:
         self.host = None                # CPU view of its host copy slot
         self.file = None                # (fd, offset) when file-sourced
         self.base_src = None            # the unpatched source
+        self.src = None                 # the source of its vpager weight
         self.w = None                   # its vpager.Weight
         self.unit = None
         self.rview = None               # view of its VBAR address
@@ -111,9 +112,10 @@ class Entry:
 
 class Unit:
     __slots__ = ("name", "module", "entries", "batch", "depth",
-                 "had_forward", "saved_forward")
+                 "had_forward", "saved_forward", "used")
 
     def __init__(self, name, module, entries):
+        self.used = False       # acquired since the recording began
         self.name = name
         self.module = module
         self.entries = entries
@@ -184,6 +186,7 @@ def learn_headroom(dev, ds, index):
                 over = dev.stats()["committed_bytes"] - limit
                 if over > 0:
                     dev.free_memory(over)
+                    ds.top = None   # the next acquire: on top again
             ds.limit = limit
     return ds.learned
 
@@ -219,6 +222,9 @@ class Pager:
         self.vbar = self.hb = None
         self.closed = False
         self.refills = 0                # weights whose source was swapped
+        self.replaced = 0               # re-placements in execution order
+        self.recorded = []              # units in the order first acquired
+        self.recording = True
         try:
             self._build(prefer_file, file_slice, label)
         except BaseException:
@@ -227,25 +233,32 @@ class Pager:
         self._install()
 
     # ------------------------------------------------------------ build
-    def _build(self, prefer_file, file_slice, label):
-        dev, entries = self.dev, self.entries
-        # The interleaved eviction order (vpager.torch's default): the
-        # weights that do not fit are spread through the model, so their
-        # copies overlap the resident ones' compute.
-        grouping = (_groups(dev, "interleaved", entries)
+    def _place(self, entries):
+        """VBAR offsets of entries in this order, and the grouping. The
+        interleaved eviction order (vpager.torch's default): the weights
+        that do not fit are spread through the model, so their copies
+        overlap the resident ones' compute."""
+        grouping = (_groups(self.dev, "interleaved", entries)
                     if _groups is not None else None)
         if _place is not None:
-            offsets, end = _place(entries, ALIGN, grouping)
+            offsets, _end = _place(entries, ALIGN, grouping)
         else:
             offsets, end = [], 0
             for e in entries:
                 end = round_up(end, ALIGN)
                 offsets.append(end)
                 end += e.size
+        return offsets, grouping
+
+    def _build(self, prefer_file, file_slice, label):
+        dev, entries = self.dev, self.entries
+        offsets, grouping = self._place(entries)
         for e, off in zip(entries, offsets):
             e.offset = off
-        room = _group_room(grouping, end) if _group_room else 0
-        self.vbar = dev.create_vbar(max(round_up(end, ALIGN), 1) + room)
+        # Room for the weights in any order (re-placement keeps the VBAR).
+        size = sum(round_up(e.size, ALIGN) for e in entries)
+        room = _group_room(grouping, size) if _group_room else 0
+        self.vbar = dev.create_vbar(max(size, 1) + room)
         if grouping is not None:
             self.vbar.set_order("interleaved")
         if label:
@@ -281,11 +294,19 @@ class Pager:
                     # (ComfyUI's mapping or RAM) can go.
                     e.cpu = h
                     e.param.data = h
+        for e in entries:
+            e.src = e.base_src
+        self._make_weights()
+
+    def _make_weights(self):
+        entries = self.entries
         ws = self.vbar.create_weights([e.offset for e in entries],
                                       [e.size for e in entries],
-                                      [e.base_src for e in entries])
+                                      [e.src for e in entries])
         for i, e in enumerate(entries):
             e.w = ws[i]
+            e.rview = None
+            e.staged = {}
         for u in self.units:
             self._batch(u)
 
@@ -333,18 +354,27 @@ class Pager:
             return torch.cuda.current_stream(self.target).cuda_stream
         return 0
 
-    def prioritize(self):
+    def prioritize(self, force=False):
         """This model's VBAR on top of the device's priority list (the last
-        model used keeps its pages longest)."""
-        if self.ds.top is not self:
+        model used keeps its pages longest), its watermark raised again
+        after an eviction lowered it."""
+        if force or self.ds.top is not self:
             self.vbar.prioritize()
             self.ds.top = self
+
+    def _evicted(self):
+        """After vpager evicted on our request: the next acquire puts the
+        model on top again (eviction lowers the VBAR's watermark)."""
+        self.ds.top = None
 
     def _enter(self, unit):
         if self.closed:
             raise RuntimeError("vpager ComfyUI node: %s ran after its model's "
                                "pager was closed" % unit.name)
         self.prioritize()
+        if self.recording and not unit.used:
+            unit.used = True
+            self.recorded.append(unit)
         stream = self._stream()
         batch = unit.batch
         ptrs = batch.acquire(stream)
@@ -390,6 +420,7 @@ class Pager:
             if not is_oom(e):
                 raise
         self.dev.free_memory(ALL)
+        self._evicted()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         self.ds.oom_margin = min(max(2 * self.ds.oom_margin, 2 * MARGIN_MAX),
@@ -405,6 +436,68 @@ class Pager:
         if force or now - self.ds.learned_at >= LEARN_EVERY:
             self.ds.learned_at = now
             learn_headroom(self.dev, self.ds, self.target.index or 0)
+
+    # ---------------------------------------------------- re-placement
+    def finish_recording(self):
+        """After the model's first forward (or at its next load): if its
+        units ran in another order than they lie in the VBAR (ComfyUI's
+        models declare modules in another order than they call them:
+        Flux's double blocks run image and text streams interleaved), the
+        weights are placed again in the order of first use, units not used
+        last, in module order, so vpager's prefetch and eviction follow
+        execution. Once; returns True if it re-placed. Same VBAR, same
+        sources: every weight refills once (the next forward's cost)."""
+        if not self.recording or self.closed or not self.recorded:
+            return False
+        if any(u.depth for u in self.units):
+            return False
+        self.recording = False
+        order = self.recorded + [u for u in self.units if not u.used]
+        self.recorded = []
+        if all(a is b for a, b in zip(order, self.units)):
+            return False
+        self._replace(order)
+        return True
+
+    def _replace(self, units):
+        entries = [e for u in units for e in u.entries]
+        old = [(e, e.offset) for e in self.entries]
+        old_units = self.units
+        # Eviction waits for the work that may still read the pages.
+        self.vbar.free_memory(ALL)
+        for e in self.entries:
+            e.w.weights.destroy(e.w.index)
+            e.w = None
+        offsets, _ = self._place(entries)
+        for i, u in enumerate(units):
+            for e in u.entries:
+                e.unit = i
+        for e, off in zip(entries, offsets):
+            e.offset = off
+        self.units, self.entries = units, entries
+        try:
+            self._make_weights()
+        except BaseException:
+            # Back to the old places (or, failing that, closed).
+            self.units = old_units
+            self.entries = [e for e, _ in old]
+            for i, u in enumerate(old_units):
+                for e in u.entries:
+                    e.unit = i
+            for e, off in old:
+                e.offset = off
+            try:
+                self._make_weights()
+            except BaseException:
+                self.close()
+            raise
+        self.replaced += 1
+        self.prioritize(force=True)
+
+    def layout(self):
+        """[(key, VBAR offset, bytes)] in VBAR order."""
+        return sorted(((e.key, e.offset, e.size) for e in self.entries),
+                      key=lambda x: x[1])
 
     # ---------------------------------------------------------- patches
     def set_patched(self, key, patch, make):
@@ -446,6 +539,7 @@ class Pager:
         ws.destroy(e.w.index)
         nw = self.vbar.create_weights([e.offset], [e.size], [src])
         e.w = nw[0]
+        e.src = src
         self._batch(self.units[e.unit])
         old, e.patch_hb = e.patch_hb, hb
         if old is not None:
@@ -469,7 +563,9 @@ class Pager:
         has them; returns the bytes freed."""
         if self.closed or nbytes <= 0:
             return 0
-        return self.vbar.free_memory(min(int(nbytes), ALL))
+        freed = self.vbar.free_memory(min(int(nbytes), ALL))
+        self._evicted()
+        return freed
 
     def host_bytes(self):
         """Host memory held for sources: the host copy and patched copies."""
@@ -486,6 +582,7 @@ class Pager:
         s["file_weights"] = sum(e.file is not None for e in self.entries)
         s["patched_weights"] = len(self.patched_keys())
         s["refills"] = self.refills
+        s["replaced"] = self.replaced
         return s
 
     # ------------------------------------------------------------ close
@@ -520,7 +617,7 @@ class Pager:
             if e.patch_hb is not None and not e.patch_hb.closed:
                 e.patch_hb.close()
                 e.patch_hb = None
-            e.w = e.base_src = None
+            e.w = e.base_src = e.src = None
         for obj in (self.vbar, self.hb):
             if obj is not None and not obj.closed:
                 obj.close()

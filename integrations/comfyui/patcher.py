@@ -302,7 +302,13 @@ def make_class(comfy, base):
                     p = ref()
                     if p is not None:
                         p.learn()
+
+                def placed(_module, _args, _out):
+                    p = ref()
+                    if p is not None and p.recording:
+                        p.finish_recording()
                 root.register_forward_pre_hook(learn)
+                root.register_forward_hook(placed)
                 fin = weakref.finalize(self.model, pager.close)
                 fin.atexit = False      # at exit the device goes anyway
             return pager, plan
@@ -312,6 +318,9 @@ def make_class(comfy, base):
             self.restore_loaded_backups()
             self.unpatch_hooks()
             pager, plan = self._vp_pager(device_to)
+            # Models whose root forward never runs (a VAE's decode): the
+            # order recorded since the last load places the weights now.
+            pager.finish_recording()
             for name, m, _params in plan.units:
                 self._vp_prepare_op(name, m)
             # Patched weights: only those whose patch set changed refill.
@@ -343,7 +352,7 @@ def make_class(comfy, base):
                 moved = buf.to(dtype=dtype, device=device_to)
                 utils.set_attr_buffer(self.model, key, moved)
                 self.model.model_loaded_weight_memory += engine.nbytes(moved)
-            pager.prioritize()
+            pager.prioritize(force=True)
             pager.learn(force=True)
             self.model.device = device_to
             self.model.current_weight_patches_uuid = self.patches_uuid
