@@ -325,5 +325,18 @@ def test_torch_publishes_reserved_floor_and_platform_limit():
         h.unload()
 
 
+def test_bench_ledger_dry_run():
+    _torch()
+    env = _env()
+    env["VPAGER_SIM_SHARED"] = shared_name("bench")
+    out = subprocess.run([sys.executable, os.path.join(REPO, "bench",
+                                                       "bench_ledger.py"),
+                          "--dry-run", "--seconds", "0.3"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "wait for 8 U held by an idle peer" in out.stdout
+    assert "combined throughput" in out.stdout, out.stdout[-2000:]
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))

@@ -284,6 +284,7 @@ def free_memory(device, nbytes, keep=()):
     use. device: a torch device ("cuda:0", 0, "cpu" for the simulated
     device) or a vpager.Device. Returns the bytes freed (less than the
     shortfall when nothing else was reclaimable)."""
+    kv = _keep_vbars(keep)
     devs = _devices_of(device)
     if not devs:
         return 0
@@ -292,7 +293,7 @@ def free_memory(device, nbytes, keep=()):
     if free_now >= nbytes:
         return 0
     before = {id(r): r.vbar.loaded_size() for r, h in _live()}
-    freed = _vl.free_memory(dev, nbytes - free_now, _keep_vbars(keep))
+    freed = _vl.free_memory(dev, nbytes - free_now, kv)
     _mark_evicted(before)
     return freed
 
@@ -302,11 +303,11 @@ def unload_all(device, keep=()):
     in every vpager process on the GPU (OOM recovery, a "free memory"
     request, a no-cache mode). The models stay usable: each comes back at
     its next forward. Returns the bytes freed."""
+    kv = _keep_vbars(keep)
     devs = _devices_of(device)
     if not devs:
         return 0
     before = {id(r): r.vbar.loaded_size() for r, h in _live()}
-    kv = _keep_vbars(keep)
     freed = _vl.free_memory(devs[0], 1 << 62, kv)
     for d in devs[1:]:      # other devices of ours on the same GPU
         freed += _vl.free_memory(d, 1 << 62, kv)
