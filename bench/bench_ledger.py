@@ -233,10 +233,14 @@ class Proc:
         self.p.stdin.flush()
 
     def read(self):
-        line = self.p.stdout.readline()
-        if not line:
-            raise RuntimeError("worker %s died (exit %s)"
-                               % (self.role, self.p.wait()))
+        while True:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError("worker %s died (exit %s)"
+                                   % (self.role, self.p.wait()))
+            if line.startswith("{"):
+                break
+            bl.say("[%s] %s" % (self.role, line.rstrip()))
         out = json.loads(line)
         if "error" in out:
             raise RuntimeError("worker %s: %s" % (self.role, out["error"]))
