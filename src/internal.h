@@ -94,6 +94,25 @@ typedef struct vp__vbar {
    * copy, at pages epoch prefetch_epoch; a lost staging slot clears it. */
   bool prefetch_idle;
   uint64_t prefetch_epoch;
+  /* stream.c: skip[i] = the first weight at or after index i that a
+   * prefetch scan must look at (skip[nweights] = nweights): the ones
+   * between are resident with their last fill, not from prefetch, or have
+   * no source. Built at pages epoch skip_epoch; skip_ok = false (a weight
+   * added or removed, or a fill undone) rebuilds it. */
+  uint32_t *skip;
+  uint64_t skip_epoch;
+  bool skip_ok;
+  /* stream.c: the window of the last scan, weights [win_from, win_to) in
+   * scan order (win_all: all of them), at pages epoch win_epoch and
+   * lookahead win_lookahead; win_used: bytes acquired from it with a copy
+   * since. While the next acquire is in the window and used < a chunk of
+   * the lookahead, nothing is scanned: prefetch tops the window up a
+   * chunk at a time, in one batch (merged copies, one fence), not a
+   * weight per acquire. win_ok = false: scan at the next acquire (a miss,
+   * a lost slot, a fill undone). */
+  uint32_t win_from, win_to;
+  bool win_all, win_ok;
+  uint64_t win_epoch, win_lookahead, win_used;
   /* ledger.c: the label, the VBAR's entry in the ledger (index + 1; 0 =
    * none yet) and its last use (CLOCK_MONOTONIC_COARSE ns), stamped by the
    * public calls that use it, never by the pager's hot path. */

@@ -76,6 +76,7 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
       VP__COUNT(s->owner->vb, prefetch_dropped_bytes, s->owner->size);
     s->owner->slot = NULL;
     s->owner->vb->prefetch_idle = false;
+    s->owner->vb->win_ok = false;
   }
   free(s);
   memmove(&st->slots[k], &st->slots[k + 1],
@@ -200,6 +201,7 @@ void vp__staging_close(vp__device_t *dev) {
       if (s->owner) {
         s->owner->slot = NULL;
         s->owner->vb->prefetch_idle = false;
+        s->owner->vb->win_ok = false;
       }
       free(s);
     }

@@ -127,6 +127,7 @@ static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
       int rc = batch_add(dev, b, w, *ptr);
       if (rc) return rc;
       f |= VP_ACQUIRED_COPIED;
+      w->vb->win_ok = false; /* prefetch did not cover it: scan again */
       VP__COUNT(w->vb, weight_fills, 1);
       VP__COUNT(w->vb, fill_bytes, w->size);
     }
@@ -175,6 +176,7 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
       }
       f |= VP_ACQUIRED_COPIED;
     }
+    w->vb->win_ok = false; /* prefetch did not cover it: scan again */
     VP__COUNT(w->vb, weight_staged, 1);
     VP__COUNT(w->vb, staged_bytes, w->size);
   }
@@ -224,7 +226,10 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
     } else {
       w->acq_resident--;
       hold->resident--;
-      if (flags[i] & VP_ACQUIRED_EMPTY) w->gens[0] = 0; /* nobody wrote it */
+      if (flags[i] & VP_ACQUIRED_EMPTY) { /* nobody wrote it */
+        w->gens[0] = 0;
+        w->vb->skip_ok = false;
+      }
       if (f) vp__unpin_attach_fill(w->vb, w->p0, w->p1, f);
       else vp__unpin_nofence(w->vb, w->p0, w->p1);
     }
@@ -244,6 +249,8 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
   for (size_t i = 0; !issued && i < b->nfilled; i++) {
     vp__weight_t *w = b->filled[i];
     w->vb->prefetch_idle = false;
+    w->vb->win_ok = false;
+    w->vb->skip_ok = false;
     w->gens[0] = 0;
     w->prefetched = false;
     if (w->slot && !w->slot->refs) {
@@ -274,7 +281,12 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   for (i = 0; i < n && rc == VP_OK; i++) {
     flags[i] = 0;
     rc = acquire_one(dev, ws[i], &b, stream, &ptrs[i], &flags[i], &wait);
-    if (rc == VP_OK) ws[i]->vb->acquired++;
+    if (rc == VP_OK) {
+      ws[i]->vb->acquired++;
+      if (flags[i] & (VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED))
+        ws[i]->vb->win_used += ws[i]->size; /* copied for it: the window
+                                               moved on */
+    }
   }
   if (rc) {
     acquire_undo(dev, ws, i - 1, stream, ptrs, flags, &b);
@@ -473,6 +485,7 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
   if (!n || batch_issue(dev, b, &f) != VP_OK) f = NULL;
   for (size_t i = 0; i < n; i++) {
     vp__weight_t *u = filled[i];
+    if (!f) u->vb->win_ok = false; /* not queued after all */
     if (u->slot && u->slot->prefetched && !f) {
       u->slot->owner = NULL;
       u->slot = NULL;
@@ -481,6 +494,7 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
         vp__unpin_attach_fill(u->vb, u->p0, u->p1, f);
       } else {
         vp__unpin_nofence(u->vb, u->p0, u->p1);
+        u->vb->skip_ok = false;
         u->gens[0] = 0;
         u->prefetched = false;
       }
@@ -489,38 +503,120 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
   if (f) vp__fence_put(dev, f);
 }
 
+/* True if a prefetch scan passes u by whatever happens until the pages
+ * change: resident with its last fill, that fill not from prefetch (a
+ * fill ahead of need is counted until used), or nothing to copy. */
+static bool scan_passes(const vp__weight_t *u) {
+  return u->src.kind == VP_SOURCE_NONE ||
+         (!u->prefetched && vp__ready_in_place(u));
+}
+
+/* vb->skip for the pages as they are: O(weights), once per page change,
+ * so a scan steps over the resident weights between the streamed ones in
+ * one jump instead of looking at each (with small weights mostly
+ * resident a scan would otherwise look at hundreds per acquire). NULL:
+ * no memory, the scan looks at each weight. */
+static const uint32_t *skip_index(vp__vbar_t *vb) {
+  uint32_t n = vb->nweights;
+  if (vb->skip_ok && vb->skip_epoch == vb->epoch) return vb->skip;
+  if (!vb->skip_ok) { /* the number of weights may have changed */
+    free(vb->skip);
+    vb->skip = malloc(((size_t)n + 1) * sizeof *vb->skip);
+  }
+  if (!vb->skip) return NULL;
+  vb->skip[n] = n;
+  for (uint32_t i = n; i-- > 0;)
+    vb->skip[i] = scan_passes(vb->weights[i]) ? vb->skip[i + 1] : i;
+  vb->skip_ok = true;
+  vb->skip_epoch = vb->epoch;
+  return vb->skip;
+}
+
 /* Start the weights after `last` in its VBAR (wrapping to the start, for
  * the next pass) until lookahead bytes of them are staged or filled ahead.
  * Weights that stayed resident cost nothing and do not count: with the
  * resident weights first, the copy engine starts on the streamed ones while
- * the resident ones compute. A scan looks at each weight at most once. */
+ * the resident ones compute. A scan looks at each weight at most once, and
+ * steps over runs of resident ones (skip_index). */
+/* The chunk of the lookahead acquires may use up before a scan tops the
+ * window up: an eighth, so at least 7/8 of it stays queued ahead. */
+#define WINDOW_CHUNK(lookahead) ((lookahead) / 8)
+
+/* True if the last scan's window still stands and `last` lies in it:
+ * what it queued is still ahead of the acquires, minus less than a
+ * chunk. */
+static bool window_holds(const vp__vbar_t *vb, const vp__weight_t *last,
+                         uint64_t lookahead) {
+  if (!vb->win_ok || vb->win_epoch != vb->epoch ||
+      vb->win_lookahead != lookahead ||
+      vb->win_used >= WINDOW_CHUNK(lookahead))
+    return false;
+  if (vb->win_all) return true;
+  uint32_t n = vb->nweights;
+  uint32_t at = (last->index + n - vb->win_from) % n;
+  return at < (vb->win_to + n - vb->win_from) % n;
+}
+
+static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
+                       uint64_t lookahead) {
+  vb->win_from = from;
+  vb->win_to = to;
+  vb->win_all = all;
+  vb->win_ok = true;
+  vb->win_epoch = vb->epoch;
+  vb->win_lookahead = lookahead;
+  vb->win_used = 0;
+}
+
 static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   vp__vbar_t *vb = last->vb;
   /* All resident and filled at the last scan, and no page changed since:
    * nothing to scan. */
   if (vb->prefetch_idle && vb->prefetch_epoch == vb->epoch) return;
+  if (window_holds(vb, last, dev->lookahead)) return;
   batch_t b = {0};
   uint64_t bytes = 0;
   bool work = false;
   int rc = VP_OK;
-  for (uint32_t k = 1; k < vb->nweights && rc == VP_OK; k++) {
-    vp__weight_t *u = vb->weights[(last->index + k) % vb->nweights];
-    if (u->acq_resident || u->acq_staged || u->src.kind == VP_SOURCE_NONE)
-      continue;
-    bool ready = vp__ready_in_place(u);
-    if (u->prefetched && !ready) { /* its pages went before its use */
-      VP__COUNT(u->vb, prefetch_dropped_bytes, u->size);
-      u->prefetched = false;
+  const uint32_t *skip = skip_index(vb);
+  uint32_t n = vb->nweights, at = last->index, stop = at;
+  bool broke = false; /* stopped at weights[stop], which is not queued */
+  /* Two runs: after `last` to the end, then from the start up to it. */
+  for (int run = 0; run < 2 && rc == VP_OK; run++) {
+    uint32_t i = run ? 0 : at + 1, end = run ? at : n;
+    for (; rc == VP_OK; i++) {
+      if (skip && i < end) i = skip[i];
+      if (i >= end) break;
+      stop = i;
+      vp__weight_t *u = vb->weights[i];
+      if (u->acq_resident || u->acq_staged || u->src.kind == VP_SOURCE_NONE)
+        continue;
+      bool ready = vp__ready_in_place(u);
+      if (u->prefetched && !ready) { /* its pages went before its use */
+        VP__COUNT(u->vb, prefetch_dropped_bytes, u->size);
+        u->prefetched = false;
+      }
+      if (ready && !u->prefetched) continue; /* stayed resident: no copy */
+      work = true;
+      if (bytes >= dev->lookahead) {
+        broke = true;
+        goto done;
+      }
+      bytes += u->size;
+      if (u->slot || u->prefetched) continue; /* staged or filled ahead */
+      size_t before = b.nfilled;
+      rc = prefetch_one(dev, u, &b);
+      if (b.nfilled > before) VP__COUNT(u->vb, prefetch_bytes, u->size);
+      if (rc) broke = true;
     }
-    if (ready && !u->prefetched) continue; /* stayed resident: no copy */
-    work = true;
-    if (bytes >= dev->lookahead) break;
-    bytes += u->size;
-    if (u->slot || u->prefetched) continue; /* staged or filled ahead */
-    size_t before = b.nfilled;
-    rc = prefetch_one(dev, u, &b);
-    if (b.nfilled > before) VP__COUNT(u->vb, prefetch_bytes, u->size);
   }
+done:
+  /* The window: from after `last` to the weight the scan stopped at (not
+   * queued: over the lookahead, no ring room, or an error), or all. */
+  if (rc >= 0 && n)
+    window_set(vb, (at + 1) % n, stop, !broke, dev->lookahead);
+  else
+    vb->win_ok = false;
   if (!work) { /* until a page or a staging slot changes */
     vb->prefetch_idle = true;
     vb->prefetch_epoch = vb->epoch;
@@ -531,4 +627,3 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   free(b.c);
   free(b.filled);
 }
-

@@ -178,6 +178,7 @@ static void weight_list_insert(vp__vbar_t *vb, vp__weight_t *w) {
           (vb->nweights - i) * sizeof *vb->weights);
   vb->weights[i] = w;
   vb->nweights++;
+  vb->skip_ok = false;
   for (uint32_t j = i; j < vb->nweights; j++) vb->weights[j]->index = j;
 }
 
@@ -208,6 +209,7 @@ int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
       out[i].id = ws[i]->id;
     }
     vb->prefetch_idle = false;
+    vb->win_ok = false;
     /* Interleaved ranks follow the weights while nothing is resident. */
     if (vb->order_kind == VP_ORDER_INTERLEAVED && !vb->resident)
       vp__weights_set_order(vb, VP_ORDER_INTERLEAVED);
@@ -243,6 +245,7 @@ static void weight_unlist(vp__weight_t *w) {
   memmove(&vb->weights[w->index], &vb->weights[w->index + 1],
           (vb->nweights - w->index - 1) * sizeof *vb->weights);
   vb->nweights--;
+  vb->skip_ok = vb->win_ok = false;
   for (uint32_t j = w->index; j < vb->nweights; j++)
     vb->weights[j]->index = j;
 }
@@ -266,7 +269,10 @@ static void drop_vbar(vp__vbar_t *vb) {
   for (uint32_t i = 0; i < vb->nweights; i++)
     weight_free(vb->dev, vb->weights[i]);
   free(vb->weights);
+  free(vb->skip);
   vb->weights = NULL;
+  vb->skip = NULL;
+  vb->skip_ok = false;
   vb->nweights = vb->weights_cap = 0;
 }
 

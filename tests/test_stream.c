@@ -647,6 +647,69 @@ TEST(stream_prefetch_skips_ready, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Small weights, all streamed, acquired one at a time in order: prefetch
+ * keeps the window ahead of the acquires and tops it up a chunk (an eighth
+ * of the lookahead) at a time, so the copies of one top-up merge (one copy
+ * per chunk, not per weight) and no acquire misses after the first pass;
+ * the bytes are right in every pass. With resident weights between the
+ * streamed ones (one page in two freed), the scan steps over them. */
+TEST(stream_prefetch_window, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size, ws = ps / 32;
+  o.lookahead = 2 * ps;                    /* 64 weights; a chunk is 8 */
+  vp_device_t dev = test_open_cap(ctx, &o, 4); /* only the ring fits */
+  model_t m;
+  size_t n = 256;                          /* 8 pages */
+  model_uniform(&m, dev, 8 * ps, n, ws, SRC_CONTIG, 31);
+  uint64_t ptr;
+  uint8_t fl;
+  for (int pass = 0; pass < 3; pass++) {
+    vp_stats_t before = dstats(dev);
+    for (size_t i = 0; i < n; i++) {
+      ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &ptr, &fl));
+      ASSERT_TRUE(fl & VP_ACQUIRED_STAGED);
+      verify_acquired(ctx, dev, 0, ptr, fl, m.srcs[i].host, ws);
+      ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+    }
+    vp_stats_t after = dstats(dev);
+    uint64_t copies = after.copies - before.copies;
+    test_note("pass %d: %" PRIu64 " copies, %" PRIu64 " staged at acquire",
+              pass, copies, after.weight_staged - before.weight_staged);
+    ASSERT_TRUE(copies <= n / 4);           /* merged: ~n / 8 */
+    if (pass) ASSERT_EQ_U64(after.weight_staged, before.weight_staged);
+  }
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+
+  /* Pages 0, 2, 4, 6 resident, 1, 3, 5, 7 streamed. */
+  o.lookahead = ps;
+  dev = test_open_cap(ctx, &o, 8);
+  model_uniform(&m, dev, 8 * ps, n, ws, SRC_CONTIG, 32);
+  uint32_t ranks[8] = {0, 2, 4, 6, 1, 3, 5, 7}; /* evicted last first */
+  ASSERT_OK(vp_vbar_set_ranks(m.v, ranks, 8));
+  for (int pass = 0; pass < 3; pass++) {
+    vp_stats_t before = dstats(dev);
+    for (size_t i = 0; i < n; i++) {
+      ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &ptr, &fl));
+      verify_acquired(ctx, dev, 0, ptr, fl, m.srcs[i].host, ws);
+      ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+    }
+    vp_stats_t after = dstats(dev);
+    uint64_t staged = after.weight_staged - before.weight_staged;
+    test_note("pass %d: %" PRIu64 " copies, %" PRIu64 " staged at acquire, "
+              "%" PRIu64 " pages committed", pass, after.copies - before.copies,
+              staged, after.pages_committed - before.pages_committed);
+    if (pass) {
+      ASSERT_EQ_U64(after.pages_committed, before.pages_committed);
+      ASSERT_TRUE(after.copies - before.copies <= n / 8);
+      ASSERT_EQ_U64(staged, 0);
+    }
+  }
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
 /* ----------------------------------------------------------------- merge */
 
 TEST(stream_merge, TEST_ALL_BACKENDS) {
