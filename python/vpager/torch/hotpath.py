@@ -45,6 +45,11 @@ def _cuda_stream(target):
     return torch.cuda.current_stream(target).cuda_stream
 
 
+# The current stream's handle in one call (torch 2.x; what its compiler
+# uses): ~0.2 us instead of ~2 for building a torch.cuda.Stream per unit.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _unpack(t):
     return t
 
@@ -67,8 +72,10 @@ class HotPath:
         self.tuner = _NO_TUNER      # handle.py sets the Tuner, if any
         self._check_open = handle._check_open
         if target.type == "cuda":
-            self.stream = functools.partial(_cuda_stream, target)
             self.index = cuda_index(target)
+            self.stream = (functools.partial(_RAW_STREAM, self.index)
+                           if _RAW_STREAM is not None else
+                           functools.partial(_cuda_stream, target))
         else:
             self.stream = int           # int() == 0: the default stream
             self.index = 0
