@@ -1855,6 +1855,37 @@ def test_bench_compat_cold_dry_run():
         shutil.rmtree(out, ignore_errors=True)
 
 
+def test_bench_compat_dry_run():
+    """bench/bench_compat.py --dry-run runs the round trip and both steady
+    shapes (ComfyUI's layout, block spans, the hand streamer) on the
+    simulated device without an error, every output bitwise equal."""
+    if not have_torch():
+        return
+    out = tempfile.mkdtemp()
+    try:
+        env = dict(ENV, OUT=out)
+        env.pop("VPAGER_BACKEND", None)
+        r = subprocess.run(
+            [sys.executable, os.path.join(REPO, "bench", "bench_compat.py"),
+             "--dry-run", "--iters", "1", "--warmup", "0", "--pairs", "2000"],
+            env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+        with open(os.path.join(out, "bench_compat.json")) as f:
+            res = json.load(f)
+        assert "errors" not in res, res["errors"]
+        assert len(res["fault"]) == 4, res["fault"]
+        for name in ("uniform", "small"):
+            sh = res["shapes"][name]
+            assert sh["verify"]["bad"] == [] and sh["verify"]["checked"] > 0
+            for row in sh["batch"].values():
+                v = row["vpager"]
+                assert v["equal"] and row["hand"]["equal"], row
+                assert v["counts"]["miss"] > 0 and v["counts"]["hit"] > 0
+                assert v["stats"]["pages_committed"] == 0     # steady
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 # ----------------------------------------------------------- model_mmap
 
 def test_model_mmap_get_bounce():
