@@ -97,6 +97,9 @@ class ModelVBAR:
         self._calls = _fast_calls()
         self.offset = 0                 # the bump allocator's next byte
         _vbars.add(self)
+        # Named in the GPU's ledger (`python -m vpager top`, issue 14).
+        self._vbar.label = "comfy_aimdo %d MiB #%d" % (size >> 20,
+                                                       len(_vbars))
 
     # ---------------------------------------------------------- allocation
     def alloc(self, n):
