@@ -206,10 +206,19 @@ def make_class(comfy, base):
             p = getattr(self.model, "_vpager_pager", None)
             return p if p is not None and not p.closed else None
 
+        # The path is the model's (clones share it): the last load chose.
+        @property
+        def _vp_mode(self):
+            return getattr(self.model, "_vpager_mode", None)
+
+        @_vp_mode.setter
+        def _vp_mode(self, mode):
+            self.model._vpager_mode = mode
+
         def vpager_active(self):
-            """True while this model's weights are vpager's."""
-            return (getattr(self, "_vp_mode", None) == "vpager"
-                    and self._vp() is not None)
+            """True while this model's weights are vpager's (for every
+            clone of it: the last load decided)."""
+            return self._vp_mode == "vpager" and self._vp() is not None
 
         def _vp_why_not(self):
             if env_off():
@@ -253,6 +262,8 @@ def make_class(comfy, base):
                 self._vp_mode = "comfy"
                 return super().partially_load(device_to, extra_memory,
                                               force_patch_weights)
+            if self._vp_mode == "comfy":
+                self._vp_from_comfy()
             self._vp_mode = "vpager"
             assert not force_patch_weights
             with self.use_ejected(skip_and_inject_on_exit_only=True):
@@ -264,6 +275,18 @@ def make_class(comfy, base):
                     self.detach()
                     raise
             return 0
+
+        def _vp_from_comfy(self):
+            """The model was on ComfyUI's own dynamic path: its comfy_aimdo
+            VBAR's pages and ComfyUI-way weights go before vpager takes it."""
+            vbar_get = getattr(self, "_vbar_get", None)
+            vbar = vbar_get() if vbar_get is not None else None
+            if vbar is not None:
+                try:
+                    base.partially_unload(self, self.offload_device, 1e32)
+                except Exception as e:     # never worse than not freeing
+                    log.warning("vpager: freeing %s's comfy_aimdo pages: %s",
+                                type(self.model).__name__, e)
 
         def load(self, device_to=None, lowvram_model_memory=0,
                  force_patch_weights=False, full_load=False, dirty=False):

@@ -229,9 +229,14 @@ class ModelPatcherDynamic(ModelPatcher):
     def load(self, device_to=None, lowvram_model_memory=0,
              force_patch_weights=False, full_load=False, dirty=False):
         self.model.comfy_loaded = getattr(self.model, "comfy_loaded", 0) + 1
+        self.model.aimdo_vbar = object()        # its comfy_aimdo VBAR
+
+    def _vbar_get(self, create=False):
+        return getattr(self.model, "aimdo_vbar", None)
 
     def partially_unload(self, device_to, memory_to_free=0,
                          force_patch_weights=False):
+        self.model.aimdo_freed = memory_to_free
         return 0
 
     def loaded_ram_size(self):
@@ -705,9 +710,9 @@ def test_fallbacks_with_one_log_line():
             del os.environ["VPAGER_COMFYUI"]
         assert m.comfy_loaded == 2 and not p.vpager_active()
         assert len(lines) == 1 and "VPAGER_COMFYUI=0" in lines[0], lines
-        # On again: vpager takes it.
+        # On again: vpager takes it, once ComfyUI's VBAR gave its pages back.
         p.partially_load(CPU)
-        assert p.vpager_active()
+        assert p.vpager_active() and m.aimdo_freed >= 1e30
         ref = frozen_unpaged(m)
         assert torch.equal(run(m), run(ref))
         # The node setting, per model: a clone with it off. The model goes
@@ -717,6 +722,7 @@ def test_fallbacks_with_one_log_line():
         with logs() as lines:
             q.partially_load(CPU)
         assert not q.vpager_active() and m._vpager_pager is None
+        assert not p.vpager_active()        # the model's path, every clone
         assert "VpagerSettings" in lines[0]
         assert "forward" not in m.diffusion_model.blocks[0].up.__dict__
         assert torch.equal(run(m), run(ref))
