@@ -25,8 +25,10 @@ that weight only (vp_weight_destroy and a new weight at the same offset),
 so only the weights whose patch changed are refilled.
 """
 
+import concurrent.futures
 import ctypes
 import functools
+import os
 import time
 
 import torch
@@ -79,6 +81,36 @@ def comfy_file_slice(t):
     if size < nbytes(t) or not isinstance(fd, int):
         return None
     return fd, offset
+
+
+COPY_THREADS = 8            # threads making the host copy
+_COPY_CHUNK = 64 << 20      # bytes a thread copies at a time
+
+
+def copy_all(pairs):
+    """dst.copy_(src) for each (dst, src) of CPU tensors, over a few
+    threads in chunks (torch's copies release the GIL): reading a model
+    out of ComfyUI's file mapping runs at memory speed, not one core's."""
+    jobs = []
+    for dst, src in pairs:
+        n = dst.numel()
+        if n == 0:
+            continue
+        step = max(_COPY_CHUNK // max(dst.element_size(), 1), 1)
+        d, s = dst.view(-1), src.reshape(-1)
+        for i in range(0, n, step):
+            jobs.append((d[i:i + step], s[i:i + step]))
+    threads = min(COPY_THREADS, len(jobs), os.cpu_count() or 1)
+    if threads <= 1:
+        for d, s in jobs:
+            d.copy_(s)
+        return
+
+    def one(job):
+        with torch.no_grad():
+            job[0].copy_(job[1])
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, jobs))
 
 
 class Entry:
@@ -284,10 +316,12 @@ class Pager:
                 buf = torch.frombuffer(
                     (ctypes.c_uint8 * total).from_address(base),
                     dtype=torch.uint8)
+                pairs = []
                 for e in hosted:
                     h = buf[e.offset:e.offset + e.size].view(e.dtype)
-                    h = h.view(e.shape)
-                    h.copy_(e.cpu.detach())
+                    pairs.append((h.view(e.shape), e.cpu.detach()))
+                copy_all(pairs)
+                for e, (h, _) in zip(hosted, pairs):
                     e.host = h
                     e.base_src = Source.from_host(base + e.offset)
                     # The host copy is the CPU tensor now: the old storage

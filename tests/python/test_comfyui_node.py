@@ -1002,6 +1002,19 @@ def test_activations_first():
         engine.torch_reserved = saved
 
 
+def test_host_copy_threads():
+    saved = engine._COPY_CHUNK
+    try:
+        engine._COPY_CHUNK = 1000           # many chunks, several threads
+        srcs = [torch.randn(37, 91), torch.randn(5000).half(),
+                torch.zeros(0), torch.randn(3, 4, 5)]
+        dsts = [torch.empty_like(s) for s in srcs]
+        engine.copy_all(list(zip(dsts, srcs)))
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    finally:
+        engine._COPY_CHUNK = saved
+
+
 def test_same_patch():
     d = torch.zeros(2)
     a = [(1.0, ("diff", (d,)), 1.0, None, None)]
