@@ -19,10 +19,14 @@ vp_unpin_range (the same as vp_fault / vp_unpin, on a range described
 once) through function objects of our own without argtypes, given ctypes
 objects made beforehand: converting arguments is most of a ctypes call's
 cost, and a pointer made by byref() once is the cheapest argument there
-is. vp_fault_range writes the generations into the new signature and
-zeroes the rest, so the signature is the pages' generations exactly as
-vp_fault gives them. Objects shared between threads are never written
-after they are made, so threads may fault the same range at once.
+is. vp_fault_range writes the generations into the range's buffer (an
+array('I') of the signature's length) and zeroes the rest; the signature
+returned is a copy of it, so it holds the pages' generations exactly as
+vp_fault gives them. That buffer is shared by threads: C writes it only
+in a fault that pins every page of the range, under the device lock, and
+Python copies it while that pin is held, so pages cannot change in
+between and any fault that writes it meanwhile writes the same values.
+Everything else shared between threads is never written once made.
 """
 
 import array
@@ -49,6 +53,7 @@ _fault_range = _unpin_range = None      # the same two, once loaded
 _VOIDP = ctypes.c_void_p
 _U64 = ctypes.c_uint64
 _STREAM0 = ctypes.c_uint64(0)
+_ZERO = 0
 _id = id
 _array = array.array
 
@@ -130,7 +135,8 @@ class ModelVBAR:
         """What the hit path needs for the range [address, +size), checked
         (the errors _off raises) and remembered under `key` (the id of the
         range's tuple): (address, size, byref of its vp_range_t, the
-        signature's length as c_size_t, a zeroed signature). None when the
+        signature's length as c_size_t, the range's generations buffer and
+        its address as a c_void_p; module doc). None when the
         range takes the plain path: size 0, or pages smaller than the
         signature's 32 MiB (more generations than signature entries)."""
         from vpager._lib import vp_range_t
@@ -143,8 +149,9 @@ class ModelVBAR:
                 >= n:
             return None
         r = vp_range_t(self._hv, off, size)
-        e = (address, size, ctypes.byref(r), ctypes.c_size_t(n),
-             array.array("I", bytes(4 * n)))
+        buf = array.array("I", bytes(4 * n))        # never resized
+        e = (address, size, ctypes.byref(r), ctypes.c_size_t(n), buf,
+             _VOIDP(buf.buffer_info()[0]))
         fast = self._fast
         if len(fast) >= _FAST_MAX:
             fast.clear()
@@ -281,10 +288,9 @@ def vbar_fault(alloc):
         e = _entry(vbar, alloc, address, size, "vbar_fault")
         if e is None:
             return vbar.fault(address, size)
-    sig = e[4][:]
-    rc = _fault_range(e[2], _VOIDP(sig.buffer_info()[0]), e[3])
+    rc = _fault_range(e[2], e[5], e[3])
     if rc == 0:
-        return sig
+        return e[4][:]          # a copy while the pages are pinned
     if rc == 1:                                     # VP_MISS
         return None
     vbar._failed(rc)
@@ -304,7 +310,7 @@ def vbar_unpin(alloc, stream=0):
         e = _entry(vbar, alloc, address, size, "vbar_unpin")
         if e is None:
             return vbar.unpin(address, size, stream)
-    if stream == 0 and type(stream) is int:
+    if stream is _ZERO:                 # the default (0 is one object)
         rc = _unpin_range(e[2], _STREAM0)
     else:
         rc = _unpin_range(e[2], _U64(_stream(stream)))
