@@ -254,6 +254,68 @@ def test_mlp_bitwise_and_counters():
     h.unload()
 
 
+def test_schedule_by_time():
+    """offload() with a budget and no order: the first two forwards are
+    measured, then the weights are placed for the schedule (tuner.py):
+    outputs stay bitwise equal, the placement and order stay the same
+    from then on, no page is committed or evicted in steady state, each
+    unit's window is set, and the overrides turn it off."""
+    m = mlp(depth=8)
+    ref = frozen_copy(m)
+    x = torch.randn(8, 64)
+    want = ref(x)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]               # windows by the schedule
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    assert h.order == "interleaved" and h.schedule() is None
+    for _ in range(2):
+        assert torch.equal(m(x), want)
+    assert h.order == "scheduled"
+    sch = h.schedule()
+    assert sch["resident_weights"] > 0 and sch["streamed_bytes"] > 0, sch
+    assert sch["resident_bytes"] <= 900 * K and sch["windows"], sch
+    assert any(u.window for u in h._layout.units)
+    layout = h.layout()
+    s0 = h.stats()
+    for _ in range(4):
+        assert torch.equal(m(x), want)
+    s1 = h.stats()
+    assert h.layout() == layout                         # stable
+    d = delta(s1["device"], s0["device"], "pages_committed", "pages_evicted")
+    assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+    assert delta(s1, s0, "weight_fills")["weight_fills"] == 0
+    assert delta(s1, s0, "hits")["hits"] > 0
+    assert "custom" in h.report()
+    assert no_pins(h)
+    h.unload()
+    assert torch.equal(m(x), want)
+    # Overrides: an order asked for, or VPAGER_SCHEDULE=0, keep the old
+    # behaviour; lookahead= keeps the placement but not the windows.
+    for kw, env, order in (({"order": "tail"}, {}, "tail"),
+                           ({}, {"VPAGER_SCHEDULE": "0"}, "interleaved"),
+                           ({"lookahead": 64 * K}, {}, "scheduled")):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            o = dict(opts, **kw)
+            h = vt.offload(m, device="cpu", budget=900 * K,
+                           staging_size=320 * K, **o)
+            for _ in range(3):
+                assert torch.equal(m(x), want)
+            assert h.order == order, (kw, env, h.order)
+            if order == "scheduled":
+                assert h.schedule()["windows"] is None
+                assert not any(u.window for u in h._layout.units)
+            h.unload()
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def test_transformer_stack_bitwise():
     m = transformer()
     ref = frozen_copy(m)

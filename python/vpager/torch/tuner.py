@@ -105,6 +105,7 @@ class Tuner:
         self.link = None
         self.rounds = 0             # forwards measured
         self.work = None            # unit -> the least work measured
+        self.works = []             # each measured forward's unit -> work
 
     def install(self, module):
         self.hooks = [module.register_forward_pre_hook(self._begin),
@@ -166,6 +167,7 @@ class Tuner:
         # What runs before the first unit follows the last one (cyclic).
         work[cur] += self._seconds(self.start, calls[0][1])
         self.rounds += 1
+        self.works.append(work)
         if self.work is not None:   # the least of the forwards measured
             work = {u: min(t, self.work.get(u, t)) for u, t in work.items()}
         self.work = work
@@ -250,7 +252,7 @@ class Tuner:
                         MARGIN), t_old, old.streamed, old.resident_bytes,
                     float(sum(w)))
                 self.schedule = sch
-                self._windows(units, sch)
+                self._windows(units, sizes, sch, self.ring)
                 self._log(sch, self.ring, units, w)
                 return
         offsets, end = place_runs(flat, lay.align, dev.page_size,
@@ -276,10 +278,21 @@ class Tuner:
             if r:
                 runs.update(range(off // page, (off + e.size - 1) // page + 1))
         lay.vbar.set_watermark(len(runs) * page)
-        self._windows(units, sch)
+        self._windows(units, sizes, sch, ring)
         self._log(sch, ring, units, w)
 
-    def _windows(self, units, sch):
+    def _windows(self, units, sizes, sch, ring):
+        """Each unit's window: the largest of those the measured forwards
+        ask for (a model may run forwards of several kinds, a prefill and
+        then decode steps: a window long enough for each)."""
+        eff = int(ring * schedule.FRAGMENTATION)
+        win = list(sch.window)
+        for work in self.works:
+            w = [work.get(u, 0.0) for u in units]
+            other = schedule.windows(w, sizes, sch.resident, self.link, eff,
+                                     PER_COPY, MARGIN)
+            win = [max(a, b) for a, b in zip(win, other)]
+        sch.window = win
         if self.windows:
             for u, win in zip(units, smooth(sch.window)):
                 if u is not None:
