@@ -326,23 +326,28 @@ class Stack:
         t_gen = time.perf_counter() - t0
         t0 = time.perf_counter()
         pin = ctx.cuda
-        # one pinned pool for all weights (one registration), views per
-        # weight; the biases likewise
-        pool = torch.empty(L * sh.layer_bytes, dtype=torch.uint8,
-                           pin_memory=pin)
-        for i, w in enumerate(self.dev):
-            h = pool[i * sh.layer_bytes:(i + 1) * sh.layer_bytes].view(
-                sh.dtype).view(d, d)
-            h.copy_(w)
-            self.host.append(h)
+        # pinned pools of up to 1 GiB of whole weights (torch's pinned
+        # allocator rounds each allocation up to a power of two: 1 GiB of
+        # 2 MiB or 128 MiB weights wastes nothing), views per weight
+        per = max(1, GiB // sh.layer_bytes)
+        self.pools = []
+        for c0 in range(0, L, per):
+            k = min(per, L - c0)
+            pool = torch.empty(k * sh.layer_bytes, dtype=torch.uint8,
+                               pin_memory=pin)
+            self.pools.append(pool)
+            for j in range(k):
+                h = pool[j * sh.layer_bytes:(j + 1) * sh.layer_bytes].view(
+                    sh.dtype).view(d, d)
+                h.copy_(self.dev[c0 + j])
+                self.host.append(h)
         self.bias_host = [b.cpu().pin_memory() if pin else b.clone()
                           for b in self.bias_dev]
-        self.pool = pool
         ctx.sync()
         say("   weights built in %.1f s, host copies %s in %.1f s" % (
-            t_gen, "pinned (one torch pin_memory pool)" if pin and
-            pool.is_pinned() else "pageable (CPU run)",
-            time.perf_counter() - t0))
+            t_gen, "pinned (%d torch pin_memory pools)" % len(self.pools)
+            if pin and all(p.is_pinned() for p in self.pools) else
+            "pageable (CPU run)", time.perf_counter() - t0))
 
     def drop_device(self, ctx):
         self.dev = []
