@@ -177,6 +177,8 @@ struct vp__device {
   vp__table_t hostbufs;
   /* weights.c, staging.c, stream.c */
   vp_stream_t copy_stream; /* 0 until first needed */
+  uint64_t copy_done_seq;  /* the copy stream's fences up to this seq are
+                              complete (they complete in order) */
   vp__table_t weights;
   struct vp__staging *staging;
   uint64_t lookahead;
@@ -467,6 +469,7 @@ typedef struct vp__staging {
   vp__slot_t **slots; /* sorted by offset */
   size_t n, cap;
   uint64_t clock;    /* ticks at each use, for LRU */
+  uint64_t taken;    /* bytes in slots: no gap fits more than size - taken */
 } vp__staging_t;
 
 

@@ -78,6 +78,7 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
     s->owner->vb->prefetch_idle = false;
     s->owner->vb->win_ok = false;
   }
+  st->taken -= s->size;
   free(s);
   memmove(&st->slots[k], &st->slots[k + 1],
           (st->n - k - 1) * sizeof *st->slots);
@@ -85,9 +86,20 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
   return VP_OK;
 }
 
+/* The gap before slot k (k = n: the tail), if `size` fits in it. */
+static bool gap_fits(const vp__staging_t *st, size_t k, uint64_t size,
+                     uint64_t *off) {
+  uint64_t end = k ? st->slots[k - 1]->off + st->slots[k - 1]->size : 0;
+  uint64_t next = k < st->n ? st->slots[k]->off : st->size;
+  if (next - end < size) return false;
+  *off = end;
+  return true;
+}
+
 /* Index before which a slot of `size` fits (its offset in *off), or
  * SIZE_MAX: the first gap that is large enough. */
 static size_t ring_fit(const vp__staging_t *st, uint64_t size, uint64_t *off) {
+  if (st->size - st->taken < size) return SIZE_MAX; /* no gap that large */
   uint64_t end = 0;
   for (size_t k = 0; k <= st->n; k++) {
     uint64_t next = k < st->n ? st->slots[k]->off : st->size;
@@ -119,7 +131,8 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   uint64_t size = (w->size + SLOT_ALIGN - 1) & ~(uint64_t)(SLOT_ALIGN - 1);
   uint64_t off = 0;
   size_t k, victim;
-  while ((k = ring_fit(st, size, &off)) == SIZE_MAX) {
+  k = ring_fit(st, size, &off);
+  while (k == SIZE_MAX) {
     if ((victim = ring_victim(st, prefetch)) == SIZE_MAX) {
       if (prefetch) return VP_MISS;
       return vp__err(VP_ELIMIT, "a weight of %llu bytes does not fit in the "
@@ -128,6 +141,9 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
                      (unsigned long long)w->size, (unsigned long long)st->size);
     }
     if ((rc = ring_reclaim(dev, st, victim))) return rc;
+    /* No other gap fitted before, so the first that fits now, if any, is
+     * the one the victim left (joined with its neighbours). */
+    if (gap_fits(st, victim, size, &off)) k = victim;
   }
   vp__slot_t *s = NULL;
   if ((rc = vp__grow(dev, (void **)&st->slots, &st->cap, st->n, sizeof s)) ||
@@ -137,6 +153,7 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   memmove(&st->slots[k + 1], &st->slots[k], (st->n - k) * sizeof s);
   st->slots[k] = s;
   st->n++;
+  st->taken += size;
   w->slot = s;
   *out = s;
   return VP_OK;

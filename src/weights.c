@@ -9,8 +9,14 @@
 /* True while w's last fill may still be running on the copy stream. */
 bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w) {
   if (!w->copy_fence) return false;
-  if (vp__be_event_query(dev, w->copy_fence->event) != VP_OK)
-    return true;
+  /* Copy-stream fences complete in order: one seen done answers for the
+   * older ones (the weights of one merged batch share a fence) without
+   * asking the device again. */
+  if (w->copy_fence->seq > dev->copy_done_seq) {
+    if (vp__be_event_query(dev, w->copy_fence->event) != VP_OK)
+      return true;
+    dev->copy_done_seq = w->copy_fence->seq;
+  }
   vp__fence_put(dev, w->copy_fence);
   w->copy_fence = NULL;
   return false;
