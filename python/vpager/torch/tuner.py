@@ -269,7 +269,8 @@ class Tuner:
                                            lay.vbar.size // dev.page_size))
         h.order = "scheduled"
         self.schedule = sch
-        self.warm(flat, sch.resident, ring)
+        self._windows(units, sizes, sch, ring)
+        self.warm(flat, sch.resident, ring, max(sch.window or [0]))
         # The streamed weights miss at once (no commit tried, so nothing
         # evicted for them): the watermark just above the resident runs.
         page = dev.page_size
@@ -278,7 +279,6 @@ class Tuner:
             if r:
                 runs.update(range(off // page, (off + e.size - 1) // page + 1))
         lay.vbar.set_watermark(len(runs) * page)
-        self._windows(units, sizes, sch, ring)
         self._log(sch, ring, units, w)
 
     def _windows(self, units, sizes, sch, ring):
@@ -308,11 +308,13 @@ class Tuner:
                     sum(w) * 1e3,
                     " ".join("%d" % (x >> 10) for x in sch.window[:48])))
 
-    def warm(self, entries, resident, ring):
+    def warm(self, entries, resident, ring, window):
         """Fill the resident set now, at the end of the measured forward,
         so that the next forward is already a steady one: acquire and
         release the resident weights in batches the ring could hold (were
-        they to miss) on the compute stream."""
+        they to miss) on the compute stream; then, with the windows on,
+        the last weight, whose prefetch (`window` bytes) wraps to the
+        first streamed weights, as the end of every forward does."""
         lay = self.layout
         hot = self.handle._hot
         stream = hot.stream()
@@ -326,6 +328,10 @@ class Tuner:
             size += w.size
         if cur:
             chunks.append(cur)
+        if self.windows and entries:
+            lay.device.set_lookahead(window)
+            self.ds.window = window
+            chunks.append([lay.weights[entries[-1].index]])
         for ws in chunks:
             b = WeightBatch(lay.device, ws)
             b.acquire(stream)
