@@ -103,16 +103,17 @@ typedef struct vp__vbar {
   uint64_t skip_epoch;
   bool skip_ok;
   /* stream.c: the window of the last scan, weights [win_from, win_to) in
-   * scan order (win_all: all of them), at pages epoch win_epoch and
-   * lookahead win_lookahead; win_used: bytes acquired from it with a copy
-   * since. While the next acquire is in the window and used < a chunk of
-   * the lookahead, nothing is scanned: prefetch tops the window up a
-   * chunk at a time, in one batch (merged copies, one fence), not a
-   * weight per acquire. win_ok = false: scan at the next acquire (a miss,
-   * a lost slot, a fill undone). */
+   * scan order (win_all: all of them; win_ring: it ended where the ring
+   * was full), win_bytes of them needing copies, at pages epoch
+   * win_epoch; win_used: bytes acquired from it with a copy since. While
+   * the next acquire is in the window, used < a chunk of the lookahead and
+   * what is left of it still covers the lookahead less a chunk, nothing is
+   * scanned: prefetch tops the window up a chunk at a time, in one batch
+   * (merged copies, one fence), not a weight per acquire. win_ok = false:
+   * scan at the next acquire (a miss, a lost slot, a fill undone). */
   uint32_t win_from, win_to;
-  bool win_all, win_ok;
-  uint64_t win_epoch, win_lookahead, win_used;
+  bool win_all, win_ring, win_ok;
+  uint64_t win_epoch, win_bytes, win_used;
   /* ledger.c: the label, the VBAR's entry in the ledger (index + 1; 0 =
    * none yet) and its last use (CLOCK_MONOTONIC_COARSE ns), stamped by the
    * public calls that use it, never by the pager's hot path. */

@@ -547,24 +547,28 @@ static const uint32_t *skip_index(vp__vbar_t *vb) {
  * chunk. */
 static bool window_holds(const vp__vbar_t *vb, const vp__weight_t *last,
                          uint64_t lookahead) {
-  if (!vb->win_ok || vb->win_epoch != vb->epoch ||
-      vb->win_lookahead != lookahead ||
-      vb->win_used >= WINDOW_CHUNK(lookahead))
+  uint64_t chunk = WINDOW_CHUNK(lookahead);
+  if (!vb->win_ok || vb->win_epoch != vb->epoch || vb->win_used >= chunk)
     return false;
   if (vb->win_all) return true;
+  /* A larger lookahead than the window covers (the caller changed it):
+   * scan, unless the ring is what limits the window. */
+  if (!vb->win_ring && vb->win_bytes - vb->win_used + chunk < lookahead)
+    return false;
   uint32_t n = vb->nweights;
   uint32_t at = (last->index + n - vb->win_from) % n;
   return at < (vb->win_to + n - vb->win_from) % n;
 }
 
 static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
-                       uint64_t lookahead) {
+                       bool ring, uint64_t bytes) {
   vb->win_from = from;
   vb->win_to = to;
   vb->win_all = all;
+  vb->win_ring = ring;
   vb->win_ok = true;
   vb->win_epoch = vb->epoch;
-  vb->win_lookahead = lookahead;
+  vb->win_bytes = bytes;
   vb->win_used = 0;
 }
 
@@ -614,7 +618,7 @@ done:
   /* The window: from after `last` to the weight the scan stopped at (not
    * queued: over the lookahead, no ring room, or an error), or all. */
   if (rc >= 0 && n)
-    window_set(vb, (at + 1) % n, stop, !broke, dev->lookahead);
+    window_set(vb, (at + 1) % n, stop, !broke, rc == VP_MISS, bytes);
   else
     vb->win_ok = false;
   if (!work) { /* until a page or a staging slot changes */

@@ -679,6 +679,18 @@ TEST(stream_prefetch_window, TEST_ALL_BACKENDS) {
     ASSERT_TRUE(copies <= n / 4);           /* merged: ~n / 8 */
     if (pass) ASSERT_EQ_U64(after.weight_staged, before.weight_staged);
   }
+  /* A larger lookahead is taken up at the next acquire, not a chunk
+   * later; a smaller one keeps the window. */
+  ASSERT_OK(vp_device_set_lookahead(dev, 3 * ps));
+  vp_stats_t st = dstats(dev);
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &ptr, &fl));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_TRUE(dstats(dev).prefetch_bytes - st.prefetch_bytes >= ps / 2);
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  st = dstats(dev);
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, 0, &ptr, &fl));
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, st.prefetch_bytes);
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 
