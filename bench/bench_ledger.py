@@ -42,6 +42,7 @@ sys.path.insert(0, HERE)
 import benchlib as bl  # noqa: E402
 
 POOL = 10           # units of device memory the two active ones share
+SLACK = 2           # and room for their staging rings and torch (GPU)
 SIZES = {"diffusion": 6, "llm": 5, "idle": 8}
 WAIT_N = (1, 4, 8)
 SPLITS = (4, 5, 6)  # diffusion's units in the static splits
@@ -50,11 +51,20 @@ SPLITS = (4, 5, 6)  # diffusion's units in the static splits
 # ================================================================ worker
 
 def _models(role, unit, dry):
-    """The role's model, built where it computes (the GPU: no host copy in
-    fp32 first), and its input."""
+    """The role's model on the CPU (built block by block on the GPU, where
+    random weights are quick, then moved: a few hundred MB of the GPU at a
+    time, so it can be built beside the hog), and its input on the device
+    it computes on."""
     import torch
     dt = torch.float32 if dry else torch.bfloat16
     kw = dict(bias=False, dtype=dt, device="cpu" if dry else "cuda")
+
+    def built(m):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.requires_grad_(False)
+                p.normal_(0, 0.02)
+        return m.cpu()
     nbytes = SIZES[role] * unit
     if role == "diffusion":
         h = 128 if dry else 3072
@@ -73,7 +83,7 @@ def _models(role, unit, dry):
                 y = self.down(torch.nn.functional.gelu(self.up(x * m[0])))
                 return x + y * m[1]
 
-        model = torch.nn.Sequential(*[Block() for _ in range(blocks)])
+        model = torch.nn.Sequential(*[built(Block()) for _ in range(blocks)])
         x = torch.randn(64 if dry else 4096, h, dtype=dt, device=kw["device"])
     else:
         h, inter = (128, 256) if dry else (4096, 11008)
@@ -95,12 +105,8 @@ def _models(role, unit, dry):
                 g = torch.nn.functional.silu(self.gate(x)) * self.up(x)
                 return x + self.down(g)
 
-        model = torch.nn.Sequential(*[Layer() for _ in range(layers)])
+        model = torch.nn.Sequential(*[built(Layer()) for _ in range(layers)])
         x = torch.randn(4, h, dtype=dt, device=kw["device"])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.requires_grad_(False)
-            p.normal_(0, 0.02)
     return model, x
 
 
@@ -120,7 +126,11 @@ def worker(role, name, unit, dry, budget, ledger_on):
                     sim_capacity=(POOL + 3) * unit, page_size=unit // 16,
                     sim_granularity=unit // 16, staging_size=unit)
     else:
-        opts = dict(device="cuda")
+        # 32 MiB pages (2 MiB ones cost ~23 ms/GiB to release: the first
+        # H200 run); an order given, so offload() does not schedule (the
+        # tuner's own residency choices are not what is measured here).
+        opts = dict(device="cuda", page_size=32 << 20)
+    opts["order"] = "interleaved"
     if not ledger_on:
         opts["ledger"] = "off"
     t0 = time.perf_counter()
@@ -303,9 +313,12 @@ def main():
         line = ("wait for %d U held by an idle peer: %.2f ms (freed %.2f U;"
                 " idle resident before %.2f U)" % (
                     n, got["ms"], got["freed"] / unit, r["resident"] / unit))
+        whole = got["freed"] >= 0.99 * min(n * unit, r["resident"])
         if not dry:
-            line += "  " + bl.target("wait %d GiB ms" % n, got["ms"], "<=",
-                                     goal)
+            line += "  " + bl.target("wait %d GiB ms" % n, got["ms"]
+                                     if whole else float("inf"), "<=", goal)
+        if not whole:
+            line += " (not all of it came: a peer skipped?)"
         bl.say(line)
         waits.append(dict(n=n, ms=got["ms"], freed=got["freed"],
                           idle_resident=r["resident"], goal_ms=goal))
@@ -315,7 +328,7 @@ def main():
     if dry:
         idle.ask(cmd="evict")
     else:
-        r = idle.ask(cmd="hog", free=pool)
+        r = idle.ask(cmd="hog", free=pool + SLACK * unit)
         bl.say("idle: hog %.2f GB, device free %.2f GB" % (
             r["hog"] / 1e9, r["free"] / 1e9))
     both = (diff, llm)
