@@ -325,6 +325,61 @@ def test_torch_publishes_reserved_floor_and_platform_limit():
         h.unload()
 
 
+# A process that frees memory over the ledger when told to (a line on
+# stdin: the bytes), answering what it freed.
+ASKER = r"""
+import sys, vpager
+from vpager import ledger
+name, cap = sys.argv[1], int(sys.argv[2])
+PAGE = %d
+d = vpager.Device(backend="sim", page_size=PAGE, sim_granularity=PAGE,
+                  sim_capacity=cap * PAGE, sim_shared=name, lookahead=0,
+                  ledger_timeout_us=2000000)
+print("ready", flush=True)
+for line in sys.stdin:
+    print(ledger.free_memory(d, int(line)), flush=True)
+d.close()
+""" % PAGE
+
+
+def test_torch_model_taken_while_idle_comes_back():
+    torch, vt, ml = _torch()
+    name = shared_name("tback")
+    m = _stack(torch, 4)
+    x = torch.randn(2, 128)
+    with torch.no_grad():
+        ref = m(x)
+    h = _offload(vt, m, name, 24, staging_size=2 * PAGE)
+    asker = subprocess.Popen([sys.executable, "-c", ASKER, name, "24"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=_env(), text=True)
+    old = ml.COME_BACK_IDLE
+    try:
+        assert asker.stdout.readline().strip() == "ready"
+        with torch.no_grad():
+            assert torch.equal(m(x), ref)
+        whole = ml.info(h)["loaded_size"]
+        assert whole >= 4 * PAGE
+        # Busy (forwards back to back): pages taken stay misses, streamed.
+        ml.COME_BACK_IDLE = 60.0
+        asker.stdin.write("%d\n" % (2 * PAGE))
+        asker.stdin.flush()
+        assert int(asker.stdout.readline()) == 2 * PAGE
+        with torch.no_grad():
+            assert torch.equal(m(x), ref)
+        assert ml.info(h)["loaded_size"] == whole - 2 * PAGE
+        # Idle a while, then used: it comes back whole.
+        ml.COME_BACK_IDLE = 0.0
+        with torch.no_grad():
+            assert torch.equal(m(x), ref)
+        assert ml.info(h)["loaded_size"] == whole
+    finally:
+        ml.COME_BACK_IDLE = old
+        asker.stdin.close()
+        asker.wait(timeout=30)
+        h.unload()
+
+
 def test_bench_ledger_dry_run():
     _torch()
     env = _env()
