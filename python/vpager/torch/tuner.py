@@ -23,6 +23,7 @@ once: the order stays the same for every later forward."""
 import os
 import sys
 import time
+import warnings
 
 import torch
 
@@ -174,7 +175,17 @@ class Tuner:
         if self.rounds >= ROUNDS:
             self.done = True
             self.remove()
-        self.apply(work)
+        try:
+            self.apply(work)
+        except Exception as e:      # noqa: BLE001 (the forward is done)
+            # The forward's output is right whatever happens here; a
+            # schedule that cannot be applied leaves the layout as it is
+            # (Layout.swap is all or nothing) and is not tried again.
+            self.done = True
+            self.remove()
+            warnings.warn("vpager.torch: the copy schedule was not applied "
+                          "(%s: %s); the model keeps its placement"
+                          % (type(e).__name__, e), RuntimeWarning)
 
     # ------------------------------------------------------------ apply
     def _costs(self, work):
