@@ -74,9 +74,15 @@ static int proc_start(int32_t pid, uint64_t *start) {
   return 1;
 }
 
+/* Read once: every liveness check compares with it, under the lock. */
 static uint64_t own_pidns(void) {
+  static _Atomic uint64_t ns;
+  uint64_t v = atomic_load_explicit(&ns, RELAXED);
+  if (v) return v;
   struct stat st;
-  return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+  v = stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+  atomic_store_explicit(&ns, v, RELAXED);
+  return v;
 }
 
 /* Live while a process with its pid and start time exists: a recycled pid
@@ -148,12 +154,19 @@ int vp__lseg_lock(ledger_seg_t *seg) {
   /* trylock first: it is uncontended nearly always, and TSan follows a
    * trylock's EOWNERDEAD (not a timedlock's). */
   int r = pthread_mutex_trylock(&seg->lock);
-  if (r == EBUSY) {
+  /* A lock that others took and gave back meanwhile is busy (many
+   * processes joining at once on few CPUs), not stuck: wait on, up to
+   * LEDGER_LOCK_BUSY_MS. One nobody else took for LEDGER_LOCK_MS is. */
+  for (int waited = 0; r == EBUSY || (r == ETIMEDOUT &&
+                                      waited < LEDGER_LOCK_BUSY_MS);
+       waited += LEDGER_LOCK_MS) {
+    uint64_t gen = atomic_load(&seg->lock_gen);
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_nsec += (LEDGER_LOCK_MS % 1000) * 1000000L;
     ts.tv_sec += LEDGER_LOCK_MS / 1000 + ts.tv_nsec / 1000000000L;
     ts.tv_nsec %= 1000000000L;
     r = pthread_mutex_timedlock(&seg->lock, &ts);
+    if (r == ETIMEDOUT && atomic_load(&seg->lock_gen) == gen) break;
   }
   if (r == EOWNERDEAD) {
     vp__log(VP_LOG_WARN, "ledger", "a process died holding the ledger lock; "
@@ -163,12 +176,17 @@ int vp__lseg_lock(ledger_seg_t *seg) {
     return VP_OK;
   }
   if (r == ETIMEDOUT)
-    vp__log(VP_LOG_WARN, "ledger", "the ledger lock was held for over %d ms "
-            "(a stopped process?); going on without it", LEDGER_LOCK_MS);
+    vp__log(VP_LOG_WARN, "ledger", "the ledger lock stayed taken (%d ms "
+            "with nobody else taking it, or %d ms in all: a stopped "
+            "process?); going on without it", LEDGER_LOCK_MS,
+            LEDGER_LOCK_BUSY_MS);
   return r == 0 ? VP_OK : r == ETIMEDOUT ? VP_EAGAIN : VP_EDEVICE;
 }
 
-void vp__lseg_unlock(ledger_seg_t *seg) { pthread_mutex_unlock(&seg->lock); }
+void vp__lseg_unlock(ledger_seg_t *seg) {
+  atomic_fetch_add(&seg->lock_gen, 1);
+  pthread_mutex_unlock(&seg->lock);
+}
 
 /* --------------------------------------------------------- mapping */
 
@@ -349,9 +367,9 @@ static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start) {
 static int join_locked(vp__ledger_t *l, char *why, size_t len) {
   ledger_seg_t *seg = l->seg;
   if (atomic_load(&seg->unlinked)) return VP_EAGAIN;
-  vp__lseg_reap(seg);
   uint64_t start = 0;
   if (proc_start((int32_t)getpid(), &start) != 1) start = 0;
+  vp__lseg_reap(seg);
   for (int i = 0; i < LEDGER_PARTS; i++) {
     ledger_part_t *p = &seg->part[i];
     if (atomic_load(&p->state) != PART_FREE) continue;
@@ -451,10 +469,16 @@ static void leave(vp__ledger_t *l) {
       vp__futex_wake(&r->state);
   }
   if (!locked) return;
-  vp__lseg_reap(seg);
+  /* Whether anyone is left: the first live one ends the search (the dead
+   * met before it are reaped). */
   int live = 0;
-  for (int i = 0; i < LEDGER_PARTS; i++)
-    live += atomic_load(&seg->part[i].state) == PART_LIVE;
+  for (int i = 0; i < LEDGER_PARTS && !live; i++) {
+    ledger_part_t *q = &seg->part[i];
+    if (atomic_load(&q->state) != PART_LIVE) continue;
+    if (vp__lpart_alive(q)) live = 1;
+    else part_clear(q);
+  }
+  for (int i = 0; i < LEDGER_REQS && !live; i++) reap_request(seg, &seg->req[i]);
   if (live == 0) {
     atomic_store(&seg->unlinked, 1);
     shm_unlink(l->shm);

@@ -38,7 +38,9 @@
 #define LEDGER_REQS 64    /* release requests in flight per GPU */
 #define LEDGER_WORDS(bytes) ((bytes) / 8)
 #define LEDGER_PREFIX "/vpager-ledger-"
-#define LEDGER_LOCK_MS 500   /* longest wait for the membership lock */
+#define LEDGER_LOCK_MS 500   /* longest wait for a membership lock that
+                                nobody else takes meanwhile (stuck) */
+#define LEDGER_LOCK_BUSY_MS 10000 /* longest wait for one others take */
 #define LEDGER_SKIP_NS 1000000000ull /* a peer that timed out is skipped */
 #define LEDGER_TIMEOUT_US 50000u     /* default wait per peer */
 
@@ -91,6 +93,7 @@ typedef struct ledger_seg {
   _Atomic uint32_t unlinked; /* the name was removed: open it anew */
   lword_t size;    /* sizeof(ledger_seg_t) */
   lword_t serials; /* the last participant serial given */
+  lword_t lock_gen; /* bumped at every unlock: a busy lock, not a stuck one */
   lword_t total, free, measured; /* device memory, and when (coarse ns) */
   lword_t name[LEDGER_WORDS(80)];
   pthread_mutex_t lock; /* membership: join, leave, reap */
