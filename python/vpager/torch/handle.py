@@ -37,7 +37,8 @@ def _open_device(plan, dev):
 class Offloaded:
     """The handle offload() returns: module, device (the vpager.Device),
     vbar, target (the torch device it computes on), order (the VBAR's
-    eviction order, "interleaved" or "tail"); stats(), residency(),
+    eviction order: "interleaved", "tail", or "scheduled" once the copy
+    schedule ranks its pages: tuner.py); stats(), schedule(), residency(),
     layout(), units(), prioritize(), acquired(), load_safetensors(),
     unload(), close(). See python/README.md."""
 
