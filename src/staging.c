@@ -110,12 +110,14 @@ static size_t ring_fit(const vp__staging_t *st, uint64_t size, uint64_t *off) {
 }
 
 /* The least recently used slot that may be reclaimed, or SIZE_MAX. Held
- * slots never are; prefetched ones not by another prefetch. */
+ * slots never are; prefetched ones not by another prefetch, unless their
+ * weight let go of them (destroyed, or re-placed by vpager.torch): such a
+ * slot would otherwise keep its room from every later prefetch. */
 static size_t ring_victim(const vp__staging_t *st, bool keep_prefetch) {
   size_t best = SIZE_MAX;
   for (size_t k = 0; k < st->n; k++) {
     const vp__slot_t *s = st->slots[k];
-    if (s->refs || (keep_prefetch && s->prefetched)) continue;
+    if (s->refs || (keep_prefetch && s->prefetched && s->owner)) continue;
     if (best == SIZE_MAX || s->used < st->slots[best]->used) best = k;
   }
   return best;

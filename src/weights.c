@@ -26,7 +26,12 @@ bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w) {
 /* Copies from w's source may still be queued: the caller may free the
  * source once the weight is gone, so wait for them. */
 static void weight_free(vp__device_t *dev, vp__weight_t *w) {
-  if (w->slot) w->slot->owner = NULL;
+  if (w->slot) { /* its bytes serve nobody now: reclaimable by anyone */
+    if (w->slot->prefetched)
+      VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
+    w->slot->prefetched = false;
+    w->slot->owner = NULL;
+  }
   if (w->copy_fence) {
     if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
     if (w->copy_fence) vp__fence_put(dev, w->copy_fence);

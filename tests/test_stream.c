@@ -722,6 +722,42 @@ TEST(stream_prefetch_window, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Weights destroyed (or re-placed: vpager.torch does so after its first
+ * forward) while prefetch had staged them: their slots serve nobody and
+ * must not keep the ring from later prefetches. */
+TEST(stream_prefetch_orphans, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  o.lookahead = 4 * ps;
+  vp_device_t dev = test_open_cap(ctx, &o, 4); /* only the ring fits */
+  model_t a, b;
+  model_uniform(&a, dev, 4 * ps, 4, ps, SRC_SCATTER, 41);
+  uint64_t ptr;
+  uint8_t fl;
+  ASSERT_OK(vp_acquire(dev, &a.w[0], 1, 0, &ptr, &fl));
+  ASSERT_OK(vp_release(dev, &a.w[0], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes, 3 * ps); /* a.w[1..3] */
+  for (int i = 0; i < 4; i++) ASSERT_OK(vp_weight_destroy(a.w[i]));
+  vp_stats_t st = dstats(dev);
+  ASSERT_EQ_U64(st.prefetch_dropped_bytes, 3 * ps);
+  model_uniform(&b, dev, 8 * ps, 8, ps, SRC_SCATTER, 42);
+  ASSERT_OK(vp_acquire(dev, &b.w[0], 1, 0, &ptr, &fl));
+  verify_acquired(ctx, dev, 0, ptr, fl, b.srcs[0].host, ps);
+  ASSERT_OK(vp_release(dev, &b.w[0], 1, 0));
+  /* The ring's other three slots go to b's next weights. */
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - st.prefetch_bytes, 3 * ps);
+  for (size_t i = 1; i < 4; i++) {
+    ASSERT_OK(vp_acquire(dev, &b.w[i], 1, 0, &ptr, &fl));
+    ASSERT_EQ_INT(fl, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    verify_acquired(ctx, dev, 0, ptr, fl, b.srcs[i].host, ps);
+    ASSERT_OK(vp_release(dev, &b.w[i], 1, 0));
+  }
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&a);
+  model_free(&b);
+}
+
 /* ----------------------------------------------------------------- merge */
 
 TEST(stream_merge, TEST_ALL_BACKENDS) {
