@@ -471,6 +471,8 @@ typedef struct vp__staging {
   size_t n, cap;
   uint64_t clock;    /* ticks at each use, for LRU */
   uint64_t taken;    /* bytes in slots: no gap fits more than size - taken */
+  uint64_t next;     /* where the last slot ended: prefetch allocates on
+                        from here, so a batch's slots follow each other */
 } vp__staging_t;
 
 

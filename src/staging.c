@@ -109,6 +109,12 @@ static size_t ring_fit(const vp__staging_t *st, uint64_t size, uint64_t *off) {
   return SIZE_MAX;
 }
 
+/* Whether slot s may be reclaimed: not held, and (for a prefetch) not
+ * staged ahead for a weight that is still there. */
+static bool reclaimable(const vp__slot_t *s, bool keep_prefetch) {
+  return !s->refs && !(keep_prefetch && s->prefetched && s->owner);
+}
+
 /* The least recently used slot that may be reclaimed, or SIZE_MAX. Held
  * slots never are; prefetched ones not by another prefetch, unless their
  * weight let go of them (destroyed, or re-placed by vpager.torch): such a
@@ -117,10 +123,51 @@ static size_t ring_victim(const vp__staging_t *st, bool keep_prefetch) {
   size_t best = SIZE_MAX;
   for (size_t k = 0; k < st->n; k++) {
     const vp__slot_t *s = st->slots[k];
-    if (s->refs || (keep_prefetch && s->prefetched && s->owner)) continue;
+    if (!reclaimable(s, keep_prefetch)) continue;
     if (best == SIZE_MAX || s->used < st->slots[best]->used) best = k;
   }
   return best;
+}
+
+/* Index before which a slot of `size` goes at st->next (wrapping to 0 at
+ * the end), the slots in the way reclaimed (*rc: an error doing so), or
+ * SIZE_MAX. A slot that may not be reclaimed (held, or staged ahead) is
+ * stepped over, like a clock hand, at most once round the ring. In order
+ * of use the slots after st->next are the oldest, so this is the LRU
+ * choice for a model streamed in order, and consecutive allocations (one
+ * prefetch batch) get adjacent slots: their copies merge when the sources
+ * are adjacent too. */
+static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
+                        bool keep_prefetch, uint64_t *off, int *rc) {
+  if (size > st->size) return SIZE_MAX;
+  uint64_t at = st->next, moved = 0;
+  for (;;) {
+    if (at > st->size - size) {
+      moved += st->size - at;
+      at = 0;
+    }
+    if (moved >= st->size) return SIZE_MAX; /* went round */
+    size_t lo = 0, hi = st->n; /* the first slot that ends after `at` */
+    while (lo < hi) {
+      size_t mid = lo + (hi - lo) / 2;
+      if (st->slots[mid]->off + st->slots[mid]->size <= at) lo = mid + 1;
+      else hi = mid;
+    }
+    size_t q = lo;
+    while (q < st->n && st->slots[q]->off < at + size &&
+           reclaimable(st->slots[q], keep_prefetch))
+      q++;
+    if (q < st->n && st->slots[q]->off < at + size) { /* in the way */
+      uint64_t end = st->slots[q]->off + st->slots[q]->size;
+      moved += end - at;
+      at = end;
+      continue;
+    }
+    while (lo < st->n && st->slots[lo]->off < at + size)
+      if ((*rc = ring_reclaim(dev, st, lo))) return SIZE_MAX;
+    *off = at;
+    return lo;
+  }
 }
 
 /* A staging slot for w. VP_MISS when the ring has no room (for prefetch,
@@ -132,8 +179,10 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   vp__staging_t *st = dev->staging;
   uint64_t size = (w->size + SLOT_ALIGN - 1) & ~(uint64_t)(SLOT_ALIGN - 1);
   uint64_t off = 0;
-  size_t k, victim;
-  k = ring_fit(st, size, &off);
+  size_t k = SIZE_MAX, victim;
+  if (prefetch) k = ring_next(dev, st, size, true, &off, &rc);
+  if (rc) return rc;
+  if (k == SIZE_MAX) k = ring_fit(st, size, &off);
   while (k == SIZE_MAX) {
     if ((victim = ring_victim(st, prefetch)) == SIZE_MAX) {
       if (prefetch) return VP_MISS;
@@ -156,6 +205,7 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   st->slots[k] = s;
   st->n++;
   st->taken += size;
+  st->next = off + size;
   w->slot = s;
   *out = s;
   return VP_OK;
