@@ -130,15 +130,15 @@ static size_t ring_victim(const vp__staging_t *st, bool keep_prefetch) {
 }
 
 /* Index before which a slot of `size` goes at st->next (wrapping to 0 at
- * the end), the slots in the way reclaimed (*rc: an error doing so), or
- * SIZE_MAX. A slot that may not be reclaimed (held, or staged ahead) is
- * stepped over, like a clock hand, at most once round the ring. In order
- * of use the slots after st->next are the oldest, so this is the LRU
- * choice for a model streamed in order, and consecutive allocations (one
- * prefetch batch) get adjacent slots: their copies merge when the sources
- * are adjacent too. */
+ * the end), or SIZE_MAX. reclaim = false: only if nothing is in the way.
+ * reclaim = true: the slots in the way are reclaimed (*rc: an error doing
+ * so); one that may not be (held, or staged ahead) is stepped over, like a
+ * clock hand, at most once round the ring. In order of use the slots after
+ * st->next are the oldest, so this is the LRU choice for a model streamed
+ * in order, and consecutive allocations (one prefetch batch) get adjacent
+ * slots: their copies merge when the sources are adjacent too. */
 static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
-                        bool keep_prefetch, uint64_t *off, int *rc) {
+                        bool reclaim, uint64_t *off, int *rc) {
   if (size > st->size) return SIZE_MAX;
   uint64_t at = st->next, moved = 0;
   for (;;) {
@@ -154,10 +154,11 @@ static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
       else hi = mid;
     }
     size_t q = lo;
-    while (q < st->n && st->slots[q]->off < at + size &&
-           reclaimable(st->slots[q], keep_prefetch))
+    while (reclaim && q < st->n && st->slots[q]->off < at + size &&
+           reclaimable(st->slots[q], true))
       q++;
     if (q < st->n && st->slots[q]->off < at + size) { /* in the way */
+      if (!reclaim) return SIZE_MAX;
       uint64_t end = st->slots[q]->off + st->slots[q]->size;
       moved += end - at;
       at = end;
@@ -179,10 +180,13 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   vp__staging_t *st = dev->staging;
   uint64_t size = (w->size + SLOT_ALIGN - 1) & ~(uint64_t)(SLOT_ALIGN - 1);
   uint64_t off = 0;
-  size_t k = SIZE_MAX, victim;
-  if (prefetch) k = ring_next(dev, st, size, true, &off, &rc);
-  if (rc) return rc;
+  /* Free room first (at st->next, else the first gap): what the ring
+   * holds may be acquired again without a copy. Then, for prefetch, the
+   * clock hand; last, the least recently used slot. */
+  size_t victim, k = ring_next(dev, st, size, false, &off, &rc);
   if (k == SIZE_MAX) k = ring_fit(st, size, &off);
+  if (k == SIZE_MAX && prefetch) k = ring_next(dev, st, size, true, &off, &rc);
+  if (rc) return rc;
   while (k == SIZE_MAX) {
     if ((victim = ring_victim(st, prefetch)) == SIZE_MAX) {
       if (prefetch) return VP_MISS;

@@ -746,6 +746,33 @@ TEST(stream_prefetch_window, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Streamed weights that all fit in the ring stay staged: later passes
+ * copy nothing (the ring takes free room before reclaiming a slot). */
+TEST(stream_ring_keeps_what_fits, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size, hs = ps / 2;
+  o.lookahead = 4 * ps;
+  vp_device_t dev = test_open_cap(ctx, &o, 4); /* only the ring fits */
+  model_t m;
+  model_uniform(&m, dev, 4 * ps, 7, hs, SRC_SCATTER, 43); /* 3.5 pages */
+  uint64_t ptr;
+  uint8_t fl;
+  for (int pass = 0; pass < 3; pass++) {
+    vp_stats_t st = dstats(dev);
+    for (size_t i = 0; i < 7; i++) {
+      ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &ptr, &fl));
+      verify_acquired(ctx, dev, 0, ptr, fl, m.srcs[i].host, hs);
+      ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+    }
+    test_note("pass %d: %" PRIu64 " copies", pass,
+              dstats(dev).copies - st.copies);
+    if (pass) ASSERT_EQ_U64(dstats(dev).copies, st.copies);
+  }
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
 /* Weights destroyed (or re-placed: vpager.torch does so after its first
  * forward) while prefetch had staged them: their slots serve nobody and
  * must not keep the ring from later prefetches. */
