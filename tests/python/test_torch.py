@@ -1328,6 +1328,151 @@ def test_cuda():
     h.unload()
 
 
+# ---------------------------------------- offload() inside another loader
+
+class Wrapped(nn.Module):
+    """A loader's model object (ComfyUI's BaseModel): the network inside,
+    called through another method, plus a parameter of the loader's."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.extra = nn.Parameter(torch.full((16,), 0.5),
+                                  requires_grad=False)
+
+    def step(self, x):
+        return self.net(x) * self.extra
+
+
+def big_linears(name, t):
+    return name.endswith(".weight") and t.dim() == 2
+
+
+def test_embedded_offload_tensors_outside_root():
+    """tensors= picks the managed tensors (the rest stay the caller's,
+    where they are), outside="host" keeps each managed tensor's bytes on
+    the CPU outside the forward, root= measures and re-places at the
+    network's forward, schedule=True schedules on a shared device."""
+    net = mlp(depth=6)
+    w = Wrapped(net)
+    ref = frozen_copy(w)
+    x = torch.randn(8, 64)
+    want = ref.step(x)
+    opts = sim_opts()
+    del opts["lookahead"]
+    dev = vt.open_device("sim", budget=900 * K, staging_size=320 * K, **opts)
+    try:
+        h = vt.offload(w, dev=dev, tensors=big_linears, outside="host",
+                       root=net, schedule=True)
+        names = [n for n, _, _, _ in h.layout()]
+        assert names and all(n.endswith(".weight") for n in names), names
+        # Biases and the loader's own parameter are not vpager's.
+        assert not hasattr(net[0].bias, "_vpager_handle")
+        assert not hasattr(w.extra, "_vpager_handle")
+        # Outside the forward: real bytes on the CPU, not placeholders.
+        w0 = net[2].weight
+        assert w0.device.type == "cpu"
+        assert torch.equal(w0, ref.net[2].weight)
+        sd = w.state_dict()
+        assert torch.equal(sd["net.2.weight"], ref.net[2].weight)
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(w.step(x), want)
+        assert h.order == "scheduled" and h.schedule() is not None
+        assert h.stats()["replaced"] == 0       # module order = use order
+        assert torch.equal(net[2].weight, ref.net[2].weight)
+        h.unload()
+        assert torch.equal(w.step(x), want)
+    finally:
+        dev.close()
+    raises(ValueError, vt.offload, mlp(), device="cpu", outside="nan")
+    raises(TypeError, vt.offload, mlp(), device="cpu", tensors=3)
+    raises(ValueError, vt.offload, mlp(), device="cpu", root=mlp())
+
+
+def test_set_source_refills_one_weight():
+    """set_source(): one weight's bytes from another tensor (a patched
+    weight), only it refills; None puts its own bytes back."""
+    m = mlp(depth=4)
+    ref = frozen_copy(m)
+    x = torch.randn(4, 64)
+    h = offload_sim(m, 4 << 20, 320 * K, outside="host")
+    with torch.no_grad():
+        want = ref(x)
+        assert torch.equal(m(x), want)
+        assert torch.equal(m(x), want)
+        f0 = h.stats()["weight_fills"]
+        patched = ref[2].weight + 0.25
+        h.set_source("2.weight", patched)
+        assert h.stats()["set_sources"] == 1
+        ref2 = frozen_copy(ref)
+        ref2[2].weight.data = patched.clone()
+        want2 = ref2(x)
+        assert torch.equal(m(x), want2)
+        assert h.stats()["weight_fills"] - f0 == 1      # that weight only
+        # Outside the forward the tensor keeps its own bytes.
+        assert torch.equal(m[2].weight, ref[2].weight)
+        assert torch.equal(h.module.state_dict()["2.weight"], ref[2].weight)
+        # Survives a re-placement (the schedule's) and a second change.
+        h.set_source("2.weight", patched * 2)
+        ref2[2].weight.data = patched * 2
+        assert torch.equal(m(x), ref2(x))
+        f1 = h.stats()["weight_fills"]
+        h.set_source("2.weight", None)
+        assert h.stats()["set_sources"] == 0
+        assert torch.equal(m(x), want)
+        assert h.stats()["weight_fills"] - f1 == 1
+        h.set_source("2.weight", None)          # nothing to undo
+    raises(ValueError, h.set_source, "2.weight", torch.zeros(3))
+    raises(KeyError, h.set_source, "nope", None)
+    h.unload()
+    assert torch.equal(m[2].weight, ref[2].weight)
+
+
+def test_sources_callable_and_place_by_use():
+    """sources=: a weight's bytes from the caller's Source (a file region),
+    no host copy; place_by_use() re-places by the order units ran outside
+    the root's forward."""
+    m = mlp(depth=3)
+    ref = frozen_copy(m)
+    x = torch.randn(4, 64)
+    fd, path = tempfile.mkstemp()
+    try:
+        where = {}
+        with os.fdopen(os.dup(fd), "wb") as f:
+            off = 0
+            for n, p in m.named_parameters():
+                b = p.detach().numpy().tobytes()
+                f.write(b)
+                where[n] = off
+                off += len(b)
+
+        def src(name, t):
+            return vpager.Source.from_file(fd, where[name])
+        h = offload_sim(m, 4 << 20, 320 * K, sources=src, outside="host")
+        assert h.stats()["host_bytes"] == 0
+        assert all(kind == "source" for _, _, _, kind in h.layout())
+        assert torch.equal(m[2].weight, ref[2].weight)
+        # The units, not the root, run: backwards through the layers.
+        order = [m[i] for i in range(len(m)) if isinstance(m[i], nn.Linear)]
+        with torch.no_grad():
+            for u in reversed(order):
+                u(torch.zeros(1, u.in_features))
+        assert h.place_by_use()
+        names = [n for n, _, _, _ in h.layout()]
+        assert names[0] == "%d.weight" % (len(m) - 1), names
+        assert not h.place_by_use()             # once
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        assert h.stats()["device"]["file_bytes_read"] > 0 or \
+            h.stats()["file_bytes_read"] > 0
+        h.unload()
+        assert torch.equal(m(x), ref(x))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(
         globals(), after_each=gc.collect,

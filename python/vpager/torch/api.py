@@ -20,14 +20,21 @@ class Settings:
     order_asked: whether the caller chose it),
     options (vp_options_t fields for a device offload() opens), align,
     weights_from (a safetensors path or None), reorder, units (offload()'s
-    units= argument)."""
+    units= argument), and for embedding offload() in another loader:
+    tensors (a predicate choosing the managed tensors, or None), sources
+    (a callable giving a weight's Source, or None), outside
+    ("placeholder" or "host"), root (the submodule whose forward is one
+    step, or None: the module), schedule (True/False/None)."""
 
     __slots__ = ("budget", "lookahead", "order", "options", "align",
                  "weights_from", "reorder", "units", "order_asked",
-                 "scheduled")
+                 "scheduled", "tensors", "sources", "outside", "root",
+                 "schedule")
 
     def __init__(self, budget=None, lookahead=None, order=None, options=None,
-                 align=ALIGN, weights_from=None, reorder=True, units=None):
+                 align=ALIGN, weights_from=None, reorder=True, units=None,
+                 tensors=None, sources=None, outside="placeholder",
+                 root=None, schedule=None):
         if align < 1 or align & (align - 1):
             raise ValueError("vpager.torch.offload: align must be a power of "
                              "two, not %r" % align)
@@ -49,6 +56,23 @@ class Settings:
         self.weights_from = weights_from
         self.reorder = reorder
         self.units = units
+        if outside not in ("placeholder", "host"):
+            raise ValueError("vpager.torch.offload: outside= is "
+                             "\"placeholder\" or \"host\", not %r"
+                             % (outside,))
+        for name, f in (("tensors", tensors), ("sources", sources)):
+            if f is not None and not callable(f):
+                raise TypeError("vpager.torch.offload: %s= takes a callable "
+                                "(qualified name, tensor), not %s"
+                                % (name, type(f).__name__))
+        if root is not None and not isinstance(root, torch.nn.Module):
+            raise TypeError("vpager.torch.offload: root= is a submodule, "
+                            "not %s" % type(root).__name__)
+        if schedule not in (None, True, False):
+            raise ValueError("vpager.torch.offload: schedule= is True, "
+                             "False or None, not %r" % (schedule,))
+        self.tensors, self.sources, self.outside = tensors, sources, outside
+        self.root, self.schedule = root, schedule
 
 
 class Plan:
@@ -64,7 +88,7 @@ class Plan:
     def __init__(self, module, device, dev, settings, fresh=()):
         from_file = settings.weights_from is not None
         units, entries, owners = collect(module, unit_rule(settings.units),
-                                         from_file)
+                                         from_file, settings.tensors)
         if not entries:
             raise ValueError("vpager.torch.offload: %s has no parameters or "
                              "floating-point buffers to offload"
@@ -74,6 +98,12 @@ class Plan:
             raise ValueError("vpager.torch.offload: parameters are on several "
                              "devices (%s); move the module to one first"
                              % ", ".join(sorted(str(s) for s in srcs)))
+        root = settings.root
+        if root is not None and root is not module and \
+                not any(m is root for m in module.modules()):
+            raise ValueError("vpager.torch.offload: root= (%s) is not a "
+                             "submodule of the %s" % (type(root).__name__,
+                                                      type(module).__name__))
         self.module = module
         self.units, self.entries, self.owners = units, entries, owners
         self.target = resolve_target(srcs.pop(), device, dev,
@@ -99,7 +129,8 @@ def _which_device(device, dev, options):
 
 def offload(module, device=None, budget=None, lookahead=None, order=None,
             dev=None, units=None, align=ALIGN, weights_from=None,
-            reorder=True, **options):
+            reorder=True, tensors=None, sources=None, outside="placeholder",
+            root=None, schedule=None, **options):
     """Page `module`'s weights through vpager; returns an Offloaded handle.
 
     device: where it computes ("cuda", "cuda:N", N, or "cpu"/"sim" for the
@@ -133,6 +164,24 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
         it now.
     reorder: re-place the weights in the order the first forward uses them
         (default True).
+    For a loader that embeds offload() (ComfyUI's node:
+    integrations/comfyui/):
+    tensors: a predicate (qualified name, tensor) -> bool choosing the
+        parameters and buffers vpager manages (default: every parameter
+        and floating-point buffer); the others are the caller's and stay
+        where they are (not moved to the device).
+    sources: a callable (qualified name, tensor) -> vpager.Source or None:
+        a weight's bytes come from that source (say a region of a file
+        the tensor maps) instead of a host copy; None: a host copy.
+    outside: what a managed tensor holds outside its unit's forward:
+        "placeholder" (the default: NaN placeholders on the device) or
+        "host" (a CPU tensor with its bytes: its host copy, the file
+        mapping, or the tensor a source= was given for), for code that
+        reads weights outside the forward.
+    root: the submodule whose forward is one step of the model (default:
+        the module): the first forwards are recorded and measured there.
+    schedule: True: the copy schedule (tuner.py) also on a shared device
+        (dev=); False: never; None: offload()'s rule.
     options: vp_options_t fields for the device offload opens (page_size,
         staging_size, sim_capacity, ...); not allowed with dev.
 
@@ -142,7 +191,8 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
                         % type(module).__name__)
     dev, device = _which_device(device, dev, options)
     settings = Settings(budget, lookahead, order, options, align,
-                        weights_from, reorder, units)
+                        weights_from, reorder, units, tensors, sources,
+                        outside, root, schedule)
     swapped = unmeta(module) if weights_from is not None else []
     try:
         plan = Plan(module, device, dev, settings,

@@ -12,16 +12,16 @@ import os
 
 import torch
 
-from ..weights import WeightBatch
+from ..weights import Source, WeightBatch
 from .devices import attach, devstate, DEVSTATES, leave, open_for
 from . import ledger as _ledger
 from .hotpath import HotPath
 from .layout import Layout
 from .replace import Recorder
 from . import tuner as _tuner
-from .sources import host_copy
+from .sources import host_copy, outside
 from .units import CLOSED, OPEN, UNLOADED, Unit, refuse_copy, unmanaged
-from .views import placeholder
+from .views import placeholder, view
 
 
 def _open_device(plan, dev):
@@ -44,6 +44,11 @@ class Offloaded:
 
     def __init__(self, plan, dev=None):
         self.module = plan.module
+        # The submodule whose forward is one step (offload(root=)): the
+        # hooks that learn, record and measure go there.
+        self._root = plan.settings.root or plan.module
+        self._outside = plan.settings.outside
+        self._keep_rest = plan.settings.tensors is not None
         self.target = plan.target
         self._owners = plan.owners
         self._state = OPEN
@@ -92,18 +97,20 @@ class Offloaded:
             u.had_forward = "forward" in u.module.__dict__
             u.saved_forward = u.module.__dict__.get("forward")
             u.module.forward = self._hot.wrap(u, fwd)
-        for m, items in self._owners:
+        # outside="host": the tensors hold their bytes, state_dict() needs
+        # no copies (and the loader that asked for it owns loading).
+        for m, items in (self._owners if self._outside != "host" else ()):
             self._hooks.append(m._register_state_dict_hook(
                 functools.partial(self._state_dict_hook, items)))
             self._hooks.append(m._register_load_state_dict_pre_hook(
                 functools.partial(self._load_hook, items)))
         if self.target.type == "cuda":     # activations first
-            self._hooks.append(self.module.register_forward_pre_hook(
+            self._hooks.append(self._root.register_forward_pre_hook(
                 self._hot.learn_hook))
         if reorder and len(self._layout.units) > 1:
-            self._recorder.install(self.module)
+            self._recorder.install(self._root)
         if self._tuner is not None:     # after the Recorder's hooks
-            self._tuner.install(self.module)
+            self._tuner.install(self._root)
 
     def _placeholders(self):
         with torch.no_grad(), torch.inference_mode(False):
@@ -111,13 +118,17 @@ class Offloaded:
                 t = e.tensor
                 if e.is_param:
                     t.requires_grad_(False)
-                e.ph = placeholder(e.dtype, e.shape, self.target)
+                e.ph = (outside(e) if self._outside == "host"
+                        else placeholder(e.dtype, e.shape, self.target))
                 e.ph_ptr = e.ph.data_ptr()
                 t.data = e.ph
                 t._vpager_handle = self
 
     def _move_unmanaged(self):
-        """The tensors vpager leaves alone go to the target device."""
+        """The tensors vpager leaves alone go to the target device (unless
+        offload(tensors=) chose them: then they are the caller's)."""
+        if self._keep_rest:
+            return
         managed = {id(e.tensor) for e in self._layout.entries}
         with torch.no_grad(), torch.inference_mode(False):
             for d, k, t, is_param in unmanaged(self.module, managed):
@@ -227,17 +238,98 @@ class Offloaded:
                 for u in self._layout.units]
 
     def layout(self):
-        """[(weight name, VBAR offset, bytes, "host" or "file")] in VBAR
-        order: where each weight lives and where its bytes come from."""
+        """[(weight name, VBAR offset, bytes, "host", "file" or "source")]
+        in VBAR order: where each weight lives and where its bytes come
+        from (its host copy, the safetensors file, or offload(sources=))."""
         self._check_open()
         return self._layout.describe()
 
     def load_safetensors(self, path):
-        """vpager.torch.load_safetensors(self, path): see there."""
+        """vpager.torch.load_safetensors(self, path): see there (sources
+        set by set_source() are dropped: every weight is the file's)."""
         self._check_open()
         self._idle("load_safetensors")
         self._layout.reload(self.module, path, self._swap)
+        for e in self._layout.entries:
+            e.own = None
+            self._drop_alt(e)
+            if self._outside == "host":
+                self._repoint(e, outside(e))
         return self
+
+    def _entry(self, name):
+        for e in self._layout.entries:
+            if e.name == name:
+                return e
+        raise KeyError("vpager.torch: %r is not a weight of this offloaded "
+                       "%s (names: layout())" % (name,
+                                                 type(self.module).__name__))
+
+    @staticmethod
+    def _drop_alt(e):
+        if e.alt is not None:
+            if not e.alt.closed:
+                e.alt.close()
+            e.alt = None
+
+    @staticmethod
+    def _repoint(e, t):
+        e.ph = t
+        e.ph_ptr = t.data_ptr()
+        if not e.cur:
+            with torch.no_grad(), torch.inference_mode(False):
+                e.tensor.data = t
+
+    def set_source(self, name, tensor=None):
+        """Weight `name` (its qualified name, as layout() gives it) takes
+        its bytes from `tensor` from now on: a tensor of its dtype and
+        shape (any device), copied once into a pinned host buffer of its
+        own. tensor None: its own bytes again (host copy or file). Only
+        that weight is filled anew, at its next acquire; the others keep
+        their pages. What the module's tensor holds outside the forward
+        (its placeholder, or with outside="host" its own bytes) does not
+        change. For weights a loader patches (ComfyUI's LoRA). Not inside
+        the weight's forward (RuntimeError)."""
+        self._check_open()
+        e = self._entry(name)
+        if e.cur:
+            raise RuntimeError("vpager.torch: set_source(%r) while the "
+                               "weight is acquired" % name)
+        if tensor is None:
+            if e.own is None:
+                return
+            self._layout.set_source(e, e.own)
+            e.own = None
+            self._drop_alt(e)
+            return
+        if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+            raise ValueError("vpager.torch: set_source(%r): a %s %s tensor, "
+                             "the weight is %s %s"
+                             % (name, tensor.dtype, tuple(tensor.shape),
+                                e.dtype, e.shape))
+        n = max(e.size, 1)
+        hb = self.device.alloc_hostbuf(n)
+        try:
+            with torch.no_grad(), torch.inference_mode(False):
+                if e.size:
+                    view(hb.ptr, e.dtype, e.shape, "cpu").copy_(
+                        tensor.detach())
+            own = e.own if e.own is not None else e.src
+            self._layout.set_source(e, Source.from_host(hb.ptr))
+        except BaseException:
+            hb.close()
+            raise
+        e.own = own
+        self._drop_alt(e)
+        e.alt = hb
+
+    def place_by_use(self):
+        """Re-place the weights in the order their units were first used
+        since offload(), as the first forward of the root does; for models
+        whose root forward never runs (a VAE's decode). Once; returns True
+        if the weights moved (each then fills anew at its next acquire).
+        Not inside a forward (returns False)."""
+        return self._recorder.finish()
 
     def stats(self):
         """The VBAR's counters (vpager.STAT_NAMES: hits, fills, misses,
@@ -261,6 +353,8 @@ class Offloaded:
         s["host_bytes"] = lay.hb.size if lay.hb is not None else 0
         s["file_weights"] = sum(e.host is None for e in lay.entries)
         s["activation_headroom"] = self._ds.learned
+        s["replaced"] = self._recorder.replaced
+        s["set_sources"] = sum(e.own is not None for e in lay.entries)
         s["schedule"] = self.schedule()
         return s
 
@@ -312,7 +406,7 @@ class Offloaded:
         whole = Unit("acquired()", self.module)
         whole.entries = entries
         whole.batch = WeightBatch(self.device,
-                                  [lay.weights[e.index] for e in entries])
+                                  [lay.weight(e) for e in entries])
         held = {id(e) for e in entries}
         covered = [u for u in lay.units
                    if all(id(e) in held for e in u.entries)]
@@ -344,6 +438,30 @@ class Offloaded:
     def _busy(self):
         return self._held or any(u.depth for u in self._layout.units)
 
+    @property
+    def busy(self):
+        """True inside a unit's forward or an acquired() block."""
+        return bool(self._busy())
+
+    @property
+    def recording(self):
+        """True until the weights were placed in the order of use (the
+        first forward of the root, or place_by_use())."""
+        return self._recorder.recording
+
+    def free_memory(self, nbytes):
+        """Evict at least `nbytes` of this model's unpinned pages (as many
+        as it has if fewer); returns the bytes freed. Its next forward puts
+        it on top of the device's priority list again, so it fills its
+        weights anew (a loader's "unload this much of this model")."""
+        self._check_open()
+        if nbytes <= 0:
+            return 0
+        freed = self.vbar.free_memory(min(int(nbytes), 1 << 62))
+        if self._ds.top is self:
+            self._ds.top = None
+        return freed
+
     def _idle(self, what):
         if self._busy():
             raise RuntimeError("vpager.torch: %s() inside the module's "
@@ -373,7 +491,9 @@ class Offloaded:
         with torch.no_grad(), torch.inference_mode(False):
             for e in self._layout.entries:
                 t = e.tensor
-                if e.host is None:          # file-backed
+                if e.keep is not None and e.file_addr is None:
+                    t.data = e.keep         # the caller's source's tensor
+                elif e.host is None:        # file-backed
                     t.data = host_copy(e).to(e.src_device)
                 else:
                     t.data = (e.host.clone() if e.src_device.type == "cpu"
@@ -400,8 +520,10 @@ class Offloaded:
 
     def _free(self):
         for e in self._layout.entries:
-            e.host = e.file_addr = e.src = None
+            e.host = e.file_addr = e.src = e.keep = e.own = None
         errors = self._layout.close()
+        for e in self._layout.entries:
+            self._drop_alt(e)
         errors += leave(self.device, self._ds, self)
         if errors:
             raise errors[0]

@@ -36,8 +36,10 @@ _NO_TUNER = _NoTuner()
 
 
 def is_oom(e):
-    if _OOM is not None:
-        return isinstance(e, _OOM)
+    """torch's OutOfMemoryError, or a RuntimeError saying "out of memory"
+    (what CUDA errors raised outside the caching allocator say)."""
+    if _OOM is not None and isinstance(e, _OOM):
+        return True
     return isinstance(e, RuntimeError) and "out of memory" in str(e)
 
 
@@ -197,6 +199,9 @@ class HotPath:
                 raise
             first = str(e)  # not e: its frames hold the activations
         freed = self.device.free_memory(ALL)
+        # The eviction lowered the watermarks: the next acquire puts the
+        # model on top again, so its weights are filled, not only staged.
+        self.ds.top = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         # The learned headroom was too small: raise its margin, now for the

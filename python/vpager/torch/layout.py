@@ -28,6 +28,9 @@ class Layout:
         self.align = align
         self.groups = None
         self.vbar = self.weights = self.hb = self.st = None
+        # entry index -> a Weights of one weight: an entry whose source
+        # set_source() changed (the rest are in self.weights)
+        self.single = {}
 
     @classmethod
     def build(cls, dev, plan):
@@ -61,7 +64,16 @@ class Layout:
         self.vbar = dev.create_vbar(size + room)
         if s.order is not None:
             self.vbar.set_order(s.order)
-        self.hb, slots = sources(dev, entries, self.align, self.st, match)
+        custom = None
+        if s.sources is not None:       # offload(sources=): the caller's
+            custom = []
+            for e in entries:
+                src = s.sources(e.name, e.tensor)
+                if src is not None:
+                    e.keep = e.tensor.data
+                custom.append(src)
+        self.hb, slots = sources(dev, entries, self.align, self.st, match,
+                                 custom)
         for e, (host, addr, src) in zip(entries, slots):
             e.host, e.file_addr, e.src = host, addr, src
         self.weights = self.vbar.create_weights(
@@ -71,10 +83,45 @@ class Layout:
             load_unmanaged(self.st, loads, plan.fresh)
         self.batches()
 
-    def batches(self):
-        ws, dev = self.weights, self.device
-        for u in self.units:
-            u.batch = WeightBatch(dev, [ws[e.index] for e in u.entries])
+    def weight(self, e):
+        """The vpager weight of entry e."""
+        one = self.single.get(e.index)
+        return one[0] if one is not None else self.weights[e.index]
+
+    def batches(self, units=None):
+        dev, weight = self.device, self.weight
+        for u in (self.units if units is None else units):
+            u.batch = WeightBatch(dev, [weight(e) for e in u.entries])
+
+    def set_source(self, e, src):
+        """Entry e's weight takes its bytes from `src` from now on: the old
+        weight is destroyed (its pages with it: eviction waits for the work
+        that may still read them) and a new one made at the same offset,
+        so only e is filled anew. BusyError while e is acquired."""
+        one = self.single.pop(e.index, None)
+        if one is not None:
+            one.close()
+        else:
+            self.weights.destroy(e.index)
+        try:
+            self.single[e.index] = self.vbar.create_weights(
+                [e.offset], [e.size], [src])
+        except BaseException:
+            # Without a weight the unit cannot run: its old source back.
+            self.single[e.index] = self.vbar.create_weights(
+                [e.offset], [e.size], [e.src])
+            self.batches([u for u in self.units if e in u.entries])
+            raise
+        e.src = src
+        e.rview = None
+        e.staged = {}
+        self.batches([u for u in self.units if e in u.entries])
+
+    def _close_single(self):
+        for one in self.single.values():
+            if not one.closed:
+                one.close()
+        self.single = {}
 
     def swap(self, entries, offsets, srcs, on_lost):
         """Re-create the weights: entries[i] at VBAR offset offsets[i] with
@@ -87,6 +134,7 @@ class Layout:
         old = [(e, e.offset, e.src) for e in self.entries]
         vb.free_memory(ALL)
         self.weights.close()
+        self._close_single()
         try:
             ws = vb.create_weights(offsets, [e.size for e in entries], srcs)
         except BaseException:
@@ -132,16 +180,20 @@ class Layout:
                 obj.close()
 
     def describe(self):
-        """[(weight name, VBAR offset, bytes, "host" or "file")]."""
+        """[(weight name, VBAR offset, bytes, "host", "file" or
+        "source": a source of the caller's, offload(sources=))]."""
         return [(e.name, e.offset, e.size,
-                 "host" if e.host is not None else "file")
+                 "host" if e.host is not None else
+                 "file" if e.file_addr is not None or e.keep is None
+                 else "source")
                 for e in self.entries]
 
     def close(self):
         """Close the VBAR (its weights with it), the HostBuf and the file;
         returns the errors met (each object is closed regardless)."""
         errors = []
-        for obj in (self.vbar, self.hb, self.st):
+        for obj in list(self.single.values()) + [self.vbar, self.hb,
+                                                 self.st]:
             if obj is None:
                 continue
             try:

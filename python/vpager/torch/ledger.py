@@ -118,9 +118,10 @@ def track(handle, label=None, budget=None):
         _DEVICES[r.device] = _DevPub(index)
     _DEVICES[r.device].user_limit = budget if budget is not None \
         else _NO_CAP
-    handle._hooks.append(handle.module.register_forward_pre_hook(
+    root = getattr(handle, "_root", handle.module)
+    handle._hooks.append(root.register_forward_pre_hook(
         lambda module, args, _r=r: _before_forward(_r)))
-    handle._hooks.append(handle.module.register_forward_hook(
+    handle._hooks.append(root.register_forward_hook(
         lambda module, args, out, _r=r: _after_forward(_r)))
     _platform_limit(r.device, _DEVICES[r.device], force=True)
 

@@ -35,7 +35,10 @@ class Recorder:
     order. ready() says whether a forward that just ended may re-place
     (not inside acquired(), the handle still open); swap(entries, offsets,
     sources) re-creates the weights. rec is not None while a forward is
-    being recorded: the units' wrappers call record() then."""
+    being recorded: the units' wrappers call record() then. Recording
+    starts at install(), so finish() can re-place by the order units ran
+    in outside the module's forward (models whose root forward never
+    runs); replaced counts the re-placements (0 or 1)."""
 
     __reduce_ex__ = refuse_copy   # reached from the module's hooks
 
@@ -46,10 +49,25 @@ class Recorder:
         self.rec = None
         self.seen = set()
         self.hooks = []
+        self.replaced = 0
 
     def install(self, module):
         self.hooks = [module.register_forward_pre_hook(self._start),
                       module.register_forward_hook(self._end)]
+        self.rec = []
+
+    @property
+    def recording(self):
+        return bool(self.hooks)
+
+    def finish(self):
+        """Re-place now by the order recorded so far (if any unit ran and
+        it differs from the placement); once. Returns True if it did."""
+        rec = self.rec
+        if not self.hooks or not rec or not self.ready():
+            return False
+        self.remove()
+        return self.replace(rec)
 
     def remove(self):
         for hk in self.hooks:
@@ -78,7 +96,10 @@ class Recorder:
     def replace(self, first):
         lay = self.layout
         units, entries = new_order(first, lay.units, lay.entries)
-        if [id(e) for e in entries] != [id(e) for e in lay.entries]:
+        moved = [id(e) for e in entries] != [id(e) for e in lay.entries]
+        if moved:
             offsets, _ = place(entries, lay.align, lay.groups)
             self.swap(entries, offsets, [e.src for e in entries])
+            self.replaced += 1
         lay.units = units
+        return moved

@@ -3,23 +3,28 @@ the only full copy (from the module's tensors, or from a file for
 buffers), or the safetensors file itself (vp_st_source); and the CPU
 placeholders that stand in for meta tensors whose bytes come from a file."""
 
+import concurrent.futures
 import ctypes
+import os
 
 import torch
 
 from ..weights import Source
 from .placement import place
-from .views import placeholder
+from .views import placeholder, view
 
 
-def _file_slots(entries, st, plan):
+def _file_slots(entries, st, plan, custom=None):
     """[(host, file_addr, Source) or None], [indices needing a host copy]:
-    with a file, parameters get a FILE source and no host copy."""
+    with a file, parameters get a FILE source and no host copy; an entry
+    with a source of the caller's (custom[i], offload(sources=)) neither."""
     base = st.mmap()[0] if st is not None else 0
     slots = [None] * len(entries)
     hosted = []
     for i, e in enumerate(entries):
-        if st is not None and e.is_param:
+        if custom is not None and custom[i] is not None:
+            slots[i] = (None, None, custom[i])
+        elif st is not None and e.is_param:
             info = plan[e]
             slots[i] = (None, base + info.offset, st.source(info.index))
         else:
@@ -27,30 +32,76 @@ def _file_slots(entries, st, plan):
     return slots, hosted
 
 
+COPY_THREADS = 8            # threads making a host copy
+COPY_CHUNK = 64 << 20       # bytes a thread copies at a time
+_COPY_BATCH = 1 << 30       # bytes copied before old storage is let go
+
+
+def copy_all(pairs):
+    """dst.copy_(src) for each (dst, src) of CPU tensors, over a few
+    threads in chunks (torch's copies release the GIL): a model read out
+    of a file mapping (ComfyUI's safetensors loader) or RAM is copied at
+    memory speed, not one core's."""
+    jobs = []
+    for dst, src in pairs:
+        n = dst.numel()
+        if n == 0:
+            continue
+        step = max(COPY_CHUNK // max(dst.element_size(), 1), 1)
+        d, s = dst.view(-1), src.reshape(-1)
+        for i in range(0, n, step):
+            jobs.append((d[i:i + step], s[i:i + step]))
+    threads = min(COPY_THREADS, len(jobs), os.cpu_count() or 1)
+    if threads <= 1:
+        for d, s in jobs:
+            d.copy_(s)
+        return
+
+    def one(job):
+        with torch.no_grad(), torch.inference_mode(False):
+            job[0].copy_(job[1])
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, jobs))
+
+
 def _fill_host(hb, total, entries, hosted, offsets, slots, st, plan, moved):
     """Copy the hosted entries' bytes into the HostBuf (from the file, or
-    from their tensors) and fill their slots; CPU tensors are pointed at
-    their host copy at once (appended to `moved`)."""
+    from their tensors: copy_all, a batch of up to 1 GiB at a time) and
+    fill their slots; CPU tensors are pointed at their host copy after
+    each batch (appended to `moved`)."""
     base = st.mmap()[0] if st is not None else 0
     host = torch.frombuffer((ctypes.c_uint8 * total).from_address(hb.ptr),
                             dtype=torch.uint8)
+    batch, size = [], 0
+
+    def flush():
+        copy_all([(h, e.tensor.detach()) for e, h in batch])
+        for e, h in batch:
+            if e.src_device.type == "cpu":
+                # The host copy serves until the placeholders go in: the
+                # old storage can go now (peak host memory = one model
+                # and a batch, not two models).
+                e.tensor.data = h
+                moved.append(e)
+        batch[:] = []
+
     for i, off in zip(hosted, offsets):
         e = entries[i]
         h = host[off:off + e.size].view(e.dtype).view(e.shape)
         if st is not None:
             ctypes.memmove(h.data_ptr(), base + plan[e].offset, e.size)
         else:
-            h.copy_(e.tensor.detach())
-            if e.src_device.type == "cpu":
-                # The host copy serves until the placeholders go in: the
-                # old storage can go now (peak host memory = one model,
-                # not two).
-                e.tensor.data = h
-                moved.append(e)
+            batch.append((e, h))
+            size += e.size
+            if size >= _COPY_BATCH:
+                flush()
+                size = 0
         slots[i] = (h, None, Source.from_host(hb.ptr + off))
+    if batch:
+        flush()
 
 
-def sources(dev, entries, align, st=None, plan=None):
+def sources(dev, entries, align, st=None, plan=None, custom=None):
     """Where each entry's bytes live: [(host, file_addr, Source)] and the
     HostBuf holding the host copies (None if no entry has one).
 
@@ -60,8 +111,9 @@ def sources(dev, entries, align, st=None, plan=None):
     so its old storage can go. With a file (st, plan from
     files.match_file), parameters get a FILE source (vp_st_source) and no
     host copy; buffers, which training mode updates in place, get a
-    HostBuf slot filled from the file."""
-    slots, hosted = _file_slots(entries, st, plan)
+    HostBuf slot filled from the file. custom: per entry a Source of the
+    caller's, or None (offload(sources=)): such entries get no host copy."""
+    slots, hosted = _file_slots(entries, st, plan, custom)
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
@@ -88,13 +140,28 @@ def release_host(entries):
             if e.host is not None and \
                     e.tensor.data_ptr() == e.host.data_ptr():
                 e.tensor.data = e.host.clone()
-            e.host = e.src = e.file_addr = None
+            e.host = e.src = e.file_addr = e.keep = None
+
+
+def outside(e):
+    """What a managed tensor holds outside its forward with
+    offload(outside="host"): a CPU tensor with its bytes (its host copy,
+    its region of the mapped file, or the tensor its caller's source was
+    given for)."""
+    if e.host is not None:
+        return e.host
+    if e.file_addr is not None:
+        return view(e.file_addr, e.dtype, e.shape, "cpu")
+    return e.keep
 
 
 def host_copy(e):
     """A new CPU tensor with the weight's bytes (host copy or file)."""
     if e.host is not None:
         return e.host.clone()
+    if e.file_addr is None and e.keep is not None:     # a caller's source
+        with torch.inference_mode(False):
+            return e.keep.detach().clone()
     with torch.inference_mode(False):
         out = torch.empty(e.shape, dtype=e.dtype)
     if e.size:

@@ -72,10 +72,14 @@ def measure_link(index):
 
 
 def enabled(settings, dev_given):
-    """Whether offload() schedules: not on a shared device (dev=), not
-    when an eviction order was asked for (order=, VPAGER_ORDER or the
-    evict_order option), not with VPAGER_SCHEDULE=0."""
-    if dev_given or os.environ.get("VPAGER_SCHEDULE", "1") == "0":
+    """Whether offload() schedules: not with VPAGER_SCHEDULE=0, not when
+    an eviction order was asked for (order=, VPAGER_ORDER or the
+    evict_order option); on a shared device (dev=) only when asked
+    (schedule=True); never with schedule=False."""
+    if os.environ.get("VPAGER_SCHEDULE", "1") == "0" or \
+            settings.schedule is False:
+        return False
+    if dev_given and settings.schedule is not True:
         return False
     return settings.order_asked is False
 
@@ -329,7 +333,7 @@ class Tuner:
         lay = self.layout
         hot = self.handle._hot
         stream = hot.stream()
-        todo = [lay.weights[e.index] for e, r in zip(entries, resident) if r]
+        todo = [lay.weight(e) for e, r in zip(entries, resident) if r]
         chunks, cur, size = [], [], 0
         for w in todo:
             if cur and size + w.size > ring // 2:
@@ -342,7 +346,7 @@ class Tuner:
         if self.windows and entries:
             lay.device.set_lookahead(window)
             self.ds.window = window
-            chunks.append([lay.weights[entries[-1].index]])
+            chunks.append([lay.weight(entries[-1])])
         for ws in chunks:
             b = WeightBatch(lay.device, ws)
             b.acquire(stream)

@@ -33,7 +33,7 @@ class Entry:
     __slots__ = ("index", "name", "tensor", "is_param", "dtype", "shape",
                  "size", "offset", "src_device", "requires_grad", "host",
                  "file_addr", "src", "rview", "staged", "ph", "ph_ptr", "cur",
-                 "curv")
+                 "curv", "keep", "own", "alt")
 
     def __init__(self, index, name, tensor, is_param):
         self.index = index
@@ -55,6 +55,9 @@ class Entry:
         self.ph_ptr = 0
         self.cur = 0                      # address while acquired, else 0
         self.curv = None                  # the view set while acquired
+        self.keep = None                  # a caller's source: its tensor
+        self.own = None                   # its own Source (set_source())
+        self.alt = None                   # HostBuf of a set_source() copy
 
     def forget_views(self):
         self.rview = self.curv = None
@@ -138,15 +141,21 @@ def unit_rule(units):
                     "predicate, not %s" % type(units).__name__)
 
 
-def _owns(m):
-    return (any(p is not None and p.numel() > 0
-                for p in m._parameters.values())
-            or any(managed_buffer(m, n, b) for n, b in m._buffers.items()))
+def _owns(m, prefix="", select=None):
+    return bool(_tensors_of(m, prefix, select))
 
 
-def find_units(module, whole):
+def _whole_has(m, prefix, select):
+    if select is None:
+        return any(True for _ in m.parameters())
+    return any(select(n, p)
+               for n, p in m.named_parameters(prefix=prefix.rstrip(".")))
+
+
+def find_units(module, whole, select=None):
     """The units of a module, in module order: each module that owns
-    tensors itself, or is `whole` (and has parameters), and lies below no
+    tensors itself (those select(qualified name, tensor) accepts, when
+    given), or is `whole` (and has such parameters), and lies below no
     other unit."""
     units = []
     seen = set()
@@ -155,7 +164,8 @@ def find_units(module, whole):
         if id(m) in seen:
             return
         seen.add(id(m))
-        if _owns(m) or (whole(m) and any(True for _ in m.parameters())):
+        if _owns(m, prefix, select) or (whole(m)
+                                        and _whole_has(m, prefix, select)):
             units.append(Unit(prefix.rstrip("."), m))
             return
         for name, child in m._modules.items():
@@ -166,21 +176,26 @@ def find_units(module, whole):
     return units
 
 
-def _tensors_of(sub):
-    """(name, tensor, is_param) of what a module holds that vpager manages."""
+def _tensors_of(sub, prefix="", select=None):
+    """(name, tensor, is_param) of what a module holds that vpager manages
+    (of those, what select(qualified name, tensor) accepts, if given)."""
     items = [(n, p, True) for n, p in sub._parameters.items()
              if p is not None and p.numel() > 0]
     items += [(n, b, False) for n, b in sub._buffers.items()
               if managed_buffer(sub, n, b)]
+    if select is not None:
+        items = [it for it in items if select(prefix + it[0], it[1])]
     return items
 
 
-def collect(module, whole=None, from_file=False):
+def collect(module, whole=None, from_file=False, select=None):
     """Units, entries and owners of a module; raises ValueError (changing
     nothing) for what cannot be offloaded. whole(m): m is a unit, whole.
     from_file: the bytes will come from a file (meta tensors are fine).
+    select(qualified name, tensor): which tensors to manage (None: every
+    parameter and floating-point buffer).
     owners: [(module, [(name, Entry)])] of the modules holding entries."""
-    units = find_units(module, whole or unit_rule(None))
+    units = find_units(module, whole or unit_rule(None), select)
     entries = []
     by_id = {}
     owners = {}     # id(module) -> (module, {name: Entry}) it holds
@@ -188,7 +203,7 @@ def collect(module, whole=None, from_file=False):
         in_unit = set()
         for mname, sub in u.module.named_modules(prefix=u.prefix):
             sp = mname + "." if mname else ""
-            for n, t, is_param in _tensors_of(sub):
+            for n, t, is_param in _tensors_of(sub, sp, select):
                 qual = sp + n
                 e = by_id.get(id(t))
                 if e is None:
