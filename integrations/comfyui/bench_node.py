@@ -92,7 +92,8 @@ def child(cr, a):
                 "weights", "weight_bytes", "resident_bytes", "units",
                 "acquires", "hits", "misses", "weight_fills",
                 "weight_staged", "fill_bytes", "staged_bytes",
-                "prefetch_bytes", "file_weights", "patched_weights")
+                "prefetch_bytes", "file_weights", "patched_weights",
+                "replaced", "schedule")
                 if k in s}
         m["node"] = info.get("node")
         return m

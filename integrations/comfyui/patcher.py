@@ -1,5 +1,5 @@
 """The ComfyUI side: VpagerModelPatcher, a subclass of ComfyUI's
-ModelPatcherDynamic in which vpager (engine.Pager), not ComfyUI's
+ModelPatcherDynamic in which vpager.torch (through engine.Pager), not ComfyUI's
 per-weight comfy_aimdo cycle, fills, stages and prefetches the weights of
 a model, while ComfyUI's ledger keeps working: loaded_size(),
 partially_unload(), detach(), get_free_memory(), unload_all_models() and
@@ -249,6 +249,9 @@ def make_class(comfy, base):
             if pager is not None:
                 pager.close()
                 self.model._vpager_pager = None
+                hook = getattr(pager, "hook", None)
+                if hook is not None:
+                    hook.remove()
             self.model._vpager_plan = None
 
         # ------------------------------------------------------ loading
@@ -310,28 +313,24 @@ def make_class(comfy, base):
                 if target.type == "cuda" and target.index is None:
                     target = torch.device("cuda", torch.cuda.current_device())
                 dev, budget = vp_device(target, args)
-                pager = engine.Pager(
-                    dev, target, plan.units,
-                    prefer_file=bool(getattr(args, "fast_disk", False)),
-                    label="comfyui:%s" % type(self.model).__name__,
-                    budget=budget)
-                self.model._vpager_pager = pager
                 root = getattr(self.model, "diffusion_model", None)
                 root = root if isinstance(root, torch.nn.Module) else \
                     self.model
+                pager = engine.Pager(
+                    dev, target, self.model, plan.units,
+                    prefer_file=bool(getattr(args, "fast_disk", False)),
+                    label="comfyui:%s" % type(self.model).__name__,
+                    budget=budget, root=root)
+                self.model._vpager_pager = pager
                 ref = weakref.ref(pager)
 
                 def learn(_module, _args):
                     p = ref()
                     if p is not None:
                         p.learn()
-
-                def placed(_module, _args, _out):
-                    p = ref()
-                    if p is not None and p.recording:
-                        p.finish_recording()
-                root.register_forward_pre_hook(learn)
-                root.register_forward_hook(placed)
+                # After vpager.torch's hooks on the root (its learn, the
+                # re-placement and the schedule's measurement).
+                pager.hook = root.register_forward_pre_hook(learn)
                 fin = weakref.finalize(self.model, pager.close)
                 fin.atexit = False      # at exit the device goes anyway
             return pager, plan
