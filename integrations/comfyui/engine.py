@@ -165,14 +165,20 @@ class Pager:
                 self.entries.append(Entry(key, module, pname,
                                           module._parameters[pname]))
         self.by_key = {e.key: e for e in self.entries}
+        # vpager.torch names a weight by its first key (a tensor tied to
+        # several ops is one weight there, in each op's unit).
+        first = {}
+        for e in self.entries:
+            first.setdefault(id(e.param), e.key)
+        self.vt_name = {e.key: first[id(e.param)] for e in self.entries}
         self.closed = False
         self.hook = None                # the patcher's learn hook
         self.refills = 0                # weights whose source was swapped
-        ids = {id(e.param): e for e in self.entries}
         by_key = self.by_key
 
         def chosen(name, t):
-            return by_key.get(name) is ids.get(id(t)) is not None
+            e = by_key.get(name)
+            return e is not None and e.param is t
 
         files = {}
         if prefer_file:
@@ -184,7 +190,7 @@ class Pager:
                                           file_offset=fs[1],
                                           keep=e.param.data)
         def source(name, t):
-            return files.get(name)
+            return files.get(name)      # name: a first key (vt_name)
 
         self.h = vpager.torch.offload(
             model, dev=dev, tensors=chosen,
@@ -242,7 +248,8 @@ class Pager:
         return self.h.place_by_use()
 
     def layout(self):
-        """[(key, VBAR offset, bytes)] in VBAR order."""
+        """[(key, VBAR offset, bytes)] in VBAR order (of a tied tensor,
+        its first key)."""
         return [(k, off, n) for k, off, n, _ in self.h.layout()]
 
     # ---------------------------------------------------------- patches
@@ -255,7 +262,8 @@ class Pager:
         e = self.by_key[key]
         if same_patch(e.patch, patch):
             return False
-        self.h.set_source(key, None if patch is None else make())
+        self.h.set_source(self.vt_name[key],
+                          None if patch is None else make())
         e.patch = patch
         self.refills += 1
         return True

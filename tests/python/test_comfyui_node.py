@@ -587,6 +587,24 @@ def test_patches_identity_and_refill():
                            base.diffusion_model.blocks[1].up.weight)
 
 
+def test_tied_weight():
+    """A parameter two ops share (tied embeddings): one vpager weight, in
+    both ops' units."""
+    with env() as e:
+        m = DiT()
+        blocks = m.diffusion_model.blocks
+        blocks[1].up.weight = blocks[0].up.weight
+        ref = frozen(m)
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        pager = m._vpager_pager
+        assert p.vpager_active() and len(pager.entries) == 24
+        assert len(pager.layout()) == 23            # one weight for both
+        for _ in range(2):
+            assert torch.equal(run(m), run(ref))
+        assert blocks[1].up.weight is blocks[0].up.weight
+
+
 def test_patched_forced_weight():
     """A patch on a weight loaded ComfyUI's way (a tiny norm) is applied by
     ComfyUI's patch_weight_to_device, as ComfyUI does."""
