@@ -316,13 +316,9 @@ class Pager:
         self.closed = True
         if self.dev.closed or self.h.closed:
             # The device closed first (process exit, tests): the host copy
-            # is gone with it; the parameters get empty stand-ins, not
-            # dangling memory.
-            with torch.no_grad(), torch.inference_mode(False):
-                for e in self.entries:
-                    if e.file is None:
-                        e.param.data = torch.zeros(
-                            (), dtype=e.dtype).expand(e.shape)
+            # is gone with it; close() gives the parameters placeholders
+            # (file-sourced ones keep ComfyUI's file tensor), not dangling
+            # memory.
             try:
                 self.h.close()
             except Exception:       # pragma: no cover - already gone

@@ -1429,6 +1429,18 @@ def test_set_source_refills_one_weight():
     assert torch.equal(m[2].weight, ref[2].weight)
 
 
+def test_outside_host_close():
+    """close() with outside="host": the host copy is freed, the tensors get
+    CPU placeholders (not dangling memory)."""
+    m = mlp(depth=2)
+    h = offload_sim(m, 4 << 20, 320 * K, outside="host")
+    assert not torch.isnan(m[2].weight).any()
+    h.close()
+    assert m[2].weight.device.type == "cpu"
+    assert torch.isnan(m[2].weight).all()
+    raises(RuntimeError, m, torch.randn(2, 64))
+
+
 def test_sources_callable_and_place_by_use():
     """sources=: a weight's bytes from the caller's Source (a file region),
     no host copy; place_by_use() re-places by the order units ran outside

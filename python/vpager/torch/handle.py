@@ -509,13 +509,21 @@ class Offloaded:
     def close(self):
         """Free the vpager objects without restoring the weights; the module
         is left unusable (its forward and state_dict() raise RuntimeError).
-        A second call, or close() after unload(), does nothing."""
+        A second call, or close() after unload(), does nothing. With
+        outside="host" the tensors get CPU placeholders (their host copy
+        is freed), except those over a caller's source (sources=), which
+        keep the caller's tensor."""
         if self._state is not OPEN:
             return
         self._idle("close")
         self._state = CLOSED
-        for e in self._layout.entries:
-            e.forget_views()
+        with torch.no_grad(), torch.inference_mode(False):
+            for e in self._layout.entries:
+                e.forget_views()
+                if self._outside == "host":
+                    e.tensor.data = (e.keep if e.keep is not None and
+                                     e.file_addr is None else
+                                     placeholder(e.dtype, e.shape, "cpu"))
         self._free()
 
     def _free(self):
