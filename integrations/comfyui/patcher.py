@@ -338,8 +338,10 @@ def make_class(comfy, base):
                 # After vpager.torch's hooks on the root (its learn, the
                 # re-placement and the schedule's measurement).
                 pager.hook = root.register_forward_pre_hook(learn)
-                fin = weakref.finalize(self.model, pager.close)
-                fin.atexit = False      # at exit the device goes anyway
+                # No finalizer of ours: the model and its pager form a
+                # cycle (vpager.torch's handle holds the model); when ComfyUI
+                # drops the model the collector takes both, and
+                # vpager.torch.ledger's finalizer closes the VBAR.
             return pager, plan
 
         def _vp_load(self, device_to):

@@ -605,6 +605,24 @@ def test_tied_weight():
         assert blocks[1].up.weight is blocks[0].up.weight
 
 
+def test_dropped_model_frees_its_pages():
+    """A model ComfyUI drops (another checkpoint loaded) is collected with
+    its pager: its VBAR is closed, its pages given back."""
+    with env(capacity=4 << 20) as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        run(m)
+        dev = m._vpager_pager.dev
+        assert dev.stats()["committed_bytes"] > 0
+        ref = __import__("weakref").ref(m)
+        del m, p
+        gc.collect()
+        assert ref() is None
+        # What stays committed is the staging ring (256 KiB here).
+        assert dev.stats()["committed_bytes"] == 256 * K, dev.stats()
+
+
 def test_patched_forced_weight():
     """A patch on a weight loaded ComfyUI's way (a tiny norm) is applied by
     ComfyUI's patch_weight_to_device, as ComfyUI does."""
