@@ -121,8 +121,9 @@ def learn_headroom(dev, ds, index):
     OOM retry) stays free on top of the flags' headroom; with a budget
     (--reserve-vram: the device's total less it), vpager may commit the
     budget less torch's peak and the margin, so weights and activations
-    share the budget. (vpager.torch's own learn runs too, before this one
-    at each forward; this one's headroom, the larger, wins.)"""
+    share the budget. (vpager.torch's own learn, which knows no such
+    budget, runs too, before this one at each forward: this one, set
+    last, holds.)"""
     reserved, peak = torch_reserved(index)
     margin = max(min(peak // 20, MARGIN_MAX), ds.oom_margin)
     ds.learned = max(peak - reserved, 0) + margin
@@ -189,6 +190,7 @@ class Pager:
                     files[e.key] = Source(_lib.VP_SOURCE_FILE, fd=fs[0],
                                           file_offset=fs[1],
                                           keep=e.param.data)
+
         def source(name, t):
             return files.get(name)      # name: a first key (vt_name)
 
@@ -209,7 +211,8 @@ class Pager:
 
     @property
     def units(self):
-        """vpager.torch's units (depth: inside their forward)."""
+        """vpager.torch's units (depth: inside their forward; the tests
+        read it)."""
         return self.h._layout.units
 
     @property
