@@ -37,6 +37,20 @@ def test_all_fits_all_resident():
     assert abs(sch.predicted - 4 * MS) < 1e-12
 
 
+def test_ring_sizes_keep_link_time():
+    # small units: 1-3 x need would be a few MiB, too little to absorb
+    # the host's jitter; the floor is 2 ms of link (100 MB at 50 GB/s)
+    rings = S.ring_sizes(2 << 20, 384 << 20, LINK)
+    assert rings == [384 << 20, int(S.RING_SECONDS * LINK)]
+    # big units: the floor is below need and changes nothing
+    need = 200 * MB
+    assert S.ring_sizes(need, 1 << 30, LINK) == [1 << 30, 3 * need,
+                                                 2 * need, need]
+    # a current ring at or below the floor is the only choice
+    assert S.ring_sizes(2 << 20, 64 << 20, LINK) == [64 << 20]
+    assert S.ring_sizes(2 << 20, 384 << 20, None)[-1] == 2 << 20
+
+
 def test_simulate_by_hand():
     # Unit 0 computes 3 ms with its weight resident; unit 1's 100 MB weight
     # (2 ms of copy) streams under it: nothing waits, 4 ms a forward.

@@ -34,6 +34,25 @@ def _round(x, a):
     return (x + a - 1) // a * a
 
 
+# A ring that holds less than this much link time cannot absorb the host's
+# jitter between acquires, which simulate() does not model: on the H200 a
+# 1536 x 2 MiB stack with the 6 MiB ring the prediction liked ran 1.67x a
+# hand-written streamer, with a 384 MiB ring 1.10x.
+RING_SECONDS = 0.002
+
+
+def ring_sizes(need, current, link):
+    """Ring sizes worth trying, largest first: `current` (offload()'s) and
+    1-3 times `need` (the largest unit's staging), none below what the
+    link moves in RING_SECONDS (nor below `need`)."""
+    floor = max(need, int(RING_SECONDS * (link or 0)))
+    out = {current}
+    for r in (need, 2 * need, 3 * need, floor):
+        if floor <= r < current:
+            out.add(r)
+    return sorted(out, reverse=True)
+
+
 class Schedule:
     """plan()'s answer: resident (one bool per weight, in order), window
     (lookahead bytes per unit), predicted (seconds per forward), streamed

@@ -220,12 +220,7 @@ class Tuner:
         cur = dev.options["staging_size"]
         if not self.resize:
             return [cur]
-        out = {cur}
-        for k in (1, 2, 3):
-            r = k * need
-            if need <= r < cur:
-                out.add(r)
-        return sorted(out, reverse=True)
+        return schedule.ring_sizes(need, cur, self.link)
 
     def plan(self, work, sizes, need):
         """(Schedule, ring bytes) with the best predicted time."""
