@@ -524,28 +524,29 @@ def memory(patcher, torch):
 
 # ----------------------------------------------------------- orchestrator
 
-def run_child(a, kind, extra, log_path):
+def child_env(a, more_path=()):
+    """The environment of a child run: ComfyUI and its deps (and
+    more_path) first on PYTHONPATH, the in-tree library if none is set."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        child_path(a) + [x for x in env.get("PYTHONPATH", "").split(
-            os.pathsep) if x])
+        child_path(a) + list(more_path)
+        + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     env.setdefault("PYTHONUNBUFFERED", "1")
     if "VPAGER_LIBRARY" not in env:
         lib = os.path.join(ROOT, "build", "libvpager.so")
         if os.path.exists(lib):
             env["VPAGER_LIBRARY"] = lib
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind,
-           "--comfyui", a.comfyui, "--workdir", a.workdir,
-           "--steps", str(a.steps), "--size", str(a.size),
-           "--double", str(a.double), "--single", str(a.single),
-           "--hidden", str(a.hidden), "--reps", str(a.reps),
-           "--seed", str(a.seed)] + (["--dry-run"] if a.dry_run else []) \
-        + [x for d in a.deps for x in ("--deps", d)] + extra
+    return env
+
+
+def spawn(cmd, env, log_path, timeout, label):
+    """Run one child (stderr to log_path, stdout kept too); its TAG line's
+    JSON with wall_s added, or None after saying why, with the log's tail."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:
             p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=log, text=True, timeout=a.timeout)
+                               stderr=log, text=True, timeout=timeout)
             out, rc = p.stdout, p.returncode
         except subprocess.TimeoutExpired as e:
             out = e.stdout or ""
@@ -561,11 +562,23 @@ def run_child(a, kind, extra, log_path):
     if res is None:
         with open(log_path) as f:
             tail = f.read()[-3000:]
-        say("  %s %s FAILED (rc %s, %.0f s); log %s:\n%s"
-            % (kind, extra, rc, wall, log_path, tail))
+        say("  %s FAILED (rc %s, %.0f s); log %s:\n%s"
+            % (label, rc, wall, log_path, tail))
     else:
         res["wall_s"] = wall
     return res
+
+
+def run_child(a, kind, extra, log_path):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind,
+           "--comfyui", a.comfyui, "--workdir", a.workdir,
+           "--steps", str(a.steps), "--size", str(a.size),
+           "--double", str(a.double), "--single", str(a.single),
+           "--hidden", str(a.hidden), "--reps", str(a.reps),
+           "--seed", str(a.seed)] + (["--dry-run"] if a.dry_run else []) \
+        + [x for d in a.deps for x in ("--deps", d)] + extra
+    return spawn(cmd, child_env(a), log_path, a.timeout,
+                 "%s %s" % (kind, extra))
 
 
 def steady(ms):

@@ -23,8 +23,6 @@ Exit 0; 1 when a run failed; 2 when latents differ.
 import importlib.util
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -104,15 +102,6 @@ def child(cr, a):
 
 
 def run_node_child(cr, a, budget, ckpt, log_path, timeout):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        cr.child_path(a) + [os.path.join(ROOT, "integrations")]
-        + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    if "VPAGER_LIBRARY" not in env:
-        lib = os.path.join(ROOT, "build", "libvpager.so")
-        if os.path.exists(lib):
-            env["VPAGER_LIBRARY"] = lib
     cmd = [sys.executable, os.path.abspath(__file__), "--node",
            "--child", "sample", "--comfyui", a.comfyui,
            "--workdir", a.workdir, "--steps", str(a.steps),
@@ -122,39 +111,13 @@ def run_node_child(cr, a, budget, ckpt, log_path, timeout):
            "--run", budget, "--ckpt", ckpt] + \
         (["--dry-run"] if a.dry_run else []) + \
         [x for d in a.deps for x in ("--deps", d)]
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=log, text=True, timeout=timeout)
-            out, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout or ""
-            if isinstance(out, bytes):
-                out = out.decode(errors="replace")
-            rc = "timeout"
-        log.write("\n--- stdout ---\n" + out)
-    res = None
-    for ln in out.splitlines():
-        if ln.startswith(cr.TAG):
-            res = json.loads(ln[len(cr.TAG):])
-    if res is None:
-        with open(log_path) as f:
-            tail = f.read()[-4000:]
-        say("  node%s FAILED (rc %s); log %s:\n%s" % (budget, rc, log_path,
-                                                      tail))
-    else:
-        res["wall_s"] = time.perf_counter() - t0
-    return res
+    env = cr.child_env(a, [os.path.join(ROOT, "integrations")])
+    return cr.spawn(cmd, env, log_path, timeout, "node" + budget)
 
 
 # --------------------------------------------------------- orchestrator
 
-def steady(ms):
-    return statistics.median(ms[1:]) if len(ms) > 1 else float("nan")
-
-
-def report(name, r):
+def report(cr, name, r):
     say("  %s: patcher %s, state %s, model %.2f GiB, load %.2f s, process "
         "%.0f s" % (name, r.get("patcher"), r.get("patcher_state"),
                     r.get("model_size", 0) / GiB, r.get("load_s", 0),
@@ -162,7 +125,7 @@ def report(name, r):
     for i, rep in enumerate(r.get("reps", [])):
         ms = rep["steps_ms"]
         say("    rep %d: steady %.1f ms (steps %s), first %.0f ms; latent %s"
-            % (i, steady(ms), " ".join("%.1f" % x for x in ms), ms[0],
+            % (i, cr.steady(ms), " ".join("%.1f" % x for x in ms), ms[0],
                rep["latent_sha256"][:16]))
         vp = rep.get("vpager")
         if vp:
@@ -219,7 +182,7 @@ def main(argv=None):
             if r is None:
                 rc = 1
                 continue
-            report(run, r)
+            report(cr, run, r)
             say("  (%.0f s)" % (time.perf_counter() - t0))
         base = summary["runs"].get("resident")
         if base is not None:
@@ -228,7 +191,8 @@ def main(argv=None):
                     continue
                 same = [x["latent_sha256"] == y["latent_sha256"]
                         for x, y in zip(r["reps"], base["reps"])]
-                ratio = [steady(x["steps_ms"]) / steady(y["steps_ms"])
+                ratio = [cr.steady(x["steps_ms"])
+                         / cr.steady(y["steps_ms"])
                          for x, y in zip(r["reps"], base["reps"])]
                 say("%s vs resident: latents bitwise equal %s; steady "
                     "step ratio %s" % (run, same,
