@@ -211,9 +211,8 @@ class Pager:
 
     @property
     def units(self):
-        """vpager.torch's units (depth: inside their forward; the tests
-        read it)."""
-        return self.h._layout.units
+        """vpager.torch's units: [(name, module, [weight names])]."""
+        return self.h.units()
 
     @property
     def recording(self):
@@ -221,12 +220,12 @@ class Pager:
 
     @property
     def replaced(self):
-        return self.h._recorder.replaced
+        return self.h.replaced
 
     @property
     def oom_margin(self):
         """The margin OOM retries raised (vpager.torch's, and ours)."""
-        return max(self.ds.oom_margin, self.h._ds.oom_margin)
+        return max(self.ds.oom_margin, self.h.oom_margin)
 
     def prioritize(self, force=False):
         """This model's VBAR on top of the device's priority list (the last
@@ -286,9 +285,9 @@ class Pager:
     def free_memory(self, nbytes):
         """Evict at least `nbytes` of this model's unpinned pages if it
         has them; returns the bytes freed."""
-        if self.closed or nbytes <= 0:
+        if self.closed:
             return 0
-        return self.h.free_memory(min(int(nbytes), ALL))
+        return self.h.free_memory(nbytes)
 
     def host_bytes(self):
         """Host memory held for sources: the host copy and patched copies."""

@@ -353,7 +353,7 @@ class Offloaded:
         s["host_bytes"] = lay.hb.size if lay.hb is not None else 0
         s["file_weights"] = sum(e.host is None for e in lay.entries)
         s["activation_headroom"] = self._ds.learned
-        s["replaced"] = self._recorder.replaced
+        s["replaced"] = self.replaced
         s["set_sources"] = sum(e.own is not None for e in lay.entries)
         s["schedule"] = self.schedule()
         return s
@@ -448,6 +448,18 @@ class Offloaded:
         """True until the weights were placed in the order of use (the
         first forward of the root, or place_by_use())."""
         return self._recorder.recording
+
+    @property
+    def replaced(self):
+        """How many times the weights were re-placed in the order of use
+        (0 or 1: at the first forward of the root, or place_by_use())."""
+        return self._recorder.replaced
+
+    @property
+    def oom_margin(self):
+        """Bytes the out-of-memory retries on its device added to the
+        headroom learned from torch (0 before any retry)."""
+        return self._ds.oom_margin
 
     def free_memory(self, nbytes):
         """Evict at least `nbytes` of this model's unpinned pages (as many
