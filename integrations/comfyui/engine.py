@@ -285,7 +285,7 @@ class Pager:
     def free_memory(self, nbytes):
         """Evict at least `nbytes` of this model's unpinned pages if it
         has them; returns the bytes freed."""
-        if self.closed:
+        if self.closed or nbytes <= 0:
             return 0
         return self.h.free_memory(nbytes)
 
