@@ -48,8 +48,7 @@ def _sig_len(size):
     return size // control.PAGE_SIZE + 2
 
 
-_calls = None                   # (vp_fault_range, vp_unpin_range)
-_fault_range = _unpin_range = None      # the same two, once loaded
+_fault_range = _unpin_range = None      # _fast_calls(), once loaded
 _VOIDP = ctypes.c_void_p
 _U64 = ctypes.c_uint64
 _STREAM0 = ctypes.c_uint64(0)
@@ -63,15 +62,14 @@ def _fast_calls():
     of our own: no argtypes (every argument is a ctypes object of the
     declared type), int results. The binding's declarations stay as they
     are."""
-    global _calls, _fault_range, _unpin_range
-    if _calls is None:
+    global _fault_range, _unpin_range
+    if _fault_range is None:
         from vpager import _lib
         lib = _lib.load()
         f, u = lib["vp_fault_range"], lib["vp_unpin_range"]
         f.restype = u.restype = ctypes.c_int
-        _calls = (f, u)
         _fault_range, _unpin_range = f, u
-    return _calls
+    return _fault_range, _unpin_range
 
 
 class ModelVBAR:
@@ -99,7 +97,7 @@ class ModelVBAR:
         self._page = dev.info()["page_size"]
         self._hv = self._vbar._h        # the vp_vbar_t (never changes)
         self._fast = {}                 # id(range) -> _entry (module doc)
-        self._calls = _fast_calls()
+        _fast_calls()                   # the hit path's two calls, loaded
         self.offset = 0                 # the bump allocator's next byte
         _vbars.add(self)
         # Named in the GPU's ledger (`python -m vpager top`, issue 14).
