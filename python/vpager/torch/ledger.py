@@ -127,9 +127,10 @@ def track(handle, label=None, budget=None):
 
 
 def _gone(key, vbar, device, ds):
-    """The handle died (garbage) or was unloaded/closed: out of the
-    ledger. A dead one's VBAR is closed here, and a device vpager.torch
-    opened for it once nobody uses it."""
+    """The handle died (garbage, or the interpreter exits): out of the
+    ledger. Its VBAR is closed here if unload()/close() did not, and a
+    device vpager.torch opened for it once nobody uses it. (An unloaded
+    or closed handle that lives on keeps its record; _live() skips it.)"""
     _RECORDS.pop(key, None)
     try:
         if not vbar.closed:
@@ -161,14 +162,6 @@ def _live():
             continue
         out.append((r, h))
     return out
-
-
-def forget(handle):
-    """unload()/close() ran: the handle leaves the ledger now."""
-    r = _RECORDS.get(id(handle))
-    if r is not None and r.ref() is handle:
-        r.finalizer.detach()
-        _RECORDS.pop(id(handle), None)
 
 
 # --------------------------------------------------------------- naming
