@@ -436,11 +436,9 @@ static int free_alone(vp__device_t *dev, uint64_t bytes, const keep_t *keep,
   return rc;
 }
 
-int vp_ledger_free_memory_keep(vp_device_t h, uint64_t bytes,
-                               const vp_vbar_t *keep, size_t nkeep,
-                               uint64_t *freed) {
-  VP__ENTER();
-  VP__NEED(keep || nkeep == 0, "keep is NULL");
+/* Both public calls, after VP__ENTER (their messages name the caller's). */
+static int free_memory(vp_device_t h, uint64_t bytes, const vp_vbar_t *keep,
+                       size_t nkeep, uint64_t *freed) {
   vp__device_t *dev = NULL;
   uint64_t done = 0, start = 0;
   keep_t k = {keep, nkeep};
@@ -465,6 +463,15 @@ int vp_ledger_free_memory_keep(vp_device_t h, uint64_t bytes,
   return VP_OK;
 }
 
+int vp_ledger_free_memory_keep(vp_device_t h, uint64_t bytes,
+                               const vp_vbar_t *keep, size_t nkeep,
+                               uint64_t *freed) {
+  VP__ENTER();
+  VP__NEED(keep || nkeep == 0, "keep is NULL");
+  return free_memory(h, bytes, keep, nkeep, freed);
+}
+
 int vp_ledger_free_memory(vp_device_t h, uint64_t bytes, uint64_t *freed) {
-  return vp_ledger_free_memory_keep(h, bytes, NULL, 0, freed);
+  VP__ENTER();
+  return free_memory(h, bytes, NULL, 0, freed);
 }

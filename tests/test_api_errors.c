@@ -644,3 +644,16 @@ TEST(stats_counts, TEST_ALL_BACKENDS) {
   ASSERT_EQ_U64(d.pinned_bytes, 0);
   ASSERT_OK(vp_device_close(dev));
 }
+
+/* A call that shares its work with another public call names itself:
+ * vp_ledger_free_memory is not reported as vp_ledger_free_memory_keep. */
+TEST(shared_calls_name_the_caller, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  ASSERT_OK(vp_device_close(dev));
+  uint64_t freed = 1;
+  ASSERT_RC(vp_ledger_free_memory(dev, 1, &freed), VP_EHANDLE);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_ledger_free_memory: ", 23) == 0);
+  ASSERT_RC(vp_ledger_free_memory_keep(dev, 1, NULL, 0, &freed), VP_EHANDLE);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_ledger_free_memory_keep: ", 28) ==
+              0);
+}
