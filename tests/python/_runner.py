@@ -10,11 +10,32 @@ select tests by substring) and closes with pytest's kind of line:
 same files run as usual and skip() is pytest.skip().
 """
 
+import os
 import sys
 import time
 import traceback
 
+# The repository's root (this file is tests/python/_runner.py).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 _PLAIN = []     # non-empty while main() runs the tests
+
+
+def add_paths(*folders):
+    """Put these folders of the repository ("python", "python/compat",
+    "integrations") at the front of sys.path, the first named first
+    (each once); returns REPO. A test file's preamble:
+
+        HERE = os.path.dirname(os.path.abspath(__file__))
+        sys.path.insert(0, HERE)
+        import _runner
+        REPO = _runner.add_paths("python")
+    """
+    for f in reversed(folders):
+        p = os.path.join(REPO, *f.split("/"))
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    return REPO
 
 
 class Skipped(Exception):

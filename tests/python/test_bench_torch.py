@@ -17,8 +17,7 @@ import tempfile
 
 import _runner
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+REPO = _runner.REPO
 
 
 def have_torch():

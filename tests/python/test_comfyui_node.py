@@ -26,10 +26,9 @@ import types
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-for p in (os.path.join(REPO, "python"), os.path.join(REPO, "integrations")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+REPO = _runner.add_paths("integrations", "python")
 
 try:
     import torch
@@ -40,8 +39,6 @@ except ImportError:         # pragma: no cover - depends on the machine
         import pytest
         pytest.skip("torch is not importable", allow_module_level=True)
 
-sys.path.insert(0, HERE)
-import _runner  # noqa: E402
 from _runner import raises  # noqa: E402,F401  (the runner's helpers)
 
 if torch is not None:

@@ -26,19 +26,14 @@ import types
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-for _p in (os.path.join(REPO, "python", "compat"),
-           os.path.join(REPO, "python")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+REPO = _runner.add_paths("python", "python/compat")
+from _runner import raises  # noqa: E402,F401
 
 from comfy_aimdo import control  # noqa: E402
 from comfy_aimdo import host_buffer, model_mmap, model_vbar  # noqa: E402
 from comfy_aimdo import malloc_graph, storage, vram_buffer  # noqa: E402
-
-sys.path.insert(0, HERE)
-import _runner  # noqa: E402
-from _runner import raises  # noqa: E402,F401
 
 MiB = 1 << 20
 PAGE = 32 * MiB

@@ -31,17 +31,12 @@ import types
 import weakref
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-for _p in (os.path.join(REPO, "python", "compat"),
-           os.path.join(REPO, "python")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-from comfy_aimdo import control, malloc_graph, model_vbar  # noqa: E402
-
 sys.path.insert(0, HERE)
 import _runner  # noqa: E402
+REPO = _runner.add_paths("python", "python/compat")
 from _runner import raises  # noqa: E402
+
+from comfy_aimdo import control, malloc_graph, model_vbar  # noqa: E402
 
 MiB = 1 << 20
 PAGE = 32 * MiB

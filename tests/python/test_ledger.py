@@ -13,15 +13,13 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-if os.path.join(REPO, "python") not in sys.path:
-    sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+REPO = _runner.add_paths("python")
 
 import vpager  # noqa: E402
 from vpager import ledger  # noqa: E402
 
-sys.path.insert(0, HERE)
-import _runner  # noqa: E402
 from _runner import raises  # noqa: E402
 
 PAGE = 64 << 10

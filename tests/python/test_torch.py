@@ -19,9 +19,9 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-if os.path.join(REPO, "python") not in sys.path:
-    sys.path.insert(0, os.path.join(REPO, "python"))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+REPO = _runner.add_paths("python")
 
 try:
     import torch
@@ -35,8 +35,6 @@ except ImportError:         # pragma: no cover - depends on the machine
 
 import vpager  # noqa: E402
 
-sys.path.insert(0, HERE)
-import _runner  # noqa: E402
 from _runner import raises, skip  # noqa: E402,F401
 
 if torch is not None:
