@@ -182,8 +182,7 @@ def worker(role, name, unit, dry, budget, ledger_on):
                 loaded = h.vbar.loaded_size()
                 if loaded > lim:
                     h.vbar.free_memory(loaded - lim)
-                h.vbar.prioritize()
-                h._ds.top = h
+                h.prioritize()
                 reply(limit=lim)
             elif c == "run":
                 until = time.perf_counter() + cmd["seconds"]
