@@ -110,20 +110,20 @@ static size_t ring_fit(const vp__staging_t *st, uint64_t size, uint64_t *off) {
 }
 
 /* Whether slot s may be reclaimed: not held, and (for a prefetch) not
- * staged ahead for a weight that is still there. */
+ * staged ahead for a weight that is still there. A prefetched slot whose
+ * weight let go of it (destroyed, or re-placed by vpager.torch) is: it
+ * would otherwise keep its room from every later prefetch. */
 static bool reclaimable(const vp__slot_t *s, bool keep_prefetch) {
   return !s->refs && !(keep_prefetch && s->prefetched && s->owner);
 }
 
-/* The least recently used slot that may be reclaimed, or SIZE_MAX. Held
- * slots never are; prefetched ones not by another prefetch, unless their
- * weight let go of them (destroyed, or re-placed by vpager.torch): such a
- * slot would otherwise keep its room from every later prefetch. */
-static size_t ring_victim(const vp__staging_t *st, bool keep_prefetch) {
+/* The least recently used slot an acquire may reclaim (any not held), or
+ * SIZE_MAX. */
+static size_t ring_victim(const vp__staging_t *st) {
   size_t best = SIZE_MAX;
   for (size_t k = 0; k < st->n; k++) {
     const vp__slot_t *s = st->slots[k];
-    if (!reclaimable(s, keep_prefetch)) continue;
+    if (!reclaimable(s, false)) continue;
     if (best == SIZE_MAX || s->used < st->slots[best]->used) best = k;
   }
   return best;
@@ -171,8 +171,8 @@ static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
   }
 }
 
-/* A staging slot for w. VP_MISS when the ring has no room (for prefetch,
- * which never drops other prefetched slots); VP_ELIMIT for an acquire. */
+/* A staging slot for w. VP_MISS when the ring has no room for a prefetch
+ * (which never drops other prefetched slots); VP_ELIMIT for an acquire. */
 int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
                       vp__slot_t **out) {
   int rc = dev->staging ? VP_OK : vp__staging_open(dev);
@@ -182,19 +182,22 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   uint64_t off = 0;
   /* Free room first (at st->next, else the first gap): what the ring
    * holds may be acquired again without a copy. Then, for prefetch, the
-   * clock hand; last, the least recently used slot. */
+   * clock hand; for an acquire, the least recently used slots. */
   size_t victim, k = ring_next(dev, st, size, false, &off, &rc);
   if (k == SIZE_MAX) k = ring_fit(st, size, &off);
   if (k == SIZE_MAX && prefetch) k = ring_next(dev, st, size, true, &off, &rc);
   if (rc) return rc;
+  /* The clock hand went round without finding room among the slots a
+   * prefetch may take, so reclaiming them one by one cannot make any: it
+   * would only drop what they hold and make the copy stream wait for
+   * their readers. */
+  if (k == SIZE_MAX && prefetch) return VP_MISS;
   while (k == SIZE_MAX) {
-    if ((victim = ring_victim(st, prefetch)) == SIZE_MAX) {
-      if (prefetch) return VP_MISS;
+    if ((victim = ring_victim(st)) == SIZE_MAX)
       return vp__err(VP_ELIMIT, "a weight of %llu bytes does not fit in the "
                      "%llu-byte staging ring beside the weights acquired and "
                      "not released (raise staging_size)",
                      (unsigned long long)w->size, (unsigned long long)st->size);
-    }
     if ((rc = ring_reclaim(dev, st, victim))) return rc;
     /* No other gap fitted before, so the first that fits now, if any, is
      * the one the victim left (joined with its neighbours). */

@@ -375,3 +375,53 @@ TEST(stream_ring_resize, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }
+
+/* A prefetch that finds no room (held slots between the free-able ones,
+ * none of them wide enough) reclaims nothing: the weights the ring keeps
+ * are acquired again without a copy, and the copy stream waits for no
+ * reader. Ring of 4 pages: [A kept][B held][C kept][D held]; E is 2. */
+TEST(stream_ring_prefetch_no_room_keeps, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_WORKER);
+  uint64_t ps = o.page_size;
+  vp_device_t dev = test_open_cap(ctx, &o, 4); /* only the ring fits */
+  uint64_t off[5] = {0, ps, 2 * ps, 3 * ps, 4 * ps};
+  uint64_t size[5] = {ps, ps, ps, ps, 2 * ps};
+  model_t m;
+  model_init(&m, dev, 6 * ps, 5, off, size, SRC_SCATTER, 61);
+  vp_stream_t s = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  uint64_t ptr[5];
+  uint8_t fl[5];
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &ptr[0], &fl[0]));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, s, &ptr[1], &fl[1]));
+  ASSERT_OK(vp_acquire(dev, &m.w[2], 1, s, &ptr[2], &fl[2]));
+  /* A and C are released behind a slow reader: reclaiming them would
+   * make the copy stream wait for it. */
+  slow_t k = {.ptr = ptr[2], .size = ps, .ms = 300, .expect = m.srcs[2].host};
+  ASSERT_OK(vp_sim_launch(dev, s, slow_fn, &k));
+  ASSERT_OK(vp_release(dev, &m.w[2], 1, s));
+  ASSERT_OK(vp_device_set_lookahead(dev, 2 * ps));
+  ASSERT_OK(vp_acquire(dev, &m.w[3], 1, s, &ptr[3], &fl[3])); /* E: no room */
+  vp_stats_t st = dstats(dev);
+  ASSERT_EQ_U64(st.ring_waits, 0);
+  ASSERT_EQ_U64(st.prefetch_bytes, 0);
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, s));
+  ASSERT_OK(vp_release(dev, &m.w[3], 1, s));
+  for (int i = 0; i < 3; i += 2) { /* A and C: still staged */
+    uint64_t p = 0;
+    uint8_t f = 0;
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p, &f));
+    ASSERT_EQ_U64(p, ptr[i]);
+    ASSERT_EQ_INT(f & (VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED),
+                  VP_ACQUIRED_STAGED);
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  }
+  ASSERT_EQ_U64(dstats(dev).copies, st.copies);
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_TRUE(slow_ok(&k)); /* C's bytes were not overwritten under it */
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
