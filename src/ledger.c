@@ -117,6 +117,16 @@ bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot,
          atomic_load(&seg->part[slot].serial) == serial;
 }
 
+void vp__lreq_answer(ledger_req_t *r, uint64_t freed) {
+  atomic_store(&r->freed, freed);
+  uint32_t s = REQ_TAKEN;
+  if (!atomic_compare_exchange_strong(&r->state, &s, REQ_DONE)) {
+    s = REQ_ABANDONED; /* the requester gave up: the slot is ours to free */
+    atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
+  }
+  vp__futex_wake(&r->state);
+}
+
 /* Requests whose requester is gone are freed; one a live peer is serving
  * is left for it to free (ABANDONED); one whose server is gone is freed
  * once its requester gave up on it. */
@@ -456,17 +466,18 @@ static void leave(vp__ledger_t *l) {
   bool locked = vp__lseg_lock(seg) == VP_OK;
   ledger_part_t *p = &seg->part[l->part];
   if (atomic_load(&p->serial) == l->serial) part_clear(p);
-  /* Requests posted to us that nobody will serve now: answered "nothing"
-   * (requesters also notice the slot change while they wait). */
+  /* Requests posted to us that nobody will serve now: taken and answered
+   * "nothing", as the service thread would (requesters also notice the
+   * slot change while they wait). Only those still posted: an answer
+   * given before, not yet read, stays as it is. */
   for (int i = 0; i < LEDGER_REQS; i++) {
     ledger_req_t *r = &seg->req[i];
     uint32_t s = REQ_POSTED;
-    if (atomic_load(&r->to) != (uint32_t)l->part ||
-        atomic_load(&r->to_serial) != l->serial)
-      continue;
-    atomic_store(&r->freed, 0);
-    if (atomic_compare_exchange_strong(&r->state, &s, REQ_DONE))
-      vp__futex_wake(&r->state);
+    if (atomic_load(&r->state) == REQ_POSTED &&
+        atomic_load(&r->to) == (uint32_t)l->part &&
+        atomic_load(&r->to_serial) == l->serial &&
+        atomic_compare_exchange_strong(&r->state, &s, REQ_TAKEN))
+      vp__lreq_answer(r, 0);
   }
   if (!locked) return;
   /* Whether anyone is left: the first live one ends the search (the dead

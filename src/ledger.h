@@ -32,7 +32,7 @@
 #include "internal.h"
 
 #define LEDGER_MAGIC 0x72656764656c7076ull /* "vpledger" */
-#define LEDGER_VERSION 2u /* 2: external_floor */
+#define LEDGER_VERSION 2u /* 2: external_floor, lock_gen */
 #define LEDGER_PARTS 64   /* device handles per GPU */
 #define LEDGER_VBARS 128  /* published VBARs per participant */
 #define LEDGER_REQS 64    /* release requests in flight per GPU */
@@ -134,6 +134,9 @@ bool vp__lpart_alive(const ledger_part_t *p);
 /* Whether participant `slot` is live with that serial (not left, reaped or
  * replaced). */
 bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot, uint64_t serial);
+/* Answer a request its holder took (REQ_TAKEN): `freed` bytes, then DONE;
+ * if the requester gave up meanwhile (ABANDONED), the slot is freed. */
+void vp__lreq_answer(ledger_req_t *r, uint64_t freed);
 /* Device memory as a participant measured it, for everyone to see. */
 void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
                            uint64_t total);

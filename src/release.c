@@ -88,13 +88,7 @@ static void serve_one(vp__ledger_t *l, ledger_req_t *r) {
   ledger_part_t *p = own_part(l);
   atomic_fetch_add(&p->served, 1);
   atomic_fetch_add(&p->released, freed);
-  atomic_store(&r->freed, freed);
-  uint32_t s = REQ_TAKEN;
-  if (!atomic_compare_exchange_strong(&r->state, &s, REQ_DONE)) {
-    s = REQ_ABANDONED; /* the requester gave up: the slot is ours to free */
-    atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
-  }
-  vp__futex_wake(&r->state);
+  vp__lreq_answer(r, freed);
   vp__log(VP_LOG_DEBUG, dev->caps.name, "ledger: released %llu of %llu "
           "bytes asked", ULL(freed), ULL(bytes));
 }

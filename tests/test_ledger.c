@@ -615,6 +615,66 @@ TEST(ledger_other_users_segment, TEST_SIM_ONLY) {
 
 /* --------------------------------------------------------- membership */
 
+/* The live participant of this process with the highest (`newest`) or
+ * lowest serial. */
+static int own_part_of(ledger_seg_t *seg, bool newest) {
+  int best = -1;
+  for (int i = 0; i < LEDGER_PARTS; i++) {
+    ledger_part_t *p = &seg->part[i];
+    if (atomic_load(&p->state) != PART_LIVE ||
+        atomic_load(&p->pid) != (int32_t)getpid())
+      continue;
+    if (best < 0 || (atomic_load(&p->serial) >
+                     atomic_load(&seg->part[best].serial)) == newest)
+      best = i;
+  }
+  ASSERT_GE_INT(best, 0);
+  return best;
+}
+
+static void put_request(ledger_seg_t *seg, int k, int from, int to,
+                        uint32_t state, uint64_t freed) {
+  ledger_req_t *r = &seg->req[k];
+  atomic_store(&r->from, (uint32_t)from);
+  atomic_store(&r->from_serial, atomic_load(&seg->part[from].serial));
+  atomic_store(&r->to, (uint32_t)to);
+  atomic_store(&r->to_serial, atomic_load(&seg->part[to].serial));
+  atomic_store(&r->bytes, 1);
+  atomic_store(&r->freed, freed);
+  atomic_store(&r->state, state);
+}
+
+/* A participant that leaves answers "nothing" to what is still posted to
+ * it, and leaves an answer it gave before, not yet read, as it was. */
+TEST(ledger_leave_keeps_answers, TEST_SIM_ONLY) {
+  char name[64], shm[128];
+  ledger_name(name, sizeof name, "answers");
+  snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  vp_options_t o;
+  shared_opts(ctx, &o, name, 8);
+  snprintf(o.ledger, sizeof o.ledger, "%s", name);
+  vp_device_t stay = test_open(ctx, &o), go = test_open(ctx, &o);
+  int fd = shm_open(shm, O_RDWR, 0);
+  ASSERT_GE_INT(fd, 0);
+  ledger_seg_t *seg = mmap(NULL, sizeof *seg, PROT_READ | PROT_WRITE,
+                           MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_TRUE(seg != MAP_FAILED);
+  int from = own_part_of(seg, false), to = own_part_of(seg, true);
+  ASSERT_TRUE(from != to);
+  put_request(seg, 0, from, to, REQ_DONE, 12345); /* answered, unread */
+  put_request(seg, 1, from, to, REQ_POSTED, 777); /* never served */
+  ASSERT_OK(vp_device_close(go));
+  ASSERT_EQ_INT((int)atomic_load(&seg->req[0].state), REQ_DONE);
+  ASSERT_EQ_U64(atomic_load(&seg->req[0].freed), 12345);
+  ASSERT_EQ_INT((int)atomic_load(&seg->req[1].state), REQ_DONE);
+  ASSERT_EQ_U64(atomic_load(&seg->req[1].freed), 0);
+  for (int k = 0; k < 2; k++) atomic_store(&seg->req[k].state, REQ_FREE);
+  munmap(seg, sizeof *seg);
+  ASSERT_OK(vp_device_close(stay));
+}
+
+
 static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
                         int seed) {
   vp_options_t o;
