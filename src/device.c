@@ -205,29 +205,16 @@ DEVICE_SETTER(vp_device_set_pin_budget, uint64_t, (void)0,
 DEVICE_SETTER(vp_device_set_external_reserved, uint64_t, (void)0,
               (dev->external_reserved = bytes, vp__ledger_sync(dev)))
 
-/* A new staging ring size: the ring is given back (once the copy stream
- * and the ring's readers are done; the copy stream stays) and the next miss
- * opens it at the new size. */
+/* A new staging ring size: the ring is given back and the next miss opens
+ * it at the new size. */
 int vp_device_set_staging_size(vp_device_t h, uint64_t bytes) {
   VP__ENTER();
   if (!bytes) return vp__err(VP_EINVAL, "bytes is 0");
   vp__device_t *dev = NULL;
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
-  vp__staging_t *st = dev->staging;
-  for (size_t k = 0; st && k < st->n; k++)
-    if (st->slots[k]->refs)
-      return vp__unlock(dev, vp__err(VP_EBUSY, "a staged weight is acquired; "
-                                     "release it first"));
-  if (st) {
-    vp_stream_t cs = dev->copy_stream;
-    if (cs) vp__be_stream_synchronize(dev, cs);
-    dev->copy_stream = 0; /* kept: only the ring goes */
-    vp__staging_close(dev);
-    dev->copy_stream = cs;
-  }
-  dev->opts.staging_size = bytes;
-  return vp__unlock(dev, VP_OK);
+  if ((rc = vp__staging_free(dev)) == VP_OK) dev->opts.staging_size = bytes;
+  return vp__unlock(dev, rc);
 }
 
 int vp_device_reset_limits(vp_device_t h) {

@@ -530,6 +530,9 @@ bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size);
 /* The device range [addr, +size) a caller may write or read: all pinned in
  * one VBAR, or in a staging slot an acquire holds (VP_ENOTPINNED/ERANGE). */
 int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size);
+/* The ring given back, once the copy stream and the ring's readers are
+ * done (the copy stream stays); VP_EBUSY while an acquire holds a slot. */
+int vp__staging_free(vp__device_t *dev);
 void vp__staging_close(vp__device_t *dev);
 
 /* fileio.c: copy a file region to device memory at dst in `stream` order

@@ -262,32 +262,46 @@ int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size) {
   return vp__err(VP_ERANGE, "0x%llx is in no VBAR of this device", ULL(addr));
 }
 
-/* Device close: wait for the copy stream and every staging reader, then
- * free the ring and the stream. */
-void vp__staging_close(vp__device_t *dev) {
+/* Wait for the copy stream and every staging reader, then free the ring
+ * (the copy stream stays). */
+static void ring_free(vp__device_t *dev) {
   if (dev->copy_stream) vp__be_stream_synchronize(dev, dev->copy_stream);
   vp__staging_t *st = dev->staging;
-  if (st) {
-    for (size_t k = 0; k < st->n; k++) {
-      vp__slot_t *s = st->slots[k];
-      if (s->fence) {
-        vp__fence_wait(dev, s->fence);
-        vp__fence_put(dev, s->fence);
-      }
-      if (s->owner) {
-        s->owner->slot = NULL;
-        s->owner->vb->prefetch_idle = false;
-        s->owner->vb->win_ok = false;
-      }
-      free(s);
+  if (!st) return;
+  for (size_t k = 0; k < st->n; k++) {
+    vp__slot_t *s = st->slots[k];
+    if (s->fence) {
+      vp__fence_wait(dev, s->fence);
+      vp__fence_put(dev, s->fence);
     }
-    vp__unpin_nofence(st->vb, 0, st->vb->npages);
-    vp__vbar_free(st->vb);
-    free(st->slots);
-    free(st);
-    dev->staging = NULL;
+    if (s->owner) {
+      s->owner->slot = NULL;
+      s->owner->vb->prefetch_idle = false;
+      s->owner->vb->win_ok = false;
+    }
+    free(s);
   }
+  vp__unpin_nofence(st->vb, 0, st->vb->npages);
+  vp__vbar_free(st->vb);
+  free(st->slots);
+  free(st);
+  dev->staging = NULL;
+}
+
+int vp__staging_free(vp__device_t *dev) {
+  vp__staging_t *st = dev->staging;
+  if (!st) return VP_OK;
+  for (size_t k = 0; k < st->n; k++)
+    if (st->slots[k]->refs)
+      return vp__err(VP_EBUSY, "a staged weight is acquired; release it "
+                     "first");
+  ring_free(dev);
+  return VP_OK;
+}
+
+/* Device close: the ring, then the copy stream. */
+void vp__staging_close(vp__device_t *dev) {
+  ring_free(dev);
   if (dev->copy_stream) vp__be_stream_destroy(dev, dev->copy_stream);
   dev->copy_stream = 0;
 }
-
