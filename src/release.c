@@ -60,14 +60,13 @@ static int victim_cmp(const void *a, const void *b) {
  * that have no pinned page, least recently used first (device lock held).
  * Eviction lowers their watermarks as pressure does. */
 static uint64_t serve_evict(vp__device_t *dev, uint64_t bytes,
-                            uint64_t before, const keep_t *keep) {
+                            uint64_t before) {
   size_t n = 0, cap = 0;
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down) cap++;
   victim_t *v = cap ? malloc(cap * sizeof *v) : NULL;
   if (!v) return 0;
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
-    if (!vb->pinned && vb->resident && vb->last_use <= before &&
-        !kept(keep, vb->id))
+    if (!vb->pinned && vb->resident && vb->last_use <= before)
       v[n++] = (victim_t){vb, vb->last_use};
   qsort(v, n, sizeof *v, victim_cmp);
   uint64_t freed = 0;
@@ -82,7 +81,7 @@ static void serve_one(vp__ledger_t *l, ledger_req_t *r) {
   uint64_t bytes = atomic_load(&r->bytes), before = atomic_load(&r->before);
   uint64_t freed = 0;
   pthread_mutex_lock(&dev->lock);
-  if (!dev->broken) freed = serve_evict(dev, bytes, before, NULL);
+  if (!dev->broken) freed = serve_evict(dev, bytes, before);
   vp__ledger_sync(dev);
   vp__unlock(dev, VP_OK);
   ledger_part_t *p = own_part(l);
@@ -416,21 +415,19 @@ void vp__release_ask(vp__device_t *dev, const vp__ask_t *ask) {
           "%llu bytes toward %llu free", ULL(freed), ULL(ask->target));
 }
 
-/* Without a ledger: our own VBARs, least recently used first; the keep
- * list's left alone. */
+/* Without a ledger: our own VBARs, lowest priority first (no last-use
+ * stamps without one), the keep list's left alone. */
 static int free_alone(vp__device_t *dev, uint64_t bytes, const keep_t *keep,
                       uint64_t *done) {
   if (!keep->n) return vp__device_evict(dev, bytes, done);
-  /* No last-use stamps without a ledger: the priority list, bottom up. */
   int rc = VP_OK;
   for (vp__vbar_t *vb = dev->bottom; vb && *done < bytes && !rc; vb = vb->up)
     if (vb->resident > vb->pinned && !kept(keep, vb->id))
       rc = vp__vbar_evict(vb, bytes - *done, 0, done);
-  vp__ledger_sync(dev);
   return rc;
 }
 
-/* Both public calls, after VP__ENTER (their messages name the caller's). */
+/* Both public calls, after VP__ENTER (so messages name the one called). */
 static int free_memory(vp_device_t h, uint64_t bytes, const vp_vbar_t *keep,
                        size_t nkeep, uint64_t *freed) {
   vp__device_t *dev = NULL;
