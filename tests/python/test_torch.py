@@ -493,6 +493,41 @@ def test_two_models_alternating_on_one_device():
         dev.close()
 
 
+def test_unscheduled_model_keeps_the_device_lookahead():
+    """On a shared device a scheduled model sets its units' windows as
+    the device's lookahead; a model without windows that runs after it
+    prefetches with the device's own lookahead again, not the other
+    model's last window."""
+    base = 96 * K
+    dev = vt.open_device("sim", budget=1280 * K, staging_size=320 * K,
+                         **sim_opts(lookahead=base))
+    try:
+        a, b = mlp(seed=1, depth=8), mlp(seed=2)
+        wa, wb = frozen_copy(a), frozen_copy(b)
+        x = torch.randn(8, 64)
+        ha = vt.offload(a, dev=dev, budget=900 * K, schedule=True)
+        hb = vt.offload(b, dev=dev, order="tail")
+        set_to = []
+        real = dev.set_lookahead
+        dev.set_lookahead = lambda n: (set_to.append(n), real(n))[1]
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(a(x), wa(x))
+            assert ha.order == "scheduled" and ha.schedule()["windows"]
+            assert set_to and set_to[-1] != base, set_to
+            assert torch.equal(b(x), wb(x))
+            assert set_to[-1] == base, set_to       # b: the device's own
+            n = len(set_to)
+            assert torch.equal(b(x), wb(x))          # no switch: no call
+            assert len(set_to) == n
+            assert torch.equal(a(x), wa(x))          # a: its windows again
+            assert set_to[-1] != base, set_to
+        ha.close()
+        hb.close()
+    finally:
+        dev.close()
+
+
 def test_prefetch_interleaved_and_worker_streams():
     x = torch.randn(4, 64)
     for kw in (dict(lookahead=256 * K), dict(order="interleaved"),

@@ -127,7 +127,7 @@ class DevState:
 
     __slots__ = ("_top", "users", "owned", "sync", "user_headroom",
                  "learned", "oom_margin", "learned_at", "window",
-                 "__weakref__")
+                 "base_lookahead", "__weakref__")
 
     def __init__(self, dev, owned):
         self._top = None           # the Offloaded whose VBAR is on top
@@ -148,6 +148,10 @@ class DevState:
         self.oom_margin = 0        # raised by each OOM retry
         self.learned_at = float("-inf")  # when a forward last learned
         self.window = None         # the lookahead a unit's window last set
+        # The device's own lookahead (open, or attach's lookahead=): what
+        # a model without windows prefetches with, also after another
+        # model's schedule set its windows.
+        self.base_lookahead = dev.options["lookahead"]
 
     @property
     def top(self):
@@ -397,6 +401,8 @@ def attach(dev, budget, lookahead, largest):
         dev.set_limit(budget)
     if lookahead is not None:
         dev.set_lookahead(lookahead)
+        ds = devstate(dev)
+        ds.base_lookahead, ds.window = lookahead, None
 
 
 def open_device(device=None, budget=None, lookahead=None, **options):

@@ -135,12 +135,15 @@ class HotPath:
                     ".half(), .data = ...?); unload() first, change the "
                     "module, then offload again" % e.name)
         ds = self.ds
+        win = unit.window
         if ds.top is not self.handle:
             self.vbar.prioritize()
             ds.top = self.handle
+            if win is None:     # not another model's schedule's window
+                self.device.set_lookahead(ds.base_lookahead)
+                ds.window = None
         stream = self.stream()
         batch = unit.batch
-        win = unit.window
         if win is not None and win != ds.window:    # the schedule's window
             self.device.set_lookahead(win)
             ds.window = win
