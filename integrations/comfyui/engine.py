@@ -27,6 +27,10 @@ import torch
 
 import vpager.torch
 import vpager.torch.ledger as _ledger
+# Activations first as vpager.torch learns it: its period and margin cap,
+# and torch's (reserved, peak) read without flattening every allocator
+# statistic (~200 us); engine.torch_reserved is the seam the tests replace.
+from vpager.torch.devices import LEARN_EVERY, MARGIN_MAX, torch_reserved
 from vpager import _lib
 from vpager.weights import Source
 
@@ -101,17 +105,6 @@ def devstate(dev, budget=None):
         ds = _DEVSTATES[id(dev)] = (dev, DevState(dev, dev.info()["headroom"],
                                                   budget))
     return ds[1]
-
-
-LEARN_EVERY = 0.002
-MARGIN_MAX = 256 << 20
-
-
-def torch_reserved(index):
-    """(bytes torch's caching allocator holds on CUDA device `index`, the
-    most it has held): the seam the tests replace."""
-    return (torch.cuda.memory_reserved(index),
-            torch.cuda.max_memory_reserved(index))
 
 
 def learn_headroom(dev, ds, index):
