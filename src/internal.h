@@ -352,7 +352,8 @@ int vp__report(vp__device_t *dev, int json, char *buf, size_t len,
                size_t *needed);
 
 /* invariants.c: re-derive the page counts of every VBAR and of the device
- * from the page tables; on a mismatch print a dump and abort. Called by
+ * from the page tables, check the staging ring and the prefetch skip
+ * index; on a mismatch print a dump and abort. Called by
  * vp__unlock in debug builds (make DEBUG=1) only. */
 void vp__check_invariants(vp__device_t *dev);
 

@@ -24,13 +24,32 @@ static int corrupt_and_call(test_ctx_t *ctx, int which) {
   pid_t pid = fork();
   ASSERT_TRUE(pid >= 0);
   if (pid == 0) {
-    vp_device_t dev = test_open(ctx, NULL);
-    vp_vbar_t v = test_vbar(dev, 4 * test_page_size(ctx));
+    vp_options_t o;
+    test_options(ctx, &o);
+    uint64_t ps = o.page_size;
+    o.staging_size = ps;
+    vp_device_t dev = test_open(ctx, &o);
+    vp_vbar_t v = test_vbar(dev, 4 * ps);
     test_load_pages(v, 0, 2);
     vp__vbar_t *vb = vbar_of(dev, v);
     if (which == 0) vb->resident++;
     else if (which == 1) vb->pinned++;
-    else vb->dev->committed += vb->dev->page_size;
+    else if (which == 2) vb->dev->committed += vb->dev->page_size;
+    else if (which == 3) { /* the ring's bytes in slots */
+      ASSERT_OK(vp__staging_open(vb->dev));
+      vb->dev->staging->taken += 256;
+    } else { /* a skip index stepping over a weight that is not resident */
+      static char src[64];
+      uint64_t off = 2 * ps, size = sizeof src;
+      vp_source_t s = {.kind = VP_SOURCE_HOST, .host = src};
+      vp_weight_t w;
+      ASSERT_OK(vp_weights_create(v, 1, &off, &size, &s, &w));
+      vb->skip = malloc(2 * sizeof *vb->skip);
+      ASSERT_NOT_NULL(vb->skip);
+      vb->skip[0] = vb->skip[1] = 1;
+      vb->skip_ok = true;
+      vb->skip_epoch = vb->epoch;
+    }
     vp_vbar_prioritize(v);
     _exit(0);
   }
@@ -38,7 +57,7 @@ static int corrupt_and_call(test_ctx_t *ctx, int which) {
 }
 
 TEST(invariants_abort_on_mismatch, TEST_SIM_ONLY) {
-  for (int which = 0; which < 3; which++) {
+  for (int which = 0; which < 5; which++) {
     test_note("count %d", which);
     int status = corrupt_and_call(ctx, which);
 #ifdef VP_DEBUG
