@@ -142,14 +142,19 @@ static void reap_request(ledger_seg_t *seg, ledger_req_t *r) {
     atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
 }
 
+/* True if participant i is live; one whose process is gone is reaped. */
+static bool part_live(ledger_seg_t *seg, int i) {
+  ledger_part_t *p = &seg->part[i];
+  if (atomic_load(&p->state) != PART_LIVE) return false;
+  if (vp__lpart_alive(p)) return true;
+  vp__log(VP_LOG_INFO, "ledger", "reaped participant %d (pid %d): its "
+          "process is gone", i, (int)atomic_load(&p->pid));
+  part_clear(p);
+  return false;
+}
+
 void vp__lseg_reap(ledger_seg_t *seg) {
-  for (int i = 0; i < LEDGER_PARTS; i++) {
-    ledger_part_t *p = &seg->part[i];
-    if (atomic_load(&p->state) != PART_LIVE || vp__lpart_alive(p)) continue;
-    vp__log(VP_LOG_INFO, "ledger", "reaped participant %d (pid %d): its "
-            "process is gone", i, (int)atomic_load(&p->pid));
-    part_clear(p);
-  }
+  for (int i = 0; i < LEDGER_PARTS; i++) part_live(seg, i);
   for (int i = 0; i < LEDGER_REQS; i++) reap_request(seg, &seg->req[i]);
 }
 
@@ -481,16 +486,11 @@ static void leave(vp__ledger_t *l) {
   }
   if (!locked) return;
   /* Whether anyone is left: the first live one ends the search (the dead
-   * met before it are reaped). */
-  int live = 0;
-  for (int i = 0; i < LEDGER_PARTS && !live; i++) {
-    ledger_part_t *q = &seg->part[i];
-    if (atomic_load(&q->state) != PART_LIVE) continue;
-    if (vp__lpart_alive(q)) live = 1;
-    else part_clear(q);
-  }
-  for (int i = 0; i < LEDGER_REQS && !live; i++) reap_request(seg, &seg->req[i]);
-  if (live == 0) {
+   * met before it are reaped). With nobody left the name goes: nobody
+   * reads its requests again (a joiner sees `unlinked` and opens anew). */
+  bool live = false;
+  for (int i = 0; i < LEDGER_PARTS && !live; i++) live = part_live(seg, i);
+  if (!live) {
     atomic_store(&seg->unlinked, 1);
     shm_unlink(l->shm);
   }
