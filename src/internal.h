@@ -105,7 +105,8 @@ typedef struct vp__vbar {
   /* stream.c: the window of the last scan, weights [win_from, win_to) in
    * scan order (win_all: all of them; win_ring: it ended where the ring
    * was full), win_bytes of them needing copies, at pages epoch
-   * win_epoch; win_used: bytes acquired from it with a copy since. While
+   * win_epoch; win_used: bytes acquired since that were staged or copied
+   * (what the window had queued, or a miss it did not cover). While
    * the next acquire is in the window, used < a chunk of the lookahead and
    * what is left of it still covers the lookahead less a chunk, nothing is
    * scanned: prefetch tops the window up a chunk at a time, in one batch

@@ -532,12 +532,6 @@ static const uint32_t *skip_index(vp__vbar_t *vb) {
   return vb->skip;
 }
 
-/* Start the weights after `last` in its VBAR (wrapping to the start, for
- * the next pass) until lookahead bytes of them are staged or filled ahead.
- * Weights that stayed resident cost nothing and do not count: with the
- * resident weights first, the copy engine starts on the streamed ones while
- * the resident ones compute. A scan looks at each weight at most once, and
- * steps over runs of resident ones (skip_index). */
 /* The chunk of the lookahead acquires may use up before a scan tops the
  * window up: an eighth, so at least 7/8 of it stays queued ahead. */
 #define WINDOW_CHUNK(lookahead) ((lookahead) / 8)
@@ -572,6 +566,13 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
   vb->win_used = 0;
 }
 
+/* Start the weights after `last` in its VBAR (wrapping to the start, for
+ * the next pass) until lookahead bytes of them are staged or filled ahead.
+ * Weights that stayed resident cost nothing and do not count: with the
+ * resident weights first, the copy engine starts on the streamed ones while
+ * the resident ones compute. A scan looks at each weight at most once, and
+ * steps over runs of resident ones (skip_index); none runs while the
+ * last scan's window holds. */
 static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   vp__vbar_t *vb = last->vb;
   /* All resident and filled at the last scan, and no page changed since:
