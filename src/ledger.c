@@ -160,12 +160,42 @@ void vp__lseg_reap(ledger_seg_t *seg) {
 
 /* ---------------------------------------------------- membership lock */
 
+static int init_lock(pthread_mutex_t *m);
+
+/* Whether the lock word's kind (glibc: type, robust, shared and protocol
+ * bits) is the one init_lock makes. Another (a priority protocol with a
+ * bogus ceiling, in a corrupt segment) has glibc abort the process inside
+ * pthread_mutex_trylock, so such a lock is never used. Not checked with
+ * other C libraries. */
+static bool lock_kind_ok(ledger_seg_t *seg) {
+#ifdef __GLIBC__
+  static _Atomic int want; /* 0 until made once */
+  int k = atomic_load_explicit(&want, RELAXED);
+  if (!k) {
+    pthread_mutex_t m;
+    if (init_lock(&m)) return true; /* cannot tell */
+    k = m.__data.__kind;
+    pthread_mutex_destroy(&m);
+    atomic_store_explicit(&want, k, RELAXED);
+  }
+  return __atomic_load_n(&seg->lock.__data.__kind, __ATOMIC_RELAXED) == k;
+#else
+  (void)seg;
+  return true;
+#endif
+}
+
 /* A holder that died leaves the lock EOWNERDEAD: take it, remove the dead
  * participants (whatever the holder was doing was its own slot or a
  * reap), mark it consistent. Bounded, so a stopped holder costs a timeout,
- * never a hang. */
+ * never a hang. A lock of another kind is not taken (VP_EDEVICE). */
 int vp__lseg_lock(ledger_seg_t *seg) {
   struct timespec ts;
+  if (!lock_kind_ok(seg)) {
+    vp__log(VP_LOG_WARN, "ledger", "the ledger's lock is not of the kind "
+            "this library makes (a corrupt segment?); going on without it");
+    return VP_EDEVICE;
+  }
   /* trylock first: it is uncontended nearly always, and TSan follows a
    * trylock's EOWNERDEAD (not a timedlock's). */
   int r = pthread_mutex_trylock(&seg->lock);
@@ -407,8 +437,12 @@ static int join(vp__ledger_t *l, char *why, size_t len) {
       rc = join_locked(l, why, len);
       vp__lseg_unlock(l->seg);
     } else { /* a stopped holder, or a hostile lock word: alone, at once */
-      snprintf(why, len, "the lock of %s stayed taken for %d ms", l->shm,
-               LEDGER_LOCK_MS);
+      if (rc == VP_EAGAIN)
+        snprintf(why, len, "the lock of %s stayed taken (%d ms idle, or "
+                 "%d busy)", l->shm, LEDGER_LOCK_MS, LEDGER_LOCK_BUSY_MS);
+      else
+        snprintf(why, len, "the lock of %s cannot be used (a corrupt "
+                 "segment?)", l->shm);
       rc = VP_EUNSUPPORTED;
     }
     if (rc == VP_OK) return VP_OK;

@@ -127,7 +127,8 @@ typedef struct vp__ledger {
 int vp__lseg_map(const char *shm, bool writable, ledger_seg_t **out,
                  char *why, size_t len);
 void vp__lseg_unmap(ledger_seg_t *seg);
-int vp__lseg_lock(ledger_seg_t *seg); /* VP_EAGAIN after LEDGER_LOCK_MS */
+/* VP_EAGAIN after LEDGER_LOCK_MS; VP_EDEVICE: a lock word it cannot use */
+int vp__lseg_lock(ledger_seg_t *seg);
 void vp__lseg_unlock(ledger_seg_t *seg);
 void vp__lseg_reap(ledger_seg_t *seg); /* lock held */
 bool vp__lpart_alive(const ledger_part_t *p);

@@ -544,6 +544,46 @@ TEST(ledger_bad_segment, TEST_SIM_ONLY) {
   }
 }
 
+/* A segment whose lock word is of another kind (here a priority protocol
+ * with a ceiling past any priority: glibc aborts in pthread_mutex_trylock
+ * on it) is not locked: a device opened on it runs alone and says why;
+ * one that had joined leaves without the lock. glibc's layout only. */
+TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
+#ifdef __GLIBC__
+  char name[64], shm[128];
+  ledger_name(name, sizeof name, "lockkind");
+  snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  vp_options_t o;
+  test_options(ctx, &o);
+  snprintf(o.ledger, sizeof o.ledger, "%s", name);
+  vp_device_t joined = test_open(ctx, &o);
+  int fd = shm_open(shm, O_RDWR, 0);
+  ASSERT_GE_INT(fd, 0);
+  ledger_seg_t *seg = mmap(NULL, sizeof *seg, PROT_READ | PROT_WRITE,
+                           MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_TRUE(seg != MAP_FAILED);
+  int kind = seg->lock.__data.__kind;
+  /* glibc: PTHREAD_MUTEX_PRIO_PROTECT_NP (64), not robust (16), ceiling
+   * (bits 19 up) 4095 */
+  seg->lock.__data.__kind = (kind & ~16) | 64 | (int)(0xfffu << 19);
+  vp_device_t alone = test_open(ctx, &o);
+  char *s = snapshot(alone);
+  ASSERT_STR_CONTAINS(s, "\"joined\":false");
+  ASSERT_STR_CONTAINS(s, "cannot be used");
+  free(s);
+  vp_vbar_t v = test_vbar(alone, 4 * o.page_size); /* alone, it works */
+  test_load_pages(v, 0, 4);
+  ASSERT_OK(vp_device_close(alone));
+  ASSERT_OK(vp_device_close(joined));
+  seg->lock.__data.__kind = kind;
+  munmap(seg, sizeof *seg);
+  ASSERT_EQ_INT(shm_unlink(shm), 0); /* left without the lock: not removed */
+#else
+  (void)ctx;
+#endif
+}
+
 /* A segment another user made (0600, theirs) is not joined: the device
  * runs alone and says whose it is; the owner's ledger is left alone. As
  * root (CI) a child that became nobody makes it; otherwise our own segment
