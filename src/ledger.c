@@ -99,6 +99,13 @@ bool vp__lpart_alive(const ledger_part_t *p) {
   return found && (want == 0 || start == want);
 }
 
+/* One of this process's participants: our pid in our pid namespace (a
+ * container sharing /dev/shm may hold the same pid in its own). */
+bool vp__lpart_ours(const ledger_part_t *p, int32_t pid) {
+  return atomic_load_explicit(&p->pid, RELAXED) == pid &&
+         atomic_load_explicit(&p->pidns, RELAXED) == own_pidns();
+}
+
 /* ------------------------------------------------------------ reaping */
 
 static void part_clear(ledger_part_t *p) {

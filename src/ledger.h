@@ -132,6 +132,7 @@ int vp__lseg_lock(ledger_seg_t *seg);
 void vp__lseg_unlock(ledger_seg_t *seg);
 void vp__lseg_reap(ledger_seg_t *seg); /* lock held */
 bool vp__lpart_alive(const ledger_part_t *p);
+bool vp__lpart_ours(const ledger_part_t *p, int32_t pid);
 /* Whether participant `slot` is live with that serial (not left, reaped or
  * replaced). */
 bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot, uint64_t serial);

@@ -208,7 +208,7 @@ static void collect_part(vp__ledger_t *l, uint32_t i, uint64_t before,
                          size_t *cap) {
   ledger_part_t *p = &l->seg->part[i];
   uint64_t serial = atomic_load(&p->serial);
-  if (keep && atomic_load(&p->pid) != (int32_t)l->pid) keep = NULL;
+  if (keep && !vp__lpart_ours(p, (int32_t)l->pid)) keep = NULL;
   for (int v = 0; v < LEDGER_VBARS; v++) {
     ledger_vbar_view_t e;
     if (!vp__lvbar_read(&p->vbar[v], &e) || e.pinned || !e.reclaimable ||

@@ -216,6 +216,22 @@ static void peer_reap(peer_t *p) {
 
 /* ---------------------------------------------------------------- tests */
 
+/* A keep list names this process's VBARs: a participant with our pid in
+ * another pid namespace (a container sharing /dev/shm) is not ours. */
+TEST(ledger_ours_needs_our_pid_namespace, TEST_SIM_ONLY) {
+  (void)ctx;
+  struct stat st;
+  if (stat("/proc/self/ns/pid", &st) != 0) return; /* no namespaces here */
+  ledger_part_t p;
+  memset(&p, 0, sizeof p);
+  atomic_store(&p.pid, (int32_t)getpid());
+  atomic_store(&p.pidns, (uint64_t)st.st_ino);
+  ASSERT_TRUE(vp__lpart_ours(&p, (int32_t)getpid()));
+  ASSERT_FALSE(vp__lpart_ours(&p, (int32_t)getpid() + 1));
+  atomic_store(&p.pidns, (uint64_t)st.st_ino + 1);
+  ASSERT_FALSE(vp__lpart_ours(&p, (int32_t)getpid()));
+}
+
 /* Two devices of one process on one shared device: the idle one's pages
  * go to the one that faults; the snapshot shows both, with labels. */
 TEST(ledger_two_devices, TEST_SIM_ONLY) {
