@@ -33,7 +33,8 @@ own outputs may differ between repetitions of one process; said where
 they do). Exit 0; 1 when a run failed; 2 when latents differ.
 
     # ComfyUI 0.33.0 in build-clients/ComfyUI, comfy_kitchen, torchsde
-    # and a trampoline module in build-clients/pydeps (see --check):
+    # and a trampoline module in build-clients/pydeps, laid out by
+    # bench/clients/prepare.py (bench/clients/README.md; see --check):
     make -j16 && PYTHONUNBUFFERED=1 python3 bench/comfyui_run.py \\
         --comfyui build-clients/ComfyUI --out $OUT/comfyui
     python3 bench/comfyui_run.py --comfyui build-clients/ComfyUI --dry-run

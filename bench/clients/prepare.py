@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Lay out the test clients bench/comfyui_run.py and the ComfyUI node's
+bench run against, from git mirrors of their public repositories, into a
+git-ignored folder (default build-clients/; nothing of them enters the
+tree):
+
+  build-clients/ComfyUI      ComfyUI's tree (yzkee/ComfyUI is 0.33.0),
+                             without tests, blueprints, CI files and
+                             tokenizer data
+  build-clients/pydeps       comfy_kitchen (Comfy-Org/comfy-kitchen),
+                             torchsde (google-research/torchsde), with
+                             their licenses, and bench/clients/trampoline.py
+                             (our own; torchsde imports the name)
+
+    python3 bench/clients/prepare.py --comfyui MIRROR.git \\
+        --kitchen MIRROR.git --torchsde MIRROR.git [--out build-clients]
+
+Files are written blob by blob, so a mirror whose largest blobs are
+absent (as some snapshots are) still gives a usable tree: the absent ones
+are listed. The device has ComfyUI's other library-mode dependencies;
+carry build-clients/ComfyUI and build-clients/pydeps with the run
+(bench/clients/README.md)."""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DROP = ("tests/", "tests-unit/", "blueprints/", ".github/", ".ci/",
+        "openapi.yaml")
+BIG = 4 << 20               # blobs larger than this are left out, and in
+TOKENIZERS = "_tokenizer/"  # tokenizers' folders (their vocabularies: a
+TOKEN_BIG = 512 << 10       # diffusion model needs none) above this
+
+
+def git(gitdir, *args):
+    return subprocess.run(["git", "--git-dir", gitdir] + list(args),
+                          check=True, stdout=subprocess.PIPE).stdout
+
+
+def extract(gitdir, rev, prefix, out, drop=()):
+    """The files of `rev` under `prefix` into out; the ones left out."""
+    missing = []
+    for line in git(gitdir, "ls-tree", "-r", "-l", rev, "--",
+                    prefix or ".").decode().splitlines():
+        meta, path = line.split("\t", 1)
+        mode, kind, sha, size = meta.split()
+        rel = path[len(prefix):] if prefix else path
+        if kind != "blob" or mode == "120000" or rel.startswith(drop):
+            continue
+        if not size.isdigit():          # the mirror lacks the blob
+            missing.append(path)
+            continue
+        if int(size) > (TOKEN_BIG if drop and TOKENIZERS in rel else BIG):
+            continue
+        try:
+            data = git(gitdir, "cat-file", "blob", sha)
+        except subprocess.CalledProcessError:
+            missing.append(path)
+            continue
+        dst = os.path.join(out, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "wb") as f:
+            f.write(data)
+    return missing
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", required=True, help="ComfyUI git dir")
+    ap.add_argument("--kitchen", required=True, help="comfy-kitchen git dir")
+    ap.add_argument("--torchsde", required=True, help="torchsde git dir")
+    ap.add_argument("--rev", default="HEAD", help="ComfyUI revision")
+    ap.add_argument("--out", default=os.path.join(ROOT, "build-clients"))
+    a = ap.parse_args()
+    comfy, deps = os.path.join(a.out, "ComfyUI"), os.path.join(a.out,
+                                                               "pydeps")
+    for d in (comfy, deps):
+        shutil.rmtree(d, ignore_errors=True)
+    missing = extract(a.comfyui, a.rev, "", comfy, DROP)
+    for gitdir, pkg, lic in ((a.kitchen, "comfy_kitchen", "comfy-kitchen"),
+                             (a.torchsde, "torchsde", "torchsde")):
+        missing += extract(gitdir, "HEAD", pkg + "/",
+                           os.path.join(deps, pkg))
+        with open(os.path.join(deps, "LICENSE." + lic), "wb") as f:
+            f.write(git(gitdir, "show", "HEAD:LICENSE"))
+    shutil.copy(os.path.join(HERE, "trampoline.py"), deps)
+    for m in missing:
+        print("absent in the mirror: %s" % m, file=sys.stderr)
+    print("wrote %s and %s" % (comfy, deps))
+
+
+if __name__ == "__main__":
+    main()
