@@ -493,6 +493,33 @@ def test_two_models_alternating_on_one_device():
         dev.close()
 
 
+def test_schedule_after_a_forward_that_raised():
+    """A measured forward that raises leaves the measuring on (its end
+    hook never runs); units called outside a forward then stop adding
+    marks after a bound, and the next forwards measure and schedule."""
+    m = mlp(depth=8)
+    ref = frozen_copy(m)
+    x = torch.randn(8, 64)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    boom = m[-1].register_forward_hook(
+        lambda *a: (_ for _ in ()).throw(ValueError("boom")))
+    raises(ValueError, m, x)
+    boom.remove()
+    tuner = h._tuner
+    assert tuner.on                     # left measuring
+    for _ in range(100 * len(h._layout.units)):
+        m[2](torch.randn(8, 256))       # a unit outside any forward
+    assert not tuner.on and not tuner.calls
+    want = ref(x)
+    for _ in range(3):
+        assert torch.equal(m(x), want)
+    assert h.order == "scheduled"
+    h.unload()
+
+
 def test_unscheduled_model_keeps_the_device_lookahead():
     """On a shared device a scheduled model sets its units' windows as
     the device's lookahead; a model without windows that runs after it

@@ -41,6 +41,7 @@ SLACK = 1.5                 # a window up to this much larger is kept
 # (and its weights placed again only if the resident set or the ring
 # changed).
 ROUNDS = 2
+LOST_CALLS = 64             # unit calls per unit in one forward, at most
 MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 _LINKS = {}                 # CUDA device index -> measured bytes/s
@@ -137,10 +138,18 @@ class Tuner:
         return max(b - a, 0.0)
 
     def before(self, unit):
-        self.calls.append([unit, self._mark(), None])
+        calls = self.calls
+        if len(calls) >= LOST_CALLS * len(self.layout.units):
+            # A measured forward raised (its end hook never ran) and units
+            # run outside one since: stop marking, the next forward measures.
+            self.on = False
+            calls.clear()
+            return
+        calls.append([unit, self._mark(), None])
 
     def after(self):
-        self.calls[-1][2] = self._mark()
+        if self.calls:
+            self.calls[-1][2] = self._mark()
 
     # ------------------------------------------------------------ hooks
     def _begin(self, module, args):
