@@ -191,14 +191,16 @@ class Tuner:
         try:
             self.apply(work)
         except Exception as e:      # noqa: BLE001 (the forward is done)
-            # The forward's output is right whatever happens here; a
-            # schedule that cannot be applied leaves the layout as it is
-            # (Layout.swap is all or nothing) and is not tried again.
+            # The forward's output is right whatever happens here, and
+            # every later one's: Layout.swap is all or nothing, and a
+            # failure after it (ranks, warming) leaves the weights placed
+            # anew under the eviction order they had. Not tried again.
             self.done = True
             self.remove()
-            warnings.warn("vpager.torch: the copy schedule was not applied "
-                          "(%s: %s); the model keeps its placement"
-                          % (type(e).__name__, e), RuntimeWarning)
+            warnings.warn("vpager.torch: the copy schedule was not (fully) "
+                          "applied (%s: %s); the model runs on with the "
+                          "placement it has" % (type(e).__name__, e),
+                          RuntimeWarning)
 
     # ------------------------------------------------------------ apply
     def _costs(self, work):
