@@ -37,6 +37,7 @@ REPO = _runner.add_paths("python", "python/compat")
 from _runner import raises  # noqa: E402
 
 from comfy_aimdo import control, malloc_graph, model_vbar  # noqa: E402
+from test_compat import fresh  # noqa: E402  (deinit, init, device 0)
 
 MiB = 1 << 20
 PAGE = 32 * MiB
@@ -385,17 +386,6 @@ class Prefetch:
 
 
 # ------------------------------------------------------------- helpers
-
-def fresh(budget_pages=None):
-    control.deinit()
-    assert control.init() is True
-    assert control.init_device(0) is True
-    dev = control.get_devctx(0)
-    if budget_pages is not None:
-        total = dev.info()["total_memory"]
-        control.set_simple_vram_headroom(total - budget_pages * PAGE)
-    return dev
-
 
 def no_graph_on_this_thread():
     g = malloc_graph.active_graph()
