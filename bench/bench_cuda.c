@@ -17,9 +17,14 @@
  *      passes: pages committed and evicted per pass (0 after the first);
  *   6. fill: commit 32 MiB pages and copy pinned host data into them,
  *      against plain cuMemcpyHtoDAsync of the same bytes into a cuMemAlloc
- *      buffer (target >= 0.95).
+ *      buffer (target >= 0.95);
+ *   7. what freeing a 1 GiB run of pages costs the driver, for 2 and 32 MiB
+ *      pages: unmap+release per page (what eviction does), release at
+ *      commit then unmap per page, release at commit then one unmap of the
+ *      whole run (whether the driver takes a range over many mappings);
+ *      device free memory checked after each.
  *
- *   make build/bench/bench_cuda && build/bench/bench_cuda
+ *   make build/bench/bench_cuda && build/bench/bench_cuda [7]
  *
  * Links build/libvpager.a; reaches one internal helper (the device's
  * backend context, for the NVML query). The baselines go through our own
@@ -675,18 +680,94 @@ static void bench_fill(void) {
   VP(vp_device_close(dev));
 }
 
-int main(void) {
+/* ------------------------------------------------ 7. release paths */
+
+enum free_way { PER_PAGE, EARLY_RELEASE, ONE_UNMAP };
+
+/* Commit 1 GiB of ps pages at a fresh reservation and free it the given
+ * way: us for the free, and whether device free memory came back. */
+static double free_run(uint64_t ps, enum free_way way, bool *returned,
+                       bool *accepted) {
+  uint64_t n = GiB / ps;
+  size_t free0, free1, free2, total;
+  vp_cu_deviceptr_t va = 0;
+  CU(cu.address_reserve(&va, GiB, ps, 0, 0));
+  vp_cu_mem_handle_t *h = calloc(n, sizeof *h);
+  if (!h) die("calloc");
+  CU(cu.mem_get_info(&free0, &total));
+  for (uint64_t p = 0; p < n; p++) {
+    CU(cu.create(&h[p], ps, &g_prop, 0));
+    CU(cu.map(va + p * ps, ps, 0, h[p], 0));
+    CU(cu.set_access(va + p * ps, ps, &g_access, 1));
+    if (way != PER_PAGE) CU(cu.release(h[p]));
+  }
+  CU(cu.mem_get_info(&free1, &total));
+  *accepted = true;
+  double t0 = now_us();
+  if (way == ONE_UNMAP) {
+    if (cu.unmap(va, GiB) != VP_CU_SUCCESS) { /* fall back per page */
+      *accepted = false;
+      for (uint64_t p = 0; p < n; p++) CU(cu.unmap(va + p * ps, ps));
+    }
+  } else {
+    for (uint64_t p = 0; p < n; p++) {
+      CU(cu.unmap(va + p * ps, ps));
+      if (way == PER_PAGE) CU(cu.release(h[p]));
+    }
+  }
+  double t1 = now_us();
+  CU(cu.mem_get_info(&free2, &total));
+  *returned = free2 + (32 * MiB) >= free0 && free1 + GiB <= free0 + 64 * MiB;
+  CU(cu.address_free(va, GiB));
+  free(h);
+  return t1 - t0;
+}
+
+static void bench_release_paths(void) {
+  static const uint64_t sizes[] = {2 * MiB, 32 * MiB};
+  static const char *names[] = {"unmap+release per page",
+                                "release at commit, unmap per page",
+                                "release at commit, one unmap of 1 GiB"};
+  printf("\n7. freeing 1 GiB of pages, median of %d rounds after a warm-up "
+         "(baseline: unmap+release per page, what eviction does)\n", ROUNDS);
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+    double base = 0;
+    for (int w = PER_PAGE; w <= ONE_UNMAP; w++) {
+      double t[ROUNDS];
+      bool ret = true, acc = true, r1, a1;
+      free_run(sizes[i], (enum free_way)w, &r1, &a1);
+      for (int r = 0; r < ROUNDS; r++) {
+        t[r] = free_run(sizes[i], (enum free_way)w, &r1, &a1);
+        ret = ret && r1;
+        acc = acc && a1;
+      }
+      double m = median(t, ROUNDS) / 1e3;
+      if (w == PER_PAGE) base = m;
+      printf("   %2llu MiB | %-38s | %7.2f ms/GiB | ratio %.2f | memory "
+             "returned: %s%s\n", (unsigned long long)(sizes[i] / MiB),
+             names[w], m, m / base, ret ? "yes" : "NO",
+             acc ? "" : " (one unmap refused: per page instead)");
+    }
+  }
+}
+
+int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   if (!load_driver()) return 0;
   print_machine();
   printf("inputs: backend cuda (device 0, its primary context), default "
          "headroom, poll interval 5000 us unless noted; times from "
          "CLOCK_MONOTONIC around the calls\n");
+  if (argc > 1 && strcmp(argv[1], "7") == 0) { /* one section */
+    bench_release_paths();
+    return 0;
+  }
   bench_commit_evict();
   bench_hit();
   bench_queries();
   bench_evict();
   bench_steady();
   bench_fill();
+  bench_release_paths();
   return 0;
 }

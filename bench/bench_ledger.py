@@ -1,6 +1,8 @@
 """bench_ledger: three processes share one GPU through the ledger (issue 14).
 
     python3 bench/bench_ledger.py            # the GPU (about 2 minutes)
+    python3 bench/bench_ledger.py --defaults # the same with offload()'s own
+                                             # page size and schedule
     python3 bench/bench_ledger.py --dry-run  # the simulated device (CI)
 
 Three worker processes, each with vpager.torch: a diffusion-shaped model
@@ -125,12 +127,15 @@ def worker(role, name, unit, dry, budget, ledger_on):
         opts = dict(device="cpu", sim_shared=name,
                     sim_capacity=(POOL + 3) * unit, page_size=unit // 16,
                     sim_granularity=unit // 16, staging_size=unit)
+    elif os.environ.get("BENCH_LEDGER_DEFAULTS") == "1":
+        opts = dict(device="cuda")  # --defaults: what offload() picks
     else:
         # 32 MiB pages (2 MiB ones cost ~23 ms/GiB to release: the first
         # H200 run); an order given, so offload() does not schedule (the
         # tuner's own residency choices are not what is measured here).
-        opts = dict(device="cuda", page_size=32 << 20)
-    opts["order"] = "interleaved"
+        opts = dict(device="cuda", page_size=32 << 20, order="interleaved")
+    if dry:
+        opts["order"] = "interleaved"
     if not ledger_on:
         opts["ledger"] = "off"
     t0 = time.perf_counter()
@@ -282,18 +287,28 @@ def main():
     ap.add_argument("--budget", type=int, default=-1)
     ap.add_argument("--no-ledger", action="store_true")
     ap.add_argument("--seconds", type=float, default=None)
+    ap.add_argument("--defaults", action="store_true",
+                    help="GPU: offload() with its own page size and "
+                    "schedule (the workers inherit it)")
     a = ap.parse_args()
     if a.worker:
         worker(a.worker, a.name, a.unit, a.dry_run,
                a.budget if a.budget >= 0 else None, not a.no_ledger)
         return 0
     dry = a.dry_run
+    if a.defaults:
+        os.environ["BENCH_LEDGER_DEFAULTS"] = "1"
     unit = bl.MiB if dry else bl.GiB
     secs = a.seconds or (1.0 if dry else 5.0)
     name = os.environ.get("VPAGER_SIM_SHARED") or "bl%d" % os.getpid()
     results = {"unit_bytes": unit, "pool_units": POOL, "sizes_units": SIZES}
     for ln in bl.machine_lines(not dry):
         bl.say(ln)
+    if not dry:
+        bl.say("inputs: " + ("offload() defaults (its page size and schedule)"
+                             if a.defaults else "32 MiB pages, interleaved "
+                             "order (no schedule)"))
+    results["defaults"] = bool(a.defaults)
     pool = POOL * unit
 
     # ---- 1. the wait for N U held by an idle peer
