@@ -159,8 +159,9 @@ typedef struct vp_options {
   uint64_t lookahead;      /* how far prefetch runs ahead of each acquire:
                               up to this many bytes of the next weights of
                               the VBAR that need a copy are staged or filled
-                              ahead, in VBAR offset order (weights that
-                              stayed resident are skipped and not counted);
+                              ahead, in the order the weights were created
+                              (weights that stayed resident are skipped and
+                              not counted);
                               VPAGER_LOOKAHEAD (default 256M; 0 = off) */
   uint64_t pin_budget;     /* host bytes this device may page-lock; 0 = the
                               smaller of 90% of RAM and RAM - 4 GiB, but at
@@ -415,7 +416,8 @@ typedef struct vp_source {
 
 /* Describe n weights of one VBAR: weight i is [offsets[i], +sizes[i]) with
  * source srcs[i] (srcs may be NULL: every source is NONE). Weights may not
- * overlap each other. All or nothing. */
+ * overlap each other. Create them in the order they are used: prefetch
+ * looks ahead in that order, whatever their offsets. All or nothing. */
 VP_API int vp_weights_create(vp_vbar_t vbar, size_t n, const uint64_t *offsets,
                              const uint64_t *sizes, const vp_source_t *srcs,
                              vp_weight_t *out);

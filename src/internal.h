@@ -86,15 +86,17 @@ typedef struct vp__vbar {
   bool listed;       /* in the priority list (internal VBARs are not) */
   vp_stats_t stats;
   uint64_t epoch;    /* counts page commits and evictions */
-  /* weights.c: weights sorted by offset, and how many are acquired */
-  struct vp__weight **weights;
+  /* weights.c: weights sorted by offset, the same in the order they were
+   * created (the order of use a model gives them: what prefetch looks
+   * ahead in, whatever their addresses), and how many are acquired */
+  struct vp__weight **weights, **use;
   uint32_t nweights, weights_cap;
   uint32_t acquired;
   /* stream.c: the last prefetch scan of the whole VBAR found nothing to
    * copy, at pages epoch prefetch_epoch; a lost staging slot clears it. */
   bool prefetch_idle;
   uint64_t prefetch_epoch;
-  /* stream.c: skip[i] = the first weight at or after index i that a
+  /* stream.c: skip[i] = the first weight at or after vb->use[i] that a
    * prefetch scan must look at (skip[nweights] = nweights): the ones
    * between are resident with their last fill, not from prefetch, or have
    * no source. Built at pages epoch skip_epoch; skip_ok = false (a weight
@@ -455,6 +457,7 @@ typedef struct vp__weight {
                               complete */
   bool prefetched;        /* its fill or slot came from prefetch, unused */
   uint32_t index;         /* in vb->weights */
+  uint32_t use_index;     /* in vb->use */
 } vp__weight_t;
 
 struct vp__slot {

@@ -51,7 +51,7 @@ static void check_skip(const vp__device_t *dev, const vp__vbar_t *vb) {
   if (vb->skip[n] != n)
     dump_and_abort(dev, vb, "skip[nweights]", vb->skip[n], n);
   for (uint32_t i = 0; i < n; i++) {
-    const vp__weight_t *w = vb->weights[i];
+    const vp__weight_t *w = vb->use[i];
     uint32_t to = vb->skip[i];
     if (to == i) continue;
     if (to < i || to != vb->skip[i + 1])

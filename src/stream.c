@@ -526,7 +526,7 @@ static const uint32_t *skip_index(vp__vbar_t *vb) {
   if (!vb->skip) return NULL;
   vb->skip[n] = n;
   for (uint32_t i = n; i-- > 0;)
-    vb->skip[i] = scan_passes(vb->weights[i]) ? vb->skip[i + 1] : i;
+    vb->skip[i] = scan_passes(vb->use[i]) ? vb->skip[i + 1] : i;
   vb->skip_ok = true;
   vb->skip_epoch = vb->epoch;
   return vb->skip;
@@ -550,7 +550,7 @@ static bool window_holds(const vp__vbar_t *vb, const vp__weight_t *last,
   if (!vb->win_ring && vb->win_bytes - vb->win_used + chunk < lookahead)
     return false;
   uint32_t n = vb->nweights;
-  uint32_t at = (last->index + n - vb->win_from) % n;
+  uint32_t at = (last->use_index + n - vb->win_from) % n;
   return at < (vb->win_to + n - vb->win_from) % n;
 }
 
@@ -566,8 +566,9 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
   vb->win_used = 0;
 }
 
-/* Start the weights after `last` in its VBAR (wrapping to the start, for
- * the next pass) until lookahead bytes of them are staged or filled ahead.
+/* Start the weights after `last` in its VBAR's order of use (the order
+ * they were created; wrapping to the start, for the next pass) until
+ * lookahead bytes of them are staged or filled ahead.
  * Weights that stayed resident cost nothing and do not count: with the
  * resident weights first, the copy engine starts on the streamed ones while
  * the resident ones compute. A scan looks at each weight at most once, and
@@ -584,8 +585,8 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
   bool work = false;
   int rc = VP_OK;
   const uint32_t *skip = skip_index(vb);
-  uint32_t n = vb->nweights, at = last->index, stop = at;
-  bool broke = false; /* stopped at weights[stop], which is not queued */
+  uint32_t n = vb->nweights, at = last->use_index, stop = at;
+  bool broke = false; /* stopped at use[stop], which is not queued */
   /* Two runs: after `last` to the end, then from the start up to it. */
   for (int run = 0; run < 2 && rc == VP_OK; run++) {
     uint32_t i = run ? 0 : at + 1, end = run ? at : n;
@@ -593,7 +594,7 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
       if (skip && i < end) i = skip[i];
       if (i >= end) break;
       stop = i;
-      vp__weight_t *u = vb->weights[i];
+      vp__weight_t *u = vb->use[i];
       if (u->acq_resident || u->acq_staged || u->src.kind == VP_SOURCE_NONE)
         continue;
       bool ready = vp__ready_in_place(u);

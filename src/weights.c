@@ -1,5 +1,6 @@
-/* Weights: the registry of a VBAR's weights (sorted by offset, found by
- * handle), their sources, fill generations and per-stream holds. */
+/* Weights: the registry of a VBAR's weights (sorted by offset, in the
+ * order created, found by handle), their sources, fill generations and
+ * per-stream holds. */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,11 +175,14 @@ static int weight_list_reserve(vp__vbar_t *vb, size_t more) {
   if (vb->nweights + more <= vb->weights_cap) return VP_OK;
   size_t cap = vb->weights_cap ? vb->weights_cap : 16;
   while (cap < vb->nweights + more) cap *= 2;
-  vp__weight_t **l = NULL;
+  vp__weight_t **l = NULL, **u = NULL;
   if (cap > UINT32_MAX || vp__inject_fail(&vb->dev->inject) ||
       !(l = realloc(vb->weights, cap * sizeof *l)))
     return vp__err(VP_ENOMEM, "no memory for the list");
   vb->weights = l;
+  if (!(u = realloc(vb->use, cap * sizeof *u))) /* both or the old cap */
+    return vp__err(VP_ENOMEM, "no memory for the list");
+  vb->use = u;
   vb->weights_cap = (uint32_t)cap;
   return VP_OK;
 }
@@ -188,7 +192,8 @@ static void weight_list_insert(vp__vbar_t *vb, vp__weight_t *w) {
   memmove(&vb->weights[i + 1], &vb->weights[i],
           (vb->nweights - i) * sizeof *vb->weights);
   vb->weights[i] = w;
-  vb->nweights++;
+  w->use_index = vb->nweights;
+  vb->use[vb->nweights++] = w;
   vb->skip_ok = false;
   for (uint32_t j = i; j < vb->nweights; j++) vb->weights[j]->index = j;
 }
@@ -255,10 +260,14 @@ static void weight_unlist(vp__weight_t *w) {
   vp__vbar_t *vb = w->vb;
   memmove(&vb->weights[w->index], &vb->weights[w->index + 1],
           (vb->nweights - w->index - 1) * sizeof *vb->weights);
+  memmove(&vb->use[w->use_index], &vb->use[w->use_index + 1],
+          (vb->nweights - w->use_index - 1) * sizeof *vb->use);
   vb->nweights--;
   vb->skip_ok = vb->win_ok = false;
   for (uint32_t j = w->index; j < vb->nweights; j++)
     vb->weights[j]->index = j;
+  for (uint32_t j = w->use_index; j < vb->nweights; j++)
+    vb->use[j]->use_index = j;
 }
 
 int vp_weight_destroy(vp_weight_t h) {
@@ -280,8 +289,9 @@ static void drop_vbar(vp__vbar_t *vb) {
   for (uint32_t i = 0; i < vb->nweights; i++)
     weight_free(vb->dev, vb->weights[i]);
   free(vb->weights);
+  free(vb->use);
   free(vb->skip);
-  vb->weights = NULL;
+  vb->weights = vb->use = NULL;
   vb->skip = NULL;
   vb->skip_ok = false;
   vb->nweights = vb->weights_cap = 0;

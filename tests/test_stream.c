@@ -578,6 +578,48 @@ TEST(stream_prefetch_wraps, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Prefetch looks ahead in the order the weights were created (the order
+ * of use), not by offset: weights A, B, C, D made at pages 0, 2, 1, 3. */
+TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  o.lookahead = ps;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  vp_vbar_t v;
+  ASSERT_OK(vp_vbar_create(dev, 4 * ps, &v));
+  unsigned char *buf = malloc(4 * ps);
+  ASSERT_TRUE(buf != NULL);
+  for (uint64_t i = 0; i < 4 * ps; i++) buf[i] = (unsigned char)(i * 7 + 3);
+  uint64_t off[4] = {0, 2 * ps, ps, 3 * ps}, size[4] = {ps, ps, ps, ps};
+  vp_source_t src[4];
+  vp_weight_t w[4];
+  for (int i = 0; i < 4; i++)
+    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
+  ASSERT_OK(vp_weights_create(v, 4, off, size, src, w));
+  uint64_t p = 0;
+  uint8_t f = 0;
+  static const char *after[4] = {"#.#.", "###.", "####", "####"};
+  for (int i = 0; i < 4; i++) {
+    test_note("weight %d", i);
+    ASSERT_OK(vp_acquire(dev, &w[i], 1, 0, &p, &f));
+    ASSERT_EQ_INT(f & VP_ACQUIRED_RESIDENT, VP_ACQUIRED_RESIDENT);
+    verify_resident(dev, 0, p, buf + i * ps, ps);
+    ASSERT_OK(vp_release(dev, &w[i], 1, 0));
+    ASSERT_EQ_STR(test_map(v), after[i]); /* the next one came ahead */
+  }
+  ASSERT_EQ_U64(dstats(dev).weight_fills, 1); /* A; B, C, D by prefetch */
+  /* Destroying one keeps the order of the others. */
+  ASSERT_OK(vp_weight_destroy(w[1]));
+  ASSERT_OK(vp_vbar_free_memory(v, 4 * ps, NULL));
+  ASSERT_OK(vp_vbar_prioritize(v));
+  ASSERT_OK(vp_acquire(dev, &w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &w[0], 1, 0));
+  ASSERT_EQ_STR(test_map(v), "##..");
+  ASSERT_OK(vp_device_close(dev));
+  free(buf);
+}
+
 /* Weights that stayed resident do not count toward the lookahead: after
  * them, the first weight that needs a copy is prefetched. Weights filled
  * ahead do count. */

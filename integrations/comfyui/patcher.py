@@ -80,14 +80,12 @@ def vp_device(target, args):
         dev, budget = DEVICE_FACTORY(target), None
     else:
         import vpager.torch
-        from vpager.torch.devices import SCHEDULED_PAGE
+        from vpager.torch.devices import scheduled_page
         budget = budget_bytes(args, _total(target))
         opts = {}
-        if "VPAGER_PAGE_SIZE" not in os.environ:
-            # vpager.torch's copy schedule keeps runs of resident weights,
-            # each starting on a page: small pages waste little of the
-            # budget (as on the devices offload() opens for a schedule).
-            opts["page_size"] = SCHEDULED_PAGE
+        page = scheduled_page(target, opts)   # as offload() opens them
+        if page is not None:
+            opts["page_size"] = page
         dev = vpager.torch.open_device(str(target), budget=budget,
                                        headroom=headroom_bytes(args), **opts)
     _DEVICES[target] = (dev, budget)

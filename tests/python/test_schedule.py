@@ -139,12 +139,15 @@ def test_ring_bounds_a_unit():
     assert sch.resident[1], flags(sch)
 
 
-def test_page_runs_counted():
-    # Resident pages: each run of resident weights starts on a page.
+def test_resident_pages_counted():
+    # Resident pages: the resident weights lie together, whole pages of
+    # their sum (placement.place_resident_first), however they interleave
+    # with streamed ones.
     sizes = [[PAGE // 2], [PAGE // 2], [PAGE // 2]]
     assert S.resident_pages(sizes, [True, True, True], PAGE) == PAGE * 2
-    assert S.resident_pages(sizes, [True, False, True], PAGE) == PAGE * 2
+    assert S.resident_pages(sizes, [True, False, True], PAGE) == PAGE
     assert S.resident_pages(sizes, [True, True, False], PAGE) == PAGE
+
 
 
 def test_decisions_are_stable():

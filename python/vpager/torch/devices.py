@@ -314,19 +314,30 @@ def check_ring(dev, room, budget, largest, fn="offload", fixed=True):
 
 # ------------------------------------------------------- opening
 
-# Pages of a device offload() opens for a scheduled model (tuner.py): each
-# run of resident weights ends in a partly used page, so small pages waste
-# little of the budget (the schedule interleaves resident and streamed runs
-# finely); the VMM calls they cost come at fills only, none in steady state.
-SCHEDULED_PAGE = 2 << 20
+# Pages of a device offload() opens for a scheduled model (tuner.py): the
+# resident weights lie together (placement.place_resident_first), so large
+# pages waste at most one page of the budget; a GPU keeps the device's
+# default (32 MiB: cross-process releases and fills cost ~2 ms/GiB of VMM
+# calls on the H200, 2 MiB pages ~20), the simulated device, whose models
+# in tests are a few MiB, 2 MiB pages (or its granularity).
+SIM_SCHEDULED_PAGE = 2 << 20
+
+
+def scheduled_page(target, opts):
+    """The page size for a scheduled model's device, None for the
+    default: opts (vp_options_t fields) and VPAGER_PAGE_SIZE win."""
+    if target.type == "cuda" or "page_size" in opts or \
+            "VPAGER_PAGE_SIZE" in os.environ:
+        return None
+    gran = parse_size(opts.get("sim_granularity", 0) or 0)
+    return max(SIM_SCHEDULED_PAGE, gran)
 
 
 def _options(target, budget, lookahead, options, scheduled=False):
     opts = dict(options)
-    if scheduled and "page_size" not in opts and \
-            "VPAGER_PAGE_SIZE" not in os.environ:
-        gran = parse_size(opts.get("sim_granularity", 0) or 0)
-        opts["page_size"] = max(SCHEDULED_PAGE, gran)
+    page = scheduled_page(target, opts) if scheduled else None
+    if page is not None:
+        opts["page_size"] = page
     if target.type == "cuda":
         opts.setdefault("backend", "cuda")
         opts.setdefault("device_index", cuda_index(target))

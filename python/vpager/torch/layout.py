@@ -59,8 +59,8 @@ class Layout:
         # Room for any order of the weights (re-placement keeps the VBAR).
         size = vbar_bytes(entries, self.align)
         room = group_room(self.groups, size)
-        if s.scheduled:     # resident runs start on pages (place_runs)
-            room = max(room, len(entries) * dev.page_size)
+        if s.scheduled:     # the resident ones first, then a page boundary
+            room = max(room, 2 * dev.page_size)
         self.vbar = dev.create_vbar(size + room)
         if s.order is not None:
             self.vbar.set_order(s.order)

@@ -95,20 +95,27 @@ def group_room(grouping, vbar_size):
     return ((vbar_size // size + 1) * 4 // 3 + 1) * page
 
 
-def place_runs(entries, align, page, resident):
-    """Offsets for a scheduled layout (schedule.py): entries in this order,
-    each at an `align` boundary, and every run of consecutive resident
-    entries (resident[i] True) starting on a page boundary, so resident
-    runs share no page with the streamed weight before them; returns
-    (offsets, end)."""
-    offsets = []
+def place_resident_first(entries, align, page, resident):
+    """Offsets for a scheduled layout (schedule.py): the resident entries
+    (resident[i] True) first, in this order, each at an `align` boundary,
+    then from the next page boundary the streamed ones, in this order. So
+    the resident weights share pages only with each other and take at
+    most one partly used page whatever the page size (the order they run
+    in is the weights' order, not their addresses); returns (offsets,
+    end)."""
+    offsets = [0] * len(entries)
     off = 0
-    prev = False
-    for e, r in zip(entries, resident):
-        off = round_up(off, page if r and not prev else align)
-        offsets.append(off)
-        off += e.size
-        prev = r
+    for i, (e, r) in enumerate(zip(entries, resident)):
+        if r:
+            off = round_up(off, align)
+            offsets[i] = off
+            off += e.size
+    off = round_up(off, page)
+    for i, (e, r) in enumerate(zip(entries, resident)):
+        if not r:
+            off = round_up(off, align)
+            offsets[i] = off
+            off += e.size
     return offsets, off
 
 
@@ -126,11 +133,11 @@ def _bitrev_order(n):
 
 def scheduled_ranks(entries, offsets, resident, page, npages):
     """vp_vbar_set_ranks' pages for a scheduled layout: the pages of the
-    resident runs first (whole runs, the runs in bit-reversed order so
-    that a budget that shrinks takes resident weights evenly from the
-    whole model), then the streamed weights' pages in order, then the
-    pages no weight touches. A page shared by a resident run and a
-    streamed weight goes with the run."""
+    resident runs (consecutive resident entries) first, whole runs, the
+    runs in bit-reversed order so that a budget that shrinks takes
+    resident weights evenly from the whole model; then the streamed
+    weights' pages in order, then the pages no weight touches. A page
+    shared by two runs goes with the one ranked first."""
     runs, cur = [], None
     for e, off, r in zip(entries, offsets, resident):
         if r:

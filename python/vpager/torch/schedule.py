@@ -85,17 +85,14 @@ def flat(sizes):
 
 
 def resident_pages(sizes, resident, page, align=512):
-    """VRAM bytes the resident weights take when each run of consecutive
-    resident weights starts on a page boundary (placement.place_runs):
-    whole pages per run."""
-    total = run = 0
+    """VRAM bytes the resident weights take when they lie together, each
+    at an `align` boundary (placement.place_resident_first): whole pages
+    of their sum."""
+    total = 0
     for s, r in zip((s for ss in sizes for s in ss), resident):
         if r:
-            run = _round(run, align) + s
-        elif run:
-            total += _round(run, page)
-            run = 0
-    return total + _round(run, page)
+            total = _round(total, align) + s
+    return _round(total, page)
 
 
 def copy_seconds(size, link, per_copy):

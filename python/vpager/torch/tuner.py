@@ -14,9 +14,10 @@ figure, so its decisions depend only on the measured compute.
 Right after that forward (after the re-placement in execution order,
 replace.py), schedule.plan() picks the resident set, the staging ring
 (among the sizes the largest unit allows, when offload() sized the ring)
-and each unit's prefetch window; the weights are placed again with each
-resident run on a page boundary (placement.place_runs), the VBAR gets the
-matching eviction order (vp_vbar_set_ranks: resident runs first), and
+and each unit's prefetch window; the weights are placed again, the
+resident ones together at the start (placement.place_resident_first),
+the VBAR gets the matching eviction order (vp_vbar_set_ranks: resident
+runs first), and
 each unit's acquire sets the device's lookahead to its window. All of it
 once: the order stays the same for every later forward."""
 
@@ -30,7 +31,8 @@ import torch
 from ..weights import WeightBatch
 from . import schedule
 from .devices import ring_pages
-from .placement import place_runs, scheduled_ranks, staging_need
+from .placement import (place_resident_first, scheduled_ranks,
+                        staging_need)
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
 SLACK = 1.5                 # a window up to this much larger is kept
@@ -276,8 +278,8 @@ class Tuner:
                 self._windows(units, sizes, sch, self.ring)
                 self._log(sch, self.ring, units, w)
                 return
-        offsets, end = place_runs(flat, lay.align, dev.page_size,
-                                  sch.resident)
+        offsets, end = place_resident_first(flat, lay.align, dev.page_size,
+                                            sch.resident)
         if end > lay.vbar.size:
             return                  # no room to place it: keep the layout
         if ring != dev.options["staging_size"]:
