@@ -1,7 +1,8 @@
 """The forward hot path of an offloaded module: each unit's forward is
 wrapped so that one vp_acquire brings its weights (each parameter's .data
 a view of the returned address: resident views built once, staged ones
-cached per staging address), the original forward runs, and the
+cached by staging address for the handle's weights together), the
+original forward runs, and the
 placeholders go back before one vp_release on the current stream. Around
 it: an out-of-memory retry (evict vpager's unpinned pages, empty torch's
 cache, run once more), autograd aliasing (tensors autograd saves, or the
@@ -22,7 +23,11 @@ from .layout import ALL
 from .units import OPEN, refuse_copy
 from .views import view
 
-_STAGED_VIEWS = 8       # staged views cached per weight
+# Staged views cached per handle, by (address, dtype, shape): the ring
+# hands a weight a different slot on each pass, so a cache per weight
+# would miss almost always, but the slot addresses repeat (a view costs
+# ~10-30 us to build, more than the rest of an acquire).
+_STAGED_VIEWS = 4096
 _RESIDENT = _lib.VP_ACQUIRED_RESIDENT
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
@@ -72,6 +77,7 @@ class HotPath:
         self.target = target
         self.recorder = recorder
         self.tuner = _NO_TUNER      # handle.py sets the Tuner, if any
+        self.staged = {}            # (address, dtype, shape) -> view
         self._check_open = handle._check_open
         if target.type == "cuda":
             self.index = cuda_index(target)
@@ -159,6 +165,7 @@ class HotPath:
             if ds.sync:
                 self.device.synchronize(stream)
             flags = batch.flags
+            staged = self.staged
             for i, e in enumerate(entries):
                 p = ptrs[i]
                 if flags[i] & _RESIDENT:
@@ -166,12 +173,13 @@ class HotPath:
                     if v is None:
                         v = e.rview = view(p, e.dtype, e.shape, self.target)
                 else:
-                    v = e.staged.get(p)
+                    k = (p, e.dtype, e.shape)
+                    v = staged.get(k)
                     if v is None:
-                        if len(e.staged) >= _STAGED_VIEWS:
-                            e.staged.clear()
-                        v = e.staged[p] = view(p, e.dtype, e.shape,
-                                               self.target)
+                        if len(staged) >= _STAGED_VIEWS:
+                            staged.clear()
+                        v = staged[k] = view(p, e.dtype, e.shape,
+                                             self.target)
                 e.tensor.data = v
                 e.cur, e.curv = p, v
         except BaseException:
