@@ -2,6 +2,7 @@
 vp_acquire and vp_release (through WeightBatch)."""
 
 import ctypes
+import operator
 
 from . import _lib
 from ._buffer import BufferRef, as_buffer
@@ -243,7 +244,8 @@ class WeightBatch:
     are checked by the C side: a destroyed weight gives HandleError."""
 
     __slots__ = ("device", "n", "handles", "ptrs", "flags", "_args",
-                 "_acquire", "_release", "_owners")
+                 "_acquire", "_release", "_owners", "_n", "_stream",
+                 "_stream_id")
 
     def __init__(self, device, weights):
         items = list(weights)
@@ -266,9 +268,14 @@ class WeightBatch:
         self.ptrs = (_c_u64 * n)()
         self.flags = (_c_u8 * n)()
         self._owners = tuple({id(o): o for o in owners}.values())
-        self._acquire = C.vp_acquire
-        self._release = C.vp_release
+        # Called without argtypes (_lib.unchecked): every argument is a
+        # ctypes object of its C type, the stream's kept for the next call.
+        self._acquire = _lib.unchecked("vp_acquire")
+        self._release = _lib.unchecked("vp_release")
         self._args = device._handle()
+        self._n = ctypes.c_size_t(n)
+        self._stream_id = 0
+        self._stream = _c_u64(0)
 
     def __len__(self):
         return self.n
@@ -276,15 +283,28 @@ class WeightBatch:
     def acquire(self, stream=0):
         """vp_acquire(): returns self.ptrs (device addresses); self.flags
         gets the VP_ACQUIRED_* bits."""
-        rc = self._acquire(self._args, self.handles, self.n, stream,
-                           self.ptrs, self.flags)
+        s = self._stream
+        if stream != self._stream_id:
+            s = self._c_stream(stream)
+        rc = self._acquire(self._args, self.handles, self._n, s, self.ptrs,
+                           self.flags)
         if rc:
             check(rc)
         return self.ptrs
 
+    def _c_stream(self, stream):
+        s = _c_u64(operator.index(stream))     # an int, as argtypes asked
+        if s.value != stream:
+            raise OverflowError("vpager: stream %r is not a uint64" % stream)
+        self._stream, self._stream_id = s, stream
+        return s
+
     def release(self, stream=0):
         """vp_release(): work queued on `stream` so far may still read the
         weights."""
-        rc = self._release(self._args, self.handles, self.n, stream)
+        s = self._stream
+        if stream != self._stream_id:
+            s = self._c_stream(stream)
+        rc = self._release(self._args, self.handles, self._n, s)
         if rc:
             check(rc)

@@ -588,6 +588,32 @@ def test_weights_empty_source_and_errors():
         raises(vpager.HandleError, b.acquire)
 
 
+def test_weight_batch_streams():
+    # WeightBatch calls C without argtypes: the stream is converted (and
+    # checked) by the batch, the last one kept for the next call.
+    with sim() as dev:
+        vb = dev.create_vbar(8 * PAGE)
+        ws = vb.create_weights([0, PAGE], [PAGE, PAGE],
+                               [bytes(PAGE), bytes(PAGE)])
+        b = ws.batch()
+        s = dev.create_stream()
+        for st in (0, s, s, 0, s):
+            b.acquire(st)
+            assert all(f & vpager.ACQUIRED_RESIDENT for f in b.flags)
+            b.release(st)
+        b.acquire(s)
+        raises(vpager.NotPinnedError, b.release, 0)    # held on s, not 0
+        b.release(s)
+        raises(TypeError, b.acquire, "0")
+        raises(TypeError, b.acquire, 1.0)
+        raises(OverflowError, b.acquire, -1)
+        raises(OverflowError, b.release, 1 << 64)
+        b.acquire()
+        b.release()
+        dev.synchronize(s)
+        dev.destroy_stream(s)
+
+
 def test_weights_staging_too_small():
     with sim(sim_capacity=4 * PAGE, staging_size=PAGE) as dev:
         vb = dev.create_vbar(16 * PAGE)
