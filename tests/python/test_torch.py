@@ -314,6 +314,53 @@ def test_schedule_by_time():
                     os.environ[k] = v
 
 
+def test_schedule_made_again_when_the_budget_moves():
+    """The scheduled model's device budget falls (another process, torch's
+    activations: here its limit): at a root forward's start the schedule
+    is made again from the measured costs for the new room, the resident
+    set fits it and steady state has no commits or evictions again; the
+    budget coming back gives a larger resident set. Outputs bitwise."""
+    from vpager.torch import tuner
+    m = mlp(depth=8)
+    ref = frozen_copy(m)
+    x = torch.randn(8, 64)
+    want = ref(x)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    old = tuner.WATCH_EVERY
+    tuner.WATCH_EVERY = 0.0
+    try:
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        first = h.schedule()
+        assert first["replans"] == 0 and first["resident_weights"] > 0
+        h.device.set_limit(600 * K)
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+        low = h.schedule()
+        assert low["replans"] == 1, low
+        assert low["resident_bytes"] < first["resident_bytes"], low
+        assert low["resident_bytes"] <= 600 * K - 320 * K, low
+        s0 = h.stats()
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        d = delta(h.stats()["device"], s0["device"], "pages_committed",
+                  "pages_evicted")
+        assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+        h.device.set_limit(900 * K)
+        assert torch.equal(m(x), want)
+        back = h.schedule()
+        assert back["replans"] == 2, back
+        assert back["resident_bytes"] == first["resident_bytes"], back
+        assert torch.equal(m(x), want)
+    finally:
+        tuner.WATCH_EVERY = old
+    assert no_pins(h)
+    h.unload()
+
+
 def test_resident_first_placement():
     # The resident entries first in their order, then the streamed ones
     # from the next page boundary; offsets match resident_pages().

@@ -364,7 +364,9 @@ class Offloaded:
         all_resident_ms (the forward, predicted; its measured compute),
         streamed_bytes (copied per forward), resident_bytes,
         resident_weights, staging (the ring), link (bytes/s),
-        windows (lookahead bytes per unit, placement order, or None)."""
+        planned_for (the device budget it was made for), replans (times
+        made again since, for another budget), windows (lookahead bytes
+        per unit, placement order, or None)."""
         t = self._tuner
         if t is None or t.schedule is None:
             return None
@@ -375,6 +377,7 @@ class Offloaded:
                 "resident_bytes": sch.resident_bytes,
                 "resident_weights": sum(sch.resident),
                 "staging": t.ring, "link": t.link,
+                "planned_for": t.planned_for, "replans": t.replans,
                 "windows": list(sch.window) if t.windows else None}
 
     def residency(self):

@@ -19,7 +19,11 @@ resident ones together at the start (placement.place_resident_first),
 the VBAR gets the matching eviction order (vp_vbar_set_ranks: resident
 runs first), and
 each unit's acquire sets the device's lookahead to its window. All of it
-once: the order stays the same for every later forward."""
+once: the order stays the same for every later forward, unless the
+device's budget moves (other processes, torch's activations): then the
+schedule is made again from the measured costs for the room there is
+(WATCH_EVERY), so weights it counted resident and lost are streamed in
+its windows, not missed one by one."""
 
 import os
 import sys
@@ -46,6 +50,13 @@ ROUNDS = 2
 LOST_CALLS = 64             # unit calls per unit in one forward, at most
 MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
+# After the schedule: at a root forward's start, at most once a second,
+# the device's budget (what this device may commit: its limit, or free
+# memory less the headroom, which other processes and torch change) is
+# read; below 97% or above 115% of what the schedule was planned for, the
+# schedule is made again from the measured costs (none measured anew).
+WATCH_EVERY = 1.0
+SHRINK, GROW = 0.97, 1.15
 _LINKS = {}                 # CUDA device index -> measured bytes/s
 
 
@@ -114,17 +125,61 @@ class Tuner:
         self.rounds = 0             # forwards measured
         self.work = None            # unit -> the least work measured
         self.works = []             # each measured forward's unit -> work
+        self.planned_for = None     # the budget the schedule was made for
+        self.replans = 0            # schedules made again for the room
+        self.module = None
+        self.watch_at = 0.0
+        self.watching = None        # the room watch's hook, once done
 
     def install(self, module):
+        self.module = module
         self.hooks = [module.register_forward_pre_hook(self._begin),
                       module.register_forward_hook(self._end)]
 
     def remove(self):
+        """No more measuring, nor watching the room."""
+        self._stop_measuring()
+        if self.watching is not None:
+            self.watching.remove()
+            self.watching = None
+
+    def _stop_measuring(self):
         for hk in self.hooks:
             hk.remove()
         self.hooks = []
         self.on = False
         self.calls = []
+
+    def _done(self):
+        """Measuring is over: from now on watch the room (WATCH_EVERY)."""
+        self.done = True
+        self._stop_measuring()
+        if self.watching is None and self.module is not None:
+            self.watching = self.module.register_forward_pre_hook(
+                self._watch)
+
+    def _watch(self, module, args):
+        now = time.monotonic()
+        if now < self.watch_at or self.schedule is None or \
+                self.planned_for is None:
+            return
+        self.watch_at = now + WATCH_EVERY
+        if not self.handle._may_replace():
+            return
+        total = self.layout.device.info()["budget"]
+        if SHRINK * self.planned_for <= total <= GROW * self.planned_for:
+            return
+        self.replans += 1
+        try:
+            self.apply(self.work, room_changed=True)
+        except Exception as e:      # noqa: BLE001 (outputs stay right)
+            if self.watching is not None:
+                self.watching.remove()
+                self.watching = None
+            warnings.warn("vpager.torch: the copy schedule was not made "
+                          "again for the device's new room (%s: %s); no "
+                          "more tries" % (type(e).__name__, e),
+                          RuntimeWarning)
 
     # ------------------------------------------------------------ marks
     def _mark(self):
@@ -188,8 +243,7 @@ class Tuner:
             work = {u: min(t, self.work.get(u, t)) for u, t in work.items()}
         self.work = work
         if self.rounds >= ROUNDS:
-            self.done = True
-            self.remove()
+            self._done()
         try:
             self.apply(work)
         except Exception as e:      # noqa: BLE001 (the forward is done)
@@ -240,6 +294,7 @@ class Tuner:
         dev = self.layout.device
         page = dev.page_size
         total = dev.info()["budget"]
+        self.planned_for = total
         best = None
         link = self.link
         for ring in self._rings(dev, need):
@@ -252,7 +307,10 @@ class Tuner:
                 best = (key, sch, ring)
         return best[1], best[2]
 
-    def apply(self, work):
+    def apply(self, work, room_changed=False):
+        """Plan from the per-unit work and apply it. room_changed: the
+        watch found another budget: keep the placement only if the plan
+        made for it is the same."""
         lay, h = self.layout, self.handle
         dev = lay.device
         if self.link is None:
@@ -262,7 +320,10 @@ class Tuner:
         need = max(staging_need(u.entries) for u in lay.units)
         sch, ring = self.plan(w, sizes, need)
         old = self.schedule
-        if old is not None:
+        if room_changed and old is not None and ring == self.ring and \
+                sch.resident == old.resident:
+            return                  # the same plan: nothing to move
+        if old is not None and not room_changed:
             # Measured again: place anew only for a clear gain (2%), else
             # keep the placement and take new windows for it.
             eff = int(self.ring * schedule.FRAGMENTATION)
