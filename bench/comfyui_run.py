@@ -121,6 +121,27 @@ def parse(argv):
     p.add_argument("--double", type=int, default=None)
     p.add_argument("--single", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--model", choices=["flux", "sdxl", "video"],
+                   default="flux",
+                   help="flux: the Flux-class DiT (--double, --single, "
+                        "--hidden); sdxl: ComfyUI's SDXL UNet config "
+                        "(dry run: Segmind Vega's, smaller); video: a Wan "
+                        "2.1 T2V DiT (--layers blocks of --hidden, "
+                        "--frames frames of --size x --size)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="video: Wan blocks (default 8; dry run 1)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="video: frames (default 21: 6 latent frames; "
+                        "dry run 5)")
+    p.add_argument("--lora", action="store_true",
+                   help="flux: prompts base, LoRA A, A at strength 0.5, "
+                        "LoRA B, B again, LoRA removed (random LoRAs in "
+                        "ComfyUI's key conventions, loaded through "
+                        "comfy.sd.load_lora_for_models); --reps ignored")
+    p.add_argument("--vae", action="store_true",
+                   help="flux: a VAE decode (ComfyUI's VAE class, Flux's "
+                        "16-channel AutoencoderKL config, random weights) "
+                        "after every prompt")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--dry-run", action="store_true")
@@ -132,20 +153,31 @@ def parse(argv):
                    help="seconds per child process")
     p.add_argument("--child", choices=["gen", "sample"], help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--tag", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     d = a.dry_run
-    for k, full, dry in (("steps", 6, 3), ("size", 1024, 256),
-                         ("double", 8, 1), ("single", 16, 1),
-                         ("hidden", 3072, 256)):
+    full = {"steps": 6, "size": 1024, "double": 8, "single": 16,
+            "hidden": 3072, "layers": 8, "frames": 21}
+    dry = {"steps": 3, "size": 256, "double": 1, "single": 1,
+           "hidden": 256, "layers": 1, "frames": 5}
+    if a.model == "video":
+        full.update(size=640, hidden=5120)
+        dry.update(size=128)
+    for k in full:
         if getattr(a, k) is None:
-            setattr(a, k, dry if d else full)
+            setattr(a, k, dry[k] if d else full[k])
     if a.runs is None:
         a.runs = "resident,1" if d else "resident,6,4"
     if a.hidden % 128:
-        p.error("--hidden must be a multiple of 128 (Flux's rope axes)")
+        p.error("--hidden must be a multiple of 128 (Flux's rope axes, "
+                "Wan's heads)")
     if a.size % 16:
         p.error("--size must be a multiple of 16")
+    if a.frames % 4 != 1:
+        p.error("--frames must be 4k + 1 (Wan's temporal compression)")
+    if (a.lora or a.vae) and a.model != "flux":
+        p.error("--lora and --vae are for --model flux")
     if a.comfyui and a.deps is None:
         a.deps = [os.path.join(os.path.dirname(os.path.abspath(a.comfyui)),
                                "pydeps")]
@@ -369,8 +401,182 @@ def flux_keys(a):
     return sd, ctx
 
 
+def wan_keys(a):
+    """The keys (meta tensors) that make ComfyUI detect a Wan 2.1 T2V DiT of
+    --layers blocks of width --hidden (Wan 14B: 5120, ffn 13824, 40
+    blocks)."""
+    import torch
+    m = lambda *s: torch.empty(*s, device="meta", dtype=torch.float16)  # noqa
+    h = a.hidden
+    ffn = max(128, int(round(h * 2.7 / 128)) * 128)
+    sd = {"head.modulation": m(1, 2, h), "head.head.weight": m(64, h),
+          "patch_embedding.weight": m(h, 16, 1, 2, 2)}
+    for i in range(a.layers):
+        sd["blocks.%d.ffn.0.weight" % i] = m(ffn, h)
+    return sd
+
+
+def sdxl_config(a):
+    """ComfyUI's SDXL UNet config, as its model detection reads it off an
+    SDXL checkpoint; dry run: Segmind Vega's (an SDXL class, transformer
+    depth 1/2 instead of 2/10)."""
+    import torch
+    if a.dry_run:
+        depth, out, mid = [0, 0, 1, 1, 2, 2], [0, 0, 0, 1, 1, 1, 2, 2, 2], 0
+    else:
+        depth, out, mid = [0, 0, 2, 2, 10, 10], \
+            [0, 0, 0, 2, 2, 2, 10, 10, 10], 10
+    return {"use_checkpoint": False, "image_size": 32, "out_channels": 4,
+            "use_spatial_transformer": True, "legacy": False,
+            "num_classes": "sequential", "adm_in_channels": 2816,
+            "dtype": torch.float16, "in_channels": 4, "model_channels": 320,
+            "num_res_blocks": [2, 2, 2], "transformer_depth": depth,
+            "channel_mult": [1, 2, 4], "transformer_depth_middle": mid,
+            "use_linear_in_transformer": True, "context_dim": 2048,
+            "num_head_channels": 64, "transformer_depth_output": out,
+            "use_temporal_attention": False, "use_temporal_resblock": False}
+
+
+def model_keys(a):
+    """(keys for ComfyUI's detection, unet config or None: detect it)."""
+    if a.model == "flux":
+        return flux_keys(a)[0], None
+    if a.model == "video":
+        return wan_keys(a), None
+    return {}, sdxl_config(a)
+
+
+def random_state(module, g, torch, dtype, keep_fp32=False):
+    """ComfyUI-class module's state dict with random values: norms' 1-D
+    weights (and Flux's .scale) 1, other 1-D tensors N(0, 0.02), the rest
+    N(0, 1/fan_in); (state dict on the CPU in dtype, bytes). keep_fp32:
+    tensors the module holds in float32 (ops ComfyUI's class makes in
+    float32 whatever the model's dtype, such as Wan's patch_embedding)
+    stay float32."""
+    sd, nbytes = {}, 0
+    for name, t in sorted(module.state_dict().items()):
+        if t.dim() == 1 and ("norm" in name or name.endswith(".scale")
+                             or not name.endswith(".bias")):
+            v = torch.ones(t.shape, device="cuda", dtype=torch.float32)
+        elif t.dim() <= 1:
+            v = torch.randn(t.shape, generator=g, device="cuda") * 0.02
+        else:
+            fan_in = t[0].numel()
+            v = torch.randn(t.shape, generator=g, device="cuda") \
+                * (1.0 / fan_in ** 0.5)
+        to = torch.float32 if keep_fp32 and t.dtype == torch.float32 \
+            else dtype
+        sd[name] = v.to(to).cpu()
+        nbytes += sd[name].numel() * sd[name].element_size()
+    return sd, nbytes
+
+
+def link_gbps(torch):
+    """Pinned host->device copies of 128 MiB (8 a round from 1 GiB
+    pinned, 4 rounds, median; bench_torch.py's in-run link baseline)."""
+    n = 128 * MiB
+    src = torch.empty(8 * n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    ts = []
+    for r in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(8):
+            dst.copy_(src[i * n:(i + 1) * n], non_blocking=True)
+        torch.cuda.synchronize()
+        if r:                       # the first round warms up
+            ts.append(time.perf_counter() - t0)
+    del src, dst
+    return 8 * n / statistics.median(ts) / 1e9
+
+
+def lora_files(a, dm, torch, g):
+    """Two random LoRAs for the Flux model dm, in ComfyUI's conventions:
+    A kohya-style (lora_unet_<key>.lora_up/.lora_down/.alpha) on each
+    double block's img_attn.qkv and img_mlp.0 and each single block's
+    linear2; B diffusers-style (transformer.<diffusers key>.lora_B/.lora_A:
+    comfy.utils.flux_to_diffusers, to_k a slice of img_attn.qkv) on each
+    double block's to_k and ff.net.2 and each single block's to_q (a
+    slice of linear1). Paths and the patched keys of each."""
+    from safetensors.torch import save_file
+    r = 16
+    sdm = dict(dm.named_parameters())
+
+    def pair(out_dim, in_dim, scale):
+        up = torch.randn(out_dim, r, generator=g, device="cuda") * scale
+        down = torch.randn(r, in_dim, generator=g, device="cuda") \
+            * (1.0 / in_dim ** 0.5)
+        return up.to(torch.bfloat16).cpu(), down.to(torch.bfloat16).cpu()
+
+    A, akeys = {}, []
+    for i in range(a.double):
+        for k in ("double_blocks.%d.img_attn.qkv" % i,
+                  "double_blocks.%d.img_mlp.0" % i):
+            akeys.append(k)
+    for i in range(a.single):
+        akeys.append("single_blocks.%d.linear2" % i)
+    for k in akeys:
+        w = sdm[k + ".weight"]
+        up, down = pair(w.shape[0], w.shape[1], 0.05)
+        name = "lora_unet_" + k.replace(".", "_")
+        A[name + ".lora_up.weight"] = up
+        A[name + ".lora_down.weight"] = down
+        A[name + ".alpha"] = torch.tensor(float(r))
+    B, bkeys = {}, []
+    h = a.hidden
+    for i in range(a.double):
+        up, down = pair(h, h, 0.05)
+        B["transformer.transformer_blocks.%d.attn.to_k.lora_B.weight" % i] = up
+        B["transformer.transformer_blocks.%d.attn.to_k.lora_A.weight" % i] \
+            = down
+        bkeys.append("double_blocks.%d.img_attn.qkv" % i)
+        w = sdm["double_blocks.%d.img_mlp.2.weight" % i]
+        up, down = pair(w.shape[0], w.shape[1], 0.05)
+        B["transformer.transformer_blocks.%d.ff.net.2.lora_B.weight" % i] = up
+        B["transformer.transformer_blocks.%d.ff.net.2.lora_A.weight" % i] \
+            = down
+        bkeys.append("double_blocks.%d.img_mlp.2" % i)
+    for i in range(a.single):
+        up, down = pair(h, h, 0.05)
+        B["transformer.single_transformer_blocks.%d.attn.to_q.lora_B.weight"
+          % i] = up
+        B["transformer.single_transformer_blocks.%d.attn.to_q.lora_A.weight"
+          % i] = down
+        bkeys.append("single_blocks.%d.linear1" % i)
+    out = {}
+    for tag, sd, keys in (("a", A, akeys), ("b", B, bkeys)):
+        path = os.path.join(a.workdir, "lora_%s.safetensors" % tag)
+        save_file(sd, path)
+        out[tag] = {"path": path, "tensors": len(sd),
+                    "bytes": os.path.getsize(path),
+                    "weights": ["diffusion_model.%s.weight" % k
+                                for k in keys]}
+    return out
+
+
+def vae_file(a, torch, g):
+    """Flux's VAE (comfy.sd.VAE's default branch with 16 latent channels:
+    ComfyUI's AutoencodingEngine, Encoder/Decoder) with random weights."""
+    from safetensors.torch import save_file
+    from comfy.ldm.models.autoencoder import AutoencodingEngine
+    dd = {"double_z": True, "z_channels": 16, "resolution": 256,
+          "in_channels": 3, "out_ch": 3, "ch": 128, "ch_mult": [1, 2, 4, 4],
+          "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+    mod = "comfy.ldm.modules.diffusionmodules.model."
+    vae = AutoencodingEngine(
+        regularizer_config={"target": "comfy.ldm.models.autoencoder."
+                                      "DiagonalGaussianRegularizer"},
+        encoder_config={"target": mod + "Encoder", "params": dd},
+        decoder_config={"target": mod + "Decoder", "params": dd})
+    sd, nbytes = random_state(vae, g, torch, torch.bfloat16)
+    path = os.path.join(a.workdir, "flux_vae_random.safetensors")
+    save_file(sd, path)
+    return {"path": path, "bytes": nbytes, "tensors": len(sd)}
+
+
 def child_gen(a):
-    """Make the random-weight checkpoint with ComfyUI's own classes."""
+    """Make the random-weight checkpoint with ComfyUI's own classes (and,
+    as asked, the LoRAs and the VAE); measure the link."""
     import logging
     logging.basicConfig(level=logging.WARNING)
     sys.argv = [sys.argv[0]]
@@ -378,40 +584,53 @@ def child_gen(a):
     import comfy.model_detection as md
     from safetensors.torch import save_file
     t0 = time.perf_counter()
-    keys, ctx = flux_keys(a)
-    cfg = md.detect_unet_config(keys, "")
+    keys, cfg = model_keys(a)
+    if cfg is None:
+        cfg = md.detect_unet_config(keys, "")
     mc = md.model_config_from_unet_config(cfg, keys)
     if mc is None:
         raise SystemExit("ComfyUI did not detect a model from %s" % cfg)
-    mc.set_inference_dtype(torch.bfloat16, None)
+    # Flux: bf16 (ComfyUI's first choice for it); SDXL and Wan: fp16, what
+    # ComfyUI 0.33 computes them in on an H200 (unet_dtype: fp16 first).
+    dtype = torch.bfloat16 if a.model == "flux" else torch.float16
+    mc.set_inference_dtype(dtype, None)
     model = mc.get_model(keys, "", device=torch.device("cuda"))
     dm = model.diffusion_model
-    res = {"warmup": warm(a, dm, ctx, torch)}
+    if a.model == "flux":
+        res = {"warmup": warm(a, dm, flux_keys(a)[1], torch)}
+    else:
+        res = {"warmup": "skipped (%s)" % a.model}
     g = torch.Generator(device="cuda").manual_seed(a.seed)
-    sd = {}
-    nbytes = 0
-    for name, t in sorted(dm.state_dict().items()):
-        if t.dim() == 1 and ("norm" in name or name.endswith(".scale")):
-            v = torch.ones(t.shape, device="cuda", dtype=torch.float32)
-        elif t.dim() == 1:
-            v = torch.randn(t.shape, generator=g, device="cuda") * 0.02
-        else:
-            fan_in = t[0].numel()
-            v = torch.randn(t.shape, generator=g, device="cuda") \
-                * (1.0 / fan_in ** 0.5)
-        sd[name] = v.to(torch.bfloat16).cpu()
-        nbytes += sd[name].numel() * 2
+    sd, nbytes = random_state(dm, g, torch, dtype, keep_fp32=True)
+    if a.lora:
+        res["lora"] = lora_files(a, dm, torch, g)
     del dm, model
     t1 = time.perf_counter()
-    path = os.path.join(a.workdir, "flux_random_%dd%ds_%d.safetensors"
-                        % (a.double, a.single, a.hidden))
+    if a.model == "flux":
+        name = "flux_random_%dd%ds_%d" % (a.double, a.single, a.hidden)
+    elif a.model == "video":
+        name = "wan_random_%dl_%d" % (a.layers, a.hidden)
+    else:
+        name = "sdxl_random%s" % ("_vega" if a.dry_run else "")
+    path = os.path.join(a.workdir, name + ".safetensors")
     save_file(sd, path)
     t2 = time.perf_counter()
-    res.update({"path": path, "bytes": nbytes, "file_bytes": os.path.getsize(path),
-           "tensors": len(sd), "unet_config": {k: str(v) for k, v in
-                                               cfg.items()},
-           "model_config": type(mc).__name__, "context_dim": ctx,
-           "make_s": t1 - t0, "save_s": t2 - t1})
+    if a.vae:
+        res["vae"] = vae_file(a, torch, g)
+    torch.cuda.empty_cache()
+    res.update({"path": path, "bytes": nbytes,
+                "file_bytes": os.path.getsize(path),
+                "tensors": len(sd), "model": a.model,
+                "w_max": max(t.numel() * t.element_size()
+                             for t in sd.values()),
+                "dtype": str(dtype).replace("torch.", ""),
+                "fp32_tensors": sorted(k for k, t in sd.items()
+                                       if t.dtype == torch.float32),
+                "unet_config": {k: str(v) for k, v in cfg.items()},
+                "model_config": type(mc).__name__,
+                "context_dim": flux_keys(a)[1] if a.model == "flux" else None,
+                "make_s": t1 - t0, "save_s": t2 - t1,
+                "link_GBps": link_gbps(torch)})
     say(TAG + json.dumps(res))
 
 
@@ -435,6 +654,104 @@ def warm(a, dm, ctx, torch):
         return "failed: %s: %s" % (type(e).__name__, str(e)[:300])
 
 
+def sample_inputs(a, patcher, torch, comfy):
+    """(positive, negative, latent) of a prompt for --model, as the text
+    encoders would hand them (random, seeded)."""
+    g = torch.Generator().manual_seed(a.seed + 1)
+    s = a.size // 8
+    if a.model == "flux":
+        _, ctx = flux_keys(a)
+        cond = torch.randn(1, 256, ctx, generator=g)
+        pooled = torch.randn(1, 768, generator=g)
+        extra = {"pooled_output": pooled, "guidance": 3.5}
+        zero = {"pooled_output": torch.zeros_like(pooled), "guidance": 3.5}
+        latent = torch.zeros(1, 16, s, s)
+    elif a.model == "sdxl":
+        cond = torch.randn(1, 77, 2048, generator=g)
+        pooled = torch.randn(1, 1280, generator=g)
+        extra = {"pooled_output": pooled, "width": a.size, "height": a.size}
+        zero = dict(extra, pooled_output=torch.zeros_like(pooled))
+        latent = torch.zeros(1, 4, s, s)
+    else:
+        cond = torch.randn(1, 512, 4096, generator=g)
+        extra, zero = {}, {}
+        latent = torch.zeros(1, 16, (a.frames - 1) // 4 + 1, s, s)
+    pos = [[cond, extra]]
+    neg = [[torch.zeros_like(cond), zero]]
+    latent = comfy.sample.fix_empty_latent_channels(patcher, latent)
+    return pos, neg, latent
+
+
+def prompts(a, patcher, comfy, res):
+    """[(label, patcher)]: the prompts of this run. --lora: the base
+    model, then ComfyUI's LoraLoader path (comfy.utils.load_torch_file,
+    comfy.sd.load_lora_for_models) for LoRA A at 1.0, A at 0.5, B at 1.0,
+    B's same patcher again (nothing to refill), then the base model again
+    (the LoRA removed)."""
+    if not a.lora:
+        return [("rep%d" % i, patcher) for i in range(a.reps)]
+    import comfy.utils
+    lo = {}
+    for tag in ("a", "b"):
+        path = os.path.join(a.workdir, "lora_%s.safetensors" % tag)
+        lo[tag] = comfy.utils.load_torch_file(path, safe_load=True)
+    pa = comfy.sd.load_lora_for_models(patcher, None, lo["a"], 1.0, 0)[0]
+    pa5 = comfy.sd.load_lora_for_models(patcher, None, lo["a"], 0.5, 0)[0]
+    pb = comfy.sd.load_lora_for_models(patcher, None, lo["b"], 1.0, 0)[0]
+    res["lora_patched"] = {"a": len(pa.patches), "b": len(pb.patches)}
+    return [("base", patcher), ("lora_a", pa), ("lora_a@0.5", pa5),
+            ("lora_b", pb), ("lora_b_again", pb), ("removed", patcher)]
+
+
+def _same_patches(x, y):
+    """ComfyUI patch lists that give the same weight: item by item the
+    same patch objects and equal strengths, offsets and functions."""
+    x, y = list(x or ()), list(y or ())
+    if len(x) != len(y):
+        return False
+    for p, q in zip(x, y):
+        if len(p) != len(q):
+            return False
+        for u, v in zip(p, q):
+            if u is v:
+                continue
+            if hasattr(u, "shape") or hasattr(v, "shape") or \
+                    type(u).__module__.startswith("comfy"):
+                return False
+            try:
+                if u != v:
+                    return False
+            except Exception:   # noqa: BLE001
+                return False
+    return True
+
+
+def patch_change(prev, cur):
+    """Weights whose patch set differs between two patchers (what must be
+    refilled from new bytes): (count, bytes, keys patched now)."""
+    pp = prev.patches if prev is not None else {}
+    cp = cur.patches
+    params = dict(cur.model.named_parameters())
+    n = b = 0
+    for k in set(pp) | set(cp):
+        if _same_patches(pp.get(k), cp.get(k)):
+            continue
+        n += 1
+        t = params.get(k)
+        if t is not None:
+            b += t.numel() * t.element_size()
+    return n, b, len(cp)
+
+
+def _delta(after, before):
+    """after - before of the numeric counters in two 'vpager' dicts."""
+    if not after:
+        return None
+    before = before or {}
+    return {k: v - before.get(k, 0) for k, v in after.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def child_sample(a):
     import logging
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -445,6 +762,7 @@ def child_sample(a):
     import torch
     import comfy.sd
     import comfy.sample
+    import comfy.utils
     import comfy.model_management as mm
     import comfy.memory_management
     import comfy.model_prefetch
@@ -460,49 +778,82 @@ def child_sample(a):
     res["load_s"] = time.perf_counter() - t0
     res["patcher"] = type(patcher).__name__
     res["model_size"] = patcher.model_size()
-    _, ctx = flux_keys(a)
-    g = torch.Generator().manual_seed(a.seed + 1)
-    cond = torch.randn(1, 256, ctx, generator=g)
-    pooled = torch.randn(1, 768, generator=g)
-    pos = [[cond, {"pooled_output": pooled, "guidance": 3.5}]]
-    neg = [[torch.zeros_like(cond), {"pooled_output": torch.zeros_like(pooled),
-                                     "guidance": 3.5}]]
-    latent = torch.zeros(1, 16, a.size // 8, a.size // 8)
-    latent = comfy.sample.fix_empty_latent_channels(patcher, latent)
+    res["model_class"] = type(patcher.model).__name__
+    try:
+        res["unet_dtype"] = str(patcher.model.get_dtype())
+    except Exception:   # noqa: BLE001
+        pass
+    vae = None
+    if a.vae:
+        vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(os.path.join(
+            a.workdir, "flux_vae_random.safetensors"), safe_load=True))
+        res["vae_patcher"] = type(vae.patcher).__name__
+        res["vae_dtype"] = str(vae.vae_dtype)
+    pos, neg, latent = sample_inputs(a, patcher, torch, comfy)
     noise = comfy.sample.prepare_noise(latent, a.seed)
+    tag = a.tag or a.run
+
+    def node_end():                         # what execution.py does
+        if comfy.memory_management.aimdo_enabled:
+            mm.reset_cast_buffers()
+            comfy.model_prefetch.cleanup_prefetch_queues()
+            comfy_aimdo.model_vbar.vbars_reset_watermark_limits()
+
     reps = []
-    for rep in range(a.reps):
+    prev = None
+    before = memory(patcher, torch)
+    for rep, (label, p) in enumerate(prompts(a, patcher, comfy, res)):
         marks = []
 
         def cb(step, x0, x, total_steps):
             torch.cuda.synchronize()
             marks.append(time.perf_counter())
 
+        torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = comfy.sample.sample(patcher, noise, a.steps, 1.0, "euler",
+        out = comfy.sample.sample(p, noise, a.steps, 1.0, "euler",
                                   "simple", pos, neg, latent, callback=cb,
                                   disable_pbar=True, seed=a.seed)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         pts = [t0] + marks
-        r = {"steps_ms": [(pts[i + 1] - pts[i]) * 1e3
+        r = {"label": label,
+             "steps_ms": [(pts[i + 1] - pts[i]) * 1e3
                           for i in range(len(pts) - 1)],
-             "sample_s": t1 - t0}
-        r.update(memory(patcher, torch))
+             "sample_s": t1 - t0,
+             "torch_peak_reserved": torch.cuda.max_memory_reserved()}
+        r.update(memory(p, torch))
+        if a.lora:
+            n, b, k = patch_change(prev, p)
+            r["patch_changed"] = {"weights": n, "bytes": b, "patched": k}
+            r["vpager_delta"] = _delta(r.get("vpager"), before.get("vpager"))
+            r["node_refilled"] = getattr(p, "_vp_refilled", None)
+        prev = p
         lat = out.detach().float().contiguous().cpu()
         raw = lat.numpy().tobytes()
         r["latent_sha256"] = hashlib.sha256(raw).hexdigest()
         r["latent_finite"] = bool(torch.isfinite(lat).all())
         r["latent_std"] = float(lat.std())
         with open(os.path.join(a.workdir, "latent_%s_%d.bin"
-                               % (a.run, rep)), "wb") as f:
+                               % (tag, rep)), "wb") as f:
             f.write(raw)
-        if comfy.memory_management.aimdo_enabled:    # the node's end
-            mm.reset_cast_buffers()
-            comfy.model_prefetch.cleanup_prefetch_queues()
-            comfy_aimdo.model_vbar.vbars_reset_watermark_limits()
-        r["after_node"] = memory(patcher, torch)
+        node_end()
+        if vae is not None:
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            img = vae.decode(out)
+            torch.cuda.synchronize()
+            r["decode_ms"] = (time.perf_counter() - t2) * 1e3
+            im = img.detach().float().contiguous().cpu()
+            r["image_sha256"] = hashlib.sha256(
+                im.numpy().tobytes()).hexdigest()
+            r["image_shape"] = list(im.shape)
+            r["after_decode"] = memory(p, torch)
+            node_end()
+            del img
+        r["after_node"] = memory(p, torch)
+        before = r["after_node"]
         reps.append(r)
         del out
     res["reps"] = reps
@@ -570,16 +921,32 @@ def spawn(cmd, env, log_path, timeout, label):
     return res
 
 
+def common_args(a):
+    """The options every child gets (the model, the prompts, the deps)."""
+    return ["--comfyui", a.comfyui, "--workdir", a.workdir,
+            "--steps", str(a.steps), "--size", str(a.size),
+            "--double", str(a.double), "--single", str(a.single),
+            "--hidden", str(a.hidden), "--reps", str(a.reps),
+            "--seed", str(a.seed), "--model", a.model,
+            "--layers", str(a.layers), "--frames", str(a.frames)] \
+        + (["--dry-run"] if a.dry_run else []) \
+        + (["--lora"] if a.lora else []) + (["--vae"] if a.vae else []) \
+        + [x for d in a.deps for x in ("--deps", d)]
+
+
 def run_child(a, kind, extra, log_path):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind,
-           "--comfyui", a.comfyui, "--workdir", a.workdir,
-           "--steps", str(a.steps), "--size", str(a.size),
-           "--double", str(a.double), "--single", str(a.single),
-           "--hidden", str(a.hidden), "--reps", str(a.reps),
-           "--seed", str(a.seed)] + (["--dry-run"] if a.dry_run else []) \
-        + [x for d in a.deps for x in ("--deps", d)] + extra
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind] \
+        + common_args(a) + extra
     return spawn(cmd, child_env(a), log_path, a.timeout,
                  "%s %s" % (kind, extra))
+
+
+def budget_arg(run, gen):
+    """A run's budget as the child takes it: "half" is half the
+    checkpoint's weights, in GiB."""
+    if run == "half":
+        return "%.3f" % (gen["bytes"] / 2 / GiB)
+    return run
 
 
 def steady(ms):
@@ -633,11 +1000,8 @@ def main(argv=None):
     lines = machine(a)
     for ln in lines:
         say(ln)
-    say("inputs: Flux-class random weights (seed %d), %d double + %d single "
-        "blocks, hidden %d, bf16; %dx%d, euler/simple, %d steps, cfg 1, "
-        "%d repetitions a run; runs %s; checkpoint in %s%s"
-        % (a.seed, a.double, a.single, a.hidden, a.size, a.size, a.steps,
-           a.reps, runs, a.workdir, "; DRY RUN" if a.dry_run else ""))
+    say("inputs: %s; runs %s; checkpoint in %s" % (inputs_line(a), runs,
+                                                     a.workdir))
     summary = {"machine": lines, "args": vars(a), "runs": {}}
     try:
         gen = run_child(a, "gen", [], os.path.join(out, "gen.log"))
@@ -650,7 +1014,8 @@ def main(argv=None):
         summary["checkpoint"] = gen
         for run in runs:
             say("run %s ..." % run)
-            r = run_child(a, "sample", ["--run", run, "--ckpt", gen["path"]],
+            r = run_child(a, "sample", ["--run", budget_arg(run, gen),
+                                        "--tag", run, "--ckpt", gen["path"]],
                           os.path.join(out, "run_%s.log" % run))
             summary["runs"][run] = r
             if r is not None:
@@ -664,6 +1029,26 @@ def main(argv=None):
     return rc
 
 
+def inputs_line(a):
+    """What is sampled, in words."""
+    if a.model == "flux":
+        m = ("Flux-class random weights, %d double + %d single blocks, "
+             "hidden %d, bf16" % (a.double, a.single, a.hidden))
+    elif a.model == "sdxl":
+        m = ("SDXL-class UNet (ComfyUI's %s config), random fp16 weights"
+             % ("Segmind Vega" if a.dry_run else "SDXL"))
+    else:
+        m = ("Wan 2.1 T2V-class DiT, %d blocks of %d, random fp16 weights; "
+             "%d frames (%d latent)" % (a.layers, a.hidden, a.frames,
+                                        (a.frames - 1) // 4 + 1))
+    what = ("prompts base, LoRA A, A@0.5, LoRA B, B again, removed"
+            if a.lora else "%d repetitions a run" % a.reps)
+    return ("%s (seed %d); %dx%d, euler/simple, %d steps, cfg 1; %s%s%s"
+            % (m, a.seed, a.size, a.size, a.steps, what,
+               "; a VAE decode after each prompt" if a.vae else "",
+               "; DRY RUN" if a.dry_run else ""))
+
+
 def report_run(r):
     say("  %s: patcher %s (%s), init %s, %s; model %.2f GiB, loaded in "
         "%.2f s, process %.0f s"
@@ -673,10 +1058,13 @@ def report_run(r):
     for i, rep in enumerate(r["reps"]):
         ms = rep["steps_ms"]
         res = rep["vbar_resident"]
-        say("    rep %d: steps ms %s; first %.0f ms, steady %.1f ms; "
+        say("    rep %d%s: steps ms %s; first %.0f ms, steady %.1f ms; "
             "resident %s, vram usage %.2f GiB, torch reserved %.2f GiB, "
             "device used %.2f GiB; after the node: resident %s; latents %s%s"
-            % (i, " ".join("%.1f" % x for x in ms), ms[0], steady(ms),
+            % (i, " (%s%s)" % (rep.get("label", ""), ", decode %.0f ms"
+                                % rep["decode_ms"] if "decode_ms" in rep
+                                else ""),
+               " ".join("%.1f" % x for x in ms), ms[0], steady(ms),
                "%.2f GiB" % (res / GiB) if res is not None else "-",
                rep["total_vram_usage"] / GiB, rep["torch_reserved"] / GiB,
                rep["device_used"] / GiB,
