@@ -125,6 +125,28 @@ TEST(hostbuf_alloc_grow, TEST_ALL_BACKENDS) {
 }
 
 /* A fixed-size buffer (size == max_size) and many small grows. */
+/* A large buffer is faulted in over a few threads before it is pinned
+ * (src/hostmem.c prefault): it reads as zeros, is pinned whole, and so is
+ * a large grow of it. */
+TEST(hostbuf_large_prefaulted, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  const uint64_t size = 600 * MiB + 5, max = 1200 * MiB;
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, size, max, &hb));
+  vp_hostbuf_info_t info = hb_info(hb);
+  uint8_t *p = info.ptr;
+  ASSERT_EQ_U64(info.pinned_bytes, size);
+  ASSERT_TRUE(all_zero(p, size));
+  p[size - 1] = 7;
+  ASSERT_OK(vp_hostbuf_grow(hb, max));
+  info = hb_info(hb);
+  ASSERT_EQ_U64(info.pinned_bytes, max);
+  ASSERT_EQ_INT(p[size - 1], 7);
+  ASSERT_TRUE(all_zero(p + size, max - size));
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(dev));
+}
+
 TEST(hostbuf_many_grows, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   vp_hostbuf_t fixed, hb;
