@@ -296,6 +296,7 @@ def main(argv=None):
     made = a.workdir is None
     if made:
         a.workdir = tempfile.mkdtemp(prefix="vp-comfyui-node-")
+    os.makedirs(a.workdir, exist_ok=True)
     runs = [x.strip() for x in ours["runs"].split(",") if x.strip()]
     a.timeout = ours["timeout"]
     for ln in cr.machine(a):
