@@ -361,6 +361,36 @@ def test_schedule_made_again_when_the_budget_moves():
     h.unload()
 
 
+def test_second_measured_forward_keeps_only_a_schedule_that_fits():
+    """The budget falls between the two measured forwards (torch's
+    activations learned, as under ComfyUI): the second keeps the first
+    one's resident set only if it still fits; here it does not, so the
+    schedule applied fits the new budget and steady state has no commits
+    or evictions. Outputs bitwise."""
+    m = mlp(depth=8)
+    ref = frozen_copy(m)
+    x = torch.randn(8, 64)
+    want = ref(x)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    assert torch.equal(m(x), want)
+    first = h.schedule()
+    h.device.set_limit(600 * K)
+    assert torch.equal(m(x), want)
+    sch = h.schedule()
+    assert sch["resident_bytes"] < first["resident_bytes"], (first, sch)
+    assert sch["resident_bytes"] <= 600 * K - 320 * K, sch
+    s0 = h.stats()
+    for _ in range(3):
+        assert torch.equal(m(x), want)
+    d = delta(h.stats()["device"], s0["device"], "pages_committed",
+              "pages_evicted")
+    assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+    h.unload()
+
+
 def test_resident_first_placement():
     # The resident entries first in their order, then the streamed ones
     # from the next page boundary; offsets match resident_pages().

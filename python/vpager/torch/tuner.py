@@ -307,6 +307,14 @@ class Tuner:
                 best = (key, sch, ring)
         return best[1], best[2]
 
+    def _fits(self, sch, sizes):
+        """True if sch's resident set fits the budget planned for now,
+        beside the ring it has (as plan() counts room)."""
+        page = self.layout.device.page_size
+        room = self.planned_for - ring_pages(self.ring, page) - 2 * page
+        return schedule.resident_pages(sizes, sch.resident, page,
+                                       self.layout.align) <= room
+
     def apply(self, work, room_changed=False):
         """Plan from the per-unit work and apply it. room_changed: the
         watch found another budget: keep the placement only if the plan
@@ -323,9 +331,10 @@ class Tuner:
         if room_changed and old is not None and ring == self.ring and \
                 sch.resident == old.resident:
             return                  # the same plan: nothing to move
-        if old is not None and not room_changed:
+        if old is not None and not room_changed and self._fits(old, sizes):
             # Measured again: place anew only for a clear gain (2%), else
-            # keep the placement and take new windows for it.
+            # keep the placement (if it still fits the budget: torch's
+            # activations may have taken some since) and take new windows.
             eff = int(self.ring * schedule.FRAGMENTATION)
             t_old = schedule.simulate(w, sizes, old.resident, self.link, eff,
                                       PER_COPY)
