@@ -398,7 +398,11 @@ def make_class(comfy, base):
 
         def _vp_prepare_op(self, n, m):
             """The op computes on what vpager hands it: no aimdo state, its
-            class's comfy_cast_weights, ComfyUI's weight wrappers kept."""
+            class's comfy_cast_weights unless a weight is stored in another
+            dtype than the model declares for it (Wan's float32
+            patch_embedding from an fp16 file: ComfyUI's dynamic path casts
+            it at use, so the op keeps casting), ComfyUI's weight wrappers
+            kept."""
             for attr in ("_v", "_v_signature", "_v_weight", "_v_bias",
                          "weight_lowvram_function", "bias_lowvram_function",
                          "comfy_cast_weights", "prev_comfy_cast_weights"):
@@ -410,6 +414,11 @@ def make_class(comfy, base):
                         except Exception:
                             pass
                     delattr(m, attr)
+            for k in ("weight", "bias"):
+                t = m._parameters.get(k)
+                want = getattr(m, k + "_comfy_model_dtype", None)
+                if t is not None and want is not None and t.dtype != want:
+                    m.comfy_cast_weights = True
             m.seed_key = n
             for k in ("weight", "bias"):
                 fns = []

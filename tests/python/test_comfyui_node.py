@@ -653,6 +653,29 @@ def test_stored_dtype_not_compute_dtype():
         assert torch.equal(run(m), run(ref))
 
 
+def test_declared_dtype_not_stored_dtype():
+    """Ops of a class that does not cast, whose weights are stored in
+    another dtype than the model declares for them (Wan's float32
+    patch_embedding from an fp16 file; ComfyUI's dynamic path casts it at
+    use): the node keeps the cast on, outputs as ComfyUI's."""
+    with env(capacity=1 << 20, staging=128 * K) as e:
+        m = DiT(dtype=torch.float16)
+        for mod in m.modules():
+            if type(mod) is Linear:
+                mod.weight_comfy_model_dtype = torch.float32
+                mod.bias_comfy_model_dtype = torch.float32
+        ref = frozen(m)
+        for mod in ref.modules():
+            if type(mod) is Linear:
+                mod.comfy_cast_weights = True     # what ComfyUI's path does
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        pager = m._vpager_pager
+        assert all(en.dtype == torch.float16 for en in pager.entries)
+        assert torch.equal(run(m), run(ref))
+        assert torch.equal(run(m), run(ref))
+
+
 def test_weight_wrappers_kept():
     with env() as e:
         m = DiT()
