@@ -314,6 +314,19 @@ def test_schedule_by_time():
                     os.environ[k] = v
 
 
+def _scheduled_mlp():
+    """An 8-layer MLP offloaded for a schedule (no order, no lookahead) on
+    the simulated device, budget 900 KiB, ring 320 KiB: (m, x, want, h)."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    return m, x, want, h
+
+
 def test_schedule_made_again_when_the_budget_moves():
     """The scheduled model's device budget falls (another process, torch's
     activations: here its limit): at a root forward's start the schedule
@@ -321,14 +334,7 @@ def test_schedule_made_again_when_the_budget_moves():
     set fits it and steady state has no commits or evictions again; the
     budget coming back gives a larger resident set. Outputs bitwise."""
     from vpager.torch import tuner
-    m = mlp(depth=8)
-    ref = frozen_copy(m)
-    x = torch.randn(8, 64)
-    want = ref(x)
-    opts = dict(sim_opts(), page_size=PAGE)
-    del opts["lookahead"]
-    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
-                   **opts)
+    m, x, want, h = _scheduled_mlp()
     old = tuner.WATCH_EVERY
     tuner.WATCH_EVERY = 0.0
     try:
@@ -367,14 +373,7 @@ def test_second_measured_forward_keeps_only_a_schedule_that_fits():
     one's resident set only if it still fits; here it does not, so the
     schedule applied fits the new budget and steady state has no commits
     or evictions. Outputs bitwise."""
-    m = mlp(depth=8)
-    ref = frozen_copy(m)
-    x = torch.randn(8, 64)
-    want = ref(x)
-    opts = dict(sim_opts(), page_size=PAGE)
-    del opts["lookahead"]
-    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
-                   **opts)
+    m, x, want, h = _scheduled_mlp()
     assert torch.equal(m(x), want)
     first = h.schedule()
     h.device.set_limit(600 * K)
