@@ -1450,6 +1450,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
             opts.update(extra_opts or {})
             h = vt.offload(model, device=ctx.device, budget=budget, **opts)
             r["offload_s"] = time.perf_counter() - t0
+            r["load_seconds"] = h.stats()["load_seconds"]
             o = h.device.options
             try:
                 with torch.no_grad():
@@ -1502,12 +1503,14 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
         r.update(limit_ms=lim, link_term_ms=link_ms,
                  vs_resident=r["ms"] / resident_ms, vs_limit=r["ms"] / lim)
         say("   %s budget %s (%.3f GB; staging %s, lookahead %s, %d units; "
-            "offload %.1f s): %.2f ms (cold %.1f, warm-up %.1f; %s) = %.3fx resident, "
+            "offload %.1f s%s): %.2f ms (cold %.1f, warm-up %.1f; %s) = %.3fx resident, "
             "%.3fx L (L = max(%.2f, %.2f)); copied %.3f GB/fwd in %.0f "
             "copies, resident %.3f GB; compute stream waited %.2f ms in %d "
             "acquires (probed fwd); VMM after cold %d; outputs %s" % (
                 label, fn, budget / GB, size_str(r["staging"]),
                 size_str(r["lookahead"]), r["units"], r["offload_s"],
+                "".join(", %s %.2f" % (k[:-2].replace("_", " "), v)
+                        for k, v in sorted(r["load_seconds"].items())),
                 r["ms"], r["cold_ms"], r["warm_ms"],
                 " ".join("%.2f" % t for t in ts),
                 r["vs_resident"], r["vs_limit"], resident_ms, link_ms,

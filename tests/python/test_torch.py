@@ -374,6 +374,8 @@ def test_second_measured_forward_keeps_only_a_schedule_that_fits():
     schedule applied fits the new budget and steady state has no commits
     or evictions. Outputs bitwise."""
     m, x, want, h = _scheduled_mlp()
+    load = h.stats()["load_seconds"]     # offload()'s host copy, timed
+    assert set(load) == {"host_alloc_s", "host_fill_s"}, load
     assert torch.equal(m(x), want)
     first = h.schedule()
     h.device.set_limit(600 * K)

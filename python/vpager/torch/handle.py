@@ -340,7 +340,9 @@ class Offloaded:
         "activation_headroom" (CUDA: what the last forward learned torch
         may still grab, margin included; the device's headroom is the
         larger of it and the user's; 0 before a forward and on the
-        simulated device)."""
+        simulated device), "load_seconds" (of offload(): host_alloc_s,
+        allocating and pinning the host copy, host_fill_s, copying the
+        weights into it; empty without a host copy)."""
         self._check_open()
         lay = self._layout
         s = self.vbar.stats()
@@ -356,6 +358,7 @@ class Offloaded:
         s["replaced"] = self.replaced
         s["set_sources"] = sum(e.own is not None for e in lay.entries)
         s["schedule"] = self.schedule()
+        s["load_seconds"] = dict(lay.load_times)
         return s
 
     def schedule(self):

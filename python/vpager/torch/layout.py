@@ -28,6 +28,7 @@ class Layout:
         self.align = align
         self.groups = None
         self.vbar = self.weights = self.hb = self.st = None
+        self.load_times = {}    # seconds: host_alloc_s, host_fill_s
         # entry index -> a Weights of one weight: an entry whose source
         # set_source() changed (the rest are in self.weights)
         self.single = {}
@@ -73,7 +74,7 @@ class Layout:
                     e.keep = e.tensor.data
                 custom.append(src)
         self.hb, slots = sources(dev, entries, self.align, self.st, match,
-                                 custom)
+                                 custom, self.load_times)
         for e, (host, addr, src) in zip(entries, slots):
             e.host, e.file_addr, e.src = host, addr, src
         self.weights = self.vbar.create_weights(

@@ -6,6 +6,7 @@ placeholders that stand in for meta tensors whose bytes come from a file."""
 import concurrent.futures
 import ctypes
 import os
+import time
 
 import torch
 
@@ -101,7 +102,7 @@ def _fill_host(hb, total, entries, hosted, offsets, slots, st, plan, moved):
         flush()
 
 
-def sources(dev, entries, align, st=None, plan=None, custom=None):
+def sources(dev, entries, align, st=None, plan=None, custom=None, times=None):
     """Where each entry's bytes live: [(host, file_addr, Source)] and the
     HostBuf holding the host copies (None if no entry has one).
 
@@ -112,17 +113,24 @@ def sources(dev, entries, align, st=None, plan=None, custom=None):
     files.match_file), parameters get a FILE source (vp_st_source) and no
     host copy; buffers, which training mode updates in place, get a
     HostBuf slot filled from the file. custom: per entry a Source of the
-    caller's, or None (offload(sources=)): such entries get no host copy."""
+    caller's, or None (offload(sources=)): such entries get no host copy.
+    times (a dict, or None): gets host_alloc_s (allocating and pinning the
+    HostBuf) and host_fill_s (copying the bytes in)."""
     slots, hosted = _file_slots(entries, st, plan, custom)
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
+    t0 = time.perf_counter()
     hb = dev.alloc_hostbuf(total)
+    t1 = time.perf_counter()
     moved = []
     try:
         with torch.no_grad(), torch.inference_mode(False):
             _fill_host(hb, total, entries, hosted, offsets, slots, st, plan,
                        moved)
+        if times is not None:
+            times["host_alloc_s"] = t1 - t0
+            times["host_fill_s"] = time.perf_counter() - t1
     except BaseException:
         with torch.no_grad(), torch.inference_mode(False):
             for e in moved:
