@@ -17,7 +17,14 @@ typedef struct copy {
   uint64_t dst, size;
   const vp_source_t *src;
   uint64_t src_off; /* into the source */
+  size_t nw;        /* weights it fills: the next nw of batch.filled */
 } copy_t;
+
+/* Prefetch records a copy-stream fence after each copy that ends this many
+ * bytes after the last fence (and after the batch), so an acquire waits for
+ * its own weight's copy (~40 us of link), not for everything one window
+ * top-up queued with it (up to lookahead / 8: milliseconds). */
+#define FENCE_SPLIT (2ull << 20)
 
 /* What the caller's stream must wait for: the newest copy-stream fence of
  * the weights it takes, or (tail) everything queued on the copy stream. */
@@ -53,9 +60,10 @@ static int batch_add(vp__device_t *dev, batch_t *b, vp__weight_t *w,
         last->src->file_offset + last->src_off + last->size ==
             w->src.file_offset))) {
     last->size += w->size;
+    last->nw++;
     return VP_OK;
   }
-  b->c[b->n++] = (copy_t){dst, w->size, &w->src, 0};
+  b->c[b->n++] = (copy_t){dst, w->size, &w->src, 0, 1};
   return VP_OK;
 }
 
@@ -72,24 +80,49 @@ static int copy_one(vp__device_t *dev, const copy_t *c, vp_stream_t cs) {
   return VP_OK;
 }
 
-/* Issue the batch on the copy stream and record one fence after it, which
- * every weight filled by the batch keeps until it is seen complete.
- * *fence (may be NULL) gets a reference to it. */
-static int batch_issue(vp__device_t *dev, batch_t *b, vp__fence_t **fence) {
-  vp_stream_t cs;
-  vp__fence_t *f;
-  int rc = vp__copy_stream(dev, &cs);
-  for (size_t i = 0; i < b->n && rc == VP_OK; i++) {
-    rc = copy_one(dev, &b->c[i], cs);
-    if (rc == VP_OK) dev->stats.copies++;
-  }
-  if (rc == VP_OK) rc = vp__fence_get(dev, cs, &f);
-  if (rc) return rc;
-  for (size_t i = 0; i < b->nfilled; i++) {
+/* filled[from, to) keep f until it is seen complete. */
+static void fence_filled(vp__device_t *dev, batch_t *b, size_t from,
+                         size_t to, vp__fence_t *f) {
+  for (size_t i = from; i < to; i++) {
     vp__weight_t *w = b->filled[i];
     if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
     w->copy_fence = f;
     f->refs++;
+  }
+}
+
+/* Issue the batch on the copy stream and record a fence after it, which
+ * every weight filled by the batch keeps until it is seen complete; with
+ * `split`, also one after each copy FENCE_SPLIT bytes past the last fence,
+ * which the weights of the copies before it keep instead (copy-stream
+ * fences complete in order). *fence (may be NULL) gets a reference to the
+ * last. On failure the weights of the copies issued keep their fences. */
+static int batch_issue(vp__device_t *dev, batch_t *b, bool split,
+                       vp__fence_t **fence) {
+  vp_stream_t cs;
+  vp__fence_t *f = NULL;
+  size_t from = 0, to = 0; /* filled[from, to): copied since the last fence */
+  uint64_t bytes = 0;
+  int rc = vp__copy_stream(dev, &cs);
+  for (size_t i = 0; i < b->n && rc == VP_OK; i++) {
+    if ((rc = copy_one(dev, &b->c[i], cs))) break;
+    dev->stats.copies++;
+    to += b->c[i].nw;
+    bytes += b->c[i].size;
+    if (i + 1 < b->n && !(split && bytes >= FENCE_SPLIT)) continue;
+    if (f) vp__fence_put(dev, f);
+    if ((rc = vp__fence_get(dev, cs, &f))) {
+      f = NULL;
+      break;
+    }
+    fence_filled(dev, b, from, to, f);
+    from = to;
+    bytes = 0;
+  }
+  if (rc == VP_OK && !f) rc = vp__fence_get(dev, cs, &f); /* no copy */
+  if (rc) {
+    if (f) vp__fence_put(dev, f);
+    return rc;
   }
   b->n = b->nfilled = 0;
   if (fence) *fence = f; else vp__fence_put(dev, f);
@@ -214,7 +247,7 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
                          vp_stream_t stream, const uint64_t *ptrs,
                          const uint8_t *flags, batch_t *b) {
   vp__fence_t *f = NULL;
-  bool issued = batch_issue(dev, b, &f) == VP_OK;
+  bool issued = batch_issue(dev, b, false, &f) == VP_OK;
   for (size_t i = 0; i < n; i++) {
     vp__weight_t *w = ws[i];
     vp__hold_t *hold = vp__hold_find(w, stream);
@@ -293,7 +326,7 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   } else if (b.nfilled || wait.tail || wait.newest) {
     /* A fence after this call's copies covers every earlier fill too. */
     vp__fence_t *f = wait.newest;
-    if (b.nfilled || wait.tail) rc = batch_issue(dev, &b, &f);
+    if (b.nfilled || wait.tail) rc = batch_issue(dev, &b, false, &f);
     else f->refs++;
     if (rc == VP_OK) {
       rc = vp__be_stream_wait_event(dev, stream, f->event);
@@ -482,7 +515,7 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
   vp__fence_t *f = NULL;
   size_t n = b->nfilled;
   vp__weight_t **filled = b->filled;
-  if (!n || batch_issue(dev, b, &f) != VP_OK) f = NULL;
+  if (!n || batch_issue(dev, b, true, &f) != VP_OK) f = NULL;
   for (size_t i = 0; i < n; i++) {
     vp__weight_t *u = filled[i];
     if (!f) u->vb->win_ok = false; /* not queued after all */
@@ -490,8 +523,8 @@ static void prefetch_finish(vp__device_t *dev, batch_t *b) {
       u->slot->owner = NULL;
       u->slot = NULL;
     } else if (!u->slot) {
-      if (f) {
-        vp__unpin_attach_fill(u->vb, u->p0, u->p1, f);
+      if (f) { /* behind its own copy's fence */
+        vp__unpin_attach_fill(u->vb, u->p0, u->p1, u->copy_fence);
       } else {
         vp__unpin_nofence(u->vb, u->p0, u->p1);
         u->vb->skip_ok = false;
