@@ -92,6 +92,8 @@ class HotPath:
         """The forward installed on unit.module in place of `fwd`."""
         enter, leave, call = self.enter, self.leave, self.call
         writeback, escapes = self.writeback, self.escapes
+        aliases, retry = self.aliases, self.retry
+        grad_enabled, Tensor = torch.is_grad_enabled, torch.Tensor
         recorder = self.recorder
         unit.pack = functools.partial(self.pack, unit)
 
@@ -105,13 +107,25 @@ class HotPath:
             unit.depth = 1
             ok = False
             try:
-                if torch.is_grad_enabled():
+                if grad_enabled():
                     with torch.autograd.graph.saved_tensors_hooks(unit.pack,
                                                                   _unpack):
                         out = call(unit, fwd, args, kwargs)
+                else:           # call(), inline: the hot path of inference
+                    first = None
+                    try:
+                        out = fwd(*args, **kwargs)
+                    except Exception as e:
+                        if not is_oom(e):
+                            raise
+                        first = str(e)  # not e: its frames hold activations
+                    if first is not None:
+                        out = retry(unit, fwd, args, kwargs, first)
+                if isinstance(out, Tensor):     # escapes(), inline
+                    if aliases(unit, out):
+                        out = out.clone()
                 else:
-                    out = call(unit, fwd, args, kwargs)
-                out = escapes(unit, out)
+                    out = escapes(unit, out)
                 if unit.buffers:
                     writeback(unit)
                 ok = True
@@ -134,8 +148,11 @@ class HotPath:
                     "its weights are vpager's: unload() before changing "
                     "parameters, then offload again" % (qual, unit.name))
         entries = unit.entries
+        held = False            # an outer unit holds one of them (shared)
         for e in entries:
-            if not e.cur and e.tensor.data_ptr() != e.ph_ptr:
+            if e.cur:
+                held = True
+            elif e.tensor.data_ptr() != e.ph_ptr:
                 raise RuntimeError(
                     "vpager.torch: %s was changed after offload() (by .to(), "
                     ".half(), .data = ...?); unload() first, change the "
@@ -160,7 +177,8 @@ class HotPath:
             tuner.after()
         else:
             ptrs = batch.acquire(stream)
-        prev = [(e.cur, e.curv) for e in entries]
+        # What leave() restores: None for placeholders everywhere.
+        prev = [(e.cur, e.curv) for e in entries] if held else None
         try:
             if ds.sync:
                 self.device.synchronize(stream)
@@ -189,9 +207,15 @@ class HotPath:
 
     @staticmethod
     def leave(unit, stream, prev, raise_errors):
-        for e, (p, v) in zip(unit.entries, prev):
-            e.tensor.data = v if p else e.ph
-            e.cur, e.curv = p, v
+        if prev is None:
+            for e in unit.entries:
+                e.tensor.data = e.ph
+                e.cur = 0
+                e.curv = None
+        else:
+            for e, (p, v) in zip(unit.entries, prev):
+                e.tensor.data = v if p else e.ph
+                e.cur, e.curv = p, v
         try:
             unit.batch.release(stream)
         except Error:
@@ -209,6 +233,11 @@ class HotPath:
             if not is_oom(e):
                 raise
             first = str(e)  # not e: its frames hold the activations
+        return self.retry(unit, fwd, args, kwargs, first)
+
+    def retry(self, unit, fwd, args, kwargs, first):
+        """call()'s second attempt, after the out-of-memory error `first`
+        (its message)."""
         freed = self.device.free_memory(ALL)
         # The eviction lowered the watermarks: the next acquire puts the
         # model on top again, so its weights are filled, not only staged.
