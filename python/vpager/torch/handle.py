@@ -154,6 +154,7 @@ class Offloaded:
         self._recorder.remove()
         if self._tuner is not None:
             self._tuner.remove()
+        self._hot.staged.clear()
         for e in self._layout.entries:
             e.forget_views()
             try:
@@ -536,6 +537,7 @@ class Offloaded:
         self._idle("close")
         self._state = CLOSED
         with torch.no_grad(), torch.inference_mode(False):
+            self._hot.staged.clear()
             for e in self._layout.entries:
                 e.forget_views()
                 if self._outside == "host":

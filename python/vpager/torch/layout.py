@@ -115,7 +115,6 @@ class Layout:
             raise
         e.src = src
         e.rview = None
-        e.staged = {}
         self.batches([u for u in self.units if e in u.entries])
 
     def _close_single(self):
@@ -150,7 +149,6 @@ class Layout:
         for i, e in enumerate(entries):
             e.index, e.offset, e.src = i, offsets[i], srcs[i]
             e.rview = None
-            e.staged = {}
         self.entries = entries
         self.weights = ws
         self.batches()

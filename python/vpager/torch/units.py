@@ -32,8 +32,8 @@ class Entry:
 
     __slots__ = ("index", "name", "tensor", "is_param", "dtype", "shape",
                  "size", "offset", "src_device", "requires_grad", "host",
-                 "file_addr", "src", "rview", "staged", "ph", "ph_ptr", "cur",
-                 "curv", "keep", "own", "alt")
+                 "file_addr", "src", "rview", "ph", "ph_ptr", "cur", "curv",
+                 "keep", "own", "alt")
 
     def __init__(self, index, name, tensor, is_param):
         self.index = index
@@ -50,7 +50,7 @@ class Entry:
         self.file_addr = None             # or: its bytes in the mapped file
         self.src = None                   # its vpager.Source
         self.rview = None                 # view of its VBAR address
-        self.staged = {}                  # staging address -> view
+        # (views of staging slots are cached per handle: HotPath.staged)
         self.ph = None                    # placeholder
         self.ph_ptr = 0
         self.cur = 0                      # address while acquired, else 0
@@ -61,7 +61,6 @@ class Entry:
 
     def forget_views(self):
         self.rview = self.curv = None
-        self.staged = {}
 
 
 class Unit:
