@@ -17,9 +17,8 @@ replace.py), schedule.plan() picks the resident set, the staging ring
 and each unit's prefetch window; the weights are placed again, the
 resident ones together at the start (placement.place_resident_first),
 the VBAR gets the matching eviction order (vp_vbar_set_ranks: resident
-runs first), and
-each unit's acquire sets the device's lookahead to its window. All of it
-once: the order stays the same for every later forward, unless the
+runs first), and each unit's acquire sets the device's lookahead to its
+window. All of it once: the order stays the same for every later forward, unless the
 device's budget moves (other processes, torch's activations): then the
 schedule is made again from the measured costs for the room there is
 (WATCH_EVERY), so weights it counted resident and lost are streamed in
