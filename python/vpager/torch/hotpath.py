@@ -3,12 +3,12 @@ wrapped so that one vp_acquire brings its weights (each parameter's .data
 a view of the returned address: resident views built once, staged ones
 cached by staging address, one cache for the handle's weights), the
 original forward runs, and the placeholders go back before one vp_release
-on the current stream. Around
-it: an out-of-memory retry (evict vpager's unpinned pages, empty torch's
-cache, run once more), autograd aliasing (tensors autograd saves, or the
-forward returns, that view a weight are copied: that memory is reused
-after the release), buffer write-back in training mode, and on CUDA the
-activation headroom learned at each root forward."""
+on the current stream. Around it: an out-of-memory retry (evict vpager's
+unpinned pages, empty torch's cache, run once more), autograd aliasing
+(tensors autograd saves, or the forward returns, that view a weight are
+copied: that memory is reused after the release), buffer write-back in
+training mode, and on CUDA the activation headroom learned at each root
+forward."""
 
 import functools
 import time
