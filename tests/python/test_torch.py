@@ -364,6 +364,16 @@ def _scheduled_mlp():
     return m, x, want, h
 
 
+def _steady(m, x, want, h):
+    """Three forwards, bitwise, with no page committed or evicted."""
+    s0 = h.stats()
+    for _ in range(3):
+        assert torch.equal(m(x), want)
+    d = delta(h.stats()["device"], s0["device"], "pages_committed",
+              "pages_evicted")
+    assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+
+
 def test_schedule_made_again_when_the_budget_moves():
     """The scheduled model's device budget falls (another process, torch's
     activations: here its limit): at a root forward's start the schedule
@@ -386,12 +396,7 @@ def test_schedule_made_again_when_the_budget_moves():
         assert low["replans"] == 1, low
         assert low["resident_bytes"] < first["resident_bytes"], low
         assert low["resident_bytes"] <= 600 * K - 320 * K, low
-        s0 = h.stats()
-        for _ in range(3):
-            assert torch.equal(m(x), want)
-        d = delta(h.stats()["device"], s0["device"], "pages_committed",
-                  "pages_evicted")
-        assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+        _steady(m, x, want, h)
         h.device.set_limit(900 * K)
         assert torch.equal(m(x), want)
         back = h.schedule()
@@ -420,12 +425,7 @@ def test_second_measured_forward_keeps_only_a_schedule_that_fits():
     sch = h.schedule()
     assert sch["resident_bytes"] < first["resident_bytes"], (first, sch)
     assert sch["resident_bytes"] <= 600 * K - 320 * K, sch
-    s0 = h.stats()
-    for _ in range(3):
-        assert torch.equal(m(x), want)
-    d = delta(h.stats()["device"], s0["device"], "pages_committed",
-              "pages_evicted")
-    assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+    _steady(m, x, want, h)
     h.unload()
 
 
