@@ -274,14 +274,27 @@ def make_class(comfy, base):
                 self._vp_from_comfy()
             self._vp_mode = "vpager"
             assert not force_patch_weights
+            refused = None
             with self.use_ejected(skip_and_inject_on_exit_only=True):
                 self.unpatch_model(self.offload_device, unpatch_weights=False)
                 self.patch_model(load_weights=False)
                 try:
                     self._vp_load(device_to)
+                except ValueError as e:
+                    # vpager.torch refused the model before changing it
+                    # (a unit the shared staging ring cannot hold within
+                    # the budget): ComfyUI's own path takes it.
+                    self.detach()
+                    refused = str(e)
                 except Exception:
                     self.detach()
                     raise
+            if refused is not None:
+                self._vp_leave()
+                note(self.model, refused)
+                self._vp_mode = "comfy"
+                return super().partially_load(device_to, extra_memory,
+                                              force_patch_weights)
             return 0
 
         def _vp_from_comfy(self):

@@ -806,6 +806,21 @@ def test_fallbacks_with_one_log_line():
             glue.ALLOW_SIM = True
 
 
+def test_refused_model_falls_back_with_one_log_line():
+    """A model vpager.torch refuses (here a unit the device's fixed
+    staging ring cannot hold) goes ComfyUI's own way, with one log line
+    naming why; outputs as ComfyUI's."""
+    with env(capacity=1 << 20, staging=128 * K) as e:
+        m = DiT(h=512)          # 64 x 512 fp32 + bias: 130 KiB a unit
+        ref = frozen(m)
+        p = e.patcher(m)
+        with logs() as lines:
+            p.partially_load(CPU)
+        assert not p.vpager_active() and m.comfy_loaded == 1
+        assert len(lines) == 1 and "staging" in lines[0], lines
+        assert torch.equal(run(m), run(ref))
+
+
 def test_fallback_model_types():
     with env() as e:
         q = DiT(op=QuantLinear)

@@ -1287,6 +1287,35 @@ def test_tensors_that_cannot_be_served():
         dev.close()
 
 
+def test_shared_ring_grows_for_a_larger_unit():
+    """A device whose ring open_device() sized (no staging_size): a model
+    attached later whose largest unit needs more grows the ring, when the
+    budget holds it; outputs bitwise, the first model's too. A ring the
+    caller sized is kept and such a model refused (above)."""
+    dev = vt.open_device("sim", budget=4096 * K,
+                         **dict(sim_opts(), sim_capacity=8192 * K))
+    try:
+        small = mlp(depth=2)                    # 16 KiB + bias a layer
+        ref_small = frozen_copy(small)
+        x = torch.randn(4, 64)
+        h1 = vt.offload(small, dev=dev)
+        ring = dev.options["staging_size"]
+        big = nn.Sequential(nn.Linear(64, ring // 256 + 64), nn.ReLU(),
+                            nn.Linear(ring // 256 + 64, 64))
+        for p in big.parameters():
+            p.requires_grad_(False)
+        ref_big = frozen_copy(big)
+        h2 = vt.offload(big, dev=dev)
+        assert dev.options["staging_size"] > ring
+        for _ in range(3):
+            assert torch.equal(big(x), ref_big(x))
+            assert torch.equal(small(x), ref_small(x))
+        h2.unload()
+        h1.unload()
+    finally:
+        dev.close()
+
+
 # ------------------------------------------------ what a new user meets
 
 def test_default_device_is_cuda_when_torch_has_it():

@@ -12,7 +12,7 @@ import torch
 
 from .. import _lib
 from ..device import Device
-from ..errors import Error
+from ..errors import BusyError, Error
 from ..options import default_options, parse_size
 from .placement import round_up
 
@@ -163,6 +163,9 @@ class DevState:
 
 
 DEVSTATES = weakref.WeakKeyDictionary()
+# Devices whose staging ring open_for() sized (staging_size not given): a
+# model attached later may grow it (attach()).
+SIZED_RINGS = weakref.WeakSet()
 
 
 def devstate(dev, owned=False):
@@ -401,12 +404,27 @@ def open_for(target, budget, lookahead, options, largest=None,
     except BaseException:
         dev.close()
         raise
+    if sized:
+        SIZED_RINGS.add(dev)
     return dev
 
 
 def attach(dev, budget, lookahead, largest):
     """Set a shared device up for one more model: its ring must hold the
-    largest unit, and fit in a budget given here, which is then applied."""
+    largest unit, and fit in a budget given here, which is then applied. A
+    ring vpager.torch sized (open_device() without staging_size) grows to
+    the largest unit first when the budget holds it and no staged weight
+    is acquired now; one the caller sized stays."""
+    if largest is not None and dev in SIZED_RINGS:
+        page = dev.page_size
+        grown = ring_pages(largest[1], page)
+        room = budget if budget is not None else dev.info()["budget"]
+        if grown > ring_pages(dev.options["staging_size"], page) and \
+                grown <= room:
+            try:
+                dev.set_staging_size(grown)
+            except BusyError:
+                pass                # check_ring() says what is needed
     check_ring(dev, budget, budget, largest)
     if budget is not None:
         dev.set_limit(budget)
