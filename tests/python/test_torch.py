@@ -1292,27 +1292,36 @@ def test_shared_ring_grows_for_a_larger_unit():
     attached later whose largest unit needs more grows the ring, when the
     budget holds it; outputs bitwise, the first model's too. A ring the
     caller sized is kept and such a model refused (above)."""
+    from vpager.torch import tuner
     dev = vt.open_device("sim", budget=4096 * K,
                          **dict(sim_opts(), sim_capacity=8192 * K))
+    old = tuner.WATCH_EVERY
+    tuner.WATCH_EVERY = 0.0
     try:
         small = mlp(depth=2)                    # 16 KiB + bias a layer
         ref_small = frozen_copy(small)
         x = torch.randn(4, 64)
-        h1 = vt.offload(small, dev=dev)
+        h1 = vt.offload(small, dev=dev, schedule=True)
+        for _ in range(3):
+            assert torch.equal(small(x), ref_small(x))
+        assert h1.schedule()["replans"] == 0
         ring = dev.options["staging_size"]
-        big = nn.Sequential(nn.Linear(64, ring // 256 + 64), nn.ReLU(),
-                            nn.Linear(ring // 256 + 64, 64))
+        n = 2 * ring // 256                     # a weight of twice the ring
+        big = nn.Sequential(nn.Linear(64, n), nn.ReLU(), nn.Linear(n, 64))
         for p in big.parameters():
             p.requires_grad_(False)
         ref_big = frozen_copy(big)
         h2 = vt.offload(big, dev=dev)
-        assert dev.options["staging_size"] > ring
+        assert dev.options["staging_size"] > 2 * ring
         for _ in range(3):
             assert torch.equal(big(x), ref_big(x))
             assert torch.equal(small(x), ref_small(x))
+        # The first model's schedule saw its room shrink by the ring.
+        assert h1.schedule()["replans"] == 1, h1.schedule()
         h2.unload()
         h1.unload()
     finally:
+        tuner.WATCH_EVERY = old
         dev.close()
 
 

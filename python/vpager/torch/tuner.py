@@ -51,9 +51,10 @@ MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 # After the schedule: at a root forward's start, at most once a second,
 # the device's budget (what this device may commit: its limit, or free
-# memory less the headroom, which other processes and torch change) is
-# read; below 97% or above 115% of what the schedule was planned for, the
-# schedule is made again from the measured costs (none measured anew).
+# memory less the headroom, which other processes and torch change) less
+# its staging ring is read; below 97% or above 115% of what the schedule
+# was planned for, the schedule is made again from the measured costs
+# (none measured anew).
 WATCH_EVERY = 1.0
 SHRINK, GROW = 0.97, 1.15
 _LINKS = {}                 # CUDA device index -> measured bytes/s
@@ -165,8 +166,14 @@ class Tuner:
         self.watch_at = now + WATCH_EVERY
         if not self.handle._may_replace():
             return
-        total = self.layout.device.info()["budget"]
-        if SHRINK * self.planned_for <= total <= GROW * self.planned_for:
+        # The room for weights: the budget less the ring (another model's
+        # offload() may have grown a shared device's ring).
+        dev = self.layout.device
+        page = dev.page_size
+        room = dev.info()["budget"] - ring_pages(dev.options["staging_size"],
+                                                 page)
+        was = max(self.planned_for - ring_pages(self.ring, page), page)
+        if SHRINK * was <= room <= GROW * was:
             return
         self.replans += 1
         try:
