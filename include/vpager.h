@@ -423,6 +423,12 @@ VP_API int vp_weights_create(vp_vbar_t vbar, size_t n, const uint64_t *offsets,
                              vp_weight_t *out);
 /* VP_EBUSY while acquired. Destroying a VBAR destroys its weights. */
 VP_API int vp_weight_destroy(vp_weight_t w);
+/* Weight w takes its bytes from src from now on (the rules of
+ * vp_weights_create; copies from the old source are waited for, so it may
+ * be freed after this returns): its resident pages are filled anew at its
+ * next acquire, a staged copy is dropped, and it keeps its place in the
+ * VBAR and in the order prefetch looks ahead in. VP_EBUSY while acquired. */
+VP_API int vp_weight_set_source(vp_weight_t w, const vp_source_t *src);
 
 /* flags[i] after vp_acquire: */
 #define VP_ACQUIRED_RESIDENT 0x1u /* ptrs[i] is the weight's VBAR address */

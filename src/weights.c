@@ -24,19 +24,26 @@ bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w) {
 }
 
 
-/* Copies from w's source may still be queued: the caller may free the
- * source once the weight is gone, so wait for them. */
-static void weight_free(vp__device_t *dev, vp__weight_t *w) {
+/* w lets go of the bytes its source gave it: its staging slot, if any,
+ * becomes anyone's, and copies from the source that may still be queued
+ * are waited for (the caller may free the source next). */
+static void weight_drop_bytes(vp__device_t *dev, vp__weight_t *w) {
   if (w->slot) { /* its bytes serve nobody now: reclaimable by anyone */
     if (w->slot->prefetched)
       VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
     w->slot->prefetched = false;
     w->slot->owner = NULL;
+    w->slot = NULL;
   }
   if (w->copy_fence) {
     if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
     if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
+    w->copy_fence = NULL;
   }
+}
+
+static void weight_free(vp__device_t *dev, vp__weight_t *w) {
+  weight_drop_bytes(dev, w);
   vp__table_remove(&dev->weights, w->id);
   if (w->holds != w->few_holds) free(w->holds);
   free(w->gens);
@@ -268,6 +275,32 @@ static void weight_unlist(vp__weight_t *w) {
     vb->weights[j]->index = j;
   for (uint32_t j = w->use_index; j < vb->nweights; j++)
     vb->use[j]->use_index = j;
+}
+
+int vp_weight_set_source(vp_weight_t h, const vp_source_t *src) {
+  VP__ENTER();
+  if (!src) return vp__err(VP_EINVAL, "src is NULL");
+  if (source_check(src, 0)) return VP_EINVAL;
+  vp__device_t *dev;
+  vp__weight_t *w;
+  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
+                           &dev, (void **)&w);
+  if (rc) return rc;
+  if (w->acq_resident || w->acq_staged)
+    return vp__unlock(dev, vp__err(VP_EBUSY, "the weight is acquired; release "
+                                   "it first"));
+  weight_drop_bytes(dev, w);
+  if (w->prefetched) { /* filled in place from the old source, unused */
+    VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
+    w->prefetched = false;
+  }
+  /* Its pages hold the old bytes: "never filled", so the next acquire
+   * fills them from the new source (and prefetch looks at it again). */
+  memset(w->gens, 0, (size_t)(w->p1 - w->p0) * sizeof *w->gens);
+  w->src = *src;
+  vp__vbar_t *vb = w->vb;
+  vb->skip_ok = vb->win_ok = vb->prefetch_idle = false;
+  return vp__unlock(dev, VP_OK);
 }
 
 int vp_weight_destroy(vp_weight_t h) {

@@ -620,6 +620,69 @@ TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
   free(buf);
 }
 
+/* vp_weight_set_source: the weight's next acquire fills it from the new
+ * source, the others keep their pages and fills, and it keeps its place in
+ * the order prefetch looks ahead in. Bad input and a held weight fail. */
+TEST(stream_weight_set_source, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  vp_vbar_t v;
+  ASSERT_OK(vp_vbar_create(dev, 3 * ps, &v));
+  unsigned char *buf = malloc(4 * ps); /* A, B, C, then B's new bytes */
+  ASSERT_TRUE(buf != NULL);
+  for (uint64_t i = 0; i < 4 * ps; i++) buf[i] = (unsigned char)(i * 13 + 1);
+  uint64_t off[3] = {0, 2 * ps, ps}, size[3] = {ps, ps, ps};
+  vp_source_t src[3];
+  vp_weight_t w[3];
+  for (int i = 0; i < 3; i++)
+    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
+  ASSERT_OK(vp_weights_create(v, 3, off, size, src, w));
+  uint64_t p = 0;
+  uint8_t f = 0;
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(vp_acquire(dev, &w[i], 1, 0, &p, &f));
+    ASSERT_OK(vp_release(dev, &w[i], 1, 0));
+  }
+  ASSERT_EQ_U64(dstats(dev).weight_fills, 3);
+  vp_source_t nb = {.kind = VP_SOURCE_HOST, .host = buf + 3 * ps};
+  ASSERT_OK(vp_weight_set_source(w[1], &nb));
+  for (int i = 0; i < 3; i++) {
+    test_note("weight %d", i);
+    ASSERT_OK(vp_acquire(dev, &w[i], 1, 0, &p, &f));
+    ASSERT_EQ_INT(f & VP_ACQUIRED_RESIDENT, VP_ACQUIRED_RESIDENT);
+    ASSERT_EQ_INT(!!(f & VP_ACQUIRED_COPIED), i == 1); /* only B again */
+    verify_resident(dev, 0, p, i == 1 ? buf + 3 * ps : buf + i * ps, ps);
+    /* Held: its source cannot change. */
+    if (i == 1) ASSERT_RC(vp_weight_set_source(w[1], &src[1]), VP_EBUSY);
+    ASSERT_OK(vp_release(dev, &w[i], 1, 0));
+  }
+  ASSERT_EQ_U64(dstats(dev).weight_fills, 4);
+  /* Its place in the order of use stays: after A comes B (page 2). */
+  ASSERT_OK(vp_vbar_free_memory(v, 3 * ps, NULL));
+  ASSERT_OK(vp_vbar_prioritize(v));
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  ASSERT_OK(vp_acquire(dev, &w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &w[0], 1, 0));
+  ASSERT_EQ_STR(test_map(v), "#.#");
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, &p, &f));
+  verify_resident(dev, 0, p, buf + 3 * ps, ps); /* prefetched, new bytes */
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  /* Bad input. */
+  ASSERT_RC(vp_weight_set_source(w[0], NULL), VP_EINVAL);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_weight_set_source: ", 22) == 0);
+  vp_source_t bad = {.kind = VP_SOURCE_HOST, .host = NULL};
+  ASSERT_RC(vp_weight_set_source(w[0], &bad), VP_EINVAL);
+  bad = (vp_source_t){.kind = 77};
+  ASSERT_RC(vp_weight_set_source(w[0], &bad), VP_EINVAL);
+  ASSERT_OK(vp_weight_destroy(w[2]));
+  ASSERT_RC(vp_weight_set_source(w[2], &nb), VP_EHANDLE);
+  ASSERT_OK(vp_device_close(dev));
+  free(buf);
+}
+
 /* Weights that stayed resident do not count toward the lookahead: after
  * them, the first weight that needs a copy is prefetched. Weights filled
  * ahead do count. */

@@ -302,6 +302,7 @@ PROTOTYPES = {
     "vp_weights_create": (_i, [_vb, _sz, P(c_uint64), P(c_uint64),
                                P(vp_source_t), P(vp_weight_t)]),
     "vp_weight_destroy": (_i, [_w]),
+    "vp_weight_set_source": (_i, [_w, P(vp_source_t)]),
     "vp_acquire": (_i, [_dev, P(vp_weight_t), _sz, _s, P(c_uint64),
                         P(c_uint8)]),
     "vp_release": (_i, [_dev, P(vp_weight_t), _sz, _s]),

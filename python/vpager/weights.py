@@ -98,7 +98,7 @@ class Weights(Handle):
     vp_source_t, or a bytes-like object (a HOST source, held while the
     weight exists; it must hold at least sizes[i] bytes). close() destroys
     every weight still there (BusyError while one is acquired); destroy(i)
-    one of them. w[i] is a Weight (for WeightBatch); .handles is the ctypes
+    one of them; set_source(i, source) gives weight i another source. w[i] is a Weight (for WeightBatch); .handles is the ctypes
     array of vp_weight_t."""
 
     _kind = "weights"
@@ -185,6 +185,25 @@ class Weights(Handle):
             self._keep[i] = None
         if not any(self._alive):
             self._mark_closed()
+
+    def set_source(self, i, source):
+        """vp_weight_set_source() of weight i: its bytes come from
+        `source` (as in the constructor) from its next acquire on; it keeps
+        its place (BusyError while acquired)."""
+        hs = self._handle()
+        if not self._alive[i]:
+            raise closed_error("weight %d of this vpager.Weights" % i)
+        src = _as_source(source)
+        if (src.kind == _lib.VP_SOURCE_HOST and isinstance(src.host, BufferRef)
+                and src.host.size < self.sizes[i]):
+            raise _einval("vp_weight_set_source: the source holds %d bytes, "
+                          "the weight %d" % (src.host.size, self.sizes[i]))
+        c = vp_source_t()
+        src._fill(c)
+        check(C.vp_weight_set_source(hs[i], ctypes.byref(c)))
+        if not self._keep:
+            self._keep = [None] * len(self._alive)
+        self._keep[i] = src
 
     def _free(self):
         hs = self._h

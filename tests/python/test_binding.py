@@ -588,6 +588,32 @@ def test_weights_empty_source_and_errors():
         raises(vpager.HandleError, b.acquire)
 
 
+def test_weight_set_source():
+    """Weights.set_source: the next acquire fills the weight from the new
+    source (the other keeps its fill); too small a source, a held weight
+    and a destroyed one are errors."""
+    with sim() as dev:
+        vb = dev.create_vbar(4 * PAGE)
+        a, b, c = pattern(PAGE, 1), pattern(PAGE, 2), pattern(PAGE, 3)
+        ws = vb.create_weights([0, PAGE], [PAGE, PAGE], [a, b])
+        batch = ws.batch()
+        batch.acquire()
+        batch.release()
+        fills = dev.stats()["weight_fills"]
+        ws.set_source(1, c)
+        ptrs = batch.acquire()
+        assert dev.stats()["weight_fills"] == fills + 1     # only weight 1
+        out = bytearray(PAGE)
+        dev.copy_to_host(out, ptrs[1], PAGE)
+        dev.synchronize(0)
+        assert bytes(out) == bytes(c)
+        raises(vpager.BusyError, ws.set_source, 1, b)
+        batch.release()
+        raises(vpager.InvalidArgument, ws.set_source, 0, b"too small")
+        ws.destroy(0)
+        raises(vpager.Error, ws.set_source, 0, a)
+
+
 def test_weight_batch_streams():
     # WeightBatch calls C without argtypes: the stream is converted (and
     # checked) by the batch, the last one kept for the next call.

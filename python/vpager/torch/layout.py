@@ -29,9 +29,6 @@ class Layout:
         self.groups = None
         self.vbar = self.weights = self.hb = self.st = None
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
-        # entry index -> a Weights of one weight: an entry whose source
-        # set_source() changed (the rest are in self.weights)
-        self.single = {}
 
     @classmethod
     def build(cls, dev, plan):
@@ -86,8 +83,7 @@ class Layout:
 
     def weight(self, e):
         """The vpager weight of entry e."""
-        one = self.single.get(e.index)
-        return one[0] if one is not None else self.weights[e.index]
+        return self.weights[e.index]
 
     def batches(self, units=None):
         dev, weight = self.device, self.weight
@@ -95,33 +91,12 @@ class Layout:
             u.batch = WeightBatch(dev, [weight(e) for e in u.entries])
 
     def set_source(self, e, src):
-        """Entry e's weight takes its bytes from `src` from now on: the old
-        weight is destroyed (its pages with it: eviction waits for the work
-        that may still read them) and a new one made at the same offset,
-        so only e is filled anew. BusyError while e is acquired."""
-        one = self.single.pop(e.index, None)
-        if one is not None:
-            one.close()
-        else:
-            self.weights.destroy(e.index)
-        try:
-            self.single[e.index] = self.vbar.create_weights(
-                [e.offset], [e.size], [src])
-        except BaseException:
-            # Without a weight the unit cannot run: its old source back.
-            self.single[e.index] = self.vbar.create_weights(
-                [e.offset], [e.size], [e.src])
-            self.batches([u for u in self.units if e in u.entries])
-            raise
+        """Entry e's weight takes its bytes from `src` from now on
+        (vp_weight_set_source): only e is filled anew, at its next acquire,
+        and it keeps its place in the order prefetch follows. BusyError
+        while e is acquired."""
+        self.weights.set_source(e.index, src)
         e.src = src
-        e.rview = None
-        self.batches([u for u in self.units if e in u.entries])
-
-    def _close_single(self):
-        for one in self.single.values():
-            if not one.closed:
-                one.close()
-        self.single = {}
 
     def swap(self, entries, offsets, srcs, on_lost):
         """Re-create the weights: entries[i] at VBAR offset offsets[i] with
@@ -134,7 +109,6 @@ class Layout:
         old = [(e, e.offset, e.src) for e in self.entries]
         vb.free_memory(ALL)
         self.weights.close()
-        self._close_single()
         try:
             ws = vb.create_weights(offsets, [e.size for e in entries], srcs)
         except BaseException:
@@ -191,8 +165,7 @@ class Layout:
         """Close the VBAR (its weights with it), the HostBuf and the file;
         returns the errors met (each object is closed regardless)."""
         errors = []
-        for obj in list(self.single.values()) + [self.vbar, self.hb,
-                                                 self.st]:
+        for obj in (self.vbar, self.hb, self.st):
             if obj is None:
                 continue
             try:
