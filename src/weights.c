@@ -277,18 +277,27 @@ static void weight_unlist(vp__weight_t *w) {
     vb->use[j]->use_index = j;
 }
 
+/* Lock the device of weight h; VP_EBUSY (unlocked again) while it is
+ * acquired. */
+static int weight_lock_idle(vp_weight_t h, vp__device_t **dev,
+                            vp__weight_t **w) {
+  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
+                           dev, (void **)w);
+  if (rc) return rc;
+  if ((*w)->acq_resident || (*w)->acq_staged)
+    return vp__unlock(*dev, vp__err(VP_EBUSY, "the weight is acquired; "
+                                    "release it first"));
+  return VP_OK;
+}
+
 int vp_weight_set_source(vp_weight_t h, const vp_source_t *src) {
   VP__ENTER();
   if (!src) return vp__err(VP_EINVAL, "src is NULL");
   if (source_check(src, 0)) return VP_EINVAL;
   vp__device_t *dev;
   vp__weight_t *w;
-  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
-                           &dev, (void **)&w);
+  int rc = weight_lock_idle(h, &dev, &w);
   if (rc) return rc;
-  if (w->acq_resident || w->acq_staged)
-    return vp__unlock(dev, vp__err(VP_EBUSY, "the weight is acquired; release "
-                                   "it first"));
   weight_drop_bytes(dev, w);
   if (w->prefetched) { /* filled in place from the old source, unused */
     VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
@@ -307,12 +316,8 @@ int vp_weight_destroy(vp_weight_t h) {
   VP__ENTER();
   vp__device_t *dev;
   vp__weight_t *w;
-  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
-                           &dev, (void **)&w);
+  int rc = weight_lock_idle(h, &dev, &w);
   if (rc) return rc;
-  if (w->acq_resident || w->acq_staged)
-    return vp__unlock(dev, vp__err(VP_EBUSY, "the weight is acquired; release "
-                                   "it first"));
   weight_unlist(w);
   weight_free(dev, w);
   return vp__unlock(dev, VP_OK);
