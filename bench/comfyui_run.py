@@ -61,6 +61,7 @@ them). Never patches ComfyUI; writes nothing into the ComfyUI tree.
 
 import argparse
 import ctypes
+import faulthandler
 import hashlib
 import importlib.util
 import json
@@ -753,6 +754,9 @@ def _delta(after, before):
 
 
 def child_sample(a):
+    # A child that hangs leaves every thread's stack in its log before the
+    # parent kills it at --timeout.
+    faulthandler.dump_traceback_later(max(5, a.timeout - 10), exit=False)
     import logging
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -928,6 +932,7 @@ def common_args(a):
             "--double", str(a.double), "--single", str(a.single),
             "--hidden", str(a.hidden), "--reps", str(a.reps),
             "--seed", str(a.seed), "--model", a.model,
+            "--timeout", str(a.timeout),
             "--layers", str(a.layers), "--frames", str(a.frames)] \
         + (["--dry-run"] if a.dry_run else []) \
         + (["--lora"] if a.lora else []) + (["--vae"] if a.vae else []) \

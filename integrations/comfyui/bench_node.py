@@ -288,6 +288,7 @@ def main(argv=None):
         return cr.main(rest)
     if "--child" in rest:
         a = cr.parse(rest)
+        a.timeout = ours["timeout"]
         return child(cr, a) if ours["node"] else cr.main(rest)
     a = cr.parse(rest + ["--runs", "resident"])
     out = ours["out"] or (os.path.join(os.environ["OUT"], "comfyui_node")
