@@ -136,6 +136,8 @@ TEST(hostbuf_large_prefaulted, TEST_ALL_BACKENDS) {
   vp_hostbuf_info_t info = hb_info(hb);
   uint8_t *p = info.ptr;
   ASSERT_EQ_U64(info.pinned_bytes, size);
+  /* on a huge-page boundary, so transparent huge pages can back it */
+  ASSERT_EQ_U64((uintptr_t)p % (2 * MiB), 0);
   ASSERT_TRUE(all_zero(p, size));
   p[size - 1] = 7;
   ASSERT_OK(vp_hostbuf_grow(hb, max));

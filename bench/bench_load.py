@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""What a model's host copy costs at load (issue 15, the node's first step):
+pinned host memory of N GiB (default 8) made three ways, each timed from
+nothing to memory a copy engine can read at full speed:
+
+  vpager     vp_hostbuf_alloc (Device.alloc_hostbuf): a reservation on a
+             huge-page boundary with transparent huge pages asked for,
+             faulted in over a few threads, page-locked;
+  torch      torch.empty(pin_memory=True) (the CUDA caching host allocator,
+             cudaHostAlloc): the baseline;
+  register   plain memory (torch.empty), written once, then
+             cudaHostRegister'd: what page-locking costs once faulted in.
+
+Each is also timed filling it (a copy of N GiB from plain memory), and the
+kernel's transparent-huge-page settings are printed, since they decide the
+first. Prints ms per GiB and each against the baseline.
+
+    make -j16 && python3 bench/bench_load.py [--gib 8]
+    make -j2 && /usr/bin/python3 bench/bench_load.py --dry-run
+
+--dry-run: vpager's simulated device (no page-locking), 256 MiB, vpager's
+row only: checks the script runs."""
+import argparse
+import os
+import sys
+import time
+
+import benchlib
+from benchlib import GiB, MiB
+
+ROOT = benchlib.ROOT
+if os.path.join(ROOT, "python") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+
+import torch  # noqa: E402
+
+import vpager  # noqa: E402
+
+
+def thp_lines():
+    out = []
+    for name in ("enabled", "defrag"):
+        path = "/sys/kernel/mm/transparent_hugepage/" + name
+        try:
+            with open(path) as f:
+                out.append("thp %s: %s" % (name, f.read().strip()))
+        except OSError:
+            out.append("thp %s: (no %s)" % (name, path))
+    return out
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    r = fn()
+    return r, time.perf_counter() - t0
+
+
+def fill(ptr_tensor, src):
+    """Copy src into the pinned bytes; seconds."""
+    _, t = timed(lambda: ptr_tensor.copy_(src))
+    return t
+
+
+def run_vpager(dev, n, src):
+    hb, t_alloc = timed(lambda: dev.alloc_hostbuf(n))
+    try:
+        view = torch.frombuffer(hb.view(), dtype=torch.uint8)
+        t_fill = fill(view, src)
+        pinned = hb.info()["pinned_bytes"]
+    finally:
+        _, t_free = timed(hb.close)
+    return t_alloc, t_fill, t_free, pinned
+
+
+def run_torch(n, src):
+    buf, t_alloc = timed(lambda: torch.empty(n, dtype=torch.uint8,
+                                             pin_memory=True))
+    t_fill = fill(buf, src)
+    del buf
+    return t_alloc, t_fill
+
+
+def run_register(n, src):
+    cudart = torch.cuda.cudart()
+    buf = torch.empty(n, dtype=torch.uint8)
+    _, t_touch = timed(lambda: buf.fill_(0))
+    rc, t_reg = timed(lambda: cudart.cudaHostRegister(buf.data_ptr(), n, 0))
+    if int(rc) != 0:
+        return None
+    t_fill = fill(buf, src)
+    cudart.cudaHostUnregister(buf.data_ptr())
+    return t_touch, t_reg, t_fill
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args()
+    cuda = not a.dry_run and torch.cuda.is_available()
+    if not a.dry_run and not cuda:
+        print("bench_load: no CUDA GPU visible to torch; use --dry-run")
+        return 0
+    n = int(256 * MiB if a.dry_run else a.gib * GiB)
+    for ln in benchlib.machine_lines(cuda) + thp_lines():
+        print(ln)
+    print("inputs: %.2f GiB of pinned host memory, one buffer each way"
+          % (n / GiB))
+    if cuda:
+        torch.cuda.init()
+    src = torch.ones(n, dtype=torch.uint8)      # faulted in: the source
+    dev = vpager.Device("cuda" if cuda else "sim")
+    per = lambda t: t * 1e3 / (n / GiB)         # noqa: E731
+    try:
+        va, vf, vfree, pinned = run_vpager(dev, n, src)
+    finally:
+        dev.close()
+    rows = [("vpager", va, vf)]
+    if cuda:
+        ta, tf = run_torch(n, src)
+        rows.append(("torch pin_memory", ta, tf))
+        reg = run_register(n, src)
+        if reg is not None:
+            rows.append(("write + register", reg[0] + reg[1], reg[2]))
+            print("register: writing %.0f ms/GiB, cudaHostRegister %.0f "
+                  "ms/GiB" % (per(reg[0]), per(reg[1])))
+    base = rows[1][1] if len(rows) > 1 else None
+    for name, t_alloc, t_fill in rows:
+        print("%-18s alloc+pin %7.1f ms/GiB  fill %6.1f ms/GiB%s" % (
+            name, per(t_alloc), per(t_fill),
+            "  = %.2fx torch's alloc" % (t_alloc / base) if base else ""))
+    print("vpager: free %.1f ms/GiB; pinned bytes %s" % (per(vfree), pinned))
+    if a.dry_run:
+        print("(dry run: the simulated device; the figures mean nothing)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
