@@ -1325,6 +1325,42 @@ def test_shared_ring_grows_for_a_larger_unit():
         dev.close()
 
 
+def test_shared_ring_shrunk_by_a_schedule_holds_every_model():
+    """A device whose ring open_device() sized: a scheduled model may pick
+    a smaller ring (more of the budget for resident weights), but never
+    below the largest unit of any model on the device; outputs bitwise.
+    (RING_SECONDS is the GPU's floor against host jitter: off here.)"""
+    from vpager.torch import schedule, tuner
+    dev = vt.open_device("sim", budget=2560 * K,
+                         **dict(sim_opts(), sim_capacity=8192 * K))
+    saved = tuner.WATCH_EVERY, schedule.RING_SECONDS
+    tuner.WATCH_EVERY, schedule.RING_SECONDS = 0.0, 0.0
+    try:
+        x = torch.randn(4, 64)
+        big = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(),
+                            nn.Linear(1024, 64))
+        for p in big.parameters():
+            p.requires_grad_(False)
+        ref_big = frozen_copy(big)
+        h2 = vt.offload(big, dev=dev)
+        small = mlp(depth=8)
+        ref_small = frozen_copy(small)
+        h1 = vt.offload(small, dev=dev, schedule=True)
+        assert h2.staging_need > h1.staging_need
+        ring = dev.options["staging_size"]
+        for _ in range(4):
+            assert torch.equal(small(x), ref_small(x))
+            assert torch.equal(big(x), ref_big(x))
+        assert dev.options["staging_size"] < ring
+        assert dev.options["staging_size"] >= h2.staging_need
+        assert h1.schedule()["staging"] == dev.options["staging_size"]
+        h2.unload()
+        h1.unload()
+    finally:
+        tuner.WATCH_EVERY, schedule.RING_SECONDS = saved
+        dev.close()
+
+
 # ------------------------------------------------ what a new user meets
 
 def test_default_device_is_cuda_when_torch_has_it():

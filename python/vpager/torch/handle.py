@@ -13,7 +13,8 @@ import os
 import torch
 
 from ..weights import Source, WeightBatch
-from .devices import attach, devstate, DEVSTATES, leave, open_for
+from .devices import (attach, devstate, DEVSTATES, leave, open_for,
+                      SIZED_RINGS)
 from . import ledger as _ledger
 from .hotpath import HotPath
 from .layout import Layout
@@ -66,6 +67,9 @@ class Offloaded:
                 dev.close()
             raise
         self.device = dev
+        # Staging bytes the largest unit needs at once: a shared ring the
+        # tuner shrinks stays this large for this model.
+        self.staging_need = plan.largest[1] if plan.largest else 0
         self.vbar = lay.vbar
         self.order = "tail" if lay.groups is None else "interleaved"
         self._layout = lay
@@ -80,7 +84,8 @@ class Offloaded:
                 self, lay, self._ds, self.target,
                 windows=(s.lookahead is None and "lookahead" not in s.options
                          and "VPAGER_LOOKAHEAD" not in env),
-                resize=(owned and "staging_size" not in s.options
+                resize=((owned or dev in SIZED_RINGS)
+                        and "staging_size" not in s.options
                         and "VPAGER_STAGING" not in env))
             self._hot.tuner = self._tuner
         self._install(plan.settings.reorder)

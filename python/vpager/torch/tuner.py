@@ -13,7 +13,7 @@ figure, so its decisions depend only on the measured compute.
 
 Right after that forward (after the re-placement in execution order,
 replace.py), schedule.plan() picks the resident set, the staging ring
-(among the sizes the largest unit allows, when offload() sized the ring)
+(among the sizes the largest unit allows, when vpager.torch sized it)
 and each unit's prefetch window; the weights are placed again, the
 resident ones together at the start (placement.place_resident_first),
 the VBAR gets the matching eviction order (vp_vbar_set_ranks: resident
@@ -31,6 +31,7 @@ import warnings
 
 import torch
 
+from ..errors import BusyError
 from ..weights import WeightBatch
 from . import schedule
 from .devices import ring_pages
@@ -287,23 +288,27 @@ class Tuner:
         return units, [work.get(u, 0.0) for u in units], sizes, flat
 
     def _rings(self, dev, need):
-        """Ring sizes to try: the current one and, when offload() sized
-        it, smaller ones the largest unit still fits in (under pressure
-        any unit may miss whole)."""
+        """Ring sizes to try: the current one and, when vpager.torch sized
+        it (offload(), or open_device() without staging_size), smaller
+        ones the largest unit of every model on the device still fits in
+        (under pressure any unit may miss whole)."""
         cur = dev.options["staging_size"]
         if not self.resize:
             return [cur]
+        for h in list(self.ds.users):
+            need = max(need, getattr(h, "staging_need", 0))
         return schedule.ring_sizes(need, cur, self.link)
 
-    def plan(self, work, sizes, need):
-        """(Schedule, ring bytes) with the best predicted time."""
+    def plan(self, work, sizes, need, rings=None):
+        """(Schedule, ring bytes) with the best predicted time, among
+        `rings` (default: _rings())."""
         dev = self.layout.device
         page = dev.page_size
         total = dev.info()["budget"]
         self.planned_for = total
         best = None
         link = self.link
-        for ring in self._rings(dev, need):
+        for ring in rings or self._rings(dev, need):
             room = total - ring_pages(ring, page) - 2 * page
             sch = schedule.plan(work, sizes, room, page, link, ring,
                                 PER_COPY, self.layout.align, MARGIN)
@@ -354,12 +359,18 @@ class Tuner:
                 self._windows(units, sizes, sch, self.ring)
                 self._log(sch, self.ring, units, w)
                 return
+        cur = dev.options["staging_size"]
+        if ring != cur:
+            try:
+                dev.set_staging_size(ring)
+            except BusyError:       # a model sharing the ring holds some
+                sch, ring = self.plan(w, sizes, need, [cur])
         offsets, end = place_resident_first(flat, lay.align, dev.page_size,
                                             sch.resident)
         if end > lay.vbar.size:
+            if ring != cur:
+                dev.set_staging_size(cur)
             return                  # no room to place it: keep the layout
-        if ring != dev.options["staging_size"]:
-            dev.set_staging_size(ring)
         self.ring = ring
         h._swap(flat, offsets, [e.src for e in flat])
         lay.groups = None
