@@ -15,6 +15,13 @@ Each is also timed filling it (a copy of N GiB from plain memory), and the
 kernel's transparent-huge-page settings are printed, since they decide the
 first. Prints ms per GiB and each against the baseline.
 
+Then how vpager.torch fills its host copy, into one vpager buffer: from
+plain memory (64 MiB tensors, as a model's weights) by
+vpager.torch.sources.copy_all against one torch copy_ of the whole; and
+from a file's mapping (ComfyUI's safetensors loader maps the checkpoint:
+every source page faults in on first touch) by copy_all against pread of
+the file into the buffer (no faults on the source side).
+
     make -j16 && python3 bench/bench_load.py [--gib 8]
     make -j2 && /usr/bin/python3 bench/bench_load.py --dry-run
 
@@ -92,6 +99,49 @@ def run_register(n, src):
     return t_touch, t_reg, t_fill
 
 
+def fill_rows(dev, n, cuda):
+    """(name, seconds) of the fill strategies, into one vpager buffer."""
+    from vpager.torch.sources import copy_all, read_all
+    hb = dev.alloc_hostbuf(n)
+    rows = []
+    try:
+        dst = torch.frombuffer(hb.view(), dtype=torch.uint8)
+        piece = 64 * MiB
+        srcs = [torch.ones(piece, dtype=torch.uint8)
+                for _ in range(n // piece)]
+        pairs = [(dst[i * piece:(i + 1) * piece], x)
+                 for i, x in enumerate(srcs)]
+        _, t = timed(lambda: copy_all(pairs))
+        rows.append(("plain memory, copy_all", t))
+        whole = torch.cat(srcs)
+        del srcs, pairs
+        _, t = timed(lambda: dst[:whole.numel()].copy_(whole))
+        rows.append(("plain memory, one copy_", t))
+        del whole
+        import tempfile
+        with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR")) as f:
+            block = bytes(range(256)) * (4 * MiB // 256)
+            for _ in range(n // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+            m = n // len(block) * len(block)
+            mapped = torch.from_file(f.name, shared=False, size=m,
+                                     dtype=torch.uint8)
+            pairs = [(dst[o:o + piece], mapped[o:o + piece])
+                     for o in range(0, m, piece)]
+            _, t = timed(lambda: copy_all(pairs))
+            rows.append(("file mapping, copy_all", t))
+            del pairs, mapped
+            jobs = [(f.fileno(), o, hb.ptr + o, min(piece, m - o))
+                    for o in range(0, m, piece)]
+            _, t = timed(lambda: read_all(jobs))
+            rows.append(("file, read_all (pread)", t))
+    finally:
+        hb.close()
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=8.0)
@@ -130,6 +180,15 @@ def main():
             name, per(t_alloc), per(t_fill),
             "  = %.2fx torch's alloc" % (t_alloc / base) if base else ""))
     print("vpager: free %.1f ms/GiB; pinned bytes %s" % (per(vfree), pinned))
+    dev = vpager.Device("cuda" if cuda else "sim")
+    try:
+        fills = fill_rows(dev, n, cuda)
+    finally:
+        dev.close()
+    base = fills[1][1]
+    for name, t in fills:
+        print("fill from %-26s %6.1f ms/GiB = %.2fx one copy_" % (
+            name, per(t), t / base))
     if a.dry_run:
         print("(dry run: the simulated device; the figures mean nothing)")
     return 0
