@@ -189,11 +189,10 @@ static int hb_lock(vp_hostbuf_t h, hostbuf_t **out) {
                          "host buffer", &dev, (void **)out);
 }
 
-/* Room for `more` chunks (device lock held). */
-static int chunk_room_for(vp__device_t *dev, hostbuf_t *hb, uint32_t more) {
-  if (hb->cap - hb->nchunks >= more) return VP_OK;
+/* Room for one more chunk (device lock held). */
+static int chunk_room(vp__device_t *dev, hostbuf_t *hb) {
+  if (hb->nchunks < hb->cap) return VP_OK;
   uint32_t cap = hb->cap ? hb->cap * 2 : 4;
-  while (cap - hb->nchunks < more) cap *= 2;
   hb_chunk_t *grown = NULL;
   if (vp__inject_fail(&dev->inject) ||
       !(grown = realloc(hb->chunks, cap * sizeof *grown)))
@@ -201,11 +200,6 @@ static int chunk_room_for(vp__device_t *dev, hostbuf_t *hb, uint32_t more) {
   hb->chunks = grown;
   hb->cap = cap;
   return VP_OK;
-}
-
-/* Room for one more chunk (device lock held). */
-static int chunk_room(vp__device_t *dev, hostbuf_t *hb) {
-  return chunk_room_for(dev, hb, 1);
 }
 
 /* A new, empty host buffer in the table, busy until its memory is pinned
@@ -300,93 +294,66 @@ static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size) {
   return VP_OK;
 }
 
-/* ------------------------------------ faulting in and pinning, in pieces */
+/* ---------------------------------------------- faulting pages in first */
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
-#define PIECE_MIN ((uint64_t)256 << 20) /* per thread, at least */
-#define PIN_THREADS 8
-
-/* Fault in a range of our own zeroed memory (it is registered next:
- * registering untouched memory faults it in far slower, ~550 ms/GiB in a
- * VM, FACTS.md). Never for the caller's memory (the fallback writes). */
-static void prefault(uint8_t *p, uint64_t len) {
-  if (madvise(p, len, MADV_POPULATE_WRITE) == 0) return;
-  long pg = sysconf(_SC_PAGESIZE); /* older kernels: a write per page */
-  for (uint64_t o = 0; o < len; o += (uint64_t)pg)
-    ((volatile uint8_t *)p)[o] = 0;
-}
+#define PREFAULT_MIN ((uint64_t)256 << 20) /* per thread, at least */
+#define PREFAULT_THREADS 8
 
 typedef struct {
-  vp__device_t *dev;
-  hb_chunk_t c;
-  bool ours;
-  int rc;
-} pin_job_t;
+  uint8_t *p;
+  uint64_t len;
+} span_t;
 
-static void *pin_one(void *arg) {
-  pin_job_t *j = arg;
-  if (j->ours) prefault(j->c.ptr, j->c.size);
-  j->rc = vp__be_host_register(j->dev, j->c.ptr, j->c.size);
+static void *prefault_span(void *arg) {
+  span_t *s = arg;
+  if (madvise(s->p, s->len, MADV_POPULATE_WRITE) == 0) return NULL;
+  long pg = sysconf(_SC_PAGESIZE); /* older kernels: a write per page */
+  for (uint64_t o = 0; o < s->len; o += (uint64_t)pg)
+    ((volatile uint8_t *)s->p)[o] = 0;
   return NULL;
 }
 
-/* Split chunk i of our own memory, the last one, into up to PIN_THREADS
- * chunks of PIECE_MIN or more that end on huge-page boundaries, so each
- * faults in and registers on a thread of its own (device lock held). */
-static void split_chunk(hostbuf_t *hb, uint32_t i) {
-  hb_chunk_t c = hb->chunks[i];
+/* Fault in [p, p+len) of our own zeroed memory over a few threads before
+ * it is registered: registering untouched memory faults it in on one
+ * thread (~550 ms/GiB in a VM, FACTS.md), touched memory registers at
+ * ~41 ms/GiB. Never for the caller's memory (the fallback writes). */
+static void prefault(uint8_t *p, uint64_t len) {
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  uint64_t n = c.size / PIECE_MIN;
-  if (n > PIN_THREADS) n = PIN_THREADS;
+  uint64_t n = len / PREFAULT_MIN;
+  if (n > PREFAULT_THREADS) n = PREFAULT_THREADS;
   if (cpus > 0 && n > (uint64_t)cpus) n = (uint64_t)cpus;
-  uint64_t step = (c.size / (n ? n : 1) + HUGE_ALIGN - 1) & ~(HUGE_ALIGN - 1);
-  uint8_t *end = c.ptr + c.size, *at = c.ptr;
-  hb->nchunks = i;
-  while (at < end && hb->nchunks < hb->cap) {
-    uintptr_t cut = ((uintptr_t)at + step) & ~(uintptr_t)(HUGE_ALIGN - 1);
-    uint8_t *to = (uint8_t *)cut;
-    if (to <= at || to > end || hb->nchunks + 1 == hb->cap ||
-        hb->nchunks + 1 - i == PIN_THREADS ||
-        (uint64_t)(end - to) < PIECE_MIN / 2)
-      to = end; /* the last piece takes a short tail */
-    hb->chunks[hb->nchunks++] = (hb_chunk_t){at, (uint64_t)(to - at), false};
-    at = to;
+  if (n < 2) return; /* the registration does it as fast */
+  span_t s[PREFAULT_THREADS];
+  pthread_t t[PREFAULT_THREADS];
+  bool started[PREFAULT_THREADS] = {false};
+  uint64_t step = (len / n + 4095) & ~(uint64_t)4095;
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t at = i * step, end = at + step < len ? at + step : len;
+    s[i] = (span_t){p + at, end > at ? end - at : 0};
+    started[i] = i > 0 && s[i].len &&
+                 pthread_create(&t[i], NULL, prefault_span, &s[i]) == 0;
   }
+  for (uint64_t i = 0; i < n; i++) /* this thread: the first and any */
+    if (!started[i] && s[i].len) prefault_span(&s[i]); /* not started */
+  for (uint64_t i = 0; i < n; i++)
+    if (started[i]) pthread_join(t[i], NULL);
 }
 
-/* Pin chunk `first` (split into pieces pinned in parallel when it is our
- * own large memory: `ours`), dropping the device lock around the faulting
- * in and registration. hb is busy, so no other call frees it or moves its
- * chunk array meanwhile. */
-static void pin_chunks(vp__device_t *dev, hostbuf_t *hb, uint32_t first,
-                       bool ours) {
-  if (ours && hb->chunks[first].size >= 2 * PIECE_MIN) {
-    (void)chunk_room_for(dev, hb, PIN_THREADS - 1); /* else fewer pieces */
-    split_chunk(hb, first);
-  }
-  uint32_t n = hb->nchunks - first;
-  pin_job_t jobs[PIN_THREADS];
-  pthread_t t[PIN_THREADS];
-  bool started[PIN_THREADS] = {false}, reserved[PIN_THREADS] = {false};
-  for (uint32_t k = 0; k < n; k++) {
-    jobs[k] = (pin_job_t){dev, hb->chunks[first + k], ours, VP_EINVAL};
-    reserved[k] = pin_reserve(dev, jobs[k].c.size);
-  }
+/* Pin chunk i, dropping the device lock around the registration (and the
+ * faulting in, for our own memory: `ours`). hb is busy, so no other call
+ * frees it or moves its chunk array meanwhile. */
+static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i,
+                      bool ours) {
+  hb_chunk_t c = hb->chunks[i];
+  if (!pin_reserve(dev, c.size)) return;
   pthread_mutex_unlock(&dev->lock);
-  for (uint32_t k = 1; k < n; k++) /* this thread takes the first */
-    started[k] = reserved[k] &&
-                 pthread_create(&t[k], NULL, pin_one, &jobs[k]) == 0;
-  for (uint32_t k = 0; k < n; k++)
-    if (reserved[k] && !started[k]) pin_one(&jobs[k]);
-  for (uint32_t k = 0; k < n; k++)
-    if (started[k]) pthread_join(t[k], NULL);
+  if (ours) prefault(c.ptr, c.size);
+  int rc = vp__be_host_register(dev, c.ptr, c.size);
   pthread_mutex_lock(&dev->lock);
-  for (uint32_t k = 0; k < n; k++)
-    if (reserved[k])
-      hb->chunks[first + k].pinned =
-          pin_finish(dev, jobs[k].c.size, jobs[k].rc);
+  hb->chunks[i].pinned = pin_finish(dev, c.size, rc);
 }
 
 /* Bytes of [0, size) inside pinned chunks. */
@@ -486,7 +453,7 @@ int vp_hostbuf_alloc(vp_device_t h, uint64_t size, uint64_t max_size,
     return vp__unlock(dev, rc);
   }
   hb->size = size;
-  pin_chunks(dev, hb, 0, true);
+  pin_chunk(dev, hb, 0, true);
   hb->busy = false;
   out->id = hb->id;
   return vp__unlock(dev, VP_OK);
@@ -511,7 +478,7 @@ int vp_hostbuf_register(vp_device_t h, void *ptr, uint64_t size,
   hb->ptr = ptr;
   hb->size = hb->max_size = hb->committed = size;
   hb->chunks[hb->nchunks++] = (hb_chunk_t){ptr, size, false};
-  pin_chunks(dev, hb, 0, false);
+  pin_chunk(dev, hb, 0, false);
   hb->busy = false;
   out->id = hb->id;
   return vp__unlock(dev, VP_OK);
@@ -556,7 +523,7 @@ int vp_hostbuf_grow(vp_hostbuf_t h, uint64_t size) {
   hb->size = size;
   if (hb->nchunks > old_chunks) {
     hb->busy = true;
-    pin_chunks(dev, hb, old_chunks, true);
+    pin_chunk(dev, hb, old_chunks, true);
     hb->busy = false;
   }
   return vp__unlock(dev, VP_OK);
