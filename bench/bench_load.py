@@ -19,8 +19,7 @@ Then how vpager.torch fills its host copy, into one vpager buffer: from
 plain memory (64 MiB tensors, as a model's weights) by
 vpager.torch.sources.copy_all against one torch copy_ of the whole; and
 from a file's mapping (ComfyUI's safetensors loader maps the checkpoint:
-every source page faults in on first touch) by copy_all against pread of
-the file into the buffer (no faults on the source side).
+every source page faults in on first touch) by copy_all.
 
     make -j16 && python3 bench/bench_load.py [--gib 8]
     make -j2 && /usr/bin/python3 bench/bench_load.py --dry-run
@@ -101,7 +100,7 @@ def run_register(n, src):
 
 def fill_rows(dev, n, cuda):
     """(name, seconds) of the fill strategies, into one vpager buffer."""
-    from vpager.torch.sources import copy_all, read_all
+    from vpager.torch.sources import copy_all
     hb = dev.alloc_hostbuf(n)
     rows = []
     try:
@@ -133,10 +132,6 @@ def fill_rows(dev, n, cuda):
             _, t = timed(lambda: copy_all(pairs))
             rows.append(("file mapping, copy_all", t))
             del pairs, mapped
-            jobs = [(f.fileno(), o, hb.ptr + o, min(piece, m - o))
-                    for o in range(0, m, piece)]
-            _, t = timed(lambda: read_all(jobs))
-            rows.append(("file, read_all (pread)", t))
     finally:
         hb.close()
     return rows

@@ -5,6 +5,7 @@ placeholders that stand in for meta tensors whose bytes come from a file."""
 
 import concurrent.futures
 import ctypes
+import mmap
 import os
 import time
 
@@ -65,42 +66,32 @@ def copy_all(pairs):
         list(pool.map(one, jobs))
 
 
-def read_all(jobs):
-    """Read each (fd, file offset, host address, size) of jobs from its
-    file into memory, over a few threads in COPY_CHUNK pieces (os.preadv
-    releases the GIL): a mapped file's pages are not faulted in one by
-    one as copying from the mapping does. OSError on a short file."""
-    pieces = [(fd, off + i, addr + i, min(COPY_CHUNK, size - i))
-              for fd, off, addr, size in jobs
-              for i in range(0, size, COPY_CHUNK)]
-
-    def one(job):
-        fd, off, addr, size = job
-        done = 0
-        while done < size:
-            buf = (ctypes.c_char * (size - done)).from_address(addr + done)
-            n = os.preadv(fd, [buf], off + done)
-            if n <= 0:
-                raise OSError("vpager.torch: the file of fd %d ends before "
-                              "byte %d" % (fd, off + size))
-            done += n
-    threads = min(COPY_THREADS, len(pieces), os.cpu_count() or 1)
-    if threads <= 1:
-        for job in pieces:
-            one(job)
-        return
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, pieces))
+HUGE_PAGE = 2 << 20         # a transparent huge page (x86-64, arm64)
 
 
-def _fill_host(hb, total, entries, hosted, offsets, slots, st, plan, moved):
-    """Copy the hosted entries' bytes into the HostBuf (from the file, or
-    from their tensors: copy_all, a batch of up to 1 GiB at a time) and
-    fill their slots; CPU tensors are pointed at their host copy after
-    each batch (appended to `moved`)."""
+def host_memory(total):
+    """Plain memory for a host copy of `total` bytes, page-locked once it
+    is filled (HostBuf.register): an anonymous private mapping of whole
+    huge pages, transparent huge pages asked for. The copy threads fault
+    it in as they fill it and registering touched memory is cheap; making
+    it page-locked first costs about twice as much (bench/bench_load.py).
+    A uint8 tensor over the mapping, which it keeps alive."""
+    n = (max(total, 1) + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):   # no THP here: 4 KiB pages
+        pass
+    return torch.frombuffer(buf, dtype=torch.uint8)[:total], buf
+
+
+def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved):
+    """Copy the hosted entries' bytes into `host` (a uint8 CPU tensor; from
+    the file, or from their tensors: copy_all, a batch of up to 1 GiB at a
+    time) and fill their slots; CPU tensors are pointed at their host copy
+    after each batch (appended to `moved`)."""
     base = st.mmap()[0] if st is not None else 0
-    host = torch.frombuffer((ctypes.c_uint8 * total).from_address(hb.ptr),
-                            dtype=torch.uint8)
+    ptr = host.data_ptr()
     batch, size = [], 0
 
     def flush():
@@ -125,7 +116,7 @@ def _fill_host(hb, total, entries, hosted, offsets, slots, st, plan, moved):
             if size >= _COPY_BATCH:
                 flush()
                 size = 0
-        slots[i] = (h, None, Source.from_host(hb.ptr + off))
+        slots[i] = (h, None, Source.from_host(ptr + off))
     if batch:
         flush()
 
@@ -142,28 +133,28 @@ def sources(dev, entries, align, st=None, plan=None, custom=None, times=None):
     host copy; buffers, which training mode updates in place, get a
     HostBuf slot filled from the file. custom: per entry a Source of the
     caller's, or None (offload(sources=)): such entries get no host copy.
-    times (a dict, or None): gets host_alloc_s (allocating and pinning the
-    HostBuf) and host_fill_s (copying the bytes in)."""
+    times (a dict, or None): gets host_fill_s (mapping the memory and
+    copying the bytes in) and host_alloc_s (page-locking it)."""
     slots, hosted = _file_slots(entries, st, plan, custom)
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
     t0 = time.perf_counter()
-    hb = dev.alloc_hostbuf(total)
-    t1 = time.perf_counter()
+    host, buf = host_memory(total)
     moved = []
     try:
         with torch.no_grad(), torch.inference_mode(False):
-            _fill_host(hb, total, entries, hosted, offsets, slots, st, plan,
+            _fill_host(host, entries, hosted, offsets, slots, st, plan,
                        moved)
+        t1 = time.perf_counter()
+        hb = dev.register_hostbuf(buf, total)
         if times is not None:
-            times["host_alloc_s"] = t1 - t0
-            times["host_fill_s"] = time.perf_counter() - t1
+            times["host_fill_s"] = t1 - t0
+            times["host_alloc_s"] = time.perf_counter() - t1
     except BaseException:
         with torch.no_grad(), torch.inference_mode(False):
             for e in moved:
                 e.tensor.data = e.tensor.data.clone()
-        hb.close()
         raise
     return hb, slots
 
