@@ -11,6 +11,7 @@ imports nothing of ComfyUI itself."""
 
 import logging
 import os
+import time
 import weakref
 
 import torch
@@ -355,8 +356,53 @@ def make_class(comfy, base):
                 # vpager.torch.ledger's finalizer closes the VBAR.
             return pager, plan
 
+        def _vp_placed(self, plan):
+            """The tensors a load puts in place ComfyUI's way: the forced
+            weights and the buffers, in order (None for a missing one)."""
+            return [m._parameters.get(k) for _key, m, k in plan.forced] + \
+                [b for _k, b in self.model.named_buffers(recurse=True)]
+
+        @staticmethod
+        def _vp_refs(tensors):
+            """Weak references (a replaced tensor is not kept alive)."""
+            return [weakref.ref(t) if t is not None else None
+                    for t in tensors]
+
+        def _vp_as_before(self, device_to):
+            """True when the model's last load was by this patch set onto
+            device_to, with this pager, its managed parameters are vpager's
+            and every tensor that load put in place ComfyUI's way is still
+            there (a detach or a clone with other patches since: False). Then nothing needs loading again:
+            ComfyUI loads the model before every prompt."""
+            last = getattr(self.model, "_vp_last_load", None)
+            pager = self._vp()
+            if last is None or pager is None or last[0] is not pager or \
+                    last[1] != self.patches_uuid or last[2] != device_to or \
+                    self.model.current_weight_patches_uuid != \
+                    self.patches_uuid:
+                return False
+            if any(e.module._parameters.get(e.pname) is not e.param
+                   for e in pager.entries):
+                return False        # replaced behind vpager's back
+            now = self._vp_placed(self._vp_plan())
+            return len(now) == len(last[3]) and all(
+                (t is None and r is None) or (r is not None and r() is t)
+                for t, r in zip(now, last[3]))
+
         def _vp_load(self, device_to):
             assert device_to == self.load_device
+            t0 = time.perf_counter()
+            if self._vp_as_before(device_to):
+                pager = self._vp()
+                pager.finish_recording()
+                pager.prioritize(force=True)
+                pager.learn(force=True)
+                self._vp_refilled = 0
+                log.info("vpager: %s on vpager as loaded before (%.1f ms)",
+                         type(self.model).__name__,
+                         (time.perf_counter() - t0) * 1e3)
+                self._vp_loaded_callbacks(device_to)
+                return
             self.restore_loaded_backups()
             self.unpatch_hooks()
             pager, plan = self._vp_pager(device_to)
@@ -399,11 +445,17 @@ def make_class(comfy, base):
             self.model.device = device_to
             self.model.current_weight_patches_uuid = self.patches_uuid
             self._vp_refilled = refilled
+            self.model._vp_last_load = (pager, self.patches_uuid, device_to,
+                                        self._vp_refs(self._vp_placed(plan)))
             log.info("vpager: %s on vpager: %d weights (%d MB) in %d units, "
-                     "%d patched (%d refilled), %d loaded ComfyUI's way",
-                     type(self.model).__name__, len(pager.entries),
-                     pager.weight_bytes >> 20, len(pager.units),
-                     len(pager.patched_keys()), refilled, len(plan.forced))
+                     "%d patched (%d refilled), %d loaded ComfyUI's way "
+                     "(%.1f ms)", type(self.model).__name__,
+                     len(pager.entries), pager.weight_bytes >> 20,
+                     len(pager.units), len(pager.patched_keys()), refilled,
+                     len(plan.forced), (time.perf_counter() - t0) * 1e3)
+            self._vp_loaded_callbacks(device_to)
+
+        def _vp_loaded_callbacks(self, device_to):
             for callback in self.get_all_callbacks(
                     comfy.model_patcher.CallbacksMP.ON_LOAD):
                 callback(self, device_to, 0, False, False)

@@ -584,6 +584,44 @@ def test_patches_identity_and_refill():
                            base.diffusion_model.blocks[1].up.weight)
 
 
+def test_load_again_as_before():
+    """ComfyUI loads the model before every prompt: a load by the same
+    patch set with nothing moved since puts nothing in place again (no
+    ComfyUI's-way weight copied anew); a detach (backups restored) or a
+    clone with other patches loads in full. Outputs bitwise each time."""
+    with env() as e:
+        m = DiT()
+        base = frozen(m)
+        want = run(base)
+        p = e.patcher(m)
+        calls = []
+        orig = p.patch_weight_to_device
+
+        def counted(*a, **k):
+            calls.append(a[0] if a else k.get("key"))
+            return orig(*a, **k)
+        p.patch_weight_to_device = counted
+        p.partially_load(CPU)
+        assert calls and torch.equal(run(m), want)
+        n = len(calls)
+        p.partially_load(CPU)
+        assert len(calls) == n and p._vp_refilled == 0
+        assert torch.equal(run(m), want)
+        p.restore_loaded_backups()          # what a detach does first
+        p.partially_load(CPU)
+        assert len(calls) == 2 * n
+        assert torch.equal(run(m), want)
+        key = "diffusion_model.blocks.1.up.weight"
+        d = torch.randn(256, 64) * 0.01
+        q = p.clone()
+        q.add_patches({key: ("diff", (d,))})
+        q.partially_load(CPU)
+        assert q._vp_refilled == 1
+        ref = frozen(base)
+        ref.diffusion_model.blocks[1].up.weight.data += d
+        assert torch.equal(run(m), run(ref))
+
+
 def test_tied_weight():
     """A parameter two ops share (tied embeddings): one vpager weight, in
     both ops' units."""
