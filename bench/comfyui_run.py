@@ -806,8 +806,19 @@ def child_sample(a):
     reps = []
     prev = None
     before = memory(patcher, torch)
+    # The first forward's start of each prompt: its first step less what
+    # sample() does before it (conditioning, noise, loading the models).
+    starts = []
+
+    def first_forward(_module, _args):
+        if not starts:
+            torch.cuda.synchronize()
+            starts.append(time.perf_counter())
+    hook = patcher.model.diffusion_model.register_forward_pre_hook(
+        first_forward)
     for rep, (label, p) in enumerate(prompts(a, patcher, comfy, res)):
         marks = []
+        starts.clear()
 
         def cb(step, x0, x, total_steps):
             torch.cuda.synchronize()
@@ -826,6 +837,8 @@ def child_sample(a):
              "steps_ms": [(pts[i + 1] - pts[i]) * 1e3
                           for i in range(len(pts) - 1)],
              "sample_s": t1 - t0,
+             "first_forward_ms": ((marks[0] - starts[0]) * 1e3
+                                  if marks and starts else None),
              "torch_peak_reserved": torch.cuda.max_memory_reserved()}
         r.update(memory(p, torch))
         if a.lora:
@@ -860,6 +873,7 @@ def child_sample(a):
         before = r["after_node"]
         reps.append(r)
         del out
+    hook.remove()
     res["reps"] = reps
     say(TAG + json.dumps(res))
 
