@@ -420,9 +420,10 @@ def make_class(comfy, base):
                 key = e.key
                 pager.set_patched(
                     key, list(patches) if patches else None,
+                    # the patched weight where ComfyUI computed it: the
+                    # new source is copied straight from there
                     lambda key=key: self.patch_weight_to_device(
-                        key, device_to=device_to,
-                        return_weight=True).to("cpu"))
+                        key, device_to=device_to, return_weight=True))
                 refilled += 1
             # The rest ComfyUI's way: straight to the device.
             for key, m, k in plan.forced:

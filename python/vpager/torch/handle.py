@@ -20,9 +20,9 @@ from .hotpath import HotPath
 from .layout import Layout
 from .replace import Recorder
 from . import tuner as _tuner
-from .sources import host_copy, outside
+from .sources import host_copy, host_memory, outside
 from .units import CLOSED, OPEN, UNLOADED, Unit, refuse_copy, unmanaged
-from .views import placeholder, view
+from .views import placeholder
 
 
 def _open_device(plan, dev):
@@ -313,13 +313,14 @@ class Offloaded:
                              "the weight is %s %s"
                              % (name, tensor.dtype, tuple(tensor.shape),
                                 e.dtype, e.shape))
-        n = max(e.size, 1)
-        hb = self.device.alloc_hostbuf(n)
+        # Filled, then page-locked (as offload()'s host copy): a weight
+        # patched on the GPU is copied straight in.
+        host, buf = host_memory(e.size)
+        with torch.no_grad(), torch.inference_mode(False):
+            if e.size:
+                host.view(e.dtype).view(e.shape).copy_(tensor.detach())
+        hb = self.device.register_hostbuf(buf, max(e.size, 1))
         try:
-            with torch.no_grad(), torch.inference_mode(False):
-                if e.size:
-                    view(hb.ptr, e.dtype, e.shape, "cpu").copy_(
-                        tensor.detach())
             own = e.own if e.own is not None else e.src
             self._layout.set_source(e, Source.from_host(hb.ptr))
         except BaseException:
