@@ -374,7 +374,10 @@ typedef struct vp_hostbuf_info {
 } vp_hostbuf_info_t;
 
 /* Allocate `size` bytes (zeroed) with room to grow to `max_size` (address
- * space is reserved now, memory committed as it grows). */
+ * space is reserved now, memory committed as it grows). A buffer of 2 MiB
+ * or more starts on a 2 MiB boundary and asks for transparent huge pages.
+ * Memory you fill anyway is cheaper to fill first and page-lock after
+ * (vp_hostbuf_register): see bench/bench_load.py. */
 VP_API int vp_hostbuf_alloc(vp_device_t dev, uint64_t size, uint64_t max_size,
                             vp_hostbuf_t *out);
 /* Page-lock existing memory [ptr, ptr+size) (it stays the caller's; free
