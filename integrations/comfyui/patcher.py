@@ -372,8 +372,9 @@ def make_class(comfy, base):
             """True when the model's last load was by this patch set onto
             device_to, with this pager, its managed parameters are vpager's
             and every tensor that load put in place ComfyUI's way is still
-            there (a detach or a clone with other patches since: False). Then nothing needs loading again:
-            ComfyUI loads the model before every prompt."""
+            there (a detach or a clone with other patches since: False).
+            Then nothing needs loading again (ComfyUI loads the model
+            before every prompt)."""
             last = getattr(self.model, "_vp_last_load", None)
             pager = self._vp()
             if last is None or pager is None or last[0] is not pager or \
