@@ -409,6 +409,29 @@ def test_schedule_made_again_when_the_budget_moves():
     h.unload()
 
 
+def test_host_memory_pages():
+    """A host copy (sources.host_memory) of a huge page or more is whole
+    huge pages, page-locked whole after its fill; a smaller one (a
+    patched bias, set_source) small pages: a huge page would be faulted
+    in whole for a few bytes."""
+    import mmap
+    from vpager.torch.sources import HUGE_PAGE, host_memory
+    for total in (1, 6000, HUGE_PAGE, 3 * HUGE_PAGE + 5):
+        host, buf = host_memory(total)
+        assert host.numel() == total and host.dtype == torch.uint8
+        unit = HUGE_PAGE if total >= HUGE_PAGE else mmap.PAGESIZE
+        assert len(buf) % unit == 0 and len(buf) - total < unit, (total,
+                                                                  len(buf))
+        host.fill_(7)
+        dev = vpager.Device("sim")
+        try:
+            hb = dev.register_hostbuf(buf, total)
+            assert hb.info()["pinned_bytes"] == total
+            hb.close()
+        finally:
+            dev.close()
+
+
 def test_second_measured_forward_keeps_only_a_schedule_that_fits():
     """The budget falls between the two measured forwards (torch's
     activations learned, as under ComfyUI): the second keeps the first

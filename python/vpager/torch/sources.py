@@ -75,13 +75,18 @@ def host_memory(total):
     huge pages, transparent huge pages asked for. The copy threads fault
     it in as they fill it and registering touched memory is cheap; making
     it page-locked first costs about twice as much (bench/bench_load.py).
-    A uint8 tensor over the mapping, which it keeps alive."""
-    n = (max(total, 1) + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    Less than a huge page (a patched bias) gets small pages: a huge page
+    would be faulted in whole. (a uint8 tensor over the mapping, which it
+    keeps alive; the mapping)."""
+    huge = total >= HUGE_PAGE
+    unit = HUGE_PAGE if huge else mmap.PAGESIZE
+    n = (max(total, 1) + unit - 1) // unit * unit
     buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):   # no THP here: 4 KiB pages
-        pass
+    if huge:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):   # no THP here: small pages
+            pass
     return torch.frombuffer(buf, dtype=torch.uint8)[:total], buf
 
 
