@@ -42,13 +42,33 @@ def test_ring_sizes_keep_link_time():
     # the host's jitter; the floor is 2 ms of link (100 MB at 50 GB/s)
     rings = S.ring_sizes(2 << 20, 384 << 20, LINK)
     assert rings == [384 << 20, int(S.RING_SECONDS * LINK)]
-    # big units: the floor is below need and changes nothing
+    # big units: the floor is below need and changes nothing; each of
+    # 1-3 x need comes also with the room first-fit slots leave, in pages
     need = 200 * MB
-    assert S.ring_sizes(need, 1 << 30, LINK) == [1 << 30, 3 * need,
-                                                 2 * need, need]
+    up = [-(-int(k * need / S.FRAGMENTATION + 1) // PAGE) * PAGE
+          for k in (3, 2, 1)]
+    assert S.ring_sizes(need, 1 << 30, LINK, PAGE) == [
+        1 << 30, up[0], 3 * need, up[1], 2 * need, up[2], need]
     # a current ring at or below the floor is the only choice
     assert S.ring_sizes(2 << 20, 64 << 20, LINK) == [64 << 20]
     assert S.ring_sizes(2 << 20, 384 << 20, None)[-1] == 2 << 20
+
+
+def test_ring_for_two_slots_double_buffers():
+    # Copy-bound: each 100 MB weight copies 2 ms under its predecessor's
+    # 1 ms. A ring of 2 x need holds one slot after fragmentation, so each
+    # copy waits for the unit before it; the next ring size tried holds two
+    # and keeps the copy engine busy.
+    need = 100 * MB
+    work, sizes = [1 * MS] * 4, [[need]] * 4
+    res = [False] * 4
+    rings = S.ring_sizes(need, 1 << 30, LINK, PAGE)
+    two = [r for r in rings if 2 * need < r < 3 * need][0]
+    def plan(r):
+        return S.plan(work, sizes, 0, PAGE, LINK, r).predicted
+    assert abs(plan(two) - 4 * 2 * MS) < 1e-6, plan(two)
+    assert plan(2 * need) > 4 * 2.5 * MS, plan(2 * need)
+    assert S.plan(work, sizes, 0, PAGE, LINK, two).resident == res
 
 
 def test_simulate_by_hand():

@@ -41,15 +41,21 @@ def _round(x, a):
 RING_SECONDS = 0.002
 
 
-def ring_sizes(need, current, link):
+def ring_sizes(need, current, link, page=1):
     """Ring sizes worth trying, largest first: `current` (offload()'s) and
-    1-3 times `need` (the largest unit's staging), none below what the
-    link moves in RING_SECONDS (nor below `need`)."""
+    1-3 times `need` (the largest unit's staging), each also with the room
+    first-fit slots leave (FRAGMENTATION: 2 x need in a ring of 2 x need
+    does not double-buffer; in 2 x need / 0.9, rounded up to `page`, it
+    does), none below what the link moves in RING_SECONDS (nor below
+    `need`)."""
     floor = max(need, int(RING_SECONDS * (link or 0)))
     out = {current}
-    for r in (need, 2 * need, 3 * need, floor):
-        if floor <= r < current:
-            out.add(r)
+    for k in (1, 2, 3):
+        for r in (k * need, _round(int(k * need / FRAGMENTATION) + 1, page)):
+            if floor <= r < current:
+                out.add(r)
+    if floor < current:
+        out.add(floor)
     return sorted(out, reverse=True)
 
 

@@ -40,6 +40,10 @@ from .placement import (place_resident_first, scheduled_ranks,
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
 SLACK = 1.5                 # a window up to this much larger is kept
+# Pages of the budget a plan leaves free beside the resident set and the
+# ring (torch may take a little between two watches, below). Each is link
+# time every forward (32 MiB: 0.6 ms on the H200): one, not two.
+SPARE_PAGES = 1
 # Forwards measured: the first fills the weights (VMM calls, copies,
 # first-use work on the host) and its device time runs long (H200: Flux
 # 2.1-2.7x, a Llama prefill 2.5-5x its resident time); the second, in the
@@ -297,7 +301,7 @@ class Tuner:
             return [cur]
         for h in list(self.ds.users):
             need = max(need, getattr(h, "staging_need", 0))
-        return schedule.ring_sizes(need, cur, self.link)
+        return schedule.ring_sizes(need, cur, self.link, dev.page_size)
 
     def plan(self, work, sizes, need, rings=None):
         """(Schedule, ring bytes) with the best predicted time, among
@@ -309,7 +313,7 @@ class Tuner:
         best = None
         link = self.link
         for ring in rings or self._rings(dev, need):
-            room = total - ring_pages(ring, page) - 2 * page
+            room = total - ring_pages(ring, page) - SPARE_PAGES * page
             sch = schedule.plan(work, sizes, room, page, link, ring,
                                 PER_COPY, self.layout.align, MARGIN)
             # equal times: the fewest bytes copied (more stays resident)
@@ -322,7 +326,8 @@ class Tuner:
         """True if sch's resident set fits the budget planned for now,
         beside the ring it has (as plan() counts room)."""
         page = self.layout.device.page_size
-        room = self.planned_for - ring_pages(self.ring, page) - 2 * page
+        room = (self.planned_for - ring_pages(self.ring, page)
+                - SPARE_PAGES * page)
         return schedule.resident_pages(sizes, sch.resident, page,
                                        self.layout.align) <= room
 
