@@ -1475,6 +1475,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                             lambda: box.__setitem__(slice(None), [fwd()]),
                             cfg.i13_iters)
                     s2 = h.stats()
+                    sch = h.schedule() or {}
                     y = box[0]
                     box[:] = []
                     probe = benchlib.WaitProbe(ctx, h._layout.units)
@@ -1498,6 +1499,8 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                          resident_bytes=s2["resident_bytes"],
                          staging=o["staging_size"], lookahead=o["lookahead"],
                          page=o["page_size"], units=s2["units"],
+                         predicted_ms=sch.get("predicted_ms"),
+                         replans=sch.get("replans"),
                          equal=bitwise_equal(y, ref_out))
             finally:
                 t0 = time.perf_counter()
@@ -1517,7 +1520,8 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
         say("   %s budget %s (%.3f GB; staging %s, lookahead %s, %d units; "
             "offload %.1f s%s): %.2f ms (cold %.1f, warm-up %.1f; %s) = %.3fx resident, "
             "%.3fx L (L = max(%.2f, %.2f)); copied %.3f GB/fwd in %.0f "
-            "copies, resident %.3f GB; compute stream waited %.2f ms in %d "
+            "copies, resident %.3f GB; schedule predicted %s, re-made %s; "
+            "compute stream waited %.2f ms in %d "
             "acquires (probed fwd); VMM after cold %d; outputs %s" % (
                 label, fn, budget / GB, size_str(r["staging"]),
                 size_str(r["lookahead"]), r["units"], r["offload_s"],
@@ -1527,7 +1531,8 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                 " ".join("%.2f" % t for t in ts),
                 r["vs_resident"], r["vs_limit"], resident_ms, link_ms,
                 r["copied_bytes"] / GB, r["copies"], r["resident_bytes"] / GB,
-                wait_ms, probe.count(), r["vmm"],
+                "n/a" if r["predicted_ms"] is None
+                else "%.2f ms" % r["predicted_ms"], r["replans"], wait_ms, probe.count(), r["vmm"],
                 "bitwise equal" if r["equal"] else "DIFFER"))
         rows.append((fn, r))
         ctx.empty_cache()

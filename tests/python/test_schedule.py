@@ -64,6 +64,7 @@ def test_ring_for_two_slots_double_buffers():
     res = [False] * 4
     rings = S.ring_sizes(need, 1 << 30, LINK, PAGE)
     two = [r for r in rings if 2 * need < r < 3 * need][0]
+
     def plan(r):
         return S.plan(work, sizes, 0, PAGE, LINK, r).predicted
     assert abs(plan(two) - 4 * 2 * MS) < 1e-6, plan(two)
@@ -124,6 +125,20 @@ def test_stream_what_compute_hides():
     by_bytes = [i % 2 == 0 for i in range(len(kinds))]
     t = S.simulate(work, sizes, by_bytes, LINK, int(ring * 0.9))
     assert t > sch.predicted * 1.2, (t, sch.predicted)
+
+
+def test_tiny_weights_stay_resident():
+    # Each heavy unit carries a bias and a norm of a few KB beside its
+    # 100 MB weight: streaming those would free nothing and cost a copy
+    # each; only the big weights stream.
+    work, sizes, _ = _dit(8)
+    sizes = [ss + [12 * 1024, 256] for ss in sizes]
+    total = sum(s for ss in sizes for s in ss)
+    sch = S.plan(work, sizes, room=total // 2, page=PAGE, link=LINK,
+                 ring=250 * MB)
+    sz = [s for ss in sizes for s in ss]
+    assert sch.streamed > 0
+    assert all(r for s, r in zip(sz, sch.resident) if s < MB), flags(sch)
 
 
 def test_window_in_time_not_bytes():

@@ -198,17 +198,25 @@ def _positions(work, sizes, mix):
     return out
 
 
-def _pick(sizes, pos, ring, scale, head):
-    """Stream weights in order while the bytes streamed so far stay within
-    scale * position + head bytes (and each unit's streamed weights fit in
-    the ring); returns the resident flags."""
+# Weights under 1/TINY of the largest stay resident: streaming one frees
+# next to no budget and still costs a copy, a slot and a wait (Flux's
+# norms and biases: bytes to kilobytes beside 126 MiB linears).
+TINY = 1024
+
+
+def _pick(sizes, pos, ring, scale, head, least=0):
+    """Stream weights of `least` bytes or more, in order, while the bytes
+    streamed so far stay within scale * position + head bytes (and each
+    unit's streamed weights fit in the ring); returns the resident
+    flags."""
     out = []
     streamed = i = 0
     for ss in sizes:
         unit_staged = 0
         for s in ss:
             slot = _round(s, SLOT_ALIGN)
-            take = (streamed + s / 2 <= scale * pos[i] + head
+            take = (s >= least
+                    and streamed + s / 2 <= scale * pos[i] + head
                     and unit_staged + slot <= ring)
             if take:
                 streamed += s
@@ -225,7 +233,7 @@ def _streamed(sizes, resident):
 MIXES = (1.0, 0.75, 0.5, 0.0)   # compute-weighted ... byte-weighted
 
 
-def _fit(sizes, pos, room, page, ring, head, align):
+def _fit(sizes, pos, room, page, ring, head, align, least):
     """The fewest streamed bytes at this head start whose resident pages
     fit in room: bisection on the streaming rate; None if none fits."""
     T = max(pos) if pos else 0.0
@@ -235,7 +243,7 @@ def _fit(sizes, pos, room, page, ring, head, align):
     lo, hi = 0.0, None
     scale = max(total - room, 1) / T
     for _ in range(40):
-        res = _pick(sizes, pos, ring, scale, head)
+        res = _pick(sizes, pos, ring, scale, head, least)
         if resident_pages(sizes, res, page, align) <= room:
             hi = scale
             break
@@ -247,12 +255,12 @@ def _fit(sizes, pos, room, page, ring, head, align):
         if hi - lo <= hi * 2e-3:
             break
         mid = (lo + hi) / 2
-        res = _pick(sizes, pos, ring, mid, head)
+        res = _pick(sizes, pos, ring, mid, head, least)
         if resident_pages(sizes, res, page, align) <= room:
             hi = mid
         else:
             lo = mid
-    return _pick(sizes, pos, ring, hi, head)
+    return _pick(sizes, pos, ring, hi, head, least)
 
 
 def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
@@ -263,15 +271,17 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
     or a blend, each with a head start of 0 to half the ring (copies for
     the first weights run under the previous forward's last units) and
     the fewest streamed bytes that fit; the one simulate() predicts
-    fastest (then: fewest bytes streamed) wins."""
+    fastest (then: fewest bytes streamed) wins. Tiny weights (TINY) stay
+    resident."""
     n = len(flat(sizes))
     if resident_pages(sizes, [True] * n, page, align) <= room:
         return [True] * n
+    least = max(s for ss in sizes for s in ss) // TINY
     best = None
     for mix in MIXES:
         pos = _positions(work, sizes, mix)
         for head in (0, ring // 4, ring // 2):
-            res = _fit(sizes, pos, room, page, ring, head, align)
+            res = _fit(sizes, pos, room, page, ring, head, align, least)
             if res is None:
                 continue
             t = simulate(work, sizes, res, link, int(ring * FRAGMENTATION),
@@ -280,7 +290,7 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
             if best is None or key < best[0]:
                 best = (key, res)
     if best is None:        # nothing fits: stream all the ring allows
-        return _pick(sizes, [1.0] * n, ring, float("inf"), 0)
+        return _pick(sizes, [1.0] * n, ring, float("inf"), 0, least)
     return best[1]
 
 
