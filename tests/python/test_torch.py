@@ -1457,6 +1457,20 @@ def test_default_device_is_cuda_when_torch_has_it():
         assert m[0].weight.device == cpu
 
 
+def test_budget_may_be_a_float():
+    # budget=0.5 * total is how people write it: whole bytes, rounded down
+    m = mlp(depth=1)
+    h = vt.offload(m, device="sim", budget=float(1 << 20) + 0.5,
+                   staging_size=320 * K, **sim_opts())
+    assert h.device.info()["budget"] <= 1 << 20
+    h.unload()
+    for bad in (float("nan"), float("inf"), -1.0):
+        e = raises(vpager.InvalidArgument, vt.offload, m, device="sim",
+                   budget=bad, **sim_opts())
+        assert "not a size" in str(e), str(e)
+    assert "forward" not in m[0].__dict__
+
+
 def test_staging_ring_sized_to_the_device():
     """No budget, a device smaller than the default 512 MiB staging ring
     (VPAGER_SIM_CAPACITY=64M) and a 200 MB MLP: the ring is sized to what

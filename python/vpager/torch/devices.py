@@ -3,6 +3,7 @@ vpager.Device it pages through (opened here with a staging ring sized to
 the budget and the device, or shared by the caller), and activations
 first: on CUDA, the headroom that leaves torch's allocator room."""
 
+import math
 import os
 import sys
 import warnings
@@ -12,7 +13,7 @@ import torch
 
 from .. import _lib
 from ..device import Device
-from ..errors import BusyError, Error
+from ..errors import BusyError, Error, InvalidArgument
 from ..options import default_options, parse_size
 from .placement import round_up
 
@@ -20,9 +21,16 @@ __all__ = ["open_device"]
 
 
 def size(value):
-    """Bytes from an int, a size string ("20G", "20GiB", "20GB") or None."""
+    """Bytes from an int, a float (budget=0.5 * total: rounded down), a
+    size string ("20G", "20GiB", "20GB") or None."""
     if value is None or isinstance(value, int):
         return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(_lib.VP_EINVAL, "VP_EINVAL",
+                                  "vpager.torch: %r is not a size in bytes"
+                                  % value)
+        return int(value)
     return parse_size(value)
 
 
