@@ -90,7 +90,8 @@ class DevState:
         self.user_headroom = user_headroom
         self.budget = budget
         self.learned = 0
-        self.limit = None
+        self.peak = 0           # the largest torch peak read (a client may
+        self.limit = None       # reset torch's: see learn_headroom)
         self.learned_at = float("-inf")
         self.oom_margin = 0
 
@@ -118,6 +119,10 @@ def learn_headroom(dev, ds, index):
     budget, runs too, before this one at each forward: this one, set
     last, holds.)"""
     reserved, peak = torch_reserved(index)
+    # The largest peak read, not torch's: a client that resets torch's
+    # peak statistics between prompts must not lend the activations' room
+    # to the weights for one forward (vpager.torch's learn does the same).
+    peak = ds.peak = max(peak, ds.peak)
     margin = max(min(peak // 20, MARGIN_MAX), ds.oom_margin)
     ds.learned = max(peak - reserved, 0) + margin
     dev.set_headroom(ds.user_headroom + ds.learned)

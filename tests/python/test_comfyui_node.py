@@ -1098,8 +1098,8 @@ def test_activations_first():
     try:
         engine.torch_reserved = lambda index: (600 * M, 900 * M)
         ds = engine.DevState.__new__(engine.DevState)
-        ds.user_headroom, ds.budget, ds.limit, ds.oom_margin = \
-            256 * M, 6144 * M, None, 0
+        ds.user_headroom, ds.budget, ds.limit, ds.oom_margin, ds.peak = \
+            256 * M, 6144 * M, None, 0, 0
         dev = FakeDev()
         learned = engine.learn_headroom(dev, ds, 0)
         assert learned == 300 * M + 45 * M
@@ -1110,6 +1110,13 @@ def test_activations_first():
         dev.calls = []
         engine.learn_headroom(dev, ds, 0)       # the limit unchanged
         assert dev.calls == [("headroom", 601 * M)]
+        # torch's peak statistics reset (bench/comfyui_run.py does, per
+        # prompt): the activations' room and the limit stay
+        engine.torch_reserved = lambda index: (64 * M, 64 * M)
+        dev.calls = []
+        assert engine.learn_headroom(dev, ds, 0) == 836 * M + 45 * M
+        assert dev.calls == [("headroom", 256 * M + 881 * M)]
+        engine.torch_reserved = lambda index: (600 * M, 900 * M)
         ds.budget = None
         dev.calls = []
         engine.learn_headroom(dev, ds, 0)

@@ -832,8 +832,13 @@ def test_activation_headroom_learned():
         # peak - now + min(5% of peak, 256 MiB), never below the user's
         assert learn(100 * K, 300 * K) == (200 * K + 300 * K // 20,) * 2
         assert learn(300 * K, 300 * K) == (PAGE, 300 * K // 20)
+        # A client that resets torch's peak statistics (to measure its own
+        # work) does not make the activations' room smaller.
+        assert learn(100 * K, 100 * K) == (200 * K + 300 * K // 20,) * 2
         assert learn(1 << 30, 20 << 30) == ((19 << 30) + 256 * M,) * 2
         assert learn(20 << 30, 20 << 30) == (256 * M,) * 2
+        assert learn(1 << 30, 1 << 30) == ((19 << 30) + 256 * M,) * 2
+        h._ds.peak = 0              # a fresh torch for the OOM part
         learn(0, 0)
         # An OOM retry raises the margin: 512 MiB, then doubling.
         with torch.no_grad():

@@ -134,7 +134,7 @@ class DevState:
     """What vpager.torch keeps per vpager.Device."""
 
     __slots__ = ("_top", "users", "owned", "sync", "user_headroom",
-                 "learned", "oom_margin", "learned_at", "window",
+                 "learned", "peak", "oom_margin", "learned_at", "window",
                  "base_lookahead", "__weakref__")
 
     def __init__(self, dev, owned):
@@ -153,6 +153,7 @@ class DevState:
         # never below it, and is put back when the last model leaves.
         self.user_headroom = info["headroom"]
         self.learned = 0           # torch's peak - what it holds + margin
+        self.peak = 0              # the largest torch peak read (learn)
         self.oom_margin = 0        # raised by each OOM retry
         self.learned_at = float("-inf")  # when a forward last learned
         self.window = None         # the lookahead a unit's window last set
@@ -237,12 +238,15 @@ def learn_headroom(dev, ds, index):
     cuMemGetInfo (the budget's device_free_now) already counts what torch's
     allocator holds as used, so that needs no room kept for it; what must
     stay free is how much more torch may grab during this forward: its peak
-    (max_memory_reserved, over the process's life: never reset, since
-    resetting would clobber the user's own peak statistics) minus what it
-    holds now, plus a margin for a forward that goes a little further
-    than any before (5% of the peak, at most 256 MiB; each OOM retry raises
-    it). Never below the user's headroom."""
+    (max_memory_reserved, over the process's life: vpager never resets it,
+    and keeps the largest it has read, ds.peak, for a client that does to
+    measure its own work: bench/comfyui_run.py per prompt, which made each
+    prompt's first forward plan for 0.9 GB more than the activations left)
+    minus what it holds now, plus a margin for a forward that goes a little
+    further than any before (5% of the peak, at most 256 MiB; each OOM
+    retry raises it). Never below the user's headroom."""
     reserved, peak = sys.modules[__package__]._torch_reserved(index)
+    peak = ds.peak = max(peak, ds.peak)
     margin = max(min(peak // _MARGIN_FRAC, MARGIN_MAX), ds.oom_margin)
     ds.learned = max(peak - reserved, 0) + margin
     head = max(ds.user_headroom, ds.learned)
