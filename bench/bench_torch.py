@@ -1532,7 +1532,8 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                 r["vs_resident"], r["vs_limit"], resident_ms, link_ms,
                 r["copied_bytes"] / GB, r["copies"], r["resident_bytes"] / GB,
                 "n/a" if r["predicted_ms"] is None
-                else "%.2f ms" % r["predicted_ms"], r["replans"], wait_ms, probe.count(), r["vmm"],
+                else "%.2f ms" % r["predicted_ms"], r["replans"], wait_ms,
+                probe.count(), r["vmm"],
                 "bitwise equal" if r["equal"] else "DIFFER"))
         rows.append((fn, r))
         ctx.empty_cache()

@@ -90,8 +90,8 @@ class DevState:
         self.user_headroom = user_headroom
         self.budget = budget
         self.learned = 0
-        self.peak = 0           # the largest torch peak read (a client may
-        self.limit = None       # reset torch's: see learn_headroom)
+        self.peak = 0           # the largest torch peak read (learn_headroom)
+        self.limit = None
         self.learned_at = float("-inf")
         self.oom_margin = 0
 
