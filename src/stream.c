@@ -38,6 +38,7 @@ typedef struct batch {
   size_t n, cap;
   vp__weight_t **filled; /* weights whose copies these are */
   size_t nfilled, filled_cap;
+  int failed; /* an issue stopped part way: its error; not issued again */
 } batch_t;
 
 
@@ -96,14 +97,19 @@ static void fence_filled(vp__device_t *dev, batch_t *b, size_t from,
  * `split`, also one after each copy FENCE_SPLIT bytes past the last fence,
  * which the weights of the copies before it keep instead (copy-stream
  * fences complete in order). *fence (may be NULL) gets a reference to the
- * last. On failure the weights of the copies issued keep their fences. */
+ * last. On failure the copies issued have completed when it returns (the
+ * caller unpins their pages at once: a copy still queued would write into
+ * pages freed meanwhile, or into a slot given to another weight), and the
+ * weights of the copies issued keep their fences. */
 static int batch_issue(vp__device_t *dev, batch_t *b, bool split,
                        vp__fence_t **fence) {
   vp_stream_t cs;
   vp__fence_t *f = NULL;
   size_t from = 0, to = 0; /* filled[from, to): copied since the last fence */
   uint64_t bytes = 0;
+  if (b->failed) return b->failed;
   int rc = vp__copy_stream(dev, &cs);
+  bool drain = rc == VP_OK;
   for (size_t i = 0; i < b->n && rc == VP_OK; i++) {
     if ((rc = copy_one(dev, &b->c[i], cs))) break;
     dev->stats.copies++;
@@ -122,7 +128,8 @@ static int batch_issue(vp__device_t *dev, batch_t *b, bool split,
   if (rc == VP_OK && !f) rc = vp__fence_get(dev, cs, &f); /* no copy */
   if (rc) {
     if (f) vp__fence_put(dev, f);
-    return rc;
+    if (drain) vp__be_stream_synchronize(dev, cs); /* waits even when failing */
+    return b->failed = rc;
   }
   b->n = b->nfilled = 0;
   if (fence) *fence = f; else vp__fence_put(dev, f);

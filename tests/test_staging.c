@@ -337,6 +337,55 @@ TEST(stream_error_undo_keeps_earlier_acquire, TEST_SIM_ONLY) {
   model_free(&b);
 }
 
+/* A call whose copies fail part way (fuzz_api, 2026-12-01): the copies it
+ * had queued must have run when it returns, since it unpins their pages at
+ * once. Here the first copy queues behind a slow reader (its ring slot's
+ * last user), the second fills a resident page, the third cannot read its
+ * file. Before the fix the call returned while both were queued; freeing
+ * the resident page then made the worker write into an unmapped page. */
+TEST(stream_failed_copies_drain_before_unpin, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  model_t a, b;
+  model_uniform(&a, dev, 3 * ps, 3, ps, SRC_SCATTER, 13);
+  model_uniform(&b, dev, 2 * ps, 2, ps, SRC_SCATTER, 14);
+  ASSERT_OK(vp_vbar_set_watermark(a.v, 0)); /* a streams, b stays */
+  vp_source_t unreadable = {.kind = VP_SOURCE_FILE, .fd = 999};
+  ASSERT_OK(vp_weight_set_source(b.w[1], &unreadable));
+  vp_stream_t s = 0, t = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_stream_create(dev, &t));
+  uint64_t p[3] = {0};
+  uint8_t fl[3] = {0};
+  ASSERT_OK(vp_acquire(dev, &a.w[0], 1, s, p, fl));
+  slow_t k = {.ptr = p[0], .size = ps, .ms = 100, .expect = a.srcs[0].host};
+  ASSERT_OK(vp_sim_launch(dev, s, slow_fn, &k));
+  ASSERT_OK(vp_release(dev, &a.w[0], 1, s));
+  ASSERT_OK(vp_acquire(dev, &a.w[1], 1, t, p, fl));
+  ASSERT_OK(vp_release(dev, &a.w[1], 1, t));
+  /* a.w[2] takes a.w[0]'s slot: its copy waits for the slow reader. */
+  vp_weight_t call[3] = {a.w[2], b.w[0], b.w[1]};
+  ASSERT_TRUE(vp_acquire(dev, call, 3, t, p, fl) < 0);
+  ASSERT_TRUE(slow_done(&k)); /* the queued copies ran first */
+  ASSERT_TRUE(slow_ok(&k));
+  ASSERT_FALSE(map_has_pin(b.v));
+  uint64_t freed = 0;
+  ASSERT_OK(vp_vbar_free_memory(b.v, UINT64_MAX, &freed));
+  ASSERT_OK(vp_stream_synchronize(dev, t));
+  /* Nothing was marked filled by the failed call: b.w[0] is filled again. */
+  ASSERT_OK(vp_acquire(dev, &b.w[0], 1, t, p, fl));
+  ASSERT_TRUE(fl[0] & VP_ACQUIRED_COPIED);
+  verify_resident(dev, t, p[0], b.srcs[0].host, ps);
+  ASSERT_OK(vp_release(dev, &b.w[0], 1, t));
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_stream_destroy(dev, t));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&a);
+  model_free(&b);
+}
+
 /* vp_device_set_staging_size: refused while a staged weight is held; the
  * ring is given back (a slow reader finished first) and the next miss
  * opens it at the new size, whose limits then hold. */
