@@ -1607,6 +1607,7 @@ typedef struct pool {
 
 static struct wild {
   pool_t dev, vbar, w, s, hb, st;
+  uint64_t wsize[32]; /* the size of weight w.v[i] (0: not known) */
   struct wvb { uint64_t id, base, size; } vb[32];
   int nvb;
   struct whold { uint64_t w, s, ptr; } hold[64];
@@ -1622,6 +1623,20 @@ static struct wild {
 static void push(pool_t *p, uint64_t id) {
   if (p->n < 32) p->v[p->n++] = id;
   else p->v[id % 32] = id;
+}
+
+/* push(&wl.w, id), keeping its size beside it. */
+static void push_weight(uint64_t id, uint64_t size) {
+  int i = wl.w.n < 32 ? wl.w.n : (int)(id % 32);
+  push(&wl.w, id);
+  wl.wsize[i] = size;
+}
+
+/* The size a weight was made with; 0 if the handle is not one made. */
+static uint64_t weight_size(uint64_t id) {
+  for (int i = 0; i < wl.w.n; i++)
+    if (wl.w.v[i] == id) return wl.wsize[i];
+  return 0;
 }
 
 static pool_t *const wild_pools[] = {&wl.dev, &wl.vbar, &wl.w, &wl.s, &wl.hb,
@@ -1737,6 +1752,39 @@ static void w_vbar_create(fz_reader_t *r) {
   if (wl.nvb < 32) wl.vb[wl.nvb++] = (struct wvb){v.id, base, sz};
 }
 
+/* A source for a weight of `size` bytes: host bytes in the arena (when
+ * they fit; never for size 0, a weight whose size is not known), a NULL
+ * host, the arena or safetensors file, bad fds, bad
+ * kinds, none. */
+static void w_source(fz_reader_t *r, uint64_t size, vp_source_t *src) {
+  uint8_t k = fz_u8(r);
+  uint64_t a = fz_u32(r);
+  *src = (vp_source_t){.kind = VP_SOURCE_NONE, .fd = -1};
+  switch (k % 8) {
+  case 0:
+    if (size && size <= ARENA_SIZE) {
+      src->kind = VP_SOURCE_HOST;
+      src->host = arena + a % (ARENA_SIZE - size + 1);
+    }
+    break;
+  case 1: src->kind = VP_SOURCE_HOST; break; /* NULL host */
+  case 2:
+    src->kind = VP_SOURCE_FILE;
+    src->fd = arena_fd;
+    src->file_offset = (k & 8) ? fz_u64(r) : a % ARENA_SIZE;
+    break;
+  case 3:
+    src->kind = VP_SOURCE_FILE;
+    src->fd = st_fd;
+    src->file_offset = a % 256;
+    break;
+  case 4: src->kind = VP_SOURCE_FILE; src->fd = (k & 8) ? -1 : 999; break;
+  case 5: break;
+  case 6: src->kind = (int)(k >> 3) - 4; break;
+  default: src->kind = VP_SOURCE_NONE;
+  }
+}
+
 static void w_weights_create(fz_reader_t *r) {
   static uint64_t off[72], size[72];
   static vp_source_t src[72];
@@ -1763,32 +1811,7 @@ static void w_weights_create(fz_reader_t *r) {
       off[i] = i ? off[i - 1] + fz_u8(r) : 0;
       size[i] = i ? size[i - 1] : 1;
     }
-    uint8_t k = fz_u8(r);
-    uint64_t a = fz_u32(r);
-    src[i] = (vp_source_t){.kind = VP_SOURCE_NONE, .fd = -1};
-    switch (k % 8) {
-    case 0:
-      if (size[i] <= ARENA_SIZE) {
-        src[i].kind = VP_SOURCE_HOST;
-        src[i].host = arena + a % (ARENA_SIZE - size[i] + 1);
-      }
-      break;
-    case 1: src[i].kind = VP_SOURCE_HOST; break; /* NULL host */
-    case 2:
-      src[i].kind = VP_SOURCE_FILE;
-      src[i].fd = arena_fd;
-      src[i].file_offset = (k & 8) ? fz_u64(r) : a % ARENA_SIZE;
-      break;
-    case 3:
-      src[i].kind = VP_SOURCE_FILE;
-      src[i].fd = st_fd;
-      src[i].file_offset = a % 256;
-      break;
-    case 4: src[i].kind = VP_SOURCE_FILE; src[i].fd = (k & 8) ? -1 : 999; break;
-    case 5: break;
-    case 6: src[i].kind = (int)(k >> 3) - 4; break;
-    default: src[i].kind = VP_SOURCE_NONE;
-    }
+    w_source(r, size[i], &src[i]);
   }
   int rc = W(false, vp_weights_create(v, n, (flags & 1) ? NULL : off,
                                       (flags & 2) && n ? NULL : size,
@@ -1796,7 +1819,8 @@ static void w_weights_create(fz_reader_t *r) {
                                       (flags & 8) && n ? NULL : out),
              "vbar 0x%llx, %zu, flags %u", X(v.id), n, flags);
   if (rc == VP_OK && !(flags & 8))
-    for (size_t i = 0; i < n; i++) push(&wl.w, out[i].id);
+    for (size_t i = 0; i < n; i++)
+      push_weight(out[i].id, (flags & 2) ? 0 : size[i]);
 }
 
 static void w_acquire(fz_reader_t *r) {
@@ -1948,7 +1972,14 @@ static void w_vbar_misc(fz_reader_t *r) {
   case 14: W(false, vp_vbar_destroy(v), "0x%llx", X(v.id)); break;
   default: {
     vp_weight_t w = {pick_id(r, &wl.w)};
-    W(false, vp_weight_destroy(w), "0x%llx", X(w.id));
+    if (!(b & 0x10)) {
+      W(false, vp_weight_destroy(w), "0x%llx", X(w.id));
+      break;
+    }
+    vp_source_t src;
+    w_source(r, weight_size(w.id), &src);
+    W(false, vp_weight_set_source(w, (b & 0x20) && (b & 0x40) ? NULL : &src),
+      "0x%llx, kind %d", X(w.id), src.kind);
   }
   }
 }
