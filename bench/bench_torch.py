@@ -1478,7 +1478,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                     sch = h.schedule() or {}
                     y = box[0]
                     box[:] = []
-                    probe = benchlib.WaitProbe(ctx, h._layout.units)
+                    probe = benchlib.WaitProbe(ctx, h._layout.units, h._hot)
                     with sdpa_ctx(), probe:
                         fwd()
                     ctx.sync()
@@ -1496,6 +1496,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                          ring_waits=dd["ring_waits"] / n,
                          vmm=(dd["pages_committed"] + dd["pages_evicted"]),
                          wait_ms=wait_ms, waits_probed=probe.count(),
+                         held=len(h._hot.held_units),
                          resident_bytes=s2["resident_bytes"],
                          staging=o["staging_size"], lookahead=o["lookahead"],
                          page=o["page_size"], units=s2["units"],
@@ -1517,14 +1518,16 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                                                 w_max, ctx.link)
         r.update(limit_ms=lim, link_term_ms=link_ms,
                  vs_resident=r["ms"] / resident_ms, vs_limit=r["ms"] / lim)
-        say("   %s budget %s (%.3f GB; staging %s, lookahead %s, %d units; "
+        say("   %s budget %s (%.3f GB; staging %s, lookahead %s, %d units, "
+            "%d held; "
             "offload %.1f s%s): %.2f ms (cold %.1f, warm-up %.1f; %s) = %.3fx resident, "
             "%.3fx L (L = max(%.2f, %.2f)); copied %.3f GB/fwd in %.0f "
             "copies, resident %.3f GB; schedule predicted %s, re-made %s; "
             "compute stream waited %.2f ms in %d "
             "acquires (probed fwd); VMM after cold %d; outputs %s" % (
                 label, fn, budget / GB, size_str(r["staging"]),
-                size_str(r["lookahead"]), r["units"], r["offload_s"],
+                size_str(r["lookahead"]), r["units"], r["held"],
+                r["offload_s"],
                 "".join(", %s %.2f" % (k[:-2].replace("_", " "), v)
                         for k, v in sorted(r["load_seconds"].items())),
                 r["ms"], r["cold_ms"], r["warm_ms"],
@@ -1761,7 +1764,7 @@ def bench_llama3(ctx, cfg):
                 vp = run_decoder(ctx, sub, model, ids, "vpager " + fn,
                                  stats=h.stats)
                 # One probed prefill and one probed token.
-                probe = benchlib.WaitProbe(ctx, h._layout.units)
+                probe = benchlib.WaitProbe(ctx, h._layout.units, h._hot)
                 pkw = {"use_cache": True}
                 with torch.no_grad(), sdpa_ctx():
                     with probe:

@@ -382,7 +382,7 @@ class WaitProbe:
     current stream, so the time between them is the stream's stall; on
     the CPU (simulated device) it is the host time of the acquire.
 
-        probe = WaitProbe(ctx, units)     # vpager.torch Unit objects
+        probe = WaitProbe(ctx, units, hot)  # Unit objects, their HotPath
         with probe:                       # one instrumented forward
             model(x)
         probe.total_ms()                  # after ctx.sync()
@@ -406,8 +406,9 @@ class WaitProbe:
         def __getattr__(self, k):
             return getattr(self._b, k)
 
-    def __init__(self, ctx, units, pool=0):
+    def __init__(self, ctx, units, hot=None, pool=0):
         self.ctx, self.units, self.pairs = ctx, list(units), []
+        self.hot = hot          # a HotPath: its held units' acquire too
         self._pool = []
         if ctx.cuda:
             ev = ctx.torch.cuda.Event
@@ -426,12 +427,17 @@ class WaitProbe:
         self.pairs = []
         for u in self.units:
             u.batch = WaitProbe._Batch(u.batch, self)
+        if self.hot is not None and self.hot.held is not None:
+            self.hot.held = WaitProbe._Batch(self.hot.held, self)
         return self
 
     def __exit__(self, *exc):
         for u in self.units:
             if isinstance(u.batch, WaitProbe._Batch):
                 u.batch = u.batch._b
+        if self.hot is not None and isinstance(self.hot.held,
+                                               WaitProbe._Batch):
+            self.hot.held = self.hot.held._b
         return False
 
     def total_ms(self):
@@ -439,4 +445,5 @@ class WaitProbe:
         return sum(self.ctx.ms(a, b) for a, b in self.pairs)
 
     def count(self):
+        """Acquires probed: one per unit not held, one for the held."""
         return len(self.pairs)

@@ -455,6 +455,13 @@ VP_API int vp_weight_set_source(vp_weight_t w, const vp_source_t *src);
  * staging_size); nothing stays acquired after an error. */
 VP_API int vp_acquire(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream, uint64_t *ptrs, uint8_t *flags);
+/* The prefetch that ends vp_acquire, as if `after` had just been acquired
+ * resident: start the weights that follow it in its VBAR's order of use,
+ * up to lookahead bytes (a window already queued that holds `after` is
+ * left as it is). Nothing is acquired. For a caller that holds some
+ * layers' weights across several of its steps and skips their acquires.
+ * A no-op with lookahead 0. */
+VP_API int vp_prefetch(vp_device_t dev, vp_weight_t after);
 /* End the use of n acquired weights: work queued on `stream` so far may
  * still read them; their pages and staging slots are reused only after it
  * completes. Release on the stream the weight was acquired on. Close a

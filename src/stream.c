@@ -391,6 +391,23 @@ int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
 }
 
 
+/* What vp_acquire's last step does for `after`, without acquiring it: a
+ * caller that keeps weights acquired across several layers (vpager.torch
+ * holds a model's resident layers for a whole forward) still tops the
+ * window up at each of them. */
+int vp_prefetch(vp_device_t h, vp_weight_t after) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  vp__weight_t *w = NULL;
+  rc = vp__weights_find(dev, &after, 1, &w);
+  if (rc == VP_OK && dev->lookahead) prefetch(dev, w);
+  vp__unlock(dev, rc);
+  return rc;
+}
+
+
 /* ------------------------------------------------------------- release */
 
 /* A slot keeps one release fence: readers on another stream must finish

@@ -620,6 +620,60 @@ TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
   free(buf);
 }
 
+/* vp_prefetch: the prefetch an acquire of that weight would run, with
+ * nothing acquired; a no-op with lookahead 0; bad handles fail, naming the
+ * call. */
+TEST(stream_prefetch_without_acquire, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  o.lookahead = ps;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  vp_vbar_t v;
+  ASSERT_OK(vp_vbar_create(dev, 4 * ps, &v));
+  unsigned char *buf = malloc(4 * ps);
+  ASSERT_TRUE(buf != NULL);
+  for (uint64_t i = 0; i < 4 * ps; i++) buf[i] = (unsigned char)(i * 5 + 1);
+  uint64_t off[4] = {0, ps, 2 * ps, 3 * ps}, size[4] = {ps, ps, ps, ps};
+  vp_source_t src[4];
+  vp_weight_t w[4];
+  for (int i = 0; i < 4; i++)
+    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
+  ASSERT_OK(vp_weights_create(v, 4, off, size, src, w));
+  uint64_t p = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, &w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &w[0], 1, 0));
+  ASSERT_EQ_STR(test_map(v), "##..");
+  /* Pages changed: the scan from w1 fills what follows it, not w1. */
+  ASSERT_OK(vp_vbar_free_memory(v, 4 * ps, NULL));
+  ASSERT_OK(vp_vbar_prioritize(v));
+  ASSERT_OK(vp_prefetch(dev, w[1]));
+  ASSERT_EQ_STR(test_map(v), "..#.");
+  ASSERT_RC(vp_release(dev, &w[1], 1, 0), VP_ENOTPINNED); /* not held */
+  /* w2 lies in the window that scan queued: nothing more until used. */
+  ASSERT_OK(vp_prefetch(dev, w[2]));
+  ASSERT_EQ_STR(test_map(v), "..#.");
+  ASSERT_OK(vp_acquire(dev, &w[2], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED);
+  verify_resident(dev, 0, p, buf + 2 * ps, ps);
+  ASSERT_OK(vp_release(dev, &w[2], 1, 0));
+  ASSERT_EQ_STR(test_map(v), "..##");
+  ASSERT_EQ_U64(dstats(dev).weight_fills, 1); /* w0; w1, w2, w3 ahead */
+  /* Lookahead 0: nothing. */
+  ASSERT_OK(vp_vbar_free_memory(v, 4 * ps, NULL));
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_prefetch(dev, w[0]));
+  ASSERT_EQ_STR(test_map(v), "....");
+  /* Bad handles. */
+  ASSERT_OK(vp_weight_destroy(w[3]));
+  ASSERT_RC(vp_prefetch(dev, w[3]), VP_EHANDLE);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_prefetch: ", 13) == 0);
+  ASSERT_RC(vp_prefetch((vp_device_t){0}, w[0]), VP_EHANDLE);
+  ASSERT_OK(vp_device_close(dev));
+  free(buf);
+}
+
 /* vp_weight_set_source: the weight's next acquire fills it from the new
  * source, the others keep their pages and fills, and it keeps its place in
  * the order prefetch looks ahead in. Bad input and a held weight fail. */

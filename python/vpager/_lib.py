@@ -306,6 +306,7 @@ PROTOTYPES = {
     "vp_acquire": (_i, [_dev, P(vp_weight_t), _sz, _s, P(c_uint64),
                         P(c_uint8)]),
     "vp_release": (_i, [_dev, P(vp_weight_t), _sz, _s]),
+    "vp_prefetch": (_i, [_dev, _w]),
     "vp_device_set_lookahead": (_i, [_dev, _u64]),
     "vp_device_set_staging_size": (_i, [_dev, _u64]),
     # files

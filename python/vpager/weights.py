@@ -263,8 +263,8 @@ class WeightBatch:
     are checked by the C side: a destroyed weight gives HandleError."""
 
     __slots__ = ("device", "n", "handles", "ptrs", "flags", "_args",
-                 "_acquire", "_release", "_owners", "_n", "_stream",
-                 "_stream_id")
+                 "_acquire", "_release", "_prefetch", "_last", "_owners",
+                 "_n", "_stream", "_stream_id")
 
     def __init__(self, device, weights):
         items = list(weights)
@@ -291,6 +291,8 @@ class WeightBatch:
         # ctypes object of its C type, the stream's kept for the next call.
         self._acquire = _lib.unchecked("vp_acquire")
         self._release = _lib.unchecked("vp_release")
+        self._prefetch = _lib.unchecked("vp_prefetch")
+        self._last = handles[-1] if n else None
         self._args = device._handle()
         self._n = ctypes.c_size_t(n)
         self._stream_id = 0
@@ -317,6 +319,14 @@ class WeightBatch:
             raise OverflowError("vpager: stream %r is not a uint64" % stream)
         self._stream, self._stream_id = s, stream
         return s
+
+    def prefetch(self):
+        """vp_prefetch() after the batch's last weight: the prefetch its
+        acquire would run, acquiring nothing."""
+        if self._last is not None:
+            rc = self._prefetch(self._args, self._last)
+            if rc:
+                check(rc)
 
     def release(self, stream=0):
         """vp_release(): work queued on `stream` so far may still read the

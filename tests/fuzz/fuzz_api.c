@@ -1973,7 +1973,10 @@ static void w_vbar_misc(fz_reader_t *r) {
   default: {
     vp_weight_t w = {pick_id(r, &wl.w)};
     if (!(b & 0x10)) {
-      W(false, vp_weight_destroy(w), "0x%llx", X(w.id));
+      if (b & 0x40)
+        W(false, vp_prefetch(pick_dev(r), w), "0x%llx", X(w.id));
+      else
+        W(false, vp_weight_destroy(w), "0x%llx", X(w.id));
       break;
     }
     vp_source_t src;

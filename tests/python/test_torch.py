@@ -657,6 +657,141 @@ def test_two_models_alternating_on_one_device():
         dev.close()
 
 
+def _held_setup(**env):
+    """48 small layers (tanh(x W), 16 KiB each: each unit's acquire is a
+    share of its time) offloaded with half their bytes as the budget and
+    scheduled by three no-grad forwards, with `env` set while it is:
+    (m, x, want, h, a resident copy)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64, bias=False),
+                                      nn.Tanh()) for _ in range(48)]).eval()
+    x = torch.randn(8, 64)
+    ref = frozen_copy(m)
+    want = ref(x)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]               # windows by the schedule
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        h = vt.offload(m, device="cpu", budget=48 * 16 * K // 2 + 2 * PAGE,
+                       staging_size=128 * K, **opts)
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(m(x), want)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert h.order == "scheduled"
+    assert h.schedule()["streamed_bytes"] > 0
+    return m, x, want, h, ref
+
+
+def test_resident_units_held_for_the_forward():
+    """Units the schedule keeps wholly resident are held for the whole
+    inference forward (one acquire at the root, placeholders back and
+    one release at its end; each held unit only tops prefetch up):
+    bitwise equal, steady, nothing pinned after; a held unit called on
+    its own, a forward with autograd on and a forward that raises take
+    the per-unit path; VPAGER_HOLD=0 holds none."""
+    m, x, want, h, ref = _held_setup()
+    hot = h._hot
+    held = hot.held_units
+    assert held
+    res = h.schedule()["resident_weights"]
+    assert sum(len(u.entries) for u in held) <= res
+    seen = []
+
+    def look(mod, args):
+        e = held[0].entries[0]
+        seen.append((hot.holding is not None,
+                     e.cur != 0 and e.tensor.data_ptr() == e.cur))
+    hook = held[0].module.register_forward_pre_hook(look)
+    with torch.no_grad():
+        _steady(m, x, want, h)
+    assert seen and all(a and b for a, b in seen), seen
+    assert hot.holding is None and no_pins(h)
+    assert all(e.tensor.data_ptr() == e.ph_ptr for u in held
+               for e in u.entries)
+    # On its own (no root forward): acquired as any unit.
+    seen[:] = []
+    lin = held[0].module
+    xi = torch.randn(4, lin.in_features)
+    with torch.no_grad():
+        assert torch.equal(lin(xi), dict(ref.named_modules())[
+            held[0].name](xi))
+    assert seen == [(False, False)] and no_pins(h), seen   # not yet
+    # Autograd on: saved tensors must not alias weights after a release.
+    seen[:] = []
+    assert torch.equal(m(x), want)
+    assert seen == [(False, False)], seen
+    # A forward that raises gives everything back.
+    boom = m[-1].register_forward_hook(
+        lambda *a: (_ for _ in ()).throw(ValueError("boom")))
+    with torch.no_grad():
+        raises(ValueError, m, x)
+    boom.remove()
+    # Evicted since (another model took the pages): that forward refills
+    # them unit by unit, under the compute before each; the next holds.
+    assert h.free_memory(1 << 40) > 0
+    seen[:] = []
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+        assert torch.equal(m(x), want)
+    assert [a for a, _ in seen] == [False, True], seen
+    hook.remove()
+    assert hot.holding is None and no_pins(h)
+    assert all(e.tensor.data_ptr() == e.ph_ptr for u in held
+               for e in u.entries)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    h.unload()
+    assert torch.equal(m(x), want)
+    m, x, want, h, ref = _held_setup(VPAGER_HOLD="0")
+    assert not h._hot.held_units and h._hot.held is None
+    h.unload()
+
+
+def test_held_units_fall_back_when_not_resident():
+    """If the held weights' acquire finds one not resident (the budget
+    shrank since the schedule) or fails, it is given back and the units
+    take the per-unit path: outputs stay bitwise equal."""
+    for how in ("staged", "error"):
+        m, x, want, h, ref = _held_setup()
+        hot = h._hot
+        assert hot.held_units
+        real = hot._held_batch()
+        calls = []
+
+        class Fake:
+            n = real.n
+            flags = real.flags
+
+            def acquire(self, stream=0):
+                calls.append("acquire")
+                if how == "error":
+                    raise vpager.Error(-12, message="vp_acquire: no room")
+                ptrs = real.acquire(stream)
+                real.flags[0] = vpager.ACQUIRED_STAGED
+                return ptrs
+
+            def release(self, stream=0):
+                calls.append("release")
+                real.release(stream)
+        hot.held = Fake()
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+        assert calls == (["acquire", "release"] if how == "staged"
+                         else ["acquire"]), calls
+        assert not hot.held_units and hot.held is None
+        assert hot.holding is None and no_pins(h)
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+        h.unload()
+
+
 def test_schedule_after_a_forward_that_raised():
     """A measured forward that raises leaves the measuring on (its end
     hook never runs); units called outside a forward then stop adding

@@ -102,6 +102,11 @@ class Offloaded:
             u.had_forward = "forward" in u.module.__dict__
             u.saved_forward = u.module.__dict__.get("forward")
             u.module.forward = self._hot.wrap(u, fwd)
+        # Outermost, so the held units' weights are held around all of it.
+        r = self._root
+        self._root_forward = ("forward" in r.__dict__,
+                              r.__dict__.get("forward"))
+        r.forward = self._hot.wrap_root(r.forward)
         # outside="host": the tensors hold their bytes, state_dict() needs
         # no copies (and the loader that asked for it owns loading).
         for m, items in (self._owners if self._outside != "host" else ()):
@@ -147,6 +152,12 @@ class Offloaded:
                     d[k] = moved
 
     def _uninstall(self):
+        self._hot.set_held(())
+        had, saved = self._root_forward    # first: the units' may be under
+        if had:
+            self._root.forward = saved
+        else:
+            self._root.__dict__.pop("forward", None)
         for u in self._layout.units:
             if u.had_forward:
                 u.module.forward = u.saved_forward
@@ -449,7 +460,8 @@ class Offloaded:
             self._hot.leave(whole, stream, prev, ok)
 
     def _busy(self):
-        return self._held or any(u.depth for u in self._layout.units)
+        return (self._held or self._hot.holding is not None
+                or any(u.depth for u in self._layout.units))
 
     @property
     def busy(self):

@@ -8,7 +8,9 @@ unpinned pages, empty torch's cache, run once more), autograd aliasing
 (tensors autograd saves, or the forward returns, that view a weight are
 copied: that memory is reused after the release), buffer write-back in
 training mode, and on CUDA the activation headroom learned at each root
-forward."""
+forward. Units the schedule keeps wholly resident may be held instead:
+their weights acquired once for the whole root forward (hold()), each
+of their calls then only tops up prefetch as its acquire would."""
 
 import functools
 import time
@@ -20,6 +22,7 @@ from ..errors import Error
 from .devices import (LEARN_EVERY, cuda_index, learn_headroom,
                       raise_oom_margin)
 from .layout import ALL
+from ..weights import WeightBatch
 from .units import OPEN, refuse_copy
 from .views import view
 
@@ -29,6 +32,7 @@ from .views import view
 # ~10-30 us to build, more than the rest of an acquire).
 _STAGED_VIEWS = 4096
 _RESIDENT = _lib.VP_ACQUIRED_RESIDENT
+_PAGE_RESIDENT = _lib.VP_PAGE_RESIDENT
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
 
@@ -72,12 +76,18 @@ class HotPath:
     def __init__(self, handle, layout, ds, target, recorder):
         self.handle = handle
         self.device = layout.device
+        self.layout = layout
         self.vbar = layout.vbar
         self.ds = ds
         self.target = target
         self.recorder = recorder
         self.tuner = _NO_TUNER      # handle.py sets the Tuner, if any
         self.staged = {}            # (address, dtype, shape) -> view
+        self.held = None            # WeightBatch of the held units' weights
+        self.held_units = ()        # the units whose weights hold() takes
+        self.holding = None         # the stream, while they are held
+        self._held_of = None        # the layout's weights `held` was made of
+        self._held_pages = []       # the VBAR pages the held weights lie in
         self._check_open = handle._check_open
         if target.type == "cuda":
             self.index = cuda_index(target)
@@ -96,6 +106,7 @@ class HotPath:
         grad_enabled, Tensor = torch.is_grad_enabled, torch.Tensor
         recorder = self.recorder
         unit.pack = functools.partial(self.pack, unit)
+        run_held = self.run_held
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
@@ -103,6 +114,8 @@ class HotPath:
                 recorder.record(unit)
             if unit.depth:              # the unit calls itself: weights set
                 return fwd(*args, **kwargs)
+            if unit.held and self.holding is not None:
+                return run_held(unit, fwd, args, kwargs)
             stream, prev = enter(unit)
             unit.depth = 1
             ok = False
@@ -222,6 +235,159 @@ class HotPath:
             if raise_errors:
                 raise
             # An exception is already on its way out; it is the news.
+
+    # ------------------------------------------------ held units
+    def set_held(self, units):
+        """The units whose weights the root forward holds from now on
+        (the tuner's choice; () for none)."""
+        self.unhold()
+        for u in self.held_units:
+            u.held = False
+        units = tuple(units)
+        self.held_units = units
+        self.held = self._held_of = None
+        for u in units:
+            u.held = True
+        if units:
+            self._held_batch()
+
+    def _held_batch(self):
+        """The held weights' WeightBatch, made again whenever the layout
+        re-created the weights (Layout.swap: their handles changed)."""
+        lay = self.layout
+        if self._held_of is not lay.weights:
+            entries = [e for u in self.held_units for e in u.entries]
+            self.held = WeightBatch(lay.device,
+                                    [lay.weight(e) for e in entries])
+            page = lay.device.page_size
+            self._held_pages = sorted({
+                p for e in entries if e.size
+                for p in range(e.offset // page,
+                               (e.offset + e.size - 1) // page + 1)})
+            self._held_of = lay.weights
+        return self.held
+
+    def _held_evicted(self):
+        """True if a page of the held weights is not resident: another
+        model took it since. Their acquire would then refill them all
+        before the first unit; the per-unit path refills each under the
+        compute before it."""
+        pages = self._held_pages
+        if not pages:
+            return False
+        flags = self.vbar.residency(pages[-1] + 1)
+        return not all(flags[p] & _PAGE_RESIDENT for p in pages)
+
+    def wrap_root(self, fwd):
+        """The root module's forward: around an inference forward, the
+        held units' weights are acquired and their views set once."""
+        grad_enabled = torch.is_grad_enabled
+
+        @functools.wraps(fwd)
+        def forward(*args, **kwargs):
+            if (self.held is None or self.holding is not None
+                    or self.tuner.on or grad_enabled() or not self.hold()):
+                return fwd(*args, **kwargs)
+            try:
+                return fwd(*args, **kwargs)
+            finally:
+                self.unhold()
+
+        return forward
+
+    def hold(self):
+        """Acquire the held units' weights on the current stream and point
+        their tensors at them. False, nothing held, the units taking the
+        per-unit path: for this forward if a page of theirs was evicted
+        (_held_evicted) or a tensor was changed (enter() says how); until
+        the next schedule if the acquire fails or stages one (the budget
+        shrank since the schedule)."""
+        self._check_open()
+        units = self.held_units
+        for u in units:
+            for d, key, t, qual in u.slots:
+                if d.get(key) is not t:
+                    return False        # enter() says what changed
+            for e in u.entries:
+                if e.cur or e.tensor.data_ptr() != e.ph_ptr:
+                    return False
+        batch = self._held_batch()
+        if self._held_evicted():
+            return False
+        ds = self.ds
+        if ds.top is not self.handle:   # as enter() does; the first unit
+            self.vbar.prioritize()      # with a window sets it
+            ds.top = self.handle
+            self.device.set_lookahead(ds.base_lookahead)
+            ds.window = None
+        stream = self.stream()
+        # Its own prefetch would start after the last held weight: off;
+        # each held unit's call tops the window up as its acquire would.
+        prev = ds.window if ds.window is not None else ds.base_lookahead
+        self.device.set_lookahead(0)
+        try:
+            ptrs = batch.acquire(stream)
+        except Error:           # e.g. misses the ring cannot hold at once
+            self.set_held(())
+            return False        # the per-unit path meets it, if it stays
+        finally:
+            self.device.set_lookahead(prev)
+        flags = batch.flags
+        if not all(flags[i] & _RESIDENT for i in range(batch.n)):
+            batch.release(stream)
+            self.set_held(())
+            return False
+        target = self.target
+        self.holding = stream
+        try:
+            i = 0
+            for u in units:
+                for e in u.entries:
+                    p = ptrs[i]
+                    i += 1
+                    v = e.rview
+                    if v is None:
+                        v = e.rview = view(p, e.dtype, e.shape, target)
+                    e.tensor.data = v
+                    e.cur, e.curv = p, v
+            if ds.sync:
+                self.device.synchronize(stream)
+        except BaseException:
+            self.unhold()
+            raise
+        return True
+
+    def unhold(self):
+        """Placeholders back, and the held weights released on the stream
+        hold() took them on."""
+        stream = self.holding
+        if stream is None:
+            return
+        self.holding = None
+        for u in self.held_units:
+            for e in u.entries:
+                e.tensor.data = e.ph
+                e.cur = 0
+                e.curv = None
+        self.held.release(stream)
+
+    def run_held(self, unit, fwd, args, kwargs):
+        """A held unit's call: its window, the prefetch its acquire would
+        run, then its forward (with the out-of-memory retry)."""
+        win = unit.window
+        ds = self.ds
+        if win is not None and win != ds.window:
+            self.device.set_lookahead(win)
+            ds.window = win
+        unit.batch.prefetch()
+        try:
+            out = fwd(*args, **kwargs)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            first = str(e)  # not e: its frames hold the activations
+            out = self.retry(unit, fwd, args, kwargs, first)
+        return self.escapes(unit, out)
 
     def call(self, unit, fwd, args, kwargs):
         """fwd(*args, **kwargs), run once more after an out-of-memory

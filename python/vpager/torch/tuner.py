@@ -54,6 +54,14 @@ ROUNDS = 2
 LOST_CALLS = 64             # unit calls per unit in one forward, at most
 MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
+# Holding the wholly resident units for the whole forward (HotPath.hold)
+# saves each of their calls an acquire and a release (~5 us of host time
+# per unit on the H200's host, bench_torch section 5, 2026-12-01): done
+# when that adds up to HOLD_SHARE of the predicted forward (1536 small
+# layers: 7%; a Flux-class DiT's 202 units: 1%, left as they are).
+# VPAGER_HOLD=0 turns it off.
+UNIT_HOST = 5e-6
+HOLD_SHARE = 0.02
 # After the schedule: at a root forward's start, at most once a second,
 # the device's budget (what this device may commit: its limit, or free
 # memory less the headroom, which other processes and torch change) less
@@ -413,6 +421,26 @@ class Tuner:
                 if u is not None:
                     u.window = win
             self.ds.window = None
+        self._hold(units, sch)
+
+    def _hold(self, units, sch):
+        """Units held for the whole forward (HotPath.hold): those whose
+        weights are all resident, their own (no other unit lists one) and
+        no buffers (written back per call), where it pays (HOLD_SHARE)."""
+        count = {}
+        for u in units:
+            for e in (u.entries if u is not None else ()):
+                count[id(e)] = count.get(id(e), 0) + 1
+        flat = self._costs({})[3]       # the order of sch.resident
+        resident = {id(e): r for e, r in zip(flat, sch.resident)}
+        held = [u for u in units if u is not None and u.entries
+                and not u.buffers
+                and all(resident.get(id(e)) and count[id(e)] == 1
+                        for e in u.entries)]
+        if (os.environ.get("VPAGER_HOLD") == "0"
+                or len(held) * UNIT_HOST < HOLD_SHARE * sch.predicted):
+            held = []
+        self.handle._hot.set_held(held)
 
     def _log(self, sch, ring, units, w):
         if os.environ.get("VPAGER_SCHEDULE_LOG"):

@@ -68,7 +68,7 @@ class Unit:
 
     __slots__ = ("prefix", "name", "module", "entries", "slots", "buffers",
                  "batch", "depth", "saved_forward", "had_forward", "pack",
-                 "window")
+                 "window", "held")
 
     def __init__(self, prefix, module):
         self.prefix = prefix    # qualified name in the offloaded module
@@ -83,6 +83,7 @@ class Unit:
         self.had_forward = False
         self.pack = None
         self.window = None      # prefetch lookahead at its acquire (tuner)
+        self.held = False       # acquired with the root forward (tuner)
 
 
 def managed_buffer(owner, name, buf):
