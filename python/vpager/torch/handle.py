@@ -387,7 +387,8 @@ class Offloaded:
         resident_weights, staging (the ring), link (bytes/s),
         planned_for (the device budget it was made for), replans (times
         made again since, for another budget), windows (lookahead bytes
-        per unit, placement order, or None)."""
+        per unit, placement order, or None), held_units (units acquired
+        once per inference forward: HotPath.hold)."""
         t = self._tuner
         if t is None or t.schedule is None:
             return None
@@ -397,6 +398,7 @@ class Offloaded:
                 "streamed_bytes": sch.streamed,
                 "resident_bytes": sch.resident_bytes,
                 "resident_weights": sum(sch.resident),
+                "held_units": len(self._hot.held_units),
                 "staging": t.ring, "link": t.link,
                 "planned_for": t.planned_for, "replans": t.replans,
                 "windows": list(sch.window) if t.windows else None}

@@ -19,10 +19,10 @@ import torch
 
 from .. import _lib
 from ..errors import Error
+from ..weights import WeightBatch
 from .devices import (LEARN_EVERY, cuda_index, learn_headroom,
                       raise_oom_margin)
 from .layout import ALL
-from ..weights import WeightBatch
 from .units import OPEN, refuse_copy
 from .views import view
 

@@ -446,10 +446,10 @@ class Tuner:
         if os.environ.get("VPAGER_SCHEDULE_LOG"):
             sys.stderr.write(
                 "vpager.torch schedule (forward %d): %r; ring %d; link %.2f "
-                "GB/s; units %d; work %.3f ms; windows (KiB) %s\n" % (
-                    self.rounds, sch, ring, self.link / 1e9, len(units),
-                    sum(w) * 1e3,
-                    " ".join("%d" % (x >> 10) for x in sch.window[:48])))
+                "GB/s; units %d (%d held); work %.3f ms; windows (KiB) %s\n"
+                % (self.rounds, sch, ring, self.link / 1e9, len(units),
+                   len(self.handle._hot.held_units), sum(w) * 1e3,
+                   " ".join("%d" % (x >> 10) for x in sch.window[:48])))
 
     def warm(self, entries, resident, ring, window):
         """Fill the resident set now, at the end of the measured forward,
