@@ -1486,6 +1486,8 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                     other = (beside or {}).get(fn)
                     if other is not None:
                         r["paired"] = _paired(ctx, fwd, other)
+                    if h._hot.held_units:
+                        r["held_pair"] = _held_pair(ctx, fwd, h)
                 n = len(ts)
                 d = stats_delta(s1, s2)
                 dd = stats_delta(s1["device"], s2["device"])
@@ -1550,6 +1552,35 @@ def _paired(ctx, fwd, other):
         b += ctx.series(other, PAIR_ITERS)[0]
         a += ctx.series(fwd, PAIR_ITERS)[0]
     return {"ms": med(a), "other_ms": med(b), "all_ms": a, "other_all_ms": b}
+
+
+def _held_pair(ctx, fwd, h):
+    """Medians (ms) of fwd() with the schedule's held units held and with
+    every unit on the per-unit path (HotPath.set_held(()), as
+    VPAGER_HOLD=0), in alternating blocks: the in-run baseline of
+    holding."""
+    hot = h._hot
+    held = hot.held_units
+    a, b = [], []
+    try:
+        for _ in range(PAIR_BLOCKS):
+            hot.set_held(())
+            b += ctx.series(fwd, PAIR_ITERS)[0]
+            hot.set_held(held)
+            a += ctx.series(fwd, PAIR_ITERS)[0]
+    finally:
+        hot.set_held(held)
+    return {"ms": med(a), "per_unit_ms": med(b), "ratio": med(a) / med(b),
+            "held": len(held)}
+
+
+def _held_line(fn, r):
+    p = r.get("held_pair")
+    if p:
+        say("   budget %s: %d units held: %.2f ms, per-unit path %.2f ms "
+            "(held / per-unit %.3f, %d alternating blocks of %d)" % (
+                fn, p["held"], p["ms"], p["per_unit_ms"], p["ratio"],
+                PAIR_BLOCKS, PAIR_ITERS))
 
 
 def _i13_targets(name, rows, goals):
@@ -1708,6 +1739,7 @@ def bench_small(ctx, cfg):
     del host_ws, dev_ws, pool
     ctx.empty_cache()
     for fn, r in rows:
+        _held_line(fn, r)
         hr = hand.get(fn)
         if hr and "paired" in r:
             r["vs_hand_apart"] = r["ms"] / hr["ms"]

@@ -63,6 +63,8 @@ def test_issue13_sections_dry_run():
             assert r["copied_bytes"] > 0, (name, fn)
             assert r["limit_ms"] >= sec["resident_ms"]
             held = r["held"]        # acquired together, once
+            if held:
+                assert r["held_pair"]["ratio"] > 0, r
             assert r["wait_ms"] >= 0 and \
                 r["waits_probed"] == r["units"] - held + (held > 0), r
     for fn in FRACS:
