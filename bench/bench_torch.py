@@ -1859,6 +1859,8 @@ def main():
     ap.add_argument("--small", action="store_true",
                     help="sections 4-6 (issue 13) at tiny sizes on any "
                     "device (as --dry-run sizes them)")
+    ap.add_argument("--small-layers", type=int,
+                    help="section 5: layers (1536; 96 with --dry-run)")
     ap.add_argument("--iters", type=int,
                     help="sections 4-6: timed forwards per variant (3)")
     ap.add_argument("--budgets", default="",
@@ -1876,6 +1878,8 @@ def main():
     if args.budgets.strip():
         cfg.i13_fracs = tuple(float(x) for x in args.budgets.split(",")
                               if x.strip())
+    if args.small_layers:
+        cfg.small["layers"] = max(1, args.small_layers)
     if args.llama_layers:
         cfg.llama["layers"] = args.llama_layers
     if args.decode:

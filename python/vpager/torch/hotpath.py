@@ -114,8 +114,10 @@ class HotPath:
                 recorder.record(unit)
             if unit.depth:              # the unit calls itself: weights set
                 return fwd(*args, **kwargs)
-            if unit.held and self.holding is not None:
+            if unit.held and self.holding is not None \
+                    and self.stream() == self.holding:
                 return run_held(unit, fwd, args, kwargs)
+            # (on another stream: acquired there too, as any unit)
             stream, prev = enter(unit)
             unit.depth = 1
             ok = False
