@@ -9,6 +9,7 @@ Outputs are compared bitwise (torch.equal) with a deep copy of the model
 run with ordinary, resident weights.
 """
 
+import contextlib
 import copy
 import ctypes
 import gc
@@ -68,6 +69,21 @@ def frozen_copy(model):
 
 def delta(after, before, *keys):
     return {k: after[k] - before[k] for k in keys}
+
+
+@contextlib.contextmanager
+def environ(**env):
+    """os.environ with `env` set, restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def no_pins(h):
@@ -330,9 +346,7 @@ def test_schedule_by_time():
     for kw, env, order in (({"order": "tail"}, {}, "tail"),
                            ({}, {"VPAGER_SCHEDULE": "0"}, "interleaved"),
                            ({"lookahead": 64 * K}, {}, "scheduled")):
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environ(**env):
             o = dict(opts, **kw)
             h = vt.offload(m, device="cpu", budget=900 * K,
                            staging_size=320 * K, **o)
@@ -343,12 +357,6 @@ def test_schedule_by_time():
                 assert h.schedule()["windows"] is None
                 assert not any(u.window for u in h._layout.units)
             h.unload()
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _scheduled_mlp():
@@ -657,11 +665,13 @@ def test_two_models_alternating_on_one_device():
         dev.close()
 
 
-def _held_setup(**env):
-    """48 small layers (tanh(x W), 16 KiB each: each unit's acquire is a
-    share of its time) offloaded with half their bytes as the budget and
-    scheduled by three no-grad forwards, with `env` set while it is:
-    (m, x, want, h, a resident copy)."""
+def _held_setup(share=0.0, **env):
+    """48 small layers (tanh(x W), 16 KiB each) offloaded with half their
+    bytes as the budget and scheduled by three no-grad forwards, with
+    `env` set and tuner.HOLD_SHARE = share (0: hold whatever qualifies,
+    however long this machine's forward) while it is: (m, x, want, h, a
+    resident copy)."""
+    from vpager.torch import tuner
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64, bias=False),
                                       nn.Tanh()) for _ in range(48)]).eval()
@@ -670,20 +680,18 @@ def _held_setup(**env):
     want = ref(x)
     opts = dict(sim_opts(), page_size=PAGE)
     del opts["lookahead"]               # windows by the schedule
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    real = tuner.HOLD_SHARE
+    tuner.HOLD_SHARE = share
     try:
-        h = vt.offload(m, device="cpu", budget=48 * 16 * K // 2 + 2 * PAGE,
-                       staging_size=128 * K, **opts)
-        with torch.no_grad():
-            for _ in range(3):
-                assert torch.equal(m(x), want)
+        with environ(**env):
+            h = vt.offload(m, device="cpu",
+                           budget=48 * 16 * K // 2 + 2 * PAGE,
+                           staging_size=128 * K, **opts)
+            with torch.no_grad():
+                for _ in range(3):
+                    assert torch.equal(m(x), want)
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        tuner.HOLD_SHARE = real
     assert h.order == "scheduled"
     assert h.schedule()["streamed_bytes"] > 0
     return m, x, want, h, ref
@@ -695,7 +703,8 @@ def test_resident_units_held_for_the_forward():
     one release at its end; each held unit only tops prefetch up):
     bitwise equal, steady, nothing pinned after; a held unit called on
     its own, a forward with autograd on and a forward that raises take
-    the per-unit path; VPAGER_HOLD=0 holds none."""
+    the per-unit path; VPAGER_HOLD=0 holds none, nor does a schedule
+    whose units' acquires are too small a share of its forward."""
     m, x, want, h, ref = _held_setup()
     hot = h._hot
     held = hot.held_units
@@ -749,9 +758,11 @@ def test_resident_units_held_for_the_forward():
         assert torch.equal(m(x), want)
     h.unload()
     assert torch.equal(m(x), want)
-    m, x, want, h, ref = _held_setup(VPAGER_HOLD="0")
-    assert not h._hot.held_units and h._hot.held is None
-    h.unload()
+    for kw in ({"VPAGER_HOLD": "0"}, {"share": 1e9}):
+        m, x, want, h, ref = _held_setup(**kw)
+        assert not h._hot.held_units and h._hot.held is None, kw
+        assert h.schedule()["held_units"] == 0
+        h.unload()
 
 
 def test_held_units_fall_back_when_not_resident():
