@@ -556,6 +556,7 @@ class Offloaded:
             return
         self._idle("close")
         self._state = CLOSED
+        self._hot.set_held(())
         with torch.no_grad(), torch.inference_mode(False):
             self._hot.staged.clear()
             for e in self._layout.entries:

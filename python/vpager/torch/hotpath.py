@@ -382,14 +382,7 @@ class HotPath:
             self.device.set_lookahead(win)
             ds.window = win
         unit.batch.prefetch()
-        try:
-            out = fwd(*args, **kwargs)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            first = str(e)  # not e: its frames hold the activations
-            out = self.retry(unit, fwd, args, kwargs, first)
-        return self.escapes(unit, out)
+        return self.escapes(unit, self.call(unit, fwd, args, kwargs))
 
     def call(self, unit, fwd, args, kwargs):
         """fwd(*args, **kwargs), run once more after an out-of-memory
