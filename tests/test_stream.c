@@ -578,6 +578,29 @@ TEST(stream_prefetch_wraps, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* Four one-page weights created in order at VBAR pages page_of[i] (of a
+ * VBAR of 4 pages), each from its page of a new host buffer whose bytes
+ * are i * mul + add; *buf gets that buffer (the caller frees it). */
+static vp_vbar_t four_pages(vp_device_t dev, uint64_t ps,
+                            const uint64_t page_of[4], unsigned mul,
+                            unsigned add, unsigned char **buf,
+                            vp_weight_t w[4]) {
+  vp_vbar_t v;
+  ASSERT_OK(vp_vbar_create(dev, 4 * ps, &v));
+  unsigned char *b = malloc(4 * ps);
+  ASSERT_TRUE(b != NULL);
+  for (uint64_t i = 0; i < 4 * ps; i++) b[i] = (unsigned char)(i * mul + add);
+  uint64_t off[4], size[4] = {ps, ps, ps, ps};
+  vp_source_t src[4];
+  for (int i = 0; i < 4; i++) {
+    off[i] = page_of[i] * ps;
+    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = b + i * ps};
+  }
+  ASSERT_OK(vp_weights_create(v, 4, off, size, src, w));
+  *buf = b;
+  return v;
+}
+
 /* Prefetch looks ahead in the order the weights were created (the order
  * of use), not by offset: weights A, B, C, D made at pages 0, 2, 1, 3. */
 TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
@@ -586,17 +609,10 @@ TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
   uint64_t ps = o.page_size;
   o.lookahead = ps;
   vp_device_t dev = test_open_cap(ctx, &o, 16);
-  vp_vbar_t v;
-  ASSERT_OK(vp_vbar_create(dev, 4 * ps, &v));
-  unsigned char *buf = malloc(4 * ps);
-  ASSERT_TRUE(buf != NULL);
-  for (uint64_t i = 0; i < 4 * ps; i++) buf[i] = (unsigned char)(i * 7 + 3);
-  uint64_t off[4] = {0, 2 * ps, ps, 3 * ps}, size[4] = {ps, ps, ps, ps};
-  vp_source_t src[4];
+  static const uint64_t pages[4] = {0, 2, 1, 3};
+  unsigned char *buf;
   vp_weight_t w[4];
-  for (int i = 0; i < 4; i++)
-    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
-  ASSERT_OK(vp_weights_create(v, 4, off, size, src, w));
+  vp_vbar_t v = four_pages(dev, ps, pages, 7, 3, &buf, w);
   uint64_t p = 0;
   uint8_t f = 0;
   static const char *after[4] = {"#.#.", "###.", "####", "####"};
@@ -629,17 +645,10 @@ TEST(stream_prefetch_without_acquire, TEST_ALL_BACKENDS) {
   uint64_t ps = o.page_size;
   o.lookahead = ps;
   vp_device_t dev = test_open_cap(ctx, &o, 16);
-  vp_vbar_t v;
-  ASSERT_OK(vp_vbar_create(dev, 4 * ps, &v));
-  unsigned char *buf = malloc(4 * ps);
-  ASSERT_TRUE(buf != NULL);
-  for (uint64_t i = 0; i < 4 * ps; i++) buf[i] = (unsigned char)(i * 5 + 1);
-  uint64_t off[4] = {0, ps, 2 * ps, 3 * ps}, size[4] = {ps, ps, ps, ps};
-  vp_source_t src[4];
+  static const uint64_t pages[4] = {0, 1, 2, 3};
+  unsigned char *buf;
   vp_weight_t w[4];
-  for (int i = 0; i < 4; i++)
-    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
-  ASSERT_OK(vp_weights_create(v, 4, off, size, src, w));
+  vp_vbar_t v = four_pages(dev, ps, pages, 5, 1, &buf, w);
   uint64_t p = 0;
   uint8_t f = 0;
   ASSERT_OK(vp_acquire(dev, &w[0], 1, 0, &p, &f));
