@@ -996,6 +996,44 @@ def test_replaced_in_execution_order():
         assert torch.equal(run(m), want)
 
 
+def test_held_units_in_the_node():
+    """The schedule's held units (tuner.HOLD_SHARE 0 here: hold whatever
+    qualifies) under the node: bitwise, steady, and a patch between
+    prompts refills the patched weight, held or not."""
+    from vpager.torch import tuner
+    real = tuner.HOLD_SHARE
+    tuner.HOLD_SHARE = 0.0
+    try:
+        with env(capacity=1 << 20, staging=128 * K) as e:
+            m = Holder(Twisted())
+            ref = frozen(m)
+            want = run(ref)
+            p = e.patcher(m)
+            p.partially_load(CPU)
+            pager = m._vpager_pager
+            for _ in range(3):
+                assert torch.equal(run(m), want)
+            hot = pager.h._hot
+            assert pager.h.schedule()["held_units"] == len(hot.held_units)
+            assert hot.held_units, pager.h.schedule()
+            fills = pager.vbar.stats()["weight_fills"]
+            for _ in range(2):
+                assert torch.equal(run(m), want)
+            assert pager.vbar.stats()["weight_fills"] == fills   # steady
+            assert hot.holding is None
+            u = hot.held_units[0]
+            key = u.entries[0].name     # named from the model
+            w = dict(ref.named_parameters())[key]
+            d = torch.randn(w.shape) * 0.01
+            q = p.clone()
+            q.add_patches({key: ("diff", (d,))})
+            q.partially_load(CPU)
+            w.data += d
+            assert torch.equal(run(m), run(ref))
+    finally:
+        tuner.HOLD_SHARE = real
+
+
 def test_oom_retry():
     """An out-of-memory error inside a unit: vpager's unpinned pages are
     evicted and the op runs once more."""
