@@ -1745,10 +1745,17 @@ static void w_vbar_create(fz_reader_t *r) {
   int rc = W(false, vp_vbar_create(d, size, (b & 0x40) && b > 250 ? NULL : &v),
              "dev 0x%llx, %llu", X(d.id), X(size));
   if (rc) return;
-  push(&wl.vbar, v.id);
   uint64_t base = 0, sz = 0;
   W(false, vp_vbar_base(v, &base), "0x%llx", X(v.id));
   W(false, vp_vbar_size(v, &sz), "0x%llx", X(v.id));
+  /* VP_DEBUG's check after every call walks every page table: a VBAR of
+   * millions of pages made each later call of the input take 0.1 s (an
+   * input of 27 s, past -timeout=20). Made, looked at, given back. */
+  if (sz / g.cfg.page > (1u << 18)) {
+    W(false, vp_vbar_destroy(v), "0x%llx (huge)", X(v.id));
+    return;
+  }
+  push(&wl.vbar, v.id);
   if (wl.nvb < 32) wl.vb[wl.nvb++] = (struct wvb){v.id, base, sz};
 }
 
