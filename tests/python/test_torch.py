@@ -736,6 +736,26 @@ def test_resident_units_held_for_the_forward():
     seen[:] = []
     assert torch.equal(m(x), want)
     assert seen == [(False, False)], seen
+    # Autograd turned on inside a held forward: that call is acquired as
+    # any unit's, so what autograd saves of the weight is a copy (the
+    # backward runs after the pages went).
+    lin = held[-1].module
+    calls = []
+
+    def inner(mod, args):
+        xi = torch.randn(4, lin.in_features, requires_grad=True)
+        with torch.enable_grad():
+            calls.append((xi, lin(xi)))
+    hook2 = m[0].register_forward_pre_hook(inner)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    hook2.remove()
+    assert h.free_memory(1 << 40) > 0
+    xi, y = calls[0]
+    y.sum().backward()
+    xr = xi.detach().clone().requires_grad_(True)
+    dict(ref.named_modules())[held[-1].name](xr).sum().backward()
+    assert torch.equal(xi.grad, xr.grad)
     # A forward that raises gives everything back.
     boom = m[-1].register_forward_hook(
         lambda *a: (_ for _ in ()).throw(ValueError("boom")))

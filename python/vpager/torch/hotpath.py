@@ -115,9 +115,10 @@ class HotPath:
             if unit.depth:              # the unit calls itself: weights set
                 return fwd(*args, **kwargs)
             if unit.held and self.holding is not None \
-                    and self.stream() == self.holding:
+                    and not grad_enabled() and self.stream() == self.holding:
                 return run_held(unit, fwd, args, kwargs)
-            # (on another stream: acquired there too, as any unit)
+            # (autograd turned on inside the forward, or another stream:
+            # acquired again here, as any unit, its saved tensors copied)
             stream, prev = enter(unit)
             unit.depth = 1
             ok = False
