@@ -940,17 +940,23 @@ def exec_order_keys(m):
     return keys
 
 
+def loaded_twisted(e):
+    """A Twisted diffusion model in a Holder, loaded through the node on
+    env e: (model, a resident copy, its output, patcher, pager)."""
+    m = Holder(Twisted())
+    ref = frozen(m)
+    want = run(ref)
+    p = e.patcher(m)
+    p.partially_load(CPU)
+    return m, ref, want, p, m._vpager_pager
+
+
 def test_replaced_in_execution_order():
     """After the first forward the weights lie in the order the units ran:
     at the end of the diffusion model's forward (its forward hook), and
     for a model whose root forward does not run, at its next load."""
     with env(capacity=1 << 20, staging=128 * K) as e:
-        m = Holder(Twisted())
-        ref = frozen(m)
-        want = run(ref)
-        p = e.patcher(m)
-        p.partially_load(CPU)
-        pager = m._vpager_pager
+        m, ref, want, p, pager = loaded_twisted(e)
         before = [k for k, _, _ in pager.layout()]
         assert before[0] == "diffusion_model.ups.0.weight"
         assert torch.equal(run(m), want)        # records, then re-places
@@ -1005,12 +1011,7 @@ def test_held_units_in_the_node():
     tuner.HOLD_SHARE = 0.0
     try:
         with env(capacity=1 << 20, staging=128 * K) as e:
-            m = Holder(Twisted())
-            ref = frozen(m)
-            want = run(ref)
-            p = e.patcher(m)
-            p.partially_load(CPU)
-            pager = m._vpager_pager
+            m, ref, want, p, pager = loaded_twisted(e)
             for _ in range(3):
                 assert torch.equal(run(m), want)
             hot = pager.h._hot
