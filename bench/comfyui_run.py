@@ -820,9 +820,14 @@ def child_sample(a):
         marks = []
         starts.clear()
 
+        vstats = getattr(p, "vpager_stats", None) if STEP_STATS else None
+        snaps = [vstats()] if vstats is not None else []
+
         def cb(step, x0, x, total_steps):
             torch.cuda.synchronize()
             marks.append(time.perf_counter())
+            if vstats is not None:
+                snaps.append(vstats())
 
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
@@ -841,6 +846,8 @@ def child_sample(a):
                                   if marks and starts else None),
              "torch_peak_reserved": torch.cuda.max_memory_reserved()}
         r.update(memory(p, torch))
+        if len(snaps) > 1:
+            say_step_stats(label, r["steps_ms"], snaps)
         if a.lora:
             n, b, k = patch_change(prev, p)
             r["patch_changed"] = {"weights": n, "bytes": b, "patched": k}
@@ -893,6 +900,25 @@ def memory(patcher, torch):
 
 
 # ----------------------------------------------------------- orchestrator
+
+# VPAGER_BENCH_STEP_STATS=1: a vpager child prints, per step, what its
+# pager's counters moved by (to find what differs between steps).
+STEP_STATS = os.environ.get("VPAGER_BENCH_STEP_STATS") == "1"
+STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
+             "prefetch_bytes", "prefetch_dropped_bytes", "ring_waits",
+             "stream_waits", "evict_waits", "pages_evicted", "weight_fills")
+
+
+def say_step_stats(label, steps_ms, snaps):
+    for i in range(1, len(snaps)):
+        a, b = snaps[i - 1], snaps[i]
+        if a is None or b is None:  # the pager is made in the first step
+            continue
+        say("    step %d (%s): %.1f ms; %s" % (
+            i, label, steps_ms[i - 1], " ".join(
+                "%s %d" % (k, b[k] - a[k]) for k in STEP_KEYS
+                if k in a and k in b)))
+
 
 def child_env(a, more_path=()):
     """The environment of a child run: ComfyUI and its deps (and
