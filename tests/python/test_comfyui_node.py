@@ -477,6 +477,38 @@ def test_outputs_bitwise_and_paging():
         assert "forward" in m.diffusion_model.blocks[0].up.__dict__
 
 
+def test_bench_step_stats():
+    """bench/comfyui_run.py's VPAGER_BENCH_STEP_STATS lines: one per step
+    whose counters were read before and after it (the pager is made in the
+    first step: None before), from counters vpager_stats() has."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import comfyui_run
+    finally:
+        sys.path.pop(0)
+    with env() as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        snaps = [None]
+        for _ in range(2):
+            run(m)
+            snaps.append(p.vpager_stats())
+    missing = [k for k in comfyui_run.STEP_KEYS if k not in snaps[1]]
+    assert not missing, missing
+    lines = []
+    real = comfyui_run.say
+    comfyui_run.say = lines.append
+    try:
+        comfyui_run.say_step_stats("rep0", [5.0, 2.0], snaps)
+    finally:
+        comfyui_run.say = real
+    assert len(lines) == 1 and lines[0].startswith("    step 2 (rep0): "
+                                                   "2.0 ms; misses "), lines
+    assert "misses %d " % (snaps[2]["misses"] - snaps[1]["misses"]) in \
+        lines[0]
+
+
 def test_ledger():
     with env(capacity=4 << 20) as e:
         m = DiT()
