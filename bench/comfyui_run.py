@@ -74,6 +74,8 @@ import sys
 import tempfile
 import time
 
+import step_timeline
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 GiB, MiB = 1 << 30, 1 << 20
@@ -822,12 +824,16 @@ def child_sample(a):
 
         vstats = getattr(p, "vpager_stats", None) if STEP_STATS else None
         snaps = [vstats()] if vstats is not None else []
+        tl = step_timeline.StepTimeline(torch, p.model.diffusion_model,
+                                        TIMELINE) if TIMELINE else None
 
         def cb(step, x0, x, total_steps):
             torch.cuda.synchronize()
             marks.append(time.perf_counter())
             if vstats is not None:
                 snaps.append(vstats())
+            if tl is not None:
+                tl.step_done(step)
 
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
@@ -848,6 +854,12 @@ def child_sample(a):
         r.update(memory(p, torch))
         if len(snaps) > 1:
             say_step_stats(label, r["steps_ms"], snaps)
+        if tl is not None:
+            tl.remove()
+            if tl.rows:
+                say(step_timeline.TAG + json.dumps(
+                    {"label": "%s, rep %d, step %d" % (label, rep, TIMELINE),
+                     "rows": tl.rows}))
         if a.lora:
             n, b, k = patch_change(prev, p)
             r["patch_changed"] = {"weights": n, "bytes": b, "patched": k}
@@ -904,6 +916,9 @@ def memory(patcher, torch):
 # VPAGER_BENCH_STEP_STATS=1: a vpager child prints, per step, what its
 # pager's counters moved by (to find what differs between steps).
 STEP_STATS = os.environ.get("VPAGER_BENCH_STEP_STATS") == "1"
+# VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
+# (bench/step_timeline.py, which also compares two runs' logs).
+TIMELINE = int(os.environ.get("VPAGER_BENCH_TIMELINE", "0") or 0)
 STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
              "prefetch_bytes", "prefetch_dropped_bytes", "ring_waits",
              "stream_waits", "evict_waits", "pages_evicted", "weight_fills")

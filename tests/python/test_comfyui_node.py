@@ -18,6 +18,7 @@ fallback decisions with their one log line.
 import contextlib
 import copy
 import gc
+import importlib
 import logging
 import os
 import sys
@@ -477,15 +478,19 @@ def test_outputs_bitwise_and_paging():
         assert "forward" in m.diffusion_model.blocks[0].up.__dict__
 
 
+def bench_module(name):
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def test_bench_step_stats():
     """bench/comfyui_run.py's VPAGER_BENCH_STEP_STATS lines: one per step
     whose counters were read before and after it (the pager is made in the
     first step: None before), from counters vpager_stats() has."""
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    try:
-        import comfyui_run
-    finally:
-        sys.path.pop(0)
+    comfyui_run = bench_module("comfyui_run")
     with env() as e:
         m = DiT()
         p = e.patcher(m)
@@ -507,6 +512,34 @@ def test_bench_step_stats():
                                                    "2.0 ms; misses "), lines
     assert "misses %d " % (snaps[2]["misses"] - snaps[1]["misses"]) in \
         lines[0]
+
+
+def test_bench_step_timeline():
+    """bench/step_timeline.py (VPAGER_BENCH_TIMELINE) on the node's units:
+    only the step asked for is marked, every call of a module with weights
+    of its own in call order, and compare() ranks the growth."""
+    st = bench_module("step_timeline")
+    with env() as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        tl = st.StepTimeline(torch, m.diffusion_model, 2)
+        for step in range(3):
+            run(m)
+            tl.step_done(step)
+            assert (tl.rows is not None) == (step >= 1), step
+        tl.remove()
+        run(m)
+    names = [r["name"] for r in tl.rows]
+    want = ["blocks.%d.%s" % (i, k) for i in range(6)
+            for k in ("norm", "up", "down")]
+    assert names == want + ["(after the last call)"], names
+    assert all(r["ms"] >= 0 and r["gap_ms"] >= 0 for r in tl.rows)
+    slower = [dict(r) for r in tl.rows]
+    slower[3]["ms"] += 50.0
+    lines = st.compare(tl.rows, slower, top=3)
+    assert lines[0].startswith("step: ") and len(lines) == 5, lines
+    assert lines[2].split()[0] == "blocks.1.norm", lines
 
 
 def test_ledger():

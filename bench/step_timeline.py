@@ -1,0 +1,173 @@
+"""One sampling step's timeline, module by module: where a paged run's step
+spends the time a resident run's does not.
+
+bench/comfyui_run.py, with VPAGER_BENCH_TIMELINE=N, times step N (1 is the
+first) of every prompt: a mark (a CUDA event on the current stream, or the
+host clock on the CPU) before and after each call of a module that holds
+parameters of its own, and prints the rows as one line of TAG + JSON in the
+child's log. A call's time includes what its forward waits for on the
+device (a vpager unit's copies); the gap before it is what ran between
+(attention, norms, the host's own stalls).
+
+    python3 bench/step_timeline.py RESIDENT_LOG NODE_LOG [--top 20]
+
+compares two such logs (e.g. run_resident.log and run_node6.log of
+integrations/comfyui/bench_node.py): totals, and the modules whose time
+grew the most.
+"""
+import argparse
+import json
+import sys
+import time
+
+TAG = "COMFYUI_TIMELINE "
+
+
+class StepTimeline:
+    """Hooks on `model`'s modules with parameters of their own, marking
+    calls only during step `step` (step_done() is told when each step
+    ends)."""
+
+    def __init__(self, torch, model, step):
+        self.torch = torch
+        self.cuda = torch.cuda.is_available() and any(
+            p.is_cuda for p in model.parameters())
+        self.step = step
+        self.on = step == 1         # step 1 starts with the sampling
+        self.start = None           # the step's start mark (None: step 1)
+        self.calls = []             # [name, start mark, end mark]
+        self.rows = None
+        self.hooks = []
+        for name, m in model.named_modules():
+            if next(m.parameters(recurse=False), None) is None:
+                continue
+            self.hooks.append(m.register_forward_pre_hook(
+                self._before(name)))
+            self.hooks.append(m.register_forward_hook(self._after))
+
+    def _mark(self):
+        if self.cuda:
+            ev = self.torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _ms(self, a, b):
+        if self.cuda:
+            return a.elapsed_time(b)
+        return (b - a) * 1e3
+
+    def _before(self, name):
+        def hook(_module, _args):
+            if self.on:
+                self.calls.append([name, self._mark(), None])
+        return hook
+
+    def _after(self, _module, _args, _out):
+        if self.on:
+            for c in reversed(self.calls):      # the innermost open call
+                if c[2] is None:
+                    c[2] = self._mark()
+                    break
+
+    def step_done(self, step):
+        """Step `step` (0-based, as ComfyUI's callback counts) ended."""
+        if self.on:
+            self.on = False
+            end = self._mark()
+            if self.cuda:
+                end.synchronize()
+            self.rows = self._rows(end)
+        elif step + 2 == self.step:
+            self.on = True
+            self.start = self._mark()
+
+    def _rows(self, end):
+        calls = [c for c in self.calls if c[2] is not None]
+        self.calls = []
+        if not calls:
+            return []
+        prev = self.start if self.start is not None else calls[0][1]
+        rows = []
+        for name, a, b in calls:
+            rows.append({"name": name, "gap_ms": max(self._ms(prev, a), 0.0),
+                         "ms": max(self._ms(a, b), 0.0)})
+            prev = b
+        rows.append({"name": "(after the last call)",
+                     "gap_ms": max(self._ms(prev, end), 0.0), "ms": 0.0})
+        return rows
+
+    def remove(self):
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+def summary(rows):
+    """(total ms, time in calls, time in gaps)."""
+    calls = sum(r["ms"] for r in rows)
+    gaps = sum(r["gap_ms"] for r in rows)
+    return calls + gaps, calls, gaps
+
+
+def by_name(rows):
+    """name -> [ms, gap ms, calls] summed over the step's calls."""
+    out = {}
+    for r in rows:
+        t = out.setdefault(r["name"], [0.0, 0.0, 0])
+        t[0] += r["ms"]
+        t[1] += r["gap_ms"]
+        t[2] += 1
+    return out
+
+
+def read(path):
+    """The last timeline a child log holds: (label, rows)."""
+    found = None
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith(TAG):
+                found = json.loads(line[len(TAG):])
+    if found is None:
+        raise SystemExit("%s: no %sline (run with VPAGER_BENCH_TIMELINE=N)"
+                         % (path, TAG.strip()))
+    return found["label"], found["rows"]
+
+
+def compare(a_rows, b_rows, top=20):
+    """Lines comparing timeline b with timeline a."""
+    ta, ca, ga = summary(a_rows)
+    tb, cb, gb = summary(b_rows)
+    out = ["step: %.2f ms -> %.2f ms (calls %.2f -> %.2f, gaps %.2f -> "
+           "%.2f)" % (ta, tb, ca, cb, ga, gb)]
+    a, b = by_name(a_rows), by_name(b_rows)
+    deltas = []
+    for name, (ms, gap, n) in b.items():
+        ms0, gap0, _ = a.get(name, (0.0, 0.0, 0))
+        deltas.append((ms + gap - ms0 - gap0, name, ms0, ms, gap0, gap, n))
+    deltas.sort(reverse=True)
+    out.append("%-48s %9s %9s %9s %9s %6s" % (
+        "module (largest growth first)", "ms a", "ms b", "gap a", "gap b",
+        "calls"))
+    for d, name, ms0, ms, gap0, gap, n in deltas[:top]:
+        out.append("%-48s %9.3f %9.3f %9.3f %9.3f %6d" % (
+            name[-48:], ms0, ms, gap0, gap, n))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("a", help="the baseline's child log (resident)")
+    p.add_argument("b", help="the compared child log (the node's)")
+    p.add_argument("--top", type=int, default=20)
+    a = p.parse_args(argv)
+    la, ra = read(a.a)
+    lb, rb = read(a.b)
+    print("a: %s (%s), b: %s (%s)" % (a.a, la, a.b, lb))
+    for line in compare(ra, rb, a.top):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
