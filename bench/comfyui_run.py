@@ -81,6 +81,27 @@ ROOT = os.path.dirname(HERE)
 GiB, MiB = 1 << 30, 1 << 20
 TAG = "COMFYUI_RUN "          # children print their result as TAG + JSON
 
+
+def _step_env(name):
+    v = os.environ.get(name, "").strip()
+    if v in ("", "0"):
+        return 0
+    if not v.isdigit():
+        raise SystemExit("%s=%r: give a step number (1 is the first) or 0"
+                         % (name, v))
+    return int(v)
+
+
+# VPAGER_BENCH_STEP_STATS=1: a vpager child prints, per step, what its
+# pager's counters moved by (to find what differs between steps).
+STEP_STATS = os.environ.get("VPAGER_BENCH_STEP_STATS") == "1"
+STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
+             "prefetch_bytes", "prefetch_dropped_bytes", "ring_waits",
+             "stream_waits", "evict_waits", "pages_evicted", "weight_fills")
+# VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
+# (bench/step_timeline.py, which also compares two runs' logs).
+TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
+
 # ComfyUI's library-mode needs (import name, what provides it).
 NEEDS = [
     ("torch", "PyTorch >= 2.8 with CUDA"), ("numpy", "numpy"),
@@ -912,17 +933,6 @@ def memory(patcher, torch):
 
 
 # ----------------------------------------------------------- orchestrator
-
-# VPAGER_BENCH_STEP_STATS=1: a vpager child prints, per step, what its
-# pager's counters moved by (to find what differs between steps).
-STEP_STATS = os.environ.get("VPAGER_BENCH_STEP_STATS") == "1"
-# VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
-# (bench/step_timeline.py, which also compares two runs' logs).
-TIMELINE = int(os.environ.get("VPAGER_BENCH_TIMELINE", "0") or 0)
-STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
-             "prefetch_bytes", "prefetch_dropped_bytes", "ring_waits",
-             "stream_waits", "evict_waits", "pages_evicted", "weight_fills")
-
 
 def say_step_stats(label, steps_ms, snaps):
     for i in range(1, len(snaps)):

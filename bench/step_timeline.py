@@ -26,7 +26,8 @@ TAG = "COMFYUI_TIMELINE "
 class StepTimeline:
     """Hooks on `model`'s modules with parameters of their own, marking
     calls only during step `step` (step_done() is told when each step
-    ends)."""
+    ends). Rows are in call order; a call inside another such call counts
+    in both (in ComfyUI's diffusion models those modules are leaf ops)."""
 
     def __init__(self, torch, model, step):
         self.torch = torch
