@@ -1483,6 +1483,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                         fwd()
                     ctx.sync()
                     wait_ms = probe.total_ms()
+                    wait_host_ms = probe.host_ms()
                     other = (beside or {}).get(fn)
                     if other is not None:
                         r["paired"] = _paired(ctx, fwd, other)
@@ -1498,6 +1499,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                          ring_waits=dd["ring_waits"] / n,
                          vmm=(dd["pages_committed"] + dd["pages_evicted"]),
                          wait_ms=wait_ms, waits_probed=probe.count(),
+                         wait_host_ms=wait_host_ms,
                          held=len(h._hot.held_units),
                          resident_bytes=s2["resident_bytes"],
                          staging=o["staging_size"], lookahead=o["lookahead"],
@@ -1526,7 +1528,8 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
             "%.3fx L (L = max(%.2f, %.2f)); copied %.3f GB/fwd in %.0f "
             "copies, resident %.3f GB; schedule predicted %s, re-made %s; "
             "compute stream waited %.2f ms in %d "
-            "acquires (probed fwd); VMM after cold %d; outputs %s" % (
+            "acquires (probed fwd; their host time %.2f ms); VMM after "
+            "cold %d; outputs %s" % (
                 label, fn, budget / GB, size_str(r["staging"]),
                 size_str(r["lookahead"]), r["units"], r["held"],
                 r["offload_s"],
@@ -1538,7 +1541,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                 r["copied_bytes"] / GB, r["copies"], r["resident_bytes"] / GB,
                 "n/a" if r["predicted_ms"] is None
                 else "%.2f ms" % r["predicted_ms"], r["replans"], wait_ms,
-                probe.count(), r["vmm"],
+                probe.count(), wait_host_ms, r["vmm"],
                 "bitwise equal" if r["equal"] else "DIFFER"))
         rows.append((fn, r))
         ctx.empty_cache()

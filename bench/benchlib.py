@@ -388,7 +388,10 @@ class WaitProbe:
         probe.total_ms()                  # after ctx.sync()
 
     Marks cost host time (~2 events per unit), so use it on a forward of
-    its own, not on the timed ones."""
+    its own, not on the timed ones. On CUDA, when the host is what limits
+    the forward (the stream idle, waiting for work), the time between the
+    marks is also the acquire's own host time: host_ms() gives that sum,
+    so a stall near it is the host's, not late copies."""
 
     class _Batch:
         __slots__ = ("_b", "_p")
@@ -399,7 +402,9 @@ class WaitProbe:
         def acquire(self, stream=0):
             p = self._p
             a = p._mark()
+            t0 = time.perf_counter()
             r = self._b.acquire(stream)
+            p.host += time.perf_counter() - t0
             p.pairs.append((a, p._mark()))
             return r
 
@@ -408,6 +413,7 @@ class WaitProbe:
 
     def __init__(self, ctx, units, hot=None, pool=0):
         self.ctx, self.units, self.pairs = ctx, list(units), []
+        self.host = 0.0         # seconds the host spent in the acquires
         self.hot = hot          # a HotPath: its held units' acquire too
         self._pool = []
         if ctx.cuda:
@@ -424,7 +430,7 @@ class WaitProbe:
         return e
 
     def __enter__(self):
-        self.pairs = []
+        self.pairs, self.host = [], 0.0
         for u in self.units:
             u.batch = WaitProbe._Batch(u.batch, self)
         if self.hot is not None and self.hot.held is not None:
@@ -443,6 +449,10 @@ class WaitProbe:
     def total_ms(self):
         """Summed stall of the instrumented forward(s), ms (sync first)."""
         return sum(self.ctx.ms(a, b) for a, b in self.pairs)
+
+    def host_ms(self):
+        """Host time of the probed acquires (the ctypes calls), ms."""
+        return self.host * 1e3
 
     def count(self):
         """Acquires probed: one per unit not held, one for the held."""
