@@ -1505,7 +1505,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                          staging=o["staging_size"], lookahead=o["lookahead"],
                          page=o["page_size"], units=s2["units"],
                          predicted_ms=sch.get("predicted_ms"),
-                         replans=sch.get("replans"),
+                         replans=sch.get("replans"), rings=sch.get("rings"),
                          equal=bitwise_equal(y, ref_out))
             finally:
                 t0 = time.perf_counter()

@@ -388,7 +388,8 @@ class Offloaded:
         planned_for (the device budget it was made for), replans (times
         made again since, for another budget), windows (lookahead bytes
         per unit, placement order, or None), held_units (units acquired
-        once per inference forward: HotPath.hold)."""
+        once per inference forward: HotPath.hold), rings (the ring sizes
+        the last plan tried: staging, predicted_ms, streamed_bytes)."""
         t = self._tuner
         if t is None or t.schedule is None:
             return None
@@ -401,6 +402,9 @@ class Offloaded:
                 "held_units": len(self._hot.held_units),
                 "staging": t.ring, "link": t.link,
                 "planned_for": t.planned_for, "replans": t.replans,
+                "rings": [{"staging": r, "predicted_ms": c.predicted * 1e3,
+                           "streamed_bytes": c.streamed}
+                          for r, c in t.rings],
                 "windows": list(sch.window) if t.windows else None}
 
     def residency(self):

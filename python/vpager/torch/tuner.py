@@ -134,6 +134,7 @@ class Tuner:
         self.hooks = []
         self.schedule = None        # the Schedule applied, once done
         self.ring = None            # the ring it chose
+        self.rings = []             # plan()'s candidates: (ring, Schedule)
         self.link = None
         self.rounds = 0             # forwards measured
         self.work = None            # unit -> the least work measured
@@ -320,10 +321,12 @@ class Tuner:
         self.planned_for = total
         best = None
         link = self.link
+        self.rings = []
         for ring in rings or self._rings(dev, need):
             room = total - ring_pages(ring, page) - SPARE_PAGES * page
             sch = schedule.plan(work, sizes, room, page, link, ring,
                                 PER_COPY, self.layout.align, MARGIN)
+            self.rings.append((ring, sch))
             # equal times: the fewest bytes copied (more stays resident)
             key = (round(sch.predicted, 5), sch.streamed, -ring)
             if best is None or key < best[0]:
@@ -445,9 +448,12 @@ class Tuner:
     def _log(self, sch, ring, units, w):
         if os.environ.get("VPAGER_SCHEDULE_LOG"):
             sys.stderr.write(
-                "vpager.torch schedule (forward %d): %r; ring %d; link %.2f "
-                "GB/s; units %d (%d held); work %.3f ms; windows (KiB) %s\n"
-                % (self.rounds, sch, ring, self.link / 1e9, len(units),
+                "vpager.torch schedule (forward %d): %r; ring %d (tried: "
+                "%s); link %.2f GB/s; units %d (%d held); work %.3f ms; "
+                "windows (KiB) %s\n"
+                % (self.rounds, sch, ring, ", ".join(
+                    "%d MiB %.3f ms" % (r >> 20, c.predicted * 1e3)
+                    for r, c in self.rings), self.link / 1e9, len(units),
                    len(self.handle._hot.held_units), sum(w) * 1e3,
                    " ".join("%d" % (x >> 10) for x in sch.window[:48])))
 
