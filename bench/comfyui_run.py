@@ -845,7 +845,7 @@ def child_sample(a):
 
         vstats = getattr(p, "vpager_stats", None) if STEP_STATS else None
         snaps = [vstats()] if vstats is not None else []
-        tl = step_timeline.StepTimeline(torch, p.model.diffusion_model,
+        tl = step_timeline.StepTimeline(p.model.diffusion_model,
                                         TIMELINE) if TIMELINE else None
 
         def cb(step, x0, x, total_steps):

@@ -18,7 +18,8 @@ grew the most.
 import argparse
 import json
 import sys
-import time
+
+import benchlib
 
 TAG = "COMFYUI_TIMELINE "
 
@@ -29,10 +30,14 @@ class StepTimeline:
     ends). Rows are in call order; a call inside another such call counts
     in both (in ComfyUI's diffusion models those modules are leaf ops)."""
 
-    def __init__(self, torch, model, step):
-        self.torch = torch
-        self.cuda = torch.cuda.is_available() and any(
-            p.is_cuda for p in model.parameters())
+    def __init__(self, model, step, cuda=None):
+        # Marks as the benchmarks take them: CUDA events on the current
+        # stream when there is a GPU (not judged by the parameters: a
+        # paged model's are CPU placeholders between calls), else the clock.
+        if cuda is None:
+            import torch
+            cuda = torch.cuda.is_available()
+        self.ctx = benchlib.Ctx(dry=not cuda)
         self.step = step
         self.on = step == 1         # step 1 starts with the sampling
         self.start = None           # the step's start mark (None: step 1)
@@ -46,42 +51,29 @@ class StepTimeline:
                 self._before(name)))
             self.hooks.append(m.register_forward_hook(self._after))
 
-    def _mark(self):
-        if self.cuda:
-            ev = self.torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def _ms(self, a, b):
-        if self.cuda:
-            return a.elapsed_time(b)
-        return (b - a) * 1e3
-
     def _before(self, name):
         def hook(_module, _args):
             if self.on:
-                self.calls.append([name, self._mark(), None])
+                self.calls.append([name, self.ctx.mark(), None])
         return hook
 
     def _after(self, _module, _args, _out):
         if self.on:
             for c in reversed(self.calls):      # the innermost open call
                 if c[2] is None:
-                    c[2] = self._mark()
+                    c[2] = self.ctx.mark()
                     break
 
     def step_done(self, step):
         """Step `step` (0-based, as ComfyUI's callback counts) ended."""
         if self.on:
             self.on = False
-            end = self._mark()
-            if self.cuda:
-                end.synchronize()
+            end = self.ctx.mark()
+            self.ctx.sync()
             self.rows = self._rows(end)
         elif step + 2 == self.step:
             self.on = True
-            self.start = self._mark()
+            self.start = self.ctx.mark()
 
     def _rows(self, end):
         calls = [c for c in self.calls if c[2] is not None]
@@ -91,11 +83,11 @@ class StepTimeline:
         prev = self.start if self.start is not None else calls[0][1]
         rows = []
         for name, a, b in calls:
-            rows.append({"name": name, "gap_ms": max(self._ms(prev, a), 0.0),
-                         "ms": max(self._ms(a, b), 0.0)})
+            rows.append({"name": name, "gap_ms": max(self.ctx.ms(prev, a), 0.0),
+                         "ms": max(self.ctx.ms(a, b), 0.0)})
             prev = b
         rows.append({"name": "(after the last call)",
-                     "gap_ms": max(self._ms(prev, end), 0.0), "ms": 0.0})
+                     "gap_ms": max(self.ctx.ms(prev, end), 0.0), "ms": 0.0})
         return rows
 
     def remove(self):

@@ -523,7 +523,7 @@ def test_bench_step_timeline():
         m = DiT()
         p = e.patcher(m)
         p.partially_load(CPU)
-        tl = st.StepTimeline(torch, m.diffusion_model, 2)
+        tl = st.StepTimeline(m.diffusion_model, 2, cuda=False)
         for step in range(3):
             run(m)
             tl.step_done(step)
