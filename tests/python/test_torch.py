@@ -1552,7 +1552,7 @@ def test_shared_ring_shrunk_by_a_schedule_holds_every_model():
         # the last plan's candidates (the ring it has is always one: a
         # second measured forward may keep its placement), none below need
         tried = {r["staging"]: r for r in s["rings"]}
-        assert s["staging"] in tried and len(tried) > 1, tried
+        assert s["staging"] in tried, tried
         assert min(tried) >= h2.staging_need
         assert all(r["predicted_ms"] > 0 and r["streamed_bytes"] >= 0
                    for r in s["rings"]), s["rings"]
