@@ -554,13 +554,19 @@ TEST(stream_prefetch_dropped, TEST_ALL_BACKENDS) {
   model_free(&y);
 }
 
-/* Prefetch wraps around to the start of the VBAR for the next pass. */
-TEST(stream_prefetch_wraps, TEST_ALL_BACKENDS) {
+/* A device whose prefetch looks one page ahead; *ps gets its page size. */
+static vp_device_t one_page_lookahead(test_ctx_t *ctx, uint64_t *ps) {
   vp_options_t o;
   sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
-  uint64_t ps = o.page_size;
-  o.lookahead = ps;
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  *ps = o.page_size;
+  o.lookahead = *ps;
+  return test_open_cap(ctx, &o, 16);
+}
+
+/* Prefetch wraps around to the start of the VBAR for the next pass. */
+TEST(stream_prefetch_wraps, TEST_ALL_BACKENDS) {
+  uint64_t ps;
+  vp_device_t dev = one_page_lookahead(ctx, &ps);
   model_t m;
   model_uniform(&m, dev, 4 * ps, 4, ps, SRC_SCATTER, 8);
   uint64_t p = 0;
@@ -604,11 +610,8 @@ static vp_vbar_t four_pages(vp_device_t dev, uint64_t ps,
 /* Prefetch looks ahead in the order the weights were created (the order
  * of use), not by offset: weights A, B, C, D made at pages 0, 2, 1, 3. */
 TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
-  vp_options_t o;
-  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
-  uint64_t ps = o.page_size;
-  o.lookahead = ps;
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps;
+  vp_device_t dev = one_page_lookahead(ctx, &ps);
   static const uint64_t pages[4] = {0, 2, 1, 3};
   unsigned char *buf;
   vp_weight_t w[4];
@@ -640,11 +643,8 @@ TEST(stream_prefetch_follows_creation_order, TEST_ALL_BACKENDS) {
  * nothing acquired; a no-op with lookahead 0; bad handles fail, naming the
  * call. */
 TEST(stream_prefetch_without_acquire, TEST_ALL_BACKENDS) {
-  vp_options_t o;
-  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
-  uint64_t ps = o.page_size;
-  o.lookahead = ps;
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps;
+  vp_device_t dev = one_page_lookahead(ctx, &ps);
   static const uint64_t pages[4] = {0, 1, 2, 3};
   unsigned char *buf;
   vp_weight_t w[4];
