@@ -74,9 +74,12 @@ import sys
 import tempfile
 import time
 
-import step_timeline
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+# bench_node.py loads this file by path: its folder is not on sys.path.
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import step_timeline  # noqa: E402
+
 ROOT = os.path.dirname(HERE)
 GiB, MiB = 1 << 30, 1 << 20
 TAG = "COMFYUI_RUN "          # children print their result as TAG + JSON

@@ -21,6 +21,7 @@ import gc
 import importlib
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import types
@@ -484,6 +485,21 @@ def bench_module(name):
         return importlib.import_module(name)
     finally:
         sys.path.pop(0)
+
+
+def test_bench_node_loads_its_harness():
+    """integrations/comfyui/bench_node.py loads bench/comfyui_run.py by path
+    in a fresh interpreter whose sys.path does not hold bench/ (the device
+    run of the seventh session's tree failed there at import)."""
+    script = ("import runpy, sys; sys.path = [p for p in sys.path if "
+              "not p.endswith('bench')]; ns = runpy.run_path(%r, "
+              "run_name='bench_node'); cr = ns['harness'](); "
+              "print(cr.TAG, cr.step_timeline.TAG)"
+              % os.path.join(REPO, "integrations", "comfyui", "bench_node.py"))
+    out = subprocess.run([sys.executable, "-c", script],
+                         cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "COMFYUI_RUN" in out.stdout and "COMFYUI_TIMELINE" in out.stdout
 
 
 def test_bench_step_stats():
