@@ -497,7 +497,8 @@ def test_bench_node_loads_its_harness():
               "print(cr.TAG, cr.step_timeline.TAG)"
               % os.path.join(REPO, "integrations", "comfyui", "bench_node.py"))
     out = subprocess.run([sys.executable, "-c", script],
-                         cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=120)
+                         cwd=tempfile.gettempdir(), capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "COMFYUI_RUN" in out.stdout and "COMFYUI_TIMELINE" in out.stdout
 
