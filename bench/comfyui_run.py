@@ -22,7 +22,8 @@ loads the file with comfy.sd.load_diffusion_model and samples --reps
 times (comfy.sample.sample), each as one node: afterwards what execution.
 py does after every node (reset_cast_buffers, cleanup_prefetch_queues,
 vbars_reset_watermark_limits). Reported per run and repetition: every
-step's time (a callback that synchronizes; the first step counts from the
+step's time (a callback that synchronizes the compute stream, or every
+stream with VPAGER_BENCH_SYNC=device; the first step counts from the
 call of sample(), so it holds the loading and every first fault), the
 VBAR's resident bytes (ModelVBAR.loaded_size), control.
 get_total_vram_usage, torch's reserved bytes and mem_get_info; and the
@@ -104,6 +105,16 @@ STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
 # VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
 # (bench/step_timeline.py, which also compares two runs' logs).
 TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
+# How each step's end is taken. "stream" (default): the compute stream is
+# synchronized, as ComfyUI's own per-step work (a preview's copy to the
+# host) does; copies a pager has queued for the next step keep running, so
+# the steps still add up to the sampling's wall time. "device": every
+# stream (the figures before 2026-12-02), which makes a pager's prefetch
+# for the next step finish before the step counts as done.
+STEP_SYNC = os.environ.get("VPAGER_BENCH_SYNC", "stream")
+if STEP_SYNC not in ("stream", "device"):
+    raise SystemExit("VPAGER_BENCH_SYNC=%r: give stream or device"
+                     % STEP_SYNC)
 
 # ComfyUI's library-mode needs (import name, what provides it).
 NEEDS = [
@@ -852,7 +863,10 @@ def child_sample(a):
                                         TIMELINE) if TIMELINE else None
 
         def cb(step, x0, x, total_steps):
-            torch.cuda.synchronize()
+            if STEP_SYNC == "device":
+                torch.cuda.synchronize()
+            else:
+                torch.cuda.current_stream().synchronize()
             marks.append(time.perf_counter())
             if vstats is not None:
                 snaps.append(vstats())
@@ -1047,6 +1061,9 @@ def machine(a):
                  % (platform.python_version(), ver,
                     os.path.abspath(a.comfyui), bl.source_rev(),
                     bl.utc_now()))
+    lines.append("steps end on: %s synchronize (VPAGER_BENCH_SYNC)"
+                 % ("the compute stream's" if STEP_SYNC == "stream"
+                    else "the device's"))
     return lines
 
 
@@ -1132,13 +1149,14 @@ def report_run(r):
         ms = rep["steps_ms"]
         res = rep["vbar_resident"]
         say("    rep %d%s: steps ms %s; first %.0f ms, steady %.1f ms; "
+            "sampling %.3f s; "
             "resident %s, vram usage %.2f GiB, torch reserved %.2f GiB, "
             "device used %.2f GiB; after the node: resident %s; latents %s%s"
             % (i, " (%s%s)" % (rep.get("label", ""), ", decode %.0f ms"
                                 % rep["decode_ms"] if "decode_ms" in rep
                                 else ""),
                " ".join("%.1f" % x for x in ms), ms[0], steady(ms),
-               "%.2f GiB" % (res / GiB) if res is not None else "-",
+               rep["sample_s"], "%.2f GiB" % (res / GiB) if res is not None else "-",
                rep["total_vram_usage"] / GiB, rep["torch_reserved"] / GiB,
                rep["device_used"] / GiB,
                "%.2f GiB" % (rep["after_node"]["vbar_resident"] / GiB)
