@@ -113,10 +113,14 @@ typedef struct vp__vbar {
    * what is left of it still covers the lookahead less a chunk, nothing is
    * scanned: prefetch tops the window up a chunk at a time, in one batch
    * (merged copies, one fence), not a weight per acquire. win_ok = false:
-   * scan at the next acquire (a miss, a lost slot, a fill undone). */
-  uint32_t win_from, win_to;
+   * scan at the next acquire (a miss, a lost slot, a fill undone).
+   * win_freed: ring bytes released since the scan; when a window the ring
+   * cut short gets a chunk of room back, the release scans from
+   * acq_index (the use index of the last weight acquired), so the copy
+   * engine need not wait for the next acquire (a forward's end). */
+  uint32_t win_from, win_to, acq_index;
   bool win_all, win_ring, win_ok;
-  uint64_t win_epoch, win_bytes, win_used;
+  uint64_t win_epoch, win_bytes, win_used, win_freed;
   /* ledger.c: the label, the VBAR's entry in the ledger (index + 1; 0 =
    * none yet) and its last use (CLOCK_MONOTONIC_COARSE ns), stamped by the
    * public calls that use it, never by the pager's hot path. */

@@ -304,6 +304,10 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
 
 static void prefetch(vp__device_t *dev, vp__weight_t *last);
 
+/* The chunk of the lookahead acquires may use up before a scan tops the
+ * window up: an eighth, so at least 7/8 of it stays queued ahead. */
+#define WINDOW_CHUNK(lookahead) ((lookahead) / 8)
+
 /* Weights handles of one call, on the stack when few. */
 #define FEW 64
 
@@ -348,6 +352,7 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   if (wait.newest) vp__fence_put(dev, wait.newest);
   free(b.c);
   free(b.filled);
+  if (rc == VP_OK) ws[n - 1]->vb->acq_index = ws[n - 1]->use_index;
   if (rc == VP_OK && dev->lookahead) prefetch(dev, ws[n - 1]);
   return rc;
 }
@@ -465,6 +470,7 @@ static void release_one(vp__device_t *dev, vp__weight_t *w, vp__fence_t *f,
     h->staged--;
     s->refs--;
     s->used = ++dev->staging->clock;
+    w->vb->win_freed += w->size;
     if (s->fence) vp__fence_put(dev, s->fence);
     s->fence = f;
     f->refs++;
@@ -474,6 +480,22 @@ static void release_one(vp__device_t *dev, vp__weight_t *w, vp__fence_t *f,
     vp__unpin_attach(w->vb, w->p0, w->p1, f);
   }
   vp__hold_trim(w, stream);
+}
+
+/* A window the ring cut short, with a chunk of ring room released since
+ * its scan: queue the next copies now, from the last acquire on. Without
+ * this the room waits for the next acquire that uses up a chunk, and at a
+ * forward's end that is the next forward's first streamed unit: the copy
+ * engine stands idle while the resident units before it compute. The
+ * copies wait on the device for the slots' release fences. */
+static void refill_after_release(vp__device_t *dev, vp__vbar_t *vb) {
+  if (!dev->lookahead || !vb->win_ok || !vb->win_ring || vb->win_all ||
+      vb->win_epoch != vb->epoch ||
+      vb->win_freed < WINDOW_CHUNK(dev->lookahead) ||
+      vb->acq_index >= vb->nweights)
+    return;
+  vb->win_ok = false; /* scan, whatever the window says */
+  prefetch(dev, vb->use[vb->acq_index]);
 }
 
 int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
@@ -493,6 +515,7 @@ int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
       for (size_t i = 0; i < n; i++) release_one(dev, ws[i], f, stream);
       vp__fence_put(dev, f);
       ledger_used(dev, ws, n);
+      refill_after_release(dev, ws[n - 1]->vb);
     }
     vp__unlock(dev, rc);
   }
@@ -589,10 +612,6 @@ static const uint32_t *skip_index(vp__vbar_t *vb) {
   return vb->skip;
 }
 
-/* The chunk of the lookahead acquires may use up before a scan tops the
- * window up: an eighth, so at least 7/8 of it stays queued ahead. */
-#define WINDOW_CHUNK(lookahead) ((lookahead) / 8)
-
 /* True if the last scan's window still stands and `last` lies in it:
  * what it queued is still ahead of the acquires, minus less than a
  * chunk. */
@@ -621,6 +640,7 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
   vb->win_epoch = vb->epoch;
   vb->win_bytes = bytes;
   vb->win_used = 0;
+  vb->win_freed = 0;
 }
 
 /* Start the weights after `last` in its VBAR's order of use (the order

@@ -941,6 +941,46 @@ TEST(stream_ring_keeps_what_fits, TEST_ALL_BACKENDS) {
   model_free(&m);
 }
 
+/* A window the ring cut short is topped up by the release that gives a
+ * chunk of ring room back, not only at the next acquire: at a forward's
+ * end the next forward's first weights are copied while nothing is
+ * acquired. A 2-slot ring, four one-page weights, lookahead 8 pages (a
+ * chunk is one weight); with a ring that holds them all, a release copies
+ * nothing. */
+TEST(stream_release_refills_ring, TEST_ALL_BACKENDS) {
+  for (int big = 0; big < 2; big++) {
+    vp_options_t o;
+    sopts(ctx, &o, big ? 4 : 2, 0, VP_SIM_SYNC);
+    uint64_t ps = o.page_size;
+    o.lookahead = 8 * ps;
+    vp_device_t dev = test_open_cap(ctx, &o, big ? 4 : 2); /* the ring */
+    model_t m;
+    model_uniform(&m, dev, 4 * ps, 4, ps, SRC_SCATTER, 44);
+    uint64_t p;
+    uint8_t f;
+    for (int pass = 0; pass < 2; pass++) {
+      for (size_t i = 0; i < 4; i++) {
+        ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p, &f));
+        ASSERT_TRUE(f & VP_ACQUIRED_STAGED);
+        verify_acquired(ctx, dev, 0, p, f, m.srcs[i].host, ps);
+        vp_stats_t st = dstats(dev);
+        ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+        uint64_t copied = dstats(dev).prefetch_bytes - st.prefetch_bytes;
+        /* The ring: w[i + 1] staged ahead and w[i] released. Its slot
+         * goes to w[i + 2] (the next pass's first one at the end). */
+        if (big)
+          ASSERT_EQ_U64(copied, 0);
+        else if (pass || i)
+          ASSERT_EQ_U64(copied, ps);
+      }
+      if (!big) /* every acquire after the first found its copy queued */
+        ASSERT_EQ_U64(dstats(dev).weight_staged, 1);
+    }
+    ASSERT_OK(vp_device_close(dev));
+    model_free(&m);
+  }
+}
+
 /* Weights destroyed (or re-placed: vpager.torch does so after its first
  * forward) while prefetch had staged them: their slots serve nobody and
  * must not keep the ring from later prefetches. */
@@ -964,8 +1004,9 @@ TEST(stream_prefetch_orphans, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_acquire(dev, &b.w[0], 1, 0, &ptr, &fl));
   verify_acquired(ctx, dev, 0, ptr, fl, b.srcs[0].host, ps);
   ASSERT_OK(vp_release(dev, &b.w[0], 1, 0));
-  /* The ring's other three slots go to b's next weights. */
-  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - st.prefetch_bytes, 3 * ps);
+  /* The ring's other three slots go to b's next weights, and b.w[0]'s,
+   * released, to the one after (stream_release_refills_ring). */
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - st.prefetch_bytes, 4 * ps);
   for (size_t i = 1; i < 4; i++) {
     ASSERT_OK(vp_acquire(dev, &b.w[i], 1, 0, &ptr, &fl));
     ASSERT_EQ_INT(fl, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
