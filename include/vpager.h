@@ -465,7 +465,12 @@ VP_API int vp_prefetch(vp_device_t dev, vp_weight_t after);
 /* End the use of n acquired weights: work queued on `stream` so far may
  * still read them; their pages and staging slots are reused only after it
  * completes. Release on the stream the weight was acquired on. Close a
- * device only after the streams that use its acquired weights are done. */
+ * device only after the streams that use its acquired weights are done.
+ * When the staging ring had cut the prefetch short and a release gives an
+ * eighth of the lookahead back, the prefetch goes on from the last
+ * acquired weight into that room (its copies wait for this release's
+ * work on the device), so the copy engine does not wait for the next
+ * acquire. */
 VP_API int vp_release(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream);
 /* Change the prefetch lookahead (bytes; 0 = off). */
