@@ -1156,7 +1156,8 @@ def report_run(r):
                                 % rep["decode_ms"] if "decode_ms" in rep
                                 else ""),
                " ".join("%.1f" % x for x in ms), ms[0], steady(ms),
-               rep["sample_s"], "%.2f GiB" % (res / GiB) if res is not None else "-",
+               rep["sample_s"],
+               "%.2f GiB" % (res / GiB) if res is not None else "-",
                rep["total_vram_usage"] / GiB, rep["torch_reserved"] / GiB,
                rep["device_used"] / GiB,
                "%.2f GiB" % (rep["after_node"]["vbar_resident"] / GiB)
