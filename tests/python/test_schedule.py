@@ -163,6 +163,24 @@ def test_window_in_time_not_bytes():
     assert win2[1] >= 10 * MB
 
 
+def test_pick_ring_prefers_fewer_bytes_among_ties():
+    """Rings whose plans predict within RING_TIE of the fastest are as
+    fast: the one copying the fewest bytes is used (the node's Flux 4 GiB
+    candidates of an H200 run), then the larger ring; a plan predicted
+    clearly faster wins whatever it copies."""
+    def cand(ring_mib, ms, gb):
+        return (ring_mib << 20, S.Schedule([], [], ms * MS, int(gb * 1e9),
+                                           0, 0.0))
+    h200 = [cand(512, 138.965, 7.40), cand(448, 138.953, 7.32),
+            cand(378, 139.281, 7.26), cand(288, 143.696, 7.19)]
+    assert S.pick_ring(h200) is h200[2]
+    assert S.pick_ring([cand(512, 100.0, 5.0), cand(448, 100.5, 5.0)]) \
+        [0] == 512 << 20
+    fast = [cand(512, 95.0, 5.3), cand(252, 100.0, 5.0)]
+    assert S.pick_ring(fast) is fast[0]
+    assert S.pick_ring(fast[1:]) is fast[1]
+
+
 def test_ring_bounds_a_unit():
     # A unit whose weights do not fit in the ring stays resident: under
     # the schedule it would have to stage whole.

@@ -313,25 +313,22 @@ class Tuner:
         return schedule.ring_sizes(need, cur, self.link, dev.page_size)
 
     def plan(self, work, sizes, need, rings=None):
-        """(Schedule, ring bytes) with the best predicted time, among
-        `rings` (default: _rings())."""
+        """(Schedule, ring bytes) among `rings` (default: _rings()), as
+        schedule.pick_ring chooses: the fastest predicted, or one as fast
+        that copies less."""
         dev = self.layout.device
         page = dev.page_size
         total = dev.info()["budget"]
         self.planned_for = total
-        best = None
         link = self.link
         self.rings = []
         for ring in rings or self._rings(dev, need):
             room = total - ring_pages(ring, page) - SPARE_PAGES * page
-            sch = schedule.plan(work, sizes, room, page, link, ring,
-                                PER_COPY, self.layout.align, MARGIN)
-            self.rings.append((ring, sch))
-            # equal times: the fewest bytes copied (more stays resident)
-            key = (round(sch.predicted, 5), sch.streamed, -ring)
-            if best is None or key < best[0]:
-                best = (key, sch, ring)
-        return best[1], best[2]
+            self.rings.append((ring, schedule.plan(
+                work, sizes, room, page, link, ring, PER_COPY,
+                self.layout.align, MARGIN)))
+        ring, sch = schedule.pick_ring(self.rings)
+        return sch, ring
 
     def _fits(self, sch, sizes):
         """True if sch's resident set fits the budget planned for now,
