@@ -1650,6 +1650,48 @@ def test_budget_may_be_a_float():
     assert "forward" not in m[0].__dict__
 
 
+def test_a_later_plan_may_grow_the_ring_back():
+    """The first measured forward runs cold, so the ring its plan picks
+    does not bind the next plan: that one tries every size up to the ring
+    there was before the first (here the first plan is made to take the
+    smallest candidate and the second the largest). The ring grows back,
+    after a resident set was placed for the small one; outputs bitwise,
+    no pages left pinned."""
+    from vpager.torch import schedule, tuner
+    dev = vt.open_device("sim", budget=2560 * K,
+                         **dict(sim_opts(), sim_capacity=8192 * K))
+    saved = schedule.RING_SECONDS, tuner.schedule.pick_ring
+    picks = []
+
+    def pick(cands):                # smallest first, then the largest
+        c = min(cands, key=lambda rc: rc[0]) if not picks else \
+            max(cands, key=lambda rc: rc[0])
+        picks.append([r for r, _ in cands])
+        return c
+    schedule.RING_SECONDS = 0.0
+    tuner.schedule.pick_ring = pick
+    try:
+        small = mlp(depth=8)
+        ref = frozen_copy(small)
+        x = torch.randn(4, 64)
+        h = vt.offload(small, dev=dev, schedule=True)
+        top = dev.options["staging_size"]
+        assert torch.equal(small(x), ref(x))        # plan 1
+        assert len(picks) == 1 and len(picks[0]) > 1, picks
+        assert dev.options["staging_size"] == min(picks[0]) < top
+        assert torch.equal(small(x), ref(x))        # plan 2
+        assert len(picks) == 2 and max(picks[1]) == top, picks
+        assert dev.options["staging_size"] == top
+        for _ in range(3):
+            assert torch.equal(small(x), ref(x))
+        assert h.schedule()["staging"] == top
+        assert h.stats()["resident_bytes"] > 0
+        h.unload()
+    finally:
+        schedule.RING_SECONDS, tuner.schedule.pick_ring = saved
+        dev.close()
+
+
 def test_staging_ring_sized_to_the_device():
     """No budget, a device smaller than the default 512 MiB staging ring
     (VPAGER_SIM_CAPACITY=64M) and a 200 MB MLP: the ring is sized to what
