@@ -1650,6 +1650,53 @@ def test_budget_may_be_a_float():
     assert "forward" not in m[0].__dict__
 
 
+def test_measuring_goes_on_until_the_work_settles():
+    """The schedule measures two forwards, then more while the least work
+    measured still drops by SETTLED or more, at most ROUNDS_MAX (ComfyUI's
+    second SDXL forward ran twice its steady time). Here a layer's compute
+    (a sleep on the host clock the sim measures) is long in the first
+    forwards; outputs bitwise throughout."""
+    import time
+    from vpager.torch import tuner
+
+    class Slow(nn.Module):
+        def __init__(self, delays):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.delays = delays
+
+        def forward(self, x):
+            time.sleep(self.delays.pop(0) if self.delays else 0.01)
+            return self.lin(x)
+
+    def run(delays):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 64), Slow(list(delays)),
+                          nn.Linear(64, 64))
+        for p in m.parameters():
+            p.requires_grad_(False)
+        ref = frozen_copy(m)
+        ref[1].delays = []
+        x = torch.randn(4, 64)
+        h = vt.offload(m, device="sim", budget=4096 * K, schedule=True)
+        try:
+            seen = []
+            with torch.no_grad():
+                for _ in range(7):
+                    assert torch.equal(m(x), ref(x))
+                    seen.append(h.schedule()["measured"])
+            return seen
+        finally:
+            h.unload()
+    # steady from the first forward (10 ms): two measured
+    assert run([]) == [1, 2, 2, 2, 2, 2, 2]
+    # the second still long: measured until two agree
+    assert run([0.08, 0.04]) == [1, 2, 3, 4, 4, 4, 4]
+    # halving each time: stops at ROUNDS_MAX
+    assert tuner.ROUNDS_MAX == 5
+    assert run([0.32, 0.16, 0.08, 0.04, 0.02]) == [1, 2, 3, 4, 5, 5, 5]
+
+
 def test_a_later_plan_may_grow_the_ring_back():
     """The first measured forward runs cold, so the ring its plan picks
     does not bind the next plan: that one tries every size up to the ring

@@ -386,8 +386,10 @@ class Offloaded:
         streamed_bytes (copied per forward), resident_bytes,
         resident_weights, staging (the ring), link (bytes/s),
         planned_for (the device budget it was made for), replans (times
-        made again since, for another budget), windows (lookahead bytes
-        per unit, placement order, or None), held_units (units acquired
+        made again since, for another budget), measured (forwards
+        measured: two, or more until their work settles), windows
+        (lookahead bytes per unit, placement order, or None), held_units
+        (units acquired
         once per inference forward: HotPath.hold), rings (the ring sizes
         the last plan tried: staging, predicted_ms, streamed_bytes)."""
         t = self._tuner
@@ -402,6 +404,7 @@ class Offloaded:
                 "held_units": len(self._hot.held_units),
                 "staging": t.ring, "link": t.link,
                 "planned_for": t.planned_for, "replans": t.replans,
+                "measured": t.rounds,
                 "rings": [{"staging": r, "predicted_ms": c.predicted * 1e3,
                            "streamed_bytes": c.streamed}
                           for r, c in t.rings],

@@ -46,11 +46,18 @@ SLACK = 1.5                 # a window up to this much larger is kept
 SPARE_PAGES = 1
 # Forwards measured: the first fills the weights (VMM calls, copies,
 # first-use work on the host) and its device time runs long (H200: Flux
-# 2.1-2.7x, a Llama prefill 2.5-5x its resident time); the second, in the
-# first one's schedule, is steady: the schedule is made again from it
-# (and its weights placed again only if the resident set or the ring
-# changed).
+# 2.1-2.7x, a Llama prefill 2.5-5x its resident time); each one after is
+# planned again (its weights placed again only if the resident set or the
+# ring changed). At least ROUNDS, then until the work measured (the least
+# per unit so far) drops by less than SETTLED, at most ROUNDS_MAX: in
+# ComfyUI the second SDXL forward still ran 2.1x its steady time (198 ms
+# against ~90: cuDNN's first convolutions), and a plan made from it
+# thought every copy hidden. A drop under SETTLED_ABS is settled too (the
+# host clock's jitter on a small model on the simulated device).
 ROUNDS = 2
+ROUNDS_MAX = 5
+SETTLED = 0.05
+SETTLED_ABS = 2e-3
 LOST_CALLS = 64             # unit calls per unit in one forward, at most
 MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
@@ -260,10 +267,15 @@ class Tuner:
         work[cur] += self._seconds(self.start, calls[0][1])
         self.rounds += 1
         self.works.append(work)
+        before = None
         if self.work is not None:   # the least of the forwards measured
+            before = sum(self.work.values())
             work = {u: min(t, self.work.get(u, t)) for u, t in work.items()}
         self.work = work
-        if self.rounds >= ROUNDS:
+        drop = before - sum(work.values()) if before is not None else None
+        settled = drop is not None and (drop < SETTLED * before
+                                        or drop < SETTLED_ABS)
+        if self.rounds >= ROUNDS_MAX or (self.rounds >= ROUNDS and settled):
             self._done()
         try:
             self.apply(work)
