@@ -1679,22 +1679,27 @@ def test_measuring_goes_on_until_the_work_settles():
         ref[1].delays = []
         x = torch.randn(4, 64)
         h = vt.offload(m, device="sim", budget=4096 * K, schedule=True)
+        plans = []
+        apply = h._tuner.apply
+        h._tuner.apply = lambda *a, **k: (plans.append(h._tuner.rounds),
+                                          apply(*a, **k))
         try:
             seen = []
             with torch.no_grad():
                 for _ in range(7):
                     assert torch.equal(m(x), ref(x))
                     seen.append(h.schedule()["measured"])
-            return seen
+            return seen, plans
         finally:
             h.unload()
-    # steady from the first forward (10 ms): two measured
-    assert run([]) == [1, 2, 2, 2, 2, 2, 2]
-    # the second still long: measured until two agree
-    assert run([0.08, 0.04]) == [1, 2, 3, 4, 4, 4, 4]
+    # steady from the first forward (10 ms): two measured, both planned
+    assert run([]) == ([1, 2, 2, 2, 2, 2, 2], [1, 2])
+    # the second still long: measured until two agree; no plan between
+    assert run([0.08, 0.04]) == ([1, 2, 3, 4, 4, 4, 4], [1, 4])
     # halving each time: stops at ROUNDS_MAX
     assert tuner.ROUNDS_MAX == 5
-    assert run([0.32, 0.16, 0.08, 0.04, 0.02]) == [1, 2, 3, 4, 5, 5, 5]
+    assert run([0.32, 0.16, 0.08, 0.04, 0.02]) == ([1, 2, 3, 4, 5, 5, 5],
+                                                   [1, 5])
 
 
 def test_a_later_plan_may_grow_the_ring_back():
@@ -1707,7 +1712,7 @@ def test_a_later_plan_may_grow_the_ring_back():
     from vpager.torch import schedule, tuner
     dev = vt.open_device("sim", budget=2560 * K,
                          **dict(sim_opts(), sim_capacity=8192 * K))
-    saved = schedule.RING_SECONDS, tuner.schedule.pick_ring
+    saved = schedule.RING_SECONDS, tuner.schedule.pick_ring, tuner.ROUNDS_MAX
     picks = []
 
     def pick(cands):                # smallest first, then the largest
@@ -1717,6 +1722,7 @@ def test_a_later_plan_may_grow_the_ring_back():
         return c
     schedule.RING_SECONDS = 0.0
     tuner.schedule.pick_ring = pick
+    tuner.ROUNDS_MAX = 2            # the second plan at the second forward
     try:
         small = mlp(depth=8)
         ref = frozen_copy(small)
@@ -1735,7 +1741,8 @@ def test_a_later_plan_may_grow_the_ring_back():
         assert h.stats()["resident_bytes"] > 0
         h.unload()
     finally:
-        schedule.RING_SECONDS, tuner.schedule.pick_ring = saved
+        (schedule.RING_SECONDS, tuner.schedule.pick_ring,
+         tuner.ROUNDS_MAX) = saved
         dev.close()
 
 

@@ -46,13 +46,15 @@ SLACK = 1.5                 # a window up to this much larger is kept
 SPARE_PAGES = 1
 # Forwards measured: the first fills the weights (VMM calls, copies,
 # first-use work on the host) and its device time runs long (H200: Flux
-# 2.1-2.7x, a Llama prefill 2.5-5x its resident time); each one after is
-# planned again (its weights placed again only if the resident set or the
-# ring changed). At least ROUNDS, then until the work measured (the least
-# per unit so far) drops by less than SETTLED, at most ROUNDS_MAX: in
-# ComfyUI the second SDXL forward still ran 2.1x its steady time (198 ms
-# against ~90: cuDNN's first convolutions), and a plan made from it
-# thought every copy hidden. A drop under SETTLED_ABS is settled too (the
+# 2.1-2.7x, a Llama prefill 2.5-5x its resident time). The first one's
+# plan runs the next forwards; at least ROUNDS are measured, then more
+# until the work measured (the least per unit so far) drops by less than
+# SETTLED, at most ROUNDS_MAX, and the last one's plan stays (its weights
+# placed again only if the resident set or the ring changed). In ComfyUI
+# the second SDXL forward still ran 1.3-2.1x its steady time (host-bound:
+# 845, 203, 185, 174, 131 ms), and a plan made from it thought every copy
+# hidden. Plans in between are not made: SDXL's 794 units cost ~1 s of
+# host time a plan. A drop under SETTLED_ABS is settled too (the
 # host clock's jitter on a small model on the simulated device).
 ROUNDS = 2
 ROUNDS_MAX = 5
@@ -277,6 +279,8 @@ class Tuner:
                                         or drop < SETTLED_ABS)
         if self.rounds >= ROUNDS_MAX or (self.rounds >= ROUNDS and settled):
             self._done()
+        elif self.rounds > 1:
+            return                  # measure on; plan once the work settles
         try:
             self.apply(work)
         except Exception as e:      # noqa: BLE001 (the forward is done)
