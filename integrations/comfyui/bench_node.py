@@ -15,7 +15,7 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
         --runs resident,node6 --out $OUT/comfyui_node
     ... --dry-run            # 1 + 1 blocks, hidden 256, 256x256: a minute
     # issue 15's other points (bench/comfyui_run.py's --model/--lora/--vae):
-    ... --lora --double 1 --single 2 --size 512 --steps 3 --runs resident,node,node1
+    ... --lora --double 1 --single 2 --size 512 --steps 3 --runs legacy,node1
     ... --vae --double 4 --single 8 --steps 4 --runs resident,node3,3
     ... --model sdxl --runs resident,nodehalf,half
     ... --model video --runs resident,nodehalf,half
