@@ -389,9 +389,9 @@ class Offloaded:
         made again since, for another budget), measured (forwards
         measured: two, or more until their work settles), windows
         (lookahead bytes per unit, placement order, or None), held_units
-        (units acquired
-        once per inference forward: HotPath.hold), rings (the ring sizes
-        the last plan tried: staging, predicted_ms, streamed_bytes)."""
+        (units acquired once per inference forward: HotPath.hold), rings
+        (the ring sizes the last plan tried: staging, predicted_ms,
+        streamed_bytes)."""
         t = self._tuner
         if t is None or t.schedule is None:
             return None
