@@ -1739,6 +1739,7 @@ def test_a_later_plan_may_grow_the_ring_back():
             assert torch.equal(small(x), ref(x))
         assert h.schedule()["staging"] == top
         assert h.stats()["resident_bytes"] > 0
+        assert no_pins(h)
         h.unload()
     finally:
         (schedule.RING_SECONDS, tuner.schedule.pick_ring,

@@ -269,14 +269,13 @@ class Tuner:
         work[cur] += self._seconds(self.start, calls[0][1])
         self.rounds += 1
         self.works.append(work)
-        before = None
+        settled = False
         if self.work is not None:   # the least of the forwards measured
             before = sum(self.work.values())
             work = {u: min(t, self.work.get(u, t)) for u, t in work.items()}
+            drop = before - sum(work.values())
+            settled = drop < SETTLED * before or drop < SETTLED_ABS
         self.work = work
-        drop = before - sum(work.values()) if before is not None else None
-        settled = drop is not None and (drop < SETTLED * before
-                                        or drop < SETTLED_ABS)
         if self.rounds >= ROUNDS_MAX or (self.rounds >= ROUNDS and settled):
             self._done()
         elif self.rounds > 1:
