@@ -53,9 +53,10 @@ SPARE_PAGES = 1
 # placed again only if the resident set or the ring changed). In ComfyUI
 # the second SDXL forward still ran 1.3-2.1x its steady time (host-bound:
 # 845, 203, 185, 174, 131 ms), and a plan made from it thought every copy
-# hidden. Plans in between are not made: SDXL's 794 units cost ~1 s of
-# host time a plan. A drop under SETTLED_ABS is settled too (the
-# host clock's jitter on a small model on the simulated device).
+# hidden. Plans in between are made only if the budget moved (SHRINK,
+# GROW below): SDXL's 794 units cost ~1 s of host time a plan. A drop
+# under SETTLED_ABS is settled too (the host clock's jitter on a small
+# model on the simulated device).
 ROUNDS = 2
 ROUNDS_MAX = 5
 SETTLED = 0.05
@@ -188,16 +189,7 @@ class Tuner:
                 self.planned_for is None:
             return
         self.watch_at = now + WATCH_EVERY
-        if not self.handle._may_replace():
-            return
-        # The room for weights: the budget less the ring (another model's
-        # offload() may have grown a shared device's ring).
-        dev = self.layout.device
-        page = dev.page_size
-        room = dev.info()["budget"] - ring_pages(dev.options["staging_size"],
-                                                 page)
-        was = max(self.planned_for - ring_pages(self.ring, page), page)
-        if SHRINK * was <= room <= GROW * was:
+        if not self.handle._may_replace() or not self._room_moved():
             return
         self.replans += 1
         try:
@@ -210,6 +202,17 @@ class Tuner:
                           "again for the device's new room (%s: %s); no "
                           "more tries" % (type(e).__name__, e),
                           RuntimeWarning)
+
+    def _room_moved(self):
+        """True if the room for weights (the budget less the ring: another
+        model's offload() may have grown a shared device's ring) is outside
+        SHRINK..GROW of what the schedule was planned for."""
+        dev = self.layout.device
+        page = dev.page_size
+        room = dev.info()["budget"] - ring_pages(dev.options["staging_size"],
+                                                 page)
+        was = max(self.planned_for - ring_pages(self.ring, page), page)
+        return not SHRINK * was <= room <= GROW * was
 
     # ------------------------------------------------------------ marks
     def _mark(self):
@@ -278,8 +281,12 @@ class Tuner:
         self.work = work
         if self.rounds >= ROUNDS_MAX or (self.rounds >= ROUNDS and settled):
             self._done()
-        elif self.rounds > 1:
-            return                  # measure on; plan once the work settles
+        elif self.rounds > 1 and (self.schedule is None
+                                  or not self._room_moved()):
+            # Measure on; plan once the work settles, or now if the budget
+            # moved (torch's activations learned, as under ComfyUI): the
+            # resident set placed may not fit it.
+            return
         try:
             self.apply(work)
         except Exception as e:      # noqa: BLE001 (the forward is done)
