@@ -73,6 +73,9 @@ def test_issue13_sections_dry_run():
         h = res["small"]["hand"][fn]
         assert h["equal"] and h["streamed"] > 0
         assert "vs_hand" in res["small"][fn]
+        # the hand streamer calling a module per layer: equal, paired
+        assert h["modules"]["equal"] and h["modules"]["vs_hand"] > 0
+        assert res["small"][fn]["vs_hand_modules"] > 0
     ll = res["llama3"]
     for fn in FRACS:
         r = ll[fn]
