@@ -693,15 +693,33 @@ def test_two_models_alternating_on_one_device():
         dev.close()
 
 
-def _held_setup(share=0.0, **env):
+class _Tap(nn.Module):
+    """seq(x); with .tap set, also a view of layer `tap`'s weight, read in
+    the root's own forward (what the root returns of the weights)."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.seq = seq
+        self.tap = None
+
+    def forward(self, x):
+        y = self.seq(x)
+        if self.tap is None:
+            return y
+        return y, self.seq[self.tap][0].weight[:2]
+
+
+def _held_setup(share=0.0, tap=False, **env):
     """48 small layers (tanh(x W), 16 KiB each) offloaded with half their
     bytes as the budget and scheduled by three no-grad forwards, with
     `env` set and tuner.HOLD_SHARE = share (0: hold whatever qualifies,
     however long this machine's forward) while it is: (m, x, want, h, a
-    resident copy)."""
+    resident copy). tap: m is a _Tap around them."""
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64, bias=False),
                                       nn.Tanh()) for _ in range(48)]).eval()
+    if tap:
+        m = _Tap(m).eval()
     x = torch.randn(8, 64)
     ref = frozen_copy(m)
     want = ref(x)
@@ -810,6 +828,67 @@ def test_resident_units_held_for_the_forward():
         assert not h._hot.held_units and h._hot.held is None, kw
         assert h.schedule()["held_units"] == 0
         h.unload()
+
+
+def test_held_units_run_bare():
+    """While the root holds their weights, held units' modules call their
+    own forward through the bare wrapper (no acquire, no prefetch), and
+    get the full one back after the forward, also after one that raises;
+    what the root returns of a held weight is a copy (the pages may go
+    after the forward). The windows held units would have set are set by
+    the acquire before them (tuner.carried)."""
+    m, x, want, h, ref = _held_setup(tap=True)
+    hot = h._hot
+    held = hot.held_units
+    assert held and all(u.module.__dict__["forward"] is u.wrapped
+                        for u in held)
+    seen = []
+
+    def look(mod, args):
+        seen.append(mod.__dict__.get("forward") is held[0].bare)
+    hook = held[0].module.register_forward_pre_hook(look)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    assert seen == [True], seen
+    assert all(u.module.__dict__["forward"] is u.wrapped for u in held)
+    boom = m.seq[-1].register_forward_hook(
+        lambda *a: (_ for _ in ()).throw(ValueError("boom")))
+    with torch.no_grad():
+        raises(ValueError, m, x)
+    boom.remove()
+    assert all(u.module.__dict__["forward"] is u.wrapped for u in held)
+    assert hot.holding is None and no_pins(h)
+    # The root returns a view of a held weight: a copy, equal to it.
+    k = next(i for i, layer in enumerate(m.seq)
+             if any(u.module is layer[0] for u in held))
+    m.tap = ref.tap = k
+    with torch.no_grad():
+        y, w = m(x)
+    assert torch.equal(y, want)
+    assert torch.equal(w, ref(x)[1])
+    p = w.data_ptr()
+    assert not any(e.cur <= p < e.cur + e.size
+                   for e in (u.entries[0] for u in held) if e.cur)
+    assert all(e.rview is None or not (
+        e.rview.data_ptr() <= p < e.rview.data_ptr() + e.size)
+        for u in held for e in u.entries)
+    assert seen == [True, True, True], seen
+    hook.remove()
+    h.unload()
+
+
+def test_windows_carried_over_held_units():
+    """tuner.carried: a run of held units' largest window goes to the unit
+    before it (its acquire sets what theirs would have); the rest as
+    they were."""
+    units = [object() for _ in range(6)]
+    held = [units[1], units[2], units[4]]
+    assert tuner.carried(units, [1, 5, 3, 2, 9, 4], held) == \
+        [5, 5, 3, 9, 9, 4]
+    assert tuner.carried(units, [1, 5, 3, 2, 9, 4], []) == [1, 5, 3, 2, 9, 4]
+    # A position with no unit passes the carry on, as a held one does.
+    assert tuner.carried([units[0], None, units[3]], [1, 7, 2], []) == \
+        [7, 7, 2]
 
 
 def test_held_units_fall_back_when_not_resident():

@@ -9,8 +9,10 @@ unpinned pages, empty torch's cache, run once more), autograd aliasing
 copied: that memory is reused after the release), buffer write-back in
 training mode, and on CUDA the activation headroom learned at each root
 forward. Units the schedule keeps wholly resident may be held instead:
-their weights acquired once for the whole root forward (hold()), each
-of their calls then only tops up prefetch as its acquire would."""
+their weights acquired once for the whole root forward (hold()), their
+modules meanwhile calling their own forward through a bare wrapper (no
+acquire, no prefetch: the acquire before them already queued what a
+top-up would; the root checks what the forward returns)."""
 
 import functools
 import time
@@ -88,6 +90,8 @@ class HotPath:
         self.holding = None         # the stream, while they are held
         self._held_of = None        # the layout's weights `held` was made of
         self._held_pages = []       # the VBAR pages the held weights lie in
+        self._bared = []            # held units running bare, while held
+        self._held_span = (0, 0)    # [lowest, highest) held address
         self._check_open = handle._check_open
         if target.type == "cuda":
             self.index = cuda_index(target)
@@ -151,7 +155,32 @@ class HotPath:
             return out
 
         forward._vpager_unit = unit
+        unit.wrapped = forward
+        unit.bare = self._bare(unit, fwd, forward)
         return forward
+
+    def _bare(self, unit, fwd, forward):
+        """What a held unit's module calls while the root holds its
+        weights (hold() puts it in place of `forward`): its own forward,
+        the out-of-memory retry around it. Autograd on or another stream
+        take `forward`, the per-unit path, as they would in it."""
+        grad_enabled, stream, retry = (torch.is_grad_enabled, self.stream,
+                                       self.retry)
+
+        @functools.wraps(fwd)
+        def bare(*args, **kwargs):
+            if grad_enabled() or stream() != self.holding:
+                return forward(*args, **kwargs)
+            try:
+                return fwd(*args, **kwargs)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                first = str(e)  # not e: its frames hold activations
+            return retry(unit, fwd, args, kwargs, first)
+
+        bare._vpager_unit = unit
+        return bare
 
     def enter(self, unit):
         """Acquire a unit's weights and point its tensors at them; returns
@@ -289,10 +318,12 @@ class HotPath:
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
             if (self.held is None or self.holding is not None
-                    or self.tuner.on or grad_enabled() or not self.hold()):
+                    or self.tuner.on or grad_enabled()
+                    or self.recorder.rec is not None or not self.hold()):
                 return fwd(*args, **kwargs)
             try:
-                return fwd(*args, **kwargs)
+                return self._escape(fwd(*args, **kwargs), self._aliases_held,
+                                    None)
             finally:
                 self.unhold()
 
@@ -344,6 +375,7 @@ class HotPath:
         self.holding = stream
         try:
             i = 0
+            lo, hi = ptrs[0], 0
             for u in units:
                 for e in u.entries:
                     p = ptrs[i]
@@ -353,8 +385,18 @@ class HotPath:
                         v = e.rview = view(p, e.dtype, e.shape, target)
                     e.tensor.data = v
                     e.cur, e.curv = p, v
+                    lo, hi = min(lo, p), max(hi, p + e.size)
+            self._held_span = (lo, hi)
             if ds.sync:
                 self.device.synchronize(stream)
+            # Bare, unless something else sits in the module's forward
+            # (the root's own wrapper, when the root is a held unit).
+            bared = self._bared
+            for u in units:
+                d = u.module.__dict__
+                if d.get("forward") is u.wrapped:
+                    d["forward"] = u.bare
+                    bared.append(u)
         except BaseException:
             self.unhold()
             raise
@@ -367,6 +409,11 @@ class HotPath:
         if stream is None:
             return
         self.holding = None
+        for u in self._bared:
+            d = u.module.__dict__
+            if d.get("forward") is u.bare:
+                d["forward"] = u.wrapped
+        self._bared.clear()
         for u in self.held_units:
             for e in u.entries:
                 e.tensor.data = e.ph
@@ -375,8 +422,9 @@ class HotPath:
         self.held.release(stream)
 
     def run_held(self, unit, fwd, args, kwargs):
-        """A held unit's call: its window, the prefetch its acquire would
-        run, then its forward (with the out-of-memory retry)."""
+        """A held unit's call that is not bare (the root is the unit): its
+        window, the prefetch its acquire would run, then its forward (with
+        the out-of-memory retry)."""
         win = unit.window
         ds = self.ds
         if win is not None and win != ds.window:
@@ -440,9 +488,24 @@ class HotPath:
         # Autograd saves t for backward, which runs after the release.
         return t.clone() if self.aliases(unit, t) else t
 
+    def _aliases_held(self, _, t):
+        """True if tensor t lies in memory of the held weights."""
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return False
+        p = t.data_ptr()
+        lo, hi = self._held_span
+        return lo <= p < hi and any(self.aliases(u, t)
+                                    for u in self.held_units)
+
     def escapes(self, unit, out):
-        """out, with tensors that view the weights replaced by copies."""
-        aliases = self.aliases
+        """out, with tensors that view the unit's weights replaced by
+        copies."""
+        return self._escape(out, self.aliases, unit)
+
+    @staticmethod
+    def _escape(out, aliases, unit):
+        """out, with the tensors for which aliases(unit, t) replaced by
+        copies (a tensor, or a tuple, list or dict of them)."""
         if isinstance(out, torch.Tensor):
             return out.clone() if aliases(unit, out) else out
         if isinstance(out, (tuple, list)) and any(aliases(unit, x)

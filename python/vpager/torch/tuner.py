@@ -449,17 +449,19 @@ class Tuner:
                                      PER_COPY, MARGIN)
             win = [max(a, b) for a, b in zip(win, other)]
         sch.window = win
+        held = self._hold(units, sch)
         if self.windows:
-            for u, win in zip(units, smooth(sch.window)):
+            for u, win in zip(units, smooth(carried(units, sch.window,
+                                                    held))):
                 if u is not None:
                     u.window = win
             self.ds.window = None
-        self._hold(units, sch)
 
     def _hold(self, units, sch):
         """Units held for the whole forward (HotPath.hold): those whose
         weights are all resident, their own (no other unit lists one) and
-        no buffers (written back per call), where it pays (HOLD_SHARE)."""
+        no buffers (written back per call), where it pays (HOLD_SHARE).
+        Returns them."""
         count = {}
         for u in units:
             for e in (u.entries if u is not None else ()):
@@ -474,6 +476,7 @@ class Tuner:
                 or len(held) * UNIT_HOST < HOLD_SHARE * sch.predicted):
             held = []
         self.handle._hot.set_held(held)
+        return held
 
     def _log(self, sch, ring, units, w):
         if os.environ.get("VPAGER_SCHEDULE_LOG"):
@@ -517,6 +520,22 @@ class Tuner:
             b.release(stream)
         if self.ds.sync:
             lay.device.synchronize(stream)
+
+
+def carried(units, window, held):
+    """The windows with each run of held units' largest given to the unit
+    before the run: held units run bare (no acquire sets a window), so
+    the acquire before them sets the window they would have."""
+    held = {id(u) for u in held}
+    out, carry = list(window), 0
+    for i in range(len(out) - 1, -1, -1):
+        u = units[i]
+        if u is None or id(u) in held:
+            carry = max(carry, out[i])
+        else:
+            out[i] = max(out[i], carry)
+            carry = 0
+    return out
 
 
 def smooth(window, slack=SLACK):

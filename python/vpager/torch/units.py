@@ -68,7 +68,7 @@ class Unit:
 
     __slots__ = ("prefix", "name", "module", "entries", "slots", "buffers",
                  "batch", "depth", "saved_forward", "had_forward", "pack",
-                 "window", "held")
+                 "window", "held", "wrapped", "bare")
 
     def __init__(self, prefix, module):
         self.prefix = prefix    # qualified name in the offloaded module
@@ -84,6 +84,8 @@ class Unit:
         self.pack = None
         self.window = None      # prefetch lookahead at its acquire (tuner)
         self.held = False       # acquired with the root forward (tuner)
+        self.wrapped = None     # the forward installed on module (hotpath)
+        self.bare = None        # what module calls while held (hotpath)
 
 
 def managed_buffer(owner, name, buf):
