@@ -761,7 +761,7 @@ def test_resident_units_held_for_the_forward():
     def look(mod, args):
         e = held[0].entries[0]
         seen.append((hot.holding is not None,
-                     e.cur != 0 and e.tensor.data_ptr() == e.cur))
+                     e.cur != 0 and mod.weight.data_ptr() == e.cur))
     hook = held[0].module.register_forward_pre_hook(look)
     with torch.no_grad():
         _steady(m, x, want, h)
@@ -832,8 +832,9 @@ def test_resident_units_held_for_the_forward():
 
 def test_held_units_run_bare():
     """While the root holds their weights, held units' modules call their
-    own forward through the bare wrapper (no acquire, no prefetch), and
-    get the full one back after the forward, also after one that raises;
+    own forward through the bare wrapper (no acquire, no prefetch) with
+    Parameters over the held addresses in their own's place, and get both
+    back after the forward, also after one that raises;
     what the root returns of a held weight is a copy (the pages may go
     after the forward). The windows held units would have set are set by
     the acquire before them (tuner.carried)."""
@@ -844,12 +845,22 @@ def test_held_units_run_bare():
                         for u in held)
     seen = []
 
+    e0 = held[0].entries[0]
+    own = e0.tensor
+
     def look(mod, args):
-        seen.append(mod.__dict__.get("forward") is held[0].bare)
+        # In the module's place, a Parameter over the held address; its
+        # own keeps the placeholder.
+        seen.append(mod.__dict__.get("forward") is held[0].bare
+                    and mod.weight is not own
+                    and type(mod.weight) is nn.Parameter
+                    and mod.weight.data_ptr() == e0.cur != 0
+                    and own.data_ptr() == e0.ph_ptr)
     hook = held[0].module.register_forward_pre_hook(look)
     with torch.no_grad():
         assert torch.equal(m(x), want)
     assert seen == [True], seen
+    assert held[0].module.weight is own and e0.cur == 0
     assert all(u.module.__dict__["forward"] is u.wrapped for u in held)
     boom = m.seq[-1].register_forward_hook(
         lambda *a: (_ for _ in ()).throw(ValueError("boom")))

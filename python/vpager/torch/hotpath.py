@@ -9,10 +9,11 @@ unpinned pages, empty torch's cache, run once more), autograd aliasing
 copied: that memory is reused after the release), buffer write-back in
 training mode, and on CUDA the activation headroom learned at each root
 forward. Units the schedule keeps wholly resident may be held instead:
-their weights acquired once for the whole root forward (hold()), their
-modules meanwhile calling their own forward through a bare wrapper (no
-acquire, no prefetch: the acquire before them already queued what a
-top-up would; the root checks what the forward returns)."""
+their weights acquired once for the whole root forward (hold()), a
+Parameter over each put in its module's place (a dict store, not a .data
+swap), their modules meanwhile calling their own forward through a bare
+wrapper (no acquire, no prefetch: the acquire before them already queued
+what a top-up would; the root copies what it returns of them)."""
 
 import functools
 import time
@@ -92,6 +93,9 @@ class HotPath:
         self._held_pages = []       # the VBAR pages the held weights lie in
         self._bared = []            # held units running bare, while held
         self._held_span = (0, 0)    # [lowest, highest) held address
+        self._held_entries = []     # the held weights' Entries, in order
+        self._held_slots = []       # (dict, key, tensor, Entry) of them
+        self._held_ptrs = None      # the addresses hparams were made for
         self._check_open = handle._check_open
         if target.type == "cuda":
             self.index = cuda_index(target)
@@ -187,7 +191,9 @@ class HotPath:
         (stream, what to restore at release)."""
         self._check_open()
         for d, key, t, qual in unit.slots:
-            if d.get(key) is not t:
+            x = d.get(key)
+            if x is not t and (self.holding is None or not any(
+                    x is e.hparam for e in unit.entries)):
                 raise RuntimeError(
                     "vpager.torch: %s (in %s) was replaced after offload(); "
                     "its weights are vpager's: unload() before changing "
@@ -259,7 +265,8 @@ class HotPath:
                 e.curv = None
         else:
             for e, (p, v) in zip(unit.entries, prev):
-                e.tensor.data = v if p else e.ph
+                # (a held weight: acquired, its tensor a placeholder)
+                e.tensor.data = e.ph if v is None else v
                 e.cur, e.curv = p, v
         try:
             unit.batch.release(stream)
@@ -275,7 +282,11 @@ class HotPath:
         self.unhold()
         for u in self.held_units:
             u.held = False
-        units = tuple(units)
+        # Held weights are swapped in as Parameters: units with other
+        # tensors take the per-unit path.
+        units = tuple(u for u in units
+                      if all(type(t) is torch.nn.Parameter
+                             for _, _, t, _ in u.slots))
         self.held_units = units
         self.held = self._held_of = None
         for u in units:
@@ -291,6 +302,12 @@ class HotPath:
             entries = [e for u in self.held_units for e in u.entries]
             self.held = WeightBatch(lay.device,
                                     [lay.weight(e) for e in entries])
+            self._held_entries = entries
+            of = {id(e.tensor): e for e in entries}
+            self._held_slots = [(d, key, t, of[id(t)])
+                                for u in self.held_units
+                                for d, key, t, _ in u.slots]
+            self._held_ptrs = None
             page = lay.device.page_size
             self._held_pages = sorted({
                 p for e in entries if e.size
@@ -330,22 +347,18 @@ class HotPath:
         return forward
 
     def hold(self):
-        """Acquire the held units' weights on the current stream and point
-        their tensors at them. False, nothing held, the units taking the
-        per-unit path: for this forward if a page of theirs was evicted
-        (_held_evicted) or a tensor was changed (enter() says how); until
-        the next schedule if the acquire fails or stages one (the budget
-        shrank since the schedule)."""
+        """Acquire the held units' weights on the current stream and put
+        Parameters over them in their modules' place. False, nothing held,
+        the units taking the per-unit path: for this forward if a page of
+        theirs was evicted (_held_evicted) or a tensor was changed (enter()
+        says how); until the next schedule if the acquire fails or stages
+        one (the budget shrank since the schedule)."""
         self._check_open()
-        units = self.held_units
-        for u in units:
-            for d, key, t, qual in u.slots:
-                if d.get(key) is not t:
-                    return False        # enter() says what changed
-            for e in u.entries:
-                if e.cur or e.tensor.data_ptr() != e.ph_ptr:
-                    return False
         batch = self._held_batch()
+        flat = self._held_slots
+        for d, key, t, e in flat:
+            if d.get(key) is not t or e.cur or t.data_ptr() != e.ph_ptr:
+                return False            # enter() says what changed
         if self._held_evicted():
             return False
         ds = self.ds
@@ -356,7 +369,7 @@ class HotPath:
             ds.window = None
         stream = self.stream()
         # Its own prefetch would start after the last held weight: off;
-        # each held unit's call tops the window up as its acquire would.
+        # the acquire before each run of held units covers theirs.
         prev = ds.window if ds.window is not None else ds.base_lookahead
         self.device.set_lookahead(0)
         try:
@@ -371,28 +384,20 @@ class HotPath:
             batch.release(stream)
             self.set_held(())
             return False
-        target = self.target
         self.holding = stream
         try:
-            i = 0
-            lo, hi = ptrs[0], 0
-            for u in units:
-                for e in u.entries:
-                    p = ptrs[i]
-                    i += 1
-                    v = e.rview
-                    if v is None:
-                        v = e.rview = view(p, e.dtype, e.shape, target)
-                    e.tensor.data = v
-                    e.cur, e.curv = p, v
-                    lo, hi = min(lo, p), max(hi, p + e.size)
-            self._held_span = (lo, hi)
+            if bytes(ptrs) != self._held_ptrs:  # placed anew: new views
+                self._held_params(ptrs)
+            for e, p in zip(self._held_entries, ptrs):
+                e.cur = p       # acquired; e.tensor keeps its placeholder
+            for d, key, t, e in flat:
+                d[key] = e.hparam
             if ds.sync:
                 self.device.synchronize(stream)
             # Bare, unless something else sits in the module's forward
             # (the root's own wrapper, when the root is a held unit).
             bared = self._bared
-            for u in units:
+            for u in self.held_units:
                 d = u.module.__dict__
                 if d.get("forward") is u.wrapped:
                     d["forward"] = u.bare
@@ -402,9 +407,23 @@ class HotPath:
             raise
         return True
 
+    def _held_params(self, ptrs):
+        """The Parameters hold() puts in the modules: one per held weight,
+        over its VBAR address (made again when the weights move)."""
+        target = self.target
+        lo, hi = ptrs[0], 0
+        for e, p in zip(self._held_entries, ptrs):
+            if e.rview is None or e.rview.data_ptr() != p:
+                e.rview = view(p, e.dtype, e.shape, target)
+            if e.hparam is None or e.hparam.data_ptr() != p:
+                e.hparam = torch.nn.Parameter(e.rview, requires_grad=False)
+            lo, hi = min(lo, p), max(hi, p + e.size)
+        self._held_span = (lo, hi)
+        self._held_ptrs = bytes(ptrs)
+
     def unhold(self):
-        """Placeholders back, and the held weights released on the stream
-        hold() took them on."""
+        """The modules' own Parameters (placeholders) back, and the held
+        weights released on the stream hold() took them on."""
         stream = self.holding
         if stream is None:
             return
@@ -414,11 +433,11 @@ class HotPath:
             if d.get("forward") is u.bare:
                 d["forward"] = u.wrapped
         self._bared.clear()
-        for u in self.held_units:
-            for e in u.entries:
-                e.tensor.data = e.ph
-                e.cur = 0
-                e.curv = None
+        for d, key, t, e in self._held_slots:
+            if d.get(key) is e.hparam:
+                d[key] = t
+        for e in self._held_entries:
+            e.cur = 0
         self.held.release(stream)
 
     def run_held(self, unit, fwd, args, kwargs):

@@ -122,7 +122,7 @@ class Layout:
             raise
         for i, e in enumerate(entries):
             e.index, e.offset, e.src = i, offsets[i], srcs[i]
-            e.rview = None
+            e.rview = e.hparam = None
         self.entries = entries
         self.weights = ws
         self.batches()

@@ -33,7 +33,7 @@ class Entry:
     __slots__ = ("index", "name", "tensor", "is_param", "dtype", "shape",
                  "size", "offset", "src_device", "requires_grad", "host",
                  "file_addr", "src", "rview", "ph", "ph_ptr", "cur", "curv",
-                 "keep", "own", "alt")
+                 "keep", "own", "alt", "hparam")
 
     def __init__(self, index, name, tensor, is_param):
         self.index = index
@@ -58,9 +58,10 @@ class Entry:
         self.keep = None                  # a caller's source: its tensor
         self.own = None                   # its own Source (set_source())
         self.alt = None                   # HostBuf of a set_source() copy
+        self.hparam = None                # Parameter over rview (held)
 
     def forget_views(self):
-        self.rview = self.curv = None
+        self.rview = self.curv = self.hparam = None
 
 
 class Unit:
