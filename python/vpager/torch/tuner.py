@@ -461,7 +461,7 @@ class Tuner:
         """Units held for the whole forward (HotPath.hold): those whose
         weights are all resident, their own (no other unit lists one) and
         no buffers (written back per call), where it pays (HOLD_SHARE).
-        Returns them."""
+        Returns those held."""
         count = {}
         for u in units:
             for e in (u.entries if u is not None else ()):
@@ -475,8 +475,9 @@ class Tuner:
         if (os.environ.get("VPAGER_HOLD") == "0"
                 or len(held) * UNIT_HOST < HOLD_SHARE * sch.predicted):
             held = []
-        self.handle._hot.set_held(held)
-        return held
+        hot = self.handle._hot
+        hot.set_held(held)
+        return hot.held_units           # (set_held keeps Parameters only)
 
     def _log(self, sch, ring, units, w):
         if os.environ.get("VPAGER_SCHEDULE_LOG"):
