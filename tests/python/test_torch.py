@@ -709,17 +709,25 @@ class _Tap(nn.Module):
         return y, self.seq[self.tap][0].weight[:2]
 
 
-def _held_setup(share=0.0, tap=False, **env):
+class _SubParam(nn.Parameter):
+    """A Parameter subclass (as some quantizing libraries keep)."""
+
+
+def _held_setup(share=0.0, tap=False, sub=False, **env):
     """48 small layers (tanh(x W), 16 KiB each) offloaded with half their
     bytes as the budget and scheduled by three no-grad forwards, with
     `env` set and tuner.HOLD_SHARE = share (0: hold whatever qualifies,
     however long this machine's forward) while it is: (m, x, want, h, a
-    resident copy). tap: m is a _Tap around them."""
+    resident copy). tap: m is a _Tap around them; sub: their weights are
+    _SubParam."""
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64, bias=False),
                                       nn.Tanh()) for _ in range(48)]).eval()
     if tap:
         m = _Tap(m).eval()
+    if sub:
+        for layer in m:
+            layer[0].weight = _SubParam(layer[0].weight.data)
     x = torch.randn(8, 64)
     ref = frozen_copy(m)
     want = ref(x)
@@ -745,11 +753,13 @@ def _held_setup(share=0.0, tap=False, **env):
 def test_resident_units_held_for_the_forward():
     """Units the schedule keeps wholly resident are held for the whole
     inference forward (one acquire at the root, placeholders back and
-    one release at its end; each held unit only tops prefetch up):
+    one release at its end; held units run bare, test_held_units_run_bare):
     bitwise equal, steady, nothing pinned after; a held unit called on
     its own, a forward with autograd on and a forward that raises take
     the per-unit path; VPAGER_HOLD=0 holds none, nor does a schedule
-    whose units' acquires are too small a share of its forward."""
+    whose units' acquires are too small a share of its forward, nor one
+    of units whose weights are not plain Parameters (hold() swaps in
+    Parameters)."""
     m, x, want, h, ref = _held_setup()
     hot = h._hot
     held = hot.held_units
@@ -823,7 +833,7 @@ def test_resident_units_held_for_the_forward():
         assert torch.equal(m(x), want)
     h.unload()
     assert torch.equal(m(x), want)
-    for kw in ({"VPAGER_HOLD": "0"}, {"share": 1e9}):
+    for kw in ({"VPAGER_HOLD": "0"}, {"share": 1e9}, {"sub": True}):
         m, x, want, h, ref = _held_setup(**kw)
         assert not h._hot.held_units and h._hot.held is None, kw
         assert h.schedule()["held_units"] == 0
