@@ -562,8 +562,10 @@ VP_API int vp_st_drop_pages(vp_st_t st);
 
 #define VP_LABEL_MAX 64 /* bytes of a VBAR label, the NUL included */
 
-/* Name a VBAR in the ledger and in reports: printable ASCII, at most
- * VP_LABEL_MAX - 1 bytes ("" clears it). */
+/* Name a VBAR in the ledger and in reports: printable ASCII without
+ * double quotes or backslashes (reports show labels as they are), at most
+ * VP_LABEL_MAX - 1 bytes ("" clears it); VP_EINVAL names the first byte
+ * refused. */
 VP_API int vp_vbar_set_label(vp_vbar_t vbar, const char *label);
 /* The VBAR's label, NUL-terminated, in buf (VP_ERANGE when len is too
  * small; VP_LABEL_MAX bytes always suffice). */

@@ -153,19 +153,32 @@ static void wait_for_copy(vp__device_t *dev, vp__weight_t *w, waits_t *wait) {
 
 /* ------------------------------------------------------------- acquire */
 
+/* Bytes about to be rewritten in place (a new source, a weight made anew
+ * over resident pages) may still be read by work queued before their last
+ * release: the copy stream waits for the pages' release fences first, as
+ * eviction waits for them and staging waits for a slot's. */
+static int order_refill(vp__device_t *dev, vp__weight_t *w) {
+  vp_stream_t cs = 0;
+  int rc = vp__copy_stream(dev, &cs);
+  return rc ? rc : vp__order_after(w->vb, w->p0, w->p1, cs);
+}
+
 /* Use w in place: its pages are pinned; fill them if they were recommitted
  * since its last fill. */
 static int acquire_resident(vp__device_t *dev, vp__weight_t *w, batch_t *b,
-                            vp__hold_t *hold, uint64_t *ptr, uint8_t *flags,
-                            waits_t *wait) {
+                            vp_stream_t stream, vp__hold_t *hold,
+                            uint64_t *ptr, uint8_t *flags, waits_t *wait) {
   uint8_t f = VP_ACQUIRED_RESIDENT;
   *ptr = w->vb->va + w->offset;
   if (!vp__gens_equal(w)) {
     if (w->src.kind == VP_SOURCE_NONE) {
+      /* The caller writes the pages on its stream. */
+      int rc = vp__order_after(w->vb, w->p0, w->p1, stream);
+      if (rc) return rc;
       f |= VP_ACQUIRED_EMPTY;
     } else {
-      int rc = batch_add(dev, b, w, *ptr);
-      if (rc) return rc;
+      int rc = order_refill(dev, w);
+      if (rc || (rc = batch_add(dev, b, w, *ptr))) return rc;
       f |= VP_ACQUIRED_COPIED;
       w->vb->win_ok = false; /* prefetch did not cover it: scan again */
       VP__COUNT(w->vb, weight_fills, 1);
@@ -238,7 +251,7 @@ static int acquire_one(vp__device_t *dev, vp__weight_t *w, batch_t *b,
   VP__COUNT(w->vb, acquires, 1);
   rc = vp__fault(w->vb, w->p0, w->p1, NULL);
   if (rc == VP_OK) {
-    rc = acquire_resident(dev, w, b, hold, ptr, flags, wait);
+    rc = acquire_resident(dev, w, b, stream, hold, ptr, flags, wait);
     if (rc) vp__unpin_nofence(w->vb, w->p0, w->p1);
   } else if (rc == VP_MISS) {
     rc = acquire_staged(dev, w, b, hold, ptr, flags, wait);
@@ -535,7 +548,8 @@ static int prefetch_one(vp__device_t *dev, vp__weight_t *u, batch_t *b) {
       vp__unpin_nofence(u->vb, u->p0, u->p1);
       return VP_OK;
     }
-    rc = batch_add(dev, b, u, u->vb->va + u->offset);
+    rc = order_refill(dev, u);
+    if (rc == VP_OK) rc = batch_add(dev, b, u, u->vb->va + u->offset);
     if (rc) {
       vp__unpin_nofence(u->vb, u->p0, u->p1);
       return rc;

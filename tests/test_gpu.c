@@ -13,6 +13,11 @@
  *                                 current: works, leaves it current
  *   gpu_memory_released           cuMemGetInfo returns to its starting value
  *                                 after vp_vbar_destroy and vp_device_close
+ *   gpu_refill_waits_for_kernel   each trigger of tests/refill.h: a weight
+ *                                 rewritten in place while a kernel queued
+ *                                 before its release still reads it; the
+ *                                 kernel sums the old bytes, the acquire
+ *                                 after the rewrite reads the new ones
  *   gpu_oom_is_miss               a commit the driver refuses (memory taken
  *                                 by cuMemAlloc) is VP_MISS, not an error
  *
@@ -26,6 +31,8 @@
 #include <time.h>
 
 #include "cuda_abi.h"
+#include "refill.h"
+#include "stream_fixture.h"
 #include "test.h"
 
 #define MiB ((uint64_t)1 << 20)
@@ -868,5 +875,57 @@ TEST(gpu_oom_is_miss, TEST_GPU_ONLY) {
   ASSERT_OK(vp_fault(v, 0, ps, NULL, 0));
   ASSERT_OK(vp_unpin(v, 0, ps, 0));
   ASSERT_OK(vp_device_close(dev));
+  gpu_primary_release(g, 0);
+}
+
+/* ------------------------------------------- rewrites under a kernel */
+
+typedef struct gpu_reader {
+  gpu_t *g;
+  kernel_t k;
+  vp_stream_t stream;
+  uint64_t want; /* the sum of the bytes it must see */
+} gpu_reader_t;
+
+static void gpu_reader_launch(refill_reader_t *r, vp_device_t dev,
+                              vp_stream_t s, uint64_t ptr, uint64_t size,
+                              const void *expect) {
+  (void)dev;
+  gpu_reader_t *gr = r->state;
+  const uint64_t *words = expect;
+  gr->want = 0;
+  for (uint64_t i = 0; i < size / 8; i++) gr->want += words[i];
+  gr->stream = s;
+  kernel_launch(gr->g, &gr->k, ptr, size, SPIN_NS, s);
+}
+
+static bool gpu_reader_running(refill_reader_t *r) {
+  gpu_reader_t *gr = r->state;
+  return gr->g->stream_query((vp_cu_stream_t)(uintptr_t)gr->stream) ==
+         VP_CU_ERROR_NOT_READY;
+}
+
+static bool gpu_reader_saw(refill_reader_t *r) {
+  gpu_reader_t *gr = r->state;
+  uint64_t out[2];
+  kernel_result(gr->g, &gr->k, out);
+  test_log("kernel spun %.1f ms; sum 0x%016" PRIx64 " (want 0x%016" PRIx64
+           ")", (double)out[1] / 1e6, out[0], gr->want);
+  return out[1] >= SPIN_NS && out[0] == gr->want;
+}
+
+TEST(gpu_refill_waits_for_kernel, TEST_GPU_ONLY) {
+  gpu_t *g = gpu_get();
+  gpu_reader_t gr = {.g = g, .k = kernel_load(g, gpu_primary(g, 0))};
+  refill_reader_t r = {gpu_reader_launch, gpu_reader_running, gpu_reader_saw,
+                       &gr};
+  for (int variant = 0; variant < REFILL_VARIANTS; variant++) {
+    test_note("%s", refill_names[variant]);
+    vp_options_t o;
+    sopts(ctx, &o, 4, 0, 0);
+    o.page_size = 2 * MiB;
+    refill_run(ctx, &o, variant, &r);
+  }
+  kernel_unload(g, &gr.k);
   gpu_primary_release(g, 0);
 }
