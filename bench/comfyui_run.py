@@ -18,7 +18,8 @@ Each run reproduces main.py's two init blocks (comfy.options.
 enable_args_parsing() first, or --reserve-vram is ignored; comfy_aimdo.
 control.init before torch, in its three call shapes; init_devices with a
 generator; the log level; the CoreModelPatcher / aimdo_enabled switch),
-loads the file with comfy.sd.load_diffusion_model and samples --reps
+loads the file with comfy.sd.load_diffusion_model (with UNETLoader's
+model options for --weight-dtype, e.g. fp8_e4m3fn) and samples --reps
 times (comfy.sample.sample), each as one node: afterwards what execution.
 py does after every node (reset_cast_buffers, cleanup_prefetch_queues,
 vbars_reset_watermark_limits). Reported per run and repetition: every
@@ -136,6 +137,34 @@ def say(*a):
     print(*a, flush=True)
 
 
+# UNETLoader's weight_dtype choices (nodes.py), as model_options.
+WEIGHT_DTYPES = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2"]
+
+
+def unet_options(weight_dtype, torch):
+    """The model_options UNETLoader hands comfy.sd.load_diffusion_model for
+    its weight_dtype choice."""
+    if weight_dtype == "fp8_e4m3fn":
+        return {"dtype": torch.float8_e4m3fn}
+    if weight_dtype == "fp8_e4m3fn_fast":
+        return {"dtype": torch.float8_e4m3fn, "fp8_optimizations": True}
+    if weight_dtype == "fp8_e5m2":
+        return {"dtype": torch.float8_e5m2}
+    return {}
+
+
+def held(gen, weight_dtype="default"):
+    """(W, w_max): the diffusion model's weight bytes as held on the GPU
+    with this weight_dtype (fp8: one byte a value for the tensors in the
+    model's dtype; the classes' float32 tensors stay float32), and its
+    largest weight's."""
+    h = gen.get("held", {}).get("fp8" if weight_dtype.startswith("fp8")
+                                else "default")
+    if h is None:
+        return gen["bytes"], gen.get("w_max", 0)
+    return h["bytes"], h["w_max"]
+
+
 # ------------------------------------------------------------ arguments
 
 def parse(argv):
@@ -180,6 +209,10 @@ def parse(argv):
                    help="flux: a VAE decode (ComfyUI's VAE class, Flux's "
                         "16-channel AutoencoderKL config, random weights) "
                         "after every prompt")
+    p.add_argument("--weight-dtype", default="default", choices=WEIGHT_DTYPES,
+                   help="UNETLoader's weight_dtype: the diffusion model is "
+                        "loaded with ComfyUI's model options for it (the "
+                        "file stays in its own dtype; default: as stored)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--dry-run", action="store_true")
@@ -661,6 +694,12 @@ def child_gen(a):
                 "tensors": len(sd), "model": a.model,
                 "w_max": max(t.numel() * t.element_size()
                              for t in sd.values()),
+                "held": {"default": {"bytes": nbytes, "w_max": max(
+                    t.numel() * t.element_size() for t in sd.values())},
+                         "fp8": {"bytes": sum(fp8_size(t) for t in
+                                              sd.values()),
+                                 "w_max": max(fp8_size(t)
+                                              for t in sd.values())}},
                 "dtype": str(dtype).replace("torch.", ""),
                 "fp32_tensors": sorted(k for k, t in sd.items()
                                        if t.dtype == torch.float32),
@@ -670,6 +709,15 @@ def child_gen(a):
                 "make_s": t1 - t0, "save_s": t2 - t1,
                 "link_GBps": link_gbps(torch)})
     say(TAG + json.dumps(res))
+
+
+def fp8_size(t):
+    """Bytes of a checkpoint tensor held as fp8 (weight_dtype fp8: every
+    tensor in the model's dtype; float32 ones stay)."""
+    import torch
+    if t.dtype == torch.float32:
+        return t.numel() * 4
+    return t.numel()
 
 
 def warm(a, dm, ctx, torch):
@@ -815,7 +863,9 @@ def child_sample(a):
            "aimdo_enabled": bool(comfy.memory_management.aimdo_enabled),
            "comfy_aimdo": os.path.dirname(comfy_aimdo.control.__file__)}
     t0 = time.perf_counter()
-    patcher = comfy.sd.load_diffusion_model(a.ckpt)
+    opts = unet_options(a.weight_dtype, torch)
+    res["weight_dtype"] = a.weight_dtype
+    patcher = comfy.sd.load_diffusion_model(a.ckpt, model_options=opts)
     res["load_s"] = time.perf_counter() - t0
     res["patcher"] = type(patcher).__name__
     res["model_size"] = patcher.model_size()
@@ -1014,6 +1064,7 @@ def common_args(a):
             "--double", str(a.double), "--single", str(a.single),
             "--hidden", str(a.hidden), "--reps", str(a.reps),
             "--seed", str(a.seed), "--model", a.model,
+            "--weight-dtype", a.weight_dtype,
             "--timeout", str(a.timeout),
             "--layers", str(a.layers), "--frames", str(a.frames)] \
         + (["--dry-run"] if a.dry_run else []) \
@@ -1028,11 +1079,12 @@ def run_child(a, kind, extra, log_path):
                  "%s %s" % (kind, extra))
 
 
-def budget_arg(run, gen):
+def budget_arg(run, gen, a=None):
     """A run's budget as the child takes it: "half" is half the
-    checkpoint's weights, in GiB."""
+    checkpoint's weights as held with --weight-dtype, in GiB."""
     if run == "half":
-        return "%.3f" % (gen["bytes"] / 2 / GiB)
+        w, _ = held(gen, a.weight_dtype if a is not None else "default")
+        return "%.3f" % (w / 2 / GiB)
     return run
 
 
@@ -1104,7 +1156,7 @@ def main(argv=None):
         summary["checkpoint"] = gen
         for run in runs:
             say("run %s ..." % run)
-            r = run_child(a, "sample", ["--run", budget_arg(run, gen),
+            r = run_child(a, "sample", ["--run", budget_arg(run, gen, a),
                                         "--tag", run, "--ckpt", gen["path"]],
                           os.path.join(out, "run_%s.log" % run))
             summary["runs"][run] = r
@@ -1133,6 +1185,8 @@ def inputs_line(a):
                                         (a.frames - 1) // 4 + 1))
     what = ("prompts base, LoRA A, A@0.5, LoRA B, B again, removed"
             if a.lora else "%d repetitions a run" % a.reps)
+    if a.weight_dtype != "default":
+        m += ", loaded with weight_dtype %s" % a.weight_dtype
     return ("%s (seed %d); %dx%d, euler/simple, %d steps, cfg 1; %s%s%s"
             % (m, a.seed, a.size, a.size, a.steps, what,
                "; a VAE decode after each prompt" if a.vae else "",

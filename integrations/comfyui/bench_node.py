@@ -19,6 +19,12 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
     ... --vae --double 4 --single 8 --steps 4 --runs resident,node3,3
     ... --model sdxl --runs resident,nodehalf,half
     ... --model video --runs resident,nodehalf,half
+    # issue 26 point 1: UNETLoader's weight_dtype fp8_e4m3fn,
+    # fp8_e4m3fn_fast, fp8_e5m2 (a bf16 file), without and with the LoRA
+    # prompts, each cell resident / nodehalf / half (+ legacy): ~7 min
+    ... --fp8 [--shape small|flux] [--dtypes A,B] [--fp8-lora off|on|both]
+        [--fp8-budget half|N]
+    ... --weight-dtype fp8_e4m3fn --runs resident,nodehalf,half
 
 Prints per run: patcher class, steady step (median of steps 2..n) and first
 step per repetition (prompt), vpager's counters; then each run's latents
@@ -32,6 +38,7 @@ prompt's first step over the first prompt's steady step (no thrash: <= 1.1).
 Exit 0; 1 when a run failed; 2 when latents differ.
 """
 
+import copy
 import importlib.util
 import json
 import os
@@ -45,11 +52,16 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 GiB = 1 << 30
 
 
+HARNESS = None
+
+
 def harness():
+    global HARNESS
     path = os.path.join(ROOT, "bench", "comfyui_run.py")
     spec = importlib.util.spec_from_file_location("comfyui_run", path)
     cr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cr)
+    HARNESS = cr
     return cr
 
 
@@ -57,14 +69,37 @@ def say(*a):
     print(*a, flush=True)
 
 
+FP8_DTYPES = ("fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
+# --fp8's model shapes (bench/comfyui_run.py's options, which the command
+# line can still override): "small", a Flux-class DiT of 2 + 4 blocks of
+# 3072 (2.5 GiB bf16, 1.25 GiB as fp8) at 512x512, 4 steps: the whole
+# matrix in about 5 minutes on an H200; "flux", the harness's default
+# 8 + 16 blocks (9.4 GiB bf16) at 1024x1024, 6 steps.
+SHAPES = {"small": ["--double", "2", "--single", "4", "--size", "512",
+                    "--steps", "4"],
+          "flux": []}
+
+
 def split_args(argv):
     """(our options, bench/comfyui_run.py's)."""
     ours = {"runs": "resident,node6", "node": False, "timeout": 240,
-            "out": None, "gen_only": False, "reuse": False}
+            "out": None, "gen_only": False, "reuse": False, "fp8": False,
+            "dtypes": ",".join(FP8_DTYPES), "fp8_lora": "both",
+            "shape": "small", "fp8_budget": "half"}
     rest = []
     it = iter(argv)
     for x in it:
-        if x == "--runs":
+        if x == "--fp8":                # the weight_dtype matrix
+            ours["fp8"] = True
+        elif x == "--dtypes":
+            ours["dtypes"] = next(it)
+        elif x == "--fp8-lora":
+            ours["fp8_lora"] = next(it)
+        elif x == "--shape":
+            ours["shape"] = next(it)
+        elif x == "--fp8-budget":
+            ours["fp8_budget"] = next(it)
+        elif x == "--runs":
             ours["runs"] = next(it)
         elif x == "--node":
             ours["node"] = True
@@ -106,7 +141,8 @@ def child(cr, a):
                 "weights", "weight_bytes", "resident_bytes", "units",
                 "acquires", "hits", "misses", "weight_fills",
                 "weight_staged", "fill_bytes", "staged_bytes",
-                "prefetch_bytes", "file_weights", "patched_weights",
+                "prefetch_bytes", "file_weights", "converted_weights",
+                "convert_ms", "patched_weights",
                 "refills", "set_sources", "replaced", "schedule")
                 if k in s}
         m["node"] = info.get("node")
@@ -128,14 +164,16 @@ def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
     return cr.spawn(cmd, env, log_path, timeout, run)
 
 
-def budget_of(run, gen):
+def budget_of(run, gen, weight_dtype="default"):
     """(the budget string a child takes, bytes) of a run name, or (None,
-    None) for resident, "node" and legacy."""
+    None) for resident, "node" and legacy. "half": half the weights as
+    held with weight_dtype (bench/comfyui_run.py's held())."""
     b = run[4:] if run.startswith("node") else run
     if b in ("", "resident", "legacy"):
         return None, None
     if b == "half":
-        return "%.3f" % (gen["bytes"] / 2 / GiB), gen["bytes"] // 2
+        w = HARNESS.held(gen, weight_dtype)[0] if HARNESS else gen["bytes"]
+        return "%.3f" % (w / 2 / GiB), w // 2
     return b, int(float(b) * GiB)
 
 
@@ -188,20 +226,23 @@ def copied(d):
                                      "prefetch_bytes"))
 
 
-def compare(cr, a, gen, summary):
+def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
     """Latents (and images) against resident's, prompt by prompt; L for
     budget runs; --lora's refill check, --vae's thrash ratio. Returns the
-    exit code's part (2: latents differ)."""
+    exit code's part (2: the latents of a run judged(run) equal neither
+    reference)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import benchlib
     rc = 0
     runs = summary["runs"]
     base = runs.get("resident")
     link = gen.get("link_GBps")
-    say("W %.2f GiB (%.2f GB), w_max %.1f MiB, link %.2f GB/s (pinned "
+    W, w_max = cr.held(gen, a.weight_dtype)
+    say("W %.2f GiB (%.2f GB%s), w_max %.1f MiB, link %.2f GB/s (pinned "
         "host->device, measured in the checkpoint's process)"
-        % (gen["bytes"] / GiB, gen["bytes"] / 1e9,
-           gen.get("w_max", 0) / 2**20, link or 0))
+        % (W / GiB, W / 1e9, ", held as %s" % a.weight_dtype
+           if a.weight_dtype != "default" else "", w_max / 2**20,
+           link or 0))
     table = {}
     for run, r in runs.items():
         if r is None:
@@ -233,15 +274,17 @@ def compare(cr, a, gen, summary):
                    if img else "", " ".join("%.3f" % x for x in ratio)))
         if equal_any is not None and run != "legacy":
             row["latents_equal_a_reference"] = equal_any
-            if not all(equal_any):
+            if not all(equal_any) and judged(run):
                 rc = 2
-        bs, bb = budget_of(run, gen)
+        bs, bb = budget_of(run, gen, a.weight_dtype)
         if bs is not None and base is not None and link:
             res_ms = cr.steady(base["reps"][-1]["steps_ms"])
             peak = max(x.get("torch_peak_reserved", 0) for x in reps)
             B = bb - peak
+            # Under torch's peak the budget leaves the weights nothing
+            # (every weight crosses the link each step), not less.
             lim, link_ms = benchlib.stream_limit_ms(
-                res_ms, gen["bytes"], B, gen.get("w_max", 0), link)
+                res_ms, W, max(B, 0), w_max, link)
             st = cr.steady(reps[-1]["steps_ms"])
             row.update(budget=bb, torch_peak=peak, B=B, L_ms=lim,
                        link_term_ms=link_ms, steady_ms=st, vs_L=st / lim)
@@ -288,6 +331,124 @@ def compare(cr, a, gen, summary):
     return rc
 
 
+def run_set(cr, a, ours, runs, out, gen, summary, judged=None):
+    """Run `runs` (children, one after the other, logs in `out`) on the
+    checkpoint `gen`, report each, compare; the exit code's part."""
+    rc = 0
+    for run in runs:
+        t0 = time.perf_counter()
+        log = os.path.join(out, "run_%s.log" % run)
+        bs, _ = budget_of(run, gen, a.weight_dtype)
+        if run.startswith("node"):
+            r = run_node_child(cr, a, run, bs, gen["path"], log,
+                               ours["timeout"])
+        else:
+            r = cr.run_child(a, "sample", ["--run", bs or run, "--tag",
+                                           run, "--ckpt", gen["path"]],
+                             log)
+        summary["runs"][run] = r
+        if r is None:
+            rc = 1
+            continue
+        report(cr, run, r)
+        say("  (%.0f s)" % (time.perf_counter() - t0))
+    kw = {} if judged is None else {"judged": judged}
+    c = compare(cr, a, gen, summary, **kw)
+    return rc or c
+
+
+def fp8_configs(ours):
+    """[(weight_dtype, lora)] of --fp8's matrix."""
+    dtypes = [x.strip() for x in ours["dtypes"].split(",") if x.strip()]
+    for d in dtypes:
+        if d not in FP8_DTYPES + ("default",):
+            raise SystemExit("--dtypes: %r is none of %s" % (d, ", ".join(
+                FP8_DTYPES + ("default",))))
+    loras = {"off": [False], "on": [True], "both": [False, True]}.get(
+        ours["fp8_lora"])
+    if loras is None:
+        raise SystemExit("--fp8-lora: off, on or both")
+    return [(d, lo) for d in dtypes for lo in loras]
+
+
+def fp8_runs(weight_dtype, lora, budget="half"):
+    """A matrix cell's runs: ComfyUI's all-resident dynamic run (the
+    reference), the node and ComfyUI's own dynamic path under the budget
+    (--fp8-budget: "half", half the weights as held, or N GiB); ComfyUI's
+    legacy ModelPatcher too where the node's latents are to be its (a
+    LoRA baked in at load; fp8_e4m3fn_fast, whose fp8 matmul ComfyUI's
+    dynamic path skips for a bf16 file)."""
+    runs = ["resident", "node" + budget, budget]
+    if lora or weight_dtype == "fp8_e4m3fn_fast":
+        runs.append("legacy")
+    return runs
+
+
+def fp8_matrix(cr, a, ours, out, gen, summary):
+    """--fp8: each weight_dtype with and without a LoRA (--fp8-lora), runs
+    fp8_runs(); one table at the end. Judged: the node's latents, equal
+    to resident's or legacy's, prompt by prompt (ComfyUI's own dynamic
+    path under the budget is printed, not judged: with a LoRA it applies
+    the patch at each cast, unrounded when the weight is not resident)."""
+    rc = 0
+    rows = []
+    summary["matrix"] = {}
+    for wd, lora in fp8_configs(ours):
+        name = "%s%s" % (wd, "_lora" if lora else "")
+        b = copy.copy(a)
+        b.weight_dtype, b.lora = wd, lora
+        sub = os.path.join(out, name)
+        os.makedirs(sub, exist_ok=True)
+        runs = fp8_runs(wd, lora, ours["fp8_budget"])
+        say("")
+        say("=== %s, %s: runs %s" % (wd, "LoRA prompts (base, A, A@0.5, B, "
+                                     "B again, removed)" if lora else
+                                     "%d repetitions" % a.reps, runs))
+        t0 = time.perf_counter()
+        cell = {"runs": {}}
+        rc = run_set(cr, b, ours, runs, sub, gen, cell,
+                     judged=lambda run: run.startswith("node")) or rc
+        cell["wall_s"] = time.perf_counter() - t0
+        summary["matrix"][name] = cell
+        rows.append((wd, lora, cell))
+    bud = ours["fp8_budget"]
+    say("")
+    say("fp8 matrix (budget %s GiB%s; steady: the last prompt's; latents "
+        "prompt by prompt: R equal to resident's, L to legacy's):"
+        % (budget_of(bud, gen, "fp8_e4m3fn")[0], ", half the weights as "
+           "held" if bud == "half" else ""))
+    say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
+        "weight_dtype", "LoRA", "node latents", "node/L", "dynamic/L",
+        "node/dyn", "dynamic latents"))
+    for wd, lora, cell in rows:
+        t = cell.get("table", {})
+        n, h = t.get("node" + bud, {}), t.get(bud, {})
+        ns, hs = n.get("steady_ms"), h.get("steady_ms")
+        say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
+            wd, "yes" if lora else "no", _equal_words(n),
+            "%.3f" % n["vs_L"] if "vs_L" in n else "-",
+            "%.3f" % h["vs_L"] if "vs_L" in h else "-",
+            "%.3f" % (ns / hs) if ns and hs else "-", _equal_words(h)))
+    return rc
+
+
+def _equal_words(row):
+    """Per prompt: = resident, = legacy, or DIFFER."""
+    r = row.get("latents_equal_resident")
+    g = row.get("latents_equal_legacy")
+    if r is None:
+        return "-"
+    words = []
+    for i, x in enumerate(r):
+        if x:
+            words.append("R")
+        elif g is not None and i < len(g) and g[i]:
+            words.append("L")
+        else:
+            words.append("DIFFER")
+    return "".join(words) if "DIFFER" not in words else " ".join(words)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     ours, rest = split_args(argv)
@@ -298,6 +459,20 @@ def main(argv=None):
         a = cr.parse(rest)
         a.timeout = ours["timeout"]
         return child(cr, a) if ours["node"] else cr.main(rest)
+    if ours["fp8"]:
+        if ours["shape"] not in SHAPES:
+            raise SystemExit("--shape: %s" % " or ".join(SHAPES))
+        b = ours["fp8_budget"]
+        if b != "half":
+            try:
+                float(b)
+            except ValueError:
+                raise SystemExit("--fp8-budget: half or a number of GiB")
+        configs = fp8_configs(ours)
+        # The shape first: the command line's own options win.
+        rest = SHAPES[ours["shape"]] + rest
+        if any(lo for _d, lo in configs) and "--lora" not in rest:
+            rest.append("--lora")       # the checkpoint's LoRA files
     a = cr.parse(rest + ["--runs", "resident"])
     out = ours["out"] or (os.path.join(os.environ["OUT"], "comfyui_node")
                           if os.environ.get("OUT") else "comfyui-node")
@@ -310,7 +485,13 @@ def main(argv=None):
     a.timeout = ours["timeout"]
     for ln in cr.machine(a):
         say(ln)
-    say("inputs: %s; runs %s" % (cr.inputs_line(a), runs))
+    if ours["fp8"]:
+        say("inputs: %s; --fp8 matrix (shape %s): %s" % (
+            cr.inputs_line(a), ours["shape"], ", ".join(
+                "%s%s" % (d, " + LoRA" if lo else "")
+                for d, lo in fp8_configs(ours))))
+    else:
+        say("inputs: %s; runs %s" % (cr.inputs_line(a), runs))
     summary = {"args": vars(a), "runs": {}}
     rc = 0
     try:
@@ -341,25 +522,10 @@ def main(argv=None):
                             "; VAE %.0f MiB" % (gen["vae"]["bytes"] / 2**20)
                             if "vae" in gen else ""))
         summary["checkpoint"] = gen
-        for run in runs:
-            t0 = time.perf_counter()
-            log = os.path.join(out, "run_%s.log" % run)
-            bs, _ = budget_of(run, gen)
-            if run.startswith("node"):
-                r = run_node_child(cr, a, run, bs, gen["path"], log,
-                                   ours["timeout"])
-            else:
-                r = cr.run_child(a, "sample", ["--run", bs or run, "--tag",
-                                               run, "--ckpt", gen["path"]],
-                                 log)
-            summary["runs"][run] = r
-            if r is None:
-                rc = 1
-                continue
-            report(cr, run, r)
-            say("  (%.0f s)" % (time.perf_counter() - t0))
-        c = compare(cr, a, gen, summary)
-        rc = rc or c
+        if ours["fp8"]:
+            rc = fp8_matrix(cr, a, ours, out, gen, summary)
+        else:
+            rc = run_set(cr, a, ours, runs, out, gen, summary)
     finally:
         if made:
             shutil.rmtree(a.workdir, ignore_errors=True)

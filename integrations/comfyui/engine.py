@@ -14,8 +14,14 @@ and the ledger. With offload(outside="host") a parameter holds a CPU
 tensor with its (unpatched) bytes outside its op's forward, as under
 ComfyUI's own dynamic loading.
 
-What is ComfyUI's and stays here: the sources (vpager.torch's pinned
-host copy, made from ComfyUI's memory-mapped file, or with --fast-disk
+What is ComfyUI's and stays here: the dtype each weight is held in on
+the GPU (ComfyUI's dynamic path holds a weight in the dtype its op
+declares, <param>_comfy_model_dtype, converting the file's bytes on the
+GPU with a plain cast when the file has another one: a UNet loaded with
+weight_dtype fp8 from a bf16 file; convert_host() does that conversion
+once, on the same device, before vpager.torch takes the weight), the
+sources (vpager.torch's pinned host copy, made from ComfyUI's
+memory-mapped file or from the converted tensor, or with --fast-disk
 the file region itself: offload(sources=)), patch identity
 (same_patch: only weights whose patch set changed get a new source,
 Offloaded.set_source), and --reserve-vram's budget, which weights and
@@ -39,6 +45,108 @@ ALL = 1 << 62               # "evict everything unpinned"
 
 def nbytes(t):
     return t.numel() * t.element_size()
+
+
+CONVERT_CHUNK = 16 << 20    # bytes of the source converted at a time
+CONVERT_THREADS = 8         # threads copying to and from the staging
+
+
+def convert_host(items, target):
+    """[(t, dtype)] (CPU tensors) -> [a new CPU tensor holding t cast to
+    dtype], cast the way ComfyUI's dynamic path casts a weight into VRAM
+    (comfy.ops: the file's bytes copied to the GPU, then a plain copy_
+    into a tensor of the declared dtype; no stochastic rounding): chunk by
+    chunk on `target`, the GPU the model computes on, so the very same
+    conversion kernel runs (on the simulated device, the CPU), then back
+    to the host. On a GPU the chunks go through two pinned staging pairs
+    on a stream of their own: the host fills one (several threads) while
+    the GPU converts the other."""
+    outs, jobs = [], []
+    with torch.no_grad(), torch.inference_mode(False):
+        for t, dtype in items:
+            src = t.detach()
+            out = torch.empty(tuple(src.shape), dtype=dtype)
+            outs.append(out)
+            n = src.numel()
+            step = max(CONVERT_CHUNK // max(src.element_size(), 1), 1)
+            a, b = src.reshape(-1), out.view(-1)
+            for i in range(0, n, step):
+                jobs.append((a[i:i + step], b[i:i + step]))
+        if target.type == "cpu":
+            for a, b in jobs:
+                b.copy_(a)
+        elif jobs:
+            _convert_on_gpu(jobs, target)
+    return outs
+
+
+def _convert_on_gpu(jobs, target):
+    """convert_host's GPU pipeline over jobs [(source chunk, destination
+    chunk)] (CPU tensors, contiguous)."""
+    import concurrent.futures
+
+    def size(t):
+        return t.numel() * t.element_size()
+
+    def pieces(dst, src):           # a copy split for the threads
+        n = dst.numel()
+        step = max((n + CONVERT_THREADS - 1) // CONVERT_THREADS, 1)
+        return [(dst[i:i + step], src[i:i + step]) for i in range(0, n, step)]
+
+    stream = torch.cuda.Stream(target)
+    big_in = max(size(a) for a, _b in jobs)
+    big_out = max(size(b) for _a, b in jobs)
+    slots = []
+    with torch.cuda.device(target), torch.cuda.stream(stream), \
+            concurrent.futures.ThreadPoolExecutor(CONVERT_THREADS) as pool:
+
+        def copy(dst, src):
+            list(pool.map(lambda p: p[0].copy_(p[1]), pieces(dst, src)))
+
+        def finish(slot):           # the chunk's result to its destination
+            _a, b = slot["job"]
+            slot["event"].synchronize()
+            copy(b, slot["pin_out"][:size(b)].view(b.dtype))
+            slot["job"] = None
+
+        for _ in range(2):
+            slots.append({
+                "pin_in": torch.empty(big_in, dtype=torch.uint8,
+                                      pin_memory=True),
+                "pin_out": torch.empty(big_out, dtype=torch.uint8,
+                                       pin_memory=True),
+                "gin": torch.empty(big_in, dtype=torch.uint8, device=target),
+                "gout": torch.empty(big_out, dtype=torch.uint8,
+                                    device=target),
+                "event": torch.cuda.Event(), "job": None})
+        try:
+            for i, (a, b) in enumerate(jobs):
+                slot = slots[i % 2]
+                if slot["job"] is not None:
+                    finish(slot)
+                pin = slot["pin_in"][:size(a)].view(a.dtype)
+                copy(pin, a)
+                gin = slot["gin"][:size(a)].view(a.dtype)
+                gout = slot["gout"][:size(b)].view(b.dtype)
+                gin.copy_(pin, non_blocking=True)
+                gout.copy_(gin)             # the conversion, as ComfyUI's
+                slot["pin_out"][:size(b)].view(b.dtype).copy_(
+                    gout, non_blocking=True)
+                slot["event"].record(stream)
+                slot["job"] = (a, b)
+            for slot in slots:
+                if slot["job"] is not None:
+                    finish(slot)
+        finally:
+            stream.synchronize()
+            # The staging goes back to the device (and the pinned pairs
+            # to the host): blocks cached on a stream of their own would
+            # stay reserved, room the budget's weights no longer have.
+            slots = None
+            torch.cuda.empty_cache()
+            host_empty = getattr(torch._C, "_host_emptyCache", None)
+            if host_empty is not None:
+                host_empty()
 
 
 def comfy_file_slice(t):
@@ -150,19 +258,81 @@ class Pager:
     model; prefer_file: file sources where the tensor is a file slice
     (file_slice(t) -> (fd, offset) or None); budget: the device's budget
     for weights and activations together (see learn_headroom), set by
-    the first pager on the device."""
+    the first pager on the device; dtypes: {key: dtype} the dtype each
+    weight is to be held in on the device (ComfyUI's: its op's declared
+    dtype), default its own; a weight stored in another dtype is
+    converted first (convert_host: as ComfyUI's dynamic path casts it)
+    and gets its original tensor back at close(). ValueError (nothing
+    changed) if a weight cannot be held in the dtype asked for."""
 
     def __init__(self, dev, target, model, units, prefer_file=False,
                  file_slice=comfy_file_slice, label=None, budget=None,
-                 root=None):
+                 root=None, dtypes=None):
         self.dev = dev
         self.target = torch.device(target)
         self.ds = devstate(dev, budget)
         self.entries = []
+        self.closed = True              # until offload() took the model
+        self.hook = None                # the patcher's learn hook
+        self.refills = 0                # weights whose source was swapped
+        # (parameter, its original tensor) of the weights converted here
+        t0 = time.perf_counter()
+        self.converted = self._convert(units, dtypes or {})
+        self.convert_s = time.perf_counter() - t0
+        try:
+            self._open(model, units, prefer_file, file_slice, label, root,
+                       dtypes or {})
+        except BaseException:
+            self._restore()
+            raise
+
+    def _convert(self, units, dtypes):
+        """Weights stored in another dtype than `dtypes` asks: each
+        parameter's tensor becomes its conversion (convert_host); returns
+        [(parameter, original tensor)]. A tied weight asked in two dtypes,
+        or no memory to convert on the GPU: ValueError, nothing changed."""
+        want = {}
         for _name, module, params in units:
             for key, pname in params:
-                self.entries.append(Entry(key, module, pname,
-                                          module._parameters[pname]))
+                p = module._parameters[pname]
+                d = dtypes.get(key, p.dtype)
+                if want.setdefault(id(p), (p, d, key))[1] != d:
+                    raise ValueError(
+                        "%s is tied to %s, held in %s, but its op declares "
+                        "%s" % (key, want[id(p)][2], want[id(p)][1], d))
+        todo = [(p, d) for p, d, _key in want.values() if p.dtype != d]
+        try:
+            outs = convert_host([(p.data, d) for p, d in todo], self.target)
+        except RuntimeError as e:
+            if "out of memory" not in str(e):
+                raise
+            # ComfyUI's own path takes the model (ValueError).
+            raise ValueError("converting %d weights to their ops' dtype on "
+                             "%s ran out of memory" % (len(todo), self.target))
+        done = []
+        for (p, _d), out in zip(todo, outs):
+            done.append((p, p.data))
+            p.data = out
+        return done
+
+    def _restore(self):
+        """The converted parameters get their original tensors back."""
+        for p, t in self.converted:
+            p.data = t
+        self.converted = []
+
+    def _open(self, model, units, prefer_file, file_slice, label, root,
+              dtypes):
+        dev = self.dev
+        for _name, module, params in units:
+            for key, pname in params:
+                e = Entry(key, module, pname, module._parameters[pname])
+                want = dtypes.get(key, e.dtype)
+                if e.dtype != want:     # never page other bytes than asked
+                    raise ValueError("%s would be held in %s, its op "
+                                     "declares %s" % (key, e.dtype, want))
+                self.entries.append(e)
+        conv = {id(p) for p, _t in self.converted}
         self.by_key = {e.key: e for e in self.entries}
         # vpager.torch names a weight by its first key (a tensor tied to
         # several ops is one weight there, in each op's unit).
@@ -170,9 +340,6 @@ class Pager:
         for e in self.entries:
             first.setdefault(id(e.param), e.key)
         self.vt_name = {e.key: first[id(e.param)] for e in self.entries}
-        self.closed = False
-        self.hook = None                # the patcher's learn hook
-        self.refills = 0                # weights whose source was swapped
         by_key = self.by_key
 
         def chosen(name, t):
@@ -182,6 +349,8 @@ class Pager:
         files = {}
         if prefer_file:
             for e in self.entries:
+                if id(e.param) in conv:
+                    continue        # the file holds the unconverted bytes
                 fs = file_slice(e.param.data)
                 if fs is not None:
                     e.file = fs
@@ -196,6 +365,7 @@ class Pager:
             model, dev=dev, tensors=chosen,
             sources=source if files else None, outside="host",
             root=root if root is not None else model, schedule=True)
+        self.closed = False
         if label:
             try:
                 _ledger.name(self.h, label)
@@ -300,6 +470,8 @@ class Pager:
         s["weights"] = len(self.entries)
         s["weight_bytes"] = self.weight_bytes
         s["file_weights"] = sum(e.file is not None for e in self.entries)
+        s["converted_weights"] = len(self.converted)
+        s["convert_ms"] = self.convert_s * 1e3
         s["patched_weights"] = len(self.patched_keys())
         s["refills"] = self.refills
         return s
@@ -307,24 +479,28 @@ class Pager:
     # ------------------------------------------------------------ close
     def close(self):
         """Wrappers out, parameters back to CPU tensors of their own (the
-        host copy is freed), vpager objects closed. The model is then as
-        ComfyUI loaded it (its own path can take it)."""
+        host copy is freed; a converted weight gets its original tensor
+        back), vpager objects closed. The model is then as ComfyUI loaded
+        it (its own path can take it)."""
         if self.closed:
             return
         if self.h.busy:
             raise RuntimeError("vpager ComfyUI node: close() inside a forward")
         self.closed = True
-        if self.dev.closed or self.h.closed:
-            # The device closed first (process exit, tests): the host copy
-            # is gone with it; close() gives the parameters placeholders
-            # (file-sourced ones keep ComfyUI's file tensor), not dangling
-            # memory.
-            try:
-                self.h.close()
-            except Exception:       # pragma: no cover - already gone
-                pass
-            return
-        self.h.unload()
+        try:
+            if self.dev.closed or self.h.closed:
+                # The device closed first (process exit, tests): the host
+                # copy is gone with it; close() gives the parameters
+                # placeholders (file-sourced ones keep ComfyUI's file
+                # tensor), not dangling memory.
+                try:
+                    self.h.close()
+                except Exception:   # pragma: no cover - already gone
+                    pass
+                return
+            self.h.unload()
+        finally:
+            self._restore()
 
 
 def _same(a, b):

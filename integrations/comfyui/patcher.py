@@ -115,11 +115,14 @@ def _same_device(a, b):
 
 class Plan:
     """What a model's load would hand to vpager: units [(name, module,
-    [(key, pname)])], forced [(key, module, pname)] (params ComfyUI's way:
-    straight to the device), or why (a reason to fall back)."""
+    [(key, pname)])], dtypes {key: dtype} (the dtype each unit weight is
+    held in on the GPU: ComfyUI's, see vram_dtype), forced [(key,
+    module, pname)] (params ComfyUI's way: straight to the device), or
+    why (a reason to fall back)."""
 
     def __init__(self):
         self.units = []
+        self.dtypes = {}
         self.forced = []
         self.why = None
 
@@ -142,11 +145,13 @@ def plan_model(model, comfy):
         for k, p in own:
             key = "%s.%s" % (n, k) if n else k
             if is_op and leaf and k in ("weight", "bias") and size > SMALL:
-                why = _refuse(key, m, k, p)
+                want = vram_dtype(m, k, p)
+                why = _refuse(key, m, k, p, want)
                 if why is not None:
                     plan.why = why
                     return plan
                 params.append((key, k))
+                plan.dtypes[key] = want
             else:
                 plan.forced.append((key, m, k))
         if params:
@@ -156,8 +161,24 @@ def plan_model(model, comfy):
     return plan
 
 
-def _refuse(key, m, k, p):
-    """Why weight `key` cannot be a vpager weight, or None."""
+def vram_dtype(m, k, p):
+    """The dtype ComfyUI's dynamic path holds op m's parameter k in on the
+    GPU: the dtype the op declares for it (<k>_comfy_model_dtype: a UNet
+    loaded with weight_dtype fp8 declares fp8 while its parameters are the
+    file's bf16 tensors; ComfyUI casts them on the GPU at fill time), else
+    the parameter's own."""
+    return getattr(m, k + "_comfy_model_dtype", None) or p.dtype
+
+
+# What the node converts: a plain cast between these kinds (ComfyUI's own
+# conversion into VRAM, on the same device: engine.convert_host).
+def _convertible(dtype):
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def _refuse(key, m, k, p, want=None):
+    """Why weight `key` cannot be a vpager weight, or None. want: the dtype
+    it is to be held in on the GPU (vram_dtype)."""
     t = p.data
     if hasattr(m, "set_" + k) or hasattr(m, "convert_" + k):
         return ("%s is set through the op (set_%s/convert_%s: quantized or "
@@ -172,6 +193,14 @@ def _refuse(key, m, k, p):
         return "%s is not a dense tensor" % key
     if not t.is_contiguous():
         return "%s is not contiguous" % key
+    if want is not None and want != t.dtype and not (
+            _convertible(t.dtype) and _convertible(want)):
+        # Bytes the node would not reproduce bitwise (an integer or
+        # packed format, a dtype it does not know): ComfyUI casts them.
+        return ("%s is stored as %s but its op declares %s: the node "
+                "converts only between floating-point dtypes"
+                % (key, str(t.dtype).replace("torch.", ""),
+                   str(want).replace("torch.", "")))
     return None
 
 
@@ -339,7 +368,7 @@ def make_class(comfy, base):
                     dev, target, self.model, plan.units,
                     prefer_file=bool(getattr(args, "fast_disk", False)),
                     label="comfyui:%s" % type(self.model).__name__,
-                    budget=budget, root=root)
+                    budget=budget, root=root, dtypes=plan.dtypes)
                 self.model._vpager_pager = pager
                 ref = weakref.ref(pager)
 
@@ -426,13 +455,22 @@ def make_class(comfy, base):
                     lambda key=key: self.patch_weight_to_device(
                         key, device_to=device_to, return_weight=True))
                 refilled += 1
-            # The rest ComfyUI's way: straight to the device.
+            # The rest ComfyUI's way: straight to the device; a parameter
+            # of a module that is no ComfyUI op in the dtype the model
+            # declares for it, as ComfyUI's dynamic path puts it there
+            # (Wan's modulation of a UNet loaded as fp8 from a bf16 file:
+            # fp8, cast on the device).
             for key, m, k in plan.forced:
                 if m._parameters.get(k) is None:
                     continue
                 self.patch_weight_to_device(key, device_to=device_to,
                                             force_cast=True)
                 w = m._parameters[k]
+                want = getattr(m, k + "_comfy_model_dtype", None)
+                if not hasattr(m, "comfy_cast_weights") and \
+                        want is not None and w.dtype != want:
+                    utils.set_attr_param(self.model, key, w.to(want))
+                    w = m._parameters[k]
                 self.model.model_loaded_weight_memory += engine.nbytes(w)
             for key, buf in self.model.named_buffers(recurse=True):
                 if key not in self.backup_buffers:
@@ -450,11 +488,14 @@ def make_class(comfy, base):
             self.model._vp_last_load = (pager, self.patches_uuid, device_to,
                                         self._vp_refs(self._vp_placed(plan)))
             log.info("vpager: %s on vpager: %d weights (%d MB) in %d units, "
-                     "%d patched (%d refilled), %d loaded ComfyUI's way "
+                     "%d converted to their ops' dtype (%.0f ms), %d "
+                     "patched (%d refilled), %d loaded ComfyUI's way "
                      "(%.1f ms)", type(self.model).__name__,
                      len(pager.entries), pager.weight_bytes >> 20,
-                     len(pager.units), len(pager.patched_keys()), refilled,
-                     len(plan.forced), (time.perf_counter() - t0) * 1e3)
+                     len(pager.units), len(pager.converted),
+                     pager.convert_s * 1e3, len(pager.patched_keys()),
+                     refilled, len(plan.forced),
+                     (time.perf_counter() - t0) * 1e3)
             self._vp_loaded_callbacks(device_to)
 
         def _vp_loaded_callbacks(self, device_to):
@@ -464,12 +505,11 @@ def make_class(comfy, base):
             self.apply_hooks(self.forced_hooks, force_apply=True)
 
         def _vp_prepare_op(self, n, m):
-            """The op computes on what vpager hands it: no aimdo state, its
-            class's comfy_cast_weights unless a weight is stored in another
-            dtype than the model declares for it (Wan's float32
-            patch_embedding from an fp16 file: ComfyUI's dynamic path casts
-            it at use, so the op keeps casting), ComfyUI's weight wrappers
-            kept."""
+            """The op computes on what vpager hands it (its weights in the
+            dtype the op declares, as ComfyUI's VRAM copy: converted at
+            load when stored in another, engine.convert_host): no aimdo
+            state, its class's comfy_cast_weights, ComfyUI's weight
+            wrappers kept."""
             for attr in ("_v", "_v_signature", "_v_weight", "_v_bias",
                          "weight_lowvram_function", "bias_lowvram_function",
                          "comfy_cast_weights", "prev_comfy_cast_weights"):
@@ -481,11 +521,6 @@ def make_class(comfy, base):
                         except Exception:
                             pass
                     delattr(m, attr)
-            for k in ("weight", "bias"):
-                t = m._parameters.get(k)
-                want = getattr(m, k + "_comfy_model_dtype", None)
-                if t is not None and want is not None and t.dtype != want:
-                    m.comfy_cast_weights = True
             m.seed_key = n
             for k in ("weight", "bias"):
                 fns = []

@@ -55,6 +55,7 @@ if torch is not None:
     tuner.ROUNDS_MAX = tuner.ROUNDS
 
 K = 1 << 10
+GiB_ = 1 << 30
 PAGE = 64 * K
 CPU = torch.device("cpu") if torch is not None else None
 
@@ -508,6 +509,83 @@ def test_bench_node_loads_its_harness():
     assert "COMFYUI_RUN" in out.stdout and "COMFYUI_TIMELINE" in out.stdout
 
 
+def test_bench_fp8_matrix():
+    """bench_node.py --fp8: UNETLoader's weight_dtype options as ComfyUI's
+    model options, budgets of half the weights as held (fp8: a byte a
+    value, float32 tensors kept), each cell's runs, and the verdict: the
+    node's latents equal to resident's or legacy's prompt by prompt
+    (ComfyUI's dynamic path under the budget printed, not judged). The
+    children are stand-ins here (no GPU, no ComfyUI)."""
+    import runpy
+    ns = runpy.run_path(os.path.join(REPO, "integrations", "comfyui",
+                                     "bench_node.py"), run_name="bench_node")
+    cr = ns["harness"]()
+    t = types.SimpleNamespace(float8_e4m3fn="e4m3", float8_e5m2="e5m2")
+    assert cr.unet_options("default", t) == {}
+    assert cr.unet_options("fp8_e4m3fn_fast", t) == {
+        "dtype": "e4m3", "fp8_optimizations": True}
+    assert cr.unet_options("fp8_e5m2", t) == {"dtype": "e5m2"}
+    a = cr.parse(["--comfyui", "x", "--weight-dtype", "fp8_e5m2"])
+    assert "fp8_e5m2" in cr.common_args(a)
+    gen = {"bytes": 4 * GiB_, "w_max": 2 << 20, "path": "ck",
+           "link_GBps": 50.0,
+           "held": {"default": {"bytes": 4 * GiB_, "w_max": 2 << 20},
+                    "fp8": {"bytes": 2 * GiB_ + 4096, "w_max": 1 << 20}}}
+    assert ns["budget_of"]("nodehalf", gen, "fp8_e4m3fn") == \
+        ("%.3f" % ((2 * GiB_ + 4096) / 2 / GiB_), GiB_ + 2048)
+    assert ns["budget_of"]("half", gen)[1] == 2 * GiB_
+    assert cr.budget_arg("half", gen, a) == "%.3f" % (
+        (2 * GiB_ + 4096) / 2 / GiB_)
+    ours = ns["split_args"](["--fp8", "--fp8-lora", "both"])[0]
+    assert ns["fp8_configs"](ours) == [
+        (d, lo) for d in ns["FP8_DTYPES"] for lo in (False, True)]
+    assert ns["fp8_runs"]("fp8_e4m3fn", False) == [
+        "resident", "nodehalf", "half"]
+    assert ns["fp8_runs"]("fp8_e4m3fn_fast", False)[-1] == "legacy"
+    assert ns["fp8_runs"]("fp8_e5m2", True)[-1] == "legacy"
+
+    # One cell with stand-in children: the node equals resident on the
+    # LoRA-free prompts and legacy on the LoRA ones; ComfyUI's dynamic
+    # path under the budget equals neither on one prompt (not judged).
+    labels = ["base", "lora_a", "removed"]
+    lat = {"resident": "RRR", "legacy": "LLL", "nodehalf": "RLR",
+           "half": "RXR"}
+    seen = []
+
+    def child(run):
+        seen.append(run)
+        return {"reps": [{"label": lb, "steps_ms": [90.0, 10.0, 10.0],
+                          "latent_sha256": lat[run][i] * 64,
+                          "torch_peak_reserved": 1 << 28,
+                          "torch_reserved": 1 << 28, "device_used": 1 << 30}
+                         for i, lb in enumerate(labels)]}
+    g = ns["fp8_matrix"].__globals__
+    saved = (cr.run_child, g["run_node_child"], g["say"], g["report"])
+    lines = []
+    try:
+        cr.run_child = lambda a, kind, extra, log: child(
+            extra[extra.index("--tag") + 1])
+        g["run_node_child"] = lambda cr_, a, run, *rest: child(run)
+        g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
+        g["report"] = lambda *x: None
+        ours = ns["split_args"](["--fp8", "--dtypes", "fp8_e4m3fn",
+                                 "--fp8-lora", "on"])[0]
+        with tempfile.TemporaryDirectory() as out:
+            summary = {"runs": {}}
+            rc = ns["fp8_matrix"](cr, a, ours, out, gen, summary)
+            assert rc == 0, lines
+            assert seen == ["resident", "nodehalf", "half", "legacy"]
+            lat["nodehalf"] = "RXR"
+            seen[:] = []
+            assert ns["fp8_matrix"](cr, a, ours, out, gen, summary) == 2
+    finally:
+        (cr.run_child, g["run_node_child"], g["say"], g["report"]) = saved
+    table = lines[lines.index(next(x for x in lines
+                                   if x.startswith("fp8 matrix"))):]
+    assert any("fp8_e4m3fn" in x and "RLR" in x for x in table), table
+    assert any("nodehalf: budget" in x and "x L" in x for x in lines)
+
+
 def test_bench_step_stats():
     """bench/comfyui_run.py's VPAGER_BENCH_STEP_STATS lines: one per step
     whose counters were read before and after it (the pager is made in the
@@ -781,8 +859,9 @@ def test_stored_dtype_not_compute_dtype():
 def test_declared_dtype_not_stored_dtype():
     """Ops of a class that does not cast, whose weights are stored in
     another dtype than the model declares for them (Wan's float32
-    patch_embedding from an fp16 file; ComfyUI's dynamic path casts it at
-    use): the node keeps the cast on, outputs as ComfyUI's."""
+    patch_embedding from an fp16 file; ComfyUI's dynamic path holds it in
+    float32 in VRAM): the node converts them at load (an exact upcast
+    here), outputs as ComfyUI's."""
     with env(capacity=1 << 20, staging=128 * K) as e:
         m = DiT(dtype=torch.float16)
         for mod in m.modules():
@@ -796,8 +875,214 @@ def test_declared_dtype_not_stored_dtype():
         p = e.patcher(m)
         p.partially_load(CPU)
         pager = m._vpager_pager
-        assert all(en.dtype == torch.float16 for en in pager.entries)
+        assert all(en.dtype == torch.float32 for en in pager.entries)
         assert torch.equal(run(m), run(ref))
+        assert torch.equal(run(m), run(ref))
+
+
+def declare(model, dtype, op=CastLinear, names=None):
+    """What ComfyUI's ops do for a UNet loaded with weight_dtype fp8 from a
+    bf16 file under dynamic VRAM: the parameters stay the file's tensors,
+    the op declares the dtype the weights are held in on the GPU
+    (<param>_comfy_model_dtype); so does the model for the parameters of
+    modules that are no ops (archive_model_dtypes: here the DiT's pos)."""
+    for n, mod in model.named_modules():
+        if type(mod) is op and (names is None or n.split(".")[-1] in names):
+            mod.weight_comfy_model_dtype = dtype
+            mod.bias_comfy_model_dtype = dtype
+    if names is None:
+        model.diffusion_model.pos_comfy_model_dtype = dtype
+
+
+def comfy_resident(model, names=None):
+    """ComfyUI's all-resident result for a model whose ops declare another
+    dtype than their weights are stored in: in VRAM each weight is the
+    stored one cast to the declared dtype (a plain cast, comfy.ops), and
+    the op casts that to the compute dtype at use."""
+    ref = frozen(model)
+    for n, mod in ref.named_modules():
+        if names is not None and n.split(".")[-1] not in names:
+            continue
+        for k, t in mod._parameters.items():
+            want = getattr(mod, k + "_comfy_model_dtype", None)
+            if t is not None and want is not None:
+                t.data = t.data.to(want)
+    return ref
+
+
+def test_stored_dtype_converted_as_comfyui():
+    """Issue 26 point 1 (weight_dtype fp8 from a bf16 file), with the
+    dtypes torch 1.13 has: the file's float32 weights, ops declaring float16
+    (or bfloat16) and computing in float32. ComfyUI holds each weight cast
+    to the declared dtype in VRAM; the node pages those bytes (converted
+    once at load), not the file's: outputs bitwise ComfyUI's, and not the
+    unconverted model's. Outside the forward a parameter holds the
+    converted bytes; the model falling back gets the file's tensors
+    back."""
+    for held in (torch.float16, torch.bfloat16):
+        with env(capacity=1 << 20, staging=128 * K) as e:
+            m = DiT(op=CastLinear, dtype=torch.float32)
+            declare(m, held)
+            unconverted = frozen(m)
+            ref = comfy_resident(m)
+            up = m.diffusion_model.blocks[0].up
+            orig = up.weight.data
+            p = e.patcher(m)
+            with logs() as lines:
+                p.partially_load(CPU)
+            assert p.vpager_active()
+            pager = m._vpager_pager
+            assert all(en.dtype == held for en in pager.entries)
+            per_block = (64 * 256 + 256) + (256 * 64 + 64)
+            assert pager.weight_bytes == 6 * per_block * 2
+            assert pager.stats()["converted_weights"] == 24
+            assert "24 converted" in " ".join(lines), lines
+            for _ in range(2):
+                out = run(m)
+                assert torch.equal(out, run(ref))
+            assert not torch.equal(out, run(unconverted))
+            # Outside the forward: the bytes vpager pages (host copy).
+            assert up.weight.dtype == held
+            assert torch.equal(up.weight.data, orig.to(held))
+            # Back to ComfyUI's path: the file's tensors again.
+            q = node.VpagerSettings().apply(p, enabled=False)[0]
+            q.partially_load(CPU)
+            assert not p.vpager_active() and m._vpager_pager is None
+            assert up.weight.dtype == torch.float32
+            assert up.weight.data_ptr() == orig.data_ptr()
+            # ... and to the node again: converted again.
+            p.partially_load(CPU)
+            assert p.vpager_active() and up.weight.dtype == held
+            assert torch.equal(run(m), run(ref))
+
+
+def test_converted_weight_patched():
+    """A LoRA on a converted weight: ComfyUI's patch_weight_to_device
+    computes it from the weight in its declared dtype (what the node's
+    parameter holds) and rounds to that dtype, as ComfyUI's ModelPatcher
+    does on its fp8 parameters; removing the patch refills the converted
+    bytes."""
+    with env(capacity=1 << 20, staging=128 * K) as e:
+        m = DiT(op=CastLinear, dtype=torch.float32)
+        declare(m, torch.float16)
+        base = comfy_resident(m)
+        want = run(base)
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        key = "diffusion_model.blocks.3.down.weight"
+        d = torch.randn(64, 256) * 0.01
+        q = p.clone()
+        q.add_patches({key: ("diff", (d,))})
+        q.partially_load(CPU)
+        assert q._vp_refilled == 1
+        ref = frozen(base)
+        w = ref.diffusion_model.blocks[3].down.weight
+        w.data = (w.data.to(torch.float32) + d).to(torch.float16)
+        assert torch.equal(run(m), run(ref))
+        p.partially_load(CPU)
+        assert p._vp_refilled == 1
+        assert torch.equal(run(m), want)
+
+
+def test_converted_weights_and_file_sources():
+    """--fast-disk: a converted weight is never read from the file (which
+    holds its unconverted bytes): it gets a host copy; the others keep
+    their file sources."""
+    with env(capacity=4 << 20) as e:
+        m = DiT(op=CastLinear)
+        declare(m, torch.float16, names=("up",))
+        ref = comfy_resident(m, names=("up",))
+        plan = glue.plan_model(m, e.comfy)
+        assert plan.why is None
+        fd, path = tempfile.mkstemp()
+        try:
+            where, asked = {}, []
+            off = 0
+            with os.fdopen(os.dup(fd), "wb") as f:
+                for _, mod, params in plan.units:
+                    for key, k in params:
+                        t = mod._parameters[k].data
+                        b = t.numpy().tobytes()
+                        f.write(b)
+                        where[t.data_ptr()] = off
+                        off += len(b)
+
+            def file_slice(t):
+                asked.append(t.dtype)
+                return (fd, where[t.data_ptr()])
+            dev, _ = glue.vp_device(CPU, e.comfy.args)
+            pager = engine.Pager(dev, CPU, m, plan.units, prefer_file=True,
+                                 file_slice=file_slice, dtypes=plan.dtypes)
+            s = pager.stats()
+            assert s["file_weights"] == 12 and s["converted_weights"] == 12
+            assert asked == [torch.float32] * 12
+            assert pager.host_bytes() == 6 * (256 * 64 + 256) * 2
+            with torch.inference_mode():
+                assert torch.equal(m(inputs()), ref(inputs()))
+            pager.close()
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+
+class ScaledLinear(CastLinear):
+    """An op whose int8 weight its own forward scales (a quantized format
+    the node does not know), declaring float16."""
+
+    def __init__(self, d_in, d_out, dtype=None):
+        super().__init__(d_in, d_out)
+        self.weight = nn.Parameter(torch.randint(
+            -127, 128, (d_out, d_in), dtype=torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(torch.tensor(0.01), requires_grad=False)
+        self.weight_comfy_model_dtype = torch.float16
+
+    def forward(self, x):
+        w = self.weight.to(torch.float16).to(x.dtype) * self.scale
+        return torch.nn.functional.linear(x, w, self.bias.to(x.dtype))
+
+
+def test_unreproducible_bytes_fall_back():
+    """A weight whose bytes the node cannot reproduce bitwise (stored as
+    int8 with a scale while its op declares float16; a declared dtype that
+    is not a torch dtype; float32 declared as int8; a tied weight two ops
+    declare differently) keeps the model on ComfyUI's path, with one log
+    line naming it; nothing of the model changed."""
+    with env(capacity=1 << 20, staging=128 * K) as e:
+        m = DiT(op=ScaledLinear)
+        ref = frozen(m)
+        p = e.patcher(m)
+        with logs() as lines:
+            p.partially_load(CPU)
+            p.partially_load(CPU)
+        assert not p.vpager_active() and m.comfy_loaded == 2
+        assert len(lines) == 1, lines
+        assert "stored as int8" in lines[0] and "float16" in lines[0], lines
+        assert m.diffusion_model.blocks[0].up.weight.dtype == torch.int8
+        assert torch.equal(run(m), run(ref))
+
+        m = DiT(op=CastLinear)
+        declare(m, "fp8 (some packed format)", names=("down",))
+        with logs() as lines:
+            e.patcher(m).partially_load(CPU)
+        assert "fp8 (some packed format)" in lines[0], lines
+        m = DiT(op=CastLinear)
+        declare(m, torch.int8)
+        with logs() as lines:
+            e.patcher(m).partially_load(CPU)
+        assert "float32 but its op declares int8" in lines[0], lines
+
+        m = DiT(op=CastLinear)
+        blocks = m.diffusion_model.blocks
+        blocks[1].up.weight = blocks[0].up.weight
+        declare(m, torch.float16)
+        blocks[1].up.weight_comfy_model_dtype = torch.bfloat16
+        ref = frozen(m)
+        p = e.patcher(m)
+        with logs() as lines:
+            p.partially_load(CPU)
+        assert not p.vpager_active() and m.comfy_loaded == 1
+        assert len(lines) == 1 and "tied" in lines[0], lines
+        assert all(t.dtype == torch.float32 for t in m.parameters())
         assert torch.equal(run(m), run(ref))
 
 
