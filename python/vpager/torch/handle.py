@@ -19,10 +19,21 @@ from . import ledger as _ledger
 from .hotpath import HotPath
 from .layout import Layout
 from .replace import Recorder
+from .serial import lock_root, unlock_root
 from . import tuner as _tuner
 from .sources import host_copy, host_memory, outside
 from .units import CLOSED, OPEN, UNLOADED, Unit, refuse_copy, unmanaged
 from .views import placeholder
+
+
+def _serial(method):
+    """The method changes the model: it waits for a forward running on
+    another thread (serial.py)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._hot.lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 def _open_device(plan, dev):
@@ -107,6 +118,7 @@ class Offloaded:
         self._root_forward = ("forward" in r.__dict__,
                               r.__dict__.get("forward"))
         r.forward = self._hot.wrap_root(r.forward)
+        lock_root(r, self._hot.lock)    # around its hooks too
         # outside="host": the tensors hold their bytes, state_dict() needs
         # no copies (and the loader that asked for it owns loading).
         for m, items in (self._owners if self._outside != "host" else ()):
@@ -153,6 +165,7 @@ class Offloaded:
 
     def _uninstall(self):
         self._hot.set_held(())
+        unlock_root(self._root)
         had, saved = self._root_forward    # first: the units' may be under
         if had:
             self._root.forward = saved
@@ -261,6 +274,7 @@ class Offloaded:
         self._check_open()
         return self._layout.describe()
 
+    @_serial
     def load_safetensors(self, path):
         """vpager.torch.load_safetensors(self, path): see there (sources
         set by set_source() are dropped: every weight is the file's)."""
@@ -297,6 +311,7 @@ class Offloaded:
             with torch.no_grad(), torch.inference_mode(False):
                 e.tensor.data = t
 
+    @_serial
     def set_source(self, name, tensor=None):
         """Weight `name` (its qualified name, as layout() gives it) takes
         its bytes from `tensor` from now on: a tensor of its dtype and
@@ -341,6 +356,7 @@ class Offloaded:
         self._drop_alt(e)
         e.alt = hb
 
+    @_serial
     def place_by_use(self):
         """Re-place the weights in the order their units were first used
         since offload(), as the first forward of the root does; for models
@@ -420,6 +436,7 @@ class Offloaded:
         self._check_open()
         return self.device.report(json=json)
 
+    @_serial
     def prioritize(self):
         """Move this model's VBAR to the top of the device's priority list
         (done automatically when its forward starts after another model's)."""
@@ -453,6 +470,10 @@ class Offloaded:
         parameters outside the forward of the unit holding them; forwards
         inside the block use the same tensors."""
         self._check_open()
+        with self._hot.lock:     # the block is a forward's (serial.py)
+            yield from self._acquired(modules)
+
+    def _acquired(self, modules):
         whole, covered = self._whole(modules)
         stream, prev = self._hot.enter(whole)
         for u in covered:
@@ -495,6 +516,7 @@ class Offloaded:
         headroom learned from torch (0 before any retry)."""
         return self._ds.oom_margin
 
+    @_serial
     def free_memory(self, nbytes):
         """Evict at least `nbytes` of this model's unpinned pages (as many
         as it has if fewer); returns the bytes freed. Its next forward puts
@@ -513,6 +535,7 @@ class Offloaded:
             raise RuntimeError("vpager.torch: %s() inside the module's "
                                "forward" % what)
 
+    @_serial
     def unload(self):
         """Parameters back as ordinary tensors on their original device
         (from the host copy), requires_grad restored, wrappers and hooks
@@ -552,6 +575,7 @@ class Offloaded:
                 elif d.get(k) is not None:
                     d[k] = d[k].to(where)
 
+    @_serial
     def close(self):
         """Free the vpager objects without restoring the weights; the module
         is left unusable (its forward and state_dict() raise RuntimeError).

@@ -16,6 +16,7 @@ wrapper (no acquire, no prefetch: the acquire before them already queued
 what a top-up would; the root copies what it returns of them)."""
 
 import functools
+import threading
 import time
 
 import torch
@@ -26,6 +27,7 @@ from ..weights import WeightBatch
 from .devices import (LEARN_EVERY, cuda_index, learn_headroom,
                       raise_oom_margin)
 from .layout import ALL
+from .serial import new_lock
 from .units import OPEN, refuse_copy
 from .views import view
 
@@ -97,6 +99,10 @@ class HotPath:
         self._held_slots = []       # (dict, key, tensor, Entry) of them
         self._held_ptrs = None      # the addresses hparams were made for
         self._check_open = handle._check_open
+        # One forward at a time (serial.py): the root's calls, each unit's
+        # forward and the handle's changes take it.
+        self.lock = new_lock()
+        self.holder = None          # the thread whose forward holds
         if target.type == "cuda":
             self.index = cuda_index(target)
             self.stream = (functools.partial(_RAW_STREAM, self.index)
@@ -115,9 +121,14 @@ class HotPath:
         recorder = self.recorder
         unit.pack = functools.partial(self.pack, unit)
         run_held = self.run_held
+        lock = self.lock
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
+            with lock:      # re-entrant: free on the forward's own thread
+                return run(*args, **kwargs)
+
+        def run(*args, **kwargs):
             if recorder.rec is not None:    # the first forward: the order
                 recorder.record(unit)
             if unit.depth:              # the unit calls itself: weights set
@@ -170,10 +181,13 @@ class HotPath:
         take `forward`, the per-unit path, as they would in it."""
         grad_enabled, stream, retry = (torch.is_grad_enabled, self.stream,
                                        self.retry)
+        ident = threading.get_ident
 
         @functools.wraps(fwd)
         def bare(*args, **kwargs):
-            if grad_enabled() or stream() != self.holding:
+            # Another thread waits in `forward` for the model's lock.
+            if grad_enabled() or stream() != self.holding \
+                    or ident() != self.holder:
                 return forward(*args, **kwargs)
             try:
                 return fwd(*args, **kwargs)
@@ -385,6 +399,7 @@ class HotPath:
             self.set_held(())
             return False
         self.holding = stream
+        self.holder = threading.get_ident()
         try:
             if bytes(ptrs) != self._held_ptrs:  # placed anew: new views
                 self._held_params(ptrs)
@@ -427,7 +442,7 @@ class HotPath:
         stream = self.holding
         if stream is None:
             return
-        self.holding = None
+        self.holding = self.holder = None
         for u in self._bared:
             d = u.module.__dict__
             if d.get("forward") is u.bare:
