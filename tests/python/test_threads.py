@@ -48,7 +48,8 @@ def offload(m):
     """Half the weights fit: the rest streams through the ring."""
     half = DEPTH * WIDTH * WIDTH * 4 // 2
     if target() == "cuda":
-        return vt.offload(m, device="cuda", budget=half)
+        return vt.offload(m, device="cuda", budget=half, page_size="2M",
+                          staging_size="4M")
     return vt.offload(m, device="cpu", budget=half, page_size="2M",
                       sim_streams="worker", lookahead="4M")
 
