@@ -22,7 +22,13 @@
  *                - a page pinned since its generation was read keeps it,
  *                  and bytes written under a generation stay while it does;
  *                - VP_ACQUIRED_EMPTY exactly when a NONE weight's bytes at
- *                  that place were never filled since (re)commit.
+ *                  that place were never filled since (re)commit;
+ *                - a new source (vp_weight_set_source; or the weight
+ *                  destroyed and made anew over its range): VP_EBUSY while
+ *                  acquired; else the next acquire copies (COPIED) and
+ *                  reads the new bytes (EMPTY for NONE), while a kernel
+ *                  queued on a hold's stream before its release still
+ *                  reads the old ones (slow kernels, worker streams).
  *  wild (1)    arbitrary arguments: live, stale, made-up and foreign
  *              handles, streams and addresses, odd sizes, NULL outputs.
  *              Checks only for crashes, sanitizer reports, leaks, hangs
@@ -54,7 +60,7 @@ static char st_path[64]; /* a small valid safetensors file (wild mode) */
 static int st_fd = -1;
 
 static bool skip_fake_destroy, skip_cross_release, skip_repeat_release;
-static bool skip_empty_after_fail, skip_fail_nth;
+static bool skip_empty_after_fail, skip_fail_nth, skip_set_source;
 
 /* ------------------------------------------------------------- config */
 
@@ -154,19 +160,25 @@ FZ_FAST static void pattern(uint8_t *buf, uint64_t n, uint32_t pat) {
 /* ------------------------------------------------------------- kernels */
 
 /* A simulated kernel: compares the bytes at ptr with expect when the
- * stream runs it; the first mismatch is recorded (op number + 1). */
+ * stream runs it; the first mismatch is recorded (op number + 1). A slow
+ * one first sleeps KERN_SLOW_US on its worker stream, so the calls after
+ * its release (a new source, a new acquire filling the same pages) run
+ * while it is still queued, as a long kernel on a GPU would be. */
+#define KERN_SLOW_US 3000
 typedef struct kern {
   struct kern *next;
   const uint8_t *ptr;
   uint64_t size;
   const uint8_t *expect; /* arena, or the copy after this struct */
   unsigned op;
+  bool slow;
 } kern_t;
 
 static atomic_uint kern_bad;
 
 static void kern_fn(void *arg) {
   kern_t *k = arg;
+  if (k->slow) usleep(KERN_SLOW_US);
   if (memcmp(k->ptr, k->expect, k->size) != 0) {
     unsigned zero = 0;
     atomic_compare_exchange_strong(&kern_bad, &zero, k->op + 1);
@@ -219,6 +231,9 @@ typedef struct fweight {
   /* FUZZ_SKIP=empty-after-failed-acquire: a failed acquire listed it, so
    * its next non-EMPTY acquire is not checked (the bytes are rewritten) */
   bool resync_inplace, resync_staged;
+  /* a HOST or FILE source set (vp_weight_set_source, or made anew over
+   * the range) since its last acquire: that one must come back COPIED */
+  bool must_copy;
 } fweight_t;
 
 typedef struct fraw {
@@ -254,6 +269,7 @@ static struct state {
   fscr_t scr[MAXSCR];
   uint32_t next_pat;
   kern_t *kerns;
+  int kern_w; /* 1 + the weight the last kernel checked; 0: none yet */
 } g;
 
 #define CHECK(cond, ...)                                                       \
@@ -405,8 +421,7 @@ static int pick_stream(fz_reader_t *r) {
 }
 
 /* A weight index: bit 7 set: a live one if any; else any ever made. */
-static int pick_weight(fz_reader_t *r) {
-  uint8_t b = fz_u8(r);
+static int weight_of(uint8_t b) {
   if (!g.nW) return -1;
   if (b & 0x80) {
     int live[MAXW], n = 0;
@@ -416,6 +431,8 @@ static int pick_weight(fz_reader_t *r) {
   }
   return (b & 0x7f) % g.nW;
 }
+
+static int pick_weight(fz_reader_t *r) { return weight_of(fz_u8(r)); }
 
 static int pick_vbar(fz_reader_t *r) {
   uint8_t b = fz_u8(r);
@@ -461,21 +478,25 @@ static bool write_pat(uint64_t ptr, uint64_t size, int s, uint32_t pat) {
   return expect_rc("vp_stream_synchronize", rc, VP_OK);
 }
 
-static void launch_check(int widx, uint64_t ptr, int s, const uint8_t *want) {
+/* want: the arena (never written: a source's old bytes stay there for a
+ * kernel still queued after the weight got a new source), else copied. */
+static void launch_check(int widx, uint64_t ptr, int s, const uint8_t *want,
+                         bool slow) {
   fweight_t *w = &g.W[widx];
   bool copy = want != weight_src(w);
   kern_t *k = malloc(sizeof *k + (copy ? w->size : 0));
   if (!k) return;
   *k = (kern_t){.ptr = (const uint8_t *)(uintptr_t)ptr, .size = w->size,
-                .expect = want, .op = g.op, .next = g.kerns};
+                .expect = want, .op = g.op, .next = g.kerns, .slow = slow};
   if (copy) {
     memcpy(k + 1, want, w->size);
     k->expect = (const uint8_t *)(k + 1);
   }
   g.kerns = k;
+  g.kern_w = widx + 1;
   int rc = FZ_CALL(false, vp_sim_launch(g.dev, g.S[s].h, kern_fn, k),
-                   "s%d, check w%d at 0x%llx", s, widx,
-                   (unsigned long long)ptr);
+                   "s%d, %scheck w%d at 0x%llx", s, slow ? "slow " : "",
+                   widx, (unsigned long long)ptr);
   expect_rc("vp_sim_launch", rc, VP_OK);
 }
 
@@ -521,8 +542,22 @@ enum {
   OP_SET_WM_LIMIT, OP_SET_LIMIT, OP_SET_HEADROOM, OP_SET_LOOKAHEAD,
   OP_STREAM_CREATE, OP_STREAM_DESTROY, OP_STREAM_DESTROY_FAKE, OP_STREAM_SYNC,
   OP_WEIGHT_DESTROY, OP_VBAR_DESTROY, OP_INJECT, OP_CHECK_HELD, OP_STATS,
-  OP_SET_ORDER, OP_RESET_LIMITS, OP_BREAK, OP_ACQUIRE_EACH, OP_COUNT
+  OP_SET_ORDER, OP_RESET_LIMITS, OP_BREAK, OP_ACQUIRE_EACH, OP_COUNT,
+  /* Ops added since (at most 8; new ones go at the end): opcode bytes
+   * 31-38 (OP_COUNT + k), which picked ops 0-7 through % OP_COUNT before
+   * and no input of corpus/api used as an opcode, pick them in turn
+   * (OP_SET_SOURCE + (byte - 31) % their count). Every other byte decodes
+   * as it always did (byte % OP_COUNT), so older inputs, the findings'
+   * among them, replay as they did. */
+  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_ALL
 };
+#define OP_EXT_SPAN 8
+
+static uint8_t op_decode(uint8_t b) {
+  if (b >= OP_COUNT && b < OP_COUNT + OP_EXT_SPAN)
+    return OP_COUNT + (b - OP_COUNT) % (OP_ALL - OP_COUNT);
+  return b % OP_COUNT;
+}
 
 static void s_vbar_create(fz_reader_t *r) {
   uint8_t b = fz_u8(r);
@@ -552,6 +587,17 @@ static void s_vbar_create(fz_reader_t *r) {
   rc = FZ_CALL(false, vp_vbar_device(v->h, &d), "v%d", g.nV);
   CHECK(rc == VP_OK && d.id == g.dev.id, "vp_vbar_device");
   g.nV++;
+}
+
+/* A source of kind k: arena bytes at a (HOST), the same in the memfd
+ * (FILE), or none. */
+static vp_source_t source_of(int k, uint64_t a) {
+  return (vp_source_t){.kind = k == K_HOST ? VP_SOURCE_HOST
+                       : k == K_FILE ? VP_SOURCE_FILE
+                                     : VP_SOURCE_NONE,
+                       .host = k == K_HOST ? arena + a : NULL,
+                       .fd = k == K_FILE ? arena_fd : -1,
+                       .file_offset = k == K_FILE ? a : 0};
 }
 
 /* New weights appended after the VBAR's cursor (a gap each), sources from
@@ -591,12 +637,7 @@ static void s_weights_create(fz_reader_t *r) {
     size[made] = s;
     kind[made] = k;
     aoff[made] = a;
-    src[made] = (vp_source_t){.kind = k == K_HOST ? VP_SOURCE_HOST
-                              : k == K_FILE ? VP_SOURCE_FILE
-                                            : VP_SOURCE_NONE,
-                              .host = k == K_HOST ? arena + a : NULL,
-                              .fd = k == K_FILE ? arena_fd : -1,
-                              .file_offset = k == K_FILE ? a : 0};
+    src[made] = source_of(k, a);
     cur = o + s;
     made++;
   }
@@ -694,7 +735,7 @@ static void s_acquire_each(fz_reader_t *r) {
 
 static void s_acquire_on(int s, const int *idx, size_t n) {
   vp_weight_t hs[4];
-  bool dead = false, must_res[4];
+  bool dead = false, must_res[4], must_copy[4];
   char names[64] = "";
   for (size_t i = 0; i < n; i++) {
     hs[i] = g.W[idx[i]].h;
@@ -705,6 +746,9 @@ static void s_acquire_on(int s, const int *idx, size_t n) {
   for (size_t i = 0; i < n; i++) {
     fweight_t *w = &g.W[idx[i]];
     must_res[i] = !dead && range_surely_pinned(w->v, w->p0, w->p1);
+    /* the first listing of a weight with a new source copies it */
+    must_copy[i] = w->must_copy;
+    for (size_t j = 0; j < i; j++) must_copy[i] &= idx[j] != idx[i];
   }
   uint64_t ptrs[4] = {0};
   uint8_t flags[4] = {0};
@@ -714,6 +758,8 @@ static void s_acquire_on(int s, const int *idx, size_t n) {
     expect_rc("vp_acquire (a destroyed weight)", rc, VP_EHANDLE);
     return;
   }
+  /* (after a failure, whether the copy stayed is not modelled) */
+  for (size_t i = 0; i < n; i++) g.W[idx[i]].must_copy = false;
   if (rc && skip_empty_after_fail)
     for (size_t i = 0; i < n; i++)
       g.W[idx[i]].resync_inplace = g.W[idx[i]].resync_staged = true;
@@ -737,6 +783,8 @@ static void s_acquire_on(int s, const int *idx, size_t n) {
           "no source but came back COPIED", g.op, idx[i]);
     CHECK(!(must_res[i] && !res), "op %u: every page of w%d is pinned, yet "
           "it was staged", g.op, idx[i]);
+    CHECK(!(must_copy[i] && !(f & VP_ACQUIRED_COPIED)), "op %u: w%d's first "
+          "acquire since it got a new source did not copy it", g.op, idx[i]);
     if (res) {
       uint64_t want = g.V[w->v].base + w->off;
       CHECK(ptrs[i] == want, "op %u: w%d in place at 0x%llx, expected 0x%llx",
@@ -1336,6 +1384,148 @@ static void s_weight_destroy(fz_reader_t *r) {
     w->live = false;
 }
 
+/* An arena offset for `size` new source bytes, from ab: bytes other than
+ * `old` (the weight's present source, NULL if none), so that a kernel
+ * still reading the old ones tells them apart. The arena is never
+ * written: every source stays readable for the harness's lifetime. */
+static uint64_t fresh_aoff(uint64_t size, const uint8_t *old, uint16_t ab) {
+  uint64_t span = ARENA_SIZE - size, a = ((uint64_t)ab * 256) % span;
+  for (int t = 0; t < 8 && old && !memcmp(arena + a, old, size); t++)
+    a = (a + 4096 + 8) % span;
+  return a;
+}
+
+/* The model after w got source (k, a): its bytes are those from now on;
+ * a NONE one's were never written (EMPTY wherever acquired next); a HOST
+ * or FILE one's next acquire copies them. */
+static void source_changed(fweight_t *w, int k, uint64_t a) {
+  w->kind = k;
+  w->aoff = a;
+  w->inplace_known = w->staged_known = false;
+  w->resync_inplace = w->resync_staged = false;
+  w->must_copy = k != K_NONE;
+}
+
+/* The weight of a set-source or make-anew op: byte k picks it (var bit 2:
+ * k picks a hold, so mostly an acquired weight; var bit 4: the weight the
+ * last kernel checked, maybe still queued). */
+static int pick_target(uint8_t k, uint8_t var) {
+  int wi = weight_of(k), s;
+  if (var & 0x10) return g.kern_w - 1;
+  if ((var & 4) && !pick_hold(k, &wi, &s)) return -1;
+  return wi;
+}
+
+/* var bit 4, after a new source: the weight acquired at once on the live
+ * stream k picks, its bytes checked (and a kernel checking the old ones
+ * maybe still queued: s_check_held var 0x0a, then this, is the whole
+ * refill race in two ops). It stays held. */
+static void acquire_after(uint8_t k, uint8_t var, int wi) {
+  if (!(var & 0x10)) return;
+  int live[MAXS], n = 0;
+  for (int s = 0; s < g.nS; s++)
+    if (g.S[s].live) live[n++] = s;
+  s_acquire_on(live[k % n], &wi, 1);
+}
+
+/* vp_weight_set_source: a weight (live, destroyed or held: pick_target)
+ * gets other arena bytes (var & 3: 0 HOST, 1 FILE, 2 NONE, 3 HOST) or,
+ * var >> 5 of 6 and 7, an invalid source (a HOST one without bytes, var
+ * bit 3 a FILE one without an fd; NULL). VP_EBUSY while acquired, and
+ * nothing changes.
+ * Then the model's bytes are the new ones (acquires read them back, COPIED
+ * the first time), while kernels queued on a hold's stream before its
+ * release still read the old ones (s_check_held, launch_check): the
+ * refill must wait for them. var bit 4: acquire_after. */
+static void s_set_source(fz_reader_t *r) {
+  uint8_t k = fz_u8(r), var = fz_u8(r);
+  uint16_t ab = fz_u16(r);
+  int wi = pick_target(k, var);
+  if (wi < 0 || skip_set_source) return;
+  fweight_t *w = &g.W[wi];
+  int kind = (var & 3) == 3 ? K_HOST : var & 3;
+  uint64_t a = fresh_aoff(w->size, w->kind == K_NONE ? NULL : weight_src(w),
+                          ab);
+  vp_source_t src = source_of(kind, a);
+  const vp_source_t *sp = &src;
+  int want = !w->live ? VP_EHANDLE : holds_total(w) ? VP_EBUSY : VP_OK;
+  int also = want; /* an invalid source: which check comes first is open */
+  char what[48];
+  snprintf(what, sizeof what, kind == K_NONE ? "%s" : "%s @%llu",
+           kind_name[kind], (unsigned long long)a);
+  if (var >> 5 == 7) {
+    sp = NULL, want = VP_EINVAL;
+    snprintf(what, sizeof what, "NULL");
+  } else if (var >> 5 == 6) {
+    src = (vp_source_t){.kind = (var & 8) ? VP_SOURCE_FILE : VP_SOURCE_HOST,
+                        .fd = -1};
+    want = VP_EINVAL;
+    snprintf(what, sizeof what, "%s", (var & 8) ? "file, fd -1"
+                                                : "host, NULL bytes");
+  }
+  int rc = FZ_CALL(false, vp_weight_set_source(w->h, sp), "w%d, %s", wi,
+                   what);
+  if (rc != want && rc == also && want == VP_EINVAL) return;
+  if (!expect_rc("vp_weight_set_source", rc, want) || rc) return;
+  source_changed(w, kind, a);
+  acquire_after(k, var, wi);
+}
+
+/* vp_weight_destroy, then vp_weights_create over the same range (var bit
+ * 3: its first half) with another source (var & 3 as in s_set_source): a
+ * caller swapping a layer's weights. A held weight: VP_EBUSY, and the new
+ * one overlaps it (VP_EINVAL). The new weight (the next w<n>) may find its
+ * pages resident with the old bytes, still read by kernels queued before
+ * the old weight's release: its first acquire fills them anew (COPIED,
+ * the new bytes; or EMPTY for NONE, then written on the acquire's stream)
+ * and must not overwrite them under those kernels. var bit 4:
+ * acquire_after. */
+static void s_recreate(fz_reader_t *r) {
+  uint8_t k = fz_u8(r), var = fz_u8(r);
+  uint16_t ab = fz_u16(r);
+  int wi = pick_target(k, var);
+  if (wi < 0 || !g.W[wi].live || g.nW == MAXW || skip_set_source) return;
+  fweight_t *old = &g.W[wi];
+  int v = old->v;
+  int kind = (var & 3) == 3 ? K_HOST : var & 3;
+  uint64_t off = old->off;
+  uint64_t size = (var & 8) ? (old->size + 1) / 2 : old->size;
+  uint64_t a = fresh_aoff(size, old->kind == K_NONE ? NULL : weight_src(old),
+                          ab);
+  vp_source_t src = source_of(kind, a);
+  bool busy = holds_total(old) != 0;
+  int rc = FZ_CALL(false, vp_weight_destroy(old->h), "w%d (to make anew)",
+                   wi);
+  if (!expect_rc("vp_weight_destroy", rc, busy ? VP_EBUSY : VP_OK)) return;
+  vp_weight_t h;
+  if (busy) {
+    rc = FZ_CALL(false, vp_weights_create(g.V[v].h, 1, &off, &size, &src, &h),
+                 "v%d, [%llu, +%llu) over held w%d", v,
+                 (unsigned long long)off, (unsigned long long)size, wi);
+    expect_rc("vp_weights_create (overlaps a held weight)", rc, VP_EINVAL);
+    return;
+  }
+  old->live = false;
+  rc = FZ_CALL(false, vp_weights_create(g.V[v].h, 1, &off, &size, &src, &h),
+               "v%d, [%llu, +%llu) where w%d was -> w%d", v,
+               (unsigned long long)off, (unsigned long long)size, wi, g.nW);
+  if (rc) return unexpected("vp_weights_create", rc, "VP_OK");
+  fweight_t *w = &g.W[g.nW];
+  memset(w, 0, sizeof *w);
+  w->h = h;
+  w->live = true;
+  w->v = v;
+  w->off = off;
+  w->size = size;
+  pages_of(w->off, w->size, &w->p0, &w->p1);
+  source_changed(w, kind, a);
+  fz_trace("  w%d: v%d [%llu, +%llu) %s @%llu", g.nW, v,
+           (unsigned long long)w->off, (unsigned long long)w->size,
+           kind_name[w->kind], (unsigned long long)w->aoff);
+  g.nW++;
+  acquire_after(k, var, g.nW - 1);
+}
+
 static void s_vbar_destroy(fz_reader_t *r) {
   int v = pick_vbar(r);
   if (v < 0) return;
@@ -1371,7 +1561,9 @@ static void s_inject(fz_reader_t *r) {
 
 /* A held weight's bytes: read back, or checked by a kernel on its stream
  * (then maybe released at once, and its pages freed: the release fence
- * must keep them until the kernel ran). */
+ * must keep them until the kernel ran). var bit 3, worker streams: a slow
+ * kernel, still queued while the next ops give the weight a new source
+ * or make it anew and fill its pages again (which must wait for it). */
 static void s_check_held(fz_reader_t *r) {
   uint8_t k = fz_u8(r), var = fz_u8(r);
   int wi, s;
@@ -1394,7 +1586,7 @@ static void s_check_held(fz_reader_t *r) {
   snprintf(what, sizeof what, "held w%d %s", wi, inplace ? "in place"
                                                          : "staged");
   if ((var & 3) == 0) return read_check(what, ptr, w->size, s, want);
-  launch_check(wi, ptr, s, want);
+  launch_check(wi, ptr, s, want, (var & 8) && g.cfg.worker);
   if ((var & 3) == 1) return;
   int idx[1] = {wi};
   s_release_list(s, idx, 1);
@@ -1551,7 +1743,7 @@ static void run_strict(fz_reader_t *r) {
   maybe_register_arena();
   for (int i = 0; i < g.cfg.streams; i++) s_stream_create();
   while (fz_more(r) && g.op < MAX_OPS && !g.broken && !g.maybe_broken) {
-    uint8_t op = fz_u8(r) % OP_COUNT;
+    uint8_t op = op_decode(fz_u8(r));
     fz_opno = ++g.op;
     switch (op) {
     case OP_VBAR_CREATE: s_vbar_create(r); break;
@@ -1585,6 +1777,8 @@ static void run_strict(fz_reader_t *r) {
     case OP_RESET_LIMITS: s_reset_limits(); break;
     case OP_BREAK: s_break(r); break;
     case OP_ACQUIRE_EACH: s_acquire_each(r); break;
+    case OP_SET_SOURCE: s_set_source(r); break;
+    case OP_RECREATE: s_recreate(r); break;
     }
     if (!g.maybe_broken) check_all();
   }
@@ -2358,6 +2552,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   skip_repeat_release = fz_skip("repeat-release");
   skip_empty_after_fail = fz_skip("empty-after-failed-acquire");
   skip_fail_nth = fz_skip("fail-nth");
+  skip_set_source = fz_skip("set-source");
   arena = mmap(NULL, ARENA_SIZE, PROT_READ | PROT_WRITE,
                MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   rbuf = malloc(ARENA_SIZE);

@@ -2,8 +2,9 @@
 """Writes the seed corpora in tests/fuzz/corpus/ (run from anywhere).
 
 fuzz_api seeds are op sequences in the harness's encoding (see fuzz_api.c:
-cfg_read and the OP_* list; keep the two in step). Among them are the
-three sequences of issue 11's bugs, so every run replays them.
+cfg_read, the OP_* list and op_decode; keep the two in step). Among them
+are the three sequences of issue 11's bugs and the refills of issue 31
+(vp_weight_set_source, destroy + create), so every run replays them.
 """
 import os
 import struct
@@ -18,6 +19,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
  OP_STREAM_CREATE, OP_STREAM_DESTROY, OP_STREAM_DESTROY_FAKE, OP_STREAM_SYNC,
  OP_WEIGHT_DESTROY, OP_VBAR_DESTROY, OP_INJECT, OP_CHECK_HELD, OP_STATS,
  OP_SET_ORDER, OP_RESET_LIMITS, OP_BREAK, OP_ACQUIRE_EACH) = range(31)
+# Added since: opcode bytes 31.. (see op_decode in fuzz_api.c; the bytes of
+# the ops above are unchanged, so older inputs decode as they did).
+OP_SET_SOURCE, OP_RECREATE = 31, 32
+# their `var` byte: the new source's kind (bits 0-1), a held weight (bit 2),
+# a slow kernel in OP_CHECK_HELD / half the range in OP_RECREATE (bit 3)
+K_HOST, K_FILE, K_NONE = 0, 1, 2
+HELD, HALF = 0x04, 0x08
+SRC_NULL, SRC_BAD = 0xe0, 0xc0  # invalid sources (VP_EINVAL)
+# OP_CHECK_HELD's var: a kernel on the hold's stream, then the release;
+# with SLOW it still runs after the next ops (worker streams)
+LAUNCH_RELEASE, SLOW = 2, 0x08
 
 LIVE = 0x80  # pick_weight / pick_vbar: the k-th live one
 
@@ -69,6 +81,86 @@ class Seq:
 
     def release(self, s, ws):
         return self.op(OP_RELEASE, s, len(ws) - 1, *[LIVE | w for w in ws])
+
+    def set_source(self, w, var, ab=0x1234):
+        """w: the k-th live weight (var & HELD: the k-th hold)."""
+        k = w if var & HELD else LIVE | w
+        return self.op(OP_SET_SOURCE, k, var, struct.pack("<H", ab))
+
+    def recreate(self, w, var, ab=0x4321):
+        k = w if var & HELD else LIVE | w
+        return self.op(OP_RECREATE, k, var, struct.pack("<H", ab))
+
+
+def refill_seeds():
+    """The refills of tests/test_refill.c: w1 (a page of its own) is read by
+    a slow kernel queued on s1 before its release, then gets new bytes in
+    place; the kernel must still see the old ones (the copy waits for the
+    pages' release fence) and the next acquire the new ones."""
+    seeds = {}
+
+    def start(lookahead=0):
+        s = Seq(worker=True, geometry=2, tidy=True, cap_pages=8, staging=1,
+                lookahead=lookahead)
+        s.vbar(3).weights(0, [65536, 65536])  # 64 KiB pages: w0, w1
+        s.op(OP_STREAM_CREATE).op(OP_STREAM_CREATE)  # s1, s2
+        s.acquire(1, [0, 1]).release(1, [0, 1])
+        s.acquire(1, [1])
+        s.op(OP_CHECK_HELD, 0, LAUNCH_RELEASE | SLOW)  # kernel; release
+        return s
+
+    s = start().set_source(1, K_HOST)
+    s.acquire(2, [1]).op(OP_CHECK_HELD, 0, 0).release(2, [1])
+    seeds["refill-set-source-other-stream"] = s
+
+    s = start().set_source(1, K_FILE)
+    s.acquire(1, [1]).release(1, [1])
+    seeds["refill-set-source-same-stream"] = s
+
+    # acquiring w0 prefetches w1 in place from its new source
+    s = start(lookahead=80).set_source(1, K_HOST)
+    s.acquire(2, [0]).release(2, [0])
+    s.acquire(2, [1]).release(2, [1])
+    seeds["refill-set-source-prefetch"] = s
+
+    s = start().recreate(1, K_HOST)  # w1 goes, w2 over its range
+    s.acquire(2, [1]).release(2, [1])
+    seeds["refill-destroy-create"] = s
+
+    s = start().recreate(1, K_NONE)  # EMPTY: the harness writes it on s2
+    s.acquire(2, [1]).op(OP_CHECK_HELD, 0, 0).release(2, [1])
+    s.acquire(1, [1]).release(1, [1])
+    seeds["refill-made-anew-empty"] = s
+
+    # Sync streams, pressure (some weights staged): new sources of every
+    # kind, while held (VP_EBUSY, and a weight made anew over a held one
+    # overlaps it), invalid ones, on a destroyed weight, half a range.
+    s = Seq(cap_pages=4, staging=3, geometry=2, tidy=True)
+    s.vbar(6).weights(0, [65536, 30000, 65536, 4000, 65536],
+                      [0, 1, 2, 0, 1])
+    s.op(OP_STREAM_CREATE)
+    s.acquire(0, [0, 1, 2, 3]).acquire(1, [4])
+    s.set_source(0, HELD | K_FILE).recreate(1, HELD | K_NONE)
+    s.set_source(2, SRC_NULL).set_source(2, SRC_BAD)
+    s.set_source(2, SRC_BAD | 0x08)
+    s.op(OP_RELEASE_HELD, 0, 3).op(OP_RELEASE_HELD, 0, 3)
+    s.op(OP_RELEASE_HELD, 0, 3).op(OP_RELEASE_HELD, 0, 3)
+    s.op(OP_RELEASE_HELD, 0, 3)
+    for w, kind in ((0, K_NONE), (1, K_HOST), (2, K_FILE), (3, K_NONE),
+                    (4, K_HOST)):
+        s.set_source(w, kind, 0x100 * (w + 1))
+    s.acquire(1, [0, 1, 2]).acquire(0, [3, 4])
+    s.op(OP_CHECK_HELD, 0, 1).op(OP_CHECK_HELD, 3, 0)
+    s.op(OP_RELEASE_HELD, 0, 3).op(OP_RELEASE_HELD, 0, 3)
+    s.op(OP_RELEASE_HELD, 0, 3).op(OP_RELEASE_HELD, 0, 3)
+    s.op(OP_RELEASE_HELD, 0, 3)
+    s.recreate(2, K_HOST | HALF).recreate(0, K_FILE)
+    s.op(OP_WEIGHT_DESTROY, 4)  # w4 (made w0..w6)
+    s.op(OP_SET_SOURCE, 4, K_HOST, b"\0\0")  # w4: destroyed
+    s.acquire(0, [0, 1, 2, 3]).op(OP_FREE_DEVICE, 5)
+    s.acquire(1, [0, 1, 2, 3])
+    seeds["set-source-busy-staged"] = s
+    return seeds
 
 
 def api_seeds():
@@ -154,6 +246,7 @@ def api_seeds():
     for op in range(16):
         w += bytes([op, 0, 1, 2, 3, 0x80, 5, 6, 7, 8, 9, 10, 11])
     seeds["wild-mix"] = w
+    seeds.update(refill_seeds())
     return seeds
 
 
