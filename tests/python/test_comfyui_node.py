@@ -984,6 +984,21 @@ def test_converted_weight_patched():
         assert torch.equal(run(m), want)
 
 
+
+def weights_file(plan, fd):
+    """The plan's unit weights written one after another to file fd, as
+    a checkpoint holds them: {data_ptr: file offset}."""
+    where, off = {}, 0
+    with os.fdopen(os.dup(fd), "wb") as f:
+        for _, mod, params in plan.units:
+            for _key, k in params:
+                t = mod._parameters[k].data
+                b = t.numpy().tobytes()
+                f.write(b)
+                where[t.data_ptr()] = off
+                off += len(b)
+    return where
+
 def test_converted_weights_and_file_sources():
     """--fast-disk: a converted weight is never read from the file (which
     holds its unconverted bytes): it gets a host copy; the others keep
@@ -996,16 +1011,7 @@ def test_converted_weights_and_file_sources():
         assert plan.why is None
         fd, path = tempfile.mkstemp()
         try:
-            where, asked = {}, []
-            off = 0
-            with os.fdopen(os.dup(fd), "wb") as f:
-                for _, mod, params in plan.units:
-                    for key, k in params:
-                        t = mod._parameters[k].data
-                        b = t.numpy().tobytes()
-                        f.write(b)
-                        where[t.data_ptr()] = off
-                        off += len(b)
+            where, asked = weights_file(plan, fd), []
 
             def file_slice(t):
                 asked.append(t.dtype)
@@ -1108,16 +1114,7 @@ def test_file_sources():
         plan = glue.plan_model(m, e.comfy)
         fd, path = tempfile.mkstemp()
         try:
-            where = {}
-            off = 0
-            with os.fdopen(os.dup(fd), "wb") as f:
-                for _, mod, params in plan.units:
-                    for key, k in params:
-                        t = mod._parameters[k].data
-                        b = t.numpy().tobytes()
-                        f.write(b)
-                        where[t.data_ptr()] = off
-                        off += len(b)
+            where = weights_file(plan, fd)
             dev, _ = glue.vp_device(CPU, e.comfy.args)
             pager = engine.Pager(
                 dev, CPU, m, plan.units, prefer_file=True,
