@@ -102,10 +102,15 @@ check-python: $(BUILD)/libvpager.so
 	  $(PYTHON) tests/python/test_bench_torch.py
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_load.py --dry-run >/dev/null
 
+# The Python tests on a machine without torch: skips, no crash.
+check-notorch: $(BUILD)/libvpager.so
+	$(MAKE) -s check-python PYTHON="env PYTHONPATH=$(CURDIR)/tests/python/notorch:python:integrations:python/compat $(PYTHON)"
+
 check: check-abi
 	$(MAKE) test
 	$(MAKE) check-layers
 	$(MAKE) check-python
+	$(MAKE) check-notorch
 	$(MAKE) test SAN=address,undefined OPT=-O1 DEBUG=1
 	$(MAKE) test SAN=thread OPT=-O1
 	$(MAKE) fuzz
@@ -146,5 +151,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-abi check-exports check-layers check-python demo bench install clean fuzz fuzz-build
+.PHONY: all test check check-abi check-exports check-layers check-python check-notorch demo bench install clean fuzz fuzz-build
 .SECONDARY:

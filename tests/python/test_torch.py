@@ -33,6 +33,8 @@ except ImportError:         # pragma: no cover - depends on the machine
     if __name__ != "__main__":
         import pytest
         pytest.skip("torch is not importable", allow_module_level=True)
+    # Before the module-level models, which need torch to be defined.
+    sys.exit(_runner.main({}, unavailable="torch is not importable"))
 
 import vpager  # noqa: E402
 
