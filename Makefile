@@ -45,7 +45,11 @@ $(BUILD)/libvpager.so: $(LIB_OBJ)
 $(BUILD)/libvpager.a: $(LIB_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/vpager.pc: Makefile | $(BUILD)
+# The .pc names PREFIX: made again when PREFIX differs from the last build's.
+$(BUILD)/prefix.stamp: FORCE | $(BUILD)
+	@echo '$(PREFIX)' | cmp -s - $@ || echo '$(PREFIX)' > $@
+
+$(BUILD)/vpager.pc: Makefile $(BUILD)/prefix.stamp | $(BUILD)
 	printf 'prefix=%s\nlibdir=$${prefix}/lib\nincludedir=$${prefix}/include\n\nName: vpager\nDescription: demand paging of model weights into GPU memory\nVersion: %s\nLibs: -L$${libdir} -lvpager\nLibs.private: -pthread -ldl -lrt\nCflags: -I$${includedir}\n' '$(PREFIX)' '$(VERSION)' > $@
 
 $(BUILD) $(BUILD)/obj $(BUILD)/tests $(BUILD)/bench $(BUILD)/demo:
@@ -102,6 +106,14 @@ check-python: $(BUILD)/libvpager.so
 	  $(PYTHON) tests/python/test_bench_torch.py
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_load.py --dry-run >/dev/null
 
+# `make install PREFIX=...` after a plain `make` installs a .pc naming
+# that PREFIX.
+check-install: all
+	@d=$$(mktemp -d) && $(MAKE) -s install PREFIX=/opt/vp DESTDIR=$$d >/dev/null && \
+	  grep -qx 'prefix=/opt/vp' $$d/opt/vp/lib/pkgconfig/vpager.pc && \
+	  echo "check-install: vpager.pc names PREFIX=/opt/vp" && rm -rf $$d || \
+	  { echo "check-install: the installed vpager.pc does not name PREFIX"; exit 1; }
+
 # The Python tests on a machine without torch: skips, no crash.
 check-notorch: $(BUILD)/libvpager.so
 	$(MAKE) -s check-python PYTHON="env PYTHONPATH=$(CURDIR)/tests/python/notorch:python:integrations:python/compat $(PYTHON)"
@@ -111,6 +123,7 @@ check: check-abi
 	$(MAKE) check-layers
 	$(MAKE) check-python
 	$(MAKE) check-notorch
+	$(MAKE) check-install
 	$(MAKE) test SAN=address,undefined OPT=-O1 DEBUG=1
 	$(MAKE) test SAN=thread OPT=-O1
 	$(MAKE) fuzz
@@ -151,5 +164,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-abi check-exports check-layers check-python check-notorch demo bench install clean fuzz fuzz-build
+.PHONY: all test check check-abi check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
 .SECONDARY:
