@@ -137,7 +137,10 @@ typedef struct vp_options {
   uint32_t size;           /* sizeof(vp_options_t); set by vp_options_init */
   int backend;             /* vp_backend_kind_t; VPAGER_BACKEND=auto|cuda|sim */
   int device_index;        /* GPU ordinal; VPAGER_DEVICE */
-  uint64_t page_size;      /* bytes; VPAGER_PAGE_SIZE (default 32M) */
+  uint64_t page_size;      /* bytes; VPAGER_PAGE_SIZE (default 32M); a power
+                              of two, a multiple of the granularity and at
+                              most the device's memory (else vp_device_open
+                              gives VP_EINVAL naming page_size) */
   int64_t headroom;        /* bytes kept free; -1 = backend default;
                               VPAGER_HEADROOM */
   uint32_t poll_interval_us; /* min time between free-memory polls;
@@ -653,9 +656,12 @@ VP_API int vp_device_stats(vp_device_t dev, vp_stats_t *stats);
 VP_API int vp_vbar_stats(vp_vbar_t vbar, vp_stats_t *stats);
 /* Write a report of the device, its counters and a residency map of each
  * VBAR ('#' resident, 'P' pinned, '.' not resident) into buf, as text or
- * (json != 0) as one JSON object. *needed (may be NULL) gets the length
- * without the NUL; VP_ERANGE when buf is too small (then buf holds a
- * truncated, NUL-terminated report). */
+ * (json != 0) as one JSON object. The text is for people: sizes in one
+ * rule ("32 MiB", "1 GiB", "3.6 GiB": the largest binary unit, one decimal
+ * when not whole), counters that are 0 left out, each with what it counts;
+ * the JSON has every counter and every size in bytes. *needed (may be
+ * NULL) gets the length without the NUL; VP_ERANGE when buf is too small
+ * (then buf holds a truncated, NUL-terminated report). */
 VP_API int vp_device_report(vp_device_t dev, int json, char *buf, size_t len,
                             size_t *needed);
 

@@ -3,20 +3,48 @@
  * the device's public getters and setters. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
 #define ULL(x) ((unsigned long long)(x))
 
+/* The sim device's sizes come from options; a GPU's from the driver. */
+static const char *sim_option(const vp__device_t *dev, const char *name) {
+  return strcmp(dev->caps.name, "sim") == 0 ? name : "";
+}
+
 static int check_geometry(vp__device_t *dev) {
   const vp_options_t *o = &dev->opts;
   if (o->page_size % dev->caps.granularity)
-    return vp__err(VP_EINVAL, "page size %llu is not a multiple of the %s "
-                   "granularity %llu", ULL(o->page_size), dev->caps.name,
-                   ULL(dev->caps.granularity));
+    return vp__err(VP_EINVAL, "option page_size (VPAGER_PAGE_SIZE): %llu "
+                   "bytes (%s) is not a multiple of the %s device's "
+                   "granularity%s: %llu bytes (%s)", ULL(o->page_size),
+                   vp__size(o->page_size).s, dev->caps.name,
+                   sim_option(dev, " (option sim_granularity)"),
+                   ULL(dev->caps.granularity),
+                   vp__size(dev->caps.granularity).s);
+  /* No page of that size could ever be committed: every fault would miss. */
+  if (o->page_size > dev->caps.total_memory)
+    return vp__err(VP_EINVAL, "option page_size (VPAGER_PAGE_SIZE): %llu "
+                   "bytes (%s) is larger than the %s device's memory%s: %llu "
+                   "bytes (%s)", ULL(o->page_size), vp__size(o->page_size).s,
+                   dev->caps.name, sim_option(dev, " (option sim_capacity)"),
+                   ULL(dev->caps.total_memory),
+                   vp__size(dev->caps.total_memory).s);
   if (o->headroom < -1)
-    return vp__err(VP_EINVAL, "headroom %lld is negative",
-                   (long long)o->headroom);
+    return vp__err(VP_EINVAL, "option headroom (VPAGER_HEADROOM): %lld is "
+                   "negative", (long long)o->headroom);
+  /* Keeping the whole device free leaves no room for one page. */
+  if (o->headroom >= 0 &&
+      (uint64_t)o->headroom + o->page_size > dev->caps.total_memory)
+    return vp__err(VP_EINVAL, "option headroom (VPAGER_HEADROOM): %llu bytes "
+                   "(%s) leaves no room for one page of %s on the %s "
+                   "device's memory%s: %llu bytes (%s)", ULL(o->headroom),
+                   vp__size((uint64_t)o->headroom).s, vp__size(o->page_size).s,
+                   dev->caps.name, sim_option(dev, " (option sim_capacity)"),
+                   ULL(dev->caps.total_memory),
+                   vp__size(dev->caps.total_memory).s);
   dev->page_size = o->page_size;
   dev->page_shift = __builtin_ctzll(o->page_size);
   return VP_OK;
@@ -57,10 +85,10 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
             dev->ledger_why);
   }
   vp__log(VP_LOG_INFO, dev->caps.name,
-          "device %d open: page %llu MiB, memory %llu MiB, headroom %lld MiB",
-          opts->device_index, ULL(dev->page_size >> 20),
-          ULL(dev->caps.total_memory >> 20),
-          (long long)(dev->budget.headroom >> 20));
+          "device %d open: page %s, memory %s, headroom %s",
+          opts->device_index, vp__size(dev->page_size).s,
+          vp__size(dev->caps.total_memory).s,
+          vp__size((uint64_t)dev->budget.headroom).s);
   *out = dev;
   return VP_OK;
 destroy_lock:

@@ -230,6 +230,14 @@ typedef struct vp__out {
 } vp__out_t;
 void vp__put(vp__out_t *o, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+/* A size as people read it, in one rule everywhere: "32 MiB", "1 GiB",
+ * "1.5 GiB", "0 B" (the largest binary unit it reaches, one decimal when
+ * not whole). The text lives in the returned value: vp__size(n).s is valid
+ * until the end of the full expression. */
+typedef struct vp__size_text {
+  char s[24];
+} vp__size_text_t;
+vp__size_text_t vp__size(uint64_t bytes);
 
 /* options.c */
 void vp__options_defaults(vp_options_t *opts); /* and VPAGER_* variables */

@@ -2,6 +2,7 @@
  * residency map of every VBAR. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -16,18 +17,31 @@ static const char *order_name(int kind) {
                                       : "tail-first";
 }
 
+/* One counter's line, left out when it is zero; byte counts read as sizes
+ * (vp__size), other counts as numbers. Returns 1 when shown. */
+static int put_counter(vp__out_t *o, const char *name, uint64_t v,
+                       const char *doc) {
+  if (!v) return 0;
+  char num[24];
+  snprintf(num, sizeof num, "%llu", (unsigned long long)v);
+  vp__put(o, "  %-22s %10s  %s\n", name,
+          strstr(name, "bytes") ? vp__size(v).s : num, doc);
+  return 1;
+}
+
 static void report_text(vp__device_t *dev, vp__out_t *o) {
   const vp_stats_t *s = &dev->stats;
-  vp__put(o, "vpager device [%s]: page %llu KiB, memory %llu MiB, committed "
-      "%llu MiB, headroom %lld MiB\n", dev->caps.name,
-      (unsigned long long)(dev->page_size >> 10),
-      (unsigned long long)(dev->budget.total >> 20),
-      (unsigned long long)(dev->committed >> 20),
-      (long long)(dev->budget.headroom >> 20));
-#define VP__STAT_TEXT(name, doc) vp__put(o, "  %-18s %llu\n", #name, \
-                                     (unsigned long long)s->name);
+  vp__put(o, "vpager device [%s]: page %s, memory %s, committed %s, "
+      "headroom %s\n", dev->caps.name, vp__size(dev->page_size).s,
+      vp__size(dev->budget.total).s, vp__size(dev->committed).s,
+      vp__size(dev->budget.headroom > 0 ? (uint64_t)dev->budget.headroom
+                                        : 0).s);
+  vp__put(o, "counters (those not shown are 0):\n");
+  int shown = 0;
+#define VP__STAT_TEXT(name, doc) shown += put_counter(o, #name, s->name, doc);
   VP_STAT_FIELDS(VP__STAT_TEXT)
 #undef VP__STAT_TEXT
+  if (!shown) vp__put(o, "  (all 0)\n");
   int rank = 0;
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down, rank++) {
     vp__put(o, "vbar #%d (priority %d): %u pages, %u resident, %u pinned, "

@@ -128,6 +128,94 @@ TEST(options_env_open, TEST_SIM_ONLY) {
   test_clear_vpager_env();
 }
 
+/* Issue 27: a page larger than the device was accepted, and then every
+ * fault missed with no message. vp_device_open refuses it, naming the
+ * option and both sizes; a page as large as the device still opens. */
+TEST(open_page_over_memory, TEST_SIM_ONLY) {
+  vp_options_t o;
+  test_options(ctx, &o);
+  o.sim_capacity = 16 * MiB;
+  o.sim_granularity = 2 * MiB;
+  o.page_size = 32 * MiB;
+  vp_device_t dev = {0};
+  ASSERT_RC(vp_device_open(&o, &dev), VP_EINVAL);
+  const char *msg = vp_last_error();
+  ASSERT_TRUE(strncmp(msg, "vp_device_open: ", 16) == 0);
+  ASSERT_STR_CONTAINS(msg, "page_size");
+  ASSERT_STR_CONTAINS(msg, "33554432 bytes (32 MiB)");
+  ASSERT_STR_CONTAINS(msg, "sim_capacity");
+  ASSERT_STR_CONTAINS(msg, "16777216 bytes (16 MiB)");
+  ASSERT_EQ_U64(dev.id, 0); /* nothing opened */
+
+  /* One page the size of the whole device: opens, and that page commits. */
+  o.page_size = 16 * MiB;
+  dev = test_open(ctx, &o);
+  ASSERT_EQ_U64(test_info(dev).page_size, 16 * MiB);
+  vp_vbar_t v = test_vbar(dev, 32 * MiB);
+  ASSERT_OK(vp_fault(v, 0, 1, NULL, 0));
+  ASSERT_RC(vp_fault(v, 16 * MiB, 1, NULL, 0), VP_MISS);
+  ASSERT_OK(vp_unpin(v, 0, 1, 0));
+  ASSERT_OK(vp_device_close(dev));
+
+  /* The issue's case: VPAGER_PAGE_SIZE=1T on a 1 GiB device. */
+  test_clear_vpager_env();
+  setenv("VPAGER_BACKEND", "sim", 1);
+  setenv("VPAGER_SIM_CAPACITY", "1G", 1);
+  setenv("VPAGER_PAGE_SIZE", "1T", 1);
+  ASSERT_RC(vp_device_open(NULL, &dev), VP_EINVAL);
+  test_clear_vpager_env();
+  ASSERT_STR_CONTAINS(vp_last_error(), "option page_size (VPAGER_PAGE_SIZE): "
+                      "1099511627776 bytes (1 TiB) is larger than the sim "
+                      "device's memory (option sim_capacity): 1073741824 "
+                      "bytes (1 GiB)");
+}
+
+/* On every backend: a page one power of two above the device's memory is
+ * refused (on a GPU, above its total memory). */
+TEST(open_page_over_memory_any, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  test_options(ctx, &o);
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t total = test_info(dev).total_memory;
+  ASSERT_OK(vp_device_close(dev));
+  uint64_t page = o.page_size;
+  while (page <= total) page <<= 1;
+  if (page > (1ull << 40)) {
+    test_log("skipped: the device has over 512 GiB");
+    return;
+  }
+  o.page_size = page;
+  ASSERT_RC(vp_device_open(&o, &dev), VP_EINVAL);
+  char want[64];
+  snprintf(want, sizeof want, "%llu bytes", (unsigned long long)page);
+  ASSERT_STR_CONTAINS(vp_last_error(), "page_size");
+  ASSERT_STR_CONTAINS(vp_last_error(), want);
+}
+
+/* Issue 27: a headroom of the whole device was accepted, and then every
+ * fault missed. vp_device_open refuses a headroom that leaves no room for
+ * one page; one page's room is enough. */
+TEST(open_headroom_over_memory, TEST_SIM_ONLY) {
+  vp_options_t o;
+  test_options(ctx, &o);
+  o.sim_capacity = 64 * MiB;
+  o.sim_granularity = 2 * MiB;
+  o.page_size = 2 * MiB;
+  o.headroom = 64 * MiB;
+  vp_device_t dev = {0};
+  ASSERT_RC(vp_device_open(&o, &dev), VP_EINVAL);
+  ASSERT_STR_CONTAINS(vp_last_error(), "option headroom (VPAGER_HEADROOM): "
+                      "67108864 bytes (64 MiB) leaves no room for one page "
+                      "of 2 MiB on the sim device's memory (option "
+                      "sim_capacity): 67108864 bytes (64 MiB)");
+  o.headroom = 62 * MiB;
+  dev = test_open(ctx, &o);
+  vp_vbar_t v = test_vbar(dev, 8 * MiB);
+  ASSERT_OK(vp_fault(v, 0, 1, NULL, 0));
+  ASSERT_OK(vp_unpin(v, 0, 1, 0));
+  ASSERT_OK(vp_device_close(dev));
+}
+
 TEST(parse_size, TEST_SIM_ONLY) {
   static const struct {
     const char *text;

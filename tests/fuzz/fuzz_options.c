@@ -181,7 +181,11 @@ static bool ref_valid(const vp_options_t *o, bool generic, const char **why) {
       !pow2(o->sim_granularity), "granularity");
   BAD(o->sim_capacity == 0, "capacity");
   BAD(o->page_size % o->sim_granularity, "page vs granularity");
+  BAD(o->page_size > o->sim_capacity, "page over capacity");
   BAD(o->headroom < -1, "headroom");
+  BAD(o->headroom >= 0 &&
+      (uint64_t)o->headroom + o->page_size > o->sim_capacity,
+      "headroom over capacity");
 #undef BAD
   return *why = "valid", true;
 }
