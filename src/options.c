@@ -63,6 +63,22 @@ static int parse_u64(const char *t, void *f) {
   return parse_size(t, (uint64_t *)f);
 }
 
+/* A size above zero (sim_capacity: an empty device opens nothing). */
+static int parse_nonzero(const char *t, void *f) {
+  uint64_t v;
+  if (parse_size(t, &v) || v == 0) return -1;
+  *(uint64_t *)f = v;
+  return 0;
+}
+
+/* A power of two of at least 4 KiB (page_size, sim_granularity). */
+static int parse_pow2(const char *t, void *f) {
+  uint64_t v;
+  if (parse_size(t, &v) || v < 4096 || (v & (v - 1))) return -1;
+  *(uint64_t *)f = v;
+  return 0;
+}
+
 static int parse_i64(const char *t, void *f) {
   uint64_t v;
   if (parse_size(t, &v) || v > INT64_MAX) return -1;
@@ -127,18 +143,18 @@ static const struct option_entry {
      "auto, cuda or sim"},
     {"VPAGER_DEVICE", offsetof(vp_options_t, device_index), parse_int,
      "a device ordinal"},
-    {"VPAGER_PAGE_SIZE", offsetof(vp_options_t, page_size), parse_u64,
-     "a size such as 32M"},
+    {"VPAGER_PAGE_SIZE", offsetof(vp_options_t, page_size), parse_pow2,
+     "a power-of-two size such as 32M"},
     {"VPAGER_HEADROOM", offsetof(vp_options_t, headroom), parse_i64,
      "a size such as 512M"},
     {"VPAGER_POLL_US", offsetof(vp_options_t, poll_interval_us), parse_u32,
      "microseconds"},
     {"VPAGER_ORDER", offsetof(vp_options_t, evict_order), parse_order,
      "tail or interleaved"},
-    {"VPAGER_SIM_CAPACITY", offsetof(vp_options_t, sim_capacity), parse_u64,
-     "a size such as 4G"},
+    {"VPAGER_SIM_CAPACITY", offsetof(vp_options_t, sim_capacity),
+     parse_nonzero, "a size above zero such as 4G"},
     {"VPAGER_SIM_GRANULARITY", offsetof(vp_options_t, sim_granularity),
-     parse_u64, "a size such as 2M"},
+     parse_pow2, "a power-of-two size such as 2M"},
     {"VPAGER_SIM_STREAMS", offsetof(vp_options_t, sim_streams), parse_streams,
      "sync or worker"},
     {"VPAGER_SIM_SHARED", offsetof(vp_options_t, sim_shared), parse_name,
@@ -158,6 +174,20 @@ static const struct option_entry {
     {"VPAGER_LEDGER_TIMEOUT_US", offsetof(vp_options_t, ledger_timeout_us),
      parse_u32, "microseconds"},
 };
+
+/* A bad value warns once per process (vp_options_init runs at every open,
+ * and the Python layer asks for the defaults several times an offload):
+ * warned[i] holds a hash of the text last warned about, plus one. */
+#define N_OPTIONS (sizeof option_table / sizeof *option_table)
+static _Atomic uint64_t warned[N_OPTIONS];
+
+static bool first_warning(size_t i, const char *text) {
+  uint64_t h = 1469598103934665603ull;
+  for (const char *c = text; *c; c++)
+    h = (h ^ (unsigned char)*c) * 1099511628211ull;
+  h |= 1;
+  return atomic_exchange(&warned[i], h) != h;
+}
 
 int vp_options_init(vp_options_t *opts) {
   VP__ENTER();
@@ -192,7 +222,7 @@ void vp__options_defaults(vp_options_t *opts) {
     if (e->parse(text, scratch + e->offset) == 0) {
       memcpy(opts, scratch, sizeof scratch);
       vp__log(VP_LOG_DEBUG, NULL, "%s=%s", e->env, text);
-    } else {
+    } else if (first_warning(i, text)) {
       vp__log(VP_LOG_WARN, NULL, "%s=%s is not %s; keeping the default",
               e->env, text, e->accepts);
     }
@@ -220,6 +250,15 @@ int vp__options_check(const vp_options_t *o) {
     return vp__err(VP_EINVAL, "eviction order %d is unknown", o->evict_order);
   if (o->sim_streams != VP_SIM_SYNC && o->sim_streams != VP_SIM_WORKER)
     return vp__err(VP_EINVAL, "sim_streams %d is unknown", o->sim_streams);
+  if (o->backend == VP_BACKEND_SIM && o->sim_capacity == 0)
+    return vp__err(VP_EINVAL, "option sim_capacity (VPAGER_SIM_CAPACITY): "
+                   "0 bytes; the simulated device needs some memory");
+  if (o->backend == VP_BACKEND_SIM &&
+      (o->sim_granularity < 4096 ||
+       o->sim_granularity & (o->sim_granularity - 1)))
+    return vp__err(VP_EINVAL, "option sim_granularity "
+                   "(VPAGER_SIM_GRANULARITY): %llu is not a power of two of "
+                   "at least 4 KiB", (unsigned long long)o->sim_granularity);
   if (o->device_index < 0)
     return vp__err(VP_EINVAL, "device index %d is negative", o->device_index);
   if (o->file_slots < 2 || o->file_slots > 64 || o->file_slot_size < 4096)

@@ -92,6 +92,14 @@ TEST(options_env_bad_keeps_default, TEST_SIM_ONLY) {
                 init_with(NULL, NULL).evict_order);
   ASSERT_EQ_INT(init_with("VPAGER_SIM_STREAMS", "maybe").sim_streams,
                 init_with(NULL, NULL).sim_streams);
+  /* Values no device opens with (issue 27): kept out at the variable. */
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_CAPACITY", "0").sim_capacity, 4 * GiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_GRANULARITY", "3M").sim_granularity,
+                2 * MiB);
+  ASSERT_EQ_U64(init_with("VPAGER_SIM_GRANULARITY", "1K").sim_granularity,
+                2 * MiB);
+  ASSERT_EQ_U64(init_with("VPAGER_PAGE_SIZE", "48M").page_size, 32 * MiB);
+  ASSERT_EQ_U64(init_with("VPAGER_PAGE_SIZE", "0").page_size, 32 * MiB);
   /* One bad value does not spoil the good ones. */
   test_clear_vpager_env();
   setenv("VPAGER_PAGE_SIZE", "huge", 1);
@@ -168,6 +176,22 @@ TEST(open_page_over_memory, TEST_SIM_ONLY) {
                       "1099511627776 bytes (1 TiB) is larger than the sim "
                       "device's memory (option sim_capacity): 1073741824 "
                       "bytes (1 GiB)");
+}
+
+/* The simulated device's options, given in the struct, name themselves. */
+TEST(open_sim_options_named, TEST_SIM_ONLY) {
+  vp_options_t o;
+  vp_device_t dev;
+  test_clear_vpager_env();
+  ASSERT_OK(vp_options_init(&o));
+  o.backend = VP_BACKEND_SIM;
+  o.sim_capacity = 0;
+  ASSERT_RC(vp_device_open(&o, &dev), VP_EINVAL);
+  ASSERT_STR_CONTAINS(vp_last_error(), "option sim_capacity");
+  o.sim_capacity = 64 * MiB;
+  o.sim_granularity = 3 * MiB;
+  ASSERT_RC(vp_device_open(&o, &dev), VP_EINVAL);
+  ASSERT_STR_CONTAINS(vp_last_error(), "option sim_granularity");
 }
 
 /* On every backend: a page one power of two above the device's memory is
