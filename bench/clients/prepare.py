@@ -11,9 +11,16 @@ tree):
                              torchsde (google-research/torchsde), with
                              their licenses, and bench/clients/trampoline.py
                              (our own; torchsde imports the name)
+  build-clients/pydeps/gguf  with --gguf: the `gguf` reader and writer
+                             (gguf-py/gguf of ggml-org/llama.cpp, pure
+                             Python over numpy; ComfyUI-GGUF imports it),
+                             with its license as LICENSE.gguf
 
     python3 bench/clients/prepare.py --comfyui MIRROR.git \\
         --kitchen MIRROR.git --torchsde MIRROR.git [--out build-clients]
+    python3 bench/clients/prepare.py --gguf MIRROR.git [--out build-clients]
+
+Each group rewrites only its own folders.
 
 Files are written blob by blob, so a mirror whose largest blobs are
 absent (as some snapshots are) still gives a usable tree: the absent ones
@@ -68,29 +75,58 @@ def extract(gitdir, rev, prefix, out, drop=()):
     return missing
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--comfyui", required=True, help="ComfyUI git dir")
-    ap.add_argument("--kitchen", required=True, help="comfy-kitchen git dir")
-    ap.add_argument("--torchsde", required=True, help="torchsde git dir")
-    ap.add_argument("--rev", default="HEAD", help="ComfyUI revision")
-    ap.add_argument("--out", default=os.path.join(ROOT, "build-clients"))
-    a = ap.parse_args()
-    comfy, deps = os.path.join(a.out, "ComfyUI"), os.path.join(a.out,
-                                                               "pydeps")
-    for d in (comfy, deps):
-        shutil.rmtree(d, ignore_errors=True)
+def comfyui(a, comfy, deps):
+    """ComfyUI, comfy_kitchen and torchsde; the blobs absent."""
+    shutil.rmtree(comfy, ignore_errors=True)
     missing = extract(a.comfyui, a.rev, "", comfy, DROP)
     for gitdir, pkg, lic in ((a.kitchen, "comfy_kitchen", "comfy-kitchen"),
                              (a.torchsde, "torchsde", "torchsde")):
+        shutil.rmtree(os.path.join(deps, pkg), ignore_errors=True)
         missing += extract(gitdir, "HEAD", pkg + "/",
                            os.path.join(deps, pkg))
         with open(os.path.join(deps, "LICENSE." + lic), "wb") as f:
             f.write(git(gitdir, "show", "HEAD:LICENSE"))
     shutil.copy(os.path.join(HERE, "trampoline.py"), deps)
+    return missing
+
+
+def gguf(gitdir, deps):
+    """gguf-py's package (without its scripts); the blobs absent."""
+    out = os.path.join(deps, "gguf")
+    shutil.rmtree(out, ignore_errors=True)
+    missing = extract(gitdir, "HEAD", "gguf-py/gguf/", out, ("scripts/",))
+    with open(os.path.join(deps, "LICENSE.gguf"), "wb") as f:
+        f.write(git(gitdir, "show", "HEAD:gguf-py/LICENSE"))
+    return missing
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--comfyui", help="ComfyUI git dir")
+    ap.add_argument("--kitchen", help="comfy-kitchen git dir")
+    ap.add_argument("--torchsde", help="torchsde git dir")
+    ap.add_argument("--gguf", help="llama.cpp git dir (its gguf-py)")
+    ap.add_argument("--rev", default="HEAD", help="ComfyUI revision")
+    ap.add_argument("--out", default=os.path.join(ROOT, "build-clients"))
+    a = ap.parse_args()
+    group = (a.comfyui, a.kitchen, a.torchsde)
+    if any(group) and not all(group):
+        ap.error("--comfyui, --kitchen and --torchsde go together")
+    if not any(group) and not a.gguf:
+        ap.error("nothing to lay out: give --comfyui/--kitchen/--torchsde, "
+                 "--gguf or both")
+    comfy, deps = os.path.join(a.out, "ComfyUI"), os.path.join(a.out,
+                                                               "pydeps")
+    missing, wrote = [], []
+    if all(group):
+        missing += comfyui(a, comfy, deps)
+        wrote += [comfy, deps]
+    if a.gguf:
+        missing += gguf(a.gguf, deps)
+        wrote.append(os.path.join(deps, "gguf"))
     for m in missing:
         print("absent in the mirror: %s" % m, file=sys.stderr)
-    print("wrote %s and %s" % (comfy, deps))
+    print("wrote %s" % ", ".join(wrote))
 
 
 if __name__ == "__main__":
