@@ -10,7 +10,6 @@ the flags, and what falls back to ComfyUI's own path.
 """
 
 import logging
-import os
 import sys
 import types
 
@@ -120,11 +119,21 @@ NODE_CLASS_MAPPINGS = {"VpagerSettings": VpagerSettings}
 NODE_DISPLAY_NAME_MAPPINGS = {"VpagerSettings": "vpager settings"}
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "install"]
 
+def _autoinstall_off():
+    """VPAGER_COMFYUI_NO_AUTOINSTALL=1 (vpager.env; without vpager the
+    node installs nothing anyway)."""
+    try:
+        from vpager import env
+    except ImportError:
+        return False
+    return env.flag("VPAGER_COMFYUI_NO_AUTOINSTALL", False)
+
+
 # Loaded by ComfyUI (which imported comfy.model_patcher long before its
 # custom nodes): install now. Imported elsewhere (tests): install() is
 # called by hand.
 if "comfy.model_patcher" in sys.modules and \
-        os.environ.get("VPAGER_COMFYUI_NO_AUTOINSTALL") is None:
+        not _autoinstall_off():
     try:
         install()
     except Exception as e:  # never take ComfyUI down with the node

@@ -10,11 +10,12 @@ make_class() (the real one, or the tests' stand-ins), so this module
 imports nothing of ComfyUI itself."""
 
 import logging
-import os
 import time
 import weakref
 
 import torch
+
+from vpager import env
 
 from . import engine
 
@@ -35,8 +36,7 @@ _LOGGED = set()             # (model class, reason) already logged
 
 
 def env_off():
-    return os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false",
-                                                        "no")
+    return not env.flag(ENV, True)
 
 
 def note(model, why):

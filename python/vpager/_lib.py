@@ -16,6 +16,8 @@ import os
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_int, c_int64,
                     c_size_t, c_uint8, c_uint32, c_uint64, c_void_p)
 
+from . import env as _env
+
 __all__ = ["C", "load", "library_path", "LibraryError"]
 
 # ------------------------------------------------------------------ codes
@@ -358,9 +360,9 @@ _error = None
 
 
 def _candidates():
-    env = os.environ.get("VPAGER_LIBRARY")
-    if env:
-        return [("VPAGER_LIBRARY", env)]
+    path = _env.text("VPAGER_LIBRARY")
+    if path:
+        return [("VPAGER_LIBRARY", path)]
     out = [("package", os.path.join(_HERE, "libvpager.so"))]
     if os.path.isfile(os.path.join(_REPO, "include", "vpager.h")):
         out.append(("tree", os.path.join(_REPO, "build", "libvpager.so")))

@@ -56,8 +56,17 @@ def _huge_size():
 
 
 HUGE = _huge_size()         # a transparent huge page (2 MiB on x86-64)
-# hugepage() advises (VPAGER_COMPAT_THP=0: it does nothing).
-THP = os.environ.get("VPAGER_COMPAT_THP", "1").strip() != "0"
+# hugepage() advises (VPAGER_COMPAT_THP=0: it does nothing); read at the
+# first advice (vpager.env: comfy_aimdo imports no vpager before init()).
+THP = None
+
+
+def _thp():
+    global THP
+    if THP is None:
+        from vpager import env
+        THP = env.flag("VPAGER_COMPAT_THP", True)
+    return THP
 
 # Pieces the bulk calls split into: at least this big, at most threads().
 POPULATE_PIECE = 8 << 20
@@ -127,7 +136,7 @@ def hugepage(addr, size):
     """MADV_HUGEPAGE over [addr, +size): transparent huge pages where the
     system has them in "madvise" mode (a hint; never raises; nothing when
     THP is False)."""
-    if size and THP:
+    if size and _thp():
         libc.madvise(addr, size, MADV_HUGEPAGE)
 
 

@@ -28,12 +28,10 @@ _threads = None         # set_threads() / VPAGER_COMPAT_THREADS, once read
 
 
 def _default():
-    env = os.environ.get("VPAGER_COMPAT_THREADS", "").strip()
-    if env:
-        try:
-            return max(1, min(MAX_THREADS, int(env)))
-        except ValueError:
-            pass
+    from vpager import env      # not at import: no vpager before init()
+    n = env.count("VPAGER_COMPAT_THREADS")
+    if n is not None:
+        return n
     try:
         ncpu = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

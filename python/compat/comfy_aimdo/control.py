@@ -16,7 +16,6 @@ default headroom plus the extra).
 import ctypes
 import math
 import numbers
-import os
 import sys
 import threading
 import warnings
@@ -71,7 +70,8 @@ def _probe_cuda():
     if _cuda_count is not None:
         return _cuda_count
     n = 0
-    if os.environ.get("VPAGER_BACKEND", "").strip().lower() != "sim":
+    from vpager import env      # not at import: no vpager before init()
+    if env.word("VPAGER_BACKEND") != "sim":
         try:
             cu = ctypes.CDLL("libcuda.so.1")
             count = ctypes.c_int(0)

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from .. import env
 from ..device import Device
 from .devices import note_simulated, resolve_target, size
 from .handle import Offloaded
@@ -44,7 +45,7 @@ class Settings:
         options = dict(options or {})
         # An order asked for is kept; otherwise the first forward runs
         # interleaved and the schedule (tuner.py) then ranks the pages.
-        self.order_asked = (order is not None or "VPAGER_ORDER" in os.environ
+        self.order_asked = (order is not None or env.given("VPAGER_ORDER")
                             or "evict_order" in options)
         if not self.order_asked:
             order = "interleaved"

@@ -4,14 +4,13 @@ the budget and the device, or shared by the caller), and activations
 first: on CUDA, the headroom that leaves torch's allocator room."""
 
 import math
-import os
 import sys
 import warnings
 import weakref
 
 import torch
 
-from .. import _lib
+from .. import _lib, env
 from ..device import Device
 from ..errors import BusyError, Error, InvalidArgument
 from ..options import default_options, parse_size
@@ -342,7 +341,7 @@ def scheduled_page(target, opts):
     """The page size for a scheduled model's device, None for the
     default: opts (vp_options_t fields) and VPAGER_PAGE_SIZE win."""
     if target.type == "cuda" or "page_size" in opts or \
-            "VPAGER_PAGE_SIZE" in os.environ:
+            env.given("VPAGER_PAGE_SIZE"):
         return None
     gran = parse_size(opts.get("sim_granularity", 0) or 0)
     return max(SIM_SCHEDULED_PAGE, gran)
@@ -398,7 +397,7 @@ def open_for(target, budget, lookahead, options, largest=None,
     opts = _options(target, budget, lookahead, options, scheduled)
     need = largest[1] if largest is not None else 0
     auto_lookahead = ("lookahead" not in opts and
-                      "VPAGER_LOOKAHEAD" not in os.environ)
+                      not env.given("VPAGER_LOOKAHEAD"))
     sized = "staging_size" not in opts
     ring = None
     budgeted = budget is not None

@@ -8,10 +8,10 @@ hooks) and takes them out again at unload()."""
 
 import contextlib
 import functools
-import os
 
 import torch
 
+from .. import env
 from ..weights import Source, WeightBatch
 from .devices import (attach, devstate, DEVSTATES, leave, open_for,
                       SIZED_RINGS)
@@ -90,14 +90,13 @@ class Offloaded:
         self._hot = HotPath(self, lay, self._ds, self.target, self._recorder)
         self._tuner = None
         if s.scheduled:
-            env = os.environ
             self._tuner = _tuner.Tuner(
                 self, lay, self._ds, self.target,
                 windows=(s.lookahead is None and "lookahead" not in s.options
-                         and "VPAGER_LOOKAHEAD" not in env),
+                         and not env.given("VPAGER_LOOKAHEAD")),
                 resize=((owned or dev in SIZED_RINGS)
                         and "staging_size" not in s.options
-                        and "VPAGER_STAGING" not in env))
+                        and not env.given("VPAGER_STAGING")))
             self._hot.tuner = self._tuner
         self._install(plan.settings.reorder)
         _ledger.track(self, budget=plan.settings.budget)

@@ -24,13 +24,13 @@ schedule is made again from the measured costs for the room there is
 (WATCH_EVERY), so weights it counted resident and lost are streamed in
 its windows, not missed one by one."""
 
-import os
 import sys
 import time
 import warnings
 
 import torch
 
+from .. import env
 from ..errors import BusyError
 from ..weights import WeightBatch
 from . import schedule
@@ -113,8 +113,7 @@ def enabled(settings, dev_given):
     an eviction order was asked for (order=, VPAGER_ORDER or the
     evict_order option); on a shared device (dev=) only when asked
     (schedule=True); never with schedule=False."""
-    if os.environ.get("VPAGER_SCHEDULE", "1") == "0" or \
-            settings.schedule is False:
+    if not env.flag("VPAGER_SCHEDULE", True) or settings.schedule is False:
         return False
     if dev_given and settings.schedule is not True:
         return False
@@ -472,7 +471,7 @@ class Tuner:
                 and not u.buffers
                 and all(resident.get(id(e)) and count[id(e)] == 1
                         for e in u.entries)]
-        if (os.environ.get("VPAGER_HOLD") == "0"
+        if (not env.flag("VPAGER_HOLD", True)
                 or len(held) * UNIT_HOST < HOLD_SHARE * sch.predicted):
             held = []
         hot = self.handle._hot
@@ -480,7 +479,7 @@ class Tuner:
         return hot.held_units           # (set_held keeps Parameters only)
 
     def _log(self, sch, ring, units, w):
-        if os.environ.get("VPAGER_SCHEDULE_LOG"):
+        if env.flag("VPAGER_SCHEDULE_LOG", False):
             sys.stderr.write(
                 "vpager.torch schedule (forward %d): %r; ring %d (tried: "
                 "%s); link %.2f GB/s; units %d (%d held); work %.3f ms; "

@@ -1,0 +1,184 @@
+"""Every VPAGER_* environment variable the Python layer reads, read here
+and nowhere else (the C library reads the vp_options_t ones itself, at
+each vp_options_init: src/options.c).
+
+Each variable is declared once in VARIABLES (its kind and what it does:
+python/README.md's table is this one). A value that does not parse warns
+once per process (naming the variable and the value) and counts as unset:
+the default is kept, never a feature turned off. The variables are read
+when asked, not at import, so that a test or a launcher may set them
+later."""
+
+import os
+import threading
+import warnings
+from typing import Dict, NamedTuple, Optional, Tuple
+
+__all__ = ["VARIABLES", "flag", "size", "word", "count", "text", "given",
+           "reset_warnings"]
+
+
+class Variable(NamedTuple):
+    kind: str           # "flag", "size", "word", "count", "text"
+    doc: str            # what it does (python/README.md's table)
+    words: Tuple[str, ...] = ()     # kind "word": the accepted values
+    low: int = 0        # kind "count": the bounds
+    high: int = 0
+    by_c: bool = False  # vp_options_init reads it too (and warns itself)
+
+
+_SIZE = "a size such as 32M (K/M/G/T: powers of 1024)"
+
+VARIABLES: Dict[str, Variable] = {
+    # Read by the C library (vp_options_init); the Python layer asks only
+    # whether a valid value was given (the user's choice wins over its own).
+    "VPAGER_BACKEND": Variable("word", "auto, cuda or sim: the backend a "
+                               "device opens with", ("auto", "cuda", "sim"),
+                               by_c=True),
+    "VPAGER_PAGE_SIZE": Variable("size", "page size (a power of two, at "
+                                 "least 4K)", by_c=True),
+    "VPAGER_ORDER": Variable("word", "eviction order of new VBARs; "
+                             "vpager.torch then does not schedule",
+                             ("tail", "interleaved"), by_c=True),
+    "VPAGER_STAGING": Variable("size", "staging ring bytes (vpager.torch "
+                               "then keeps the ring's size)", by_c=True),
+    "VPAGER_LOOKAHEAD": Variable("size", "prefetch bytes past each acquire "
+                                 "(vpager.torch then sets no windows)",
+                                 by_c=True),
+    # The Python layer's own.
+    "VPAGER_LIBRARY": Variable("text", "path of the libvpager.so to load"),
+    "VPAGER_SCHEDULE": Variable("flag", "0: offload() does not schedule "
+                                "the copies (default 1)"),
+    "VPAGER_HOLD": Variable("flag", "0: a schedule holds no units for the "
+                            "whole forward (default 1)"),
+    "VPAGER_SCHEDULE_LOG": Variable("flag", "1: print each schedule made "
+                                    "(default 0)"),
+    "VPAGER_PROGRESS": Variable("flag", "0: no progress bar or log line "
+                                "while offload() copies a large model; 1: "
+                                "always (default: only when long)"),
+    "VPAGER_COMPAT_THREADS": Variable("count", "comfy_aimdo drop-in: worker "
+                                      "threads (default min(8, CPUs))",
+                                      low=1, high=64),
+    "VPAGER_COMPAT_THP": Variable("flag", "comfy_aimdo drop-in: 0 leaves "
+                                  "out the huge page advice (default 1)"),
+    "VPAGER_COMFYUI": Variable("flag", "0/off/false/no: the ComfyUI node is "
+                               "off (default on)"),
+    "VPAGER_COMFYUI_NO_AUTOINSTALL": Variable(
+        "flag", "1: the ComfyUI node does not install itself at import "
+        "(tests)"),
+}
+
+_TRUE = ("1", "on", "true", "yes")
+_FALSE = ("0", "off", "false", "no")
+
+_lock = threading.Lock()
+_warned = set()         # (name, value) already warned about
+
+
+def reset_warnings() -> None:
+    """Warn again about values already warned about (tests)."""
+    with _lock:
+        _warned.clear()
+
+
+def _warn(name: str, raw: str, expected: str) -> None:
+    with _lock:
+        if (name, raw) in _warned:
+            return
+        _warned.add((name, raw))
+    warnings.warn("vpager: %s=%r is not %s; keeping the default"
+                  % (name, raw, expected), RuntimeWarning, stacklevel=4)
+
+
+def _raw(name: str, kind: str) -> Optional[str]:
+    var = VARIABLES.get(name)
+    if var is None or var.kind != kind:
+        raise KeyError("vpager.env: %s is not a declared %s variable"
+                       % (name, kind))
+    return os.environ.get(name)
+
+
+def flag(name: str, default: bool) -> bool:
+    """A yes/no variable: 1/on/true/yes or 0/off/false/no (any case);
+    unset, empty or anything else (warned about): `default`."""
+    raw = _raw(name, "flag")
+    if raw is None or not raw.strip():
+        return default
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    _warn(name, raw, "1 or 0 (on/off, true/false, yes/no)")
+    return default
+
+
+def _parse_size(raw: str) -> Optional[int]:
+    from .options import parse_size     # the library's parser
+    try:
+        return parse_size(raw.strip())
+    except Exception:   # the library's InvalidArgument, or none loaded
+        return None
+
+
+def size(name: str) -> Optional[int]:
+    """A size variable in bytes; None when unset or not a size (warned
+    about, unless the C library reads it and warns itself)."""
+    raw = _raw(name, "size")
+    if raw is None:
+        return None
+    v = _parse_size(raw) if raw.strip() else None
+    if v is not None and name == "VPAGER_PAGE_SIZE" and \
+            (v < 4096 or v & (v - 1)):
+        v = None
+    if v is None and not VARIABLES[name].by_c:
+        _warn(name, raw, _SIZE)
+    return v
+
+
+def word(name: str) -> Optional[str]:
+    """One of the variable's words (lower case); None when unset or not
+    one of them (warned about, unless the C library warns)."""
+    raw = _raw(name, "word")
+    if raw is None:
+        return None
+    v = raw.strip().lower()
+    var = VARIABLES[name]
+    if v in var.words:
+        return v
+    if not var.by_c:
+        _warn(name, raw, "one of " + ", ".join(var.words))
+    return None
+
+
+def count(name: str) -> Optional[int]:
+    """An integer within the variable's bounds; None when unset, empty or
+    out of them (warned about)."""
+    raw = _raw(name, "count")
+    if raw is None or not raw.strip():
+        return None
+    var = VARIABLES[name]
+    try:
+        v = int(raw.strip())
+    except ValueError:
+        v = None
+    if v is None or not var.low <= v <= var.high:
+        _warn(name, raw, "an integer from %d to %d" % (var.low, var.high))
+        return None
+    return v
+
+
+def text(name: str) -> Optional[str]:
+    """A text variable; None when unset or empty."""
+    raw = _raw(name, "text")
+    return raw if raw else None
+
+
+def given(name: str) -> bool:
+    """Whether the variable holds a valid value: the user chose it (a bad
+    value is not a choice: the default stays, and so does what vpager
+    does by default, say the schedule)."""
+    kind = VARIABLES[name].kind
+    read = {"flag": lambda n: flag(n, None), "size": size, "word": word,
+            "count": count, "text": text}[kind]
+    return read(name) is not None
