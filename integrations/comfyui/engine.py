@@ -40,6 +40,8 @@ from vpager.torch.devices import LEARN_EVERY, MARGIN_MAX, torch_reserved
 from vpager import _lib
 from vpager.weights import Source
 
+from . import quantized
+
 ALL = 1 << 62               # "evict everything unpinned"
 
 
@@ -168,21 +170,23 @@ def comfy_file_slice(t):
 
 
 class Entry:
-    """One managed parameter of the model (a vpager.torch weight): its
-    state-dict key, op, parameter name and object, and the patch set its
-    source was made for."""
+    """One managed parameter of the model (a vpager.torch weight, or for a
+    QuantizedTensor one per part: split): its state-dict key, op,
+    parameter name and object, and the patch set its source was made
+    for."""
 
     __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
-                 "file", "patch")
+                 "file", "patch", "split")
 
-    def __init__(self, key, module, pname, param):
+    def __init__(self, key, module, pname, param, split=None):
         self.key = key
         self.module = module
         self.pname = pname
         self.param = param
         self.dtype = param.dtype
         self.shape = tuple(param.shape)
-        self.size = nbytes(param)
+        self.split = split              # quantized.Split, or None
+        self.size = split.size if split is not None else nbytes(param)
         self.file = None                # (fd, offset) when file-sourced
         self.patch = None               # the patch set it was filled with
 
@@ -316,22 +320,36 @@ class Pager:
         return done
 
     def _restore(self):
-        """The converted parameters get their original tensors back."""
+        """The converted parameters get their original tensors back; the
+        quantized ops lose their parts and forward wrappers."""
         for p, t in self.converted:
             p.data = t
         self.converted = []
+        for e in self.entries:
+            if e.split is not None:
+                e.split.remove()
 
     def _open(self, model, units, prefer_file, file_slice, label, root,
               dtypes):
         dev = self.dev
+        splits = {}             # id(QuantizedTensor) -> its first key
         for _name, module, params in units:
             for key, pname in params:
-                e = Entry(key, module, pname, module._parameters[pname])
+                p = module._parameters[pname]
+                split = None
+                if quantized.is_quantized(p):
+                    if splits.setdefault(id(p), key) != key:
+                        raise ValueError("%s is a QuantizedTensor tied to %s"
+                                         % (key, splits[id(p)]))
+                    split = quantized.Split(key, module, pname, p)
+                e = Entry(key, module, pname, p, split)
                 want = dtypes.get(key, e.dtype)
                 if e.dtype != want:     # never page other bytes than asked
                     raise ValueError("%s would be held in %s, its op "
                                      "declares %s" % (key, e.dtype, want))
                 self.entries.append(e)
+                if split is not None:   # its parts in, its forward wrapped
+                    split.install()
         conv = {id(p) for p, _t in self.converted}
         self.by_key = {e.key: e for e in self.entries}
         # vpager.torch names a weight by its first key (a tensor tied to
@@ -341,16 +359,30 @@ class Pager:
             first.setdefault(id(e.param), e.key)
         self.vt_name = {e.key: first[id(e.param)] for e in self.entries}
         by_key = self.by_key
+        # A quantized weight's parts are vpager.torch's weights (by their
+        # qualified names), not the wrapper.
+        parts = {n: p for e in self.entries if e.split is not None
+                 for n, (_pn, p, _a) in zip(e.split.names, e.split.parts)}
 
         def chosen(name, t):
             e = by_key.get(name)
-            return e is not None and e.param is t
+            if e is not None:
+                return e.split is None and e.param is t
+            return parts.get(name) is t
 
         files = {}
         if prefer_file:
             for e in self.entries:
                 if id(e.param) in conv:
                     continue        # the file holds the unconverted bytes
+                if e.split is not None:
+                    for n, (_pn, p, _a) in zip(e.split.names, e.split.parts):
+                        fs = file_slice(p.data)
+                        if fs is not None:
+                            e.file = fs
+                            files[n] = Source(_lib.VP_SOURCE_FILE, fd=fs[0],
+                                              file_offset=fs[1], keep=p.data)
+                    continue
                 fs = file_slice(e.param.data)
                 if fs is not None:
                     e.file = fs
@@ -432,8 +464,15 @@ class Pager:
         e = self.by_key[key]
         if same_patch(e.patch, patch):
             return False
-        self.h.set_source(self.vt_name[key],
-                          None if patch is None else make())
+        if e.split is not None:
+            # ComfyUI's patching requantizes (the op's set_weight): each
+            # part's source is the patched weight's part.
+            srcs = e.split.sources(None if patch is None else make())
+            for name, src in zip(e.split.names, srcs):
+                self.h.set_source(name, src)
+        else:
+            self.h.set_source(self.vt_name[key],
+                              None if patch is None else make())
         e.patch = patch
         self.refills += 1
         return True
@@ -471,6 +510,8 @@ class Pager:
         s["weight_bytes"] = self.weight_bytes
         s["file_weights"] = sum(e.file is not None for e in self.entries)
         s["converted_weights"] = len(self.converted)
+        s["quantized_weights"] = sum(e.split is not None
+                                     for e in self.entries)
         s["convert_ms"] = self.convert_s * 1e3
         s["patched_weights"] = len(self.patched_keys())
         s["refills"] = self.refills

@@ -321,9 +321,9 @@ class LayerNorm(nn.LayerNorm, CastOp):
     pass
 
 
-class QuantLinear(Linear):
-    def set_weight(self, weight, **kw):     # mixed-precision ops have this
-        pass
+class Packed(torch.Tensor if torch is not None else object):
+    """A tensor subclass that does not say how to take it apart (no
+    flatten protocol: not a QuantizedTensor)."""
 
 
 class Block(nn.Module):
@@ -1232,12 +1232,15 @@ def test_refused_model_falls_back_with_one_log_line():
 
 def test_fallback_model_types():
     with env() as e:
-        q = DiT(op=QuantLinear)
+        q = DiT()
+        op = q.diffusion_model.blocks[0].up
+        op.weight = nn.Parameter(op.weight.data.as_subclass(Packed),
+                                 requires_grad=False)
         with logs() as lines:
             p = e.patcher(q)
             p.partially_load(CPU)
         assert not p.vpager_active() and q.comfy_loaded == 1
-        assert "set_weight" in lines[0], lines
+        assert "is a Packed, not a plain tensor" in lines[0], lines
         # A model without ComfyUI ops holding weights.
         plain = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
         plain.device = None

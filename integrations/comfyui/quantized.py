@@ -1,0 +1,206 @@
+"""QuantizedTensor weights (ComfyUI's mixed-precision ops: scaled fp8 and
+the other comfy_kitchen layouts) paged by vpager as their stored parts.
+
+A QuantizedTensor is a wrapper: no bytes of its own, its payload (`_qdata`)
+and its layout's tensors (scales) held as plain tensors inside it, named by
+torch's flatten protocol (`__tensor_flatten__` -> inner attribute names and
+a context; `__tensor_unflatten__` builds the wrapper again over other inner
+tensors), the way ComfyUI's own dynamic path rebuilds one over its VBAR
+bytes (comfy/memory_management.py interpret_gathered_like). Here each part
+becomes a plain Parameter of the op (a "part", `_vpager_q_<param>_<attr>`)
+that vpager.torch pages like any weight, and the op's forward is wrapped:
+inside it the op's parameter is the same wrapper class rebuilt over the
+parts as vpager.torch set them (views of the VBAR or of staging), so
+ComfyUI's op code dequantizes and casts exactly as it does on its own
+resident copy. Outside the forward the op keeps its own QuantizedTensor
+(what ComfyUI's LoRA patching reads).
+
+Free of ComfyUI: a quantized weight is recognised by the flatten protocol
+and its layout's name (`_layout_cls`)."""
+
+import torch
+
+PART = "_vpager_q_"         # prefix of the parts' parameter names
+
+# The layouts ComfyUI 0.33's ops load (comfy/quant_ops.py QUANT_ALGOS and
+# its registered layouts, comfy_kitchen's classes): every one is its
+# payload plus the tensor fields of its Params and non-tensor fields, so a
+# wrapper rebuilt over the same bytes computes what the original does.
+LAYOUTS = frozenset((
+    "TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout",
+    "TensorCoreFP8E5M2Layout", "TensorCoreNVFP4Layout",
+    "TensorCoreMXFP8Layout", "TensorWiseINT8Layout",
+    "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"))
+
+_CACHED = 16                # rebuilt wrappers kept per op (by addresses)
+
+
+def is_quantized(t):
+    """True for a tensor subclass that says how to take it apart (torch's
+    flatten protocol): ComfyUI's QuantizedTensor."""
+    return (isinstance(t, torch.Tensor)
+            and type(t) not in (torch.Tensor, torch.nn.Parameter)
+            and callable(getattr(type(t), "__tensor_flatten__", None))
+            and callable(getattr(type(t), "__tensor_unflatten__", None)))
+
+
+def layout_name(t):
+    """The layout a QuantizedTensor names (comfy_kitchen's _layout_cls)."""
+    name = getattr(t, "_layout_cls", None)
+    return name if isinstance(name, str) else type(t).__name__
+
+
+def _inner(t):
+    """[(attribute, tensor)] of a quantized tensor's parts, and the
+    unflatten context."""
+    names, ctx = t.__tensor_flatten__()
+    return [(n, getattr(t, n)) for n in names], ctx
+
+
+def refuse(key, module, t):
+    """Why quantized weight `key` of `module` cannot be paged as its parts,
+    or None."""
+    layout = layout_name(t)
+    if layout not in LAYOUTS:
+        return ("%s is a QuantizedTensor of layout %s, which the node does "
+                "not page" % (key, layout))
+    if hasattr(module, "expert_weight"):
+        return ("%s is a quantized expert bank (%s): its weights are read "
+                "outside the op's forward" % (key, type(module).__name__))
+    try:
+        parts, _ctx = _inner(t)
+    except Exception as e:      # pragma: no cover - a broken subclass
+        return "%s (%s) cannot be taken apart: %s" % (key, layout, e)
+    for name, x in parts:
+        what = "%s's %s (%s)" % (key, name, layout)
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):
+            return "%s is a %s, not a plain tensor" % (what, type(x).__name__)
+        if x.layout != torch.strided or x.is_quantized:
+            return "%s is not a dense tensor" % what
+        if x.device.type != "cpu":
+            return "%s is on %s, not in host memory" % (what, x.device)
+        if not x.is_contiguous():
+            return "%s is not contiguous" % what
+        if x.numel() == 0:
+            return "%s is empty" % what
+    return None
+
+
+def nbytes(t):
+    return t.numel() * t.element_size()
+
+
+class Split:
+    """One op's QuantizedTensor parameter paged as its parts. parts:
+    [(parameter name on the op, Parameter, inner attribute)], installed on
+    the op by install() with the forward wrapper, removed by remove()."""
+
+    def __init__(self, key, module, pname, weight):
+        self.key = key
+        self.module = module
+        self.pname = pname
+        self.weight = weight            # the op's own QuantizedTensor
+        inner, self.ctx = _inner(weight)
+        self.cls = type(weight)
+        self.layout = layout_name(weight)
+        self.outer = (weight.size(), weight.stride())
+        self.is_param = bool(getattr(weight, "_is_param", False))
+        prefix = key[:len(key) - len(pname)]
+        self.parts = []
+        self.names = []                 # qualified names (vpager.torch's)
+        for attr, x in inner:
+            name = "%s%s_%s" % (PART, pname, attr.lstrip("_"))
+            self.parts.append((name, torch.nn.Parameter(
+                x.detach(), requires_grad=False), attr))
+            self.names.append(prefix + name)
+        self.size = sum(nbytes(p) for _n, p, _a in self.parts)
+        self.cache = {}
+        self.installed = False
+        self.saved = None               # (had a forward of its own, it)
+
+    def install(self):
+        """The parts become the op's parameters, its forward wrapped."""
+        d = self.module._parameters
+        for name, p, _a in self.parts:
+            if name in d:
+                raise ValueError("%s: the op already has a parameter %s"
+                                 % (self.key, name))
+        for name, p, _a in self.parts:
+            d[name] = p
+        m = self.module
+        self.saved = ("forward" in m.__dict__, m.__dict__.get("forward"))
+        m.forward = self._wrap(m.forward)
+        self.installed = True
+
+    def remove(self):
+        """The op as it was: parts and wrapper out."""
+        if not self.installed:
+            return
+        self.installed = False
+        d = self.module._parameters
+        for name, _p, _a in self.parts:
+            d.pop(name, None)
+        had, fwd = self.saved
+        if had:
+            self.module.forward = fwd
+        else:
+            self.module.__dict__.pop("forward", None)
+        self.cache.clear()
+
+    def _wrap(self, fwd):
+        module, pname, rebuild = self.module, self.pname, self.rebuild
+
+        def forward(*args, **kwargs):
+            d = module._parameters
+            own = d[pname]
+            d[pname] = rebuild()
+            try:
+                return fwd(*args, **kwargs)
+            finally:
+                d[pname] = own
+
+        forward._vpager_split = self
+        return forward
+
+    def rebuild(self):
+        """The op's wrapper class over the parts as they are now (inside
+        the forward: views of what vpager acquired), cached by their
+        addresses (the resident ones repeat, so do the staging slots')."""
+        d = self.module._parameters
+        now = [d[name] for name, _p, _a in self.parts]
+        k = tuple(t.data_ptr() for t in now)
+        qt = self.cache.get(k)
+        if qt is None:
+            if len(self.cache) >= _CACHED:
+                self.cache.clear()
+            inner = {attr: t.detach()
+                     for (_n, _p, attr), t in zip(self.parts, now)}
+            qt = self.cls.__tensor_unflatten__(inner, self.ctx, *self.outer)
+            if self.is_param:
+                qt._is_param = True
+            self.cache[k] = qt
+        return qt
+
+    def sources(self, qt):
+        """[tensor or None] per part: the parts of `qt` (the op's weight
+        patched: the same layout, parts of the same dtypes and shapes), or
+        Nones (its own bytes) for None. ValueError if they differ."""
+        if qt is None:
+            return [None] * len(self.parts)
+        if not is_quantized(qt) or layout_name(qt) != self.layout:
+            raise ValueError(
+                "a patch of %s gives a %s, not a QuantizedTensor of layout "
+                "%s" % (self.key, layout_name(qt) if is_quantized(qt)
+                        else type(qt).__name__, self.layout))
+        inner, _ctx = _inner(qt)
+        got = dict(inner)
+        out = []
+        for _n, p, attr in self.parts:
+            x = got.get(attr)
+            if x is None or x.dtype != p.dtype or \
+                    tuple(x.shape) != tuple(p.shape):
+                raise ValueError(
+                    "a patch of %s changes its %s (%s): the node pages the "
+                    "parts it loaded" % (self.key, attr, self.layout))
+            out.append(x.detach().contiguous())
+        return out

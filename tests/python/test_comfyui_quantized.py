@@ -1,0 +1,375 @@
+"""The ComfyUI node's QuantizedTensor weights (issue 26 points 3 and 6),
+without ComfyUI and without float8 dtypes (CI's torch 1.13): a stand-in
+tensor subclass shaped like comfy_kitchen's QuantizedTensor (a wrapper
+over an int8 payload and a float32 per-tensor scale, its Params a frozen
+dataclass, torch's flatten protocol; the layout named as ComfyUI's int8
+one) and a stand-in of ComfyUI's mixed-precision Linear (dequantizes its
+weight in its forward; convert_weight / set_weight requantize for LoRA,
+as 0.33's do), on vpager's simulated device.
+
+    make && PYTHONPATH=python:integrations python3 tests/python/test_comfyui_quantized.py
+
+Checked: the payload and scale are paged as their stored bytes (the VBAR
+holds int8 + float32, not a dequantized copy), outputs bitwise equal to the
+resident model under a budget that stages and evicts, a LoRA on quantized
+weights equal to ComfyUI's legacy bake (patch_weight_to_device through the
+op's set_weight, requantized), the patch's removal, the op as loaded after
+the node hands the model back, and an unsupported layout falling back
+with one log line naming it.
+"""
+
+import dataclasses
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+REPO = _runner.add_paths("integrations", "python")
+
+try:
+    import torch
+    from torch import nn
+except ImportError:         # pragma: no cover - depends on the machine
+    torch = None
+    if __name__ != "__main__":
+        import pytest
+        pytest.skip("torch is not importable", allow_module_level=True)
+    sys.exit(_runner.main({}, unavailable="torch is not importable"))
+
+import test_comfyui_node as base  # noqa: E402  (the node's stand-ins)
+from test_comfyui_node import (CPU, K, DiT, env, logs, run,  # noqa: E402
+                               glue)
+from comfyui import quantized  # noqa: E402
+
+
+# ------------------------------------------------- the stand-in tensor
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """comfy_kitchen's BaseLayoutParams: scale, orig_dtype, orig_shape."""
+    scale: torch.Tensor
+    orig_dtype: torch.dtype
+    orig_shape: tuple
+
+
+class QTensor(torch.Tensor):
+    """A QuantizedTensor of the same shape as comfy_kitchen's: no storage
+    of its own (a wrapper subclass of the logical shape and dtype), the
+    int8 payload in _qdata, the scale in its Params; flattened into
+    "_qdata" and "_param_scale" as comfy_kitchen's is."""
+
+    @staticmethod
+    def __new__(cls, qdata, layout, params):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, params.orig_shape, dtype=params.orig_dtype,
+            device=qdata.device, requires_grad=False)
+
+    def __init__(self, qdata, layout, params):
+        self._qdata = qdata
+        self._layout_cls = layout
+        self._params = params
+
+    def __tensor_flatten__(self):
+        self._param_scale = self._params.scale
+        return ["_qdata", "_param_scale"], {"layout": self._layout_cls,
+                                            "params": self._params}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        params = dataclasses.replace(ctx["params"],
+                                     scale=inner["_param_scale"])
+        return QTensor(inner["_qdata"], ctx["layout"], params)
+
+    def dequantize(self):
+        return self._qdata.to(torch.float32) * self._params.scale
+
+    def requantize_from_float(self, w, seed=0):
+        return from_float(w, self._layout_cls, seed)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.detach.default:
+            a = args[0]
+            return QTensor(a._qdata, a._layout_cls, a._params)
+
+        def plain(x):
+            return x.dequantize() if isinstance(x, QTensor) else x
+        return func(*[plain(a) for a in args],
+                    **{k: plain(v) for k, v in kwargs.items()})
+
+
+def from_float(w, layout="TensorWiseINT8Layout", seed=0):
+    """The per-tensor int8 quantization (ComfyUI's recalculated scale:
+    amax / 127); seed > 0 rounds stochastically (a seeded generator), as
+    set_weight does with string_to_seed(key)."""
+    w = w.to(torch.float32)
+    scale = (w.abs().amax() / 127.0).clamp(min=1e-12)
+    x = w / scale
+    if seed:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.floor(x + torch.rand(x.shape, generator=g))
+    else:
+        x = torch.round(x)
+    q = x.clamp(-127, 127).to(torch.int8)
+    return QTensor(q, layout, Params(scale.reshape(()), torch.float32,
+                                     tuple(w.shape)))
+
+
+class QLinear(base.Linear):
+    """ComfyUI's mixed-precision Linear, reduced: its forward dequantizes
+    a quantized weight (else casts a plain one); convert_weight and
+    set_weight are what patch_weight_to_device calls around a LoRA."""
+
+    def forward(self, x):
+        w = self.weight
+        w = w.dequantize() if isinstance(w, QTensor) else w.to(x.dtype)
+        for f in self.weight_function:
+            w = f(w)
+        return nn.functional.linear(x, w.to(x.dtype), self.bias)
+
+    def convert_weight(self, weight, inplace=False, **kw):
+        return weight.dequantize() if isinstance(weight, QTensor) else weight
+
+    def set_weight(self, weight, inplace_update=False, seed=None,
+                   return_weight=False, **kw):
+        if isinstance(self.weight, QTensor):
+            weight = self.weight.requantize_from_float(weight, seed=seed)
+        else:
+            weight = weight.to(self.weight.dtype)
+        if return_weight:
+            return weight
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def string_to_seed(key):
+    return sum(key.encode()) % 9973 + 1
+
+
+def patch_weight_to_device(self, key, device_to=None, inplace_update=False,
+                           return_weight=False, force_cast=False):
+    """ComfyUI 0.33's, with its op hooks: the weight and the op's
+    convert_/set_ functions (get_key_weight), the LoRA in float32 on the
+    dequantized weight, set_weight (requantized, seeded) to finish."""
+    o, n = base.resolve_attr(self.model, key)
+    weight = getattr(o, n)
+    set_func = getattr(o, "set_" + n, None)
+    convert_func = getattr(o, "convert_" + n, None)
+    if key not in self.patches and not force_cast:
+        return weight
+    if key not in self.backup and not return_weight:
+        self.backup[key] = base.Backup(weight)
+    temp = weight.to(torch.float32) if not isinstance(weight, QTensor) \
+        else weight
+    if convert_func is not None:
+        temp = convert_func(temp, inplace=True)
+    temp = temp.to(torch.float32, copy=True)
+    out = base.calculate_weight(self.patches[key], temp, key) \
+        if key in self.patches else temp
+    if set_func is None:
+        out = out.to(weight.dtype)
+        if return_weight:
+            return out
+        base.set_attr_param(self.model, key, out)
+        return None
+    return set_func(out, inplace_update=inplace_update,
+                    seed=string_to_seed(key), return_weight=return_weight)
+
+
+class QPatcherDynamic(base.ModelPatcherDynamic):
+    patch_weight_to_device = patch_weight_to_device
+
+
+class QPatcher(base.ModelPatcher):
+    """ComfyUI's legacy ModelPatcher: a LoRA baked in at load."""
+    patch_weight_to_device = patch_weight_to_device
+
+
+def qmodel(layout="TensorWiseINT8Layout", seed=0):
+    """The stand-in DiT with every block's Linear quantized (the norms and
+    the root's own parameter stay plain, as a scaled-fp8 checkpoint's
+    non-quantized layers do)."""
+    m = DiT(op=QLinear, seed=seed)
+    for blk in m.diffusion_model.blocks:
+        for op in (blk.up, blk.down):
+            op.weight = nn.Parameter(from_float(op.weight.data, layout),
+                                     requires_grad=False)
+    return m
+
+
+class QEnv:
+    """env()'s node class over QPatcherDynamic."""
+
+    def __init__(self, e):
+        self.e = e
+        self.cls = glue.make_class(e.comfy, QPatcherDynamic)
+
+    def patcher(self, model):
+        return self.cls(model, CPU, CPU)
+
+
+def stored_bytes(m):
+    """Bytes of the unit weights as stored: payload + scale + bias."""
+    n = 0
+    for blk in m.diffusion_model.blocks:
+        for op in (blk.up, blk.down):
+            w = op.weight
+            n += w._qdata.numel() + 4 + op.bias.numel() * 4
+    return n
+
+
+# ---------------------------------------------------------------- tests
+
+def test_plan_takes_quantized_ops():
+    m = qmodel()
+    plan = glue.plan_model(m, base.comfy_ns())
+    assert plan.why is None, plan.why
+    keys = [key for _, _, ps in plan.units for key, _ in ps]
+    assert "diffusion_model.blocks.0.up.weight" in keys
+    assert quantized.is_quantized(m.diffusion_model.blocks[0].up.weight)
+    assert not quantized.is_quantized(m.diffusion_model.pos)
+
+
+def test_quantized_paged_bitwise():
+    """The parts (int8 payload, float32 scale) are vpager's weights: the
+    VBAR holds their stored bytes; outputs equal the resident model's,
+    bitwise, under a device that stages and evicts."""
+    with env(capacity=256 * K, staging=128 * K) as e:
+        m, ref = qmodel(), qmodel()
+        want = run(ref)
+        qe = QEnv(e)
+        p = qe.patcher(m)
+        assert p.partially_load(CPU) == 0
+        assert p.vpager_active()
+        pager = m._vpager_pager
+        for _ in range(3):
+            assert torch.equal(run(m), want)
+        s = p.vpager_stats()
+        assert s["quantized_weights"] == 12, s
+        # 12 payloads, 12 scales, 12 biases: vpager.torch's weights.
+        assert len(pager.layout()) == 36
+        assert s["weight_bytes"] == stored_bytes(m) < \
+            sum(op.weight.numel() * 4 for blk in m.diffusion_model.blocks
+                for op in (blk.up, blk.down))
+        assert s["misses"] > 0 and s["hits"] > 0, s
+        op = m.diffusion_model.blocks[0].up
+        # Outside the forward the op holds its own QuantizedTensor; the
+        # parts hold their bytes in host memory.
+        assert isinstance(op.weight, QTensor)
+        parts = [k for k in op._parameters if k.startswith(quantized.PART)]
+        assert sorted(parts) == ["_vpager_q_weight_param_scale",
+                                 "_vpager_q_weight_qdata"], parts
+        assert torch.equal(op._parameters["_vpager_q_weight_qdata"],
+                           ref.diffusion_model.blocks[0].up.weight._qdata)
+        # Inside it, the op's weight is a QTensor over vpager's memory.
+        seen = []
+        orig = QTensor.dequantize
+
+        def spy(self):
+            seen.append((type(self), self._qdata.data_ptr()))
+            return orig(self)
+        QTensor.dequantize = spy
+        try:
+            assert torch.equal(run(m), want)
+        finally:
+            QTensor.dequantize = orig
+        assert len(seen) == 12 and all(t is QTensor for t, _ in seen)
+        host = {op.weight._qdata.data_ptr()
+                for blk in m.diffusion_model.blocks
+                for op in (blk.up, blk.down)}
+        assert not host & {ptr for _, ptr in seen}
+        # Handed back to ComfyUI: the ops as loaded.
+        p._vp_leave()
+        assert not any(k.startswith(quantized.PART) for k in op._parameters)
+        assert "forward" not in op.__dict__
+        assert isinstance(op.weight, QTensor)
+        assert torch.equal(run(m), want)
+
+
+def test_quantized_lora_as_comfyui_bakes_it():
+    """A LoRA on quantized weights: the node's parts are those of the
+    weight ComfyUI's patch_weight_to_device makes (dequantized, patched
+    in float32, requantized by the op's set_weight with the key's seed),
+    so outputs equal the legacy ModelPatcher's bake; the removal refills
+    the stored bytes."""
+    with env(capacity=256 * K, staging=128 * K) as e:
+        m = qmodel()
+        want0 = run(qmodel())
+        qe = QEnv(e)
+        p = qe.patcher(m)
+        p.partially_load(CPU)
+        k1 = "diffusion_model.blocks.1.up.weight"
+        k2 = "diffusion_model.blocks.4.down.bias"
+        g = torch.Generator().manual_seed(7)
+        d1 = torch.randn(256, 64, generator=g) * 0.01
+        d2 = torch.randn(64, generator=g) * 0.01
+        q = p.clone()
+        q.add_patches({k1: ("diff", (d1,)), k2: ("diff", (d2,))}, 0.8)
+        q.partially_load(CPU)
+        assert q._vp_refilled == 2
+        # ComfyUI's legacy load of the same patches.
+        ref = qmodel()
+        lp = QPatcher(ref, CPU, CPU)
+        lp.patches = {k: v[:] for k, v in q.patches.items()}
+        for k in lp.patches:
+            lp.patch_weight_to_device(k, device_to=CPU)
+        assert isinstance(ref.diffusion_model.blocks[1].up.weight, QTensor)
+        want1 = run(ref)
+        assert not torch.equal(want1, want0)
+        assert torch.equal(run(m), want1)
+        assert torch.equal(run(m), want1)
+        # Removed: the base model's bytes again.
+        p.partially_load(CPU)
+        assert p._vp_refilled == 2
+        assert torch.equal(run(m), want0)
+
+
+def test_unsupported_layout_falls_back():
+    """A QuantizedTensor of a layout the node does not know goes to
+    ComfyUI's own path, with one log line naming the layout."""
+    with env() as e:
+        m = qmodel(layout="SomePackedLayout")
+        want = run(qmodel(layout="SomePackedLayout"))
+        qe = QEnv(e)
+        with logs() as lines:
+            p = qe.patcher(m)
+            p.partially_load(CPU)
+            p.partially_load(CPU)
+        assert not p.vpager_active() and m.comfy_loaded == 2
+        assert len(lines) == 1 and "SomePackedLayout" in lines[0], lines
+        assert "QuantizedTensor" in lines[0], lines
+        op = m.diffusion_model.blocks[0].up
+        assert not any(k.startswith(quantized.PART) for k in op._parameters)
+        assert torch.equal(run(m), want)
+
+
+def test_parts_refused_when_not_plain():
+    """Parts the node cannot page (not in host memory, empty): the
+    reason names the weight and the part."""
+    m = qmodel()
+    op = m.diffusion_model.blocks[2].down
+    w = op.weight
+    op.weight = nn.Parameter(QTensor(w._qdata, w._layout_cls, Params(
+        torch.empty(0), w._params.orig_dtype, w._params.orig_shape)),
+        requires_grad=False)
+    why = glue.plan_model(m, base.comfy_ns()).why
+    assert "blocks.2.down.weight" in why and "_param_scale" in why, why
+    assert "empty" in why, why
+
+
+def test_mixed_precision_plain_weights_paged():
+    """A mixed-precision op whose weight is plain (a layer the checkpoint
+    left unquantized: set_weight/convert_weight on the op) is paged as
+    any weight; a LoRA on it goes through its set_weight."""
+    with env() as e:
+        m, ref = DiT(op=QLinear), DiT(op=QLinear)
+        qe = QEnv(e)
+        p = qe.patcher(m)
+        p.partially_load(CPU)
+        assert p.vpager_active()
+        assert torch.equal(run(m), run(ref))
+
+
+if __name__ == "__main__":
+    sys.exit(_runner.main(globals()))
