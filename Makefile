@@ -103,6 +103,7 @@ check-python: $(BUILD)/libvpager.so
 	  $(PYTHON) tests/python/test_ledger.py
 	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_node.py
 	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_quantized.py
+	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_gguf.py
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_bench_torch.py
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_load.py --dry-run >/dev/null

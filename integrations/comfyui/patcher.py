@@ -17,8 +17,7 @@ import torch
 
 from vpager import env
 
-from . import engine
-from . import quantized
+from . import engine, gguf
 
 log = logging.getLogger("vpager.comfyui")
 
@@ -135,9 +134,11 @@ def plan_model(model, comfy):
     parameters, an op's extra ones) are loaded ComfyUI's way. Returns a
     Plan; plan.why is set for what vpager cannot take."""
     plan = Plan()
+    plan.why = gguf.refusal(model)
+    if plan.why is not None:
+        return plan
     for n, m in model.named_modules():
-        own = [(k, p) for k, p in m._parameters.items() if p is not None
-               and not k.startswith(quantized.PART)]
+        own = [(k, p) for k, p in m._parameters.items() if p is not None]
         if not own:
             continue
         leaf = not any(True for c in m.children() for _ in c.parameters())
@@ -147,13 +148,8 @@ def plan_model(model, comfy):
         for k, p in own:
             key = "%s.%s" % (n, k) if n else k
             if is_op and leaf and k in ("weight", "bias") and size > SMALL:
-                if quantized.is_quantized(p):
-                    # Paged as its stored parts (quantized.Split).
-                    want = p.dtype
-                    why = quantized.refuse(key, m, p)
-                else:
-                    want = vram_dtype(m, k, p)
-                    why = _refuse(key, m, k, p, want)
+                want = vram_dtype(m, k, p)
+                why = _refuse(key, m, k, p, want)
                 if why is not None:
                     plan.why = why
                     return plan
@@ -187,8 +183,9 @@ def _refuse(key, m, k, p, want=None):
     """Why weight `key` cannot be a vpager weight, or None. want: the dtype
     it is to be held in on the GPU (vram_dtype)."""
     t = p.data
-    # (An op's set_<k>/convert_<k>, mixed-precision ops' own, only take
-    # part in patching: patch_weight_to_device calls them, the node too.)
+    if hasattr(m, "set_" + k) or hasattr(m, "convert_" + k):
+        return ("%s is set through the op (set_%s/convert_%s: quantized or "
+                "mixed-precision ops)" % (key, k, k))
     if type(t) is not torch.Tensor:
         return "%s is a %s, not a plain tensor" % (key, type(t).__name__)
     if t.device.type == "meta":
@@ -241,6 +238,16 @@ def make_class(comfy, base):
         """ComfyUI's ModelPatcherDynamic with vpager paging the weights of
         the models it can take (see the package README); the others, and
         all when the node is off, go ComfyUI's own way."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # A clone of another class (ComfyUI-GGUF's loader turns the
+            # node's patcher into its GGUFModelPatcher) never reaches the
+            # node: it says so when the clone is made.
+            add = getattr(self, "add_callback_with_key", None)
+            kind = getattr(comfy.model_patcher.CallbacksMP, "ON_CLONE", None)
+            if add is not None and kind is not None:
+                add(kind, OPTION, _cloned)
 
         # -------------------------------------------------- which path
         def _vp(self):
@@ -578,6 +585,13 @@ def make_class(comfy, base):
             """The pager's counters (engine.Pager.stats()), or None."""
             p = self._vp()
             return p.stats() if p is not None else None
+
+    def _cloned(_src, clone):
+        if isinstance(clone, VpagerModelPatcher):
+            return
+        why = gguf.clone_refusal(clone)
+        if why is not None:
+            note(clone.model, why)
 
     VpagerModelPatcher.__name__ = "VpagerModelPatcher"
     VpagerModelPatcher.__qualname__ = "VpagerModelPatcher"
