@@ -18,6 +18,7 @@ import torch
 from vpager import env
 
 from . import engine, gguf
+from . import quantized
 
 log = logging.getLogger("vpager.comfyui")
 
@@ -138,7 +139,8 @@ def plan_model(model, comfy):
     if plan.why is not None:
         return plan
     for n, m in model.named_modules():
-        own = [(k, p) for k, p in m._parameters.items() if p is not None]
+        own = [(k, p) for k, p in m._parameters.items() if p is not None
+               and not k.startswith(quantized.PART)]
         if not own:
             continue
         leaf = not any(True for c in m.children() for _ in c.parameters())
@@ -148,8 +150,13 @@ def plan_model(model, comfy):
         for k, p in own:
             key = "%s.%s" % (n, k) if n else k
             if is_op and leaf and k in ("weight", "bias") and size > SMALL:
-                want = vram_dtype(m, k, p)
-                why = _refuse(key, m, k, p, want)
+                if quantized.is_quantized(p):
+                    # Paged as its stored parts (quantized.Split).
+                    want = p.dtype
+                    why = quantized.refuse(key, m, p)
+                else:
+                    want = vram_dtype(m, k, p)
+                    why = _refuse(key, m, k, p, want)
                 if why is not None:
                     plan.why = why
                     return plan
@@ -183,9 +190,8 @@ def _refuse(key, m, k, p, want=None):
     """Why weight `key` cannot be a vpager weight, or None. want: the dtype
     it is to be held in on the GPU (vram_dtype)."""
     t = p.data
-    if hasattr(m, "set_" + k) or hasattr(m, "convert_" + k):
-        return ("%s is set through the op (set_%s/convert_%s: quantized or "
-                "mixed-precision ops)" % (key, k, k))
+    # (An op's set_<k>/convert_<k>, mixed-precision ops' own, only take
+    # part in patching: patch_weight_to_device calls them, the node too.)
     if type(t) is not torch.Tensor:
         return "%s is a %s, not a plain tensor" % (key, type(t).__name__)
     if t.device.type == "meta":
