@@ -101,6 +101,8 @@ check-python: $(BUILD)/libvpager.so
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/comfyui_run.py --check
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_ledger.py
+	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	  $(PYTHON) tests/python/test_governor.py
 	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_node.py
 	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_quantized.py
 	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_comfyui_gguf.py

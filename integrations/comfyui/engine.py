@@ -24,8 +24,10 @@ sources (vpager.torch's pinned host copy, made from ComfyUI's
 memory-mapped file or from the converted tensor, or with --fast-disk
 the file region itself: offload(sources=)), patch identity
 (same_patch: only weights whose patch set changed get a new source,
-Offloaded.set_source), and --reserve-vram's budget, which weights and
-torch's activations share (learn_headroom)."""
+Offloaded.set_source), and ComfyUI's flags: --vram-headroom and
+--reserve-vram's budget, which weights and torch's activations share,
+declared to the device's Governor (vpager.governor), which derives the
+device's limit and headroom from them and from torch's memory."""
 
 import time
 
@@ -33,10 +35,8 @@ import torch
 
 import vpager.torch
 import vpager.torch.ledger as _ledger
-# Activations first as vpager.torch learns it: its period and margin cap,
-# and torch's (reserved, peak) read without flattening every allocator
-# statistic (~200 us); engine.torch_reserved is the seam the tests replace.
-from vpager.torch.devices import LEARN_EVERY, MARGIN_MAX, torch_reserved
+from vpager.governor import governor
+from vpager.torch.devices import learn_headroom
 from vpager import _lib
 from vpager.weights import Source
 
@@ -191,67 +191,6 @@ class Entry:
         self.patch = None               # the patch set it was filled with
 
 
-class DevState:
-    """Per vpager.Device, ComfyUI's --reserve-vram and --vram-headroom:
-    user_headroom (what stays free beyond torch's growth, from the
-    flags), budget (bytes this process may use on the GPU, weights and
-    activations together, or None: no cap but the headroom), what was
-    learned and the cap set."""
-
-    def __init__(self, dev, user_headroom, budget=None):
-        self.user_headroom = user_headroom
-        self.budget = budget
-        self.learned = 0
-        self.peak = 0           # the largest torch peak read (learn_headroom)
-        self.limit = None
-        self.learned_at = float("-inf")
-        self.oom_margin = 0
-
-
-_DEVSTATES = {}
-
-
-def devstate(dev, budget=None):
-    """The DevState of dev (made at its first use, with `budget`)."""
-    ds = _DEVSTATES.get(id(dev))
-    if ds is None or ds[0] is not dev:
-        ds = _DEVSTATES[id(dev)] = (dev, DevState(dev, dev.info()["headroom"],
-                                                  budget))
-    return ds[1]
-
-
-def learn_headroom(dev, ds, index):
-    """Activations first, with ComfyUI's flags. What torch may still grab
-    in the forward about to run (its peak reserved minus what it holds
-    now, plus a margin: 5% of the peak, at most 256 MiB, raised by each
-    OOM retry) stays free on top of the flags' headroom; with a budget
-    (--reserve-vram: the device's total less it), vpager may commit the
-    budget less torch's peak and the margin, so weights and activations
-    share the budget. (vpager.torch's own learn, which knows no such
-    budget, runs too, before this one at each forward: this one, set
-    last, holds.)"""
-    reserved, peak = torch_reserved(index)
-    # The largest peak read, not torch's: a client that resets torch's
-    # peak statistics between prompts must not lend the activations' room
-    # to the weights for one forward (vpager.torch's learn does the same).
-    peak = ds.peak = max(peak, ds.peak)
-    margin = max(min(peak // 20, MARGIN_MAX), ds.oom_margin)
-    ds.learned = max(peak - reserved, 0) + margin
-    dev.set_headroom(ds.user_headroom + ds.learned)
-    if ds.budget is not None:
-        limit = max(ds.budget - peak - margin, 0)
-        if limit != ds.limit:
-            dev.set_limit(limit)
-            # A lower cap binds at the next commit; pages already resident
-            # over it are given back now, so activations find their room.
-            if ds.limit is None or limit < ds.limit:
-                over = dev.stats()["committed_bytes"] - limit
-                if over > 0:
-                    dev.free_memory(over)
-            ds.limit = limit
-    return ds.learned
-
-
 class Pager:
     """One model's weights on `dev` (a vpager.Device shared by every model
     on that GPU) through vpager.torch.offload(model, ...). units: [(name,
@@ -261,8 +200,9 @@ class Pager:
     module whose forward is one step (the diffusion model), default the
     model; prefer_file: file sources where the tensor is a file slice
     (file_slice(t) -> (fd, offset) or None); budget: the device's budget
-    for weights and activations together (see learn_headroom), set by
-    the first pager on the device; dtypes: {key: dtype} the dtype each
+    for weights and activations together (--reserve-vram), declared to
+    its Governor with the device's headroom (ComfyUI's flags) by the
+    first pager on the device; dtypes: {key: dtype} the dtype each
     weight is to be held in on the device (ComfyUI's: its op's declared
     dtype), default its own; a weight stored in another dtype is
     converted first (convert_host: as ComfyUI's dynamic path casts it)
@@ -274,7 +214,9 @@ class Pager:
                  root=None, dtypes=None):
         self.dev = dev
         self.target = torch.device(target)
-        self.ds = devstate(dev, budget)
+        self.gov = governor(dev)
+        if self.gov.flags is None:      # ComfyUI's flags, once per device
+            self.gov.declare_flags(self.gov.user_headroom, budget)
         self.entries = []
         self.closed = True              # until offload() took the model
         self.hook = None                # the patcher's learn hook
@@ -424,8 +366,8 @@ class Pager:
 
     @property
     def oom_margin(self):
-        """The margin OOM retries raised (vpager.torch's, and ours)."""
-        return max(self.ds.oom_margin, self.h.oom_margin)
+        """The margin OOM retries raised (the device's Governor's)."""
+        return self.gov.oom_margin
 
     def prioritize(self, force=False):
         """This model's VBAR on top of the device's priority list (the last
@@ -433,14 +375,11 @@ class Pager:
         self.h.prioritize()
 
     def learn(self, force=False):
-        """Activations first (CUDA): see learn_headroom()."""
+        """Activations first (CUDA): torch's memory declared to the
+        device's Governor (vpager.torch.devices.learn_headroom)."""
         if self.target.type != "cuda" or self.closed:
             return
-        now = time.monotonic()
-        if force or now - self.ds.learned_at >= LEARN_EVERY:
-            self.ds.learned_at = now
-            self.ds.oom_margin = self.oom_margin
-            learn_headroom(self.dev, self.ds, self.target.index or 0)
+        learn_headroom(self.dev, self.target.index or 0, force)
 
     def finish_recording(self):
         """Weights placed in the order their units ran, if the diffusion

@@ -1485,14 +1485,25 @@ def test_flags():
 
 
 class FakeDev:
+    """A device the Governor writes to, recording each write."""
+
+    options = {"lookahead": 0}
+    closed = False
+
     def __init__(self):
         self.calls = []
+
+    def info(self):
+        return {"headroom": 256 << 20}
 
     def set_headroom(self, n):
         self.calls.append(("headroom", n))
 
     def set_limit(self, n):
         self.calls.append(("limit", n))
+
+    def set_lookahead(self, n):
+        self.calls.append(("lookahead", n))
 
     def stats(self):
         return {"committed_bytes": 5500 << 20}
@@ -1504,37 +1515,36 @@ class FakeDev:
 
 def test_activations_first():
     """Torch's growth stays free beyond the flags' headroom; with a budget
-    (--reserve-vram) vpager may commit the budget less torch's peak."""
-    saved = engine.torch_reserved
+    (--reserve-vram) vpager may commit the budget less torch's peak: the
+    node declares ComfyUI's flags to the device's Governor, which derives
+    both and writes only what changed."""
+    from vpager.governor import Governor
     M = 1 << 20
-    try:
-        engine.torch_reserved = lambda index: (600 * M, 900 * M)
-        ds = engine.DevState.__new__(engine.DevState)
-        ds.user_headroom, ds.budget, ds.limit, ds.oom_margin, ds.peak = \
-            256 * M, 6144 * M, None, 0, 0
-        dev = FakeDev()
-        learned = engine.learn_headroom(dev, ds, 0)
-        assert learned == 300 * M + 45 * M
-        limit = 6144 * M - 900 * M - 45 * M
-        assert dev.calls == [("headroom", 256 * M + 345 * M),
-                             ("limit", limit),
-                             ("free", 5500 * M - limit)]   # the excess
-        dev.calls = []
-        engine.learn_headroom(dev, ds, 0)       # the limit unchanged
-        assert dev.calls == [("headroom", 601 * M)]
-        # torch's peak statistics reset (bench/comfyui_run.py does, per
-        # prompt): the activations' room and the limit stay
-        engine.torch_reserved = lambda index: (64 * M, 64 * M)
-        dev.calls = []
-        assert engine.learn_headroom(dev, ds, 0) == 836 * M + 45 * M
-        assert dev.calls == [("headroom", 256 * M + 881 * M)]
-        engine.torch_reserved = lambda index: (600 * M, 900 * M)
-        ds.budget = None
-        dev.calls = []
-        engine.learn_headroom(dev, ds, 0)
-        assert [c[0] for c in dev.calls] == ["headroom"]
-    finally:
-        engine.torch_reserved = saved
+    dev = FakeDev()
+    gov = Governor(dev)
+    gov.declare_flags(256 * M, 6144 * M)
+    assert dev.calls == []                  # nothing learned yet
+    gov.declare_torch(600 * M, 900 * M)
+    assert gov.learned == 300 * M + 45 * M
+    limit = 6144 * M - 900 * M - 45 * M
+    assert dev.calls == [("headroom", 256 * M + 345 * M),
+                         ("limit", limit),
+                         ("free", 5500 * M - limit)]   # the excess
+    dev.calls = []
+    gov.declare_torch(600 * M, 900 * M)     # nothing changed
+    assert dev.calls == []
+    # torch's peak statistics reset (bench/comfyui_run.py does, per
+    # prompt): the activations' room and the limit stay
+    dev.calls = []
+    assert gov.declare_torch(64 * M, 64 * M) == 256 * M + 881 * M
+    assert gov.learned == 836 * M + 45 * M
+    assert dev.calls == [("headroom", 256 * M + 881 * M)]
+    # Without --reserve-vram only the headroom follows torch.
+    dev = FakeDev()
+    gov = Governor(dev)
+    gov.declare_flags(256 * M, None)
+    gov.declare_torch(600 * M, 900 * M)
+    assert [c[0] for c in dev.calls] == ["headroom"]
 
 
 def test_host_copy_threads():

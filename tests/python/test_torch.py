@@ -37,6 +37,7 @@ except ImportError:         # pragma: no cover - depends on the machine
     sys.exit(_runner.main({}, unavailable="torch is not importable"))
 
 import vpager  # noqa: E402
+from vpager.governor import governor  # noqa: E402
 
 from _runner import raises, skip  # noqa: E402,F401
 
@@ -1133,7 +1134,7 @@ def test_activation_headroom_learned():
         assert learn(1 << 30, 20 << 30) == ((19 << 30) + 256 * M,) * 2
         assert learn(20 << 30, 20 << 30) == (256 * M,) * 2
         assert learn(1 << 30, 1 << 30) == ((19 << 30) + 256 * M,) * 2
-        h._ds.peak = 0              # a fresh torch for the OOM part
+        governor(dev).forget_torch_peak()   # a fresh torch for the OOM part
         learn(0, 0)
         # An OOM retry raises the margin: 512 MiB, then doubling.
         with torch.no_grad():

@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 PAGE_SIZE = 32 << 20        # the signature rule counts 32 MiB pages
-_NO_LIMIT = (1 << 64) - 1
 MAX_HEADROOM = 1 << 60      # set_simple_vram_headroom's largest value
 
 lib = None                  # None before init(); then a _Lib
@@ -200,17 +199,26 @@ def init_device(index, extra_vram_headroom=0):
                 return False
             _devices[index] = dev
             _default_headroom[index] = max(dev.info()["headroom"], 0)
-        dev.set_headroom(_default_headroom[index] + extra)
+        _governor(dev).declare_headroom(_default_headroom[index] + extra)
         _apply_limit(index, dev)
         return True
 
 
+def _governor(dev):
+    """dev's Governor (vpager.governor: the one writer of its limit and
+    headroom); vpager is imported at init(), never before."""
+    from vpager.governor import governor
+    return governor(dev)
+
+
 def _apply_limit(index, dev):
+    """The user's budget, set_simple_vram_headroom's, declared to the
+    device's Governor (vpager.governor): the device's total less it."""
     if _simple_headroom is None:
-        dev.set_limit(_NO_LIMIT)
+        _governor(dev).declare_budget(None)
     else:
         total = dev.info()["total_memory"]
-        dev.set_limit(max(total - _simple_headroom, 0))
+        _governor(dev).declare_budget(max(total - _simple_headroom, 0))
 
 
 def get_devctx(index):

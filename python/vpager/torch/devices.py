@@ -5,6 +5,7 @@ first: on CUDA, the headroom that leaves torch's allocator room."""
 
 import math
 import sys
+import time
 import warnings
 import weakref
 
@@ -13,6 +14,7 @@ import torch
 from .. import _lib, env
 from ..device import Device
 from ..errors import BusyError, Error, InvalidArgument
+from ..governor import governor
 from ..options import default_options, parse_size
 from .placement import round_up
 
@@ -130,11 +132,10 @@ def resolve_target(src, device, dev, options=None):
 # ------------------------------------------------------- per device
 
 class DevState:
-    """What vpager.torch keeps per vpager.Device."""
+    """What vpager.torch keeps per vpager.Device (its limit, headroom and
+    lookahead are its Governor's: gov)."""
 
-    __slots__ = ("_top", "users", "owned", "sync", "user_headroom",
-                 "learned", "peak", "oom_margin", "learned_at", "window",
-                 "base_lookahead", "__weakref__")
+    __slots__ = ("_top", "users", "owned", "sync", "gov", "__weakref__")
 
     def __init__(self, dev, owned):
         self._top = None           # the Offloaded whose VBAR is on top
@@ -147,19 +148,9 @@ class DevState:
         # torch's CPU ops run now, in the caller: wait for the copies.
         info = dev.info()
         self.sync = dev.backend == "sim" and bool(info["async_copies"])
-        # Activations first (CUDA): the headroom the device had when
-        # vpager.torch first used it is the user's; the learned one is
-        # never below it, and is put back when the last model leaves.
-        self.user_headroom = info["headroom"]
-        self.learned = 0           # torch's peak - what it holds + margin
-        self.peak = 0              # the largest torch peak read (learn)
-        self.oom_margin = 0        # raised by each OOM retry
-        self.learned_at = float("-inf")  # when a forward last learned
-        self.window = None         # the lookahead a unit's window last set
-        # The device's own lookahead (open, or attach's lookahead=): what
-        # a model without windows prefetches with, also after another
-        # model's schedule set its windows.
-        self.base_lookahead = dev.options["lookahead"]
+        # Activations first (CUDA), the budget, the prefetch windows: the
+        # device's one Governor (vpager.governor) derives and writes them.
+        self.gov = governor(dev)
 
     @property
     def top(self):
@@ -194,21 +185,17 @@ def leave(dev, ds, handle):
     if ds.owned and not ds.users and not dev.closed:
         DEVSTATES.pop(dev, None)
         dev.close()
-    elif not ds.users and not dev.closed and ds.learned:
+    elif not ds.users and not dev.closed:
         try:
-            dev.set_headroom(ds.user_headroom)
+            ds.gov.forget_learned()
         except Error as e:
             errors.append(e)
-        ds.learned = 0
     return errors
 
 
 # ------------------------------------------------ activations first
 
 LEARN_EVERY = 0.002            # seconds between two learns by forwards
-_MARGIN_FRAC = 20              # margin: 1/20 (5%) of torch's peak ...
-MARGIN_MAX = 256 << 20         # ... but at most 256 MiB
-OOM_MARGIN_MAX = 4 << 30       # what OOM retries may raise it to
 
 
 def torch_reserved(index):
@@ -230,34 +217,27 @@ def torch_reserved(index):
             torch.cuda.max_memory_reserved(index))
 
 
-def learn_headroom(dev, ds, index):
-    """Set the device's headroom so that vpager leaves torch room for the
-    activations of the forward about to run; returns the headroom set.
+def learn_headroom(dev, index, force=False):
+    """Declare torch's memory on CUDA device `index` to dev's Governor
+    (at most every LEARN_EVERY s unless force), so that vpager leaves
+    torch room for the activations of the forward about to run; returns
+    the headroom, or None when it was learned too recently.
 
     cuMemGetInfo (the budget's device_free_now) already counts what torch's
     allocator holds as used, so that needs no room kept for it; what must
     stay free is how much more torch may grab during this forward: its peak
     (max_memory_reserved, over the process's life: vpager never resets it,
-    and keeps the largest it has read, ds.peak, for a client that does to
-    measure its own work: bench/comfyui_run.py per prompt, which made each
-    prompt's first forward plan for 0.9 GB more than the activations left)
-    minus what it holds now, plus a margin for a forward that goes a little
-    further than any before (5% of the peak, at most 256 MiB; each OOM
-    retry raises it). Never below the user's headroom."""
+    and the Governor keeps the largest it has read, for a client that does
+    to measure its own work: bench/comfyui_run.py per prompt, which made
+    each prompt's first forward plan for 0.9 GB more than the activations
+    left) minus what it holds now, plus the margin (vpager.governor)."""
+    gov = governor(dev)
+    now = time.monotonic()
+    if not force and now - gov.learned_at < LEARN_EVERY:
+        return None
+    gov.learned_at = now
     reserved, peak = sys.modules[__package__]._torch_reserved(index)
-    peak = ds.peak = max(peak, ds.peak)
-    margin = max(min(peak // _MARGIN_FRAC, MARGIN_MAX), ds.oom_margin)
-    ds.learned = max(peak - reserved, 0) + margin
-    head = max(ds.user_headroom, ds.learned)
-    dev.set_headroom(head)
-    return head
-
-
-def raise_oom_margin(ds):
-    """The learned headroom was too small (torch ran out of memory): raise
-    its margin, doubling from twice the usual cap."""
-    ds.oom_margin = min(max(2 * ds.oom_margin, 2 * MARGIN_MAX),
-                        OOM_MARGIN_MAX)
+    return gov.declare_torch(reserved, peak)
 
 
 # ------------------------------------------------------ the ring
@@ -379,7 +359,7 @@ def _open_with(opts, budget, ring, auto_lookahead):
         if budget is not None:
             # A cap on vpager's own commits, however much torch allocates
             # later (the headroom still keeps device memory free).
-            dev.set_limit(budget)
+            governor(dev).declare_budget(budget)
     except BaseException:
         dev.close()
         raise
@@ -437,12 +417,11 @@ def attach(dev, budget, lookahead, largest):
             except BusyError:
                 pass                # check_ring() says what is needed
     check_ring(dev, budget, budget, largest)
+    gov = governor(dev)
     if budget is not None:
-        dev.set_limit(budget)
+        gov.declare_budget(budget)
     if lookahead is not None:
-        dev.set_lookahead(lookahead)
-        ds = devstate(dev)
-        ds.base_lookahead, ds.window = lookahead, None
+        gov.declare_lookahead(lookahead)
 
 
 def open_device(device=None, budget=None, lookahead=None, **options):

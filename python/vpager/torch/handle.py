@@ -375,7 +375,9 @@ class Offloaded:
         larger of it and the user's; 0 before a forward and on the
         simulated device), "load_seconds" (of offload(): host_alloc_s,
         allocating and pinning the host copy, host_fill_s, copying the
-        weights into it; empty without a host copy)."""
+        weights into it; empty without a host copy), "governor" (the
+        device's Governor: its inputs, and the limit, headroom and
+        lookahead derived from them; vpager.governor)."""
         self._check_open()
         lay = self._layout
         s = self.vbar.stats()
@@ -387,11 +389,12 @@ class Offloaded:
         s["units"] = len(lay.units)
         s["host_bytes"] = lay.hb.size if lay.hb is not None else 0
         s["file_weights"] = sum(e.host is None for e in lay.entries)
-        s["activation_headroom"] = self._ds.learned
+        s["activation_headroom"] = self._ds.gov.learned
         s["replaced"] = self.replaced
         s["set_sources"] = sum(e.own is not None for e in lay.entries)
         s["schedule"] = self.schedule()
         s["load_seconds"] = dict(lay.load_times)
+        s["governor"] = self._ds.gov.stats()
         return s
 
     def schedule(self):
@@ -513,7 +516,7 @@ class Offloaded:
     def oom_margin(self):
         """Bytes the out-of-memory retries on its device added to the
         headroom learned from torch (0 before any retry)."""
-        return self._ds.oom_margin
+        return self._ds.gov.oom_margin
 
     @_serial
     def free_memory(self, nbytes):

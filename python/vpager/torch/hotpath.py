@@ -24,8 +24,7 @@ import torch
 from .. import _lib
 from ..errors import Error
 from ..weights import WeightBatch
-from .devices import (LEARN_EVERY, cuda_index, learn_headroom,
-                      raise_oom_margin)
+from .devices import LEARN_EVERY, cuda_index, learn_headroom
 from .layout import ALL
 from .serial import new_lock
 from .units import OPEN, refuse_copy
@@ -223,18 +222,17 @@ class HotPath:
                     ".half(), .data = ...?); unload() first, change the "
                     "module, then offload again" % e.name)
         ds = self.ds
+        gov = ds.gov
         win = unit.window
         if ds.top is not self.handle:
             self.vbar.prioritize()
             ds.top = self.handle
             if win is None:     # not another model's schedule's window
-                self.device.set_lookahead(ds.base_lookahead)
-                ds.window = None
+                gov.use_window(None)
         stream = self.stream()
         batch = unit.batch
-        if win is not None and win != ds.window:    # the schedule's window
-            self.device.set_lookahead(win)
-            ds.window = win
+        if win is not None and win != gov.window:   # the schedule's window
+            gov.use_window(win)
         tuner = self.tuner
         if tuner.on:
             tuner.before(unit)
@@ -376,23 +374,22 @@ class HotPath:
         if self._held_evicted():
             return False
         ds = self.ds
+        gov = ds.gov
         if ds.top is not self.handle:   # as enter() does; the first unit
             self.vbar.prioritize()      # with a window sets it
             ds.top = self.handle
-            self.device.set_lookahead(ds.base_lookahead)
-            ds.window = None
+            gov.use_window(None)
         stream = self.stream()
         # Its own prefetch would start after the last held weight: off;
         # the acquire before each run of held units covers theirs.
-        prev = ds.window if ds.window is not None else ds.base_lookahead
-        self.device.set_lookahead(0)
+        prev = gov.prefetch_off()
         try:
             ptrs = batch.acquire(stream)
         except Error:           # e.g. misses the ring cannot hold at once
             self.set_held(())
             return False        # the per-unit path meets it, if it stays
         finally:
-            self.device.set_lookahead(prev)
+            gov.resume(prev)
         flags = batch.flags
         if not all(flags[i] & _RESIDENT for i in range(batch.n)):
             batch.release(stream)
@@ -460,10 +457,9 @@ class HotPath:
         window, the prefetch its acquire would run, then its forward (with
         the out-of-memory retry)."""
         win = unit.window
-        ds = self.ds
-        if win is not None and win != ds.window:
-            self.device.set_lookahead(win)
-            ds.window = win
+        gov = self.ds.gov
+        if win is not None and win != gov.window:
+            gov.use_window(win)
         unit.batch.prefetch()
         return self.escapes(unit, self.call(unit, fwd, args, kwargs))
 
@@ -490,7 +486,7 @@ class HotPath:
             torch.cuda.empty_cache()
         # The learned headroom was too small: raise its margin, now for the
         # rest of this forward too.
-        raise_oom_margin(self.ds)
+        self.ds.gov.raise_oom_margin()
         if self.target.type == "cuda":
             self.learn()
         try:
@@ -570,15 +566,14 @@ class HotPath:
         # Reading torch's statistics costs ~30 us: at most once every
         # LEARN_EVERY seconds, so short forwards do not pay it each time
         # (a bigger forward in between is what the OOM retry is for).
-        now = time.monotonic()
-        if now - self.ds.learned_at >= LEARN_EVERY:
-            self.ds.learned_at = now
+        if time.monotonic() - self.ds.gov.learned_at >= LEARN_EVERY:
             self.learn()
 
     def learn(self):
         """At the start of each root forward (CUDA only: the simulated
         device has no torch allocator to learn from): keep free what
-        torch may still grab (devices.learn_headroom). Two torch calls and
-        one vp call per root forward."""
+        torch may still grab (devices.learn_headroom: the Governor). Two
+        torch calls, and one vp call when the headroom changes, per root
+        forward."""
         if self.handle._state is OPEN and not self.device.closed:
-            learn_headroom(self.device, self.ds, self.index)
+            learn_headroom(self.device, self.index, force=True)

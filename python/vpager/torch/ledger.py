@@ -46,7 +46,9 @@ import torch
 
 from .. import ledger as _vl
 from ..device import Device
+from ..governor import governor
 from ..vbar import Vbar
+from .config import torch_device
 
 __all__ = ["track", "name", "info", "models", "free_memory", "unload_all",
            "publish", "PUBLISH_EVERY", "COME_BACK_IDLE"]
@@ -56,7 +58,6 @@ COME_BACK_IDLE = 0.5        # s without a forward: a new use
 _LIMIT_EVERY = 1.0          # s between two NVML soft-limit reads
 _LIMIT_MARGIN = 256 << 20   # kept under the soft limit
 
-_NO_CAP = (1 << 64) - 1
 _RECORDS = {}               # id(handle) -> _Record, live handles only
 _DEVICES = weakref.WeakKeyDictionary()   # vpager.Device -> _DevPub
 
@@ -72,16 +73,13 @@ class _DevPub:
     """Per device: when torch's reservation was last published, whether
     the floor was, and the platform limit state."""
 
-    __slots__ = ("last", "floor_done", "index", "limit_at", "user_limit",
-                 "soft")
+    __slots__ = ("last", "floor_done", "index", "limit_at")
 
     def __init__(self, index):
         self.last = float("-inf")
         self.floor_done = False
         self.index = index          # CUDA index, None on the sim
         self.limit_at = float("-inf")
-        self.user_limit = _NO_CAP   # the limit before the platform's
-        self.soft = None
 
 
 def _clean_label(text):
@@ -116,8 +114,6 @@ def track(handle, label=None, budget=None):
     index = handle.target.index if handle.target.type == "cuda" else None
     if r.device not in _DEVICES:
         _DEVICES[r.device] = _DevPub(index)
-    _DEVICES[r.device].user_limit = budget if budget is not None \
-        else _NO_CAP
     root = getattr(handle, "_root", handle.module)
     handle._hooks.append(root.register_forward_pre_hook(
         lambda module, args, _r=r: _before_forward(_r)))
@@ -189,11 +185,8 @@ def info(handle):
 
 
 def _torch_device(device):
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
+    # "sim" is the CPU; a name torch does not know: ValueError naming it.
+    return torch_device(device, "ledger", present=False)
 
 
 def _same(target, want):
@@ -418,20 +411,17 @@ def platform_soft_limit(index):
 
 
 def _platform_limit(device, pub, reserved=None, force=False):
-    """vpager's limit on the device under the platform's soft limit, less
-    what torch holds: min(the user's limit, soft - reserved - margin)."""
+    """Declare the platform's soft limit (and torch's reservation) to the
+    device's Governor, which keeps vpager's limit under it:
+    min(the user's budget, soft - reserved - margin)."""
     if pub.index is None or device.closed:
         return
     pub.limit_at = time.monotonic()
     soft = sys.modules[__name__].platform_soft_limit(pub.index)
-    if soft is None and pub.soft is None:
+    gov = governor(device)
+    if soft is None and gov.platform.soft is None:
         return
-    if soft is None:            # the limit went away
-        pub.soft = None
-        device.set_limit(pub.user_limit)
-        return
-    if reserved is None:
+    if soft is not None and reserved is None:
         reserved = _reserved(pub.index)
-    pub.soft = soft
-    room = max(soft - reserved - sys.modules[__name__]._LIMIT_MARGIN, 0)
-    device.set_limit(min(pub.user_limit, room))
+    gov.declare_platform(soft, sys.modules[__name__]._LIMIT_MARGIN,
+                         reserved)

@@ -454,7 +454,7 @@ class Tuner:
                                                     held))):
                 if u is not None:
                     u.window = win
-            self.ds.window = None
+            self.ds.gov.windows_changed()
 
     def _hold(self, units, sch):
         """Units held for the whole forward (HotPath.hold): those whose
@@ -511,8 +511,7 @@ class Tuner:
         if cur:
             chunks.append(cur)
         if self.windows and entries:
-            lay.device.set_lookahead(window)
-            self.ds.window = window
+            self.ds.gov.use_window(window)
             chunks.append([lay.weight(entries[-1])])
         for ws in chunks:
             b = WeightBatch(lay.device, ws)

@@ -1,0 +1,320 @@
+"""vpager.governor: one Governor per vpager.Device, the only code that
+writes the device's limit, headroom and lookahead.
+
+Every layer that has a say declares its input here (a small record each)
+instead of writing the device itself; the Governor derives the three
+settings from all of them, writes a setting only when it changes, logs
+each change at debug (logger "vpager.governor") with its reason, and
+stats() shows the inputs and the result:
+
+    limit     = min(the user's budget,
+                    a shared budget less torch's peak and the margin,
+                    the platform's soft limit less torch's reservation
+                    and its margin)               (none: no cap)
+    headroom  = max(the user's headroom, learned)        (vpager.torch)
+              = the flags' headroom + learned    (ComfyUI's flags given)
+    lookahead = the acquiring model's prefetch window, else the device's
+                own (0 while a held batch is acquired)
+
+learned is what torch may still grab in the forward about to run: its
+peak reservation (the largest read) less what it holds now, plus the OOM
+margin (5% of the peak, at most 256 MiB, raised by each out-of-memory
+retry). Torch is never imported here: its numbers are declared
+(TorchMemory) by vpager.torch, which reads them."""
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+__all__ = ["Governor", "governor", "UserBudget", "HostFlags",
+           "PlatformLimit", "TorchMemory", "NO_LIMIT", "MARGIN_MAX",
+           "OOM_MARGIN_MAX"]
+
+_log = logging.getLogger("vpager.governor")
+
+NO_LIMIT = (1 << 64) - 1        # vp_device_set_limit: no cap
+_MARGIN_FRAC = 20               # the margin: 1/20 (5%) of torch's peak ...
+MARGIN_MAX = 256 << 20          # ... but at most 256 MiB
+OOM_MARGIN_MAX = 4 << 30        # what OOM retries may raise it to
+
+
+@dataclass(frozen=True)
+class UserBudget:
+    """Bytes vpager may commit on the device, given by its user
+    (offload(budget=), open_device(budget=), the drop-in's
+    set_vram_headroom); None: no cap."""
+    limit: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class HostFlags:
+    """The host application's memory flags (ComfyUI's --vram-headroom
+    and --reserve-vram): headroom, bytes kept free beyond torch's growth
+    (added to what is learned); shared_budget, bytes weights and torch's
+    activations share (None: no such cap)."""
+    headroom: int
+    shared_budget: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class PlatformLimit:
+    """The platform's soft limit on this process's device memory (NVML:
+    MPS v3 / cgroup dmem) and the margin kept under it; soft None: none."""
+    soft: Optional[int]
+    margin: int
+
+
+@dataclass(frozen=True)
+class TorchMemory:
+    """Torch's caching allocator on the device: what it holds now and the
+    most it has held (the largest read: a client may reset torch's)."""
+    reserved: int
+    peak: int
+
+
+class Governor:
+    """The device's limit, headroom and lookahead, derived from the inputs
+    declared to it. One per device: governor(dev)."""
+
+    def __init__(self, dev: Any) -> None:
+        self._dev = weakref.ref(dev)
+        info = dev.info()
+        # The device's own settings when it was first governed: the
+        # user's headroom and lookahead until declared otherwise.
+        self.user_headroom: int = int(info["headroom"])
+        self.base_lookahead: int = int(dev.options["lookahead"])
+        self.user = UserBudget()
+        self.flags: Optional[HostFlags] = None
+        self.platform = PlatformLimit(None, 0)
+        self.torch: Optional[TorchMemory] = None
+        self.oom_margin: int = 0
+        self.learned: int = 0
+        self.learned_at: float = float("-inf")
+        self.window: Optional[int] = None   # the acquiring model's window
+        # What is on the device: written here, or its own at first use.
+        self.limit: int = NO_LIMIT
+        self.headroom: int = self.user_headroom
+        self.lookahead: int = self.base_lookahead
+        self.changes: int = 0
+
+    @property
+    def device(self) -> Any:
+        return self._dev()
+
+    # ---------------------------------------------------------- inputs
+    def declare_budget(self, limit: Optional[int]) -> None:
+        """The user's budget (None: no cap)."""
+        self.user = UserBudget(limit)
+        self._apply_limit("user budget %s" % _b(limit))
+
+    def declare_flags(self, headroom: int,
+                      shared_budget: Optional[int] = None) -> None:
+        """The host application's flags: headroom then adds to what is
+        learned, and a shared budget caps weights and activations."""
+        self.flags = HostFlags(int(headroom), shared_budget)
+        why = "host flags headroom %s shared budget %s" % (
+            _b(headroom), _b(shared_budget))
+        self._apply_headroom(why)
+        self._apply_limit(why)
+
+    def declare_headroom(self, headroom: int) -> None:
+        """The user's headroom (the drop-in's init_device): what stays free
+        when nothing is learned."""
+        self.user_headroom = int(headroom)
+        self._apply_headroom("user headroom %s" % _b(headroom))
+
+    def declare_platform(self, soft: Optional[int], margin: int,
+                         reserved: Optional[int] = None) -> None:
+        """The platform's soft limit (None: none) and torch's reservation
+        now (reserved: when there is a limit)."""
+        if soft is None and self.platform.soft is None:
+            return
+        self.platform = PlatformLimit(soft, int(margin))
+        if reserved is not None:
+            peak = self.torch.peak if self.torch is not None else reserved
+            self.torch = TorchMemory(int(reserved), max(peak, reserved))
+        self._apply_limit("platform soft limit %s" % _b(soft))
+
+    def declare_torch(self, reserved: int, peak: int) -> int:
+        """Torch's memory before a forward: the learned headroom (and a
+        shared budget's limit) follow; returns the headroom."""
+        if self.torch is not None:
+            peak = max(peak, self.torch.peak)
+        self.torch = TorchMemory(int(reserved), int(peak))
+        self.learned = max(peak - reserved, 0) + self.margin()
+        why = "torch reserved %s peak %s" % (_b(reserved), _b(peak))
+        self._apply_headroom(why)
+        if self.flags is not None and self.flags.shared_budget is not None:
+            self._apply_limit(why)
+        return self.headroom
+
+    def forget_torch_peak(self) -> None:
+        """A fresh torch (tests): the largest peak read is forgotten."""
+        if self.torch is not None:
+            self.torch = TorchMemory(self.torch.reserved, 0)
+
+    def raise_oom_margin(self) -> None:
+        """The learned headroom was too small (torch ran out of memory):
+        its margin doubles from twice the usual cap, up to OOM_MARGIN_MAX.
+        Applied at the next learn."""
+        self.oom_margin = min(max(2 * self.oom_margin, 2 * MARGIN_MAX),
+                              OOM_MARGIN_MAX)
+        _log.debug("device %s: oom margin %s", self._name(),
+                   _b(self.oom_margin))
+
+    def forget_learned(self) -> None:
+        """No model uses the device any more: the user's headroom again."""
+        if self.learned:
+            self.learned = 0
+            self._apply_headroom("no model left")
+
+    def declare_lookahead(self, nbytes: int) -> None:
+        """The device's own lookahead (attach's lookahead=): what a model
+        without windows prefetches with."""
+        self.base_lookahead = int(nbytes)
+        self.window = None
+        self._set_lookahead(self.base_lookahead, "device lookahead")
+
+    def use_window(self, window: Optional[int]) -> None:
+        """The acquiring model's prefetch window (None: the device's own
+        lookahead)."""
+        self.window = window
+        self._set_lookahead(self.base_lookahead if window is None
+                            else window, "prefetch window")
+
+    def windows_changed(self) -> None:
+        """A model's windows were chosen anew: the next acquire with a
+        window declares it again."""
+        self.window = None
+
+    def prefetch_off(self) -> int:
+        """Prefetch off for an acquire that covers its own (a held
+        batch); returns what resume() puts back."""
+        prev = self.lookahead
+        self._set_lookahead(0, "held batch")
+        return prev
+
+    def resume(self, lookahead: int) -> None:
+        self._set_lookahead(lookahead, "held batch done")
+
+    # --------------------------------------------------------- derived
+    def margin(self) -> int:
+        peak = self.torch.peak if self.torch is not None else 0
+        return max(min(peak // _MARGIN_FRAC, MARGIN_MAX), self.oom_margin)
+
+    def derived_headroom(self) -> int:
+        if self.flags is not None:
+            return self.flags.headroom + self.learned
+        return max(self.user_headroom, self.learned)
+
+    def derived_limit(self) -> int:
+        limit = self.user.limit if self.user.limit is not None else NO_LIMIT
+        t = self.torch
+        if self.flags is not None and self.flags.shared_budget is not None \
+                and t is not None:
+            limit = min(limit, max(self.flags.shared_budget - t.peak -
+                                   self.margin(), 0))
+        soft = self.platform.soft
+        if soft is not None:
+            reserved = t.reserved if t is not None else 0
+            limit = min(limit, max(soft - reserved - self.platform.margin,
+                                   0))
+        return limit
+
+    # ---------------------------------------------------------- writes
+    def _name(self) -> str:
+        dev = self._dev()
+        return repr(dev) if dev is not None else "(gone)"
+
+    def _apply_headroom(self, why: str) -> None:
+        head = self.derived_headroom()
+        if head == self.headroom:
+            return
+        dev = self._dev()
+        if dev is None or getattr(dev, "closed", False):
+            return
+        dev.set_headroom(head)
+        self._changed("headroom", self.headroom, head, why)
+        self.headroom = head
+
+    def _apply_limit(self, why: str) -> None:
+        limit = self.derived_limit()
+        if limit == self.limit:
+            return
+        dev = self._dev()
+        if dev is None or getattr(dev, "closed", False):
+            return
+        dev.set_limit(limit)
+        old, self.limit = self.limit, limit
+        self._changed("limit", old, limit, why)
+        # Under a shared budget a lower cap gives back the pages resident
+        # over it now (it binds only at the next commit otherwise), so
+        # the activations find their room.
+        if self.flags is not None and self.flags.shared_budget is not None \
+                and limit < old:
+            over = dev.stats()["committed_bytes"] - limit
+            if over > 0:
+                dev.free_memory(over)
+
+    def _set_lookahead(self, nbytes: int, why: str) -> None:
+        if nbytes == self.lookahead:
+            return
+        dev = self._dev()
+        if dev is None or getattr(dev, "closed", False):
+            return
+        dev.set_lookahead(nbytes)
+        self._changed("lookahead", self.lookahead, nbytes, why)
+        self.lookahead = nbytes
+
+    def _changed(self, what: str, old: int, new: int, why: str) -> None:
+        self.changes += 1
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("device %s: %s %s -> %s (%s)", self._name(), what,
+                       _b(old), _b(new), why)
+
+    # ----------------------------------------------------------- stats
+    def stats(self) -> Dict[str, Any]:
+        """The inputs and the settings derived from them."""
+        t = self.torch
+        return {
+            "inputs": {
+                "user_budget": self.user.limit,
+                "user_headroom": self.user_headroom,
+                "host_headroom": (self.flags.headroom
+                                  if self.flags is not None else None),
+                "shared_budget": (self.flags.shared_budget
+                                  if self.flags is not None else None),
+                "platform_soft_limit": self.platform.soft,
+                "platform_margin": self.platform.margin,
+                "torch_reserved": t.reserved if t is not None else None,
+                "torch_peak": t.peak if t is not None else None,
+                "oom_margin": self.oom_margin,
+                "base_lookahead": self.base_lookahead,
+                "window": self.window,
+            },
+            "learned": self.learned,
+            "limit": None if self.limit == NO_LIMIT else self.limit,
+            "headroom": self.headroom,
+            "lookahead": self.lookahead,
+            "changes": self.changes,
+        }
+
+
+def _b(n: Optional[int]) -> str:
+    if n is None or n == NO_LIMIT:
+        return "none"
+    return "%d MiB" % (n >> 20) if n >= 1 << 20 and not n % (1 << 20) \
+        else "%d B" % n
+
+
+_GOVERNORS: "weakref.WeakKeyDictionary[Any, Governor]" = \
+    weakref.WeakKeyDictionary()
+
+
+def governor(dev: Any) -> Governor:
+    """The Governor of a vpager.Device (made at its first use)."""
+    gov = _GOVERNORS.get(dev)
+    if gov is None:
+        gov = _GOVERNORS[dev] = Governor(dev)
+    return gov
