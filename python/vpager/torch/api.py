@@ -1,79 +1,18 @@
-"""offload() and load_safetensors(): the arguments checked (Settings),
-the module examined before anything changes (Plan), then the handle
-built (handle.Offloaded)."""
+"""offload() and load_safetensors(): the arguments checked
+(config.OffloadConfig), the module examined before anything changes
+(Plan), then the handle built (handle.Offloaded)."""
 
-import os
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .. import env
 from ..device import Device
-from .devices import note_simulated, resolve_target, size
+from .config import OffloadConfig, Size, warn_once
+from .devices import note_simulated, resolve_target, scheduled_page
 from .handle import Offloaded
 from .placement import ALIGN
 from .sources import put_back, unmeta
 from .units import collect, largest, unit_rule
-
-
-class Settings:
-    """What offload() was asked, checked: budget and lookahead (bytes or
-    None), order (the VBAR's eviction order, or None for the device's;
-    order_asked: whether the caller chose it),
-    options (vp_options_t fields for a device offload() opens), align,
-    weights_from (a safetensors path or None), reorder, units (offload()'s
-    units= argument), and for embedding offload() in another loader:
-    tensors (a predicate choosing the managed tensors, or None), sources
-    (a callable giving a weight's Source, or None), outside
-    ("placeholder" or "host"), root (the submodule whose forward is one
-    step, or None: the module), schedule (True/False/None)."""
-
-    __slots__ = ("budget", "lookahead", "order", "options", "align",
-                 "weights_from", "reorder", "units", "order_asked",
-                 "scheduled", "tensors", "sources", "outside", "root",
-                 "schedule")
-
-    def __init__(self, budget=None, lookahead=None, order=None, options=None,
-                 align=ALIGN, weights_from=None, reorder=True, units=None,
-                 tensors=None, sources=None, outside="placeholder",
-                 root=None, schedule=None):
-        if align < 1 or align & (align - 1):
-            raise ValueError("vpager.torch.offload: align must be a power of "
-                             "two, not %r" % align)
-        if weights_from is not None and not os.path.isfile(weights_from):
-            raise ValueError("vpager.torch.offload: weights_from=%r is not a "
-                             "file" % (weights_from,))
-        options = dict(options or {})
-        # An order asked for is kept; otherwise the first forward runs
-        # interleaved and the schedule (tuner.py) then ranks the pages.
-        self.order_asked = (order is not None or env.given("VPAGER_ORDER")
-                            or "evict_order" in options)
-        if not self.order_asked:
-            order = "interleaved"
-        self.budget, self.lookahead = size(budget), size(lookahead)
-        self.order = order
-        self.scheduled = False      # set by Offloaded (tuner.enabled())
-        self.options = options
-        self.align = align
-        self.weights_from = weights_from
-        self.reorder = reorder
-        self.units = units
-        if outside not in ("placeholder", "host"):
-            raise ValueError("vpager.torch.offload: outside= is "
-                             "\"placeholder\" or \"host\", not %r"
-                             % (outside,))
-        for name, f in (("tensors", tensors), ("sources", sources)):
-            if f is not None and not callable(f):
-                raise TypeError("vpager.torch.offload: %s= takes a callable "
-                                "(qualified name, tensor), not %s"
-                                % (name, type(f).__name__))
-        if root is not None and not isinstance(root, torch.nn.Module):
-            raise TypeError("vpager.torch.offload: root= is a submodule, "
-                            "not %s" % type(root).__name__)
-        if schedule not in (None, True, False):
-            raise ValueError("vpager.torch.offload: schedule= is True, "
-                             "False or None, not %r" % (schedule,))
-        self.tensors, self.sources, self.outside = tensors, sources, outside
-        self.root, self.schedule = root, schedule
 
 
 class Plan:
@@ -81,12 +20,12 @@ class Plan:
     units and entries (units.collect), the modules owning entries, the
     torch device it will compute on, the largest unit ((unit, staging
     bytes)), the ids of the placeholders that stand in for meta tensors
-    (fresh) and the Settings."""
+    (fresh) and the OffloadConfig (settings)."""
 
     __slots__ = ("module", "units", "entries", "owners", "target", "largest",
                  "fresh", "settings")
 
-    def __init__(self, module, device, dev, settings, fresh=()):
+    def __init__(self, module, dev, settings, fresh=()):
         from_file = settings.weights_from is not None
         units, entries, owners = collect(module, unit_rule(settings.units),
                                          from_file, settings.tensors)
@@ -107,11 +46,46 @@ class Plan:
                                                       type(module).__name__))
         self.module = module
         self.units, self.entries, self.owners = units, entries, owners
-        self.target = resolve_target(srcs.pop(), device, dev,
+        self.target = resolve_target(srcs.pop(), settings.device, dev,
                                      settings.options)
+        if dev is None and self.target.type == "cpu":
+            _simulated_pages(self.target, settings)
         self.largest = largest(units)
         self.fresh = set(fresh)
         self.settings = settings
+
+
+def _simulated_pages(target, settings):
+    """A simulated device offload() opens has small pages (2 MiB, or its
+    granularity) whatever the order, unless page_size= or
+    VPAGER_PAGE_SIZE says otherwise; its budget is its memory, which
+    must hold a page."""
+    page = scheduled_page(target, settings.options)
+    if page is not None:
+        settings.options["page_size"] = page
+    settings.check_simulated(settings.options.get("page_size"))
+
+
+def _warn_after(h, plan):
+    """What offload() did that the user may not expect, said once."""
+    settings = plan.settings
+    if settings.budget is not None:
+        total = h.device.info()["total_memory"]
+        if settings.budget > total:
+            warn_once(("budget", settings.budget, total),
+                      "vpager.torch.offload: budget=%d bytes is more than "
+                      "the device's %d bytes of memory: vpager uses at most "
+                      "what the device has" % (settings.budget, total))
+    if plan.module.training and torch.is_grad_enabled() and \
+            any(e.requires_grad for e in plan.entries):
+        warn_once("requires_grad",
+                  "vpager.torch.offload: the %s is in training mode, but its "
+                  "offloaded parameters no longer require grad (vpager "
+                  "pages weights for inference; unload() restores "
+                  "requires_grad): a backward through them fails with "
+                  "\"element 0 of tensors does not require grad\". Call "
+                  ".eval() before offload() for inference"
+                  % type(plan.module).__name__)
 
 
 def _which_device(device, dev, options):
@@ -128,10 +102,15 @@ def _which_device(device, dev, options):
     return dev, device
 
 
-def offload(module, device=None, budget=None, lookahead=None, order=None,
-            dev=None, units=None, align=ALIGN, weights_from=None,
-            reorder=True, tensors=None, sources=None, outside="placeholder",
-            root=None, schedule=None, **options):
+def offload(module: torch.nn.Module, device: Any = None, budget: Size = None,
+            lookahead: Size = None, order: Optional[str] = None,
+            dev: Optional[Device] = None, units: Any = None,
+            align: int = ALIGN, weights_from: Optional[str] = None,
+            reorder: bool = True, tensors: Optional[Callable] = None,
+            sources: Optional[Callable] = None, outside: str = "placeholder",
+            root: Optional[torch.nn.Module] = None,
+            schedule: Optional[bool] = None,
+            **options: Union[int, str]) -> Offloaded:
     """Page `module`'s weights through vpager; returns an Offloaded handle.
 
     device: where it computes ("cuda", "cuda:N", N, or "cpu"/"sim" for the
@@ -191,12 +170,12 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
         raise TypeError("vpager.torch.offload: a torch.nn.Module, not %s"
                         % type(module).__name__)
     dev, device = _which_device(device, dev, options)
-    settings = Settings(budget, lookahead, order, options, align,
-                        weights_from, reorder, units, tensors, sources,
-                        outside, root, schedule)
+    settings = OffloadConfig.from_arguments(
+        budget, lookahead, order, device, options, align, weights_from,
+        reorder, units, tensors, sources, outside, root, schedule)
     swapped = unmeta(module) if weights_from is not None else []
     try:
-        plan = Plan(module, device, dev, settings,
+        plan = Plan(module, dev, settings,
                     {id(d[k]) for d, k, _ in swapped})
         h = Offloaded(plan, dev)
     except BaseException:
@@ -204,6 +183,7 @@ def offload(module, device=None, budget=None, lookahead=None, order=None,
         raise
     if dev is None and plan.target.type == "cpu":
         note_simulated(device)
+    _warn_after(h, plan)
     return h
 
 
