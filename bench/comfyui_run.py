@@ -153,6 +153,60 @@ def unet_options(weight_dtype, torch):
     return {}
 
 
+# Checkpoints with quantized weights (--quant), written the way ComfyUI's
+# converters write them, loaded by its normal loader (comfy.sd's
+# convert_old_quants -> quant_config -> mixed_precision_ops):
+# "scaled_fp8", the old layout (each quantized Linear's weight as
+# float8_e4m3fn, its per-tensor float32 scale as <layer>.scale_weight, and
+# the "scaled_fp8" marker tensor that convert_old_quants reads), and 0.33's
+# own per-layer layout for the QUANT_ALGOS formats (<layer>.weight and its
+# scales as the QuantizedTensor's state_dict writes them, and
+# <layer>.comfy_quant, the JSON {"format": ...}): ComfyUI quantizes them.
+QUANTS = ["none", "scaled_fp8", "float8_e4m3fn", "float8_e5m2",
+          "int8_tensorwise", "nvfp4", "mxfp8"]
+
+
+def quant_keys(sd):
+    """The tensors a converter quantizes: the 2-D weights of the blocks'
+    Linear layers (norms, embedders and the final layer stay as they
+    are)."""
+    return sorted(k for k, t in sd.items()
+                  if k.endswith(".weight") and t.dim() == 2
+                  and "blocks." in k)
+
+
+def quantize_state(sd, quant, torch):
+    """(a new state dict with quant_keys(sd) quantized as --quant says, its
+    description). On the GPU; ComfyUI importable for the QUANT_ALGOS
+    formats."""
+    keys = quant_keys(sd)
+    out = dict(sd)
+    if quant == "scaled_fp8":
+        fp8 = torch.float8_e4m3fn
+        fmax = torch.finfo(fp8).max
+        for k in keys:
+            w = sd[k].to("cuda", torch.float32)
+            scale = (w.abs().amax() / fmax).clamp(min=1e-12)
+            out[k] = (w / scale).clamp(-fmax, fmax).to(fp8).cpu()
+            out[k[:-len("weight")] + "scale_weight"] = scale.reshape(()).cpu()
+        # Empty: per-layer fp8 matmul (2 elements would ask ComfyUI for
+        # full-precision matmul).
+        out["scaled_fp8"] = torch.empty(0, dtype=fp8)
+    else:
+        from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
+        layout = QUANT_ALGOS[quant]["comfy_tensor_layout"]
+        conf = torch.tensor(list(json.dumps({"format": quant}).encode()),
+                            dtype=torch.uint8)
+        for k in keys:
+            qt = QuantizedTensor.from_float(sd[k].to("cuda"), layout)
+            del out[k]
+            for kk, v in qt.state_dict(k).items():
+                out[kk] = v.cpu()
+            out[k[:-len(".weight")] + ".comfy_quant"] = conf.clone()
+    return out, {"format": quant, "layers": len(keys),
+                 "tensors_in": len(sd), "tensors_out": len(out)}
+
+
 def held(gen, weight_dtype="default"):
     """(W, w_max): the diffusion model's weight bytes as held on the GPU
     with this weight_dtype (fp8: one byte a value for the tensors in the
@@ -213,6 +267,12 @@ def parse(argv):
                    help="UNETLoader's weight_dtype: the diffusion model is "
                         "loaded with ComfyUI's model options for it (the "
                         "file stays in its own dtype; default: as stored)")
+    p.add_argument("--quant", default="none", choices=QUANTS,
+                   help="the checkpoint's blocks' Linear weights quantized "
+                        "as ComfyUI's converters write them: scaled_fp8 "
+                        "(the scaled_fp8 marker + scale_weight), or a "
+                        "comfy_quant format; loaded by ComfyUI's normal "
+                        "loader (mixed-precision ops, QuantizedTensor)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--dry-run", action="store_true")
@@ -249,6 +309,8 @@ def parse(argv):
         p.error("--frames must be 4k + 1 (Wan's temporal compression)")
     if (a.lora or a.vae) and a.model != "flux":
         p.error("--lora and --vae are for --model flux")
+    if a.quant != "none" and a.weight_dtype != "default":
+        p.error("--quant and --weight-dtype: one or the other")
     if a.comfyui and a.deps is None:
         a.deps = [os.path.join(os.path.dirname(os.path.abspath(a.comfyui)),
                                "pydeps")]
@@ -676,6 +738,13 @@ def child_gen(a):
     if a.lora:
         res["lora"] = lora_files(a, dm, torch, g)
     del dm, model
+    if a.quant != "none":
+        sd, res["quant"] = quantize_state(sd, a.quant, torch)
+        # The weights as the loaded model holds them: the stored bytes
+        # (ComfyUI's QuantizedTensor keeps payload and scales; its other
+        # layers stay in the file's dtype); the marker is read, not held.
+        nbytes = sum(t.numel() * t.element_size() for k, t in sd.items()
+                     if k != "scaled_fp8" and not k.endswith(".comfy_quant"))
     t1 = time.perf_counter()
     if a.model == "flux":
         name = "flux_random_%dd%ds_%d" % (a.double, a.single, a.hidden)
@@ -683,6 +752,8 @@ def child_gen(a):
         name = "wan_random_%dl_%d" % (a.layers, a.hidden)
     else:
         name = "sdxl_random%s" % ("_vega" if a.dry_run else "")
+    if a.quant != "none":
+        name += "_" + a.quant
     path = os.path.join(a.workdir, name + ".safetensors")
     save_file(sd, path)
     t2 = time.perf_counter()
@@ -1064,7 +1135,7 @@ def common_args(a):
             "--double", str(a.double), "--single", str(a.single),
             "--hidden", str(a.hidden), "--reps", str(a.reps),
             "--seed", str(a.seed), "--model", a.model,
-            "--weight-dtype", a.weight_dtype,
+            "--weight-dtype", a.weight_dtype, "--quant", a.quant,
             "--timeout", str(a.timeout),
             "--layers", str(a.layers), "--frames", str(a.frames)] \
         + (["--dry-run"] if a.dry_run else []) \
@@ -1187,6 +1258,8 @@ def inputs_line(a):
             if a.lora else "%d repetitions a run" % a.reps)
     if a.weight_dtype != "default":
         m += ", loaded with weight_dtype %s" % a.weight_dtype
+    if a.quant != "none":
+        m += ", blocks' Linear weights quantized: %s" % a.quant
     return ("%s (seed %d); %dx%d, euler/simple, %d steps, cfg 1; %s%s%s"
             % (m, a.seed, a.size, a.size, a.steps, what,
                "; a VAE decode after each prompt" if a.vae else "",

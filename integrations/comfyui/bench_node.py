@@ -25,6 +25,13 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
     ... --fp8 [--shape small|flux] [--dtypes A,B] [--fp8-lora off|on|both]
         [--fp8-budget half|N]
     ... --weight-dtype fp8_e4m3fn --runs resident,nodehalf,half
+    # issue 26 point 3: a scaled-fp8 checkpoint (bench/comfyui_run.py
+    # --quant: fp8 weights, per-tensor scales, the scaled_fp8 marker),
+    # loaded by ComfyUI's loader as QuantizedTensor weights, without and
+    # with the LoRA prompts, each cell resident / nodehalf / half (+ legacy
+    # with the LoRA): ~4 min on the small shape
+    ... --quant scaled_fp8 [--shape small|flux] [--fp8-lora off|on|both]
+        [--fp8-budget half|N]      # formats: a comma list of --quant's
 
 Prints per run: patcher class, steady step (median of steps 2..n) and first
 step per repetition (prompt), vpager's counters; then each run's latents
@@ -85,7 +92,7 @@ def split_args(argv):
     ours = {"runs": "resident,node6", "node": False, "timeout": 240,
             "out": None, "gen_only": False, "reuse": False, "fp8": False,
             "dtypes": ",".join(FP8_DTYPES), "fp8_lora": "both",
-            "shape": "small", "fp8_budget": "half"}
+            "shape": "small", "fp8_budget": "half", "quant": None}
     rest = []
     it = iter(argv)
     for x in it:
@@ -93,6 +100,8 @@ def split_args(argv):
             ours["fp8"] = True
         elif x == "--dtypes":
             ours["dtypes"] = next(it)
+        elif x == "--quant":            # the quantized-checkpoint matrix
+            ours["quant"] = next(it)
         elif x == "--fp8-lora":
             ours["fp8_lora"] = next(it)
         elif x == "--shape":
@@ -142,7 +151,7 @@ def child(cr, a):
                 "acquires", "hits", "misses", "weight_fills",
                 "weight_staged", "fill_bytes", "staged_bytes",
                 "prefetch_bytes", "file_weights", "converted_weights",
-                "convert_ms", "patched_weights",
+                "convert_ms", "patched_weights", "quantized_weights",
                 "refills", "set_sources", "replaced", "schedule")
                 if k in s}
         m["node"] = info.get("node")
@@ -432,6 +441,102 @@ def fp8_matrix(cr, a, ours, out, gen, summary):
     return rc
 
 
+def quant_formats(ours):
+    """--quant's formats (bench/comfyui_run.py QUANTS, none excepted)."""
+    fmts = [x.strip() for x in ours["quant"].split(",") if x.strip()]
+    for f in fmts:
+        if f not in HARNESS.QUANTS[1:]:
+            raise SystemExit("--quant: %r is none of %s" % (
+                f, ", ".join(HARNESS.QUANTS[1:])))
+    return fmts
+
+
+def quant_runs(lora, budget="half"):
+    """A quantized checkpoint's runs: ComfyUI's all-resident dynamic run
+    (the reference), the node and ComfyUI's own dynamic path under the
+    budget; with the LoRA prompts ComfyUI's legacy ModelPatcher too (the
+    LoRA baked in at load through the op's set_weight, requantized, as
+    the node does)."""
+    return ["resident", "node" + budget, budget] + (["legacy"] if lora
+                                                   else [])
+
+
+def quant_matrix(cr, a, ours, out, summary):
+    """--quant: per format a checkpoint made by bench/comfyui_run.py's gen
+    child with --quant (in its own folder under --workdir), then the
+    cells without and with the LoRA prompts (--fp8-lora), runs
+    quant_runs(); one table at the end. Judged as --fp8's: the node's
+    latents equal to resident's or legacy's, prompt by prompt."""
+    rc = 0
+    rows = []
+    bud = ours["fp8_budget"]
+    summary["quant"] = {}
+    loras = {"off": [False], "on": [True], "both": [False, True]}.get(
+        ours["fp8_lora"])
+    if loras is None:
+        raise SystemExit("--fp8-lora: off, on or both")
+    for fmt in quant_formats(ours):
+        b = copy.copy(a)
+        b.quant = fmt
+        b.lora = any(loras)             # the checkpoint's LoRA files too
+        b.workdir = os.path.join(a.workdir, fmt)
+        os.makedirs(b.workdir, exist_ok=True)
+        gj = os.path.join(b.workdir, "gen.json")
+        if ours["reuse"] and os.path.exists(gj):
+            with open(gj) as f:
+                gen = json.load(f)
+        else:
+            gen = cr.run_child(b, "gen", [], os.path.join(
+                out, "gen_%s.log" % fmt))
+            if gen is None:
+                rc = 1
+                continue
+            with open(gj, "w") as f:
+                json.dump(gen, f)
+        q = gen.get("quant", {})
+        say("")
+        say("checkpoint %s: %.2f GiB as held (file %.2f GiB), %d tensors, "
+            "%s layers quantized, link %.1f GB/s" % (
+                fmt, gen["bytes"] / GiB, gen.get("file_bytes", 0) / GiB,
+                gen["tensors"], q.get("layers"), gen.get("link_GBps") or 0))
+        for lora in loras:
+            name = "%s%s" % (fmt, "_lora" if lora else "")
+            c = copy.copy(b)
+            c.lora = lora
+            sub = os.path.join(out, name)
+            os.makedirs(sub, exist_ok=True)
+            runs = quant_runs(lora, bud)
+            say("")
+            say("=== %s, %s: runs %s" % (fmt, "LoRA prompts (base, A, A@0.5, "
+                                         "B, B again, removed)" if lora else
+                                         "%d repetitions" % a.reps, runs))
+            t0 = time.perf_counter()
+            cell = {"runs": {}, "checkpoint": gen}
+            rc = run_set(cr, c, ours, runs, sub, gen, cell,
+                         judged=lambda run: run.startswith("node")) or rc
+            cell["wall_s"] = time.perf_counter() - t0
+            summary["quant"][name] = cell
+            rows.append((fmt, lora, cell))
+    say("")
+    say("quantized checkpoints (QuantizedTensor weights; budget %s; steady: "
+        "the last prompt's; latents prompt by prompt: R equal to "
+        "resident's, L to legacy's):" % ("half the weights as held"
+                                         if bud == "half" else bud + " GiB"))
+    say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
+        "format", "LoRA", "node latents", "node/L", "dynamic/L",
+        "node/dyn", "dynamic latents"))
+    for fmt, lora, cell in rows:
+        t = cell.get("table", {})
+        n, h = t.get("node" + bud, {}), t.get(bud, {})
+        ns, hs = n.get("steady_ms"), h.get("steady_ms")
+        say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
+            fmt, "yes" if lora else "no", _equal_words(n),
+            "%.3f" % n["vs_L"] if "vs_L" in n else "-",
+            "%.3f" % h["vs_L"] if "vs_L" in h else "-",
+            "%.3f" % (ns / hs) if ns and hs else "-", _equal_words(h)))
+    return rc
+
+
 def _equal_words(row):
     """Per prompt: = resident, = legacy, or DIFFER."""
     r = row.get("latents_equal_resident")
@@ -459,6 +564,13 @@ def main(argv=None):
         a = cr.parse(rest)
         a.timeout = ours["timeout"]
         return child(cr, a) if ours["node"] else cr.main(rest)
+    if ours["fp8"] and ours["quant"]:
+        raise SystemExit("--fp8 and --quant: one matrix at a time")
+    if ours["quant"]:
+        quant_formats(ours)
+        if ours["shape"] not in SHAPES:
+            raise SystemExit("--shape: %s" % " or ".join(SHAPES))
+        rest = SHAPES[ours["shape"]] + rest
     if ours["fp8"]:
         if ours["shape"] not in SHAPES:
             raise SystemExit("--shape: %s" % " or ".join(SHAPES))
@@ -485,7 +597,11 @@ def main(argv=None):
     a.timeout = ours["timeout"]
     for ln in cr.machine(a):
         say(ln)
-    if ours["fp8"]:
+    if ours["quant"]:
+        say("inputs: %s; --quant matrix (shape %s): %s, LoRA %s" % (
+            cr.inputs_line(a), ours["shape"], ours["quant"],
+            ours["fp8_lora"]))
+    elif ours["fp8"]:
         say("inputs: %s; --fp8 matrix (shape %s): %s" % (
             cr.inputs_line(a), ours["shape"], ", ".join(
                 "%s%s" % (d, " + LoRA" if lo else "")
@@ -495,6 +611,11 @@ def main(argv=None):
     summary = {"args": vars(a), "runs": {}}
     rc = 0
     try:
+        if ours["quant"]:
+            rc = quant_matrix(cr, a, ours, out, summary)
+            with open(os.path.join(out, "summary.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            return rc
         gj = os.path.join(a.workdir, "gen.json")
         if ours["reuse"] and os.path.exists(gj):
             with open(gj) as f:

@@ -371,5 +371,100 @@ def test_mixed_precision_plain_weights_paged():
         assert torch.equal(run(m), run(ref))
 
 
+def test_bench_quant_matrix():
+    """bench_node.py --quant: bench/comfyui_run.py's --quant option (the
+    tensors a converter quantizes, passed to every child), the checkpoint
+    per format, each cell's runs and the verdict (the node's latents equal
+    to resident's or legacy's). Children are stand-ins (no GPU, no
+    ComfyUI, no float8 in CI's torch)."""
+    import runpy
+    import tempfile
+    ns = runpy.run_path(os.path.join(REPO, "integrations", "comfyui",
+                                     "bench_node.py"), run_name="bench_node")
+    cr = ns["harness"]()
+    sd = {"img_in.weight": torch.zeros(8, 4),
+          "double_blocks.0.img_attn.qkv.weight": torch.zeros(24, 8),
+          "double_blocks.0.img_attn.qkv.bias": torch.zeros(24),
+          "double_blocks.0.img_attn.norm.key_norm.scale": torch.zeros(8),
+          "single_blocks.0.linear1.weight": torch.zeros(32, 8),
+          "final_layer.linear.weight": torch.zeros(4, 8)}
+    assert cr.quant_keys(sd) == ["double_blocks.0.img_attn.qkv.weight",
+                                 "single_blocks.0.linear1.weight"]
+    a = cr.parse(["--comfyui", "x", "--quant", "scaled_fp8"])
+    args = cr.common_args(a)
+    assert args[args.index("--quant") + 1] == "scaled_fp8"
+    with _runner_quiet():
+        _runner.raises(SystemExit, cr.parse, ["--comfyui", "x", "--quant",
+                                              "scaled_fp8", "--weight-dtype",
+                                              "fp8_e5m2"])
+    assert "quantized: scaled_fp8" in cr.inputs_line(a)
+    ours = ns["split_args"](["--quant", "scaled_fp8", "--fp8-lora",
+                             "on"])[0]
+    assert ns["quant_formats"](ours) == ["scaled_fp8"]
+    _runner.raises(SystemExit, ns["quant_formats"], {"quant": "fp7"})
+    assert ns["quant_runs"](False) == ["resident", "nodehalf", "half"]
+    assert ns["quant_runs"](True)[-1] == "legacy"
+
+    labels = ["base", "lora_a", "removed"]
+    lat = {"resident": "RRR", "legacy": "LLL", "nodehalf": "RLR",
+           "half": "RXR"}
+    seen = []
+    gen = {"bytes": 2 * base.GiB_, "w_max": 1 << 20, "path": "ck",
+           "link_GBps": 50.0, "tensors": 9, "quant": {"layers": 2},
+           "held": {"default": {"bytes": 2 * base.GiB_, "w_max": 1 << 20}}}
+
+    def child(run):
+        seen.append(run)
+        return {"reps": [{"label": lb, "steps_ms": [90.0, 10.0, 10.0],
+                          "latent_sha256": lat[run][i] * 64,
+                          "torch_peak_reserved": 1 << 28,
+                          "torch_reserved": 1 << 28, "device_used": 1 << 30}
+                         for i, lb in enumerate(labels)]}
+
+    def run_child(a_, kind, extra, log):
+        if kind == "gen":
+            seen.append("gen:%s:%s" % (a_.quant, a_.lora))
+            return dict(gen)
+        return child(extra[extra.index("--tag") + 1])
+    g = ns["quant_matrix"].__globals__
+    saved = (cr.run_child, g["run_node_child"], g["say"], g["report"])
+    lines = []
+    try:
+        cr.run_child = run_child
+        g["run_node_child"] = lambda cr_, a, run, *rest: child(run)
+        g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
+        g["report"] = lambda *x: None
+        with tempfile.TemporaryDirectory() as out:
+            a.workdir = out
+            summary = {"runs": {}}
+            rc = ns["quant_matrix"](cr, a, ours, out, summary)
+            assert rc == 0, lines
+            assert seen == ["gen:scaled_fp8:True", "resident", "nodehalf",
+                            "half", "legacy"], seen
+            assert sorted(summary["quant"]) == ["scaled_fp8_lora"]
+            lat["nodehalf"] = "RXR"
+            seen[:] = []
+            ours["reuse"] = True        # gen.json of the first pass
+            assert ns["quant_matrix"](cr, a, ours, out, summary) == 2
+            assert not any(x.startswith("gen:") for x in seen), seen
+    finally:
+        (cr.run_child, g["run_node_child"], g["say"], g["report"]) = saved
+    table = lines[lines.index(next(x for x in lines
+                                   if x.startswith("quantized checkpoints"))):]
+    assert any("scaled_fp8" in x and "RLR" in x for x in table), table
+    assert any("nodehalf: budget" in x and "x L" in x for x in lines)
+
+
+class _runner_quiet:
+    """argparse's error message to a buffer, not the test's output."""
+
+    def __enter__(self):
+        import io
+        self.saved, sys.stderr = sys.stderr, io.StringIO()
+
+    def __exit__(self, *exc):
+        sys.stderr = self.saved
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))
