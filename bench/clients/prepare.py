@@ -15,10 +15,14 @@ tree):
                              (gguf-py/gguf of ggml-org/llama.cpp, pure
                              Python over numpy; ComfyUI-GGUF imports it),
                              with its license as LICENSE.gguf
+  build-clients/ComfyUI-GGUF with --comfyui-gguf: city96/ComfyUI-GGUF, the
+                             custom node whose GGUF models
+                             integrations/comfyui/bench_gguf.py loads
 
     python3 bench/clients/prepare.py --comfyui MIRROR.git \\
         --kitchen MIRROR.git --torchsde MIRROR.git [--out build-clients]
-    python3 bench/clients/prepare.py --gguf MIRROR.git [--out build-clients]
+    python3 bench/clients/prepare.py --gguf MIRROR.git \\
+        [--comfyui-gguf MIRROR.git] [--out build-clients]
 
 Each group rewrites only its own folders.
 
@@ -106,15 +110,16 @@ def main():
     ap.add_argument("--kitchen", help="comfy-kitchen git dir")
     ap.add_argument("--torchsde", help="torchsde git dir")
     ap.add_argument("--gguf", help="llama.cpp git dir (its gguf-py)")
+    ap.add_argument("--comfyui-gguf", help="ComfyUI-GGUF git dir")
     ap.add_argument("--rev", default="HEAD", help="ComfyUI revision")
     ap.add_argument("--out", default=os.path.join(ROOT, "build-clients"))
     a = ap.parse_args()
     group = (a.comfyui, a.kitchen, a.torchsde)
     if any(group) and not all(group):
         ap.error("--comfyui, --kitchen and --torchsde go together")
-    if not any(group) and not a.gguf:
+    if not any(group) and not a.gguf and not a.comfyui_gguf:
         ap.error("nothing to lay out: give --comfyui/--kitchen/--torchsde, "
-                 "--gguf or both")
+                 "--gguf, --comfyui-gguf")
     comfy, deps = os.path.join(a.out, "ComfyUI"), os.path.join(a.out,
                                                                "pydeps")
     missing, wrote = [], []
@@ -124,6 +129,11 @@ def main():
     if a.gguf:
         missing += gguf(a.gguf, deps)
         wrote.append(os.path.join(deps, "gguf"))
+    if a.comfyui_gguf:
+        node = os.path.join(a.out, "ComfyUI-GGUF")
+        shutil.rmtree(node, ignore_errors=True)
+        missing += extract(a.comfyui_gguf, "HEAD", "", node)
+        wrote.append(node)
     for m in missing:
         print("absent in the mirror: %s" % m, file=sys.stderr)
     print("wrote %s" % ", ".join(wrote))

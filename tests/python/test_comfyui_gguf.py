@@ -38,6 +38,7 @@ except ImportError:         # pragma: no cover - depends on the machine
     sys.exit(_runner.main({}, unavailable="torch is not importable"))
 
 import test_comfyui_node as t  # noqa: E402  (the ComfyUI stand-ins)
+from _runner import raises  # noqa: E402
 from comfyui import gguf as node_gguf, patcher as glue  # noqa: E402
 
 CPU = t.CPU
@@ -343,6 +344,63 @@ def test_real_gguf_file():
     holder.down._parameters["bias"] = read["down.bias"]
     assert node_gguf.qtypes(holder) == {"Q8_0": 1, "Q4_0": 1, "F32": 1}
     assert read["down.weight"].tensor_shape == (64, 256)
+
+
+def test_bench_gguf_files():
+    """bench_gguf's GGUF files (the bench's checkpoint as ComfyUI-GGUF
+    models): weights that fill whole blocks quantized (Q8_0 by gguf's own
+    quantizer, Q4_K as random blocks with finite scales), the rest F32;
+    read back by the reader with their shapes, finite when dequantized."""
+    gguf = import_gguf()
+    if gguf is None:
+        _runner.skip("the gguf package is not laid out "
+                     "(bench/clients/prepare.py --gguf)")
+    import numpy as np
+    sys.path.insert(0, os.path.join(REPO, "integrations", "comfyui"))
+    import bench_gguf
+    g = torch.Generator().manual_seed(5)
+    tensors = {"blocks.0.up.weight": torch.randn(64, 256, generator=g),
+               "blocks.0.up.bias": torch.randn(64, generator=g),
+               "img_in.weight": torch.randn(32, 48, generator=g).to(
+                   torch.bfloat16)}
+    with tempfile.TemporaryDirectory() as d:
+        for q, block in (("Q8_0", 32), ("Q4_K", 256)):
+            path = os.path.join(d, q + ".gguf")
+            info = bench_gguf.write_gguf(tensors, path, q)
+            assert info["types"] == {q: 1, "F32": 2}, info
+            r = gguf.GGUFReader(path)
+            got = {rt.name: rt for rt in r.tensors}
+            up = got["blocks.0.up.weight"]
+            assert up.tensor_type.name == q
+            assert tuple(int(v) for v in reversed(up.shape)) == (64, 256)
+            w = gguf.quants.dequantize(np.array(up.data), up.tensor_type)
+            assert w.shape == (64, 256) and np.isfinite(w).all()
+            if q == "Q4_K":         # random blocks, small scales
+                assert np.abs(w).max() < 1.0, np.abs(w).max()
+            else:                   # gguf's quantizer: the tensor's values
+                assert np.abs(w - tensors["blocks.0.up.weight"].numpy()
+                              ).max() < 0.05
+            assert got["img_in.weight"].tensor_type.name == "F32"
+            assert info["bytes"] == sum(int(rt.n_bytes)
+                                        for rt in r.tensors), info
+        e = raises(SystemExit, bench_gguf.write_gguf, tensors,
+                   os.path.join(d, "x.gguf"), "IQ9")
+        assert "--qtypes" in str(e), e
+    # The node's lines picked from a child's log.
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
+        f.write("2026 INFO vpager: Flux uses ComfyUI's own loading: "
+                "ComfyUI-GGUF's GGUFModelPatcher loads it\n"
+                "2026 INFO something else\n")
+    try:
+        assert bench_gguf.node_lines(f.name) == [
+            "Flux uses ComfyUI's own loading: ComfyUI-GGUF's "
+            "GGUFModelPatcher loads it"]
+    finally:
+        os.unlink(f.name)
+    ours, rest = bench_gguf.split_args(
+        ["--qtypes", "Q4_0", "--gguf-lora", "off", "--steps", "3"])
+    assert ours["qtypes"] == "Q4_0" and ours["lora"] == "off"
+    assert rest == ["--steps", "3"]
 
 
 if __name__ == "__main__":
