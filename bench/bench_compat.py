@@ -266,19 +266,15 @@ def bench_fault(ctx, cfg, aimdo):
             s1["pages_committed"] - s0["pages_committed"]))
     # The bare C calls (what is left to Python), when this tree has them.
     try:
-        F, U = mv._fast_calls()
-        import ctypes
-        from vpager._lib import vp_range_t
-        rr = vp_range_t(vb._hv, a[1] - vb.base, a[2])
-        br = ctypes.byref(rr)
-        gens = (ctypes.c_uint32 * 2)()
-        nn = ctypes.c_size_t(2)
-        s0_ = ctypes.c_uint64(0)
+        from vpager.vbar import STREAM0, prepared_calls
+        F, U = prepared_calls()
+        pr = vb._vbar.prepare_range(a[1] - vb.base, a[2], 2)
+        br, gens, nn = pr.ref, pr.gens_ptr, pr.nsig
 
         def bare(_, k):
             for _ in range(k):
                 F(br, gens, nn)
-                U(br, s0_)
+                U(br, STREAM0)
         m, b = rounds(bare, None)
         out["bare vp_fault_range+vp_unpin_range via ctypes"] = dict(
             med_us=m, best_us=b)

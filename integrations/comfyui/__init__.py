@@ -73,8 +73,8 @@ def install(comfy=None):
                  "--novram, --cpu, or no working comfy_aimdo)")
         return None
     try:
-        import vpager._lib
-        vpager._lib.load()
+        import vpager
+        vpager.library_path()           # loads libvpager, or says why not
     except Exception as e:
         log.warning("vpager: the ComfyUI node is off: libvpager: %s", e)
         return None

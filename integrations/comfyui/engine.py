@@ -37,7 +37,7 @@ import vpager.torch
 import vpager.torch.ledger as _ledger
 from vpager.governor import governor
 from vpager.torch.devices import learn_headroom
-from vpager import _lib
+from vpager import SOURCE_FILE
 from vpager.weights import Source
 
 from . import quantized
@@ -322,13 +322,13 @@ class Pager:
                         fs = file_slice(p.data)
                         if fs is not None:
                             e.file = fs
-                            files[n] = Source(_lib.VP_SOURCE_FILE, fd=fs[0],
+                            files[n] = Source(SOURCE_FILE, fd=fs[0],
                                               file_offset=fs[1], keep=p.data)
                     continue
                 fs = file_slice(e.param.data)
                 if fs is not None:
                     e.file = fs
-                    files[e.key] = Source(_lib.VP_SOURCE_FILE, fd=fs[0],
+                    files[e.key] = Source(SOURCE_FILE, fd=fs[0],
                                           file_offset=fs[1],
                                           keep=e.param.data)
 

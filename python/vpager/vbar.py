@@ -9,7 +9,8 @@ from ._lib import C, vp_vbar_t
 from .errors import InvalidArgument, RangeError, check
 from .stats import read_stats
 
-__all__ = ["Vbar"]
+__all__ = ["Vbar", "PreparedRange", "prepared_calls", "stream_arg",
+           "STREAM0"]
 
 _u64 = ctypes.c_uint64
 _byref = ctypes.byref
@@ -137,6 +138,12 @@ class Vbar(Handle):
         """vp_unpin(): drop one pin per page and fence them on `stream`."""
         check(C.vp_unpin(self._handle(), offset, size, stream))
 
+    def prepare_range(self, offset, size, nsig):
+        """A PreparedRange of [offset, +size) for prepared_calls(), with
+        room for `nsig` generations (the rest zeroed by each fault)."""
+        self._handle()
+        return PreparedRange(self._h, offset, size, nsig)
+
     def free_memory(self, nbytes):
         """Evict unpinned pages of this VBAR; returns bytes freed."""
         freed = _u64()
@@ -180,3 +187,49 @@ class Vbar(Handle):
         """vp_weights_create(): see vpager.Weights."""
         from .weights import Weights
         return Weights(self, offsets, sizes, sources)
+
+
+# ------------------------------------------------------ the prepared path
+
+class PreparedRange:
+    """[offset, +size) of a Vbar described once (a vp_range_t) for a
+    caller that faults and unpins the same range every forward (the
+    drop-in's vbar_fault/vbar_unpin): converting arguments is most of a
+    ctypes call's cost, so the arguments are made here, once. ref: the
+    range by reference; nsig: the generations' count (c_size_t); gens:
+    array('I') the fault writes the generations into; gens_ptr: its
+    address. Valid while its Vbar is open (the calls return VP_EHANDLE
+    after)."""
+
+    __slots__ = ("range", "ref", "nsig", "gens", "gens_ptr")
+
+    def __init__(self, h, offset, size, nsig):
+        import array
+        self.range = _lib.vp_range_t(h, offset, size)
+        self.ref = _byref(self.range)
+        self.nsig = ctypes.c_size_t(nsig)
+        self.gens = array.array("I", bytes(4 * nsig))      # never resized
+        self.gens_ptr = ctypes.c_void_p(self.gens.buffer_info()[0])
+
+
+_PREPARED = []
+
+
+def prepared_calls():
+    """(fault, unpin): vp_fault_range(ref, gens_ptr, nsig) and
+    vp_unpin_range(ref, stream) of PreparedRanges, without argument
+    conversion (_lib.unchecked), returning the C code (0, VP_MISS = 1, or
+    negative: vpager.check(rc) raises it). stream: stream_arg(handle) or
+    STREAM0."""
+    if not _PREPARED:
+        _PREPARED.extend((_lib.unchecked("vp_fault_range"),
+                          _lib.unchecked("vp_unpin_range")))
+    return _PREPARED[0], _PREPARED[1]
+
+
+STREAM0 = _u64(0)               # the default stream, for the unpin call
+
+
+def stream_arg(handle):
+    """A stream handle (int) as prepared_calls()'s unpin takes it."""
+    return _u64(handle)

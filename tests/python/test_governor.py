@@ -50,6 +50,27 @@ def test_one_writer():
     assert found == {os.path.join("python", "vpager", "governor.py")}, found
 
 
+def test_the_binding_stays_private():
+    """Nothing above python/vpager/*.py imports the ctypes binding
+    (vpager._lib): vpager.torch, the drop-in and the node use the public
+    binding API (vpager's constants, vpager.vbar's prepared calls)."""
+    pat = re.compile(r"(from\s+(vpager|\.\.?)\s+import\s+[^#\n]*\b_lib\b)"
+                     r"|(vpager\._lib\b)|(from\s+(vpager)?\.*_lib\s+import)")
+    found = []
+    for top in ("python", "integrations"):
+        for root, _dirs, files in os.walk(os.path.join(REPO, top)):
+            for f in files:
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, REPO)
+                if not f.endswith(".py") or os.path.dirname(rel) == \
+                        os.path.join("python", "vpager"):
+                    continue
+                with open(path) as fh:
+                    if pat.search(fh.read()):
+                        found.append(rel)
+    assert found == [], found
+
+
 def test_one_governor_per_device():
     dev = sim()
     try:

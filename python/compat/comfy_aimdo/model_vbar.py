@@ -16,10 +16,10 @@ and checked once, at its first fault, and kept in its ModelVBAR keyed by
 the id of the range's tuple (and checked against its address and size, so
 a recycled id only costs a slower call). The calls are vp_fault_range /
 vp_unpin_range (the same as vp_fault / vp_unpin, on a range described
-once) through function objects of our own without argtypes, given ctypes
-objects made beforehand: converting arguments is most of a ctypes call's
-cost, and a pointer made by byref() once is the cheapest argument there
-is. vp_fault_range writes the generations into the range's buffer (an
+once: the binding's vpager.vbar.PreparedRange and prepared_calls(),
+without argtypes, given ctypes objects made beforehand): converting
+arguments is most of a ctypes call's cost, and a pointer made by byref()
+once is the cheapest argument there is. vp_fault_range writes the generations into the range's buffer (an
 array('I') of the signature's length) and zeroes the rest; the signature
 returned is a copy of it, so it holds the pages' generations exactly as
 vp_fault gives them. That buffer is shared by threads: C writes it only
@@ -30,7 +30,6 @@ Everything else shared between threads is never written once made.
 """
 
 import array
-import ctypes
 import numbers
 import weakref
 
@@ -49,26 +48,20 @@ def _sig_len(size):
 
 
 _fault_range = _unpin_range = None      # _fast_calls(), once loaded
-_VOIDP = ctypes.c_void_p
-_U64 = ctypes.c_uint64
-_STREAM0 = ctypes.c_uint64(0)
+_STREAM0 = _stream_arg = None           # vpager.vbar's, once loaded
 _ZERO = 0
 _id = id
 _array = array.array
 
 
 def _fast_calls():
-    """libvpager's vp_fault_range and vp_unpin_range as function objects
-    of our own: no argtypes (every argument is a ctypes object of the
-    declared type), int results. The binding's declarations stay as they
-    are."""
-    global _fault_range, _unpin_range
+    """libvpager's vp_fault_range and vp_unpin_range on prepared ranges
+    (vpager.vbar.prepared_calls: no argument conversion)."""
+    global _fault_range, _unpin_range, _STREAM0, _stream_arg
     if _fault_range is None:
-        from vpager import _lib
-        lib = _lib.load()
-        f, u = lib["vp_fault_range"], lib["vp_unpin_range"]
-        f.restype = u.restype = ctypes.c_int
-        _fault_range, _unpin_range = f, u
+        from vpager import vbar
+        _STREAM0, _stream_arg = vbar.STREAM0, vbar.stream_arg
+        _fault_range, _unpin_range = vbar.prepared_calls()
     return _fault_range, _unpin_range
 
 
@@ -95,7 +88,6 @@ class ModelVBAR:
         self.base = self._vbar.base
         self._vsize = self._vbar.size   # fixed: read once, not per fault
         self._page = dev.info()["page_size"]
-        self._hv = self._vbar._h        # the vp_vbar_t (never changes)
         self._fast = {}                 # id(range) -> _entry (module doc)
         _fast_calls()                   # the hit path's two calls, loaded
         self.offset = 0                 # the bump allocator's next byte
@@ -137,7 +129,6 @@ class ModelVBAR:
         its address as a c_void_p; module doc). None when the
         range takes the plain path: size 0, or pages smaller than the
         signature's 32 MiB (more generations than signature entries)."""
-        from vpager._lib import vp_range_t
         off = self._off(address, size)
         if self._vbar.closed:
             self._vbar._handle()                # raises HandleError
@@ -146,10 +137,8 @@ class ModelVBAR:
         if size == 0 or (off + size - 1) // self._page - off // self._page \
                 >= n:
             return None
-        r = vp_range_t(self._hv, off, size)
-        buf = array.array("I", bytes(4 * n))        # never resized
-        e = (address, size, ctypes.byref(r), ctypes.c_size_t(n), buf,
-             _VOIDP(buf.buffer_info()[0]))
+        r = self._vbar.prepare_range(off, size, n)
+        e = (address, size, r.ref, r.nsig, r.gens, r.gens_ptr, r)
         fast = self._fast
         if len(fast) >= _FAST_MAX:
             fast.clear()
@@ -311,7 +300,7 @@ def vbar_unpin(alloc, stream=0):
     if stream is _ZERO:                 # the default (0 is one object)
         rc = _unpin_range(e[2], _STREAM0)
     else:
-        rc = _unpin_range(e[2], _U64(_stream(stream)))
+        rc = _unpin_range(e[2], _stream_arg(_stream(stream)))
     if rc:
         vbar._failed(rc)
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
-from .. import _lib, env
+from .. import EINVAL, ENODEV, ORDER_NAMES, env
 from ..errors import InvalidArgument, NoDeviceError
 from ..options import OPTION_NAMES, parse_size
 from .placement import ALIGN
@@ -18,14 +18,14 @@ from .placement import ALIGN
 __all__ = ["OffloadConfig", "size_argument", "torch_device"]
 
 Size = Union[int, float, str, None]
-ORDERS = tuple(_lib.ORDERS)         # "tail", "interleaved"
+ORDERS = ORDER_NAMES                # "tail", "interleaved"
 OUTSIDE = ("placeholder", "host")
 _SIZE_HINT = ("an int of bytes, or a string such as \"20G\" or \"20GiB\" "
               "(20 * 2**30) or \"20GB\" (20 * 10**9)")
 
 
 def _einval(msg: str) -> InvalidArgument:
-    return InvalidArgument(_lib.VP_EINVAL, "VP_EINVAL", msg)
+    return InvalidArgument(EINVAL, "VP_EINVAL", msg)
 
 
 def size_argument(fn: str, name: str, value: Size, minimum: int = 0
@@ -86,7 +86,7 @@ def torch_device(value: Any, fn: str = "offload", name: str = "device",
                          "simulated device" % (fn, name, value))
     if present and dev.type == "cuda" and not torch.cuda.is_available():
         raise NoDeviceError(
-            _lib.VP_ENODEV, "VP_ENODEV",
+            ENODEV, "VP_ENODEV",
             "vpager.torch.%s: %s=%r but torch has no CUDA device (this torch "
             "is built without CUDA, or no GPU is visible): pass %s=\"sim\" "
             "to run on vpager's simulated device (host memory, for tests), "

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .. import _lib, env
+from .. import BACKEND_SIM, EINVAL, env
 from ..device import Device
 from ..errors import BusyError, Error, InvalidArgument
 from ..governor import governor
@@ -28,7 +28,7 @@ def size(value):
         return value
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(_lib.VP_EINVAL, "VP_EINVAL",
+            raise InvalidArgument(EINVAL, "VP_EINVAL",
                                   "vpager.torch: %r is not a size in bytes"
                                   % value)
         return int(value)
@@ -52,7 +52,7 @@ def cuda_index(target):
 
 def _asks_for_sim(options):
     backend = (options or {}).get("backend")
-    return backend in ("sim", _lib.VP_BACKEND_SIM)
+    return backend in ("sim", BACKEND_SIM)
 
 
 def default_device(options=None):

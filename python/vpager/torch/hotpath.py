@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .. import _lib
+from .. import ACQUIRED_RESIDENT, PAGE_RESIDENT
 from ..errors import Error
 from ..weights import WeightBatch
 from .devices import LEARN_EVERY, cuda_index, learn_headroom
@@ -35,8 +35,8 @@ from .views import view
 # would miss almost always, but the slot addresses repeat (a view costs
 # ~10-30 us to build, more than the rest of an acquire).
 _STAGED_VIEWS = 4096
-_RESIDENT = _lib.VP_ACQUIRED_RESIDENT
-_PAGE_RESIDENT = _lib.VP_PAGE_RESIDENT
+_RESIDENT = ACQUIRED_RESIDENT
+_PAGE_RESIDENT = PAGE_RESIDENT
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
 

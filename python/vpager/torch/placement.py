@@ -3,7 +3,7 @@ and for the interleaved eviction order in page-aligned groups, so that
 evicting one group leaves its neighbours whole. Pure arithmetic on
 entries (objects with a .size); layout.py applies it."""
 
-from .. import _lib
+from .. import ORDER_INTERLEAVED
 from ..vbar import _order
 
 ALIGN = 512             # bytes; each weight starts at such a boundary
@@ -74,7 +74,7 @@ def groups(dev, order, entries):
     """place()'s grouping for the VBAR's order (None: tail-first)."""
     if order is None:
         order = dev.options["evict_order"]
-    if _order(order) != _lib.VP_ORDER_INTERLEAVED:
+    if _order(order) != ORDER_INTERLEAVED:
         return None
     page = dev.page_size
     total = sum(e.size for e in entries)
