@@ -293,8 +293,11 @@ def analyze():
     for index in sorted(_devices):
         dev = _devices[index]
         if not dev.closed:
-            print("comfy_aimdo (vpager) device %d:\n%s"
-                  % (index, dev.report()))
+            g = _governor(dev).stats()
+            print("comfy_aimdo (vpager) device %d:\n%sgovernor: limit %s, "
+                  "headroom %d, lookahead %d; inputs %s"
+                  % (index, dev.report(), g["limit"], g["headroom"],
+                     g["lookahead"], g["inputs"]))
 
 
 def get_total_vram_usage():
