@@ -347,6 +347,7 @@ def main(argv=None):
             gen.get("model_config"), gen["bytes"] / GiB, gen["tensors"]))
         from safetensors.torch import load_file
         tensors = load_file(gen["path"])
+        import_gguf(a.deps)
         for q in qtypes:
             t0 = time.perf_counter()
             path = os.path.join(a.workdir, "flux_random_%s.gguf" % q)
