@@ -232,373 +232,381 @@ def patch_refusal(patcher, plan, comfy):
 
 # ------------------------------------------------------------- the class
 
-def make_class(comfy, base):
-    """VpagerModelPatcher for ComfyUI's ModelPatcherDynamic `base`.
-    comfy: a namespace with model_patcher, model_management, utils, lora
-    and cli_args.args."""
-    ModelPatcher = comfy.model_patcher.ModelPatcher
-    utils = comfy.utils
-    args = comfy.args
+class VpagerPatcher:
+    """ComfyUI's ModelPatcherDynamic with vpager paging the weights of
+    the models it can take (see the package README); the others, and
+    all when the node is off, go ComfyUI's own way. A mixin:
+    make_class() puts it before ComfyUI's class and binds it to ComfyUI
+    (_comfy: the namespace of its modules; _base: ModelPatcherDynamic)."""
 
-    class VpagerModelPatcher(base):
-        """ComfyUI's ModelPatcherDynamic with vpager paging the weights of
-        the models it can take (see the package README); the others, and
-        all when the node is off, go ComfyUI's own way."""
+    _comfy = None
+    _base = None
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            # A clone of another class (ComfyUI-GGUF's loader turns the
-            # node's patcher into its GGUFModelPatcher) never reaches the
-            # node: it says so when the clone is made.
-            add = getattr(self, "add_callback_with_key", None)
-            kind = getattr(comfy.model_patcher.CallbacksMP, "ON_CLONE", None)
-            if add is not None and kind is not None:
-                add(kind, OPTION, _cloned)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A clone of another class (ComfyUI-GGUF's loader turns the
+        # node's patcher into its GGUFModelPatcher) never reaches the
+        # node: it says so when the clone is made.
+        add = getattr(self, "add_callback_with_key", None)
+        kind = getattr(self._comfy.model_patcher.CallbacksMP, "ON_CLONE",
+                       None)
+        if add is not None and kind is not None:
+            add(kind, OPTION, _cloned)
 
-        # -------------------------------------------------- which path
-        def _vp(self):
-            p = getattr(self.model, "_vpager_pager", None)
-            return p if p is not None and not p.closed else None
+    # -------------------------------------------------- which path
+    def _vp(self):
+        p = getattr(self.model, "_vpager_pager", None)
+        return p if p is not None and not p.closed else None
 
-        # The path is the model's (clones share it): the last load chose.
-        @property
-        def _vp_mode(self):
-            return getattr(self.model, "_vpager_mode", None)
+    # The path is the model's (clones share it): the last load chose.
+    @property
+    def _vp_mode(self):
+        return getattr(self.model, "_vpager_mode", None)
 
-        @_vp_mode.setter
-        def _vp_mode(self, mode):
-            self.model._vpager_mode = mode
+    @_vp_mode.setter
+    def _vp_mode(self, mode):
+        self.model._vpager_mode = mode
 
-        def vpager_active(self):
-            """True while this model's weights are vpager's (for every
-            clone of it: the last load decided)."""
-            return self._vp_mode == "vpager" and self._vp() is not None
+    def vpager_active(self):
+        """True while this model's weights are vpager's (for every
+        clone of it: the last load decided)."""
+        return self._vp_mode == "vpager" and self._vp() is not None
 
-        def _vp_why_not(self):
-            if env_off():
-                return "turned off (%s=0)" % ENV
-            if self.model_options.get(OPTION, True) is False:
-                return "turned off for this model (VpagerSettings node)"
-            dev = self.load_device
-            if not (getattr(dev, "type", None) == "cuda"
-                    or (ALLOW_SIM and getattr(dev, "type", None) == "cpu")):
-                return "load device %s is not a CUDA device" % (dev,)
-            if getattr(self, "force_cast_weights", False):
-                return "force_cast_weights is set"
-            plan = self._vp_plan()
-            if plan.why is not None:
-                return plan.why
-            return patch_refusal(self, plan, comfy)
+    def _vp_why_not(self):
+        if env_off():
+            return "turned off (%s=0)" % ENV
+        if self.model_options.get(OPTION, True) is False:
+            return "turned off for this model (VpagerSettings node)"
+        dev = self.load_device
+        if not (getattr(dev, "type", None) == "cuda"
+                or (ALLOW_SIM and getattr(dev, "type", None) == "cpu")):
+            return "load device %s is not a CUDA device" % (dev,)
+        if getattr(self, "force_cast_weights", False):
+            return "force_cast_weights is set"
+        plan = self._vp_plan()
+        if plan.why is not None:
+            return plan.why
+        return patch_refusal(self, plan, self._comfy)
 
-        def _vp_plan(self):
-            plan = getattr(self.model, "_vpager_plan", None)
-            if plan is None:
-                plan = plan_model(self.model, comfy)
-                self.model._vpager_plan = plan
-            return plan
+    def _vp_plan(self):
+        plan = getattr(self.model, "_vpager_plan", None)
+        if plan is None:
+            plan = plan_model(self.model, self._comfy)
+            self.model._vpager_plan = plan
+        return plan
 
-        def _vp_leave(self):
-            """Hand the model back to ComfyUI's own path."""
-            pager = getattr(self.model, "_vpager_pager", None)
-            if pager is not None:
-                pager.close()
-                self.model._vpager_pager = None
-                hook = getattr(pager, "hook", None)
-                if hook is not None:
-                    hook.remove()
-            self.model._vpager_plan = None
+    def _vp_leave(self):
+        """Hand the model back to ComfyUI's own path."""
+        pager = getattr(self.model, "_vpager_pager", None)
+        if pager is not None:
+            pager.close()
+            self.model._vpager_pager = None
+            hook = getattr(pager, "hook", None)
+            if hook is not None:
+                hook.remove()
+        self.model._vpager_plan = None
 
-        # ------------------------------------------------------ loading
-        def partially_load(self, device_to, extra_memory=0,
-                           force_patch_weights=False):
-            why = self._vp_why_not()
-            if why is not None:
-                if self._vp() is not None:
-                    self._vp_leave()
-                note(self.model, why)
-                self._vp_mode = "comfy"
-                return super().partially_load(device_to, extra_memory,
-                                              force_patch_weights)
-            if self._vp_mode == "comfy":
-                self._vp_from_comfy()
-            self._vp_mode = "vpager"
-            assert not force_patch_weights
-            refused = None
-            with self.use_ejected(skip_and_inject_on_exit_only=True):
-                self.unpatch_model(self.offload_device, unpatch_weights=False)
-                self.patch_model(load_weights=False)
-                try:
-                    self._vp_load(device_to)
-                except ValueError as e:
-                    # vpager.torch refused the model before changing it
-                    # (a unit the shared staging ring cannot hold within
-                    # the budget): ComfyUI's own path takes it.
-                    self.detach()
-                    refused = str(e)
-                except Exception:
-                    self.detach()
-                    raise
-            if refused is not None:
+    # ------------------------------------------------------ loading
+    def partially_load(self, device_to, extra_memory=0,
+                       force_patch_weights=False):
+        why = self._vp_why_not()
+        if why is not None:
+            if self._vp() is not None:
                 self._vp_leave()
-                note(self.model, refused)
-                self._vp_mode = "comfy"
-                return super().partially_load(device_to, extra_memory,
-                                              force_patch_weights)
-            return 0
-
-        def _vp_from_comfy(self):
-            """The model was on ComfyUI's own dynamic path: its comfy_aimdo
-            VBAR's pages and ComfyUI-way weights go before vpager takes it."""
-            vbar_get = getattr(self, "_vbar_get", None)
-            vbar = vbar_get() if vbar_get is not None else None
-            if vbar is not None:
-                try:
-                    base.partially_unload(self, self.offload_device, 1e32)
-                except Exception as e:     # never worse than not freeing
-                    log.warning("vpager: freeing %s's comfy_aimdo pages: %s",
-                                type(self.model).__name__, e)
-
-        def load(self, device_to=None, lowvram_model_memory=0,
-                 force_patch_weights=False, full_load=False, dirty=False):
-            if getattr(self, "_vp_mode", None) != "vpager":
-                return super().load(device_to, lowvram_model_memory,
-                                    force_patch_weights, full_load, dirty)
-            with self.use_ejected():
+            note(self.model, why)
+            self._vp_mode = "comfy"
+            return super().partially_load(device_to, extra_memory,
+                                          force_patch_weights)
+        if self._vp_mode == "comfy":
+            self._vp_from_comfy()
+        self._vp_mode = "vpager"
+        assert not force_patch_weights
+        refused = None
+        with self.use_ejected(skip_and_inject_on_exit_only=True):
+            self.unpatch_model(self.offload_device, unpatch_weights=False)
+            self.patch_model(load_weights=False)
+            try:
                 self._vp_load(device_to)
+            except ValueError as e:
+                # vpager.torch refused the model before changing it
+                # (a unit the shared staging ring cannot hold within
+                # the budget): ComfyUI's own path takes it.
+                self.detach()
+                refused = str(e)
+            except Exception:
+                self.detach()
+                raise
+        if refused is not None:
+            self._vp_leave()
+            note(self.model, refused)
+            self._vp_mode = "comfy"
+            return super().partially_load(device_to, extra_memory,
+                                          force_patch_weights)
+        return 0
 
-        def _vp_pager(self, device_to):
+    def _vp_from_comfy(self):
+        """The model was on ComfyUI's own dynamic path: its comfy_aimdo
+        VBAR's pages and ComfyUI-way weights go before vpager takes it."""
+        vbar_get = getattr(self, "_vbar_get", None)
+        vbar = vbar_get() if vbar_get is not None else None
+        if vbar is not None:
+            try:
+                self._base.partially_unload(self, self.offload_device, 1e32)
+            except Exception as e:     # never worse than not freeing
+                log.warning("vpager: freeing %s's comfy_aimdo pages: %s",
+                            type(self.model).__name__, e)
+
+    def load(self, device_to=None, lowvram_model_memory=0,
+             force_patch_weights=False, full_load=False, dirty=False):
+        if getattr(self, "_vp_mode", None) != "vpager":
+            return super().load(device_to, lowvram_model_memory,
+                                force_patch_weights, full_load, dirty)
+        with self.use_ejected():
+            self._vp_load(device_to)
+
+    def _vp_pager(self, device_to):
+        pager = self._vp()
+        plan = self._vp_plan()
+        if pager is not None and any(
+                e.module._parameters.get(e.pname) is not e.param
+                for e in pager.entries):
+            # A parameter was replaced behind vpager's back.
+            self._vp_leave()
+            pager, plan = None, self._vp_plan()
+        if pager is None:
+            target = torch.device(device_to)
+            if target.type == "cuda" and target.index is None:
+                target = torch.device("cuda", torch.cuda.current_device())
+            dev, budget = vp_device(target, self._comfy.args)
+            root = getattr(self.model, "diffusion_model", None)
+            root = root if isinstance(root, torch.nn.Module) else \
+                self.model
+            pager = engine.Pager(
+                dev, target, self.model, plan.units,
+                prefer_file=bool(getattr(self._comfy.args, "fast_disk",
+                                           False)),
+                label="comfyui:%s" % type(self.model).__name__,
+                budget=budget, root=root, dtypes=plan.dtypes)
+            self.model._vpager_pager = pager
+            ref = weakref.ref(pager)
+
+            def learn(_module, _args):
+                p = ref()
+                if p is not None:
+                    p.learn()
+            # After vpager.torch's hooks on the root (its learn, the
+            # re-placement and the schedule's measurement).
+            pager.hook = root.register_forward_pre_hook(learn)
+            # No finalizer of ours: the model and its pager form a
+            # cycle (vpager.torch's handle holds the model); when ComfyUI
+            # drops the model the collector takes both, and
+            # vpager.torch.ledger's finalizer closes the VBAR.
+        return pager, plan
+
+    def _vp_placed(self, plan):
+        """The tensors a load puts in place ComfyUI's way: the forced
+        weights and the buffers, in order (None for a missing one)."""
+        return [m._parameters.get(k) for _key, m, k in plan.forced] + \
+            [b for _k, b in self.model.named_buffers(recurse=True)]
+
+    @staticmethod
+    def _vp_refs(tensors):
+        """Weak references (a replaced tensor is not kept alive)."""
+        return [weakref.ref(t) if t is not None else None
+                for t in tensors]
+
+    def _vp_as_before(self, device_to):
+        """True when the model's last load was by this patch set onto
+        device_to, with this pager, its managed parameters are vpager's
+        and every tensor that load put in place ComfyUI's way is still
+        there (a detach or a clone with other patches since: False).
+        Then nothing needs loading again (ComfyUI loads the model
+        before every prompt)."""
+        last = getattr(self.model, "_vp_last_load", None)
+        pager = self._vp()
+        if last is None or pager is None or last[0] is not pager or \
+                last[1] != self.patches_uuid or last[2] != device_to or \
+                self.model.current_weight_patches_uuid != \
+                self.patches_uuid:
+            return False
+        if any(e.module._parameters.get(e.pname) is not e.param
+               for e in pager.entries):
+            return False        # replaced behind vpager's back
+        now = self._vp_placed(self._vp_plan())
+        return len(now) == len(last[3]) and all(
+            (t is None and r is None) or (r is not None and r() is t)
+            for t, r in zip(now, last[3]))
+
+    def _vp_load(self, device_to):
+        assert device_to == self.load_device
+        t0 = time.perf_counter()
+        if self._vp_as_before(device_to):
             pager = self._vp()
-            plan = self._vp_plan()
-            if pager is not None and any(
-                    e.module._parameters.get(e.pname) is not e.param
-                    for e in pager.entries):
-                # A parameter was replaced behind vpager's back.
-                self._vp_leave()
-                pager, plan = None, self._vp_plan()
-            if pager is None:
-                target = torch.device(device_to)
-                if target.type == "cuda" and target.index is None:
-                    target = torch.device("cuda", torch.cuda.current_device())
-                dev, budget = vp_device(target, args)
-                root = getattr(self.model, "diffusion_model", None)
-                root = root if isinstance(root, torch.nn.Module) else \
-                    self.model
-                pager = engine.Pager(
-                    dev, target, self.model, plan.units,
-                    prefer_file=bool(getattr(args, "fast_disk", False)),
-                    label="comfyui:%s" % type(self.model).__name__,
-                    budget=budget, root=root, dtypes=plan.dtypes)
-                self.model._vpager_pager = pager
-                ref = weakref.ref(pager)
-
-                def learn(_module, _args):
-                    p = ref()
-                    if p is not None:
-                        p.learn()
-                # After vpager.torch's hooks on the root (its learn, the
-                # re-placement and the schedule's measurement).
-                pager.hook = root.register_forward_pre_hook(learn)
-                # No finalizer of ours: the model and its pager form a
-                # cycle (vpager.torch's handle holds the model); when ComfyUI
-                # drops the model the collector takes both, and
-                # vpager.torch.ledger's finalizer closes the VBAR.
-            return pager, plan
-
-        def _vp_placed(self, plan):
-            """The tensors a load puts in place ComfyUI's way: the forced
-            weights and the buffers, in order (None for a missing one)."""
-            return [m._parameters.get(k) for _key, m, k in plan.forced] + \
-                [b for _k, b in self.model.named_buffers(recurse=True)]
-
-        @staticmethod
-        def _vp_refs(tensors):
-            """Weak references (a replaced tensor is not kept alive)."""
-            return [weakref.ref(t) if t is not None else None
-                    for t in tensors]
-
-        def _vp_as_before(self, device_to):
-            """True when the model's last load was by this patch set onto
-            device_to, with this pager, its managed parameters are vpager's
-            and every tensor that load put in place ComfyUI's way is still
-            there (a detach or a clone with other patches since: False).
-            Then nothing needs loading again (ComfyUI loads the model
-            before every prompt)."""
-            last = getattr(self.model, "_vp_last_load", None)
-            pager = self._vp()
-            if last is None or pager is None or last[0] is not pager or \
-                    last[1] != self.patches_uuid or last[2] != device_to or \
-                    self.model.current_weight_patches_uuid != \
-                    self.patches_uuid:
-                return False
-            if any(e.module._parameters.get(e.pname) is not e.param
-                   for e in pager.entries):
-                return False        # replaced behind vpager's back
-            now = self._vp_placed(self._vp_plan())
-            return len(now) == len(last[3]) and all(
-                (t is None and r is None) or (r is not None and r() is t)
-                for t, r in zip(now, last[3]))
-
-        def _vp_load(self, device_to):
-            assert device_to == self.load_device
-            t0 = time.perf_counter()
-            if self._vp_as_before(device_to):
-                pager = self._vp()
-                pager.finish_recording()
-                pager.prioritize(force=True)
-                pager.learn(force=True)
-                self._vp_refilled = 0
-                log.info("vpager: %s on vpager as loaded before (%.1f ms)",
-                         type(self.model).__name__,
-                         (time.perf_counter() - t0) * 1e3)
-                self._vp_loaded_callbacks(device_to)
-                return
-            self.restore_loaded_backups()
-            self.unpatch_hooks()
-            pager, plan = self._vp_pager(device_to)
-            # Models whose root forward never runs (a VAE's decode): the
-            # order recorded since the last load places the weights now.
             pager.finish_recording()
-            for name, m, _params in plan.units:
-                self._vp_prepare_op(name, m)
-            # Patched weights: only those whose patch set changed refill.
-            refilled = 0
-            for e in pager.entries:
-                patches = self.patches.get(e.key) or None
-                if engine.same_patch(e.patch, patches):
-                    continue
-                key = e.key
-                pager.set_patched(
-                    key, list(patches) if patches else None,
-                    # the patched weight where ComfyUI computed it: the
-                    # new source is copied straight from there
-                    lambda key=key: self.patch_weight_to_device(
-                        key, device_to=device_to, return_weight=True))
-                refilled += 1
-            # The rest ComfyUI's way: straight to the device; a parameter
-            # of a module that is no ComfyUI op in the dtype the model
-            # declares for it, as ComfyUI's dynamic path puts it there
-            # (Wan's modulation of a UNet loaded as fp8 from a bf16 file:
-            # fp8, cast on the device).
-            for key, m, k in plan.forced:
-                if m._parameters.get(k) is None:
-                    continue
-                self.patch_weight_to_device(key, device_to=device_to,
-                                            force_cast=True)
-                w = m._parameters[k]
-                want = getattr(m, k + "_comfy_model_dtype", None)
-                if not hasattr(m, "comfy_cast_weights") and \
-                        want is not None and w.dtype != want:
-                    utils.set_attr_param(self.model, key, w.to(want))
-                    w = m._parameters[k]
-                self.model.model_loaded_weight_memory += engine.nbytes(w)
-            for key, buf in self.model.named_buffers(recurse=True):
-                if key not in self.backup_buffers:
-                    self.backup_buffers[key] = buf
-                module, name = utils.resolve_attr(self.model, key)
-                dtype = getattr(module, name + "_comfy_model_dtype", None)
-                moved = buf.to(dtype=dtype, device=device_to)
-                utils.set_attr_buffer(self.model, key, moved)
-                self.model.model_loaded_weight_memory += engine.nbytes(moved)
             pager.prioritize(force=True)
             pager.learn(force=True)
-            self.model.device = device_to
-            self.model.current_weight_patches_uuid = self.patches_uuid
-            self._vp_refilled = refilled
-            self.model._vp_last_load = (pager, self.patches_uuid, device_to,
-                                        self._vp_refs(self._vp_placed(plan)))
-            log.info("vpager: %s on vpager: %d weights (%d MB) in %d units, "
-                     "%d converted to their ops' dtype (%.0f ms), %d "
-                     "patched (%d refilled), %d loaded ComfyUI's way "
-                     "(%.1f ms)", type(self.model).__name__,
-                     len(pager.entries), pager.weight_bytes >> 20,
-                     len(pager.units), len(pager.converted),
-                     pager.convert_s * 1e3, len(pager.patched_keys()),
-                     refilled, len(plan.forced),
+            self._vp_refilled = 0
+            log.info("vpager: %s on vpager as loaded before (%.1f ms)",
+                     type(self.model).__name__,
                      (time.perf_counter() - t0) * 1e3)
             self._vp_loaded_callbacks(device_to)
-
-        def _vp_loaded_callbacks(self, device_to):
-            for callback in self.get_all_callbacks(
-                    comfy.model_patcher.CallbacksMP.ON_LOAD):
-                callback(self, device_to, 0, False, False)
-            self.apply_hooks(self.forced_hooks, force_apply=True)
-
-        def _vp_prepare_op(self, n, m):
-            """The op computes on what vpager hands it (its weights in the
-            dtype the op declares, as ComfyUI's VRAM copy: converted at
-            load when stored in another, engine.convert_host): no aimdo
-            state, its class's comfy_cast_weights, ComfyUI's weight
-            wrappers kept."""
-            for attr in ("_v", "_v_signature", "_v_weight", "_v_bias",
-                         "weight_lowvram_function", "bias_lowvram_function",
-                         "comfy_cast_weights", "prev_comfy_cast_weights"):
-                if attr in m.__dict__:
-                    vbar = getattr(comfy, "model_vbar", None)
-                    if attr == "_v" and vbar is not None:
-                        try:
-                            vbar.vbar_unpin(m._v)
-                        except Exception:
-                            pass
-                    delattr(m, attr)
-            m.seed_key = n
-            for k in ("weight", "bias"):
-                fns = []
-                key = "%s.%s" % (n, k) if n else k
-                if key in self.weight_wrapper_patches:
-                    fns.extend(self.weight_wrapper_patches[key])
-                setattr(m, k + "_function", fns)
-
-        # ------------------------------------------------------- ledger
-        def loaded_size(self):
-            if not self.vpager_active():
-                return super().loaded_size()
-            return (self._vp().loaded_size()
-                    + self.model.model_loaded_weight_memory)
-
-        def partially_unload(self, device_to, memory_to_free=0,
-                             force_patch_weights=False):
-            if not self.vpager_active():
-                return super().partially_unload(device_to, memory_to_free,
-                                                force_patch_weights)
-            freed = self._vp().free_memory(memory_to_free)
-            if freed < memory_to_free:
-                freed += self.restore_loaded_backups()
-            return freed
-
-        def unpatch_model(self, device_to=None, unpatch_weights=True):
-            if not self.vpager_active():
-                return super().unpatch_model(device_to, unpatch_weights)
-            ModelPatcher.unpatch_model(self, device_to=None,
-                                       unpatch_weights=False)
-            if unpatch_weights:
-                self._vp().free_memory(engine.ALL)
-                self.restore_loaded_backups()
-
-        def get_free_memory(self, device):
-            return super().get_free_memory(device) + reclaimable(device)
-
-        def loaded_ram_size(self):
-            n = super().loaded_ram_size()
-            p = self._vp()
-            return n + (p.host_bytes() if p is not None else 0)
-
-        def pinned_memory_size(self):
-            n = super().pinned_memory_size()
-            p = self._vp()
-            return n + (p.host_bytes() if p is not None else 0)
-
-        def vpager_stats(self):
-            """The pager's counters (engine.Pager.stats()), or None."""
-            p = self._vp()
-            return p.stats() if p is not None else None
-
-    def _cloned(_src, clone):
-        if isinstance(clone, VpagerModelPatcher):
             return
-        why = gguf.clone_refusal(clone)
-        if why is not None:
-            note(clone.model, why)
+        self.restore_loaded_backups()
+        self.unpatch_hooks()
+        pager, plan = self._vp_pager(device_to)
+        # Models whose root forward never runs (a VAE's decode): the
+        # order recorded since the last load places the weights now.
+        pager.finish_recording()
+        for name, m, _params in plan.units:
+            self._vp_prepare_op(name, m)
+        # Patched weights: only those whose patch set changed refill.
+        refilled = 0
+        for e in pager.entries:
+            patches = self.patches.get(e.key) or None
+            if engine.same_patch(e.patch, patches):
+                continue
+            key = e.key
+            pager.set_patched(
+                key, list(patches) if patches else None,
+                # the patched weight where ComfyUI computed it: the
+                # new source is copied straight from there
+                lambda key=key: self.patch_weight_to_device(
+                    key, device_to=device_to, return_weight=True))
+            refilled += 1
+        # The rest ComfyUI's way: straight to the device; a parameter
+        # of a module that is no ComfyUI op in the dtype the model
+        # declares for it, as ComfyUI's dynamic path puts it there
+        # (Wan's modulation of a UNet loaded as fp8 from a bf16 file:
+        # fp8, cast on the device).
+        for key, m, k in plan.forced:
+            if m._parameters.get(k) is None:
+                continue
+            self.patch_weight_to_device(key, device_to=device_to,
+                                        force_cast=True)
+            w = m._parameters[k]
+            want = getattr(m, k + "_comfy_model_dtype", None)
+            if not hasattr(m, "comfy_cast_weights") and \
+                    want is not None and w.dtype != want:
+                self._comfy.utils.set_attr_param(self.model, key, w.to(want))
+                w = m._parameters[k]
+            self.model.model_loaded_weight_memory += engine.nbytes(w)
+        for key, buf in self.model.named_buffers(recurse=True):
+            if key not in self.backup_buffers:
+                self.backup_buffers[key] = buf
+            module, name = self._comfy.utils.resolve_attr(self.model, key)
+            dtype = getattr(module, name + "_comfy_model_dtype", None)
+            moved = buf.to(dtype=dtype, device=device_to)
+            self._comfy.utils.set_attr_buffer(self.model, key, moved)
+            self.model.model_loaded_weight_memory += engine.nbytes(moved)
+        pager.prioritize(force=True)
+        pager.learn(force=True)
+        self.model.device = device_to
+        self.model.current_weight_patches_uuid = self.patches_uuid
+        self._vp_refilled = refilled
+        self.model._vp_last_load = (pager, self.patches_uuid, device_to,
+                                    self._vp_refs(self._vp_placed(plan)))
+        log.info("vpager: %s on vpager: %d weights (%d MB) in %d units, "
+                 "%d converted to their ops' dtype (%.0f ms), %d "
+                 "patched (%d refilled), %d loaded ComfyUI's way "
+                 "(%.1f ms)", type(self.model).__name__,
+                 len(pager.entries), pager.weight_bytes >> 20,
+                 len(pager.units), len(pager.converted),
+                 pager.convert_s * 1e3, len(pager.patched_keys()),
+                 refilled, len(plan.forced),
+                 (time.perf_counter() - t0) * 1e3)
+        self._vp_loaded_callbacks(device_to)
 
-    VpagerModelPatcher.__name__ = "VpagerModelPatcher"
-    VpagerModelPatcher.__qualname__ = "VpagerModelPatcher"
-    return VpagerModelPatcher
+    def _vp_loaded_callbacks(self, device_to):
+        for callback in self.get_all_callbacks(
+                self._comfy.model_patcher.CallbacksMP.ON_LOAD):
+            callback(self, device_to, 0, False, False)
+        self.apply_hooks(self.forced_hooks, force_apply=True)
+
+    def _vp_prepare_op(self, n, m):
+        """The op computes on what vpager hands it (its weights in the
+        dtype the op declares, as ComfyUI's VRAM copy: converted at
+        load when stored in another, engine.convert_host): no aimdo
+        state, its class's comfy_cast_weights, ComfyUI's weight
+        wrappers kept."""
+        for attr in ("_v", "_v_signature", "_v_weight", "_v_bias",
+                     "weight_lowvram_function", "bias_lowvram_function",
+                     "comfy_cast_weights", "prev_comfy_cast_weights"):
+            if attr in m.__dict__:
+                vbar = getattr(self._comfy, "model_vbar", None)
+                if attr == "_v" and vbar is not None:
+                    try:
+                        vbar.vbar_unpin(m._v)
+                    except Exception:
+                        pass
+                delattr(m, attr)
+        m.seed_key = n
+        for k in ("weight", "bias"):
+            fns = []
+            key = "%s.%s" % (n, k) if n else k
+            if key in self.weight_wrapper_patches:
+                fns.extend(self.weight_wrapper_patches[key])
+            setattr(m, k + "_function", fns)
+
+    # ------------------------------------------------------- ledger
+    def loaded_size(self):
+        if not self.vpager_active():
+            return super().loaded_size()
+        return (self._vp().loaded_size()
+                + self.model.model_loaded_weight_memory)
+
+    def partially_unload(self, device_to, memory_to_free=0,
+                         force_patch_weights=False):
+        if not self.vpager_active():
+            return super().partially_unload(device_to, memory_to_free,
+                                            force_patch_weights)
+        freed = self._vp().free_memory(memory_to_free)
+        if freed < memory_to_free:
+            freed += self.restore_loaded_backups()
+        return freed
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if not self.vpager_active():
+            return super().unpatch_model(device_to, unpatch_weights)
+        self._comfy.model_patcher.ModelPatcher.unpatch_model(
+            self, device_to=None, unpatch_weights=False)
+        if unpatch_weights:
+            self._vp().free_memory(engine.ALL)
+            self.restore_loaded_backups()
+
+    def get_free_memory(self, device):
+        return super().get_free_memory(device) + reclaimable(device)
+
+    def loaded_ram_size(self):
+        n = super().loaded_ram_size()
+        p = self._vp()
+        return n + (p.host_bytes() if p is not None else 0)
+
+    def pinned_memory_size(self):
+        n = super().pinned_memory_size()
+        p = self._vp()
+        return n + (p.host_bytes() if p is not None else 0)
+
+    def vpager_stats(self):
+        """The pager's counters (engine.Pager.stats()), or None."""
+        p = self._vp()
+        return p.stats() if p is not None else None
+
+
+def _cloned(_src, clone):
+    """ComfyUI's ON_CLONE callback: a clone of another class (ComfyUI-GGUF's
+    loader's) never reaches the node; say so."""
+    if isinstance(clone, VpagerPatcher):
+        return
+    why = gguf.clone_refusal(clone)
+    if why is not None:
+        note(clone.model, why)
+
+
+def make_class(comfy, base):
+    """VpagerModelPatcher: VpagerPatcher over ComfyUI's
+    ModelPatcherDynamic `base`. comfy: a namespace with model_patcher,
+    model_management, utils, lora and cli_args.args."""
+    return type("VpagerModelPatcher", (VpagerPatcher, base),
+                {"_comfy": comfy, "_base": base, "__module__": __name__,
+                 "__qualname__": "VpagerModelPatcher",
+                 "__doc__": VpagerPatcher.__doc__})
