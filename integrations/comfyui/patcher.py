@@ -146,10 +146,14 @@ def plan_model(model, comfy):
         leaf = not any(True for c in m.children() for _ in c.parameters())
         is_op = hasattr(m, "comfy_cast_weights")
         size = sum(engine.nbytes(p) for _, p in own)
+        # A quantized op of any size is a unit: ComfyUI's way (force_cast)
+        # would requantize its weight, other bytes than it stores.
+        quant = any(quantized.is_quantized(p) for _, p in own)
         params = []
         for k, p in own:
             key = "%s.%s" % (n, k) if n else k
-            if is_op and leaf and k in ("weight", "bias") and size > SMALL:
+            if is_op and leaf and k in ("weight", "bias") and (
+                    size > SMALL or quant):
                 if quantized.is_quantized(p):
                     # Paged as its stored parts (quantized.Split).
                     want = p.dtype
@@ -162,6 +166,10 @@ def plan_model(model, comfy):
                     return plan
                 params.append((key, k))
                 plan.dtypes[key] = want
+            elif quantized.is_quantized(p):
+                plan.why = ("%s is a QuantizedTensor that is not a ComfyUI "
+                            "op's weight or bias" % key)
+                return plan
             else:
                 plan.forced.append((key, m, k))
         if params:

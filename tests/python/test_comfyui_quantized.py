@@ -189,12 +189,12 @@ class QPatcher(base.ModelPatcher):
 H = 512         # the blocks' hidden width: 32 KiB of int8 an op
 
 
-def qmodel(layout="TensorWiseINT8Layout", seed=0, scale_shape=()):
+def qmodel(layout="TensorWiseINT8Layout", seed=0, scale_shape=(), h=H):
     """The stand-in DiT with every block's Linear quantized (the norms and
     the root's own parameter stay plain, as a scaled-fp8 checkpoint's
     non-quantized layers do); scale_shape: the scales' shape as the file
     stored them."""
-    m = DiT(op=QLinear, seed=seed, h=H)
+    m = DiT(op=QLinear, seed=seed, h=h)
     for blk in m.diffusion_model.blocks:
         for op in (blk.up, blk.down):
             q = from_float(op.weight.data, layout)
@@ -251,7 +251,7 @@ def test_quantized_paged_bitwise():
         pager = m._vpager_pager
         for _ in range(3):
             assert torch.equal(run(m), want)
-        s = p.vpager_stats()
+        s = p.vpager_stats()["model"]
         assert s["quantized_weights"] == 12, s
         # 12 payloads, 12 scales, 12 biases: vpager.torch's weights.
         assert len(pager.layout()) == 36
@@ -397,6 +397,28 @@ def test_unsupported_layout_falls_back():
         op = m.diffusion_model.blocks[0].up
         assert not any(k.startswith(quantized.PART) for k in op._parameters)
         assert torch.equal(run(m), want)
+
+
+def test_tiny_quantized_ops_are_units():
+    """Quantized ops below the node's 16 KiB (which it would otherwise
+    load ComfyUI's way, force_cast: dequantized and requantized) are
+    units, their stored bytes paged; a QuantizedTensor that is no op's
+    weight or bias falls back, named."""
+    with env() as e:
+        m, ref = qmodel(h=32), qmodel(h=32)
+        plan = glue.plan_model(m, base.comfy_ns())
+        assert plan.why is None and len(plan.units) == 12, plan.why
+        assert not any(k.endswith("up.weight") for k, _m, _k in plan.forced)
+        p = QEnv(e).patcher(m)
+        p.partially_load(CPU)
+        assert p.vpager_active()
+        assert torch.equal(run(m), run(ref))
+    m = qmodel(h=32)
+    m.diffusion_model.pos = nn.Parameter(
+        from_float(m.diffusion_model.pos.data), requires_grad=False)
+    why = glue.plan_model(m, base.comfy_ns()).why
+    assert why == ("diffusion_model.pos is a QuantizedTensor that is not a "
+                   "ComfyUI op's weight or bias"), why
 
 
 def test_parts_refused_when_not_plain():
