@@ -12,7 +12,7 @@ device (a vpager unit's copies); the gap before it is what ran between
     python3 bench/step_timeline.py RESIDENT_LOG NODE_LOG [--top 20]
 
 compares two such logs (e.g. run_resident.log and run_node6.log of
-integrations/comfyui/bench_node.py): totals, and the modules whose time
+bench/bench_node.py): totals, and the modules whose time
 grew the most.
 """
 import argparse

@@ -42,7 +42,7 @@ import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_node as bn  # noqa: E402
 
 GiB = 1 << 30

@@ -496,14 +496,14 @@ def bench_module(name):
 
 
 def test_bench_node_loads_its_harness():
-    """integrations/comfyui/bench_node.py loads bench/comfyui_run.py by path
+    """bench/bench_node.py loads bench/comfyui_run.py by path
     in a fresh interpreter whose sys.path does not hold bench/ (the device
     run of the seventh session's tree failed there at import)."""
     script = ("import runpy, sys; sys.path = [p for p in sys.path if "
               "not p.endswith('bench')]; ns = runpy.run_path(%r, "
               "run_name='bench_node'); cr = ns['harness'](); "
               "print(cr.TAG, cr.step_timeline.TAG)"
-              % os.path.join(REPO, "integrations", "comfyui", "bench_node.py"))
+              % os.path.join(REPO, "bench", "bench_node.py"))
     out = subprocess.run([sys.executable, "-c", script],
                          cwd=tempfile.gettempdir(), capture_output=True,
                          text=True, timeout=120)
@@ -519,8 +519,7 @@ def test_bench_fp8_matrix():
     (ComfyUI's dynamic path under the budget printed, not judged). The
     children are stand-ins here (no GPU, no ComfyUI)."""
     import runpy
-    ns = runpy.run_path(os.path.join(REPO, "integrations", "comfyui",
-                                     "bench_node.py"), run_name="bench_node")
+    ns = runpy.run_path(os.path.join(REPO, "bench", "bench_node.py"), run_name="bench_node")
     cr = ns["harness"]()
     t = types.SimpleNamespace(float8_e4m3fn="e4m3", float8_e5m2="e5m2")
     assert cr.unet_options("default", t) == {}

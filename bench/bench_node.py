@@ -11,7 +11,7 @@ budget of N GiB (--reserve-vram = device total - N); "node" with no budget,
 Runs without the "node" prefix are bench/comfyui_run.py's own (resident:
 the drop-in with every weight resident; N: the drop-in under N GiB).
 
-    python3 integrations/comfyui/bench_node.py --comfyui build-clients/ComfyUI \\
+    python3 bench/bench_node.py --comfyui build-clients/ComfyUI \\
         --runs resident,node6 --out $OUT/comfyui_node
     ... --dry-run            # 1 + 1 blocks, hidden 256, 256x256: a minute
     # issue 15's other points (bench/comfyui_run.py's --model/--lora/--vae):
@@ -55,7 +55,7 @@ import time
 import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+ROOT = os.path.dirname(HERE)
 GiB = 1 << 30
 
 
