@@ -481,6 +481,11 @@ class VpagerPatcher:
                 lambda key=key: self.patch_weight_to_device(
                     key, device_to=device_to, return_weight=True))
             refilled += 1
+        if refilled and device_to.type == "cuda":
+            # ComfyUI computed the patched weights on the device: torch's
+            # cache would keep those blocks reserved, room the budget's
+            # weights and the staging ring then lack.
+            torch.cuda.empty_cache()
         # The rest ComfyUI's way: straight to the device; a parameter
         # of a module that is no ComfyUI op in the dtype the model
         # declares for it, as ComfyUI's dynamic path puts it there

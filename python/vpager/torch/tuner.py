@@ -120,6 +120,10 @@ def enabled(settings, dev_given):
     return settings.order_asked is False
 
 
+class _NoRoom(Exception):
+    """The VBAR has no room for a schedule's placement: keep the layout."""
+
+
 class Tuner:
     """Measures one forward and applies the schedule (see the module's
     doc). handle: the Offloaded (its state, _busy(), _swap()); windows:
@@ -410,12 +414,28 @@ class Tuner:
                 dev.set_staging_size(ring)
             except BusyError:       # a model sharing the ring holds some
                 sch, ring = self.plan(w, sizes, need, [cur])
+        try:
+            self._place(lay, h, dev, flat, units, w, sizes, sch, ring)
+        except _NoRoom:
+            if dev.options["staging_size"] != cur:
+                dev.set_staging_size(cur)
+            return                  # no room to place it: keep the layout
+        except BaseException:
+            # The forwards go on with the ring they had: a new ring the
+            # device cannot hold now (torch took room since it was
+            # planned) must not fail every later forward.
+            if dev.options["staging_size"] != cur:
+                dev.set_staging_size(cur)
+                self.ring = cur
+            raise
+
+    def _place(self, lay, h, dev, flat, units, w, sizes, sch, ring):
+        """Place the weights for schedule `sch` with a ring of `ring`
+        bytes, and fill the resident set."""
         offsets, end = place_resident_first(flat, lay.align, dev.page_size,
                                             sch.resident)
         if end > lay.vbar.size:
-            if ring != cur:
-                dev.set_staging_size(cur)
-            return                  # no room to place it: keep the layout
+            raise _NoRoom("no room in the VBAR to place the schedule")
         self.ring = ring
         h._swap(flat, offsets, [e.src for e in flat])
         lay.groups = None
