@@ -126,15 +126,10 @@ check-install: all
 check-notorch: $(BUILD)/libvpager.so
 	$(MAKE) -s check-python PYTHON="env PYTHONPATH=$(CURDIR)/tests/python/notorch:python:integrations:python/compat $(PYTHON)"
 
-check: check-abi
-	$(MAKE) test
-	$(MAKE) check-layers
-	$(MAKE) check-python
-	$(MAKE) check-notorch
-	$(MAKE) check-install
-	$(MAKE) test SAN=address,undefined OPT=-O1 DEBUG=1
-	$(MAKE) test SAN=thread OPT=-O1
-	$(MAKE) fuzz
+# Every suite: one line a step and a summary line; each step's whole
+# output in build/check/<step>.log (tools/check.sh).
+check:
+	@sh tools/check.sh "$(MAKE)"
 
 # libFuzzer harnesses (clang): make fuzz [FUZZ_SECONDS=60] (tests/fuzz/README.md)
 include tests/fuzz/fuzz.mk
