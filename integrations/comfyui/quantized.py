@@ -18,6 +18,8 @@ resident copy. Outside the forward the op keeps its own QuantizedTensor
 Free of ComfyUI: a quantized weight is recognised by the flatten protocol
 and its layout's name (`_layout_cls`)."""
 
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
 import torch
 
 PART = "_vpager_q_"         # prefix of the parts' parameter names
@@ -35,7 +37,7 @@ LAYOUTS = frozenset((
 _CACHED = 16                # rebuilt wrappers kept per op (by addresses)
 
 
-def is_quantized(t):
+def is_quantized(t: Any) -> bool:
     """True for a tensor subclass that says how to take it apart (torch's
     flatten protocol): ComfyUI's QuantizedTensor."""
     return (isinstance(t, torch.Tensor)
@@ -44,20 +46,21 @@ def is_quantized(t):
             and callable(getattr(type(t), "__tensor_unflatten__", None)))
 
 
-def layout_name(t):
+def layout_name(t: torch.Tensor) -> str:
     """The layout a QuantizedTensor names (comfy_kitchen's _layout_cls)."""
     name = getattr(t, "_layout_cls", None)
     return name if isinstance(name, str) else type(t).__name__
 
 
-def _inner(t):
+def _inner(t: torch.Tensor) -> Tuple[List[Tuple[str, torch.Tensor]], Any]:
     """[(attribute, tensor)] of a quantized tensor's parts, and the
     unflatten context."""
     names, ctx = t.__tensor_flatten__()
     return [(n, getattr(t, n)) for n in names], ctx
 
 
-def refuse(key, module, t):
+def refuse(key: str, module: torch.nn.Module,
+           t: torch.Tensor) -> Optional[str]:
     """Why quantized weight `key` of `module` cannot be paged as its parts,
     or None."""
     layout = layout_name(t)
@@ -86,7 +89,7 @@ def refuse(key, module, t):
     return None
 
 
-def nbytes(t):
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
@@ -95,7 +98,8 @@ class Split:
     [(parameter name on the op, Parameter, inner attribute)], installed on
     the op by install() with the forward wrapper, removed by remove()."""
 
-    def __init__(self, key, module, pname, weight):
+    def __init__(self, key: str, module: torch.nn.Module, pname: str,
+                 weight: torch.Tensor) -> None:
         self.key = key
         self.module = module
         self.pname = pname
@@ -106,19 +110,19 @@ class Split:
         self.outer = (weight.size(), weight.stride())
         self.is_param = bool(getattr(weight, "_is_param", False))
         prefix = key[:len(key) - len(pname)]
-        self.parts = []
-        self.names = []                 # qualified names (vpager.torch's)
+        self.parts: List[Tuple[str, torch.nn.Parameter, str]] = []
+        self.names: List[str] = []      # qualified names (vpager.torch's)
         for attr, x in inner:
             name = "%s%s_%s" % (PART, pname, attr.lstrip("_"))
             self.parts.append((name, torch.nn.Parameter(
                 x.detach(), requires_grad=False), attr))
             self.names.append(prefix + name)
         self.size = sum(nbytes(p) for _n, p, _a in self.parts)
-        self.cache = {}
+        self.cache: Dict[Tuple[int, ...], torch.Tensor] = {}
         self.installed = False
         self.saved = None               # (had a forward of its own, it)
 
-    def install(self):
+    def install(self) -> None:
         """The parts become the op's parameters, its forward wrapped."""
         d = self.module._parameters
         for name, p, _a in self.parts:
@@ -132,7 +136,7 @@ class Split:
         m.forward = self._wrap(m.forward)
         self.installed = True
 
-    def remove(self):
+    def remove(self) -> None:
         """The op as it was: parts and wrapper out."""
         if not self.installed:
             return
@@ -147,7 +151,7 @@ class Split:
             self.module.__dict__.pop("forward", None)
         self.cache.clear()
 
-    def _wrap(self, fwd):
+    def _wrap(self, fwd: Callable[..., Any]) -> Callable[..., Any]:
         module, pname, rebuild = self.module, self.pname, self.rebuild
 
         def forward(*args, **kwargs):
@@ -162,7 +166,7 @@ class Split:
         forward._vpager_split = self
         return forward
 
-    def rebuild(self):
+    def rebuild(self) -> torch.Tensor:
         """The op's wrapper class over the parts as they are now (inside
         the forward: views of what vpager acquired), cached by their
         addresses (the resident ones repeat, so do the staging slots')."""
@@ -181,7 +185,8 @@ class Split:
             self.cache[k] = qt
         return qt
 
-    def sources(self, qt):
+    def sources(self, qt: Optional[torch.Tensor]
+                ) -> List[Optional[torch.Tensor]]:
         """[tensor or None] per part: the parts of `qt` (the op's weight
         patched: the same layout, parts of the same dtypes and shapes), or
         Nones (its own bytes) for None. ValueError if they differ."""

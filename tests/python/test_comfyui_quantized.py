@@ -456,7 +456,8 @@ def test_bench_quant_matrix():
     ComfyUI, no float8 in CI's torch)."""
     import runpy
     import tempfile
-    ns = runpy.run_path(os.path.join(REPO, "bench", "bench_node.py"), run_name="bench_node")
+    ns = runpy.run_path(os.path.join(REPO, "bench", "bench_node.py"),
+                        run_name="bench_node")
     cr = ns["harness"]()
     sd = {"img_in.weight": torch.zeros(8, 4),
           "double_blocks.0.img_attn.qkv.weight": torch.zeros(24, 8),
