@@ -203,7 +203,7 @@ def worker(role, name, unit, dry, budget, ledger_on):
                         continue
                     times.append(time.perf_counter() - t)
                 tail = times[len(times) // 3:] or times
-                st = h.stats()
+                st = h.stats()["model"]
                 reply(steps=len(times), steady_ms=bl.med(tail) * 1e3
                       if tail else None,
                       steps_per_s=(1.0 / bl.med(tail)) if tail else 0.0,

@@ -146,6 +146,8 @@ def child(cr, a):
         stats = getattr(patcher, "vpager_stats", None)
         s = stats() if stats is not None else None
         if s is not None:
+            sch = s["schedule"]
+            s = dict(s["model"], schedule=sch)
             m["vpager"] = {k: s[k] for k in (
                 "weights", "weight_bytes", "resident_bytes", "units",
                 "acquires", "hits", "misses", "weight_fills",

@@ -104,7 +104,10 @@ def size_str(n):
 
 
 def copied(a, b):
-    """Bytes vpager copied host->device between two stats() dicts."""
+    """Bytes vpager copied host->device between two stats() dicts (a
+    handle's: its "model" counters)."""
+    if "model" in a:
+        a, b = a["model"], b["model"]
     return copied_bytes(stats_delta(a, b))
 
 
@@ -474,7 +477,7 @@ def bench_hotpath(ctx, cfg):
             with torch.no_grad():
                 offm(x)
                 ctx.sync()
-                st0 = hd.stats()
+                st0 = hd.stats()["model"]
 
                 def call_off(iters):
                     for _ in range(iters):
@@ -485,7 +488,7 @@ def bench_hotpath(ctx, cfg):
                         plain(x)
                 ob, om = _best_med(call_off, ctx, cfg)
                 pb, pm = _best_med(call_plain, ctx, cfg)
-                st1 = hd.stats()
+                st1 = hd.stats()["model"]
             per = (om - pm) / n
             say("   n=%2d: vpager.torch unit wrapper %6.0f ns/weight "
                 "(offloaded forward %.2f us - plain forward %.2f us, / n); "
@@ -738,9 +741,9 @@ def run_decoder(ctx, cfg, model, ids, label, stats=None):
     if stats:
         def d(a, b, k):
             # copies, ring_waits, stream_waits are counted per device only
-            if k in ("copies", "ring_waits", "stream_waits"):
-                a, b = a["device"], b["device"]
-            return b[k] - a[k]
+            sec = ("device" if k in ("copies", "ring_waits", "stream_waits")
+                   else "model")
+            return b[sec][k] - a[sec][k]
         pf = copied(s0, s1) / cfg.prefill_reps
         dc = copied(s1, s2) / n_dec
         res["prefill_bytes"], res["decode_bytes"] = pf, dc
@@ -817,7 +820,7 @@ def bench_llama(ctx, cfg):
                        **ctx.vp_opts)
         t_off = time.perf_counter() - t0
         o = h.device.options
-        s = h.stats()
+        s = h.stats()["model"]
         say("   (b) vpager.torch.offload(model, device=%s, budget=%.3f GB) in "
             "%.1f s: %d weights in %d units, VBAR %.3f GB; page %s, "
             "staging %s, lookahead %s, order %s" % (
@@ -831,10 +834,11 @@ def bench_llama(ctx, cfg):
             s = h.stats()
             say("   vpager: resident %.3f GB of %.3f (budget %.3f); device "
                 "committed %.3f GB; %s" % (
-                    s["resident_bytes"] / GB, s["weight_bytes"] / GB,
+                    s["model"]["resident_bytes"] / GB,
+                    s["model"]["weight_bytes"] / GB,
                     budget / GB, s["device"]["committed_bytes"] / GB,
                     ctx.mem()))
-            runs["vpager"]["resident_bytes"] = s["resident_bytes"]
+            runs["vpager"]["resident_bytes"] = s["model"]["resident_bytes"]
         finally:
             t0 = time.perf_counter()
             try:
@@ -1049,7 +1053,7 @@ def bench_dit(ctx, cfg):
         h = vt.offload(model, device=ctx.device, budget=budget,
                        **ctx.vp_opts)
         o = h.device.options
-        s = h.stats()
+        s = h.stats()["model"]
         say("   vpager.torch.offload(device=%s, budget=%.3f GB) in %.1f s: "
             "%d weights in %d units; page %s, staging %s, lookahead %s, "
             "order %s" % (
@@ -1481,7 +1485,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
             opts.update(extra_opts or {})
             h = vt.offload(model, device=ctx.device, budget=budget, **opts)
             r["offload_s"] = time.perf_counter() - t0
-            r["load_seconds"] = h.stats()["load_seconds"]
+            r["load_seconds"] = h.stats()["model"]["load_seconds"]
             o = h.device.options
             try:
                 with torch.no_grad():
@@ -1512,7 +1516,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                     if h._hot.held_units:
                         r["held_pair"] = _held_pair(ctx, fwd, h)
                 n = len(ts)
-                d = stats_delta(s1, s2)
+                d = stats_delta(s1["model"], s2["model"])
                 dd = stats_delta(s1["device"], s2["device"])
                 r.update(ms=med(ts), all_ms=ts, wall_ms=wall,
                          copied_bytes=copied_bytes(d) / n,
@@ -1523,9 +1527,9 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                          wait_ms=wait_ms, waits_probed=probe.count(),
                          wait_host_ms=wait_host_ms,
                          held=len(h._hot.held_units),
-                         resident_bytes=s2["resident_bytes"],
+                         resident_bytes=s2["model"]["resident_bytes"],
                          staging=o["staging_size"], lookahead=o["lookahead"],
-                         page=o["page_size"], units=s2["units"],
+                         page=o["page_size"], units=s2["model"]["units"],
                          predicted_ms=sch.get("predicted_ms"),
                          replans=sch.get("replans"), rings=sch.get("rings"),
                          equal=bitwise_equal(y, ref_out))

@@ -1075,6 +1075,13 @@ def memory(patcher, torch):
 
 # ----------------------------------------------------------- orchestrator
 
+def step_counter(s, k):
+    """Counter k of a pager's stats() (vpager.torch's shape: the device
+    alone counts the ring's and the streams' waits)."""
+    sec = s["device"] if k in ("ring_waits", "stream_waits") else s["model"]
+    return sec.get(k)
+
+
 def say_step_stats(label, steps_ms, snaps):
     for i in range(1, len(snaps)):
         a, b = snaps[i - 1], snaps[i]
@@ -1082,8 +1089,9 @@ def say_step_stats(label, steps_ms, snaps):
             continue
         say("    step %d (%s): %.1f ms; %s" % (
             i, label, steps_ms[i - 1], " ".join(
-                "%s %d" % (k, b[k] - a[k]) for k in STEP_KEYS
-                if k in a and k in b)))
+                "%s %d" % (k, step_counter(b, k) - step_counter(a, k))
+                for k in STEP_KEYS if step_counter(a, k) is not None
+                and step_counter(b, k) is not None)))
 
 
 def child_env(a, more_path=()):

@@ -439,21 +439,26 @@ class Pager:
         """Host memory held for sources: the host copy and patched copies."""
         if self.closed:
             return 0
-        s = self.h.stats()
+        s = self.h.stats()["model"]
         return s["host_bytes"] + sum(self.by_key[k].size
                                      for k in self.patched_keys())
 
     def stats(self):
+        """vpager.torch's stats() shape (python/README.md, "stats()"),
+        the node's own figures in "model": its weights as ComfyUI holds
+        them, converted_weights, quantized_weights, convert_ms,
+        patched_weights, refills."""
         s = self.h.stats()
-        s["weights"] = len(self.entries)
-        s["weight_bytes"] = self.weight_bytes
-        s["file_weights"] = sum(e.file is not None for e in self.entries)
-        s["converted_weights"] = len(self.converted)
-        s["quantized_weights"] = sum(e.split is not None
+        m = s["model"]
+        m["weights"] = len(self.entries)
+        m["weight_bytes"] = self.weight_bytes
+        m["file_weights"] = sum(e.file is not None for e in self.entries)
+        m["converted_weights"] = len(self.converted)
+        m["quantized_weights"] = sum(e.split is not None
                                      for e in self.entries)
-        s["convert_ms"] = self.convert_s * 1e3
-        s["patched_weights"] = len(self.patched_keys())
-        s["refills"] = self.refills
+        m["convert_ms"] = self.convert_s * 1e3
+        m["patched_weights"] = len(self.patched_keys())
+        m["refills"] = self.refills
         return s
 
     # ------------------------------------------------------------ close

@@ -97,7 +97,7 @@ def environ(**env):
 
 
 def no_pins(h):
-    return all(not (f & vpager.PAGE_PINNED) for f in h.residency())
+    return all(not (f & vpager.PAGE_PINNED) for f in h.page_flags())
 
 
 # ---------------------------------------------------------------- models
@@ -249,10 +249,10 @@ def test_mlp_bitwise_and_counters():
     assert isinstance(m[0].weight, nn.Parameter)
     assert m[0].weight.shape == (256, 64)           # placeholder keeps shape
     assert torch.isnan(m[0].weight).all()           # ... but not the values
-    s0 = h.stats()
+    s0 = h.stats()["model"]
     assert s0["acquires"] == 0 and s0["units"] == 8 and s0["weights"] == 16
     assert torch.equal(m(x), want)
-    s1 = h.stats()
+    s1 = h.stats()["model"]
     assert s1["acquires"] >= 16     # the forward's, then the schedule's
     assert s1["fills"] > 0 and s1["weight_fills"] > 0
     assert s1["misses"] > 0 and s1["weight_staged"] > 0   # did not all fit
@@ -261,15 +261,16 @@ def test_mlp_bitwise_and_counters():
     # second fills the resident set once.
     assert h.order == "scheduled" and h.schedule() is not None
     assert torch.equal(m(x), want)
-    s1 = h.stats()
+    s1 = h.stats()["model"]
     assert torch.equal(m(x), want)
-    d2 = delta(h.stats(), s1, "fills", "hits", "misses", "weight_fills")
+    d2 = delta(h.stats()["model"], s1, "fills", "hits", "misses",
+               "weight_fills")
     assert d2["fills"] < s1["fills"], d2                 # fewer fills
     assert d2["hits"] > 0 and d2["misses"] > 0, d2
-    s2 = h.stats()
+    s2 = h.stats()["model"]
     for _ in range(20):                                  # many in a row
         assert torch.equal(m(x), want)
-    d = delta(h.stats(), s2, "acquires", "fills", "hits", "misses")
+    d = delta(h.stats()["model"], s2, "acquires", "fills", "hits", "misses")
     assert d["acquires"] == 20 * 16
     assert d["hits"] + d["misses"] == d["acquires"], d
     assert d["fills"] <= 20 * d2["fills"], d             # a stable set
@@ -298,14 +299,14 @@ def test_staged_views_shared_across_weights():
     try:
         for _ in range(3):
             assert torch.equal(m(x), want)
-        s = h.stats()
+        s = h.stats()["model"]
         first = len(built)
         assert s["weight_staged"] + s["prefetch_bytes"] > 0, s
         for _ in range(3):
             assert torch.equal(m(x), want)
-        staged = h.stats()["weight_staged"] - s["weight_staged"]
+        staged = h.stats()["model"]["weight_staged"] - s["weight_staged"]
         assert len(built) == first, (len(built), first)
-        assert staged + h.stats()["prefetch_used_bytes"] > \
+        assert staged + h.stats()["model"]["prefetch_used_bytes"] > \
             s["prefetch_used_bytes"]                    # still streaming
         assert 0 < len(h._hot.staged) <= PAGE // (32 * 32 * 4)
     finally:
@@ -345,8 +346,9 @@ def test_schedule_by_time():
     assert h.layout() == layout                         # stable
     d = delta(s1["device"], s0["device"], "pages_committed", "pages_evicted")
     assert d == {"pages_committed": 0, "pages_evicted": 0}, d
-    assert delta(s1, s0, "weight_fills")["weight_fills"] == 0
-    assert delta(s1, s0, "hits")["hits"] > 0
+    assert delta(s1["model"], s0["model"],
+                 "weight_fills")["weight_fills"] == 0
+    assert delta(s1["model"], s0["model"], "hits")["hits"] > 0
     assert "custom" in h.report()
     assert no_pins(h)
     h.unload()
@@ -464,7 +466,8 @@ def test_second_measured_forward_keeps_only_a_schedule_that_fits():
             tuner.ROUNDS_MAX, tuner.SETTLED, tuner.SETTLED_ABS = 5, -1, -1
         try:
             m, x, want, h = _scheduled_mlp()
-            load = h.stats()["load_seconds"]  # offload()'s host copy, timed
+            # offload()'s host copy, timed
+            load = h.stats()["model"]["load_seconds"]
             assert set(load) == {"host_alloc_s", "host_fill_s"}, load
             assert torch.equal(m(x), want)
             first = h.schedule()
@@ -534,7 +537,7 @@ def test_transformer_stack_bitwise():
             assert torch.equal(m(tok), want)
     with torch.inference_mode():
         assert torch.equal(m(tok), ref(tok))
-    s = h.stats()
+    s = h.stats()["model"]
     assert s["misses"] > 0 and s["hits"] > 0
     assert no_pins(h)
     h.unload()
@@ -570,7 +573,7 @@ def test_convnet_bitwise_and_batchnorm_buffers():
         assert torch.equal(m(x), ref(x))
     sd, rsd = m.state_dict(), ref.state_dict()
     assert all(torch.equal(sd[k], rsd[k]) for k in rsd)
-    assert h.stats()["misses"] > 0
+    assert h.stats()["model"]["misses"] > 0
     h.unload()
 
 
@@ -649,7 +652,8 @@ def test_shared_weights():
     assert ref[0] is ref[2] and ref[4].weight is ref[0].weight
     x = torch.randn(5, 256)
     h = offload_sim(m, budget=384 * K, staging=320 * K)
-    assert h.stats()["weights"] == 5      # lin.w, lin.b, tied.b, last w, b
+    # lin.w, lin.b, tied.b, last w, b
+    assert h.stats()["model"]["weights"] == 5
     with torch.no_grad():
         want = ref(x)
         for _ in range(4):
@@ -677,16 +681,16 @@ def test_two_models_alternating_on_one_device():
             wa, wb = ra(x), rb(x)
             for i in range(4):
                 assert torch.equal(a(x), wa), i
-                ra_bytes = ha.stats()["resident_bytes"]
+                ra_bytes = ha.stats()["model"]["resident_bytes"]
                 assert ra_bytes > 0
                 assert torch.equal(b(x), wb), i
                 # The model that ran last holds more of the device.
-                assert hb.stats()["resident_bytes"] > \
-                    ha.stats()["resident_bytes"], i
+                assert hb.stats()["model"]["resident_bytes"] > \
+                    ha.stats()["model"]["resident_bytes"], i
         sd = ha.stats()["device"]
         assert sd["pages_evicted"] > 0
-        assert sd["acquires"] == ha.stats()["acquires"] + \
-            hb.stats()["acquires"]
+        assert sd["acquires"] == ha.stats()["model"]["acquires"] + \
+            hb.stats()["model"]["acquires"]
         ha.unload()
         with torch.no_grad():
             assert torch.equal(b(x), wb)
@@ -1073,10 +1077,10 @@ def test_oom_retry():
     with torch.no_grad():
         want = ref(x)
         assert torch.equal(m(x), want)
-        before = h.stats()
+        before = h.stats()["model"]
         m[1].fails = 1                      # fails once, then works
         assert torch.equal(m(x), want)
-        assert h.stats()["pages_evicted"] > before["pages_evicted"]
+        assert h.stats()["model"]["pages_evicted"] > before["pages_evicted"]
         m[1].fails = 2                      # fails twice: re-raised
         e = raises(torch.cuda.OutOfMemoryError, m, x)
         assert "vpager.torch" in str(e) and "2.00 GiB" in str(e)
@@ -1108,7 +1112,8 @@ def test_activation_headroom_learned():
         calls = reserved(now, peak)
         h._learn()                  # what a CUDA root forward does first
         assert calls == [0]
-        return dev.info()["headroom"], h.stats()["activation_headroom"]
+        return (dev.info()["headroom"],
+                h.stats()["device"]["activation_headroom"])
 
     M = 1 << 20
     saved = vt._torch_reserved
@@ -1124,7 +1129,7 @@ def test_activation_headroom_learned():
         with torch.no_grad():       # simulated device: nothing learned
             assert torch.equal(m(x), ref(x))
         assert calls == [] and dev.info()["headroom"] == PAGE
-        assert h.stats()["activation_headroom"] == 0
+        assert h.stats()["device"]["activation_headroom"] == 0
         # peak - now + min(5% of peak, 256 MiB), never below the user's
         assert learn(100 * K, 300 * K) == (200 * K + 300 * K // 20,) * 2
         assert learn(300 * K, 300 * K) == (PAGE, 300 * K // 20)
@@ -1209,7 +1214,7 @@ def test_weights_from_safetensors_into_a_meta_model():
         assert m[0].weight.is_meta
         h = offload_sim(m, budget=768 * K, staging=320 * K,
                         weights_from=path)
-        s = h.stats()
+        s = h.stats()["model"]
         assert s["host_bytes"] == 0, s          # no host copy of the model
         assert s["file_weights"] == s["weights"] == 16
         assert all(src == "file" for _, _, _, src in h.layout())
@@ -1218,7 +1223,7 @@ def test_weights_from_safetensors_into_a_meta_model():
         with torch.no_grad():
             for _ in range(4):
                 assert torch.equal(m(x), want)
-        s = h.stats()
+        s = h.stats()["model"]
         assert s["misses"] > 0 and s["hits"] > 0 and s["weight_fills"] > 0
         assert s["resident_bytes"] < h.weight_bytes
         assert no_pins(h)
@@ -1246,7 +1251,7 @@ def test_weights_from_safetensors_into_a_meta_model():
             p.data = torch.empty_like(p)
         h = offload_sim(b.eval(), budget=384 * K, staging=320 * K,
                         weights_from=path)
-        assert h.stats()["weights"] == 3
+        assert h.stats()["model"]["weights"] == 3
         xa = torch.randn(3, 256)
         with torch.no_grad():
             for _ in range(3):
@@ -1268,12 +1273,12 @@ def test_load_safetensors_into_an_offloaded_model():
         write_safetensors(path, ref.state_dict())
         m = convnet(seed=1)                     # other weights
         h = offload_sim(m, budget=320 * K, staging=192 * K)
-        host0 = h.stats()["host_bytes"]
+        host0 = h.stats()["model"]["host_bytes"]
         assert host0 >= h.weight_bytes
         with torch.no_grad():
             assert not torch.equal(m(x), want)
         assert vt.load_safetensors(m, path) is h
-        s = h.stats()
+        s = h.stats()["model"]
         nparams = sum(1 for _ in m.parameters())
         assert s["file_weights"] == nparams and s["weights"] > nparams
         assert 0 < s["host_bytes"] < host0 // 4, s  # buffers only
@@ -1283,7 +1288,7 @@ def test_load_safetensors_into_an_offloaded_model():
         with torch.no_grad():
             for _ in range(3):
                 assert torch.equal(m(x), want)
-        assert h.stats()["misses"] > 0
+        assert h.stats()["model"]["misses"] > 0
         # Training mode updates the buffers (host copies); the parameters
         # keep coming from the file.
         m.train()
@@ -1397,10 +1402,10 @@ def test_execution_order_placement():
                     assert offsets == sorted(offsets) and \
                         offsets[0] == 0, offsets
                 assert all(off % vt.ALIGN == 0 for off in offsets)
-                acq = h.stats()["acquires"]
+                acq = h.stats()["model"]["acquires"]
                 for _ in range(5):
                     assert torch.equal(m(x), want), kw
-            s = h.stats()
+            s = h.stats()["model"]
             assert s["acquires"] == acq + 5 * 16    # counters carry on
             assert s["hits"] > 0 and s["misses"] > 0
             assert no_pins(h)
@@ -1424,7 +1429,7 @@ def test_execution_order_placement():
     before = h.layout()
     with torch.no_grad():
         m(x)
-    assert h.layout() == before and h.stats()["pages_evicted"] == 0
+    assert h.layout() == before and h.stats()["model"]["pages_evicted"] == 0
 
 
 def test_group_cut_with_least_padding():
@@ -1480,7 +1485,7 @@ def test_interleaved_order_page_aligned_groups():
             with torch.no_grad():
                 for _ in range(4):
                     assert torch.equal(model(x), want)
-        s = h.stats()
+        s = h.stats()["model"]
         assert s["hits"] > 0 and s["misses"] > 0
         assert no_pins(h)
         h.unload()
@@ -1874,7 +1879,7 @@ def test_a_later_plan_may_grow_the_ring_back():
         for _ in range(3):
             assert torch.equal(small(x), ref(x))
         assert h.schedule()["staging"] == top
-        assert h.stats()["resident_bytes"] > 0
+        assert h.stats()["model"]["resident_bytes"] > 0
         assert no_pins(h)
         h.unload()
     finally:
@@ -1911,7 +1916,7 @@ def test_staging_ring_sized_to_the_device():
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(m(x), ref(x))
-        s = h.stats()
+        s = h.stats()["model"]
         assert s["misses"] > 0 and s["hits"] > 0, s
     finally:
         h.unload()
@@ -1948,7 +1953,7 @@ def test_budget_too_small_for_the_staging_ring_is_refused():
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(m(x), ref(x))
-    assert h.stats()["hits"] == 0 and h.stats()["misses"] > 0
+    assert h.stats()["model"]["hits"] == 0 and h.stats()["model"]["misses"] > 0
     h.unload()
     # A shared device: its ring, a budget given to offload().
     dev = vt.open_device("sim", staging_size=ring, **opts)
@@ -2021,7 +2026,7 @@ def test_cuda():
             for _ in range(5):
                 assert torch.equal(m(x.cuda()), want)
         torch.cuda.synchronize()
-        s = h.stats()
+        s = h.stats()["model"]
         assert s["misses"] > 0 and s["hits"] > 0, s
         h.unload()
         assert m[2].weight.device.type == ("cuda" if seed == 0 else "cpu")
@@ -2041,7 +2046,7 @@ def test_cuda():
                 assert torch.equal(m(xc), want)
         torch.cuda.synchronize()
         assert h.units()[0][0] == "embed" and h.layout()[0][1] == 0
-        s = h.stats()
+        s = h.stats()["model"]
         assert s["host_bytes"] == 0 and s["misses"] > 0 and s["hits"] > 0
         h.unload()
         assert m.embed.weight.device.type == "cpu"
@@ -2107,7 +2112,8 @@ def test_embedded_offload_tensors_outside_root():
             for _ in range(4):
                 assert torch.equal(w.step(x), want)
         assert h.order == "scheduled" and h.schedule() is not None
-        assert h.stats()["replaced"] == 0       # module order = use order
+        # module order = use order
+        assert h.stats()["model"]["replaced"] == 0
         assert torch.equal(net[2].weight, ref.net[2].weight)
         h.unload()
         assert torch.equal(w.step(x), want)
@@ -2129,15 +2135,16 @@ def test_set_source_refills_one_weight():
         want = ref(x)
         assert torch.equal(m(x), want)
         assert torch.equal(m(x), want)
-        f0 = h.stats()["weight_fills"]
+        f0 = h.stats()["model"]["weight_fills"]
         patched = ref[2].weight + 0.25
         h.set_source("2.weight", patched)
-        assert h.stats()["set_sources"] == 1
+        assert h.stats()["model"]["set_sources"] == 1
         ref2 = frozen_copy(ref)
         ref2[2].weight.data = patched.clone()
         want2 = ref2(x)
         assert torch.equal(m(x), want2)
-        assert h.stats()["weight_fills"] - f0 == 1      # that weight only
+        # that weight only
+        assert h.stats()["model"]["weight_fills"] - f0 == 1
         # Outside the forward the tensor keeps its own bytes.
         assert torch.equal(m[2].weight, ref[2].weight)
         assert torch.equal(h.module.state_dict()["2.weight"], ref[2].weight)
@@ -2145,11 +2152,11 @@ def test_set_source_refills_one_weight():
         h.set_source("2.weight", patched * 2)
         ref2[2].weight.data = patched * 2
         assert torch.equal(m(x), ref2(x))
-        f1 = h.stats()["weight_fills"]
+        f1 = h.stats()["model"]["weight_fills"]
         h.set_source("2.weight", None)
-        assert h.stats()["set_sources"] == 0
+        assert h.stats()["model"]["set_sources"] == 0
         assert torch.equal(m(x), want)
-        assert h.stats()["weight_fills"] - f1 == 1
+        assert h.stats()["model"]["weight_fills"] - f1 == 1
         h.set_source("2.weight", None)          # nothing to undo
     raises(ValueError, h.set_source, "2.weight", torch.zeros(3))
     raises(KeyError, h.set_source, "nope", None)
@@ -2190,7 +2197,7 @@ def test_sources_callable_and_place_by_use():
         def src(name, t):
             return vpager.Source.from_file(fd, where[name])
         h = offload_sim(m, 4 << 20, 320 * K, sources=src, outside="host")
-        assert h.stats()["host_bytes"] == 0
+        assert h.stats()["model"]["host_bytes"] == 0
         assert all(kind == "source" for _, _, _, kind in h.layout())
         assert torch.equal(m[2].weight, ref[2].weight)
         # The units, not the root, run: backwards through the layers.
@@ -2205,7 +2212,7 @@ def test_sources_callable_and_place_by_use():
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
         assert h.stats()["device"]["file_bytes_read"] > 0 or \
-            h.stats()["file_bytes_read"] > 0
+            h.stats()["model"]["file_bytes_read"] > 0
         h.unload()
         assert torch.equal(m(x), ref(x))
     finally:

@@ -3,7 +3,7 @@
     import vpager.torch
     h = vpager.torch.offload(model, budget="20G")   # CUDA when torch has it
     y = model(x)                     # as before; weights stream as needed
-    print(h.stats()["hits"], h.residency())
+    print(h.stats()["model"]["hits"], h.residency())
     h.unload()                       # parameters are ordinary tensors again
 
     # Or with the weights straight from a file, the model never in memory:

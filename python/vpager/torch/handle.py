@@ -15,6 +15,7 @@ from .. import env
 from ..weights import Source, WeightBatch
 from .devices import (attach, devstate, DEVSTATES, leave, open_for,
                       SIZED_RINGS)
+from . import counters
 from . import ledger as _ledger
 from .hotpath import HotPath
 from .layout import Layout
@@ -51,6 +52,7 @@ class Offloaded:
     vbar, target (the torch device it computes on), order (the VBAR's
     eviction order: "interleaved", "tail", or "scheduled" once the copy
     schedule ranks its pages: tuner.py); stats(), schedule(), residency(),
+    page_flags(),
     layout(), units(), prioritize(), acquired(), load_safetensors(),
     unload(), close(). See python/README.md."""
 
@@ -365,37 +367,12 @@ class Offloaded:
         return self._recorder.finish()
 
     def stats(self):
-        """The VBAR's counters (vpager.STAT_NAMES: hits, fills, misses,
-        acquires, weight_fills, weight_staged, ...), plus "device": the
-        device's counters (all models on it), "weights", "weight_bytes",
-        "vbar_bytes", "resident_bytes", "units", "host_bytes" (the
-        pinned host copy), "file_weights" (weights read from a file) and
-        "activation_headroom" (CUDA: what the last forward learned torch
-        may still grab, margin included; the device's headroom is the
-        larger of it and the user's; 0 before a forward and on the
-        simulated device), "load_seconds" (of offload(): host_alloc_s,
-        allocating and pinning the host copy, host_fill_s, copying the
-        weights into it; empty without a host copy), "governor" (the
-        device's Governor: its inputs, and the limit, headroom and
-        lookahead derived from them; vpager.governor)."""
+        """{"model": this model's counters and sizes, "device": the
+        device's counters (all models on it), "schedule": schedule(),
+        "governor": the device's Governor}: counters.py, and
+        python/README.md's "stats()" for every key."""
         self._check_open()
-        lay = self._layout
-        s = self.vbar.stats()
-        s["device"] = self.device.stats()
-        s["weights"] = len(lay.entries)
-        s["weight_bytes"] = self.weight_bytes
-        s["vbar_bytes"] = self.vbar.size
-        s["resident_bytes"] = self.vbar.loaded_size()
-        s["units"] = len(lay.units)
-        s["host_bytes"] = lay.hb.size if lay.hb is not None else 0
-        s["file_weights"] = sum(e.host is None for e in lay.entries)
-        s["activation_headroom"] = self._ds.gov.learned
-        s["replaced"] = self.replaced
-        s["set_sources"] = sum(e.own is not None for e in lay.entries)
-        s["schedule"] = self.schedule()
-        s["load_seconds"] = dict(lay.load_times)
-        s["governor"] = self._ds.gov.stats()
-        return s
+        return counters.handle_stats(self, self._layout, self._ds.gov)
 
     def schedule(self):
         """What the schedule chose after the first forward (tuner.py), or
@@ -429,6 +406,10 @@ class Offloaded:
                 "windows": list(sch.window) if t.windows else None}
 
     def residency(self):
+        """The VBAR's pages as a map: "#" resident, "P" pinned, "." not."""
+        return counters.residency_map(self.page_flags())
+
+    def page_flags(self):
         """One byte per VBAR page: vpager.PAGE_RESIDENT | PAGE_PINNED."""
         self._check_open()
         return self.vbar.residency()
