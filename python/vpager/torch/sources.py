@@ -13,6 +13,7 @@ import torch
 
 from ..weights import Source
 from .placement import place
+from .progress import Progress
 from .views import placeholder, view
 
 
@@ -39,11 +40,11 @@ COPY_CHUNK = 64 << 20       # bytes a thread copies at a time
 _COPY_BATCH = 1 << 30       # bytes copied before old storage is let go
 
 
-def copy_all(pairs):
+def copy_all(pairs, advance=None):
     """dst.copy_(src) for each (dst, src) of CPU tensors, over a few
     threads in chunks (torch's copies release the GIL): a model read out
     of a file mapping (ComfyUI's safetensors loader) or RAM is copied at
-    memory speed, not one core's."""
+    memory speed, not one core's. advance(bytes) after each chunk."""
     jobs = []
     for dst, src in pairs:
         n = dst.numel()
@@ -57,11 +58,15 @@ def copy_all(pairs):
     if threads <= 1:
         for d, s in jobs:
             d.copy_(s)
+            if advance is not None:
+                advance(d.numel() * d.element_size())
         return
 
     def one(job):
         with torch.no_grad(), torch.inference_mode(False):
             job[0].copy_(job[1])
+        if advance is not None:
+            advance(job[0].numel() * job[0].element_size())
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, jobs))
 
@@ -90,17 +95,20 @@ def host_memory(total):
     return torch.frombuffer(buf, dtype=torch.uint8)[:total], buf
 
 
-def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved):
+def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
+               progress):
     """Copy the hosted entries' bytes into `host` (a uint8 CPU tensor; from
     the file, or from their tensors: copy_all, a batch of up to 1 GiB at a
     time) and fill their slots; CPU tensors are pointed at their host copy
-    after each batch (appended to `moved`)."""
+    after each batch (appended to `moved`); progress.advance() as bytes
+    are copied."""
     base = st.mmap()[0] if st is not None else 0
     ptr = host.data_ptr()
     batch, size = [], 0
 
     def flush():
-        copy_all([(h, e.tensor.detach()) for e, h in batch])
+        copy_all([(h, e.tensor.detach()) for e, h in batch],
+                 progress.advance)
         for e, h in batch:
             if e.src_device.type == "cpu":
                 # The host copy serves until the placeholders go in: the
@@ -115,6 +123,7 @@ def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved):
         h = host[off:off + e.size].view(e.dtype).view(e.shape)
         if st is not None:
             ctypes.memmove(h.data_ptr(), base + plan[e].offset, e.size)
+            progress.advance(e.size)
         else:
             batch.append((e, h))
             size += e.size
@@ -147,15 +156,18 @@ def sources(dev, entries, align, st=None, plan=None, custom=None, times=None):
     t0 = time.perf_counter()
     host, buf = host_memory(total)
     moved = []
+    progress = Progress(total, "vpager.torch.offload: copying the weights "
+                        "to pinned host memory")
     try:
         with torch.no_grad(), torch.inference_mode(False):
             _fill_host(host, entries, hosted, offsets, slots, st, plan,
-                       moved)
+                       moved, progress)
         t1 = time.perf_counter()
         hb = dev.register_hostbuf(buf, total)
         if times is not None:
             times["host_fill_s"] = t1 - t0
             times["host_alloc_s"] = time.perf_counter() - t1
+        progress.close()
     except BaseException:
         with torch.no_grad(), torch.inference_mode(False):
             for e in moved:
