@@ -147,6 +147,16 @@ def test_only_env_reads_the_environment():
     assert not out, out
 
 
+def test_readme_table_names_every_variable():
+    """python/README.md's one table of variables has every VPAGER_* the
+    Python layer reads."""
+    with open(os.path.join(REPO, "python", "README.md")) as f:
+        doc = f.read()
+    table = doc[doc.index("### Environment variables"):]
+    missing = [n for n in env.VARIABLES if "`%s`" % n not in table]
+    assert not missing, missing
+
+
 # ------------------------------------------------- offload()'s arguments
 
 def test_budget_errors_name_the_budget():
@@ -204,6 +214,13 @@ def test_cuda_without_cuda_is_a_vpager_error():
         assert "no CUDA device" in msg and 'device="sim"' in msg, msg
     e = raises(ValueError, vt.offload, model(), device="tpu:0")
     assert "device='tpu:0' is not a device" in str(e)
+    e = raises(vpager.NoDeviceError, vt.open_device, "cuda")
+    assert "open_device: device='cuda'" in str(e) and 'device="sim"' in str(e)
+
+
+def test_open_device_budget_named():
+    e = raises(ValueError, vt.open_device, "sim", budget=-1)
+    assert "open_device: budget=-1 is not a size above zero" in str(e)
 
 
 def test_ledger_takes_sim():

@@ -3,7 +3,6 @@ vpager.Device it pages through (opened here with a staging ring sized to
 the budget and the device, or shared by the caller), and activations
 first: on CUDA, the headroom that leaves torch's allocator room."""
 
-import math
 import sys
 import time
 import warnings
@@ -11,28 +10,15 @@ import weakref
 
 import torch
 
-from .. import BACKEND_SIM, EINVAL, env
+from .. import BACKEND_SIM, env
 from ..device import Device
-from ..errors import BusyError, Error, InvalidArgument
+from ..errors import BusyError, Error
 from ..governor import governor
 from ..options import default_options, parse_size
+from .config import size_argument, torch_device
 from .placement import round_up
 
 __all__ = ["open_device"]
-
-
-def size(value):
-    """Bytes from an int, a float (budget=0.5 * total: rounded down), a
-    size string ("20G", "20GiB", "20GB") or None."""
-    if value is None or isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(EINVAL, "VP_EINVAL",
-                                  "vpager.torch: %r is not a size in bytes"
-                                  % value)
-        return int(value)
-    return parse_size(value)
 
 
 def parse_device(device):
@@ -434,10 +420,11 @@ def open_device(device=None, budget=None, lookahead=None, **options):
     the staging ring is sized to the budget and to what the device can
     give. Close it yourself (after the models on it are unloaded or
     closed)."""
-    target = (parse_device(device) if device is not None
+    target = (torch_device(device, "open_device") if device is not None
               else default_device(options))
-    dev = open_for(target, size(budget), size(lookahead), options,
-                   fn="open_device")
+    dev = open_for(target, size_argument("open_device", "budget", budget, 1),
+                   size_argument("open_device", "lookahead", lookahead),
+                   options, fn="open_device")
     if target.type == "cpu":
         note_simulated(device)
     return dev
