@@ -262,6 +262,13 @@ def test_budget_above_the_device_warns_once():
     said = [t for t in texts(w) if "more than the device" in t]
     assert len(said) == 1, texts(w)
     assert "budget=%d" % (1 << 30) in said[0] and "%d" % (64 * M) in said[0]
+    assert "(1 GiB)" in said[0] and "(64 MiB)" in said[0], said
+    config._WARNED.clear()
+    with caught() as w:
+        dev = vt.open_device("sim", budget="2G", sim_capacity="64M")
+        dev.close()
+    said = [t for t in texts(w) if "more than the device" in t]
+    assert len(said) == 1 and "open_device: budget=" in said[0], texts(w)
 
 
 # -------------------------------------------- variables, fresh processes

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..device import Device
-from .config import OffloadConfig, Size, warn_once
+from .config import OffloadConfig, Size, warn_budget_over, warn_once
 from .devices import note_simulated, resolve_target, scheduled_page
 from .handle import Offloaded
 from .placement import ALIGN
@@ -69,13 +69,7 @@ def _simulated_pages(target, settings):
 def _warn_after(h, plan):
     """What offload() did that the user may not expect, said once."""
     settings = plan.settings
-    if settings.budget is not None:
-        total = h.device.info()["total_memory"]
-        if settings.budget > total:
-            warn_once(("budget", settings.budget, total),
-                      "vpager.torch.offload: budget=%d bytes is more than "
-                      "the device's %d bytes of memory: vpager uses at most "
-                      "what the device has" % (settings.budget, total))
+    warn_budget_over(h.device, settings.budget, "offload")
     if plan.module.training and torch.is_grad_enabled() and \
             any(e.requires_grad for e in plan.entries):
         warn_once("requires_grad",

@@ -232,3 +232,18 @@ def warn_once(key: Any, message: str, stacklevel: int = 3) -> None:
         return
     _WARNED.add(key)
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def warn_budget_over(dev: Any, budget: Optional[int], fn: str) -> None:
+    """A budget above the device's memory is clamped by the library (a
+    limit caps vpager's commits; the device has no more): say so, once
+    per budget and device size."""
+    if budget is None:
+        return
+    total = dev.info()["total_memory"]
+    if budget > total:
+        warn_once(("budget", budget, total),
+                  "vpager.torch.%s: budget=%d bytes (%s) is more than the "
+                  "device's %d bytes (%s) of memory: vpager uses at most "
+                  "what the device has" % (fn, budget, _human(budget), total,
+                                           _human(total)), stacklevel=4)

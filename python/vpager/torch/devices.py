@@ -15,7 +15,7 @@ from ..device import Device
 from ..errors import BusyError, Error
 from ..governor import governor
 from ..options import default_options, parse_size
-from .config import size_argument, torch_device
+from .config import size_argument, torch_device, warn_budget_over
 from .placement import round_up
 
 __all__ = ["open_device"]
@@ -422,9 +422,11 @@ def open_device(device=None, budget=None, lookahead=None, **options):
     closed)."""
     target = (torch_device(device, "open_device") if device is not None
               else default_device(options))
-    dev = open_for(target, size_argument("open_device", "budget", budget, 1),
+    budget = size_argument("open_device", "budget", budget, 1)
+    dev = open_for(target, budget,
                    size_argument("open_device", "lookahead", lookahead),
                    options, fn="open_device")
+    warn_budget_over(dev, budget, "open_device")
     if target.type == "cpu":
         note_simulated(device)
     return dev
