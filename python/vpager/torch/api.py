@@ -201,7 +201,8 @@ def _handle_of(module):
     return h
 
 
-def load_safetensors(module_or_handle, path):
+def load_safetensors(module_or_handle: Union[torch.nn.Module, Offloaded],
+                     path: str) -> Offloaded:
     """Fill an offloaded module's weights from the safetensors file `path`
     (keys: the module's state_dict names); returns its Offloaded handle.
     The parameters' sources become the file (read through vpager's file
