@@ -75,7 +75,10 @@ static bool ref_word(const char *t, const char *const *w, int n, int *out) {
   return false;
 }
 
-enum { T_SIZE, T_I64, T_U32, T_INT, T_BACKEND, T_ORDER, T_STREAMS, T_NAME };
+/* T_POW2: a size, a power of two of at least 4 KiB (page size,
+ * granularity); T_NONZERO: a size above zero (sim_capacity). */
+enum { T_SIZE, T_POW2, T_NONZERO, T_I64, T_U32, T_INT, T_BACKEND, T_ORDER,
+       T_STREAMS, T_NAME };
 
 static const struct var {
   const char *name;
@@ -84,12 +87,12 @@ static const struct var {
 } vars[] = {
     {"VPAGER_BACKEND", T_BACKEND, offsetof(vp_options_t, backend)},
     {"VPAGER_DEVICE", T_INT, offsetof(vp_options_t, device_index)},
-    {"VPAGER_PAGE_SIZE", T_SIZE, offsetof(vp_options_t, page_size)},
+    {"VPAGER_PAGE_SIZE", T_POW2, offsetof(vp_options_t, page_size)},
     {"VPAGER_HEADROOM", T_I64, offsetof(vp_options_t, headroom)},
     {"VPAGER_POLL_US", T_U32, offsetof(vp_options_t, poll_interval_us)},
     {"VPAGER_ORDER", T_ORDER, offsetof(vp_options_t, evict_order)},
-    {"VPAGER_SIM_CAPACITY", T_SIZE, offsetof(vp_options_t, sim_capacity)},
-    {"VPAGER_SIM_GRANULARITY", T_SIZE,
+    {"VPAGER_SIM_CAPACITY", T_NONZERO, offsetof(vp_options_t, sim_capacity)},
+    {"VPAGER_SIM_GRANULARITY", T_POW2,
      offsetof(vp_options_t, sim_granularity)},
     {"VPAGER_SIM_STREAMS", T_STREAMS, offsetof(vp_options_t, sim_streams)},
     {"VPAGER_SIM_SHARED", T_NAME, offsetof(vp_options_t, sim_shared)},
@@ -111,6 +114,12 @@ static bool ref_apply(const struct var *v, const char *t, vp_options_t *o) {
   switch (v->type) {
   case T_SIZE:
     if (!ref_size(t, &x)) return false;
+    return memcpy(f, &x, 8), true;
+  case T_POW2:
+    if (!ref_size(t, &x) || x < 4096 || (x & (x - 1))) return false;
+    return memcpy(f, &x, 8), true;
+  case T_NONZERO:
+    if (!ref_size(t, &x) || x == 0) return false;
     return memcpy(f, &x, 8), true;
   case T_I64:
     if (!ref_size(t, &x) || x > INT64_MAX) return false;
