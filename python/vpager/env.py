@@ -116,7 +116,7 @@ def flag(name: str, default: bool) -> bool:
 def _parse_size(raw: str) -> Optional[int]:
     from .options import parse_size     # the library's parser
     try:
-        return parse_size(raw.strip())
+        return parse_size(raw)      # as vp_options_init reads it
     except Exception:   # the library's InvalidArgument, or none loaded
         return None
 
@@ -127,7 +127,7 @@ def size(name: str) -> Optional[int]:
     raw = _raw(name, "size")
     if raw is None:
         return None
-    v = _parse_size(raw) if raw.strip() else None
+    v = _parse_size(raw)
     if v is not None and name == "VPAGER_PAGE_SIZE" and \
             (v < 4096 or v & (v - 1)):
         v = None
@@ -142,8 +142,9 @@ def word(name: str) -> Optional[str]:
     raw = _raw(name, "word")
     if raw is None:
         return None
-    v = raw.strip().lower()
     var = VARIABLES[name]
+    # The C library's words: any case, no spaces (strcasecmp).
+    v = raw.lower() if var.by_c else raw.strip().lower()
     if v in var.words:
         return v
     if not var.by_c:
