@@ -647,7 +647,7 @@ def section_chain(cfg, f, reg, read_gbps):
             if hasattr(k, "close"):
                 k.close()
         keep.clear()
-        host_buffer._release_readers()
+        hb.cleanup_file_reader()
 
 
 def check_device(cfg, dev, dptr, f, count=8):

@@ -492,6 +492,20 @@ VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
 VP_API int vp_file_read_to_device(vp_device_t dev, int fd, uint64_t offset,
                                   uint64_t size, uint64_t dst_addr,
                                   vp_stream_t stream);
+/* The most threads vp_file_read_to_address reads a slot over. */
+#define VP_FILE_THREADS_MAX 64
+/* vp_file_read_to_device for any device memory of this device: a range
+ * inside a VBAR keeps its rules (pinned, one VBAR); a range outside every
+ * VBAR is memory another allocator made (a torch tensor; on the simulated
+ * device, host memory), which vpager cannot check: the caller keeps it
+ * allocated until the stream reaches the copies. Each slot is read over
+ * `threads` threads (1..VP_FILE_THREADS_MAX; pieces of at least 1 MiB). */
+VP_API int vp_file_read_to_address(vp_device_t dev, int fd, uint64_t offset,
+                                   uint64_t size, uint64_t dst_addr,
+                                   vp_stream_t stream, uint32_t threads);
+/* Free the file reader's bounce slots, waiting for their uploads; the next
+ * read makes them again. */
+VP_API int vp_file_reader_release(vp_device_t dev);
 
 /* safetensors files: an 8-byte little-endian header length, a JSON header
  * {"name": {"dtype": "F16", "shape": [..], "data_offsets": [begin, end]},

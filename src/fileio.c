@@ -6,6 +6,7 @@
  * reading chunk k+1 overlaps the upload of chunk k. The ring is made on
  * first use and used with the device lock held. */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,14 +131,71 @@ static int read_full(int fd, void *buf, uint64_t n, uint64_t off,
   return VP_OK;
 }
 
+/* A piece of a slot read on its own thread. */
+typedef struct read_piece {
+  int fd;
+  char *buf;
+  uint64_t n, off, got;
+  int err; /* vp__pread_exact's answer */
+} read_piece_t;
+
+static void *read_piece_run(void *arg) {
+  read_piece_t *p = arg;
+  p->err = vp__pread_exact(p->fd, p->buf, p->n, p->off, &p->got);
+  return NULL;
+}
+
+/* Below this a piece's thread costs more than the parallel read saves. */
+#define PIECE_MIN (1ull << 20)
+
+/* read_full over up to `threads` threads, each reading one contiguous
+ * piece (page-aligned in the buffer): a single pread stream does not keep
+ * a fast NVMe drive (or the page cache's copy) busy. A thread that cannot
+ * be started reads its piece on the calling thread. */
+static int read_par(vp__device_t *dev, int fd, void *buf, uint64_t n,
+                    uint64_t off, uint32_t threads, const char *what) {
+  uint64_t k = threads < n / PIECE_MIN ? threads : n / PIECE_MIN;
+  if (k <= 1) return read_full(fd, buf, n, off, what);
+  read_piece_t p[VP_FILE_THREADS_MAX];
+  pthread_t t[VP_FILE_THREADS_MAX];
+  bool started[VP_FILE_THREADS_MAX] = {false};
+  uint64_t step = (n / k + 4095) & ~4095ull, m = 0;
+  for (uint64_t at = 0; at < n; at += step, m++)
+    p[m] = (read_piece_t){.fd = fd, .buf = (char *)buf + at,
+                          .n = n - at < step ? n - at : step, .off = off + at};
+  for (uint64_t i = 1; i < m; i++)
+    started[i] = !vp__inject_fail(&dev->inject) &&
+                 pthread_create(&t[i], NULL, read_piece_run, &p[i]) == 0;
+  read_piece_run(&p[0]);
+  for (uint64_t i = 1; i < m; i++) {
+    if (started[i]) pthread_join(t[i], NULL);
+    else read_piece_run(&p[i]);
+  }
+  for (uint64_t i = 0; i < m; i++) {
+    if (p[i].err > 0)
+      return vp__err(p[i].err == ENOMEM ? VP_ENOMEM : VP_EINVAL,
+                     "%s: reading %llu bytes at offset %llu failed: %s", what,
+                     ULL(p[i].n - p[i].got), ULL(p[i].off + p[i].got),
+                     strerror(p[i].err));
+    if (p[i].err < 0)
+      return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before the "
+                     "%llu bytes at offset %llu were read (it is shorter than "
+                     "expected)", what, ULL(p[i].off + p[i].got), ULL(n),
+                     ULL(off));
+  }
+  return VP_OK;
+}
+
 static vp__vbar_t *vbar_of(vp__device_t *dev, uint64_t addr) {
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
     if (addr >= vb->va && addr - vb->va < vb->size) return vb;
   return NULL;
 }
 
-int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
-                  uint64_t dst, vp_stream_t stream, const char *what) {
+/* vp__file_read with each slot read over `threads` threads. */
+static int file_read(vp__device_t *dev, int fd, uint64_t offset,
+                     uint64_t size, uint64_t dst, vp_stream_t stream,
+                     uint32_t threads, const char *what) {
   if (size == 0) return VP_OK;
   struct stat sb;
   if (fstat(fd, &sb) != 0) {
@@ -162,7 +220,7 @@ int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
     rc = slot_ready(dev, r, s, what);
     if (rc) return rc;
     uint64_t n = size - done < r->slot_size ? size - done : r->slot_size;
-    rc = read_full(fd, s->buf, n, offset + done, what);
+    rc = read_par(dev, fd, s->buf, n, offset + done, threads, what);
     if (rc) return rc;
     rc = vp__be_copy_htod(dev, dst + done, s->buf, n, stream);
     if (rc)
@@ -184,6 +242,11 @@ int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
   return VP_OK;
 }
 
+int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
+                  uint64_t dst, vp_stream_t stream, const char *what) {
+  return file_read(dev, fd, offset, size, dst, stream, 1, what);
+}
+
 void vp__fileio_close(vp__device_t *dev) {
   struct vp__file_ring *r = dev->file_ring;
   if (!r) return;
@@ -197,17 +260,24 @@ void vp__fileio_close(vp__device_t *dev) {
   dev->file_ring = NULL;
 }
 
-int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
-                           uint64_t size, uint64_t dst_addr,
-                           vp_stream_t stream) {
-  VP__ENTER();
+/* Arguments both public readers check the same way. */
+static int check_read_args(int fd, uint64_t offset, uint64_t size) {
   if (fd < 0) return vp__err(VP_EINVAL, "fd %d is negative", fd);
   if (size == 0) return vp__err(VP_EINVAL, "size is 0");
   if (offset > UINT64_MAX - size)
     return vp__err(VP_ERANGE, "offset %llu + size %llu overflows", ULL(offset),
                    ULL(size));
+  return VP_OK;
+}
+
+int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
+                           uint64_t size, uint64_t dst_addr,
+                           vp_stream_t stream) {
+  VP__ENTER();
+  int rc = check_read_args(fd, offset, size);
+  if (rc) return rc;
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, &dev);
+  rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   rc = vp__pinned_range(dev, dst_addr, size);
   if (rc == VP_OK) {
@@ -216,4 +286,42 @@ int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
     rc = vp__file_read(dev, fd, offset, size, dst_addr, stream, what);
   }
   return vp__unlock(dev, rc);
+}
+
+int vp_file_read_to_address(vp_device_t h, int fd, uint64_t offset,
+                            uint64_t size, uint64_t dst_addr,
+                            vp_stream_t stream, uint32_t threads) {
+  VP__ENTER();
+  int rc = check_read_args(fd, offset, size);
+  if (rc) return rc;
+  if (!dst_addr) return vp__err(VP_EINVAL, "dst_addr is 0");
+  if (dst_addr > UINT64_MAX - size)
+    return vp__err(VP_ERANGE, "dst_addr 0x%llx + size %llu overflows",
+                   ULL(dst_addr), ULL(size));
+  if (threads < 1 || threads > VP_FILE_THREADS_MAX)
+    return vp__err(VP_EINVAL, "threads %u is not in 1..%d", threads,
+                   VP_FILE_THREADS_MAX);
+  vp__device_t *dev = NULL;
+  rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  /* Memory of a VBAR keeps vp_file_read_to_device's rules; any other
+   * memory is the caller's, and vpager cannot check it. */
+  for (vp__vbar_t *vb = dev->top; vb && !rc; vb = vb->down)
+    if (dst_addr < vb->va + vb->size && dst_addr + size > vb->va)
+      rc = vp__pinned_range(dev, dst_addr, size);
+  if (rc == VP_OK) {
+    char what[64];
+    snprintf(what, sizeof what, "fd %d", fd);
+    rc = file_read(dev, fd, offset, size, dst_addr, stream, threads, what);
+  }
+  return vp__unlock(dev, rc);
+}
+
+int vp_file_reader_release(vp_device_t h) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  vp__fileio_close(dev);
+  return vp__unlock(dev, VP_OK);
 }

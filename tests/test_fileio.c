@@ -320,3 +320,117 @@ TEST(fileio_two_devices, TEST_SIM_ONLY) {
   free(file);
   test_rm_dir(dir);
 }
+
+/* vp_file_read_to_address: memory outside every VBAR (on the simulated
+ * device, host memory another allocator made) and pinned VBAR memory, each
+ * slot read over one thread and several (slots of 4 MiB: pieces of 1 MiB
+ * and more), byte for byte against the file; then vp_file_reader_release
+ * and a read that makes the slots again. */
+TEST(fileio_to_address, TEST_SIM_ONLY) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_WORKER);
+  o.file_slot_size = 4 * KiB * KiB;
+  o.sim_capacity = 64 * KiB * KiB; /* room for a VBAR the file's size */
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx);
+  char dir[64], path[128];
+  test_make_dir(dir, sizeof dir, "fileio");
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  const uint64_t fsize = 11 * KiB * KiB + 4097;
+  unsigned char *file = malloc(fsize), *out = malloc(fsize + 64);
+  ASSERT_NOT_NULL(file);
+  ASSERT_NOT_NULL(out);
+  test_pattern(file, fsize, 77);
+  write_file(path, file, fsize);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  vp_stream_t s;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  static const uint32_t threads[] = {1, 3, 8, VP_FILE_THREADS_MAX};
+  for (size_t i = 0; i < sizeof threads / sizeof threads[0]; i++) {
+    test_note("threads %u", threads[i]);
+    memset(out, 0, fsize + 64);
+    ASSERT_OK(vp_file_read_to_address(dev, fd, 0, fsize,
+                                      (uint64_t)(uintptr_t)out, s,
+                                      threads[i]));
+    ASSERT_OK(vp_stream_synchronize(dev, s));
+    ASSERT_MEM_EQ(out, file, fsize);
+    memset(out, 0, fsize + 64);
+    ASSERT_OK(vp_file_read_to_address(dev, fd, 4097, fsize - 4097,
+                                      (uint64_t)(uintptr_t)(out + 33), s,
+                                      threads[i]));
+    ASSERT_OK(vp_stream_synchronize(dev, s));
+    ASSERT_MEM_EQ(out + 33, file + 4097, fsize - 4097);
+    test_note("%s", "");
+  }
+  /* Pinned VBAR memory, several threads. */
+  uint64_t vsize = (fsize + ps - 1) / ps * ps;
+  vp_vbar_t v = test_vbar(dev, vsize);
+  uint64_t base = test_vbar_base(v);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 100, base, s, 4),
+            VP_ENOTPINNED);
+  ASSERT_OK(vp_fault(v, 0, vsize, NULL, 0));
+  ASSERT_OK(vp_file_read_to_address(dev, fd, 1, fsize - 1, base + 1, s, 4));
+  ASSERT_OK(vp_copy_to_host(dev, out, base + 1, fsize - 1, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_MEM_EQ(out, file + 1, fsize - 1);
+  ASSERT_EQ_U64(test_vbar_stats(v).file_bytes_read, fsize - 1);
+  /* A range that runs into a VBAR from below is refused. */
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 200, base - 100, s, 1),
+            VP_ERANGE);
+  ASSERT_OK(vp_unpin(v, 0, vsize, s));
+
+  ASSERT_OK(vp_file_reader_release(dev));
+  ASSERT_OK(vp_file_reader_release(dev));       /* nothing to free */
+  memset(out, 0, fsize);
+  ASSERT_OK(vp_file_read_to_address(dev, fd, 0, fsize,
+                                    (uint64_t)(uintptr_t)out, s, 2));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_MEM_EQ(out, file, fsize);
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_device_close(dev));
+  ASSERT_RC(vp_file_reader_release(dev), VP_EHANDLE);
+  close(fd);
+  free(out);
+  free(file);
+  test_rm_dir(dir);
+}
+
+TEST(fileio_to_address_errors, TEST_SIM_ONLY) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_SYNC);
+  vp_device_t dev = test_open(ctx, &o);
+  char dir[64], path[128];
+  test_make_dir(dir, sizeof dir, "fileio");
+  snprintf(path, sizeof path, "%s/short.bin", dir);
+  unsigned char data[5000], out[5000];
+  test_pattern(data, sizeof data, 8);
+  write_file(path, data, sizeof data);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  uint64_t dst = (uint64_t)(uintptr_t)out;
+  ASSERT_RC(vp_file_read_to_address(dev, -1, 0, 1, dst, 0, 1), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 0, dst, 0, 1), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 1, 0, 0, 1), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 1, dst, 0, 0), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 1, dst, 0,
+                                    VP_FILE_THREADS_MAX + 1), VP_EINVAL);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, UINT64_MAX, 2, dst, 0, 1),
+            VP_ERANGE);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 2, UINT64_MAX, 0, 1),
+            VP_ERANGE);
+  ASSERT_RC(vp_file_read_to_address((vp_device_t){12345}, fd, 0, 1, dst, 0, 1),
+            VP_EHANDLE);
+  ASSERT_RC(vp_file_reader_release((vp_device_t){12345}), VP_EHANDLE);
+  /* Past the file's end: nothing is read. */
+  memset(out, 0, sizeof out);
+  ASSERT_RC(vp_file_read_to_address(dev, fd, 4990, 11, dst, 0, 4), VP_ERANGE);
+  ASSERT_NOT_NULL(strstr(vp_last_error(), "vp_file_read_to_address"));
+  ASSERT_EQ_INT(out[0], 0);
+  ASSERT_OK(vp_file_read_to_address(dev, fd, 0, 5000, dst, 0, 4));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(out, data, 5000);
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  test_rm_dir(dir);
+}

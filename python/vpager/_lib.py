@@ -313,6 +313,9 @@ PROTOTYPES = {
     "vp_device_set_staging_size": (_i, [_dev, _u64]),
     # files
     "vp_file_read_to_device": (_i, [_dev, _i, _u64, _u64, _u64, _s]),
+    "vp_file_read_to_address": (_i, [_dev, _i, _u64, _u64, _u64, _s,
+                                     c_uint32]),
+    "vp_file_reader_release": (_i, [_dev]),
     "vp_st_open": (_i, [_dev, c_char_p, P(vp_st_t)]),
     "vp_st_close": (_i, [_st]),
     "vp_st_count": (_i, [_st, P(c_size_t)]),

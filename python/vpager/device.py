@@ -215,6 +215,20 @@ class Device(Handle):
         check(C.vp_file_read_to_device(self._handle(), _fileno(fd), offset,
                                        size, dst_addr, stream))
 
+    def file_read_to_address(self, fd, offset, size, dst_addr, stream=0,
+                             threads=1):
+        """vp_file_read_to_address(): file bytes to any device memory of
+        this device (pinned VBAR memory, or memory another allocator made:
+        a torch tensor; on the simulated device, host memory), through the
+        file reader's slots, each read over `threads` threads (1..64)."""
+        check(C.vp_file_read_to_address(self._handle(), _fileno(fd), offset,
+                                        size, dst_addr, stream, threads))
+
+    def release_file_reader(self):
+        """vp_file_reader_release(): free the file reader's bounce slots
+        (made again by the next read)."""
+        check(C.vp_file_reader_release(self._handle()))
+
     # ------------------------------------------------- simulated device only
     def sim_launch(self, fn, stream=0):
         """vp_sim_launch(): run fn() on the stream as if it were a kernel

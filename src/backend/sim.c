@@ -212,6 +212,16 @@ static sim_range_t *sim_reserve_of(sim_ctx_t *c, uint64_t va, uint64_t size) {
   return NULL;
 }
 
+/* Whether [va, va+size) touches any live reserve. */
+static bool sim_touches_reserve(const sim_ctx_t *c, uint64_t va,
+                                uint64_t size) {
+  for (size_t i = 0; i < c->nres; i++) {
+    const sim_range_t *r = &c->res[i];
+    if (va < r->va + r->size && va + size > r->va) return true;
+  }
+  return false;
+}
+
 static bool ticket_done(const sim_ctx_t *c, sim_ticket_t t) {
   if (!t.sgen) return true;
   const sim_slot_t *sl = &c->streams.s[t.sidx];
@@ -905,7 +915,13 @@ static int sim_submit(sim_ctx_t *c, vp_stream_t stream, const sim_op_t *op,
   sim_lock(c);
   sim_stream_t *s = sim_stream_get(c, stream, NULL);
   int rc = c->broken ? VP_EDEVICE : VP_OK;
-  if (!rc && (!s || (size && !sim_reserve_of(c, va, size)))) rc = VP_EINVAL;
+  /* A range in no reserve is memory another allocator made (a client's
+   * tensor); on the simulated device all memory is host memory. One that
+   * straddles a reserve's edge is a bad address, as on a GPU. */
+  if (!rc && (!s || (size && !sim_reserve_of(c, va, size) &&
+                     (va > UINT64_MAX - size ||
+                      sim_touches_reserve(c, va, size)))))
+    rc = VP_EINVAL;
   if (!rc && q) {
     *q = *op;
     sim_enqueue(s, q);

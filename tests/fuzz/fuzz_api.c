@@ -1100,12 +1100,22 @@ static void s_scratch_write(fz_reader_t *r) {
   bool ok;
   if (var & 1) {
     uint64_t foff = fo % (ARENA_SIZE - len);
-    int rc = FZ_CALL(false, vp_file_read_to_device(g.dev, arena_fd, foff, len,
-                                                   ptr, g.S[s].h),
-                     "arena_fd, %llu, %llu, 0x%llx, s%d",
-                     (unsigned long long)foff, (unsigned long long)len,
-                     (unsigned long long)ptr, s);
-    ok = expect_rc("vp_file_read_to_device", rc, VP_OK);
+    int rc;
+    if (var & 2) { /* the same through vp_file_read_to_address, threaded */
+      uint32_t threads = 1 + (var >> 2) % 4;
+      rc = FZ_CALL(false, vp_file_read_to_address(g.dev, arena_fd, foff, len,
+                                                  ptr, g.S[s].h, threads),
+                   "arena_fd, %llu, %llu, 0x%llx, s%d, %u",
+                   (unsigned long long)foff, (unsigned long long)len,
+                   (unsigned long long)ptr, s, threads);
+    } else {
+      rc = FZ_CALL(false, vp_file_read_to_device(g.dev, arena_fd, foff, len,
+                                                 ptr, g.S[s].h),
+                   "arena_fd, %llu, %llu, 0x%llx, s%d",
+                   (unsigned long long)foff, (unsigned long long)len,
+                   (unsigned long long)ptr, s);
+    }
+    ok = expect_rc("vp_file_read*", rc, VP_OK);
     memcpy(bytes, arena + foff, len);
     scratch_drop(v, off, len);
     if (ok) read_check("scratch read from a file", ptr, len, s, bytes);
@@ -2301,9 +2311,21 @@ static void w_copy(fz_reader_t *r) {
     int fds[4] = {arena_fd, st_fd, -1, 999};
     int fd = fds[(b >> 5) & 3];
     uint64_t off = (b & 0x80) ? pick_size(r) : fz_below(r, ARENA_SIZE);
-    W(false, vp_file_read_to_device(d, fd, off, size, addr, s),
-      "0x%llx, fd %d, %llu, %llu, 0x%llx, 0x%llx", X(d.id), fd, X(off),
-      X(size), X(addr), X(s));
+    if (!(b & 0x08)) {
+      W(false, vp_file_read_to_device(d, fd, off, size, addr, s),
+        "0x%llx, fd %d, %llu, %llu, 0x%llx, 0x%llx", X(d.id), fd, X(off),
+        X(size), X(addr), X(s));
+      break;
+    }
+    /* Memory outside every VBAR is written as the caller's own: only our
+     * scratch buffer (or 0) may be the destination. */
+    uint64_t dst = fits && (b & 0x40) ? (uint64_t)(uintptr_t)rbuf : 0;
+    uint32_t threads = fz_u8(r) % (VP_FILE_THREADS_MAX + 6);
+    W(false, vp_file_read_to_address(d, fd, off, size, dst, s, threads),
+      "0x%llx, fd %d, %llu, %llu, 0x%llx, 0x%llx, %u", X(d.id), fd, X(off),
+      X(size), X(dst), X(s), threads);
+    if (b & 0x04)
+      W(false, vp_file_reader_release(d), "0x%llx", X(d.id));
   }
   }
 }

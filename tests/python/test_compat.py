@@ -1765,14 +1765,15 @@ def test_host_buffer_read_file_slice_threads_equal_and_errors():
 
 
 def test_host_buffer_read_file_to_device_staged():
-    """read_file_to_device over the staging slots (large reads, or memory
-    vpager does not manage) equals the file, across slot edges and slot
-    reuse, over one thread and several; a range past the file's end is an
-    OSError before anything is uploaded; cleanup_file_reader() and
-    deinit() free the slots, which come back on the next read."""
+    """read_file_to_device through vpager's file reader (its slots: large
+    reads, or memory vpager does not manage) equals the file, across slot
+    edges and slot reuse, over one thread and several; a range past the
+    file's end is an OSError before anything is uploaded;
+    cleanup_file_reader() and deinit() free the slots (their pinned host
+    memory), which come back on the next read."""
     from comfy_aimdo import _par
     dev = fresh()
-    slot = host_buffer._FileReader.SLOT
+    slot = 64 * MiB                 # VPAGER_FILE_SLOT_SIZE's default
     data = data_for(4242, 3 * slot + 5 * MiB + 11)
     path = _tmpfile(data)
     saved = _par.threads()
@@ -1792,7 +1793,8 @@ def test_host_buffer_read_file_to_device_staged():
                 dev.synchronize()
                 assert dev.read(a[1] + off, n) == data[fo:fo + n], \
                     (threads, fo, n)
-        assert host_buffer._readers                 # slots were used
+        slots_pinned = dev.stats()["host_pinned_bytes"]
+        assert slots_pinned >= 3 * slot             # slots were used
         # Memory vpager does not manage (on the simulated device: host
         # memory) goes through the slots even when small.
         out = ctypes.create_string_buffer(3 * MiB)
@@ -1805,14 +1807,14 @@ def test_host_buffer_read_file_to_device_staged():
         assert dev.read(a[1], 4096) == bytes(4096)
         raises(ValueError, hb.read_file_to_device, fd, -1, 200, 0, a[1], 0)
         hb.cleanup_file_reader()
-        assert not host_buffer._readers
+        assert dev.stats()["host_pinned_bytes"] == slots_pinned - 3 * slot
         hb.read_file_to_device(fd, 0, 20 * MiB, 0, a[1], 0)
         dev.synchronize()
         assert dev.read(a[1], 20 * MiB) == data[:20 * MiB]
         model_vbar.vbar_unpin(a)
-        assert host_buffer._readers
+        assert dev.stats()["host_pinned_bytes"] == slots_pinned - 2 * slot
         control.deinit()
-        assert not host_buffer._readers
+        assert dev.closed                           # and its slots with it
         hb.close()
     finally:
         _par.set_threads(saved)

@@ -248,9 +248,6 @@ def devices():
 def deinit():
     """Close every device (their VBARs, buffers) and unload."""
     global lib, _vpager, _simple_headroom, _nvml_pressure, _devices_inited
-    hb = sys.modules.get(__package__ + ".host_buffer")
-    if hb is not None:
-        hb._release_readers()       # staging slots registered on devices
     with _lock:
         _simple_headroom = None
         _devices_inited = False

@@ -39,7 +39,6 @@ import ctypes
 import operator
 import os
 import sys
-import threading
 
 from . import _libc, _par, control
 
@@ -355,36 +354,29 @@ class HostBuffer:
 
     def read_file_to_device(self, file, file_offset, size, stream, device_ptr,
                             device=-1, mark_cold=True):
-        """File bytes straight to device memory at device_ptr, ordered on
-        `stream`; raises on failure (OSError, nothing read, when the range
-        is not in the file). Through pinned staging slots of this
-        module's file reader (read over several threads, each slot's
-        upload overlapping the next slot's reads); a small read to pinned
-        VBAR memory through vpager's own file reader."""
+        """File bytes straight to device memory at device_ptr (pinned VBAR
+        memory or any other of the device's memory), ordered on `stream`;
+        raises on failure (OSError, nothing read, when the range is not in
+        the file). Through vpager's file reader (vp_file_read_to_address):
+        its pinned bounce slots per device, each read over _par.threads()
+        threads, each slot's upload overlapping the next slot's reads."""
         fd = _libc.fileno(file)
         size = _nbytes(size, "read_file_to_device(size)")
         file_offset = _nbytes(file_offset, "read_file_to_device(file_offset)")
         device_ptr = _index(device_ptr)
         if size:
             _libc.check_file_range(fd, file_offset, size)
-            up = _Uploader(device_ptr, stream, device)
-            vp = control._vpager
-            staged = size >= _SMALL_READ and _par.threads() > 1
-            if not staged:
-                try:
-                    up.dev.file_read_to_device(fd, file_offset, size,
-                                               device_ptr, stream)
-                except (vp.NotPinnedError, vp.RangeError, vp.InvalidArgument):
-                    staged = True       # not vpager memory
-            if staged:
-                _reader(up.dev).read(fd, file_offset, size, up)
+            _device_of(device_ptr, device).file_read_to_address(
+                fd, file_offset, size, device_ptr, stream, _par.threads())
         if mark_cold:
             _libc.drop_cache(fd, file_offset, size)
 
     def cleanup_file_reader(self):
-        """Free the file reader's staging slots (made again on the next
-        read_file_to_device)."""
-        _release_readers()
+        """Free the file reader's staging slots on every open device (made
+        again on the next read_file_to_device)."""
+        for dev in control.devices().values():
+            if not dev.closed:
+                dev.release_file_reader()
 
     # -------------------------------------------------------------- life
     def close(self):
@@ -415,9 +407,6 @@ def _device_of(device_ptr, device):
     if dev is None:
         raise RuntimeError("comfy_aimdo: no device is initialised")
     return dev
-
-
-_SMALL_READ = 8 << 20        # below: one read (vpager's reader for VBARs)
 
 
 class _Uploader:
@@ -498,92 +487,3 @@ class _Uploader:
 
 def _nothing():
     pass
-
-
-class _FileReader:
-    """A device's staging slots for read_file_to_device: SLOTS populated,
-    huge-page-backed host areas of SLOT bytes, page-locked through vpager
-    (its pin budget; pageable when over it). A read goes a slot at a time:
-    wait for the slot's last upload, read into it over several threads,
-    upload it; so slot k's upload overlaps slot k+1's reads. One read at
-    a time per device (a lock)."""
-
-    SLOT = 64 << 20
-    SLOTS = 3
-
-    def __init__(self, dev):
-        self.dev = dev
-        self.lock = threading.Lock()
-        self.slots = []                 # [address, HostBuf or None, fence]
-        self.next = 0
-
-    def _slot(self):
-        if len(self.slots) < self.SLOTS:
-            addr = _libc.map_anon(self.SLOT, _libc.PROT_READ |
-                                  _libc.PROT_WRITE, align=_libc.HUGE)
-            try:
-                _libc.hugepage(addr, self.SLOT)
-                _libc.populate(addr, self.SLOT)
-                reg = self.dev.register_hostbuf(addr, self.SLOT)
-            except BaseException:
-                _libc.unmap(addr, self.SLOT)
-                raise
-            self.slots.append([addr, reg, _nothing])
-            return self.slots[-1]
-        s = self.slots[self.next]
-        self.next = (self.next + 1) % len(self.slots)
-        s[2]()                          # its last upload has read it
-        s[2] = _nothing
-        return s
-
-    def read(self, fd, offset, size, up):
-        with self.lock:
-            done = 0
-            while done < size:
-                n = min(self.SLOT, size - done)
-                s = self._slot()
-                _libc.pread_par(fd, s[0], n, offset + done)
-                up.upload(done, s[0], n)
-                s[2] = up.fence()
-                done += n
-
-    def close(self):
-        with self.lock:
-            for addr, reg, fence in self.slots:
-                try:
-                    fence()
-                except Exception:       # noqa: BLE001
-                    pass
-                try:
-                    if not self.dev.closed and not reg.closed:
-                        reg.close()
-                except Exception:       # noqa: BLE001
-                    pass
-                _libc.unmap(addr, self.SLOT)
-            self.slots = []
-
-
-_readers = {}                   # id(device) -> _FileReader
-_readers_lock = threading.Lock()
-
-
-def _reader(dev):
-    with _readers_lock:
-        for key, r in list(_readers.items()):
-            if r.dev.closed:            # deinit(): its registrations are gone
-                del _readers[key]
-                r.close()
-        r = _readers.get(id(dev))
-        if r is None or r.dev is not dev:
-            r = _readers[id(dev)] = _FileReader(dev)
-        return r
-
-
-def _release_readers():
-    """Free every device's staging slots (control.deinit, and
-    cleanup_file_reader)."""
-    with _readers_lock:
-        rs = list(_readers.values())
-        _readers.clear()
-    for r in rs:
-        r.close()
