@@ -435,6 +435,18 @@ VP_API int vp_weight_destroy(vp_weight_t w);
  * next acquire, a staged copy is dropped, and it keeps its place in the
  * VBAR and in the order prefetch looks ahead in. VP_EBUSY while acquired. */
 VP_API int vp_weight_set_source(vp_weight_t w, const vp_source_t *src);
+/* vp_weight_set_lookahead: the weight uses the device's lookahead. */
+#define VP_LOOKAHEAD_DEVICE UINT64_MAX
+/* Weight w's prefetch window: the prefetch that follows an acquire whose
+ * last weight is w (and vp_prefetch after w, and the top-up of a release
+ * after it) runs up to `bytes` ahead (0 = none) instead of the device's
+ * lookahead; VP_LOOKAHEAD_DEVICE (what a new weight has) goes back to the
+ * device's. Models sharing a device each keep their own windows this way,
+ * without writing the device's setting. Allowed while w is acquired (the
+ * next prefetch after it uses the new window). */
+VP_API int vp_weight_set_lookahead(vp_weight_t w, uint64_t bytes);
+/* Weight w's window as set (VP_LOOKAHEAD_DEVICE: none of its own). */
+VP_API int vp_weight_get_lookahead(vp_weight_t w, uint64_t *bytes);
 
 /* flags[i] after vp_acquire: */
 #define VP_ACQUIRED_RESIDENT 0x1u /* ptrs[i] is the weight's VBAR address */
@@ -451,16 +463,24 @@ VP_API int vp_weight_set_source(vp_weight_t w, const vp_source_t *src);
  * source first if its pages were recommitted since its last fill; a miss
  * is copied into the staging ring. Copies run on the device's copy stream
  * and `stream` waits for them on the device: the CPU does not wait. Then
- * the next weights of the VBAR that need a copy, up to lookahead bytes,
- * are prefetched (filled in place or staged).
+ * the next weights of the VBAR that need a copy, up to the last weight's
+ * window (vp_weight_set_lookahead; by default the device's lookahead)
+ * bytes, are prefetched (filled in place or staged).
  * Pass each VBAR's weights in execution order, a layer per call. Errors:
  * VP_ELIMIT when a missed weight does not fit in the staging ring (raise
  * staging_size); nothing stays acquired after an error. */
 VP_API int vp_acquire(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream, uint64_t *ptrs, uint8_t *flags);
+/* vp_acquire whose prefetch runs up to `lookahead` bytes (0 = none: an
+ * acquire that covers its own, e.g. layers held for a whole forward)
+ * instead of the last weight's window; a release top-up after it uses the
+ * same. Nothing device-wide changes. */
+VP_API int vp_acquire_ahead(vp_device_t dev, const vp_weight_t *w, size_t n,
+                            vp_stream_t stream, uint64_t *ptrs,
+                            uint8_t *flags, uint64_t lookahead);
 /* The prefetch that ends vp_acquire, as if `after` had just been acquired
  * resident: start the weights that follow it in its VBAR's order of use,
- * up to lookahead bytes (a window already queued that holds `after` is
+ * up to its window bytes (a window already queued that holds `after` is
  * left as it is). Nothing is acquired. For a caller that holds some
  * layers' weights across several of its steps and skips their acquires.
  * A no-op with lookahead 0. */
@@ -476,7 +496,8 @@ VP_API int vp_prefetch(vp_device_t dev, vp_weight_t after);
  * acquire. */
 VP_API int vp_release(vp_device_t dev, const vp_weight_t *w, size_t n,
                       vp_stream_t stream);
-/* Change the prefetch lookahead (bytes; 0 = off). */
+/* Change the prefetch lookahead (bytes; 0 = off) of weights without a
+ * window of their own (vp_weight_set_lookahead). */
 VP_API int vp_device_set_lookahead(vp_device_t dev, uint64_t bytes);
 /* Change the staging ring's size (bytes, > 0; charged to the budget): the
  * ring is freed, once the copies and the work reading it are done (this

@@ -120,6 +120,11 @@ typedef struct vp__vbar {
    * engine need not wait for the next acquire (a forward's end). */
   uint32_t win_from, win_to, acq_index;
   bool win_all, win_ring, win_ok;
+  /* stream.c: the last acquire's own lookahead (vp_acquire_ahead), which
+   * the release top-up runs with; !acq_ahead_set: the window of
+   * use[acq_index] (vp_weight_set_lookahead), else the device's. */
+  bool acq_ahead_set;
+  uint64_t acq_ahead;
   uint64_t win_epoch, win_bytes, win_used, win_freed;
   /* ledger.c: the label, the VBAR's entry in the ledger (index + 1; 0 =
    * none yet) and its last use (CLOCK_MONOTONIC_COARSE ns), stamped by the
@@ -468,6 +473,8 @@ typedef struct vp__weight {
   vp__fence_t *copy_fence; /* copy stream fence of its last fill, until seen
                               complete */
   bool prefetched;        /* its fill or slot came from prefetch, unused */
+  uint64_t lookahead;     /* the prefetch window after acquiring it;
+                             VP_LOOKAHEAD_DEVICE: the device's */
   uint32_t index;         /* in vb->weights */
   uint32_t use_index;     /* in vb->use */
 } vp__weight_t;

@@ -3,9 +3,11 @@
  * Every copy runs on the device's copy stream; a caller's stream waits for
  * it on the device (an event), so the CPU never waits for a copy and the
  * copy engine works while the caller's kernels run. After each acquire the
- * next weights of the VBAR that need a copy (up to lookahead bytes of them,
- * in offset order, wrapping to the start for the next pass) are filled or
- * staged ahead of need, in place or in the staging ring (staging.c). */
+ * next weights of the VBAR that need a copy (up to the acquire's window of
+ * them: the call's own, else the last weight's, else the device's
+ * lookahead; in the order of use, wrapping to the start for the next pass)
+ * are filled or staged ahead of need, in place or in the staging ring
+ * (staging.c). */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -315,7 +317,21 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
 }
 
 
-static void prefetch(vp__device_t *dev, vp__weight_t *last);
+static void prefetch(vp__device_t *dev, vp__weight_t *last,
+                     uint64_t lookahead);
+
+/* The window of the prefetch after acquiring w: its own, else the
+ * device's. */
+static uint64_t window_of(const vp__device_t *dev, const vp__weight_t *w) {
+  return w->lookahead == VP_LOOKAHEAD_DEVICE ? dev->lookahead : w->lookahead;
+}
+
+/* The lookahead a release top-up of vb runs with: its last acquire's. */
+static uint64_t acquired_window(const vp__device_t *dev,
+                                const vp__vbar_t *vb) {
+  return vb->acq_ahead_set ? vb->acq_ahead
+                           : window_of(dev, vb->use[vb->acq_index]);
+}
 
 /* The chunk of the lookahead acquires may use up before a scan tops the
  * window up: an eighth, so at least 7/8 of it stays queued ahead. */
@@ -324,8 +340,11 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last);
 /* Weights handles of one call, on the stack when few. */
 #define FEW 64
 
+/* ahead: the call's own lookahead (vp_acquire_ahead), or NULL: the last
+ * weight's window. */
 static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
-                          vp_stream_t stream, uint64_t *ptrs, uint8_t *flags) {
+                          vp_stream_t stream, uint64_t *ptrs, uint8_t *flags,
+                          const uint64_t *ahead) {
   batch_t b = {0};
   waits_t wait = {NULL, false};
   size_t i;
@@ -365,8 +384,15 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
   if (wait.newest) vp__fence_put(dev, wait.newest);
   free(b.c);
   free(b.filled);
-  if (rc == VP_OK) ws[n - 1]->vb->acq_index = ws[n - 1]->use_index;
-  if (rc == VP_OK && dev->lookahead) prefetch(dev, ws[n - 1]);
+  if (rc == VP_OK) {
+    vp__weight_t *last = ws[n - 1];
+    vp__vbar_t *vb = last->vb;
+    vb->acq_index = last->use_index;
+    vb->acq_ahead_set = ahead != NULL;
+    vb->acq_ahead = ahead ? *ahead : 0;
+    uint64_t lookahead = ahead ? *ahead : window_of(dev, last);
+    if (lookahead) prefetch(dev, last, lookahead);
+  }
   return rc;
 }
 
@@ -376,9 +402,9 @@ static void ledger_used(vp__device_t *dev, vp__weight_t **ws, size_t n) {
     if (i == 0 || ws[i]->vb != ws[i - 1]->vb) vp__ledger_used(dev, ws[i]->vb);
 }
 
-int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
-               vp_stream_t stream, uint64_t *ptrs, uint8_t *flags) {
-  VP__ENTER();
+static int acquire(vp_device_t h, const vp_weight_t *w, size_t n,
+                   vp_stream_t stream, uint64_t *ptrs, uint8_t *flags,
+                   const uint64_t *ahead) {
   if (!n || !w || !ptrs)
     return vp__err(VP_EINVAL, "n is 0 or weights/ptrs is NULL");
   /* Flags are kept even when the caller wants none: undoing a failed call
@@ -396,7 +422,7 @@ int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
      * other processes after the call, unlocked: the next acquire finds
      * the room. */
     dev->ask = (vp__ask_t){.mode = VP__ASK_AFTER};
-    if (rc == VP_OK) rc = acquire_locked(dev, ws, n, stream, ptrs, fl);
+    if (rc == VP_OK) rc = acquire_locked(dev, ws, n, stream, ptrs, fl, ahead);
     ask = dev->ask;
     dev->ask = (vp__ask_t){.mode = VP__ASK_OFF};
     if (rc == VP_OK) ledger_used(dev, ws, n);
@@ -406,6 +432,19 @@ int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
   if (ws != few) free(ws);
   if (fl != flags && fl != few_flags) free(fl);
   return rc;
+}
+
+int vp_acquire(vp_device_t h, const vp_weight_t *w, size_t n,
+               vp_stream_t stream, uint64_t *ptrs, uint8_t *flags) {
+  VP__ENTER();
+  return acquire(h, w, n, stream, ptrs, flags, NULL);
+}
+
+int vp_acquire_ahead(vp_device_t h, const vp_weight_t *w, size_t n,
+                     vp_stream_t stream, uint64_t *ptrs, uint8_t *flags,
+                     uint64_t lookahead) {
+  VP__ENTER();
+  return acquire(h, w, n, stream, ptrs, flags, &lookahead);
 }
 
 
@@ -420,7 +459,8 @@ int vp_prefetch(vp_device_t h, vp_weight_t after) {
   if (rc) return rc;
   vp__weight_t *w = NULL;
   rc = vp__weights_find(dev, &after, 1, &w);
-  if (rc == VP_OK && dev->lookahead) prefetch(dev, w);
+  uint64_t lookahead = rc == VP_OK ? window_of(dev, w) : 0;
+  if (lookahead) prefetch(dev, w, lookahead);
   vp__unlock(dev, rc);
   return rc;
 }
@@ -502,13 +542,13 @@ static void release_one(vp__device_t *dev, vp__weight_t *w, vp__fence_t *f,
  * engine stands idle while the resident units before it compute. The
  * copies wait on the device for the slots' release fences. */
 static void refill_after_release(vp__device_t *dev, vp__vbar_t *vb) {
-  if (!dev->lookahead || !vb->win_ok || !vb->win_ring || vb->win_all ||
-      vb->win_epoch != vb->epoch ||
-      vb->win_freed < WINDOW_CHUNK(dev->lookahead) ||
-      vb->acq_index >= vb->nweights)
+  if (!vb->win_ok || !vb->win_ring || vb->win_all ||
+      vb->win_epoch != vb->epoch || vb->acq_index >= vb->nweights)
     return;
+  uint64_t lookahead = acquired_window(dev, vb);
+  if (!lookahead || vb->win_freed < WINDOW_CHUNK(lookahead)) return;
   vb->win_ok = false; /* scan, whatever the window says */
-  prefetch(dev, vb->use[vb->acq_index]);
+  prefetch(dev, vb->use[vb->acq_index], lookahead);
 }
 
 int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
@@ -659,18 +699,19 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
 
 /* Start the weights after `last` in its VBAR's order of use (the order
  * they were created; wrapping to the start, for the next pass) until
- * lookahead bytes of them are staged or filled ahead.
- * Weights that stayed resident cost nothing and do not count: with the
+ * lookahead bytes of them (the window of the acquire) are staged or filled
+ * ahead. Weights that stayed resident cost nothing and do not count: with the
  * resident weights first, the copy engine starts on the streamed ones while
  * the resident ones compute. A scan looks at each weight at most once, and
  * steps over runs of resident ones (skip_index); none runs while the
  * last scan's window holds. */
-static void prefetch(vp__device_t *dev, vp__weight_t *last) {
+static void prefetch(vp__device_t *dev, vp__weight_t *last,
+                     uint64_t lookahead) {
   vp__vbar_t *vb = last->vb;
   /* All resident and filled at the last scan, and no page changed since:
    * nothing to scan. */
   if (vb->prefetch_idle && vb->prefetch_epoch == vb->epoch) return;
-  if (window_holds(vb, last, dev->lookahead)) return;
+  if (window_holds(vb, last, lookahead)) return;
   batch_t b = {0};
   uint64_t bytes = 0;
   bool work = false;
@@ -695,7 +736,7 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last) {
       }
       if (ready && !u->prefetched) continue; /* stayed resident: no copy */
       work = true;
-      if (bytes >= dev->lookahead) {
+      if (bytes >= lookahead) {
         broke = true;
         goto done;
       }

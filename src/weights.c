@@ -165,7 +165,8 @@ static int weight_new(vp__vbar_t *vb, uint64_t off, uint64_t size,
     return vp__err(VP_ENOMEM, "no memory for a weight");
   }
   *w = (vp__weight_t){.vb = vb, .offset = off, .size = size, .p0 = p0,
-                      .p1 = p1, .gens = w->gens, .holds_cap = FEW_HOLDS};
+                      .p1 = p1, .gens = w->gens, .holds_cap = FEW_HOLDS,
+                      .lookahead = VP_LOOKAHEAD_DEVICE};
   w->holds = w->few_holds;
   if (src) w->src = *src;
   int rc = vp__table_add(dev, &dev->weights, w, &w->id);
@@ -309,6 +310,31 @@ int vp_weight_set_source(vp_weight_t h, const vp_source_t *src) {
   w->src = *src;
   vp__vbar_t *vb = w->vb;
   vb->skip_ok = vb->win_ok = vb->prefetch_idle = false;
+  return vp__unlock(dev, VP_OK);
+}
+
+/* A window is read only by the prefetch that follows an acquire (and by
+ * the release top-up), so it may change while the weight is acquired. */
+int vp_weight_set_lookahead(vp_weight_t h, uint64_t bytes) {
+  VP__ENTER();
+  vp__device_t *dev;
+  vp__weight_t *w;
+  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
+                           &dev, (void **)&w);
+  if (rc) return rc;
+  w->lookahead = bytes;
+  return vp__unlock(dev, VP_OK);
+}
+
+int vp_weight_get_lookahead(vp_weight_t h, uint64_t *bytes) {
+  VP__ENTER();
+  if (!bytes) return vp__err(VP_EINVAL, "bytes is NULL");
+  vp__device_t *dev;
+  vp__weight_t *w;
+  int rc = vp__handle_lock(h.id, offsetof(vp__device_t, weights), "weight",
+                           &dev, (void **)&w);
+  if (rc) return rc;
+  *bytes = w->lookahead;
   return vp__unlock(dev, VP_OK);
 }
 

@@ -28,7 +28,9 @@
  *                  acquired; else the next acquire copies (COPIED) and
  *                  reads the new bytes (EMPTY for NONE), while a kernel
  *                  queued on a hold's stream before its release still
- *                  reads the old ones (slow kernels, worker streams).
+ *                  reads the old ones (slow kernels, worker streams);
+ *                - a weight's window (vp_weight_set_lookahead) reads back
+ *                  as set, held or not; VP_EHANDLE once destroyed.
  *  wild (1)    arbitrary arguments: live, stale, made-up and foreign
  *              handles, streams and addresses, odd sizes, NULL outputs.
  *              Checks only for crashes, sanitizer reports, leaks, hangs
@@ -549,7 +551,7 @@ enum {
    * (OP_SET_SOURCE + (byte - 31) % their count). Every other byte decodes
    * as it always did (byte % OP_COUNT), so older inputs, the findings'
    * among them, replay as they did. */
-  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_ALL
+  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_SET_WINDOW, OP_ALL
 };
 #define OP_EXT_SPAN 8
 
@@ -708,6 +710,11 @@ typedef struct seen {
 
 static void s_acquire_on(int s, const int *idx, size_t n);
 
+/* The next s_acquire_on calls vp_acquire_ahead with this lookahead
+ * (s_set_window), then vp_acquire again. */
+static bool ahead_next;
+static uint64_t ahead_bytes;
+
 static void s_acquire(fz_reader_t *r) {
   int s = pick_stream(r);
   size_t n = 1 + fz_u8(r) % 4;
@@ -752,8 +759,15 @@ static void s_acquire_on(int s, const int *idx, size_t n) {
   }
   uint64_t ptrs[4] = {0};
   uint8_t flags[4] = {0};
-  int rc = FZ_CALL(false, vp_acquire(g.dev, hs, n, g.S[s].h, ptrs, flags),
-                   "[%s], s%d", names, s);
+  bool ahead = ahead_next;
+  ahead_next = false;
+  int rc = ahead ? FZ_CALL(false, vp_acquire_ahead(g.dev, hs, n, g.S[s].h,
+                                                   ptrs, flags, ahead_bytes),
+                           "[%s], s%d, %llu", names, s,
+                           (unsigned long long)ahead_bytes)
+                 : FZ_CALL(false, vp_acquire(g.dev, hs, n, g.S[s].h, ptrs,
+                                             flags),
+                           "[%s], s%d", names, s);
   if (dead) {
     expect_rc("vp_acquire (a destroyed weight)", rc, VP_EHANDLE);
     return;
@@ -1481,6 +1495,39 @@ static void s_set_source(fz_reader_t *r) {
   acquire_after(k, var, wi);
 }
 
+/* vp_weight_set_lookahead: a weight (live, destroyed or held:
+ * pick_target) gets its own prefetch window (var >> 5: none, 1-4 pages,
+ * 16 KiB steps, the device's, all), read back with
+ * vp_weight_get_lookahead. var bit 4: acquire_after through
+ * vp_acquire_ahead with the window in the next byte (0: no prefetch). */
+static void s_set_window(fz_reader_t *r) {
+  uint8_t k = fz_u8(r), var = fz_u8(r), a = fz_u8(r);
+  int wi = pick_target(k, var);
+  if (wi < 0) return;
+  fweight_t *w = &g.W[wi];
+  uint64_t page = g.cfg.page, bytes;
+  switch (var >> 5) {
+  case 0: bytes = 0; break;
+  case 1: case 2: case 3: case 4: bytes = (var >> 5) * page; break;
+  case 5: bytes = (uint64_t)(var & 7) * 16 * KiB; break;
+  case 6: bytes = VP_LOOKAHEAD_DEVICE; break;
+  default: bytes = UINT64_MAX - 1;
+  }
+  int want = w->live ? VP_OK : VP_EHANDLE; /* held: allowed */
+  int rc = FZ_CALL(false, vp_weight_set_lookahead(w->h, bytes), "w%d, %llu",
+                   wi, (unsigned long long)bytes);
+  if (!expect_rc("vp_weight_set_lookahead", rc, want) || rc) return;
+  uint64_t got = 0;
+  rc = FZ_CALL(false, vp_weight_get_lookahead(w->h, &got), "w%d", wi);
+  if (!expect_rc("vp_weight_get_lookahead", rc, VP_OK)) return;
+  CHECK(got == bytes, "op %u: w%d's window reads %llu, set %llu", g.op, wi,
+        (unsigned long long)got, (unsigned long long)bytes);
+  ahead_next = (var & 0x10) != 0;
+  ahead_bytes = (uint64_t)(a & 0x7f) * (a & 0x80 ? page : 16 * KiB);
+  acquire_after(k, var, wi);
+  ahead_next = false;
+}
+
 /* vp_weight_destroy, then vp_weights_create over the same range (var bit
  * 3: its first half) with another source (var & 3 as in s_set_source): a
  * caller swapping a layer's weights. A held weight: VP_EBUSY, and the new
@@ -1789,6 +1836,7 @@ static void run_strict(fz_reader_t *r) {
     case OP_ACQUIRE_EACH: s_acquire_each(r); break;
     case OP_SET_SOURCE: s_set_source(r); break;
     case OP_RECREATE: s_recreate(r); break;
+    case OP_SET_WINDOW: s_set_window(r); break;
     }
     if (!g.maybe_broken) check_all();
   }
@@ -2043,9 +2091,18 @@ static void w_acquire(fz_reader_t *r) {
   uint8_t f = fz_u8(r);
   for (size_t i = 0; i < n; i++) ws[i].id = pick_id(r, &wl.w);
   vp_stream_t s = pick_wstream(r);
-  int rc = W(false, vp_acquire(d, (f & 1) ? NULL : ws, n, s,
-                               (f & 2) ? NULL : ptrs, (f & 4) ? NULL : flags),
-             "dev 0x%llx, %zu, stream 0x%llx, f %u", X(d.id), n, X(s), f);
+  /* f bit 3: vp_acquire_ahead, its lookahead (f >> 4) x 16 KiB */
+  int rc = (f & 8) ? W(false, vp_acquire_ahead(d, (f & 1) ? NULL : ws, n, s,
+                                               (f & 2) ? NULL : ptrs,
+                                               (f & 4) ? NULL : flags,
+                                               (uint64_t)(f >> 4) * 16 * KiB),
+                       "dev 0x%llx, %zu, stream 0x%llx, f %u", X(d.id), n,
+                       X(s), f)
+                   : W(false, vp_acquire(d, (f & 1) ? NULL : ws, n, s,
+                                         (f & 2) ? NULL : ptrs,
+                                         (f & 4) ? NULL : flags),
+                       "dev 0x%llx, %zu, stream 0x%llx, f %u", X(d.id), n,
+                       X(s), f);
   if (rc || (f & 3)) return;
   for (size_t i = 0; i < n && wl.nhold < 64; i++)
     wl.hold[wl.nhold++] = (struct whold){ws[i].id, s, ptrs[i]};
