@@ -52,6 +52,8 @@ BACKENDS = {"auto": 0, "cuda": 1, "sim": 2}
 VP_ORDER_TAIL_FIRST, VP_ORDER_INTERLEAVED, VP_ORDER_CUSTOM = 0, 1, 2
 ORDERS = {"tail": 0, "interleaved": 1}
 VP_SIM_SYNC, VP_SIM_WORKER = 0, 1
+# vp_weight_set_lookahead: the weight uses the device's lookahead
+VP_LOOKAHEAD_DEVICE = (1 << 64) - 1
 SIM_STREAMS = {"sync": 0, "worker": 1}
 
 VP_SIM_FAIL_COMMIT = 1
@@ -305,8 +307,12 @@ PROTOTYPES = {
                                P(vp_source_t), P(vp_weight_t)]),
     "vp_weight_destroy": (_i, [_w]),
     "vp_weight_set_source": (_i, [_w, P(vp_source_t)]),
+    "vp_weight_set_lookahead": (_i, [_w, _u64]),
+    "vp_weight_get_lookahead": (_i, [_w, P(c_uint64)]),
     "vp_acquire": (_i, [_dev, P(vp_weight_t), _sz, _s, P(c_uint64),
                         P(c_uint8)]),
+    "vp_acquire_ahead": (_i, [_dev, P(vp_weight_t), _sz, _s, P(c_uint64),
+                              P(c_uint8), _u64]),
     "vp_release": (_i, [_dev, P(vp_weight_t), _sz, _s]),
     "vp_prefetch": (_i, [_dev, _w]),
     "vp_device_set_lookahead": (_i, [_dev, _u64]),

@@ -13,8 +13,10 @@ stats() shows the inputs and the result:
                     and its margin)               (none: no cap)
     headroom  = max(the user's headroom, learned)        (vpager.torch)
               = the flags' headroom + learned    (ComfyUI's flags given)
-    lookahead = the acquiring model's prefetch window, else the device's
-                own (0 while a held batch is acquired)
+    lookahead = the device's own (the user's lookahead=): what weights
+                without a window of their own prefetch with (a model's
+                prefetch windows are its weights', vp_weight_set_lookahead,
+                set by the model: no device-wide write per acquire)
 
 learned is what torch may still grab in the forward about to run: its
 peak reservation (the largest read) less what it holds now, plus the OOM
@@ -91,7 +93,6 @@ class Governor:
         self.oom_margin: int = 0
         self.learned: int = 0
         self.learned_at: float = float("-inf")
-        self.window: Optional[int] = None   # the acquiring model's window
         # What is on the device: written here, or its own at first use.
         self.limit: int = NO_LIMIT
         self.headroom: int = self.user_headroom
@@ -173,30 +174,7 @@ class Governor:
         """The device's own lookahead (attach's lookahead=): what a model
         without windows prefetches with."""
         self.base_lookahead = int(nbytes)
-        self.window = None
         self._set_lookahead(self.base_lookahead, "device lookahead")
-
-    def use_window(self, window: Optional[int]) -> None:
-        """The acquiring model's prefetch window (None: the device's own
-        lookahead)."""
-        self.window = window
-        self._set_lookahead(self.base_lookahead if window is None
-                            else window, "prefetch window")
-
-    def windows_changed(self) -> None:
-        """A model's windows were chosen anew: the next acquire with a
-        window declares it again."""
-        self.window = None
-
-    def prefetch_off(self) -> int:
-        """Prefetch off for an acquire that covers its own (a held
-        batch); returns what resume() puts back."""
-        prev = self.lookahead
-        self._set_lookahead(0, "held batch")
-        return prev
-
-    def resume(self, lookahead: int) -> None:
-        self._set_lookahead(lookahead, "held batch done")
 
     # --------------------------------------------------------- derived
     def margin(self) -> int:
@@ -291,7 +269,6 @@ class Governor:
                 "torch_peak": t.peak if t is not None else None,
                 "oom_margin": self.oom_margin,
                 "base_lookahead": self.base_lookahead,
-                "window": self.window,
             },
             "learned": self.learned,
             "limit": None if self.limit == NO_LIMIT else self.limit,

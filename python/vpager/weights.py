@@ -16,6 +16,17 @@ _c_u64 = ctypes.c_uint64
 _c_u8 = ctypes.c_uint8
 
 
+def _window(nbytes):
+    """A window in bytes for C: None is VP_LOOKAHEAD_DEVICE."""
+    if nbytes is None:
+        return _lib.VP_LOOKAHEAD_DEVICE
+    n = operator.index(nbytes)
+    if not 0 <= n < _lib.VP_LOOKAHEAD_DEVICE:
+        raise _einval("vpager: a prefetch window of %r bytes (0 to 2**64 - "
+                      "2, or None for the device's lookahead)" % nbytes)
+    return n
+
+
 def _einval(msg):
     return InvalidArgument(_lib.VP_EINVAL, "VP_EINVAL", msg)
 
@@ -205,6 +216,26 @@ class Weights(Handle):
             self._keep = [None] * len(self._alive)
         self._keep[i] = src
 
+    def set_window(self, i, nbytes):
+        """vp_weight_set_lookahead() of weight i: the prefetch after an
+        acquire that ends with it runs `nbytes` ahead (0: none) instead of
+        the device's lookahead; None: the device's again. Allowed while
+        acquired."""
+        hs = self._handle()
+        if not self._alive[i]:
+            raise closed_error("weight %d of this vpager.Weights" % i)
+        check(C.vp_weight_set_lookahead(hs[i], _window(nbytes)))
+
+    def window(self, i):
+        """Weight i's own prefetch window (vp_weight_get_lookahead); None:
+        it uses the device's lookahead."""
+        hs = self._handle()
+        if not self._alive[i]:
+            raise closed_error("weight %d of this vpager.Weights" % i)
+        out = _c_u64()
+        check(C.vp_weight_get_lookahead(hs[i], ctypes.byref(out)))
+        return None if out.value == _lib.VP_LOOKAHEAD_DEVICE else out.value
+
     def _free(self):
         hs = self._h
         for i, alive in enumerate(self._alive):
@@ -260,13 +291,16 @@ class WeightBatch:
         batch.release(stream)
 
     Pass each VBAR's weights in execution order, a layer per batch. Handles
-    are checked by the C side: a destroyed weight gives HandleError."""
+    are checked by the C side: a destroyed weight gives HandleError.
+    lookahead (bytes; 0: none): every acquire of the batch prefetches that
+    far (vp_acquire_ahead) instead of its last weight's window; None (the
+    default): the weight's window, else the device's lookahead."""
 
     __slots__ = ("device", "n", "handles", "ptrs", "flags", "_args",
                  "_acquire", "_release", "_prefetch", "_last", "_owners",
                  "_n", "_stream", "_stream_id")
 
-    def __init__(self, device, weights):
+    def __init__(self, device, weights, lookahead=None):
         items = list(weights)
         handles = []
         owners = []
@@ -290,6 +324,11 @@ class WeightBatch:
         # Called without argtypes (_lib.unchecked): every argument is a
         # ctypes object of its C type, the stream's kept for the next call.
         self._acquire = _lib.unchecked("vp_acquire")
+        if lookahead is not None:      # one more argument, made once
+            ahead = _c_u64(_window(lookahead))
+            acquire_ahead = _lib.unchecked("vp_acquire_ahead")
+            self._acquire = (lambda dev, hs, n, s, ptrs, flags:
+                             acquire_ahead(dev, hs, n, s, ptrs, flags, ahead))
         self._release = _lib.unchecked("vp_release")
         self._prefetch = _lib.unchecked("vp_prefetch")
         self._last = handles[-1] if n else None

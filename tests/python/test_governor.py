@@ -104,20 +104,16 @@ def test_writes_only_on_change_and_logs_each():
             and "user budget" in seen[0]
         gov.declare_budget(32 * PAGE)           # the same: no write
         assert len(seen) == 1 and gov.changes == 1
-        gov.use_window(2 * PAGE)
+        gov.declare_lookahead(2 * PAGE)
         assert gov.lookahead == 2 * PAGE
-        assert "lookahead" in seen[-1] and "prefetch window" in seen[-1]
-        gov.use_window(2 * PAGE)
+        assert "lookahead" in seen[-1] and "device lookahead" in seen[-1]
+        gov.declare_lookahead(2 * PAGE)         # the same: no write
         assert len(seen) == 2
-        prev = gov.prefetch_off()
-        assert gov.lookahead == 0
-        gov.resume(prev)
-        assert gov.lookahead == 2 * PAGE and len(seen) == 4
-        gov.use_window(None)                    # the device's own
-        assert gov.lookahead == 4 * PAGE
+        gov.declare_lookahead(4 * PAGE)
+        assert gov.lookahead == 4 * PAGE and len(seen) == 3
         gov.declare_budget(None)
         assert dev.info()["budget"] > 32 * PAGE
-        assert gov.changes == len(seen) == 6
+        assert gov.changes == len(seen) == 4
     finally:
         log.removeHandler(h)
         log.setLevel(old)

@@ -985,10 +985,10 @@ def test_schedule_after_a_forward_that_raised():
 
 
 def test_unscheduled_model_keeps_the_device_lookahead():
-    """On a shared device a scheduled model sets its units' windows as
-    the device's lookahead; a model without windows that runs after it
-    prefetches with the device's own lookahead again, not the other
-    model's last window."""
+    """On a shared device a scheduled model's windows are its weights'
+    (vp_weight_set_lookahead), set with the schedule; a model without
+    windows keeps the device's own lookahead, whichever ran last, and no
+    forward writes the device's lookahead."""
     base = 96 * K
     dev = vt.open_device("sim", budget=1280 * K, staging_size=320 * K,
                          **sim_opts(lookahead=base))
@@ -1001,18 +1001,26 @@ def test_unscheduled_model_keeps_the_device_lookahead():
         set_to = []
         real = dev.set_lookahead
         dev.set_lookahead = lambda n: (set_to.append(n), real(n))[1]
+
+        def windows(h):
+            lay = h._layout
+            return [lay.weights.window(e.index)
+                    for u in lay.units for e in u.entries]
+
         with torch.no_grad():
             for _ in range(4):
                 assert torch.equal(a(x), wa(x))
             assert ha.order == "scheduled" and ha.schedule()["windows"]
-            assert set_to and set_to[-1] != base, set_to
+            wins = windows(ha)
+            assert any(w is not None and w != base for w in wins), wins
+            assert wins == [u.window for u in ha._layout.units
+                            for _ in u.entries]
             assert torch.equal(b(x), wb(x))
-            assert set_to[-1] == base, set_to       # b: the device's own
-            n = len(set_to)
-            assert torch.equal(b(x), wb(x))          # no switch: no call
-            assert len(set_to) == n
-            assert torch.equal(a(x), wa(x))          # a: its windows again
-            assert set_to[-1] != base, set_to
+            assert set(windows(hb)) == {None}        # b: the device's own
+            assert torch.equal(b(x), wb(x))
+            assert torch.equal(a(x), wa(x))          # a: its windows still
+            assert windows(ha) == wins
+        assert set_to == [], set_to                  # nothing device-wide
         ha.close()
         hb.close()
     finally:

@@ -222,17 +222,11 @@ class HotPath:
                     ".half(), .data = ...?); unload() first, change the "
                     "module, then offload again" % e.name)
         ds = self.ds
-        gov = ds.gov
-        win = unit.window
         if ds.top is not self.handle:
             self.vbar.prioritize()
             ds.top = self.handle
-            if win is None:     # not another model's schedule's window
-                gov.use_window(None)
         stream = self.stream()
-        batch = unit.batch
-        if win is not None and win != gov.window:   # the schedule's window
-            gov.use_window(win)
+        batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
         if tuner.on:
             tuner.before(unit)
@@ -312,8 +306,11 @@ class HotPath:
         lay = self.layout
         if self._held_of is not lay.weights:
             entries = [e for u in self.held_units for e in u.entries]
+            # Its own prefetch would start after the last held weight:
+            # none; the acquire before each run of held units covers theirs.
             self.held = WeightBatch(lay.device,
-                                    [lay.weight(e) for e in entries])
+                                    [lay.weight(e) for e in entries],
+                                    lookahead=0)
             self._held_entries = entries
             of = {id(e.tensor): e for e in entries}
             self._held_slots = [(d, key, t, of[id(t)])
@@ -374,22 +371,15 @@ class HotPath:
         if self._held_evicted():
             return False
         ds = self.ds
-        gov = ds.gov
-        if ds.top is not self.handle:   # as enter() does; the first unit
-            self.vbar.prioritize()      # with a window sets it
+        if ds.top is not self.handle:   # as enter() does
+            self.vbar.prioritize()
             ds.top = self.handle
-            gov.use_window(None)
         stream = self.stream()
-        # Its own prefetch would start after the last held weight: off;
-        # the acquire before each run of held units covers theirs.
-        prev = gov.prefetch_off()
         try:
-            ptrs = batch.acquire(stream)
+            ptrs = batch.acquire(stream)    # no prefetch (_held_batch)
         except Error:           # e.g. misses the ring cannot hold at once
             self.set_held(())
             return False        # the per-unit path meets it, if it stays
-        finally:
-            gov.resume(prev)
         flags = batch.flags
         if not all(flags[i] & _RESIDENT for i in range(batch.n)):
             batch.release(stream)
@@ -453,13 +443,9 @@ class HotPath:
         self.held.release(stream)
 
     def run_held(self, unit, fwd, args, kwargs):
-        """A held unit's call that is not bare (the root is the unit): its
-        window, the prefetch its acquire would run, then its forward (with
-        the out-of-memory retry)."""
-        win = unit.window
-        gov = self.ds.gov
-        if win is not None and win != gov.window:
-            gov.use_window(win)
+        """A held unit's call that is not bare (the root is the unit): the
+        prefetch its acquire would run (its weights' window), then its
+        forward (with the out-of-memory retry)."""
         unit.batch.prefetch()
         return self.escapes(unit, self.call(unit, fwd, args, kwargs))
 

@@ -87,8 +87,22 @@ class Layout:
 
     def batches(self, units=None):
         dev, weight = self.device, self.weight
-        for u in (self.units if units is None else units):
+        units = self.units if units is None else units
+        for u in units:
             u.batch = WeightBatch(dev, [weight(e) for e in u.entries])
+        # New weights use the device's lookahead: the windows again.
+        self.set_windows([u for u in units if u.window is not None])
+
+    def set_windows(self, units):
+        """Each unit's weights prefetch its window (unit.window; None: the
+        device's lookahead) after their acquire (vp_weight_set_lookahead):
+        set when the windows or the weights change, never per forward,
+        and the device's setting is left alone."""
+        ws = self.weights
+        for u in units:
+            if u is not None:
+                for e in u.entries:
+                    ws.set_window(e.index, u.window)
 
     def set_source(self, e, src):
         """Entry e's weight takes its bytes from `src` from now on

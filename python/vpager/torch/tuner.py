@@ -474,7 +474,7 @@ class Tuner:
                                                     held))):
                 if u is not None:
                     u.window = win
-            self.ds.gov.windows_changed()
+            self.layout.set_windows(units)
 
     def _hold(self, units, sch):
         """Units held for the whole forward (HotPath.hold): those whose
@@ -530,11 +530,12 @@ class Tuner:
             size += w.size
         if cur:
             chunks.append(cur)
+        ahead = None            # the weights' windows
         if self.windows and entries:
-            self.ds.gov.use_window(window)
+            ahead = window
             chunks.append([lay.weight(entries[-1])])
         for ws in chunks:
-            b = WeightBatch(lay.device, ws)
+            b = WeightBatch(lay.device, ws, lookahead=ahead)
             b.acquire(stream)
             b.release(stream)
         if self.ds.sync:
@@ -558,15 +559,14 @@ def carried(units, window, held):
 
 
 def smooth(window, slack=SLACK):
-    """The windows a unit's acquire sets (None: keep the one set before):
-    a window at most `slack` times larger than needed does no harm (the
-    ring bounds prefetch anyway) and saves a call; one that is smaller
-    than needed, or much larger, is set. The first unit sets its own."""
+    """The window each unit's weights prefetch: the one before it while
+    that is at most `slack` times larger than its own (no harm: the ring
+    bounds prefetch anyway), so a run of units keeps one window and the
+    prefetch tops it up a chunk at a time instead of scanning again for
+    each larger one; else its own. The first unit has its own."""
     out, cur = [], None
     for w in window:
-        if cur is not None and w <= cur <= w * slack:
-            out.append(None)
-        else:
-            out.append(w)
+        if cur is None or not w <= cur <= w * slack:
             cur = w
+        out.append(cur)
     return out

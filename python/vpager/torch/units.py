@@ -83,7 +83,8 @@ class Unit:
         self.saved_forward = None
         self.had_forward = False
         self.pack = None
-        self.window = None      # prefetch lookahead at its acquire (tuner)
+        self.window = None      # its weights' prefetch window (tuner;
+                                # None: the device's lookahead)
         self.held = False       # acquired with the root forward (tuner)
         self.wrapped = None     # the forward installed on module (hotpath)
         self.bare = None        # what module calls while held (hotpath)
