@@ -640,6 +640,46 @@ def test_weight_batch_streams():
         dev.destroy_stream(s)
 
 
+def test_weight_windows_and_acquire_ahead():
+    """Weights.set_window (vp_weight_set_lookahead): the prefetch after a
+    weight runs its window, None the device's (0 here); WeightBatch(
+    lookahead=) (vp_acquire_ahead) the batch's own, whatever the weight's;
+    bad values are InvalidArgument."""
+    with sim() as dev:
+        vb = dev.create_vbar(8 * PAGE)
+        ws = vb.create_weights([i * PAGE for i in range(8)], [PAGE] * 8,
+                               [pattern(PAGE, i) for i in range(8)])
+
+        def resident_after(batch):
+            vb.free_memory(8 * PAGE)
+            vb.prioritize()
+            batch.acquire()
+            batch.release()
+            dev.synchronize(0)
+            return sum(1 for f in vb.residency(8)
+                       if f & vpager.PAGE_RESIDENT)
+
+        assert ws.window(0) is None
+        assert resident_after(ws.batch([0])) == 1           # the device's 0
+        ws.set_window(0, 3 * PAGE)
+        assert ws.window(0) == 3 * PAGE
+        assert resident_after(ws.batch([0])) == 4
+        assert resident_after(vpager.WeightBatch(dev, [ws[0]],
+                                                 lookahead=0)) == 1
+        assert resident_after(vpager.WeightBatch(dev, [ws[0]],
+                                                 lookahead=PAGE)) == 2
+        ws.set_window(0, None)
+        assert ws.window(0) is None
+        assert resident_after(ws.batch([0])) == 1
+        raises(vpager.InvalidArgument, ws.set_window, 0, -1)
+        raises(vpager.InvalidArgument, ws.set_window, 0, 1 << 64)
+        raises(TypeError, ws.set_window, 0, "1M")
+        raises(vpager.InvalidArgument, vpager.WeightBatch, dev, [ws[0]],
+               lookahead=-1)
+        ws.destroy(1)
+        raises(vpager.Error, ws.set_window, 1, PAGE)
+
+
 def test_weights_staging_too_small():
     with sim(sim_capacity=4 * PAGE, staging_size=PAGE) as dev:
         vb = dev.create_vbar(16 * PAGE)
