@@ -217,6 +217,18 @@ typedef struct vp_device_info {
 } vp_device_info_t;
 /* Fill *info (polls the device's free memory if the poll interval passed). */
 VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);
+/* How many devices `backend` has, none opened: VP_BACKEND_CUDA, the GPUs
+ * the driver sees (0 when libcuda.so.1 cannot be loaded or initialised;
+ * the reason is logged at debug); VP_BACKEND_SIM, 1. For callers that
+ * would otherwise ask the driver themselves. */
+VP_API int vp_device_count(int backend, int *count);
+/* Drop a page-lock registration another library made on host memory at
+ * ptr (cuMemHostRegister / cudaHostRegister: a client's own pinned
+ * buffer), in this device's context, for callers without a CUDA binding
+ * of their own. VP_EINVAL when ptr is not registered. The simulated device
+ * registers nothing and answers VP_OK. What vpager pinned itself is
+ * vp_hostbuf_free's to drop. */
+VP_API int vp_host_unregister(vp_device_t dev, void *ptr);
 
 /* Change the headroom at run time; takes effect at the next commit. */
 VP_API int vp_device_set_headroom(vp_device_t dev, int64_t bytes);

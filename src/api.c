@@ -462,3 +462,28 @@ int vp_device_report(vp_device_t h, int json, char *buf, size_t len,
   if (rc) return rc;
   return vp__unlock(dev, vp__report(dev, json, buf, len, needed));
 }
+
+int vp_device_count(int backend, int *count) {
+  VP__ENTER();
+  VP__NEED(count, "count is NULL");
+  *count = 0;
+  if (backend != VP_BACKEND_CUDA && backend != VP_BACKEND_SIM)
+    return vp__err(VP_EINVAL, "backend %d is not VP_BACKEND_CUDA (1) or "
+                   "VP_BACKEND_SIM (2)", backend);
+  int rc = vp__be_device_count(backend, count);
+  if (rc) return vp__err(rc, "counting the devices failed");
+  return VP_OK;
+}
+
+int vp_host_unregister(vp_device_t h, void *ptr) {
+  VP__ENTER();
+  VP__NEED(ptr, "ptr is NULL");
+  vp__device_t *dev = NULL;
+  VP__DEVICE_ENTER(h, dev);
+  vp__unlock(dev, VP_OK); /* the driver call needs none of our state */
+  int rc = vp__be_host_unregister(dev, ptr);
+  if (rc == VP_EINVAL)
+    return vp__err(rc, "%p is not registered host memory", ptr);
+  if (rc) return vp__err(rc, "unregistering %p failed", ptr);
+  return VP_OK;
+}

@@ -21,6 +21,8 @@ The library is found through VPAGER_LIBRARY, else inside this package
 PYTHONPATH=python).
 """
 
+import ctypes
+
 from . import _lib
 from ._buffer import BufferRef
 from ._lib import LibraryError, library_path
@@ -112,6 +114,17 @@ def get_log_level():
     return _lib.C.vp_get_log_level()
 
 
+def device_count(backend="cuda"):
+    """vp_device_count(): the devices of `backend` ("cuda" or "sim"), none
+    opened; for CUDA the GPUs the driver sees, 0 without a driver."""
+    if backend not in ("cuda", "sim"):
+        raise InvalidArgument(EINVAL, "VP_EINVAL", "backend %r is not "
+                              "'cuda' or 'sim'" % (backend,))
+    n = ctypes.c_int(0)
+    check(_lib.C.vp_device_count(_lib.BACKENDS[backend], ctypes.byref(n)))
+    return n.value
+
+
 __all__ = [
     "Device", "Vbar", "HostBuf", "Weights", "Weight", "WeightBatch",
     "Source", "SafeTensors", "TensorInfo", "BufferRef",
@@ -120,5 +133,5 @@ __all__ = [
     "DeviceError", "TryAgain", "OutOfMemory", "Unsupported", "LimitError",
     "LibraryError", "check", "strerror", "err_name", "last_error",
     "library_path", "parse_size", "default_options", "OPTION_NAMES",
-    "STAT_NAMES", "set_log_level", "get_log_level",
+    "STAT_NAMES", "set_log_level", "get_log_level", "device_count",
 ]

@@ -322,6 +322,9 @@ PROTOTYPES = {
     "vp_file_read_to_address": (_i, [_dev, _i, _u64, _u64, _u64, _s,
                                      c_uint32]),
     "vp_file_reader_release": (_i, [_dev]),
+    # what callers would otherwise ask the driver
+    "vp_device_count": (_i, [_i, P(c_int)]),
+    "vp_host_unregister": (_i, [_dev, c_void_p]),
     "vp_st_open": (_i, [_dev, c_char_p, P(vp_st_t)]),
     "vp_st_close": (_i, [_st]),
     "vp_st_count": (_i, [_st, P(c_size_t)]),

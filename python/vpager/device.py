@@ -8,7 +8,7 @@ from . import _lib
 from ._buffer import as_buffer
 from ._handle import Handle
 from ._lib import C, vp_device_info_t, vp_device_t, vp_stream_t
-from .errors import check
+from .errors import InvalidArgument, check
 from .options import make_options, options_dict
 from .stats import read_stats
 
@@ -223,6 +223,17 @@ class Device(Handle):
         file reader's slots, each read over `threads` threads (1..64)."""
         check(C.vp_file_read_to_address(self._handle(), _fileno(fd), offset,
                                         size, dst_addr, stream, threads))
+
+    def host_unregister(self, ptr):
+        """vp_host_unregister(): drop a page-lock registration another
+        library made at host address `ptr` (a client's cudaHostRegister).
+        True when one was dropped; False when ptr was not registered (the
+        simulated device registers nothing: always True there)."""
+        try:
+            check(C.vp_host_unregister(self._handle(), ptr))
+        except InvalidArgument:
+            return False
+        return True
 
     def release_file_reader(self):
         """vp_file_reader_release(): free the file reader's bounce slots

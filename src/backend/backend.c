@@ -46,6 +46,17 @@ int vp__be_open(vp__device_t *dev) {
                  *why ? ": " : "", why);
 }
 
+int vp__be_device_count(int kind, int *count) {
+  if (kind == VP_BACKEND_CUDA) {
+    int rc = vp__cuda_device_count(count);
+    if (rc == VP_OK && *count == 0)
+      vp__log(VP_LOG_DEBUG, "cuda", "no device: %s", vp__cuda_open_reason());
+    return rc;
+  }
+  *count = 1; /* the simulated device: one per open, always there */
+  return VP_OK;
+}
+
 void vp__be_close(vp__device_t *dev) { dev->be->close(dev->ctx); }
 
 const char *vp__be_error_detail(vp__device_t *dev) {

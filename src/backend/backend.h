@@ -102,6 +102,9 @@ extern const vp__backend_t vp__backend_sim;
  * thread failed ("" if unknown); the driver's name for ctx's last failing
  * call; device memory as NVML sees it and this process's own use. */
 const char *vp__cuda_open_reason(void);
+/* CUDA devices the driver sees (0 without a driver or a device, and then
+ * vp__cuda_open_reason says why); never fails but for VP_ENOMEM. */
+int vp__cuda_device_count(int *count);
 const char *vp__cuda_error_name(void *ctx);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used);

@@ -723,6 +723,25 @@ int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
 
 const char *vp__cuda_open_reason(void) { return open_reason; }
 
+int vp__cuda_device_count(int *count) {
+  *count = 0;
+  open_reason[0] = '\0';
+  cuda_t *c = calloc(1, sizeof *c);
+  if (!c) return open_fail(VP_ENOMEM, "out of host memory");
+  int rc = load_driver(c);
+  if (rc == VP_OK) {
+    vp_cu_result_t r = c->cu.init(0);
+    if (r == VP_CU_SUCCESS) r = c->cu.device_get_count(count);
+    if (r != VP_CU_SUCCESS) {
+      *count = 0;
+      open_fail(VP_ENODEV, "cuInit/cuDeviceGetCount: %s", error_name(c, r));
+    }
+    dlclose(c->lib);
+  }
+  free(c);
+  return VP_OK; /* no driver, or no device: 0, and open_reason says why */
+}
+
 /* Name of the last failing CUresult of this device ("CUDA_SUCCESS" if
  * none): for the pager's log line after a backend error. */
 const char *vp__cuda_error_name(void *ctx) {

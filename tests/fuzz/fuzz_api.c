@@ -2383,6 +2383,13 @@ static void w_copy(fz_reader_t *r) {
       X(size), X(dst), X(s), threads);
     if (b & 0x04)
       W(false, vp_file_reader_release(d), "0x%llx", X(d.id));
+    if (b & 0x02) {
+      int kind = (int)(fz_u8(r) % 4), n = 0;
+      W(false, vp_device_count(kind, (b & 0x01) ? NULL : &n), "%d", kind);
+      /* The simulated device registers nothing: any pointer is fine. */
+      W(false, vp_host_unregister(d, (b & 0x01) ? NULL : rbuf), "0x%llx",
+        X(d.id));
+    }
   }
   }
 }

@@ -801,6 +801,36 @@ def test_file_read_to_device():
         shutil.rmtree(d)
 
 
+def test_file_read_to_address_and_driver_queries():
+    """file_read_to_address into memory no VBAR holds (on the simulated
+    device, host memory) over several threads; release_file_reader;
+    device_count and host_unregister, which compat asks instead of the
+    driver."""
+    d = tempfile.mkdtemp()
+    try:
+        path = os.path.join(d, "blob")
+        data = pattern(5 * MiB + 7, 4)
+        with open(path, "wb") as f:
+            f.write(data)
+        with sim() as dev, open(path, "rb") as f:
+            out = ctypes.create_string_buffer(len(data))
+            for threads in (1, 4):
+                dev.file_read_to_address(f, 3, len(data) - 3,
+                                         ctypes.addressof(out), 0, threads)
+                dev.synchronize()
+                assert out.raw[:len(data) - 3] == data[3:]
+            raises(vpager.InvalidArgument, dev.file_read_to_address, f, 0,
+                   10, ctypes.addressof(out), 0, 0)
+            dev.release_file_reader()
+            assert dev.host_unregister(ctypes.addressof(out)) is True
+            assert dev.host_unregister(0) is False
+    finally:
+        shutil.rmtree(d)
+    assert vpager.device_count("sim") == 1
+    assert vpager.device_count("cuda") >= 0
+    raises(vpager.InvalidArgument, vpager.device_count, "auto")
+
+
 # ------------------------------------------------------- handle lifetimes
 
 def test_device_close_closes_children():

@@ -1458,27 +1458,36 @@ def test_host_buffer_default_unregister_without_cuda():
     hb.truncate(0, do_unregister=True)
     hb.extend(MiB, register=False)
     hb.close()
-    # Where CUDA is there, the default goes to the driver (played here by
-    # a fake): 0 is "dropped", 713 "was not registered", no driver: False.
-    from comfy_aimdo import _cuda
+    # Where a CUDA device is open, the default goes to vpager's
+    # vp_host_unregister on the lowest-index one (played here by a fake
+    # device): True is "dropped", False "was not registered"; a vpager
+    # error is False too.
     calls = []
-    answers = iter([0, _cuda.NOT_REGISTERED, OSError("no libcuda")])
+    answers = iter([True, False, control._vpager.Error(-1, "VP_EINVAL", "")])
 
-    def fake(ptr, ordinal=0):
-        calls.append((ptr, ordinal))
-        a = next(answers)
-        if isinstance(a, Exception):
-            raise a
-        return a
-    saved = _cuda.host_unregister, control._cuda_count
-    _cuda.host_unregister, control._cuda_count = fake, 1
+    class FakeCudaDevice:
+        backend, closed = "cuda", False
+
+        def __init__(self, index):
+            self.index = index
+
+        def host_unregister(self, ptr):
+            calls.append((ptr, self.index))
+            a = next(answers)
+            if isinstance(a, Exception):
+                raise a
+            return a
+    sim = control.devices()
+    saved = control.devices
+    control.devices = lambda: {**sim, 3: FakeCudaDevice(3),
+                               1: FakeCudaDevice(1)}
     try:
         assert host_buffer._external_unregister(4096) is True
         assert host_buffer._external_unregister(8192) is False
         assert host_buffer._external_unregister(12288) is False
     finally:
-        _cuda.host_unregister, control._cuda_count = saved
-    assert calls == [(4096, 0), (8192, 0), (12288, 0)], calls
+        control.devices = saved
+    assert calls == [(4096, 1), (8192, 1), (12288, 1)], calls
 
 
 # ----------------------------------------------- host_buffer: cold start

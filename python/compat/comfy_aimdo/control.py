@@ -2,7 +2,7 @@
 
 Importing this module loads nothing (neither vpager's library nor torch);
 init() does. One vpager Device per device index, opened by init_device(s):
-the CUDA backend when a GPU is usable (probed through libcuda, not torch),
+the CUDA backend when a GPU is usable (vpager.device_count, not torch),
 else vpager's simulated device (capacity: VPAGER_SIM_CAPACITY, default 4G),
 so that CPU-only machines and CI run everything. VPAGER_BACKEND=sim forces
 the simulated device.
@@ -13,7 +13,6 @@ free device-wide, every process counted (vp_device_set_headroom: vpager's
 default headroom plus the extra).
 """
 
-import ctypes
 import math
 import numbers
 import sys
@@ -64,20 +63,18 @@ class _Lib:
 
 
 def _probe_cuda():
-    """Number of CUDA devices usable through the driver (0 without one)."""
+    """Number of CUDA devices (vp_device_count asks the driver; 0 without
+    one, or with VPAGER_BACKEND=sim)."""
     global _cuda_count
     if _cuda_count is not None:
         return _cuda_count
+    import vpager               # not at import: no vpager before init()
+    from vpager import env
     n = 0
-    from vpager import env      # not at import: no vpager before init()
     if env.word("VPAGER_BACKEND") != "sim":
         try:
-            cu = ctypes.CDLL("libcuda.so.1")
-            count = ctypes.c_int(0)
-            if (cu.cuInit(0) == 0
-                    and cu.cuDeviceGetCount(ctypes.byref(count)) == 0):
-                n = count.value
-        except OSError:
+            n = vpager.device_count("cuda")
+        except (vpager.Error, OSError):     # OSError: no libvpager
             n = 0
     _cuda_count = n
     return n

@@ -19,9 +19,9 @@ A caller that registers a register=False part itself (cudaHostRegister at
 the address extend() returned, as ComfyUI >= 0.38 does) may unregister it
 itself too, and the buffer stays mapped. truncate(n, do_unregister=True)
 and close() drop such registrations past n (each part once, by its start
-address, through the CUDA driver: a part the caller unregistered already
-answers "not registered", which is ignored); do_unregister=False leaves
-them to the caller. vpager's own registrations are never touched by that:
+address, through vpager's vp_host_unregister: a part the caller
+unregistered already answers "not registered", which is ignored);
+do_unregister=False leaves them to the caller. vpager's own registrations are never touched by that:
 a part is either the buffer's (register=True or register()) or the
 caller's.
 
@@ -62,25 +62,18 @@ def _pin_device():
 
 def _external_unregister(ptr):
     """Drop a registration the caller made itself at host address `ptr`
-    (the start of a register=False part): cuMemHostUnregister when the
-    caller can have registered it (the machine has CUDA, or torch has
-    initialised CUDA); nothing otherwise, as on the simulated device (its
-    host memory needs no registration). True when something was
-    unregistered. Tests replace this to see the calls."""
-    torch = sys.modules.get("torch")
-    try:
-        torch_cuda = torch is not None and torch.cuda.is_initialized()
-    except Exception:
-        torch_cuda = False
-    if not torch_cuda and not control._probe_cuda():
-        return False
+    (the start of a register=False part) through vpager
+    (vp_host_unregister, in the lowest-index open CUDA device's context:
+    torch's, the primary context); nothing without one, as on the
+    simulated device (its host memory needs no registration). True when
+    something was unregistered. Tests replace this to see the calls."""
     devs = control.devices()
-    ordinal = min([i for i, d in devs.items()
-                   if not d.closed and d.backend != "sim"] or [0])
+    cuda = [i for i, d in devs.items() if not d.closed and d.backend != "sim"]
+    if not cuda:
+        return False
     try:
-        from . import _cuda
-        return _cuda.host_unregister(ptr, ordinal) == 0
-    except OSError:
+        return devs[min(cuda)].host_unregister(ptr)
+    except control._vpager.Error:
         return False
 
 

@@ -1,0 +1,47 @@
+/* What callers used to ask the driver themselves (issue 27): the device
+ * count of a backend, and dropping a host registration another library
+ * made (vp_device_count, vp_host_unregister), on both backends. */
+#include "test.h"
+
+#include <sys/mman.h>
+
+TEST(device_count, TEST_ALL_BACKENDS) {
+  int n = -1;
+  ASSERT_OK(vp_device_count(VP_BACKEND_SIM, &n));
+  ASSERT_EQ_INT(n, 1);
+  n = -1;
+  ASSERT_OK(vp_device_count(VP_BACKEND_CUDA, &n));
+  /* Here under the CUDA backend a device opened: the driver sees it. */
+  if (strcmp(ctx->backend_name, "cuda") == 0) ASSERT_GE_INT(n, 1);
+  else ASSERT_GE_INT(n, 0);
+  ASSERT_RC(vp_device_count(VP_BACKEND_AUTO, &n), VP_EINVAL);
+  ASSERT_EQ_INT(n, 0);
+  ASSERT_NOT_NULL(strstr(vp_last_error(), "vp_device_count"));
+  ASSERT_RC(vp_device_count(7, &n), VP_EINVAL);
+  ASSERT_RC(vp_device_count(VP_BACKEND_SIM, NULL), VP_EINVAL);
+}
+
+TEST(host_unregister, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  size_t len = 1 << 20;
+  void *p = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_TRUE(p != MAP_FAILED);
+  memset(p, 1, len);
+  bool cuda = strcmp(vp_device_backend(dev), "cuda") == 0;
+  /* Memory nobody registered: the driver says so; the simulated device
+   * registers nothing and has nothing to refuse. */
+  if (cuda) ASSERT_RC(vp_host_unregister(dev, p), VP_EINVAL);
+  else ASSERT_OK(vp_host_unregister(dev, p));
+  /* A registration made elsewhere (here: a host buffer's, standing in for
+   * a client's cudaHostRegister) is dropped; a second time it is gone. */
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_register(dev, p, len, &hb));
+  ASSERT_OK(vp_host_unregister(dev, p));
+  if (cuda) ASSERT_RC(vp_host_unregister(dev, p), VP_EINVAL);
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_RC(vp_host_unregister(dev, NULL), VP_EINVAL);
+  ASSERT_OK(vp_device_close(dev));
+  ASSERT_RC(vp_host_unregister(dev, p), VP_EHANDLE);
+  munmap(p, len);
+}
