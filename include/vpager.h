@@ -229,6 +229,13 @@ VP_API int vp_device_count(int backend, int *count);
  * registers nothing and answers VP_OK. What vpager pinned itself is
  * vp_hostbuf_free's to drop. */
 VP_API int vp_host_unregister(vp_device_t dev, void *ptr);
+/* The platform's soft memory limit for this process on the device, in
+ * bytes (0: none): on CUDA, what NVML reports for the process's cgroup
+ * (nvmlDeviceGetMemoryLimits_v1: MPS v3 / dmem limits; NVML is loaded at
+ * run time and is optional: 0 without it or on an older driver); on the
+ * simulated device, what VP_SIM_SET_SOFT_LIMIT set. vpager does not apply
+ * it: budgets are the caller's (vp_device_set_limit). */
+VP_API int vp_device_soft_limit(vp_device_t dev, uint64_t *bytes);
 
 /* Change the headroom at run time; takes effect at the next commit. */
 VP_API int vp_device_set_headroom(vp_device_t dev, int64_t bytes);
@@ -276,7 +283,8 @@ typedef enum vp_sim_inject_kind {
                                memory (1 = the next one) */
   VP_SIM_TRANSIENT = 2,     /* n: the next n commits fail with VP_EAGAIN */
   VP_SIM_SET_CAPACITY = 3,  /* n: device capacity in bytes, from now */
-  VP_SIM_BREAK = 4          /* the device becomes broken (n ignored) */
+  VP_SIM_BREAK = 4,         /* the device becomes broken (n ignored) */
+  VP_SIM_SET_SOFT_LIMIT = 5 /* n: vp_device_soft_limit's answer (0 = none) */
 } vp_sim_inject_kind_t;
 /* Simulated device only: fault injection for tests. */
 VP_API int vp_sim_inject(vp_device_t dev, int kind, uint64_t n);

@@ -475,6 +475,18 @@ int vp_device_count(int backend, int *count) {
   return VP_OK;
 }
 
+int vp_device_soft_limit(vp_device_t h, uint64_t *bytes) {
+  VP__ENTER();
+  VP__NEED(bytes, "bytes is NULL");
+  *bytes = 0;
+  vp__device_t *dev = NULL;
+  VP__DEVICE_ENTER(h, dev);
+  vp__unlock(dev, VP_OK); /* NVML's first load takes ~10 ms */
+  int rc = vp__be_soft_limit(dev, bytes);
+  if (rc) return vp__err(rc, "reading the soft limit failed");
+  return VP_OK;
+}
+
 int vp_host_unregister(vp_device_t h, void *ptr) {
   VP__ENTER();
   VP__NEED(ptr, "ptr is NULL");

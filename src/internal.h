@@ -263,6 +263,8 @@ uint64_t vp__serial_next(void);
 int vp__be_open(vp__device_t *dev); /* picks the backend (message on error) */
 /* Devices of backend `kind` (VP_BACKEND_CUDA or _SIM), none opened. */
 int vp__be_device_count(int kind, int *count);
+/* The platform's soft memory limit for us on dev (bytes, 0: none). */
+int vp__be_soft_limit(vp__device_t *dev, uint64_t *bytes);
 void vp__be_close(vp__device_t *dev);
 const char *vp__be_error_detail(vp__device_t *dev); /* the driver's last */
 int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,

@@ -45,3 +45,27 @@ TEST(host_unregister, TEST_ALL_BACKENDS) {
   ASSERT_RC(vp_host_unregister(dev, p), VP_EHANDLE);
   munmap(p, len);
 }
+
+/* The platform's soft limit: on the simulated device what the test sets
+ * (0 = none); on CUDA whatever NVML says for our cgroup (0 on most
+ * machines: no MPS v3 / dmem limit), never an error. */
+TEST(device_soft_limit, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  uint64_t soft = 12345;
+  ASSERT_OK(vp_device_soft_limit(dev, &soft));
+  if (strcmp(vp_device_backend(dev), "sim") == 0) {
+    ASSERT_EQ_U64(soft, 0);
+    ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_SOFT_LIMIT, 7ull << 30));
+    ASSERT_OK(vp_device_soft_limit(dev, &soft));
+    ASSERT_EQ_U64(soft, 7ull << 30);
+    ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_SOFT_LIMIT, 0));
+    ASSERT_OK(vp_device_soft_limit(dev, &soft));
+    ASSERT_EQ_U64(soft, 0);
+  } else {
+    test_note("soft limit %" PRIu64, soft);
+  }
+  ASSERT_RC(vp_device_soft_limit(dev, NULL), VP_EINVAL);
+  ASSERT_OK(vp_device_close(dev));
+  ASSERT_RC(vp_device_soft_limit(dev, &soft), VP_EHANDLE);
+  ASSERT_EQ_U64(soft, 0);
+}

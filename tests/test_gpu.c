@@ -20,6 +20,9 @@
  *                                 after the rewrite reads the new ones
  *   gpu_oom_is_miss               a commit the driver refuses (memory taken
  *                                 by cuMemAlloc) is VP_MISS, not an error
+ *   gpu_file_read_to_address      vp_file_read_to_address into memory
+ *                                 cuMemAlloc made (no VBAR's), over one
+ *                                 thread and several: the file's bytes
  *
  * The runner runs them only when the CUDA backend opened a device (else it
  * prints a "skip cuda/..." line with the reason). The kernel is tests/gpu_kernels.cu,
@@ -27,8 +30,10 @@
  * libcuda.so.1, with src/backend/cuda_abi.h's types, so no toolkit is needed.
  */
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda_abi.h"
 #include "refill.h"
@@ -927,5 +932,61 @@ TEST(gpu_refill_waits_for_kernel, TEST_GPU_ONLY) {
     refill_run(ctx, &o, variant, &r);
   }
   kernel_unload(g, &gr.k);
+  gpu_primary_release(g, 0);
+}
+
+/* ------------------------------------- file reads to another's memory */
+
+/* vp_file_read_to_address into device memory vpager did not make (as a
+ * torch tensor's), across slot edges, over one thread and four. */
+TEST(gpu_file_read_to_address, TEST_GPU_ONLY) {
+  gpu_t *g = gpu_get();
+  vp_cu_context_t pc = gpu_primary(g, 0);
+  vp_options_t o;
+  test_options(ctx, &o);
+  o.file_slot_size = 4 * MiB;
+  vp_device_t dev = test_open(ctx, &o);
+  char dir[64], path[128];
+  test_make_dir(dir, sizeof dir, "gpufile");
+  snprintf(path, sizeof path, "%s/data.bin", dir);
+  const uint64_t n = 19 * MiB + 4097;
+  unsigned char *file = malloc(n), *back = malloc(n);
+  ASSERT_NOT_NULL(file);
+  ASSERT_NOT_NULL(back);
+  test_pattern(file, n, 5);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  ASSERT_GE_INT(fd, 0);
+  ASSERT_EQ_INT(write(fd, file, n), (long long)n);
+  ASSERT_EQ_INT(close(fd), 0);
+  fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  vp_cu_deviceptr_t buf = 0;
+  vp_cu_context_t popped;
+  CU_OK(g->ctx_push_current(pc));
+  CU_OK(g->mem_alloc(&buf, n + 64));
+  CU_OK(g->ctx_pop_current(&popped));
+  vp_stream_t s;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  static const uint32_t threads[] = {1, 4};
+  for (size_t i = 0; i < 2; i++) {
+    ASSERT_OK(vp_file_read_to_address(dev, fd, 3, n - 3, buf + 5, s,
+                                      threads[i]));
+    ASSERT_OK(vp_stream_synchronize(dev, s));
+    memset(back, 0, n);
+    CU_OK(g->ctx_push_current(pc));
+    CU_OK(g->memcpy_dtoh(back, buf + 5, n - 3));
+    CU_OK(g->ctx_pop_current(&popped));
+    ASSERT_MEM_EQ(back, file + 3, n - 3);
+  }
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_file_reader_release(dev));
+  CU_OK(g->ctx_push_current(pc));
+  CU_OK(g->mem_free(buf));
+  CU_OK(g->ctx_pop_current(&popped));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  free(back);
+  free(file);
+  test_rm_dir(dir);
   gpu_primary_release(g, 0);
 }

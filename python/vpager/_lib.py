@@ -60,6 +60,7 @@ VP_SIM_FAIL_COMMIT = 1
 VP_SIM_TRANSIENT = 2
 VP_SIM_SET_CAPACITY = 3
 VP_SIM_BREAK = 4
+VP_SIM_SET_SOFT_LIMIT = 5
 
 VP_PAGE_RESIDENT = 0x1
 VP_PAGE_PINNED = 0x2
@@ -325,6 +326,7 @@ PROTOTYPES = {
     # what callers would otherwise ask the driver
     "vp_device_count": (_i, [_i, P(c_int)]),
     "vp_host_unregister": (_i, [_dev, c_void_p]),
+    "vp_device_soft_limit": (_i, [_dev, P(c_uint64)]),
     "vp_st_open": (_i, [_dev, c_char_p, P(vp_st_t)]),
     "vp_st_close": (_i, [_st]),
     "vp_st_count": (_i, [_st, P(c_size_t)]),

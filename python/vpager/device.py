@@ -224,6 +224,14 @@ class Device(Handle):
         check(C.vp_file_read_to_address(self._handle(), _fileno(fd), offset,
                                         size, dst_addr, stream, threads))
 
+    def soft_limit(self):
+        """vp_device_soft_limit(): the platform's soft memory limit for
+        this process on the device (NVML's for its cgroup on CUDA), in
+        bytes, or None where there is none."""
+        n = ctypes.c_uint64(0)
+        check(C.vp_device_soft_limit(self._handle(), ctypes.byref(n)))
+        return n.value or None
+
     def host_unregister(self, ptr):
         """vp_host_unregister(): drop a page-lock registration another
         library made at host address `ptr` (a client's cudaHostRegister).
@@ -264,7 +272,7 @@ class Device(Handle):
 
     def sim_inject(self, kind, n=0):
         """vp_sim_inject(): kind is vpager.SIM_FAIL_COMMIT, SIM_TRANSIENT,
-        SIM_SET_CAPACITY or SIM_BREAK."""
+        SIM_SET_CAPACITY, SIM_BREAK or SIM_SET_SOFT_LIMIT."""
         check(C.vp_sim_inject(self._handle(), kind, n))
 
     # ---------------------------------------------------- objects it makes

@@ -69,6 +69,11 @@ int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
   return vp__cuda_nvml_info(dev->ctx, dev_used, dev_total, proc_used);
 }
 
+int vp__be_soft_limit(vp__device_t *dev, uint64_t *bytes) {
+  return dev->be == &vp__backend_cuda ? vp__cuda_soft_limit(dev->ctx, bytes)
+                                      : vp__sim_soft_limit(dev->ctx, bytes);
+}
+
 /* The ledger is per physical device: the GPU's UUID (not its ordinal,
  * which CUDA_VISIBLE_DEVICES changes), or the simulated device's shared
  * name; an unshared simulated device is no one else's. */

@@ -108,6 +108,11 @@ int vp__cuda_device_count(int *count);
 const char *vp__cuda_error_name(void *ctx);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used);
+/* The platform's soft memory limit for this process on the device (bytes,
+ * 0: none): NVML's for our cgroup on CUDA; VP_SIM_SET_SOFT_LIMIT's on the
+ * simulated device. */
+int vp__cuda_soft_limit(void *ctx, uint64_t *bytes);
+int vp__sim_soft_limit(void *ctx, uint64_t *bytes);
 /* The device's UUID as NVML and nvidia-smi print it ("GPU-xxxxxxxx-...";
  * 41 bytes with the NUL). */
 void vp__cuda_uuid(void *ctx, char out[48]);

@@ -47,6 +47,7 @@ typedef struct nvml {
   vp_nvml_shutdown_fn shutdown;
   vp_nvml_get_memory_info_fn memory_info;
   vp_nvml_get_compute_procs_fn compute_procs; /* may be NULL */
+  vp_nvml_get_memory_limits_fn memory_limits; /* may be NULL */
 } nvml_t;
 
 typedef struct cuda {
@@ -658,6 +659,8 @@ static void nvml_load(cuda_t *c) {
   memcpy(&by_uuid, &s_uuid, sizeof by_uuid);
   memcpy(&n->memory_info, &s_mem, sizeof n->memory_info);
   memcpy(&n->compute_procs, &s_procs, sizeof n->compute_procs);
+  void *s_limits = dlsym(lib, "nvmlDeviceGetMemoryLimits_v1");
+  memcpy(&n->memory_limits, &s_limits, sizeof n->memory_limits);
   if (init() != VP_NVML_SUCCESS) goto fail_close;
   if (!nvml_find(c, by_uuid)) goto fail_shutdown;
   n->lib = lib;
@@ -701,6 +704,43 @@ static uint64_t nvml_proc_used(cuda_t *c) {
 /* Device memory as NVML sees it (used, total) and this process's own use
  * (UINT64_MAX: unknown). VP_EUNSUPPORTED without NVML. The first call loads
  * NVML (~10 ms); later ones cost a few µs. Thread-safe. */
+/* "/sys/fs/cgroup" + this process's cgroup v2 path (/proc/self/cgroup's
+ * "0::" line); false without one. */
+static bool own_cgroup(char *out, size_t len) {
+  FILE *f = fopen("/proc/self/cgroup", "re");
+  if (!f) return false;
+  char line[512];
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) {
+    if (strncmp(line, "0::", 3) != 0) continue;
+    line[strcspn(line, "\n")] = '\0';
+    int n = snprintf(out, len, "/sys/fs/cgroup%s", line + 3);
+    found = n > 0 && (size_t)n < len;
+  }
+  fclose(f);
+  return found;
+}
+
+/* The soft limit NVML reports for this process's cgroup on this GPU
+ * (bytes); 0 when there is none: no NVML, a driver without
+ * nvmlDeviceGetMemoryLimits_v1, no cgroup v2, no MPS v3 / dmem limit. */
+int vp__cuda_soft_limit(void *ctx, uint64_t *bytes) {
+  cuda_t *c = ctx;
+  *bytes = 0;
+  char cg[600];
+  if (!own_cgroup(cg, sizeof cg)) return VP_OK;
+  pthread_mutex_lock(&c->nvml.lock);
+  if (!c->nvml.tried) nvml_load(c);
+  vp_nvml_memory_limits_t lim;
+  memset(&lim, 0, sizeof lim);
+  lim.name_space = cg;
+  if (c->nvml.lib && c->nvml.memory_limits &&
+      c->nvml.memory_limits(c->nvml.dev, &lim) == VP_NVML_SUCCESS)
+    *bytes = lim.soft_limit;
+  pthread_mutex_unlock(&c->nvml.lock);
+  return VP_OK;
+}
+
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used) {
   cuda_t *c = ctx;

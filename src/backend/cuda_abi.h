@@ -266,5 +266,15 @@ typedef vp_nvml_return_t (*vp_nvml_get_memory_info_fn)(
 /* nvmlDeviceGetComputeRunningProcesses_v3 */
 typedef vp_nvml_return_t (*vp_nvml_get_compute_procs_fn)(
     vp_nvml_device_t dev, unsigned int *count, vp_nvml_process_info_t *infos);
+/* nvmlDeviceGetMemoryLimits_v1 (newer drivers: a cgroup's memory limits on
+ * a GPU, MPS v3 / dmem): the namespace (a cgroup's path) in, the limits
+ * out; room to spare at the end, as vpager.torch's ledger passed it. */
+typedef struct vp_nvml_memory_limits {
+  const char *name_space;
+  unsigned long long soft_limit, hard_limit, current_used;
+  unsigned long long spare[16];
+} vp_nvml_memory_limits_t;
+typedef vp_nvml_return_t (*vp_nvml_get_memory_limits_fn)(
+    vp_nvml_device_t dev, vp_nvml_memory_limits_t *limits);
 
 #endif /* VPAGER_CUDA_ABI_H */

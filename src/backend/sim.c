@@ -127,6 +127,7 @@ typedef struct sim_ctx {
   uint64_t used;          /* bytes this ctx holds */
   uint64_t fail_commit;   /* the nth phys_create from now fails; 0 = off */
   uint64_t transient;     /* phys_create calls left to fail with EAGAIN */
+  uint64_t soft_limit;    /* VP_SIM_SET_SOFT_LIMIT; 0 = none */
   sim_table_t streams, events, phys;
   sim_range_t *res;       /* live reserves */
   size_t nres, capres;
@@ -983,6 +984,14 @@ static int sim_host_unregister(void *ctx, void *ptr) {
 
 /* The test's own control: not counted by the injection countdown and
  * still obeyed on a broken device. */
+int vp__sim_soft_limit(void *ctx, uint64_t *bytes) {
+  sim_ctx_t *c = ctx;
+  sim_lock(c);
+  *bytes = c->soft_limit;
+  sim_unlock(c);
+  return VP_OK;
+}
+
 static int sim_inject(void *ctx, int kind, uint64_t n) {
   sim_ctx_t *c = ctx;
   int rc = VP_OK;
@@ -995,6 +1004,7 @@ static int sim_inject(void *ctx, int kind, uint64_t n) {
     else c->capacity = n;
     break;
   case VP_SIM_BREAK: c->broken = true; break;
+  case VP_SIM_SET_SOFT_LIMIT: c->soft_limit = n; break;
   default: rc = VP_EINVAL;
   }
   sim_unlock(c);

@@ -2389,6 +2389,9 @@ static void w_copy(fz_reader_t *r) {
       /* The simulated device registers nothing: any pointer is fine. */
       W(false, vp_host_unregister(d, (b & 0x01) ? NULL : rbuf), "0x%llx",
         X(d.id));
+      uint64_t soft = 0;
+      W(false, vp_device_soft_limit(d, (b & 0x01) ? NULL : &soft), "0x%llx",
+        X(d.id));
     }
   }
   }

@@ -829,6 +829,12 @@ def test_file_read_to_address_and_driver_queries():
     assert vpager.device_count("sim") == 1
     assert vpager.device_count("cuda") >= 0
     raises(vpager.InvalidArgument, vpager.device_count, "auto")
+    with sim() as dev:                  # the platform's soft limit
+        assert dev.soft_limit() is None
+        dev.sim_inject(vpager.SIM_SET_SOFT_LIMIT, 3 << 30)
+        assert dev.soft_limit() == 3 << 30
+        dev.sim_inject(vpager.SIM_SET_SOFT_LIMIT, 0)
+        assert dev.soft_limit() is None
 
 
 # ------------------------------------------------------- handle lifetimes

@@ -289,6 +289,13 @@ def test_torch_publishes_reserved_floor_and_platform_limit():
     h = _offload(vt, m, name, 16)
     pub = ml._DEVICES[h.device]
     pub.index = 0                       # as on CUDA device 0
+    # The real reading: vp_device_soft_limit of the device offloaded on
+    # index 0 (on the simulated device, what the test sets); no other.
+    assert ml.platform_soft_limit(0) is None
+    h.device.sim_inject(vpager.SIM_SET_SOFT_LIMIT, 10 * PAGE)
+    assert ml.platform_soft_limit(0) == 10 * PAGE
+    assert ml.platform_soft_limit(1) is None
+    h.device.sim_inject(vpager.SIM_SET_SOFT_LIMIT, 0)
     seen = {"reserved": 3 * PAGE, "peak": 9 * PAGE}
     old = (vt._torch_reserved, ml.platform_soft_limit, ml._LIMIT_MARGIN)
     vt._torch_reserved = lambda i: (seen["reserved"], seen["peak"])

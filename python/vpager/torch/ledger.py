@@ -36,13 +36,9 @@ re-measuring device free memory between steps, never a model in keep,
 never one in use (pinned).
 """
 
-import ctypes
-import os
 import sys
 import time
 import weakref
-
-import torch
 
 from .. import ledger as _vl
 from ..device import Device
@@ -351,63 +347,16 @@ def _after_forward(r):
 
 # ------------------------------------------------ headroom from the platform
 
-class _NvmlLimits(ctypes.Structure):
-    """nvmlGetMemoryLimits_v1_t, with room to spare."""
-    _fields_ = [("nameSpace", ctypes.c_char_p),
-                ("softLimit", ctypes.c_ulonglong),
-                ("hardLimit", ctypes.c_ulonglong),
-                ("currentUsed", ctypes.c_ulonglong),
-                ("_spare", ctypes.c_ulonglong * 16)]
-
-
-_NVML = [None, False]       # the library, tried
-
-
-def _nvml():
-    if not _NVML[1]:
-        _NVML[1] = True
-        try:
-            lib = ctypes.CDLL("libnvidia-ml.so.1")
-            if lib.nvmlInit_v2() == 0 and \
-                    hasattr(lib, "nvmlDeviceGetMemoryLimits_v1"):
-                _NVML[0] = lib
-        except (OSError, AttributeError):
-            pass
-    return _NVML[0]
-
-
-def _own_cgroup():
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return "/sys/fs/cgroup" + line[3:].strip()
-    except OSError:
-        pass
-    return None
-
-
 def platform_soft_limit(index):
-    """The memory soft limit NVML reports for this process's cgroup on CUDA
-    device `index` (bytes), or None where there is none (no NVML, no MPS
-    v3 / dmem limit, an older driver). Resolved by GPU UUID: NVML and CUDA
-    number devices differently."""
-    lib = _nvml()
-    cg = _own_cgroup()
-    if lib is None or cg is None:
-        return None
-    try:
-        uuid = "GPU-" + str(torch.cuda.get_device_properties(index).uuid)
-    except (AttributeError, RuntimeError, AssertionError):
-        return None
-    dev = ctypes.c_void_p()
-    if lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(dev)) != 0:
-        return None
-    lim = _NvmlLimits()
-    lim.nameSpace = cg.encode()
-    if lib.nvmlDeviceGetMemoryLimits_v1(dev, ctypes.byref(lim)) != 0:
-        return None
-    return int(lim.softLimit) or None
+    """The platform's soft memory limit for this process on CUDA device
+    `index` (bytes), or None where there is none: vp_device_soft_limit on
+    the vpager device offload() opened for it (what NVML reports for this
+    process's cgroup: MPS v3 / dmem limits; none without NVML or on an
+    older driver)."""
+    for device, pub in list(_DEVICES.items()):
+        if pub.index == index and not device.closed:
+            return device.soft_limit()
+    return None
 
 
 def _platform_limit(device, pub, reserved=None, force=False):
