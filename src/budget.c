@@ -57,7 +57,7 @@ int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed) {
   if (cap > b->total) cap = b->total;
   uint64_t head = (uint64_t)b->headroom;
   *allowed = cap > head ? cap - head : 0;
-  if (*allowed > b->limit) *allowed = b->limit;
+  if (*allowed > b->limit && !b->over_limit) *allowed = b->limit;
   return VP_OK;
 }
 

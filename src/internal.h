@@ -142,6 +142,7 @@ typedef struct vp__budget {
   uint64_t total;
   int64_t headroom;
   uint64_t limit;          /* cap on our own commits */
+  bool over_limit;         /* the staging ring's commit: limit not applied */
 } vp__budget_t;
 
 /* A fault that found no room, for the ledger to take to other processes.
@@ -194,6 +195,7 @@ struct vp__device {
                               complete (they complete in order) */
   vp__table_t weights;
   struct vp__staging *staging;
+  bool ring_over_said;     /* the ring went over the limit once: logged */
   uint64_t lookahead;
   /* fileio.c, safetensors.c */
   struct vp__file_ring *file_ring;

@@ -29,6 +29,25 @@ int vp__copy_stream(vp__device_t *dev, vp_stream_t *out) {
 }
 
 
+/* The limit has no room for the ring: torch (a LoRA's patch math, large
+ * activations) or other processes hold what the budget meant for vpager.
+ * Every miss streams through the ring, so without it each forward would
+ * fail: it is committed over the limit, within the device's free memory
+ * less the headroom, and said once. Resident pages then miss or make room
+ * as usual until the limit has room again. */
+static int ring_over_limit(vp__device_t *dev, vp__vbar_t *vb) {
+  dev->budget.over_limit = true;
+  int rc = vp__fault(vb, 0, vb->npages, NULL);
+  dev->budget.over_limit = false;
+  if (rc == VP_OK && !dev->ring_over_said) {
+    dev->ring_over_said = true;
+    vp__log(VP_LOG_WARN, dev->caps.name, "the limit (%s) has no room for "
+            "the %s staging ring: it is committed over the limit",
+            vp__size(dev->budget.limit).s, vp__size(vb->size).s);
+  }
+  return rc;
+}
+
 int vp__staging_open(vp__device_t *dev) {
   vp__staging_t *st = NULL;
   vp__vbar_t *vb = NULL;
@@ -39,6 +58,7 @@ int vp__staging_open(vp__device_t *dev) {
   int rc = vp__vbar_new_internal(dev, size, &vb);
   if (rc) goto fail;
   rc = vp__fault(vb, 0, vb->npages, NULL);
+  if (rc == VP_MISS) rc = ring_over_limit(dev, vb);
   if (rc) {
     vp__vbar_free(vb);
     if (rc == VP_MISS)

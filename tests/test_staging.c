@@ -474,3 +474,32 @@ TEST(stream_ring_prefetch_no_room_keeps, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }
+
+/* The limit leaves no room for the ring (torch took what the budget meant
+ * for vpager: on the H200 a LoRA's patch math did, and every forward of
+ * the ComfyUI node failed with VP_EOOM). The ring is committed over the
+ * limit, within the device's memory; staged weights still arrive whole.
+ * A ring the device itself cannot hold is still VP_EOOM. */
+TEST(stream_ring_over_limit, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 4);
+  uint64_t ps = m.size[0];
+  ASSERT_OK(vp_device_set_limit(dev, ps)); /* the ring is 2 pages */
+  checks_t c = {0};
+  uint64_t p = 0;
+  uint8_t f = 0;
+  for (int i = 0; i < 4; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p, &f));
+    ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    launch_check(dev, 0, p, m.srcs[i].host, ps, &c);
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+  }
+  checks_expect_clean(dev, 0, &c);
+  ASSERT_EQ_U64(test_info(dev).committed, 2 * ps);
+  /* A ring larger than the whole device: refused as before. */
+  ASSERT_OK(vp_device_set_staging_size(dev, 32 * ps));
+  ASSERT_RC(vp_acquire(dev, &m.w[0], 1, 0, &p, &f), VP_EOOM);
+  ASSERT_STR_CONTAINS(vp_last_error(), "staging ring");
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
