@@ -17,7 +17,7 @@ tree):
                              with its license as LICENSE.gguf
   build-clients/ComfyUI-GGUF with --comfyui-gguf: city96/ComfyUI-GGUF, the
                              custom node whose GGUF models
-                             integrations/comfyui/bench_gguf.py loads
+                             bench/bench_gguf.py loads
 
     python3 bench/clients/prepare.py --comfyui MIRROR.git \\
         --kitchen MIRROR.git --torchsde MIRROR.git [--out build-clients]

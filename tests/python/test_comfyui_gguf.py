@@ -356,7 +356,7 @@ def test_bench_gguf_files():
         _runner.skip("the gguf package is not laid out "
                      "(bench/clients/prepare.py --gguf)")
     import numpy as np
-    sys.path.insert(0, os.path.join(REPO, "integrations", "comfyui"))
+    sys.path.insert(0, os.path.join(REPO, "bench"))
     import bench_gguf
     g = torch.Generator().manual_seed(5)
     tensors = {"blocks.0.up.weight": torch.randn(64, 256, generator=g),

@@ -18,7 +18,7 @@ GGUFModelPatcher.clone) and sampled:
   half       ComfyUI-GGUF's path under the same budget (ComfyUI's legacy
              partial loading: what it does today)
 
-    python3 integrations/comfyui/bench_gguf.py --comfyui build-clients/ComfyUI \\
+    python3 bench/bench_gguf.py --comfyui build-clients/ComfyUI \\
         [--comfyui-gguf build-clients/ComfyUI-GGUF] [--qtypes Q8_0,Q4_K] \\
         [--gguf-lora off|on|both] [--shape small|flux] [--runs ...] [--out D]
 
@@ -41,8 +41,8 @@ import types
 import shutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
 import bench_node as bn  # noqa: E402
 
 GiB = 1 << 30
