@@ -1504,7 +1504,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                     sch = h.schedule() or {}
                     y = box[0]
                     box[:] = []
-                    probe = benchlib.WaitProbe(ctx, h._layout.units, h._hot)
+                    probe = benchlib.WaitProbe(ctx, h.vbar_layout.units, h.hot_path)
                     with sdpa_ctx(), probe:
                         fwd()
                     ctx.sync()
@@ -1513,7 +1513,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                     other = (beside or {}).get(fn)
                     if other is not None:
                         r["paired"] = _paired(ctx, fwd, other)
-                    if h._hot.held_units:
+                    if h.hot_path.held_units:
                         r["held_pair"] = _held_pair(ctx, fwd, h)
                 n = len(ts)
                 d = stats_delta(s1["model"], s2["model"])
@@ -1526,7 +1526,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                          vmm=(dd["pages_committed"] + dd["pages_evicted"]),
                          wait_ms=wait_ms, waits_probed=probe.count(),
                          wait_host_ms=wait_host_ms,
-                         held=len(h._hot.held_units),
+                         held=len(h.hot_path.held_units),
                          resident_bytes=s2["model"]["resident_bytes"],
                          staging=o["staging_size"], lookahead=o["lookahead"],
                          page=o["page_size"], units=s2["model"]["units"],
@@ -1588,7 +1588,7 @@ def _held_pair(ctx, fwd, h):
     every unit on the per-unit path (HotPath.set_held(()), as
     VPAGER_HOLD=0), in alternating blocks: the in-run baseline of
     holding."""
-    hot = h._hot
+    hot = h.hot_path
     held = hot.held_units
     a, b = [], []
     try:
@@ -1850,7 +1850,7 @@ def bench_llama3(ctx, cfg):
                 vp = run_decoder(ctx, sub, model, ids, "vpager " + fn,
                                  stats=h.stats)
                 # One probed prefill and one probed token.
-                probe = benchlib.WaitProbe(ctx, h._layout.units, h._hot)
+                probe = benchlib.WaitProbe(ctx, h.vbar_layout.units, h.hot_path)
                 pkw = {"use_cache": True}
                 with torch.no_grad(), sdpa_ctx():
                     with probe:

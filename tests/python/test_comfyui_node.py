@@ -1387,7 +1387,7 @@ def test_held_units_in_the_node():
             m, ref, want, p, pager = loaded_twisted(e)
             for _ in range(3):
                 assert torch.equal(run(m), want)
-            hot = pager.h._hot
+            hot = pager.h.hot_path
             assert pager.h.schedule()["held_units"] == len(hot.held_units)
             assert hot.held_units, pager.h.schedule()
             fills = pager.vbar.stats()["weight_fills"]

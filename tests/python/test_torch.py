@@ -308,11 +308,11 @@ def test_staged_views_shared_across_weights():
         assert len(built) == first, (len(built), first)
         assert staged + h.stats()["model"]["prefetch_used_bytes"] > \
             s["prefetch_used_bytes"]                    # still streaming
-        assert 0 < len(h._hot.staged) <= PAGE // (32 * 32 * 4)
+        assert 0 < len(h.hot_path.staged) <= PAGE // (32 * 32 * 4)
     finally:
         hotpath.view = real
     h.unload()
-    assert not h._hot.staged
+    assert not h.hot_path.staged
     assert torch.equal(m(x), want)
 
 
@@ -337,7 +337,7 @@ def test_schedule_by_time():
     sch = h.schedule()
     assert sch["resident_weights"] > 0 and sch["streamed_bytes"] > 0, sch
     assert sch["resident_bytes"] <= 900 * K and sch["windows"], sch
-    assert any(u.window for u in h._layout.units)
+    assert any(u.window for u in h.vbar_layout.units)
     layout = h.layout()
     s0 = h.stats()
     for _ in range(4):
@@ -367,7 +367,7 @@ def test_schedule_by_time():
             assert h.order == order, (kw, env, h.order)
             if order == "scheduled":
                 assert h.schedule()["windows"] is None
-                assert not any(u.window for u in h._layout.units)
+                assert not any(u.window for u in h.vbar_layout.units)
             h.unload()
 
 
@@ -768,7 +768,7 @@ def test_resident_units_held_for_the_forward():
     of units whose weights are not plain Parameters (hold() swaps in
     Parameters)."""
     m, x, want, h, ref = _held_setup()
-    hot = h._hot
+    hot = h.hot_path
     held = hot.held_units
     assert held
     res = h.schedule()["resident_weights"]
@@ -842,7 +842,7 @@ def test_resident_units_held_for_the_forward():
     assert torch.equal(m(x), want)
     for kw in ({"VPAGER_HOLD": "0"}, {"share": 1e9}, {"sub": True}):
         m, x, want, h, ref = _held_setup(**kw)
-        assert not h._hot.held_units and h._hot.held is None, kw
+        assert not h.hot_path.held_units and h.hot_path.held is None, kw
         assert h.schedule()["held_units"] == 0
         h.unload()
 
@@ -856,7 +856,7 @@ def test_held_units_run_bare():
     after the forward). The windows held units would have set are set by
     the acquire before them (tuner.carried)."""
     m, x, want, h, ref = _held_setup(tap=True)
-    hot = h._hot
+    hot = h.hot_path
     held = hot.held_units
     assert held and all(u.module.__dict__["forward"] is u.wrapped
                         for u in held)
@@ -925,7 +925,7 @@ def test_held_units_fall_back_when_not_resident():
     take the per-unit path: outputs stay bitwise equal."""
     for how in ("staged", "error"):
         m, x, want, h, ref = _held_setup()
-        hot = h._hot
+        hot = h.hot_path
         assert hot.held_units
         real = hot._held_batch()
         calls = []
@@ -972,9 +972,9 @@ def test_schedule_after_a_forward_that_raised():
         lambda *a: (_ for _ in ()).throw(ValueError("boom")))
     raises(ValueError, m, x)
     boom.remove()
-    tuner = h._tuner
+    tuner = h.tuner
     assert tuner.on                     # left measuring
-    for _ in range(100 * len(h._layout.units)):
+    for _ in range(100 * len(h.vbar_layout.units)):
         m[2](torch.randn(8, 256))       # a unit outside any forward
     assert not tuner.on and not tuner.calls
     want = ref(x)
@@ -1003,7 +1003,7 @@ def test_unscheduled_model_keeps_the_device_lookahead():
         dev.set_lookahead = lambda n: (set_to.append(n), real(n))[1]
 
         def windows(h):
-            lay = h._layout
+            lay = h.vbar_layout
             return [lay.weights.window(e.index)
                     for u in lay.units for e in u.entries]
 
@@ -1013,7 +1013,7 @@ def test_unscheduled_model_keeps_the_device_lookahead():
             assert ha.order == "scheduled" and ha.schedule()["windows"]
             wins = windows(ha)
             assert any(w is not None and w != base for w in wins), wins
-            assert wins == [u.window for u in ha._layout.units
+            assert wins == [u.window for u in ha.vbar_layout.units
                             for _ in u.entries]
             assert torch.equal(b(x), wb(x))
             assert set(windows(hb)) == {None}        # b: the device's own
@@ -1118,7 +1118,7 @@ def test_activation_headroom_learned():
 
     def learn(now, peak):
         calls = reserved(now, peak)
-        h._learn()                  # what a CUDA root forward does first
+        h.hot_path.learn()                  # what a CUDA root forward does first
         assert calls == [0]
         return (dev.info()["headroom"],
                 h.stats()["device"]["activation_headroom"])
@@ -1824,8 +1824,8 @@ def test_measuring_goes_on_until_the_work_settles():
         x = torch.randn(4, 64)
         h = vt.offload(m, device="sim", budget=4096 * K, schedule=True)
         plans = []
-        apply = h._tuner.apply
-        h._tuner.apply = lambda *a, **k: (plans.append(h._tuner.rounds),
+        apply = h.tuner.apply
+        h.tuner.apply = lambda *a, **k: (plans.append(h.tuner.rounds),
                                           apply(*a, **k))
         try:
             seen = []

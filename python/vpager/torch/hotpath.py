@@ -27,7 +27,7 @@ from ..weights import WeightBatch
 from .devices import LEARN_EVERY, cuda_index, learn_headroom
 from .layout import ALL
 from .serial import new_lock
-from .units import OPEN, refuse_copy
+from .units import Unit, refuse_copy
 from .views import view
 
 # Staged views cached per handle, by (address, dtype, shape): the ring
@@ -70,15 +70,17 @@ def _unpack(t):
 
 
 class HotPath:
-    """Acquire and release for one Offloaded handle's units. handle: for
-    its state (handle._check_open()) and to be put on top of the device's
-    priority list; ds: the device's DevState; recorder: the
-    replace.Recorder whose record() the first forward feeds."""
+    """Acquire and release for one model's units. owner: what the device's
+    priority list names when the model is on top (ds.top: its handle); ds:
+    the device's DevState; recorder: the replace.Recorder whose record()
+    the first forward feeds; check_open() raises unless the model may run,
+    is_open() says whether it is open and its device too."""
 
     __reduce_ex__ = refuse_copy   # reached from the module's hooks
 
-    def __init__(self, handle, layout, ds, target, recorder):
-        self.handle = handle
+    def __init__(self, owner, layout, ds, target, recorder, check_open,
+                 is_open):
+        self.owner = owner
         self.device = layout.device
         self.layout = layout
         self.vbar = layout.vbar
@@ -97,7 +99,9 @@ class HotPath:
         self._held_entries = []     # the held weights' Entries, in order
         self._held_slots = []       # (dict, key, tensor, Entry) of them
         self._held_ptrs = None      # the addresses hparams were made for
-        self._check_open = handle._check_open
+        self.blocks = 0             # acquired() blocks open
+        self._check_open = check_open
+        self._is_open = is_open
         # One forward at a time (serial.py): the root's calls, each unit's
         # forward and the handle's changes take it.
         self.lock = new_lock()
@@ -222,9 +226,9 @@ class HotPath:
                     ".half(), .data = ...?); unload() first, change the "
                     "module, then offload again" % e.name)
         ds = self.ds
-        if ds.top is not self.handle:
+        if ds.top is not self.owner:
             self.vbar.prioritize()
-            ds.top = self.handle
+            ds.top = self.owner
         stream = self.stream()
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
@@ -280,6 +284,50 @@ class HotPath:
             if raise_errors:
                 raise
             # An exception is already on its way out; it is the news.
+
+    # ------------------------------------------------ acquired() blocks
+    def busy(self):
+        """True inside a unit's forward, an acquired() block or while the
+        root holds its units."""
+        return bool(self.blocks or self.holding is not None
+                    or any(u.depth for u in self.layout.units))
+
+    def _whole(self, module, modules):
+        """A Unit holding the weights of `modules` (all if none), and the
+        units it covers."""
+        lay = self.layout
+        entries = lay.entries
+        if modules:
+            ids = {id(t) for m in modules
+                   for t in list(m.parameters()) + list(m.buffers())}
+            entries = [e for e in entries if id(e.tensor) in ids]
+        whole = Unit("acquired()", module)
+        whole.entries = entries
+        whole.batch = WeightBatch(self.device,
+                                  [lay.weight(e) for e in entries])
+        held = {id(e) for e in entries}
+        covered = [u for u in lay.units
+                   if all(id(e) in held for e in u.entries)]
+        return whole, covered
+
+    def acquired(self, module, modules):
+        """Offloaded.acquired()'s block (a generator yielding `module`),
+        under the model's lock."""
+        with self.lock:         # the block is a forward's (serial.py)
+            whole, covered = self._whole(module, modules)
+            stream, prev = self.enter(whole)
+            for u in covered:
+                u.depth += 1
+            self.blocks += 1
+            ok = False
+            try:
+                yield module
+                ok = True
+            finally:
+                self.blocks -= 1
+                for u in covered:
+                    u.depth -= 1
+                self.leave(whole, stream, prev, ok)
 
     # ------------------------------------------------ held units
     def set_held(self, units):
@@ -371,9 +419,9 @@ class HotPath:
         if self._held_evicted():
             return False
         ds = self.ds
-        if ds.top is not self.handle:   # as enter() does
+        if ds.top is not self.owner:    # as enter() does
             self.vbar.prioritize()
-            ds.top = self.handle
+            ds.top = self.owner
         stream = self.stream()
         try:
             ptrs = batch.acquire(stream)    # no prefetch (_held_batch)
@@ -561,5 +609,5 @@ class HotPath:
         torch may still grab (devices.learn_headroom: the Governor). Two
         torch calls, and one vp call when the headroom changes, per root
         forward."""
-        if self.handle._state is OPEN and not self.device.closed:
+        if self._is_open():
             learn_headroom(self.device, self.index, force=True)

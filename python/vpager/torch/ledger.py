@@ -87,11 +87,12 @@ def _clean_label(text):
 
 # ------------------------------------------------------------- tracking
 
-def track(handle, label=None, budget=None):
+def track(handle, ds, hooks, label=None, budget=None):
     """Put an Offloaded handle in the ledger (offload() does it): its label,
-    the forward hooks (publishing, coming back), the finalizer. budget:
-    the limit offload() set on the device (None: no cap), which the
-    platform's soft limit may lower."""
+    the forward hooks (publishing, coming back: the "ledger" slot of its
+    root's RootHooks `hooks`), the finalizer. ds: its device's DevState;
+    budget: the limit offload() set on the device (None: no cap), which
+    the platform's soft limit may lower."""
     key = id(handle)
     if key in _RECORDS:
         if label is not None:
@@ -99,7 +100,7 @@ def track(handle, label=None, budget=None):
         return
     r = _Record()
     r.ref = weakref.ref(handle)
-    r.vbar, r.device, r.ds = handle.vbar, handle.device, handle._ds
+    r.vbar, r.device, r.ds = handle.vbar, handle.device, ds
     r.module = weakref.ref(handle.module)
     r.last_forward = float("-inf")
     r.name = None
@@ -110,11 +111,9 @@ def track(handle, label=None, budget=None):
     index = handle.target.index if handle.target.type == "cuda" else None
     if r.device not in _DEVICES:
         _DEVICES[r.device] = _DevPub(index)
-    root = getattr(handle, "_root", handle.module)
-    handle._hooks.append(root.register_forward_pre_hook(
-        lambda module, args, _r=r: _before_forward(_r)))
-    handle._hooks.append(root.register_forward_hook(
-        lambda module, args, out, _r=r: _after_forward(_r)))
+    hooks.set("ledger",
+              pre=lambda module, args, _r=r: _before_forward(_r),
+              post=lambda module, args, out, _r=r: _after_forward(_r))
     _platform_limit(r.device, _DEVICES[r.device], force=True)
 
 

@@ -30,9 +30,9 @@ def new_order(first, units, entries):
 
 class Recorder:
     """Records the order of the units in the module's first complete
-    forward (a forward pre-hook and a forward hook on the module, removed
-    once it has re-placed), then re-places the layout's weights in that
-    order. ready() says whether a forward that just ended may re-place
+    forward (the "record" slot of the root's RootHooks, emptied once it
+    has re-placed), then re-places the layout's weights in that order.
+    ready() says whether a forward that just ended may re-place
     (not inside acquired(), the handle still open); swap(entries, offsets,
     sources) re-creates the weights. rec is not None while a forward is
     being recorded: the units' wrappers call record() then. Recording
@@ -42,37 +42,34 @@ class Recorder:
 
     __reduce_ex__ = refuse_copy   # reached from the module's hooks
 
-    def __init__(self, layout, ready, swap):
+    def __init__(self, layout, ready, swap, hooks):
         self.layout = layout
         self.ready = ready
         self.swap = swap
+        self.root_hooks = hooks
         self.rec = None
         self.seen = set()
-        self.hooks = []
+        self.recording = False
         self.replaced = 0
 
-    def install(self, module):
-        self.hooks = [module.register_forward_pre_hook(self._start),
-                      module.register_forward_hook(self._end)]
+    def install(self):
+        self.root_hooks.set("record", pre=self._start, post=self._end)
+        self.recording = True
         self.rec = []
-
-    @property
-    def recording(self):
-        return bool(self.hooks)
 
     def finish(self):
         """Re-place now by the order recorded so far (if any unit ran and
         it differs from the placement); once. Returns True if it did."""
         rec = self.rec
-        if not self.hooks or not rec or not self.ready():
+        if not self.recording or not rec or not self.ready():
             return False
         self.remove()
         return self.replace(rec)
 
     def remove(self):
-        for hk in self.hooks:
-            hk.remove()
-        self.hooks = []
+        if self.recording:
+            self.root_hooks.clear("record")
+            self.recording = False
         self.rec = None
         self.seen = set()
 

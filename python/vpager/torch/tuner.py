@@ -126,14 +126,17 @@ class _NoRoom(Exception):
 
 class Tuner:
     """Measures one forward and applies the schedule (see the module's
-    doc). handle: the Offloaded (its state, _busy(), _swap()); windows:
+    doc). model: the access.ModelAccess the handle gives it (busy,
+    may_replace, swap, hold, ...); hooks: the root's RootHooks (its
+    "measure" and "watch" slots are the tuner's); windows:
     set each unit's lookahead (off when lookahead= or VPAGER_LOOKAHEAD
     was given); resize: may change the ring (off when staging_size= or
     VPAGER_STAGING was given). on is True while a forward is measured:
     the hot path then calls before() and after() around each acquire."""
 
-    def __init__(self, handle, layout, ds, target, windows, resize):
-        self.handle = handle
+    def __init__(self, model, hooks, layout, ds, target, windows, resize):
+        self.model = model
+        self.root_hooks = hooks
         self.layout = layout
         self.ds = ds
         self.target = target
@@ -144,7 +147,6 @@ class Tuner:
         self.done = False
         self.calls = []
         self.start = None
-        self.hooks = []
         self.schedule = None        # the Schedule applied, once done
         self.ring = None            # the ring it chose
         self.ring_top = None        # the ring before the first plan
@@ -155,36 +157,55 @@ class Tuner:
         self.works = []             # each measured forward's unit -> work
         self.planned_for = None     # the budget the schedule was made for
         self.replans = 0            # schedules made again for the room
-        self.module = None
         self.watch_at = 0.0
-        self.watching = None        # the room watch's hook, once done
+        self.watching = False       # the room watched, once done
 
-    def install(self, module):
-        self.module = module
-        self.hooks = [module.register_forward_pre_hook(self._begin),
-                      module.register_forward_hook(self._end)]
+    def install(self):
+        """Measure from the next root forward on."""
+        self.root_hooks.set("measure", pre=self._begin, post=self._end)
+
+    def describe(self):
+        """Offloaded.schedule()'s dict (see there), or None before the
+        first schedule."""
+        sch = self.schedule
+        if sch is None:
+            return None
+        return {"predicted_ms": sch.predicted * 1e3,
+                "all_resident_ms": sch.all_resident * 1e3,
+                "streamed_bytes": sch.streamed,
+                "resident_bytes": sch.resident_bytes,
+                "resident_weights": sum(sch.resident),
+                "held_units": len(self.model.held()),
+                "staging": self.ring, "link": self.link,
+                "planned_for": self.planned_for, "replans": self.replans,
+                "measured": self.rounds,
+                "rings": [{"staging": r, "predicted_ms": c.predicted * 1e3,
+                           "streamed_bytes": c.streamed}
+                          for r, c in self.rings],
+                "windows": list(sch.window) if self.windows else None}
 
     def remove(self):
         """No more measuring, nor watching the room."""
         self._stop_measuring()
-        if self.watching is not None:
-            self.watching.remove()
-            self.watching = None
+        self._stop_watching()
 
     def _stop_measuring(self):
-        for hk in self.hooks:
-            hk.remove()
-        self.hooks = []
+        self.root_hooks.clear("measure")
         self.on = False
         self.calls = []
+
+    def _stop_watching(self):
+        if self.watching:
+            self.root_hooks.clear("watch")
+            self.watching = False
 
     def _done(self):
         """Measuring is over: from now on watch the room (WATCH_EVERY)."""
         self.done = True
         self._stop_measuring()
-        if self.watching is None and self.module is not None:
-            self.watching = self.module.register_forward_pre_hook(
-                self._watch)
+        if not self.watching:
+            self.root_hooks.set("watch", pre=self._watch)
+            self.watching = True
 
     def _watch(self, module, args):
         now = time.monotonic()
@@ -192,15 +213,13 @@ class Tuner:
                 self.planned_for is None:
             return
         self.watch_at = now + WATCH_EVERY
-        if not self.handle._may_replace() or not self._room_moved():
+        if not self.model.may_replace() or not self._room_moved():
             return
         self.replans += 1
         try:
             self.apply(self.work, room_changed=True)
         except Exception as e:      # noqa: BLE001 (outputs stay right)
-            if self.watching is not None:
-                self.watching.remove()
-                self.watching = None
+            self._stop_watching()
             warnings.warn("vpager.torch: the copy schedule was not made "
                           "again for the device's new room (%s: %s); no "
                           "more tries" % (type(e).__name__, e),
@@ -246,7 +265,7 @@ class Tuner:
 
     # ------------------------------------------------------------ hooks
     def _begin(self, module, args):
-        if self.done or self.handle._busy():
+        if self.done or self.model.busy():
             return
         self.calls = []
         self.start = self._mark()
@@ -258,7 +277,7 @@ class Tuner:
         self.on = False
         calls, self.calls = self.calls, []
         if not calls or any(c[2] is None for c in calls) or \
-                not self.handle._may_replace():
+                not self.model.may_replace():
             return                  # the next forward measures
         end = self._mark()
         if self.cuda:
@@ -376,10 +395,10 @@ class Tuner:
         """Plan from the per-unit work and apply it. room_changed: the
         watch found another budget: keep the placement only if the plan
         made for it is the same."""
-        lay, h = self.layout, self.handle
+        lay = self.layout
         dev = lay.device
         if self.link is None:
-            self.link = (measure_link(self.handle._hot.index) if self.cuda
+            self.link = (measure_link(self.model.cuda_index) if self.cuda
                          else SIM_LINK)
         units, w, sizes, flat = self._costs(work)
         need = max(staging_need(u.entries) for u in lay.units)
@@ -415,7 +434,7 @@ class Tuner:
             except BusyError:       # a model sharing the ring holds some
                 sch, ring = self.plan(w, sizes, need, [cur])
         try:
-            self._place(lay, h, dev, flat, units, w, sizes, sch, ring)
+            self._place(lay, dev, flat, units, w, sizes, sch, ring)
         except _NoRoom:
             if dev.options["staging_size"] != cur:
                 dev.set_staging_size(cur)
@@ -429,7 +448,7 @@ class Tuner:
                 self.ring = cur
             raise
 
-    def _place(self, lay, h, dev, flat, units, w, sizes, sch, ring):
+    def _place(self, lay, dev, flat, units, w, sizes, sch, ring):
         """Place the weights for schedule `sch` with a ring of `ring`
         bytes, and fill the resident set."""
         offsets, end = place_resident_first(flat, lay.align, dev.page_size,
@@ -437,12 +456,12 @@ class Tuner:
         if end > lay.vbar.size:
             raise _NoRoom("no room in the VBAR to place the schedule")
         self.ring = ring
-        h._swap(flat, offsets, [e.src for e in flat])
+        self.model.swap(flat, offsets, [e.src for e in flat])
         lay.groups = None
         lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
                                            dev.page_size,
                                            lay.vbar.size // dev.page_size))
-        h.order = "scheduled"
+        self.model.scheduled()
         self.schedule = sch
         self._windows(units, sizes, sch, ring)
         self.warm(flat, sch.resident, ring, max(sch.window or [0]))
@@ -494,9 +513,7 @@ class Tuner:
         if (not env.flag("VPAGER_HOLD", True)
                 or len(held) * UNIT_HOST < HOLD_SHARE * sch.predicted):
             held = []
-        hot = self.handle._hot
-        hot.set_held(held)
-        return hot.held_units           # (set_held keeps Parameters only)
+        return self.model.hold(held)    # (it keeps Parameters only)
 
     def _log(self, sch, ring, units, w):
         if env.flag("VPAGER_SCHEDULE_LOG", False):
@@ -507,7 +524,7 @@ class Tuner:
                 % (self.rounds, sch, ring, ", ".join(
                     "%d MiB %.3f ms" % (r >> 20, c.predicted * 1e3)
                     for r, c in self.rings), self.link / 1e9, len(units),
-                   len(self.handle._hot.held_units), sum(w) * 1e3,
+                   len(self.model.held()), sum(w) * 1e3,
                    " ".join("%d" % (x >> 10) for x in sch.window[:48])))
 
     def warm(self, entries, resident, ring, window):
@@ -518,8 +535,7 @@ class Tuner:
         the last weight, whose prefetch (`window` bytes) wraps to the
         first streamed weights, as the end of every forward does."""
         lay = self.layout
-        hot = self.handle._hot
-        stream = hot.stream()
+        stream = self.model.stream()
         todo = [lay.weight(e) for e, r in zip(entries, resident) if r]
         chunks, cur, size = [], [], 0
         for w in todo:

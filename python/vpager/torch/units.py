@@ -100,10 +100,10 @@ def _check_handle(qual, t):
     h = getattr(t, "_vpager_handle", None)
     if h is None:
         return
-    if h._state is CLOSED:
+    if h.state == CLOSED:
         raise ValueError("vpager.torch: %s belonged to an offloaded module "
                          "that was closed: its weights were freed" % qual)
-    if h._state is OPEN:
+    if h.state == OPEN:
         raise ValueError("vpager.torch: %s is already offloaded (%r); "
                          "unload() it first" % (qual, h))
 

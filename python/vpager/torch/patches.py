@@ -1,0 +1,77 @@
+"""A weight's bytes taken from another tensor (Offloaded.set_source: the
+weights a loader patches, ComfyUI's LoRA), and every weight's own bytes
+again when a safetensors file replaces them (load_safetensors). The
+patched bytes live in a pinned host buffer of the weight's own (e.alt);
+e.own keeps the source it had before."""
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..weights import Source
+from .layout import Layout
+from .sources import host_memory, outside
+
+
+def drop_alt(e: Any) -> None:
+    """The weight's patch buffer, if any, freed."""
+    if e.alt is not None:
+        if not e.alt.closed:
+            e.alt.close()
+        e.alt = None
+
+
+def _repoint(e: Any, t: torch.Tensor) -> None:
+    e.ph = t
+    e.ph_ptr = t.data_ptr()
+    if not e.cur:
+        with torch.no_grad(), torch.inference_mode(False):
+            e.tensor.data = t
+
+
+def set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
+               ) -> None:
+    """Offloaded.set_source() for the entry `e` (see there)."""
+    if e.cur:
+        raise RuntimeError("vpager.torch: set_source(%r) while the "
+                           "weight is acquired" % e.name)
+    if tensor is None:
+        if e.own is None:
+            return
+        layout.set_source(e, e.own)
+        e.own = None
+        drop_alt(e)
+        return
+    if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+        raise ValueError("vpager.torch: set_source(%r): a %s %s tensor, "
+                         "the weight is %s %s"
+                         % (e.name, tensor.dtype, tuple(tensor.shape),
+                            e.dtype, e.shape))
+    # Filled, then page-locked (as offload()'s host copy): a weight
+    # patched on the GPU is copied straight in.
+    host, buf = host_memory(e.size)
+    with torch.no_grad(), torch.inference_mode(False):
+        if e.size:
+            host.view(e.dtype).view(e.shape).copy_(tensor.detach())
+    hb = layout.device.register_hostbuf(buf, max(e.size, 1))
+    try:
+        own = e.own if e.own is not None else e.src
+        layout.set_source(e, Source.from_host(hb.ptr))
+    except BaseException:
+        hb.close()
+        raise
+    e.own = own
+    drop_alt(e)
+    e.alt = hb
+
+
+def load_file(layout: Layout, module: torch.nn.Module, path: str,
+              swap: Callable, outside_mode: Any) -> None:
+    """Every weight's bytes from the safetensors file at `path` (its
+    patches dropped; with outside="host" the tensors hold the new bytes)."""
+    layout.reload(module, path, swap)
+    for e in layout.entries:
+        e.own = None
+        drop_alt(e)
+        if outside_mode == "host":
+            _repoint(e, outside(e))
