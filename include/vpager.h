@@ -166,9 +166,14 @@ typedef struct vp_options {
                               (weights that stayed resident are skipped and
                               not counted);
                               VPAGER_LOOKAHEAD (default 256M; 0 = off) */
-  uint64_t pin_budget;     /* host bytes this device may page-lock; 0 = the
-                              smaller of 90% of RAM and RAM - 4 GiB, but at
-                              least half of RAM; VPAGER_PIN_BUDGET */
+  uint64_t pin_budget;     /* host bytes vpager may page-lock on this
+                              machine, across every process and GPU that
+                              shares the pin ledger (see "host buffers");
+                              given, it becomes the machine's budget (the
+                              last one given wins); 0 = keep the machine's,
+                              or when none is set yet half of RAM or of
+                              the cgroup's memory limit, whichever is less;
+                              VPAGER_PIN_BUDGET */
   uint32_t file_slots;     /* pinned bounce slots of the file reader;
                               VPAGER_FILE_SLOTS (default 3) */
   uint64_t file_slot_size; /* bytes each; VPAGER_FILE_SLOT_SIZE (default 64M) */
@@ -384,9 +389,20 @@ VP_API int vp_vbar_residency(vp_vbar_t vbar, uint8_t *flags, size_t n);
 
 /* Host buffers hold weights' host copies. Page-locked ("pinned") memory
  * copies to the device at full link speed; pageable memory at a fraction.
- * A device has a pin budget (vp_options_t.pin_budget); when pinning fails or
- * the budget is spent the memory stays pageable — correct, slower, and
- * counted in stats (pin_fallback_bytes) — never an error. */
+ * What vpager page-locks stays within ONE budget for the machine
+ * (vp_options_t.pin_budget): every device handle joins a host-wide pin
+ * ledger (/dev/shm/vpager-pins-<name>: "host" on CUDA, spanning GPUs; the
+ * sim_shared name on a shared simulated device; the ledger option's name
+ * when given; none when the ledger is "off" or the simulated device is not
+ * shared: then the device counts alone against its own pin_budget). Each
+ * process's pinned bytes are counted there; a process that dies is reaped
+ * with its count. A process short of budget asks the others to give pinned
+ * memory back: they make the pinned parts of their host buffers pageable
+ * (the bytes stay; copies from them stay correct, only slower), waiting
+ * for their device's streams first. When pinning fails or the budget is
+ * still spent the memory stays pageable — correct, slower, and counted in
+ * stats (pin_fallback_bytes) — never an error. stats.machine_pinned_bytes
+ * is the machine's total. */
 typedef struct vp_hostbuf { uint64_t id; } vp_hostbuf_t;
 
 typedef struct vp_hostbuf_info {
@@ -417,8 +433,10 @@ VP_API int vp_hostbuf_info(vp_hostbuf_t hb, vp_hostbuf_info_t *info);
  * Closing the device frees every hostbuf left. grow and free give VP_EBUSY
  * while another thread is still pinning the same hostbuf. */
 VP_API int vp_hostbuf_free(vp_hostbuf_t hb);
-/* Change the device's pin budget (bytes; 0 = pin nothing more); affects
- * later pinning only. */
+/* Change the pin budget (bytes; 0 = pin nothing more): the machine's, for
+ * every process on the pin ledger (the last one set wins), or this
+ * device's without one. It affects later pinning only: nothing pinned is
+ * taken back, but later pinning asks the others to give back. */
 VP_API int vp_device_set_pin_budget(vp_device_t dev, uint64_t bytes);
 
 /* --------------------------------------------------- weights and streaming */
@@ -703,7 +721,11 @@ typedef struct vp_stats {
 #undef VP__STAT_MEMBER
   uint64_t committed_bytes; /* now: bytes resident */
   uint64_t pinned_bytes;    /* now: bytes pinned */
-  uint64_t reserved[8];
+  uint64_t machine_pinned_bytes; /* now, device stats only: host bytes
+                                    page-locked by every vpager process on
+                                    the machine (this device's alone when
+                                    it has no pin ledger) */
+  uint64_t reserved[7];
 } vp_stats_t;
 
 /* Device totals (sum over its VBARs, live and destroyed). */

@@ -436,6 +436,7 @@ int vp_device_stats(vp_device_t h, vp_stats_t *stats) {
   if (rc) return rc;
   vp_stats_t s = dev->stats;
   s.committed_bytes = dev->committed;
+  s.machine_pinned_bytes = vp__pins_machine(dev);
   for (vp__vbar_t *vb = dev->top; vb; vb = vb->down)
     s.pinned_bytes += (uint64_t)vb->pinned << dev->page_shift;
   return vp__unlock(dev, stats_out(stats, &s));

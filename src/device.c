@@ -84,6 +84,7 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
     vp__log(VP_LOG_WARN, dev->caps.name, "%s; this device runs alone",
             dev->ledger_why);
   }
+  vp__hostmem_share(dev); /* the machine's pin budget: never fails */
   vp__log(VP_LOG_INFO, dev->caps.name,
           "device %d open: page %s, memory %s, headroom %s",
           opts->device_index, vp__size(dev->page_size).s,
@@ -112,6 +113,7 @@ static void device_destroy(vp__device_t *dev) {
     vp__be_stream_synchronize(dev, dev->streams[i]);
   vp__release_stop(dev);
   vp__ledger_close(dev);
+  vp__pins_close(dev); /* its thread touches host buffers */
   vp__st_close_all(dev);
   vp__fileio_close(dev);
   vp__staging_close(dev);
@@ -229,7 +231,7 @@ DEVICE_SETTER(vp_device_set_limit, uint64_t, (void)0,
 DEVICE_SETTER(vp_device_set_lookahead, uint64_t, (void)0,
               dev->lookahead = bytes)
 DEVICE_SETTER(vp_device_set_pin_budget, uint64_t, (void)0,
-              dev->pin_budget = bytes)
+              vp__pins_set_budget(dev, bytes))
 DEVICE_SETTER(vp_device_set_external_reserved, uint64_t, (void)0,
               (dev->external_reserved = bytes, vp__ledger_sync(dev)))
 

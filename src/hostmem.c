@@ -67,26 +67,24 @@ static uint64_t page_round(uint64_t n) {
 
 /* ------------------------------------------------------------ budget */
 
-/* The smaller of 90% of RAM and RAM - 4 GiB (what the OS and the rest of
- * the process keep), but at least half of RAM: on a small machine the
- * 4 GiB rule alone would leave nothing (and jump from ~0 to 90% at 4 GiB). */
-static uint64_t default_pin_budget(void) {
-  long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || psz <= 0) return 0; /* unknown RAM: pin nothing */
-  uint64_t ram = (uint64_t)pages * (uint64_t)psz;
-  uint64_t budget = ram / 10 * 9;
-  if (ram > 4 * GiB && ram - 4 * GiB < budget) budget = ram - 4 * GiB;
-  if (budget < ram / 2) budget = ram / 2;
-  return budget;
-}
+static uint64_t give_back(vp__device_t *dev, uint64_t bytes);
 
-/* Called from device create, before the device is in the registry. */
+/* Called from device create, before the device is in the registry. The
+ * budget becomes the machine's (pins.c) if the device joins the pin
+ * ledger (vp__hostmem_share). */
 void vp__hostmem_init(vp__device_t *dev) {
   dev->pin_budget = dev->opts.pin_budget ? dev->opts.pin_budget
-                                         : default_pin_budget();
+                                         : vp__pins_default_budget();
   dev->pinned_host = 0;
-  vp__log(VP_LOG_DEBUG, dev->caps.name, "pin budget %llu MiB",
-          ULL(dev->pin_budget / MiB));
+}
+
+/* Join the machine's pin ledger once the device is open (its service
+ * thread may call give_back from then on). */
+void vp__hostmem_share(vp__device_t *dev) {
+  vp__pins_open(dev, give_back);
+  vp__log(VP_LOG_DEBUG, dev->caps.name, "pin budget %llu MiB%s",
+          ULL(vp__pins_budget(dev) / MiB),
+          dev->pins ? " (the machine's)" : " (this device's)");
 }
 
 /* Count bytes left pageable; the first time on this device, say why (once:
@@ -107,16 +105,25 @@ static void fallback(vp__device_t *dev, uint64_t size, const char *fmt, ...) {
   dev->stats.pin_fallback_bytes += size;
 }
 
-/* Device lock held. Take size bytes of the budget for a registration about
- * to be tried; false (counted as a fallback) when the budget is spent. */
-static bool pin_reserve(vp__device_t *dev, uint64_t size) {
-  if (size <= dev->pin_budget && dev->pinned_host <= dev->pin_budget - size) {
+/* Device lock held. Take size bytes of the budget (the machine's, or this
+ * device's alone) for a registration about to be tried; false when it is
+ * spent, counted as a fallback unless `quiet` (the caller asks others to
+ * give some back first and tries again). */
+static bool pin_reserve(vp__device_t *dev, uint64_t size, bool quiet) {
+  uint64_t budget = dev->pin_budget, used = dev->pinned_host;
+  bool ok = dev->pins ? vp__pins_take(dev, size, &budget, &used)
+                      : size <= budget && used <= budget - size;
+  if (ok) {
     dev->pinned_host += size;
     return true;
   }
-  fallback(dev, size, "the pin budget of %llu MiB is spent (%llu MiB pinned, "
-           "%llu bytes more asked)", ULL(dev->pin_budget / MiB),
-           ULL(dev->pinned_host / MiB), ULL(size));
+  if (quiet) return false;
+  if (used == UINT64_MAX)
+    fallback(dev, size, "the machine's pin ledger stayed locked");
+  else
+    fallback(dev, size, "the %spin budget of %llu MiB is spent (%llu MiB "
+             "pinned, %llu bytes more asked)", dev->pins ? "machine's " : "",
+             ULL(budget / MiB), ULL(used / MiB), ULL(size));
   return false;
 }
 
@@ -128,6 +135,7 @@ static bool pin_finish(vp__device_t *dev, uint64_t size, int rc) {
     return true;
   }
   dev->pinned_host -= size; /* give the reservation back */
+  vp__pins_put(dev, size);
   const char *detail = vp__be_error_detail(dev);
   fallback(dev, size, "page-locking %llu bytes failed: %s%s%s", ULL(size),
            vp_err_name(rc), *detail ? ", " : "", detail);
@@ -137,7 +145,7 @@ static bool pin_finish(vp__device_t *dev, uint64_t size, int rc) {
 /* Device lock held. */
 void vp__pin_host(vp__device_t *dev, void *ptr, uint64_t size, bool *pinned) {
   *pinned = false;
-  if (!ptr || !size || !pin_reserve(dev, size)) return;
+  if (!ptr || !size || !pin_reserve(dev, size, false)) return;
   *pinned = pin_finish(dev, size, vp__be_host_register(dev, ptr, size));
 }
 
@@ -145,6 +153,7 @@ void vp__pin_host(vp__device_t *dev, void *ptr, uint64_t size, bool *pinned) {
  * is a "now" value, so it goes down too. */
 static void unpin_account(vp__device_t *dev, uint64_t size) {
   dev->pinned_host -= size;
+  vp__pins_put(dev, size);
   dev->stats.host_pinned_bytes -= size;
 }
 
@@ -343,17 +352,67 @@ static void prefault(uint8_t *p, uint64_t len) {
 }
 
 /* Pin chunk i, dropping the device lock around the registration (and the
- * faulting in, for our own memory: `ours`). hb is busy, so no other call
- * frees it or moves its chunk array meanwhile. */
+ * faulting in, for our own memory: `ours`), and around asking other
+ * processes to give pinned memory back when the machine's budget is spent.
+ * hb is busy, so no other call frees it or moves its chunk array
+ * meanwhile. */
 static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i,
                       bool ours) {
   hb_chunk_t c = hb->chunks[i];
-  if (!pin_reserve(dev, c.size)) return;
+  bool ask = dev->pins && vp__pins_may_help(dev);
+  if (!pin_reserve(dev, c.size, ask)) {
+    if (!ask) return;
+    pthread_mutex_unlock(&dev->lock);
+    vp__pins_ask(dev, c.size);
+    pthread_mutex_lock(&dev->lock);
+    if (!pin_reserve(dev, c.size, false)) return;
+  }
   pthread_mutex_unlock(&dev->lock);
   if (ours) prefault(c.ptr, c.size);
   int rc = vp__be_host_register(dev, c.ptr, c.size);
   pthread_mutex_lock(&dev->lock);
   hb->chunks[i].pinned = pin_finish(dev, c.size, rc);
+  if (hb->chunks[i].pinned) vp__pins_releasable(dev, (int64_t)c.size);
+}
+
+/* A pin ledger's request (pins.c's service thread, no lock held): make
+ * pinned chunks of host buffers pageable until `bytes` are given back.
+ * Their bytes stay where they are, so copies from them stay correct, only
+ * slower. Busy buffers (a registration in flight) are skipped. Under the
+ * device lock, after the device's streams finished: no copy of ours reads
+ * a chunk while it is unregistered (stream.c copies under the lock). */
+static uint64_t give_back(vp__device_t *dev, uint64_t bytes) {
+  uint64_t freed = 0;
+  bool synced = false;
+  pthread_mutex_lock(&dev->lock);
+  for (uint32_t s = 0; s < dev->hostbufs.n && freed < bytes; s++) {
+    hostbuf_t *hb = dev->hostbufs.slots[s];
+    if (!hb || hb->busy || dev->broken) continue;
+    for (uint32_t i = 0; i < hb->nchunks && freed < bytes; i++) {
+      hb_chunk_t *c = &hb->chunks[i];
+      if (!c->pinned) continue;
+      if (!synced) {
+        vp__be_stream_synchronize(dev, 0);
+        if (dev->copy_stream)
+          vp__be_stream_synchronize(dev, dev->copy_stream);
+        for (uint32_t k = 0; k < dev->nstreams; k++)
+          vp__be_stream_synchronize(dev, dev->streams[k]);
+        synced = true;
+      }
+      vp__be_host_unregister(dev, c->ptr);
+      c->pinned = false;
+      unpin_account(dev, c->size);
+      dev->stats.pin_fallback_bytes += c->size;
+      freed += c->size;
+    }
+  }
+  vp__pins_releasable(dev, -(int64_t)freed);
+  if (freed)
+    vp__log(VP_LOG_INFO, dev->caps.name, "gave %s of pinned host memory "
+            "back to another vpager process (those host buffers stay "
+            "pageable: slower copies)", vp__size(freed).s);
+  pthread_mutex_unlock(&dev->lock);
+  return freed;
 }
 
 /* Bytes of [0, size) inside pinned chunks. */
@@ -561,6 +620,7 @@ int vp_hostbuf_free(vp_hostbuf_t h) {
   hb_delete(hb);
   pthread_mutex_lock(&dev->lock);
   unpin_account(dev, pinned);
+  vp__pins_releasable(dev, -(int64_t)pinned);
   return vp__unlock(dev, VP_OK);
 }
 
@@ -570,7 +630,9 @@ void vp__hostmem_close(vp__device_t *dev) {
   for (uint32_t s = 0; s < dev->hostbufs.n; s++) {
     hostbuf_t *hb = dev->hostbufs.slots[s];
     if (!hb) continue;
-    unpin_account(dev, hb_release_memory(dev, hb));
+    uint64_t pinned = hb_release_memory(dev, hb);
+    unpin_account(dev, pinned);
+    vp__pins_releasable(dev, -(int64_t)pinned);
     hb_delete(hb);
   }
   vp__table_free(&dev->hostbufs);

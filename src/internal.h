@@ -8,6 +8,7 @@
  *   L1  backend/: the sim and CUDA backends and backend.c, their one door
  *   L2  handles, fence, budget, page, pager, stats, invariants, entry
  *   L3  ledger, release, ledger_view (the per-GPU ledger shared by
+ *       processes), pins (the machine's pinned-host budget shared by
  *       processes), hostmem, weights, staging, fileio, stream, safetensors
  *   L4  device (open/close: the composition root) and api
  *
@@ -189,6 +190,7 @@ struct vp__device {
   uint64_t pin_budget;   /* host bytes we may page-lock */
   uint64_t pinned_host;  /* host bytes we have page-locked */
   vp__table_t hostbufs;
+  struct vp__pins *pins; /* pins.c: the machine's pin ledger (NULL: none) */
   /* weights.c, staging.c, stream.c */
   vp_stream_t copy_stream; /* 0 until first needed */
   uint64_t copy_done_seq;  /* the copy stream's fences up to this seq are
@@ -430,9 +432,34 @@ void vp__release_ask(vp__device_t *dev, const vp__ask_t *ask);
  * segment only; callable with the device lock held). */
 bool vp__release_may_help(vp__device_t *dev);
 
+/* pins.c: one pinned-host budget for the machine, counted in a host-wide
+ * segment (NULL dev->pins: the device counts alone, against pin_budget).
+ * open/close never fail; take (device lock held) reserves `size` bytes
+ * within the machine's budget (false: over it, or its lock could not be
+ * had; *budget and *used say why); put gives bytes back; releasable
+ * publishes a change of what this device could give back; ask (no device
+ * lock held) has other participants give back pinned bytes until `size`
+ * more would fit, through their `give` callback (called by their service
+ * thread without the device lock), and returns the bytes they gave. */
+typedef struct vp__pins vp__pins_t;
+typedef uint64_t (*vp__pins_give_t)(vp__device_t *dev, uint64_t bytes);
+uint64_t vp__pins_default_budget(void);
+void vp__pins_open(vp__device_t *dev, vp__pins_give_t give);
+void vp__pins_close(vp__device_t *dev);
+uint64_t vp__pins_budget(const vp__device_t *dev);
+void vp__pins_set_budget(vp__device_t *dev, uint64_t bytes);
+uint64_t vp__pins_machine(const vp__device_t *dev); /* every process's */
+bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
+                   uint64_t *used);
+void vp__pins_put(vp__device_t *dev, uint64_t size);
+void vp__pins_releasable(vp__device_t *dev, int64_t delta);
+bool vp__pins_may_help(const vp__device_t *dev);
+uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size);
+
 /* hostmem.c: page-locking within the device's pin budget. *pinned says
  * whether it happened; failing to pin is not an error. */
 void vp__hostmem_init(vp__device_t *dev);
+void vp__hostmem_share(vp__device_t *dev); /* joins the pin ledger */
 void vp__pin_host(vp__device_t *dev, void *ptr, uint64_t size, bool *pinned);
 void vp__unpin_host(vp__device_t *dev, void *ptr, uint64_t size);
 /* Page-aligned host memory, pinned if the budget allows (bounce slots). */

@@ -99,6 +99,24 @@ bool vp__lpart_alive(const ledger_part_t *p) {
   return found && (want == 0 || start == want);
 }
 
+/* The same rule for an entry of another shared table (pins.c's): the pid,
+ * start time and pid namespace it recorded. */
+bool vp__lproc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
+  uint64_t now = 0;
+  if (pidns != own_pidns()) return true;
+  if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH)) return false;
+  int found = proc_start(pid, &now);
+  if (found < 0) return true;
+  return found && (start == 0 || now == start);
+}
+
+/* What such a table records for this process: its start time (0 when
+ * unknown) and pid namespace. */
+void vp__lproc_self(uint64_t *start, uint64_t *pidns) {
+  if (proc_start((int32_t)getpid(), start) != 1) *start = 0;
+  *pidns = own_pidns();
+}
+
 /* One of this process's participants: our pid in our pid namespace (a
  * container sharing /dev/shm may hold the same pid in its own). */
 bool vp__lpart_ours(const ledger_part_t *p, int32_t pid) {

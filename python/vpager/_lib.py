@@ -175,17 +175,17 @@ STAT_FIELDS = (
     "file_bytes_read",
 )
 # Gauges after the counters ("now" values), then the reserved tail.
-STAT_GAUGES = ("committed_bytes", "pinned_bytes")
+STAT_GAUGES = ("committed_bytes", "pinned_bytes", "machine_pinned_bytes")
 STATS_VERSION = 1
 
 
 class vp_stats_t(Structure):
     _fields_ = ([("size", c_uint32), ("version", c_uint32)] +
                 [(name, c_uint64) for name in STAT_FIELDS + STAT_GAUGES] +
-                [("reserved", c_uint64 * 8)])
+                [("reserved", c_uint64 * 7)])
 
 
-STATS_SIZE = 8 + 8 * (len(STAT_FIELDS) + len(STAT_GAUGES)) + 8 * 8
+STATS_SIZE = 8 + 8 * (len(STAT_FIELDS) + len(STAT_GAUGES)) + 8 * 7
 if ctypes.sizeof(vp_stats_t) != STATS_SIZE:  # pragma: no cover
     raise ImportError("vpager: vp_stats_t is %d bytes in ctypes, expected %d"
                       % (ctypes.sizeof(vp_stats_t), STATS_SIZE))

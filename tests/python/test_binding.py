@@ -68,8 +68,8 @@ def test_stat_fields_match_header():
     block = h[h.index("#define VP_STAT_FIELDS"):h.index("typedef struct vp_stats")]
     names = tuple(re.findall(r"X\((\w+),", block))
     assert names == _lib.STAT_FIELDS, names
-    assert vpager.STAT_NAMES == _lib.STAT_FIELDS + ("committed_bytes",
-                                                    "pinned_bytes")
+    assert vpager.STAT_NAMES == _lib.STAT_FIELDS + (
+        "committed_bytes", "pinned_bytes", "machine_pinned_bytes")
 
 
 def test_errno_map_matches_header():

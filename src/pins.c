@@ -1,0 +1,681 @@
+/* One pinned-host budget for the machine: the host bytes vpager page-locks,
+ * across every vpager process and GPU on the host, stay under one budget,
+ * counted in a host-wide shared-memory segment (/dev/shm/vpager-pins-<name>:
+ * "host" on CUDA, the simulated device's shared name on a shared simulated
+ * device, the ledger option's name when one is given; none when the ledger
+ * is "off" or the simulated device is not shared: then the device counts
+ * alone against its own budget, as hostmem.c did before).
+ *
+ * Layout (magic, version and size first, as the ledger's):
+ *   header  magic, version, size, the budget, the lock (robust, shared)
+ *   req[]   release requests: the ledger's request state machine
+ *           (ledger.h: REQ_*, vp__lreq_answer)
+ *   part[]  participants, one per device handle: pid, start time, pid
+ *           namespace, serial, bytes pinned, bytes it could give back
+ *
+ * Counting: a participant takes bytes only under the lock, after summing
+ * every live participant's count (the dead are reaped there: a process
+ * that died holding pins gives them back at the next take), so the sum
+ * never passes the budget; it gives bytes back without the lock (a count
+ * only falls). A lock that cannot be had (a stopped holder, a hostile
+ * word) means no pinning: the caller's memory stays pageable.
+ *
+ * Asking: a participant short of budget posts a request to each other live
+ * participant that publishes something to give back (the pinned chunks of
+ * its host buffers, which stay usable pageable) and waits at most its
+ * timeout for each; the holder's service thread, asleep on its wake word,
+ * unpins through the callback hostmem.c gave (pins_give_t) and answers.
+ * As in release.c the requester holds no device lock while it waits. */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#include "ledger.h"
+
+#define ULL(x) ((unsigned long long)(x))
+#define RELAXED memory_order_relaxed
+#define GiB (1ull << 30)
+
+#define PINS_MAGIC 0x736e697072657076ull /* "vprepins" */
+#define PINS_VERSION 1u
+#define PINS_PARTS 128
+#define PINS_REQS 64
+#define PINS_PREFIX "/vpager-pins-"
+#define PINS_LOCK_NS 1000000000ll /* the lock is held for microseconds */
+#define PINS_NS_PER_GIB 60000000ull /* unpinning: ~19 ms/GiB, and a sync */
+
+typedef struct pins_part {
+  _Atomic uint32_t state; /* PART_FREE / PART_LIVE, under the lock */
+  _Atomic uint32_t wake;  /* futex: bumped to wake its service thread */
+  _Atomic int32_t pid;
+  _Atomic uint32_t uid;
+  lword_t start, pidns, serial;
+  lword_t pinned;      /* bytes it page-locked: only it writes */
+  lword_t releasable;  /* of those, what it could give back */
+  lword_t served, released;
+} pins_part_t;
+
+typedef struct pins_seg {
+  lword_t magic; /* PINS_MAGIC, stored last at creation */
+  _Atomic uint32_t version;
+  _Atomic uint32_t unlinked; /* the name was removed: open it anew */
+  lword_t size;
+  lword_t serials;
+  lword_t budget; /* the machine's budget, bytes */
+  pthread_mutex_t lock;
+  char pad[64];
+  ledger_req_t req[PINS_REQS];
+  pins_part_t part[PINS_PARTS];
+} pins_seg_t;
+
+struct vp__pins {
+  pins_seg_t *seg;
+  vp__device_t *dev;
+  vp__pins_give_t give;
+  int part;
+  uint64_t serial;
+  pid_t pid; /* the process that joined; a forked child is not it */
+  char shm[112];
+  uint64_t timeout_ns;
+  pthread_t thread;
+  bool thread_started;
+  atomic_bool stop;
+};
+
+/* ------------------------------------------------------ default budget */
+
+/* A number from a file holding one ("max" and unreadable: 0). */
+static uint64_t file_u64(const char *path) {
+  char buf[64] = {0};
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
+  if (fd >= 0) close(fd);
+  if (n <= 0 || buf[0] < '0' || buf[0] > '9') return 0;
+  return strtoull(buf, NULL, 10);
+}
+
+/* The memory limit of our cgroup, 0 = none: v2 memory.max of our cgroup
+ * (from /proc/self/cgroup "0::<path>"), else v1 memory.limit_in_bytes
+ * (which says a huge number for "none"). */
+static uint64_t cgroup_limit(void) {
+  char buf[512] = {0}, path[600];
+  int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
+  if (fd >= 0) close(fd);
+  char *v2 = n > 0 ? strstr(buf, "0::") : NULL;
+  if (v2 && (v2 == buf || v2[-1] == '\n')) {
+    v2 += 3;
+    v2[strcspn(v2, "\n")] = '\0';
+    snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.max", v2);
+    uint64_t lim = file_u64(path);
+    if (lim) return lim;
+  }
+  return file_u64("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+}
+
+/* "MemTotal:" or "MemAvailable:" of /proc/meminfo in bytes, 0 unknown. */
+static uint64_t meminfo(const char *key) {
+  char buf[4096] = {0};
+  int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
+  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
+  if (fd >= 0) close(fd);
+  char *p = n > 0 ? strstr(buf, key) : NULL;
+  return p ? strtoull(p + strlen(key), NULL, 10) * 1024 : 0;
+}
+
+/* Half of the memory we may use: RAM (MemTotal), or our cgroup's limit
+ * when lower (page-locked pages are charged to it, and the OOM killer acts
+ * at it). Why half: pinned pages cannot be reclaimed, and the rest is what
+ * keeps a model's file in the page cache, torch's own host tensors and the
+ * desktop alive; the peer's users report OOM kills with pinning allowed
+ * to 90% of RAM (FACTS.md), and 50% still pins a 22 GiB model whole on a
+ * 64 GiB desktop (16 GiB of one on 32 GiB: the rest streams pageable).
+ * MemAvailable is not used: it is what happens to be free when the first
+ * process starts, and the budget outlives that moment; it is logged. */
+uint64_t vp__pins_default_budget(void) {
+  uint64_t ram = meminfo("MemTotal:");
+  if (!ram) {
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || psz <= 0) return 0; /* unknown RAM: pin nothing */
+    ram = (uint64_t)pages * (uint64_t)psz;
+  }
+  uint64_t cg = cgroup_limit();
+  return (cg && cg < ram ? cg : ram) / 2;
+}
+
+/* ------------------------------------------------------------ the lock */
+
+static int init_lock(pthread_mutex_t *m) {
+  pthread_mutexattr_t a;
+  if (pthread_mutexattr_init(&a)) return -1;
+  int r = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+  if (!r) r = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+  if (!r) r = pthread_mutex_init(m, &a);
+  pthread_mutexattr_destroy(&a);
+  return r;
+}
+
+/* As the ledger's: a lock word of another kind (a corrupt segment) can make
+ * glibc abort inside the lock call, so it is never used. */
+static bool lock_kind_ok(pins_seg_t *seg) {
+#ifdef __GLIBC__
+  static _Atomic int want;
+  int k = atomic_load_explicit(&want, RELAXED);
+  if (!k) {
+    pthread_mutex_t m;
+    if (init_lock(&m)) return true;
+    k = m.__data.__kind;
+    pthread_mutex_destroy(&m);
+    atomic_store_explicit(&want, k, RELAXED);
+  }
+  return __atomic_load_n(&seg->lock.__data.__kind, __ATOMIC_RELAXED) == k;
+#else
+  (void)seg;
+  return true;
+#endif
+}
+
+static void part_clear(pins_part_t *p) {
+  atomic_store(&p->pinned, 0);
+  atomic_store(&p->releasable, 0);
+  atomic_store(&p->serial, 0);
+  atomic_store(&p->pid, 0);
+  atomic_store(&p->state, PART_FREE);
+}
+
+static bool part_alive(const pins_part_t *p) {
+  return vp__lproc_alive(atomic_load(&p->pid), atomic_load(&p->start),
+                         atomic_load(&p->pidns));
+}
+
+static bool slot_live(const pins_seg_t *seg, uint32_t slot, uint64_t serial) {
+  return slot < PINS_PARTS &&
+         atomic_load(&seg->part[slot].state) == PART_LIVE &&
+         atomic_load(&seg->part[slot].serial) == serial;
+}
+
+/* Live participants' counts; the dead are cleared, and requests whose
+ * requester is gone freed (lock held). */
+static void reap(pins_seg_t *seg) {
+  for (int i = 0; i < PINS_PARTS; i++) {
+    pins_part_t *p = &seg->part[i];
+    if (atomic_load(&p->state) != PART_LIVE || part_alive(p)) continue;
+    vp__log(VP_LOG_INFO, "pins", "reaped participant %d (pid %d): its "
+            "process is gone, its %llu pinned bytes with it", i,
+            (int)atomic_load(&p->pid), ULL(atomic_load(&p->pinned)));
+    part_clear(p);
+  }
+  for (int i = 0; i < PINS_REQS; i++) {
+    ledger_req_t *r = &seg->req[i];
+    uint32_t s = atomic_load(&r->state);
+    if (s == REQ_FREE) continue;
+    bool from = slot_live(seg, atomic_load(&r->from),
+                          atomic_load(&r->from_serial));
+    bool to = slot_live(seg, atomic_load(&r->to), atomic_load(&r->to_serial));
+    if (!from && s == REQ_TAKEN && to)
+      atomic_compare_exchange_strong(&r->state, &s, REQ_ABANDONED);
+    else if (!from || (!to && s == REQ_ABANDONED))
+      atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
+  }
+}
+
+/* Bounded: VP_EAGAIN after PINS_LOCK_NS, VP_EDEVICE for a lock word of
+ * another kind. A holder that died: its participant is reaped. */
+static int seg_lock(pins_seg_t *seg) {
+  if (!lock_kind_ok(seg)) return VP_EDEVICE;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  int64_t ns = ts.tv_nsec + PINS_LOCK_NS;
+  ts.tv_sec += (time_t)(ns / 1000000000);
+  ts.tv_nsec = (long)(ns % 1000000000);
+  int r = pthread_mutex_timedlock(&seg->lock, &ts);
+  if (r == EOWNERDEAD) {
+    reap(seg);
+    pthread_mutex_consistent(&seg->lock);
+    return VP_OK;
+  }
+  return r == 0 ? VP_OK : r == ETIMEDOUT ? VP_EAGAIN : VP_EDEVICE;
+}
+
+static void seg_unlock(pins_seg_t *seg) { pthread_mutex_unlock(&seg->lock); }
+
+/* ----------------------------------------------------------- mapping */
+
+static void nap_ms(long ms) {
+  struct timespec ts = {0, ms * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Exclusive create, the magic stored last. VP_EAGAIN: it exists. */
+static int seg_create(const char *shm, uint64_t budget, pins_seg_t **out,
+                      char *why, size_t len) {
+  int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    if (errno == EEXIST) return VP_EAGAIN;
+    snprintf(why, len, "cannot create %s: %s", shm, strerror(errno));
+    return VP_EUNSUPPORTED;
+  }
+  int e = posix_fallocate(fd, 0, sizeof(pins_seg_t));
+  void *p = e ? MAP_FAILED : mmap(NULL, sizeof(pins_seg_t),
+                                  PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (!e && p == MAP_FAILED) e = errno;
+  close(fd);
+  pins_seg_t *seg = p;
+  if (!e && init_lock(&seg->lock)) e = ENOMEM;
+  if (e) {
+    if (p != MAP_FAILED) munmap(p, sizeof(pins_seg_t));
+    shm_unlink(shm);
+    snprintf(why, len, "cannot make %s: %s", shm, strerror(e));
+    return VP_EUNSUPPORTED;
+  }
+  atomic_store(&seg->version, PINS_VERSION);
+  atomic_store(&seg->size, sizeof(pins_seg_t));
+  atomic_store(&seg->budget, budget);
+  atomic_store_explicit(&seg->magic, PINS_MAGIC, memory_order_release);
+  *out = seg;
+  return VP_OK;
+}
+
+/* Map an existing segment after checking owner, size and header.
+ * VP_ENODEV: it is not there. */
+static int seg_open(const char *shm, pins_seg_t **out, char *why,
+                    size_t len) {
+  int fd = shm_open(shm, O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    if (errno == ENOENT) return VP_ENODEV;
+    snprintf(why, len, "cannot open %s: %s", shm, strerror(errno));
+    return VP_EUNSUPPORTED;
+  }
+  struct stat st = {0};
+  for (int i = 0; i < 250 && !fstat(fd, &st) && !st.st_size; i++) nap_ms(1);
+  void *p = MAP_FAILED;
+  if (st.st_uid != geteuid())
+    snprintf(why, len, "%s belongs to uid %u, not to us (uid %u)", shm,
+             (unsigned)st.st_uid, (unsigned)geteuid());
+  else if (st.st_size != (off_t)sizeof(pins_seg_t))
+    snprintf(why, len, "%s is %lld bytes, not %zu: another layout", shm,
+             (long long)st.st_size, sizeof(pins_seg_t));
+  else if ((p = mmap(NULL, sizeof(pins_seg_t), PROT_READ | PROT_WRITE,
+                     MAP_SHARED, fd, 0)) == MAP_FAILED)
+    snprintf(why, len, "cannot map %s: %s", shm, strerror(errno));
+  close(fd);
+  if (p == MAP_FAILED) return VP_EUNSUPPORTED;
+  pins_seg_t *seg = p;
+  uint64_t magic = 0;
+  for (int i = 0; i < 250 && !magic; i++) {
+    magic = atomic_load_explicit(&seg->magic, memory_order_acquire);
+    if (!magic) nap_ms(1);
+  }
+  if (magic == PINS_MAGIC && atomic_load(&seg->version) == PINS_VERSION &&
+      atomic_load(&seg->size) == sizeof(pins_seg_t)) {
+    *out = seg;
+    return VP_OK;
+  }
+  snprintf(why, len, "%s is not a vpager pin ledger of this layout", shm);
+  munmap(p, sizeof(pins_seg_t));
+  return VP_EUNSUPPORTED;
+}
+
+/* ----------------------------------------------------------- joining */
+
+static int join_locked(vp__pins_t *pn) {
+  pins_seg_t *seg = pn->seg;
+  if (atomic_load(&seg->unlinked)) return VP_EAGAIN;
+  reap(seg);
+  for (int i = 0; i < PINS_PARTS; i++) {
+    pins_part_t *p = &seg->part[i];
+    if (atomic_load(&p->state) != PART_FREE) continue;
+    uint64_t start, pidns;
+    vp__lproc_self(&start, &pidns);
+    part_clear(p);
+    pn->serial = atomic_fetch_add(&seg->serials, 1) + 1;
+    atomic_store(&p->pid, (int32_t)getpid());
+    atomic_store(&p->uid, (uint32_t)geteuid());
+    atomic_store(&p->start, start);
+    atomic_store(&p->pidns, pidns);
+    atomic_store(&p->serial, pn->serial);
+    atomic_store(&p->served, 0);
+    atomic_store(&p->released, 0);
+    atomic_store(&p->state, PART_LIVE);
+    pn->part = i;
+    return VP_OK;
+  }
+  return VP_ELIMIT;
+}
+
+static int join(vp__pins_t *pn, uint64_t budget, char *why, size_t len) {
+  for (int tries = 0; tries < 20; tries++) {
+    int rc = seg_create(pn->shm, budget, &pn->seg, why, len);
+    if (rc == VP_EAGAIN) rc = seg_open(pn->shm, &pn->seg, why, len);
+    if (rc == VP_ENODEV) continue; /* it went away meanwhile */
+    if (rc) return rc;
+    rc = seg_lock(pn->seg);
+    if (rc == VP_OK) {
+      rc = join_locked(pn);
+      seg_unlock(pn->seg);
+      if (rc == VP_ELIMIT)
+        snprintf(why, len, "all %d participant slots of %s are taken",
+                 PINS_PARTS, pn->shm);
+    } else {
+      snprintf(why, len, "the lock of %s %s", pn->shm, rc == VP_EAGAIN ?
+               "stayed taken" : "cannot be used (a corrupt segment?)");
+    }
+    if (rc == VP_OK) return VP_OK;
+    munmap(pn->seg, sizeof(pins_seg_t));
+    pn->seg = NULL;
+    if (rc != VP_EAGAIN) return VP_EUNSUPPORTED;
+  }
+  snprintf(why, len, "%s kept appearing and vanishing", pn->shm);
+  return VP_EUNSUPPORTED;
+}
+
+/* The segment's name: the ledger option's, else "host" on a GPU (one
+ * budget spans every GPU) and the shared simulated device's name. */
+static bool pins_name(vp__device_t *dev, char *out, size_t len) {
+  const char *opt = dev->opts.ledger;
+  char key[80];
+  if (strcmp(opt, "off") == 0) return false;
+  if (opt[0]) return snprintf(out, len, PINS_PREFIX "%s", opt), true;
+  if (vp__be_ledger_key(dev, key, sizeof key) != VP_OK) return false;
+  snprintf(out, len, PINS_PREFIX "%s",
+           strncmp(key, "sim-", 4) == 0 ? key : "host");
+  return true;
+}
+
+static ledger_req_t *next_request(vp__pins_t *pn) {
+  for (int i = 0; i < PINS_REQS; i++) {
+    ledger_req_t *r = &pn->seg->req[i];
+    uint32_t s = REQ_POSTED;
+    if (atomic_load(&r->state) == REQ_POSTED &&
+        atomic_load(&r->to) == (uint32_t)pn->part &&
+        atomic_load(&r->to_serial) == pn->serial &&
+        atomic_compare_exchange_strong(&r->state, &s, REQ_TAKEN))
+      return r;
+  }
+  return NULL;
+}
+
+/* Sleeps on its wake word; gives back what is asked of it, as it can. */
+static void *service_main(void *arg) {
+  vp__pins_t *pn = arg;
+  pins_part_t *me = &pn->seg->part[pn->part];
+  for (;;) {
+    uint32_t seen = atomic_load(&me->wake);
+    if (atomic_load(&pn->stop)) break;
+    for (ledger_req_t *r; (r = next_request(pn));) {
+      uint64_t bytes = atomic_load(&r->bytes);
+      uint64_t freed = pn->give(pn->dev, bytes);
+      atomic_fetch_add(&me->served, 1);
+      atomic_fetch_add(&me->released, freed);
+      vp__lreq_answer(r, freed);
+      vp__log(VP_LOG_DEBUG, pn->dev->caps.name, "pins: gave back %llu of "
+              "%llu pinned bytes asked", ULL(freed), ULL(bytes));
+    }
+    vp__futex(&me->wake, FUTEX_WAIT, seen, NULL);
+  }
+  return NULL;
+}
+
+static void wake_part(pins_part_t *p) {
+  atomic_fetch_add(&p->wake, 1);
+  vp__futex_wake(&p->wake);
+}
+
+/* Give our slot back; requests posted to us answered "nothing"; the last
+ * one out removes the name. */
+static void leave(vp__pins_t *pn) {
+  pins_seg_t *seg = pn->seg;
+  bool locked = seg_lock(seg) == VP_OK;
+  pins_part_t *me = &seg->part[pn->part];
+  if (atomic_load(&me->serial) == pn->serial) part_clear(me);
+  for (int i = 0; i < PINS_REQS; i++) {
+    ledger_req_t *r = &seg->req[i];
+    uint32_t s = REQ_POSTED;
+    if (atomic_load(&r->to) == (uint32_t)pn->part &&
+        atomic_load(&r->to_serial) == pn->serial &&
+        atomic_compare_exchange_strong(&r->state, &s, REQ_TAKEN))
+      vp__lreq_answer(r, 0);
+  }
+  if (!locked) return;
+  reap(seg);
+  bool live = false;
+  for (int i = 0; i < PINS_PARTS && !live; i++)
+    live = atomic_load(&seg->part[i].state) == PART_LIVE;
+  if (!live) {
+    atomic_store(&seg->unlinked, 1);
+    shm_unlink(pn->shm);
+  }
+  seg_unlock(seg);
+}
+
+void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
+  char why[192] = "no memory for the pin ledger";
+  vp__pins_t *pn = calloc(1, sizeof *pn);
+  if (pn && !pins_name(dev, pn->shm, sizeof pn->shm)) {
+    free(pn);
+    return;
+  }
+  int rc = pn ? VP_OK : VP_ENOMEM;
+  uint64_t budget = dev->pin_budget;
+  if (rc == VP_OK) {
+    pn->dev = dev;
+    pn->give = give;
+    pn->pid = getpid();
+    uint32_t us = dev->opts.ledger_timeout_us;
+    pn->timeout_ns = (uint64_t)(us ? us : LEDGER_TIMEOUT_US) * 1000;
+    rc = join(pn, budget, why, sizeof why);
+  }
+  if (rc == VP_OK) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int e = pthread_create(&pn->thread, NULL, service_main, pn);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pn->thread_started = e == 0;
+    if (e) {
+      leave(pn);
+      munmap(pn->seg, sizeof(pins_seg_t));
+      snprintf(why, sizeof why, "its service thread could not start");
+      rc = VP_ENOMEM;
+    }
+  }
+  if (rc) {
+    vp__log(VP_LOG_WARN, dev->caps.name, "not joining the pin ledger %s: "
+            "%s; this device counts its pinned memory alone",
+            pn ? pn->shm : "", why);
+    free(pn);
+    return;
+  }
+  /* An explicit budget is the machine's from now on (the last one set
+   * wins); the default keeps what the segment holds. */
+  if (dev->opts.pin_budget) atomic_store(&pn->seg->budget, budget);
+  dev->pins = pn;
+  vp__log(VP_LOG_INFO, dev->caps.name, "joined pin ledger %s as "
+          "participant %d: the machine's pin budget is %s (%s available "
+          "now)", pn->shm, pn->part,
+          vp__size(atomic_load(&pn->seg->budget)).s,
+          vp__size(meminfo("MemAvailable:")).s);
+}
+
+/* A forked child's copy only unmaps. */
+void vp__pins_close(vp__device_t *dev) {
+  vp__pins_t *pn = dev->pins;
+  if (!pn) return;
+  dev->pins = NULL;
+  if (pn->pid == getpid()) {
+    if (pn->thread_started) {
+      atomic_store(&pn->stop, true);
+      wake_part(&pn->seg->part[pn->part]);
+      pthread_join(pn->thread, NULL);
+    }
+    leave(pn);
+  }
+  munmap(pn->seg, sizeof(pins_seg_t));
+  free(pn);
+}
+
+/* --------------------------------------------------------- counting */
+
+uint64_t vp__pins_budget(const vp__device_t *dev) {
+  return dev->pins ? atomic_load(&dev->pins->seg->budget) : dev->pin_budget;
+}
+
+void vp__pins_set_budget(vp__device_t *dev, uint64_t bytes) {
+  dev->pin_budget = bytes;
+  if (dev->pins) atomic_store(&dev->pins->seg->budget, bytes);
+}
+
+/* Every live participant's pinned bytes (lock-free; the dead are left out,
+ * not reaped). */
+uint64_t vp__pins_machine(const vp__device_t *dev) {
+  const vp__pins_t *pn = dev->pins;
+  if (!pn) return dev->pinned_host;
+  uint64_t sum = 0;
+  for (int i = 0; i < PINS_PARTS; i++) {
+    const pins_part_t *p = &pn->seg->part[i];
+    if (atomic_load(&p->state) == PART_LIVE &&
+        (i == pn->part || part_alive(p)))
+      sum += atomic_load(&p->pinned);
+  }
+  return sum;
+}
+
+bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
+                   uint64_t *used) {
+  vp__pins_t *pn = dev->pins;
+  pins_seg_t *seg = pn->seg;
+  *budget = atomic_load(&seg->budget);
+  *used = 0;
+  if (seg_lock(seg) != VP_OK) {
+    *used = UINT64_MAX; /* unknown: the lock could not be had */
+    return false;
+  }
+  reap(seg);
+  uint64_t sum = 0;
+  for (int i = 0; i < PINS_PARTS; i++)
+    if (atomic_load(&seg->part[i].state) == PART_LIVE)
+      sum += atomic_load(&seg->part[i].pinned);
+  *used = sum;
+  *budget = atomic_load(&seg->budget);
+  bool ok = sum <= *budget && size <= *budget - sum;
+  if (ok) atomic_fetch_add(&seg->part[pn->part].pinned, size);
+  seg_unlock(seg);
+  return ok;
+}
+
+void vp__pins_put(vp__device_t *dev, uint64_t size) {
+  if (dev->pins) atomic_fetch_sub(&dev->pins->seg->part[dev->pins->part].pinned,
+                                  size);
+}
+
+void vp__pins_releasable(vp__device_t *dev, int64_t delta) {
+  if (dev->pins)
+    atomic_fetch_add(&dev->pins->seg->part[dev->pins->part].releasable,
+                     (uint64_t)delta);
+}
+
+/* ----------------------------------------------------------- asking */
+
+/* Wait for the answer at most the timeout (more once taken, by what was
+ * asked); then give the request up, as release.c's await does. */
+static uint64_t await(vp__pins_t *pn, ledger_req_t *r, uint32_t to,
+                      uint64_t serial, uint64_t bytes) {
+  uint64_t deadline = vp__now_ns() + pn->timeout_ns;
+  bool extended = false;
+  for (;;) {
+    uint32_t s = atomic_load(&r->state);
+    if (s == REQ_DONE) break;
+    if (s == REQ_TAKEN && !extended) {
+      extended = true;
+      uint64_t gib = bytes / GiB + 1;
+      deadline += (gib > 64 ? 64 : gib) * PINS_NS_PER_GIB;
+    }
+    uint64_t now = vp__now_ns();
+    if (now >= deadline || (s != REQ_POSTED && s != REQ_TAKEN) ||
+        !slot_live(pn->seg, to, serial))
+      break;
+    uint64_t left = deadline - now;
+    if (left > 10000000ull) left = 10000000ull;
+    struct timespec ts = {(time_t)(left / 1000000000u),
+                          (long)(left % 1000000000u)};
+    vp__futex(&r->state, FUTEX_WAIT, s, &ts);
+  }
+  uint32_t s = REQ_POSTED;
+  if (atomic_compare_exchange_strong(&r->state, &s, REQ_FREE)) return 0;
+  if (s == REQ_TAKEN &&
+      atomic_compare_exchange_strong(&r->state, &s, REQ_ABANDONED))
+    return 0;
+  if (s != REQ_DONE) return 0;
+  uint64_t freed = atomic_load(&r->freed);
+  atomic_store(&r->state, REQ_FREE);
+  return freed;
+}
+
+static uint64_t ask_one(vp__pins_t *pn, uint32_t to, uint64_t bytes) {
+  pins_seg_t *seg = pn->seg;
+  pins_part_t *p = &seg->part[to];
+  uint64_t serial = atomic_load(&p->serial);
+  for (int i = 0; i < PINS_REQS; i++) {
+    ledger_req_t *r = &seg->req[i];
+    uint32_t s = REQ_FREE;
+    if (!atomic_compare_exchange_strong(&r->state, &s, REQ_CLAIMED)) continue;
+    atomic_store(&r->from, (uint32_t)pn->part);
+    atomic_store(&r->from_serial, pn->serial);
+    atomic_store(&r->to, to);
+    atomic_store(&r->to_serial, serial);
+    atomic_store(&r->bytes, bytes);
+    atomic_store(&r->before, 0);
+    atomic_store(&r->freed, 0);
+    atomic_store(&r->posted, vp__coarse_ns());
+    atomic_store(&r->state, REQ_POSTED);
+    wake_part(p);
+    return await(pn, r, to, serial, bytes);
+  }
+  return 0; /* every request slot is in use */
+}
+
+bool vp__pins_may_help(const vp__device_t *dev) {
+  const vp__pins_t *pn = dev->pins;
+  for (int i = 0; pn && i < PINS_PARTS; i++) {
+    const pins_part_t *p = &pn->seg->part[i];
+    if (i != pn->part && atomic_load(&p->state) == PART_LIVE &&
+        atomic_load(&p->releasable))
+      return true;
+  }
+  return false;
+}
+
+/* The others, largest giver first, until `size` more bytes fit the budget
+ * (no device lock held). Returns what they gave back. */
+uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
+  vp__pins_t *pn = dev->pins;
+  if (!pn || pn->pid != getpid()) return 0;
+  pins_seg_t *seg = pn->seg;
+  bool asked[PINS_PARTS] = {false};
+  uint64_t got = 0;
+  for (;;) {
+    uint64_t used = vp__pins_machine(dev), budget = atomic_load(&seg->budget);
+    if (size > budget) return got; /* no release makes it fit */
+    if (used <= budget - size) return got;
+    uint64_t want = used - (budget - size);
+    int best = -1;
+    uint64_t most = 0;
+    for (int i = 0; i < PINS_PARTS; i++) {
+      pins_part_t *p = &seg->part[i];
+      uint64_t has = atomic_load(&p->releasable);
+      if (i == pn->part || asked[i] || atomic_load(&p->state) != PART_LIVE ||
+          has <= most || !part_alive(p))
+        continue;
+      best = i;
+      most = has;
+    }
+    if (best < 0) return got;
+    asked[best] = true;
+    got += ask_one(pn, (uint32_t)best, want);
+  }
+}

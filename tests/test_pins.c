@@ -1,0 +1,252 @@
+/* One pinned-host budget for the machine (src/pins.c): processes that name
+ * the same ledger count their page-locked host memory in one segment, never
+ * lock beyond the budget, give pinned memory back when another asks, and a
+ * dead process's count is reaped.
+ *
+ * Peers are forked before the test opens a device of its own (a device
+ * with a pin ledger has a thread; TSan lets no child of a threaded process
+ * start threads) and obey one-byte commands, answering with a number. */
+#include "test.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MiB (1ull << 20)
+
+static void pins_opts(test_ctx_t *ctx, vp_options_t *o, const char *name,
+                      uint64_t budget) {
+  test_options(ctx, o);
+  snprintf(o->ledger, sizeof o->ledger, "%s", name);
+  o->pin_budget = budget;
+  o->ledger_timeout_us = 2000000; /* generous: sanitizers are slow */
+}
+
+static void pins_name(char *buf, size_t n, const char *what) {
+  static int counter;
+  snprintf(buf, n, "vpp-%s-%d-%d", what, (int)getpid(), counter++);
+}
+
+static uint64_t machine_pinned(vp_device_t dev) {
+  return test_dev_stats(dev).machine_pinned_bytes;
+}
+
+static uint64_t hb_pinned(vp_hostbuf_t hb) {
+  vp_hostbuf_info_t info;
+  ASSERT_OK(vp_hostbuf_info(hb, &info));
+  return info.pinned_bytes;
+}
+
+/* ---------------------------------------------------------------- peers */
+
+typedef struct peer {
+  pid_t pid;
+  int to, from;
+} peer_t;
+
+static void put_u64(int fd, uint64_t v) {
+  ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
+}
+
+static uint64_t get_u64(int fd) {
+  uint64_t v = 0;
+  ASSERT_EQ_INT(read(fd, &v, sizeof v), (int)sizeof v);
+  return v;
+}
+
+/* Commands: 'A' allocate a host buffer of `size` (answers its pinned
+ * bytes), 'P' its pinned bytes now, 'K' whether its bytes are intact,
+ * 'M' the machine's pinned bytes, 'F' free it, 'Q' quit. */
+static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
+                      uint64_t size, int in, int out) {
+  vp_options_t o;
+  pins_opts(ctx, &o, name, budget);
+  vp_device_t dev = test_open(ctx, &o);
+  vp_hostbuf_t hb = {0};
+  vp_hostbuf_info_t info = {0};
+  put_u64(out, 0); /* ready */
+  for (;;) {
+    char cmd = 0;
+    if (read(in, &cmd, 1) != 1) break;
+    uint64_t v = 0;
+    if (cmd == 'A') {
+      ASSERT_OK(vp_hostbuf_alloc(dev, size, size, &hb));
+      ASSERT_OK(vp_hostbuf_info(hb, &info));
+      test_pattern(info.ptr, size, 7);
+      v = info.pinned_bytes;
+    }
+    if (cmd == 'P') v = hb_pinned(hb);
+    if (cmd == 'K') {
+      char *want = malloc(size);
+      ASSERT_NOT_NULL(want);
+      test_pattern(want, size, 7);
+      v = memcmp(want, info.ptr, size) == 0;
+      free(want);
+    }
+    if (cmd == 'M') v = machine_pinned(dev);
+    if (cmd == 'F') ASSERT_OK(vp_hostbuf_free(hb));
+    if (cmd == 'Q') break;
+    put_u64(out, v);
+  }
+  ASSERT_OK(vp_device_close(dev));
+  exit(0);
+}
+
+static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t budget,
+                         uint64_t size) {
+  int down[2], up[2];
+  ASSERT_EQ_INT(pipe(down), 0);
+  ASSERT_EQ_INT(pipe(up), 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE_INT(pid, 0);
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    peer_main(ctx, name, budget, size, down[0], up[1]);
+  }
+  close(down[0]);
+  close(up[1]);
+  peer_t p = {pid, down[1], up[0]};
+  ASSERT_EQ_U64(get_u64(p.from), 0);
+  return p;
+}
+
+static uint64_t peer_do(peer_t *p, char cmd) {
+  ASSERT_EQ_INT(write(p->to, &cmd, 1), 1);
+  return get_u64(p->from);
+}
+
+static void peer_quit(peer_t *p) {
+  char q = 'Q';
+  ASSERT_EQ_INT(write(p->to, &q, 1), 1);
+  int st = test_wait(p->pid);
+  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  close(p->to);
+  close(p->from);
+}
+
+/* ---------------------------------------------------------------- tests */
+
+/* Two processes' pinned bytes are one count, which each sees. */
+TEST(pins_count_across_processes, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "count");
+  peer_t peer = peer_start(ctx, name, 64 * MiB, 16 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'A'), 16 * MiB);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 64 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  ASSERT_EQ_U64(machine_pinned(dev), 16 * MiB);
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 8 * MiB, 8 * MiB, &hb));
+  ASSERT_EQ_U64(hb_pinned(hb), 8 * MiB);
+  ASSERT_EQ_U64(machine_pinned(dev), 24 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'M'), 24 * MiB);
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_EQ_U64(peer_do(&peer, 'M'), 16 * MiB);
+  peer_do(&peer, 'F');
+  ASSERT_EQ_U64(machine_pinned(dev), 0);
+  peer_quit(&peer);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Short of budget, a process asks: the other gives its host buffer's pins
+ * back (its bytes intact, pageable), and the sum stays within the budget. */
+TEST(pins_other_process_gives_back, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "ask");
+  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 32 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 16 * MiB, 16 * MiB, &hb));
+  ASSERT_EQ_U64(hb_pinned(hb), 16 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'P'), 0);
+  ASSERT_EQ_U64(peer_do(&peer, 'K'), 1);
+  ASSERT_EQ_U64(machine_pinned(dev), 16 * MiB);
+  ASSERT_EQ_U64(test_dev_stats(dev).pin_fallback_bytes, 0);
+  peer_do(&peer, 'F');
+  peer_quit(&peer);
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Nothing is locked beyond the budget: what does not fit stays pageable
+ * (a usable buffer, counted as a fallback), whoever holds the rest. */
+TEST(pins_never_beyond_budget, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "cap");
+  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 32 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  /* More than the whole budget: no release makes it fit, nobody asked. */
+  vp_hostbuf_t big;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 40 * MiB, 40 * MiB, &big));
+  ASSERT_EQ_U64(hb_pinned(big), 0);
+  ASSERT_EQ_U64(peer_do(&peer, 'P'), 24 * MiB);
+  ASSERT_EQ_U64(test_dev_stats(dev).pin_fallback_bytes, 40 * MiB);
+  ASSERT_OK(vp_hostbuf_free(big));
+  /* Budget lowered below what is pinned (by either process: it is the
+   * machine's): the other is asked, and only what then fits is pinned. */
+  ASSERT_OK(vp_device_set_pin_budget(dev, 8 * MiB));
+  vp_hostbuf_t small;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &small));
+  ASSERT_LE_U64(machine_pinned(dev), 24 * MiB);
+  ASSERT_LE_U64(hb_pinned(small) + peer_do(&peer, 'P'), 24 * MiB);
+  ASSERT_OK(vp_hostbuf_free(small));
+  /* Many small buffers from both: the sum never passes the budget. */
+  ASSERT_OK(vp_device_set_pin_budget(dev, 32 * MiB));
+  vp_hostbuf_t many[12];
+  for (int i = 0; i < 12; i++) {
+    ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &many[i]));
+    ASSERT_LE_U64(machine_pinned(dev), 32 * MiB);
+    ASSERT_LE_U64(peer_do(&peer, 'M'), 32 * MiB);
+  }
+  for (int i = 0; i < 12; i++) ASSERT_OK(vp_hostbuf_free(many[i]));
+  peer_do(&peer, 'F');
+  peer_quit(&peer);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* A process killed with pins held: its count goes with it. */
+TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "dead");
+  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
+  kill(peer.pid, SIGKILL);
+  test_wait(peer.pid);
+  close(peer.to);
+  close(peer.from);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 32 * MiB);
+  vp_device_t dev = test_open(ctx, &o); /* joining reaps it */
+  ASSERT_EQ_U64(machine_pinned(dev), 0);
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 24 * MiB, 24 * MiB, &hb));
+  ASSERT_EQ_U64(hb_pinned(hb), 24 * MiB);
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* The ledger off: the device counts alone, within its own budget. */
+TEST(pins_alone_without_ledger, TEST_SIM_ONLY) {
+  vp_options_t o;
+  pins_opts(ctx, &o, "off", 8 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  vp_hostbuf_t a, b;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 8 * MiB, 8 * MiB, &a));
+  ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &b));
+  ASSERT_EQ_U64(hb_pinned(a), 8 * MiB);
+  ASSERT_EQ_U64(hb_pinned(b), 0);
+  ASSERT_EQ_U64(machine_pinned(dev), 8 * MiB);
+  ASSERT_OK(vp_hostbuf_free(a));
+  ASSERT_OK(vp_hostbuf_free(b));
+  ASSERT_OK(vp_device_close(dev));
+}
