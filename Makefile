@@ -102,6 +102,8 @@ check-python: $(BUILD)/libvpager.so
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_stats.py
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
+	  $(PYTHON) tests/python/test_pins.py
+	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_progress.py
 	$(PYTHON) tests/python/test_schedule.py
 	PYTHONPATH=python:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_compat.py

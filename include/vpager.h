@@ -141,8 +141,11 @@ typedef struct vp_options {
                               of two, a multiple of the granularity and at
                               most the device's memory (else vp_device_open
                               gives VP_EINVAL naming page_size) */
-  int64_t headroom;        /* bytes kept free; -1 = backend default;
-                              VPAGER_HEADROOM */
+  int64_t headroom;        /* bytes kept free; -1 = the backend's default:
+                              0 on the simulated device; on a GPU the
+                              larger of 512 MiB and 2% of its memory
+                              (768 MiB and 4% under WDDM: WSL2), at most a
+                              quarter of it; VPAGER_HEADROOM */
   uint32_t poll_interval_us; /* min time between free-memory polls;
                               VPAGER_POLL_US (default 5000) */
   int evict_order;         /* vp_evict_order_t for new VBARs; VPAGER_ORDER=
@@ -217,8 +220,14 @@ typedef struct vp_device_info {
   uint64_t free_memory;    /* device-wide free memory at the last poll */
   uint64_t committed;      /* bytes this device handle has committed */
   uint64_t budget;         /* bytes it may commit now (at the last poll) */
-  int64_t headroom;        /* bytes kept free */
+  int64_t headroom;        /* bytes this handle keeps free */
   int async_copies;        /* copies run apart from the calling thread */
+  int64_t shared_headroom; /* what it asks the device's other vpager
+                              processes to keep free (-1: its headroom;
+                              vp_device_set_shared_headroom) */
+  uint64_t kept_free;      /* bytes it keeps free now: the larger of its
+                              headroom and the largest shared headroom of
+                              the device's other live vpager processes */
 } vp_device_info_t;
 /* Fill *info (polls the device's free memory if the poll interval passed). */
 VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);
@@ -244,6 +253,16 @@ VP_API int vp_device_soft_limit(vp_device_t dev, uint64_t *bytes);
 
 /* Change the headroom at run time; takes effect at the next commit. */
 VP_API int vp_device_set_headroom(vp_device_t dev, int64_t bytes);
+/* The headroom shared through the GPU's ledger: what this handle asks
+ * every vpager process on the device to keep free, -1 (the default) for
+ * its headroom. Each process keeps free the larger of its own headroom
+ * and the largest shared headroom of the device's other live processes
+ * (read again at least every 100 ms while it works, and at once by this
+ * call and vp_device_set_headroom), so room one process leaves for the
+ * display and other programs is not filled by another. A framework that
+ * adds its own growth to the headroom shares only the part meant for
+ * others. Without a ledger it changes nothing. VP_EINVAL below -1. */
+VP_API int vp_device_set_shared_headroom(vp_device_t dev, int64_t bytes);
 /* Cap what this device handle may commit, whatever the device's free
  * memory (UINT64_MAX, the default: no cap); takes effect at the next
  * commit. The budget is the smaller of this and what the headroom leaves. */
@@ -289,7 +308,13 @@ typedef enum vp_sim_inject_kind {
   VP_SIM_TRANSIENT = 2,     /* n: the next n commits fail with VP_EAGAIN */
   VP_SIM_SET_CAPACITY = 3,  /* n: device capacity in bytes, from now */
   VP_SIM_BREAK = 4,         /* the device becomes broken (n ignored) */
-  VP_SIM_SET_SOFT_LIMIT = 5 /* n: vp_device_soft_limit's answer (0 = none) */
+  VP_SIM_SET_SOFT_LIMIT = 5, /* n: vp_device_soft_limit's answer (0 = none) */
+  VP_SIM_SET_DESKTOP = 6    /* n: the desktop the simulated GPU serves, for
+                               the default headroom (a headroom the user
+                               gave stays): 0 none (0 bytes, the sim's
+                               default), 1 a Linux one, 2 a Windows one
+                               (WDDM): a GPU's figures for the device's
+                               memory now */
 } vp_sim_inject_kind_t;
 /* Simulated device only: fault injection for tests. */
 VP_API int vp_sim_inject(vp_device_t dev, int kind, uint64_t n);

@@ -133,6 +133,13 @@ int vp_sim_inject(vp_device_t h, int kind, uint64_t n) {
                                    dev->caps.name));
   if (rc) return vp__unlock(dev, vp__err(rc, "kind %d", kind));
   vp__budget_invalidate(dev); /* capacity may have changed */
+  if (kind == VP_SIM_SET_DESKTOP) {
+    dev->caps.default_headroom =
+        n ? vp__default_headroom(dev->caps.total_memory, n == 2) : 0;
+    if (!dev->budget.headroom_given)
+      dev->budget.headroom = (int64_t)dev->caps.default_headroom;
+    vp__ledger_put_headroom(dev);
+  }
   return vp__unlock(dev, VP_OK);
 }
 

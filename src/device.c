@@ -77,6 +77,7 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
   /* The ledger last: joining never fails the open, and from here on the
    * service thread may serve other processes' requests. */
   vp__ledger_open(dev);
+  vp__ledger_put_headroom(dev); /* before the service thread shares dev */
   if (vp__release_start(dev)) {
     vp__ledger_close(dev);
     snprintf(dev->ledger_why, sizeof dev->ledger_why,
@@ -179,6 +180,8 @@ int vp_device_info(vp_device_t h, vp_device_info_t *info) {
       .budget = allowed,
       .headroom = dev->budget.headroom,
       .async_copies = dev->caps.async_copies,
+      .shared_headroom = dev->budget.shared_headroom,
+      .kept_free = vp__budget_kept(dev),
   };
   return vp__unlock(dev, VP_OK);
 }
@@ -225,7 +228,14 @@ int vp_device_reclaimable(vp_device_t h, uint64_t *bytes) {
 DEVICE_SETTER(vp_device_set_headroom, int64_t,
               if (bytes < 0) return vp__err(VP_EINVAL, "%lld is negative",
                                             (long long)bytes),
-              dev->budget.headroom = bytes)
+              (dev->budget.headroom = bytes, dev->budget.headroom_given = true,
+               vp__ledger_put_headroom(dev)))
+DEVICE_SETTER(vp_device_set_shared_headroom, int64_t,
+              if (bytes < -1) return vp__err(VP_EINVAL, "%lld is below -1 "
+                                             "(-1: the headroom)",
+                                             (long long)bytes),
+              (dev->budget.shared_headroom = bytes,
+               vp__ledger_put_headroom(dev)))
 DEVICE_SETTER(vp_device_set_limit, uint64_t, (void)0,
               dev->budget.limit = bytes)
 DEVICE_SETTER(vp_device_set_lookahead, uint64_t, (void)0,

@@ -141,7 +141,13 @@ typedef struct vp__budget {
   uint64_t free_at_poll;   /* device-wide free memory at the last poll */
   uint64_t ours_at_poll;   /* our committed bytes at the last poll */
   uint64_t total;
-  int64_t headroom;
+  int64_t headroom;        /* what this handle keeps free */
+  bool headroom_given;     /* by the options or vp_device_set_headroom */
+  /* The headroom shared through the ledger: what this handle asks every
+   * vpager process on the device to keep free (-1: its headroom), and the
+   * largest that the device's other live participants ask (ledger.c). */
+  int64_t shared_headroom;
+  uint64_t peers_headroom;
   uint64_t limit;          /* cap on our own commits */
   bool over_limit;         /* the staging ring's commit: limit not applied */
 } vp__budget_t;
@@ -326,6 +332,9 @@ void vp__fence_pool_free(vp__device_t *dev);
 void vp__budget_init(vp__device_t *dev);
 int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed);
 void vp__budget_invalidate(vp__device_t *dev);
+/* Bytes kept free now: the larger of our headroom and the peers' shared
+ * one. */
+uint64_t vp__budget_kept(const vp__device_t *dev);
 uint64_t vp__now_ns(void);
 uint64_t vp__coarse_ns(void); /* CLOCK_MONOTONIC_COARSE: ms, cheap */
 /* When more device free memory would let `want` more bytes be committed
@@ -419,6 +428,14 @@ void vp__ledger_open(vp__device_t *dev);
 void vp__ledger_close(vp__device_t *dev);
 void vp__ledger_used(vp__device_t *dev, vp__vbar_t *vb);
 void vp__ledger_sync(vp__device_t *dev);
+
+/* ledger.c: the headroom shared through the ledger. _put
+ * publishes ours and reads the peers' now (after a setting changed, and
+ * at open); _refresh does the same at most every LEDGER_HEADROOM_NS (the
+ * ledger's publishing calls it). Device lock held; no-ops without a
+ * ledger. */
+void vp__ledger_put_headroom(vp__device_t *dev);
+void vp__ledger_refresh_headroom(vp__device_t *dev);
 
 /* release.c: release requests between processes. The service thread
  * answers other processes' requests. vp__release_ask takes a fault's

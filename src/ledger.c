@@ -666,6 +666,7 @@ static void part_put(vp__ledger_t *l, vp__device_t *dev) {
     l->free_published = free_now;
     vp__ledger_put_memory(l, free_now, b->total);
   }
+  vp__ledger_refresh_headroom(dev);
 }
 
 void vp__ledger_used(vp__device_t *dev, vp__vbar_t *vb) {
@@ -714,4 +715,49 @@ int vp_device_set_external_floor(vp_device_t h, uint64_t bytes) {
   if (l) atomic_store_explicit(&l->seg->part[l->part].external_floor, bytes,
                                RELAXED);
   return vp__unlock(dev, VP_OK);
+}
+
+/* --------------------------------------------------- shared headroom */
+
+/* Each participant publishes the headroom it asks every vpager process on
+ * the device to keep free (its shared headroom; by default its own
+ * headroom, the backend's default when the user gave none), and keeps
+ * free the largest any other live participant asks: one process's room
+ * for the display and other programs is not filled by another vpager
+ * process that was given less. Reading is a scan of the slots (atomic
+ * loads), at most every LEDGER_HEADROOM_NS from the publishing calls and
+ * at once when a setting changes; a slot that would raise the figure is
+ * first checked to be alive. A value over the device's size (a hostile
+ * segment) counts as the device's size. */
+static uint64_t own_shared_headroom(const vp__device_t *dev) {
+  const vp__budget_t *b = &dev->budget;
+  return (uint64_t)(b->shared_headroom >= 0 ? b->shared_headroom
+                                            : b->headroom);
+}
+
+static void headroom_exchange(vp__ledger_t *l, vp__device_t *dev) {
+  ledger_seg_t *seg = l->seg;
+  l->headroom_read = vp__coarse_ns();
+  if (l->pid != getpid()) return; /* a forked child's copy: not a member */
+  atomic_store_explicit(&seg->part[l->part].headroom,
+                        own_shared_headroom(dev), RELAXED);
+  uint64_t most = 0, total = dev->caps.total_memory;
+  for (int i = 0; i < LEDGER_PARTS; i++) {
+    ledger_part_t *p = &seg->part[i];
+    if (i == l->part || atomic_load(&p->state) != PART_LIVE) continue;
+    uint64_t h = atomic_load_explicit(&p->headroom, RELAXED);
+    if (h > total) h = total;
+    if (h > most && vp__lpart_alive(p)) most = h;
+  }
+  dev->budget.peers_headroom = most;
+}
+
+void vp__ledger_put_headroom(vp__device_t *dev) {
+  if (dev->ledger) headroom_exchange(dev->ledger, dev);
+}
+
+void vp__ledger_refresh_headroom(vp__device_t *dev) {
+  vp__ledger_t *l = dev->ledger;
+  if (l && vp__coarse_ns() - l->headroom_read >= LEDGER_HEADROOM_NS)
+    headroom_exchange(l, dev);
 }

@@ -32,7 +32,7 @@
 #include "internal.h"
 
 #define LEDGER_MAGIC 0x72656764656c7076ull /* "vpledger" */
-#define LEDGER_VERSION 2u /* 2: external_floor, lock_gen */
+#define LEDGER_VERSION 3u /* 2: external_floor, lock_gen; 3: headroom */
 #define LEDGER_PARTS 64   /* device handles per GPU */
 #define LEDGER_VBARS 128  /* published VBARs per participant */
 #define LEDGER_REQS 64    /* release requests in flight per GPU */
@@ -43,6 +43,7 @@
 #define LEDGER_LOCK_BUSY_MS 10000 /* longest wait for one others take */
 #define LEDGER_SKIP_NS 1000000000ull /* a peer that timed out is skipped */
 #define LEDGER_TIMEOUT_US 50000u     /* default wait per peer */
+#define LEDGER_HEADROOM_NS 100000000ull /* the peers' headroom: reread */
 
 typedef _Atomic uint64_t lword_t;
 
@@ -73,6 +74,7 @@ typedef struct ledger_part {
   lword_t external_floor; /* what the framework keeps at least (warmed up) */
   lword_t served, released; /* requests answered, bytes they freed */
   lword_t reclaimable;    /* the sum over its entries: a quick "anything?" */
+  lword_t headroom;       /* bytes it asks every participant to keep free */
   lword_t command[LEDGER_WORDS(64)];
   ledger_vbar_t vbar[LEDGER_VBARS];
 } ledger_part_t;
@@ -114,6 +116,7 @@ typedef struct vp__ledger {
   uint64_t timeout_ns;
   bool warned_full;   /* more VBARs than entries, said once */
   uint64_t free_published; /* device free memory we last published */
+  uint64_t headroom_read;  /* when we last read the peers' headroom (coarse) */
   uint32_t entries;   /* of our part's entries in use */
   /* release.c */
   pthread_t thread;

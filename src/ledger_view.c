@@ -54,12 +54,12 @@ static void view_part(vp__out_t *o, const ledger_part_t *p, int i, bool self,
   put_str(o, cmd);
   vp__put(o, ",\"self\":%s,\"alive\":%s,\"joined_ms_ago\":%llu,\"page_size\":%llu,"
       "\"committed\":%llu,\"external_reserved\":%llu,\"external_floor\":%llu,"
-      "\"served\":%llu,"
+      "\"headroom\":%llu,\"served\":%llu,"
       "\"released\":%llu,", self ? "true" : "false",
       vp__lpart_alive(p) ? "true" : "false",
       ULL(ms_ago(now, atomic_load(&p->joined))), LD(p->page_size),
       LD(p->committed), LD(p->external_reserved), LD(p->external_floor),
-      LD(p->served),
+      LD(p->headroom), LD(p->served),
       LD(p->released));
   view_vbars(o, p, now);
   vp__put(o, "}");

@@ -230,6 +230,31 @@ void vp__options_defaults(vp_options_t *opts) {
   vp__clear_error();
 }
 
+/* Device memory a GPU's backend keeps free when the user gives no headroom:
+ * room for the display and for other programs, which fail or stall when a
+ * pager fills the card to the brim. The evidence:
+ *   - a desktop compositor holds a few hundred MB (its framebuffers and
+ *     window textures; more with several or 4K monitors, and browsers and
+ *     video players take GPU memory too);
+ *   - ComfyUI 0.33 reserves 400 MB on Linux and 600 MB on Windows (700 MB
+ *     on cards of 16 GB and more) unless --reserve-vram says otherwise,
+ *     and its loader keeps 0.8 GB more for inference on top;
+ *   - its dynamic-VRAM peer keeps 512 MB free on Windows;
+ *   - under Windows' WDDM (WSL2's GPU too: /dev/dxg) a full card does not
+ *     fail an allocation: it spills to shared system memory, and every
+ *     program on the card, the desktop included, slows to PCIe speed.
+ * So 512 MiB at least (above ComfyUI's Linux reserve, the peer's Windows
+ * figure), 768 MiB under WDDM (above ComfyUI's 700 MB there), or a share
+ * of the card when that is larger: 2% (4% under WDDM) grows with the
+ * framework's workspaces on big cards (2.8 GB of a 141 GB H200); at most
+ * a quarter of the card, for small ones. */
+uint64_t vp__default_headroom(uint64_t total, bool wddm) {
+  uint64_t floor = wddm ? 768 * MiB : 512 * MiB;
+  uint64_t share = wddm ? total / 25 : total / 50;
+  uint64_t head = share > floor ? share : floor;
+  return head < total / 4 ? head : total / 4;
+}
+
 static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
 
 /* Checks that need no backend (granularity is checked after open). */

@@ -61,6 +61,7 @@ VP_SIM_TRANSIENT = 2
 VP_SIM_SET_CAPACITY = 3
 VP_SIM_BREAK = 4
 VP_SIM_SET_SOFT_LIMIT = 5
+VP_SIM_SET_DESKTOP = 6
 
 VP_PAGE_RESIDENT = 0x1
 VP_PAGE_PINNED = 0x2
@@ -140,6 +141,8 @@ class vp_device_info_t(Structure):
         ("budget", c_uint64),
         ("headroom", c_int64),
         ("async_copies", c_int),
+        ("shared_headroom", c_int64),
+        ("kept_free", c_uint64),
     ]
 
 
@@ -223,7 +226,7 @@ class vp_st_tensor_t(Structure):
 # Fixed sizes on LP64 (x86-64, aarch64): a changed header shows up here.
 EXPECTED_SIZES = {
     vp_options_t: 248,
-    vp_device_info_t: 64,
+    vp_device_info_t: 80,
     vp_hostbuf_info_t: 32,
     vp_source_t: 32,
     vp_st_tensor_t: 112,
@@ -262,6 +265,7 @@ PROTOTYPES = {
     "vp_device_backend": (c_char_p, [_dev]),
     "vp_device_info": (_i, [_dev, P(vp_device_info_t)]),
     "vp_device_set_headroom": (_i, [_dev, _i64]),
+    "vp_device_set_shared_headroom": (_i, [_dev, _i64]),
     "vp_device_set_limit": (_i, [_dev, _u64]),
     "vp_device_free_memory": (_i, [_dev, _u64, P(c_uint64)]),
     "vp_device_reclaimable": (_i, [_dev, P(c_uint64)]),

@@ -107,6 +107,11 @@ class Device(Handle):
     def set_headroom(self, nbytes):
         check(C.vp_device_set_headroom(self._handle(), nbytes))
 
+    def set_shared_headroom(self, nbytes):
+        """vp_device_set_shared_headroom(): what this device asks every
+        vpager process on the GPU to keep free (-1: its headroom)."""
+        check(C.vp_device_set_shared_headroom(self._handle(), nbytes))
+
     def set_limit(self, nbytes):
         """Cap what this device may commit (2**64 - 1: no cap)."""
         check(C.vp_device_set_limit(self._handle(), nbytes))
@@ -272,7 +277,7 @@ class Device(Handle):
 
     def sim_inject(self, kind, n=0):
         """vp_sim_inject(): kind is vpager.SIM_FAIL_COMMIT, SIM_TRANSIENT,
-        SIM_SET_CAPACITY, SIM_BREAK or SIM_SET_SOFT_LIMIT."""
+        SIM_SET_CAPACITY, SIM_BREAK, SIM_SET_SOFT_LIMIT or SIM_SET_DESKTOP."""
         check(C.vp_sim_inject(self._handle(), kind, n))
 
     # ---------------------------------------------------- objects it makes

@@ -18,6 +18,11 @@ stats() shows the inputs and the result:
                 prefetch windows are its weights', vp_weight_set_lookahead,
                 set by the model: no device-wide write per acquire)
 
+    pin budget = the user's (declare_pin_budget): host bytes vpager may
+                page-lock on the machine, every vpager process together
+                (the C library's pin ledger; none declared: the library's,
+                VPAGER_PIN_BUDGET or half of RAM)
+
 learned is what torch may still grab in the forward about to run: its
 peak reservation (the largest read) less what it holds now, plus the OOM
 margin (5% of the peak, at most 256 MiB, raised by each out-of-memory
@@ -97,6 +102,7 @@ class Governor:
         self.limit: int = NO_LIMIT
         self.headroom: int = self.user_headroom
         self.lookahead: int = self.base_lookahead
+        self.user_pin_budget: Optional[int] = None  # None: the library's
         self.changes: int = 0
 
     @property
@@ -175,6 +181,24 @@ class Governor:
         without windows prefetches with."""
         self.base_lookahead = int(nbytes)
         self._set_lookahead(self.base_lookahead, "device lookahead")
+
+    def declare_pin_budget(self, nbytes: int) -> None:
+        """The user's pinned-host budget: bytes vpager may page-lock on the
+        machine, every vpager process together (the last one set wins; 0
+        pins nothing more). What does not fit stays pageable: slower
+        copies, never an error."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError("pin budget: %d bytes is negative" % nbytes)
+        old, self.user_pin_budget = self.user_pin_budget, nbytes
+        if old == nbytes:
+            return
+        dev = self._dev()
+        if dev is None or getattr(dev, "closed", False):
+            return
+        dev.set_pin_budget(nbytes)
+        self._changed("pin budget", -1 if old is None else old, nbytes,
+                      "user pin budget")
 
     # --------------------------------------------------------- derived
     def margin(self) -> int:
@@ -269,11 +293,13 @@ class Governor:
                 "torch_peak": t.peak if t is not None else None,
                 "oom_margin": self.oom_margin,
                 "base_lookahead": self.base_lookahead,
+                "user_pin_budget": self.user_pin_budget,
             },
             "learned": self.learned,
             "limit": None if self.limit == NO_LIMIT else self.limit,
             "headroom": self.headroom,
             "lookahead": self.lookahead,
+            "pin_budget": self.user_pin_budget,
             "changes": self.changes,
         }
 

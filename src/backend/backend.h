@@ -39,6 +39,9 @@ typedef struct vp__inject {
 } vp__inject_t;
 /* true when this call must fail (the countdown reached zero). */
 bool vp__inject_fail(vp__inject_t *inj);
+/* options.c: the headroom a GPU keeps free when the user gives none (wddm:
+ * the card serves a Windows desktop, WSL2's included). */
+uint64_t vp__default_headroom(uint64_t total, bool wddm);
 
 typedef struct vp__caps {
   const char *name;        /* "cuda" or "sim": shown in logs and stats */

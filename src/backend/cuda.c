@@ -287,14 +287,13 @@ static int retain_context(cuda_t *c) {
                    error_name(c, r));
 }
 
-/* Room left for everyone else on the card when the user sets none: the
- * framework's activations and caching allocator, cuBLAS/cuDNN workspaces,
- * kernels' local memory and the driver's own page tables for new mappings.
- * A floor for small cards; 2% for big ones (2.8 GB of a 141 GB H200),
- * whose workloads' activation peaks and workspaces grow with them. */
+/* Room left for everyone else on the card when the user sets none (the
+ * figures: vp__default_headroom): the display, other programs, and the
+ * framework's activations, workspaces and the driver's page tables. Under
+ * WSL2 the card serves the Windows desktop through WDDM (/dev/dxg), which
+ * spills to system memory when the card is full. */
 static uint64_t default_headroom(uint64_t total) {
-  uint64_t share = total / 50;
-  return share > 256 * MiB ? share : 256 * MiB;
+  return vp__default_headroom(total, access("/dev/dxg", F_OK) == 0);
 }
 
 static void fill_props(cuda_t *c) {

@@ -1005,6 +1005,7 @@ static int sim_inject(void *ctx, int kind, uint64_t n) {
     break;
   case VP_SIM_BREAK: c->broken = true; break;
   case VP_SIM_SET_SOFT_LIMIT: c->soft_limit = n; break;
+  case VP_SIM_SET_DESKTOP: rc = n <= 2 ? VP_OK : VP_EINVAL; break;
   default: rc = VP_EINVAL;
   }
   sim_unlock(c);

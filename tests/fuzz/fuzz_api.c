@@ -1317,6 +1317,12 @@ static void s_device_setting(fz_reader_t *r, int which) {
     int64_t h = k == 255 ? -1 - (int64_t)(k & 3) : (int64_t)(k % 8) * 4096 * 64;
     rc = FZ_CALL(false, vp_device_set_headroom(g.dev, h), "%lld", (long long)h);
     expect_rc("vp_device_set_headroom", rc, h < 0 ? VP_EINVAL : VP_OK);
+    /* The shared headroom: -1 is its headroom, below is wrong. */
+    int64_t sh = k == 254 ? -2 : (k & 1) ? -1 : h;
+    rc = FZ_CALL(false, vp_device_set_shared_headroom(g.dev, sh), "%lld",
+                 (long long)sh);
+    expect_rc("vp_device_set_shared_headroom", rc,
+              sh < -1 ? VP_EINVAL : VP_OK);
     break;
   }
   default:
@@ -2266,6 +2272,8 @@ static void w_device_misc(fz_reader_t *r) {
   case 0: {
     int64_t h = (int64_t)pick_size(r);
     W(false, vp_device_set_headroom(d, h), "0x%llx, %lld", X(d.id),
+      (long long)h);
+    W(false, vp_device_set_shared_headroom(d, h), "0x%llx, %lld", X(d.id),
       (long long)h);
     break;
   }

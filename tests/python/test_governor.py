@@ -32,10 +32,10 @@ def sim(**kw):
 
 
 def test_one_writer():
-    """Only the Governor writes a device's limit, headroom and lookahead:
-    every call of the three setters in python/ and integrations/ is in
+    """Only the Governor writes a device's limit, headroom, lookahead and
+    pin budget: every call of the setters in python/ and integrations/ is in
     python/vpager/governor.py (the binding defines them)."""
-    pat = re.compile(r"\.set_(limit|headroom|lookahead)\(")
+    pat = re.compile(r"\.set_(limit|headroom|lookahead|pin_budget)\(")
     found = set()
     for top in ("python", "integrations"):
         for root, _dirs, files in os.walk(os.path.join(REPO, top)):

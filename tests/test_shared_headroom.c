@@ -1,0 +1,245 @@
+/* Room for the desktop (issue 29 point 4): a GPU keeps a default headroom
+ * when the user gives none (vp__default_headroom; on the simulated device
+ * VP_SIM_SET_DESKTOP stands for the desktop a GPU serves), and every
+ * vpager process on a device keeps free the largest headroom any live one
+ * shares through the ledger, so two processes with no budget flags leave
+ * the default free together, and one given less keeps the other's.
+ *
+ * The peer is forked before the test opens a device of its own (a device
+ * with a ledger has a thread; see test_ledger.c). */
+#include "test.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ledger.h" /* LEDGER_HEADROOM_NS; internal.h */
+
+#define CAP 16 /* pages of the shared device */
+
+static void shared_name(char *buf, size_t n, const char *what) {
+  static int counter;
+  snprintf(buf, n, "vph-%s-%d-%d", what, (int)getpid(), counter++);
+}
+
+/* A shared device of CAP pages, the headroom left to the backend. */
+static void shared_opts(test_ctx_t *ctx, vp_options_t *o, const char *name) {
+  test_options(ctx, o);
+  o->sim_capacity = CAP * o->page_size;
+  o->headroom = -1;
+  snprintf(o->sim_shared, sizeof o->sim_shared, "%s", name);
+  o->ledger_timeout_us = 2000000;
+}
+
+/* Fault (and keep pinned: no release request can take them) pages of v
+ * one by one until one misses; returns how many became resident. */
+static uint64_t fill(vp_vbar_t v, uint64_t ps, uint64_t pages) {
+  uint64_t n = 0;
+  for (; n < pages; n++) {
+    int rc = vp_fault(v, n * ps, ps, NULL, 0);
+    ASSERT_RC2(rc, VP_OK, VP_MISS);
+    if (rc == VP_MISS) break;
+  }
+  return n;
+}
+
+static void put_u64(int fd, uint64_t v) {
+  ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
+}
+
+static uint64_t get_u64(int fd) {
+  uint64_t v = 0;
+  ASSERT_EQ_INT(read(fd, &v, sizeof v), (int)sizeof v);
+  return v;
+}
+
+typedef struct peer {
+  pid_t pid;
+  int to, from;
+} peer_t;
+
+/* A process with a desktop's default headroom (desktop: VP_SIM_SET_DESKTOP)
+ * that fills up to `pages` pages and answers how many it holds; it closes
+ * its device when told (a byte), or dies holding it when killed. */
+static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t desktop,
+                         uint64_t pages) {
+  int down[2], up[2];
+  ASSERT_EQ_INT(pipe(down), 0);
+  ASSERT_EQ_INT(pipe(up), 0);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE_INT(pid, 0);
+  if (pid == 0) {
+    close(down[1]);
+    close(up[0]);
+    vp_options_t o;
+    shared_opts(ctx, &o, name);
+    vp_device_t dev = test_open(ctx, &o);
+    ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, desktop));
+    vp_vbar_t v = test_vbar(dev, pages * o.page_size);
+    put_u64(up[1], fill(v, o.page_size, pages));
+    char cmd;
+    if (read(down[0], &cmd, 1) == 1) ASSERT_OK(vp_device_close(dev));
+    _exit(0);
+  }
+  close(down[0]);
+  close(up[1]);
+  return (peer_t){pid, down[1], up[0]};
+}
+
+static void peer_quit(peer_t *p) {
+  char cmd = 'Q';
+  ASSERT_EQ_INT(write(p->to, &cmd, 1), 1);
+  int status = 0;
+  ASSERT_EQ_INT(waitpid(p->pid, &status, 0), p->pid);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  close(p->to);
+  close(p->from);
+}
+
+static void peer_kill(peer_t *p) {
+  ASSERT_EQ_INT(kill(p->pid, SIGKILL), 0);
+  ASSERT_EQ_INT(waitpid(p->pid, NULL, 0), p->pid);
+  close(p->to);
+  close(p->from);
+}
+
+/* ------------------------------------------------------------ tests */
+
+/* The figures: the larger of a floor and a share of the card, at most a
+ * quarter of it; larger under WDDM. */
+TEST(default_headroom_figures, TEST_SIM_ONLY) {
+  const uint64_t M = 1ull << 20, G = 1ull << 30;
+  ASSERT_EQ_U64(vp__default_headroom(8 * G, false), 512 * M);
+  ASSERT_EQ_U64(vp__default_headroom(24 * G, false), 512 * M);
+  ASSERT_EQ_U64(vp__default_headroom(48 * G, false), 48 * G / 50);
+  ASSERT_EQ_U64(vp__default_headroom(141 * G, false), 141 * G / 50);
+  ASSERT_EQ_U64(vp__default_headroom(8 * G, true), 768 * M);
+  ASSERT_EQ_U64(vp__default_headroom(32 * G, true), 32 * G / 25);
+  ASSERT_EQ_U64(vp__default_headroom(1 * G, false), 256 * M);
+  ASSERT_EQ_U64(vp__default_headroom(2 * G, true), 512 * M);
+  ASSERT_EQ_U64(vp__default_headroom(0, true), 0);
+  for (uint64_t t = 1 * G; t <= 200 * G; t += 3 * G) {
+    ASSERT_GE_U64(vp__default_headroom(t, true),
+                  vp__default_headroom(t, false));
+    ASSERT_LE_U64(vp__default_headroom(t, true), t / 4);
+  }
+}
+
+/* A device opened with no headroom keeps its desktop's default; a headroom
+ * the user gave stays whatever the desktop. */
+TEST(desktop_default_headroom, TEST_SIM_ONLY) {
+  vp_options_t o;
+  test_options(ctx, &o);
+  o.sim_capacity = CAP * o.page_size;
+  o.headroom = -1;
+  uint64_t ps = o.page_size, want = vp__default_headroom(CAP * ps, false);
+  vp_device_t dev = test_open(ctx, &o);
+  ASSERT_EQ_INT(test_info(dev).headroom, 0); /* the sim serves no desktop */
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, 1));
+  vp_device_info_t info = test_info(dev);
+  ASSERT_EQ_INT(info.headroom, (int64_t)want);
+  ASSERT_EQ_U64(info.kept_free, want);
+  ASSERT_EQ_INT(info.shared_headroom, -1);
+  vp_vbar_t v = test_vbar(dev, CAP * ps);
+  ASSERT_EQ_U64(fill(v, ps, CAP), (CAP * ps - want) / ps);
+  ASSERT_GE_U64(test_info(dev).free_memory, want);
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, 2));
+  ASSERT_EQ_INT(test_info(dev).headroom,
+                (int64_t)vp__default_headroom(CAP * ps, true));
+  ASSERT_RC(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, 3), VP_EINVAL);
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, 0));
+  ASSERT_EQ_INT(test_info(dev).headroom, 0);
+  ASSERT_OK(vp_device_set_headroom(dev, (int64_t)ps));
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, 1));
+  ASSERT_EQ_INT(test_info(dev).headroom, (int64_t)ps); /* the user's */
+  ASSERT_OK(vp_device_close(dev));
+
+  test_options(ctx, &o);
+  o.sim_capacity = CAP * o.page_size;
+  o.headroom = 0; /* given: the desktop's default does not replace it */
+  dev = test_open(ctx, &o);
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, 2));
+  ASSERT_EQ_INT(test_info(dev).headroom, 0);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Two processes, no budget flags: the second keeps the first's default
+ * headroom free although its own is 0, so the device ends with the default
+ * free; when the first leaves (or dies), its headroom goes with it. */
+TEST(shared_headroom_two_processes, TEST_SIM_ONLY) {
+  char name[64];
+  shared_name(name, sizeof name, "two");
+  vp_options_t o;
+  shared_opts(ctx, &o, name);
+  uint64_t ps = o.page_size, want = vp__default_headroom(CAP * ps, false);
+  ASSERT_EQ_U64(want, 4 * ps);
+  peer_t p = peer_start(ctx, name, 1, 6);
+  ASSERT_EQ_U64(get_u64(p.from), 6);
+  vp_device_t dev = test_open(ctx, &o);
+  vp_device_info_t info = test_info(dev);
+  ASSERT_EQ_INT(info.headroom, 0);
+  ASSERT_EQ_U64(info.kept_free, want); /* the peer's */
+  vp_vbar_t v = test_vbar(dev, CAP * ps);
+  ASSERT_EQ_U64(fill(v, ps, CAP), CAP - 6 - 4);
+  info = test_info(dev);
+  ASSERT_EQ_U64(info.free_memory, want);
+  size_t need = 0, len = 1 << 16;
+  char *snap = malloc(len);
+  ASSERT_NOT_NULL(snap);
+  ASSERT_OK(vp_ledger_snapshot(dev, snap, len, &need));
+  char field[64];
+  snprintf(field, sizeof field, "\"headroom\":%llu", (unsigned long long)want);
+  ASSERT_STR_CONTAINS(snap, field);
+  free(snap);
+
+  /* It leaves: a setting's change reads the ledger again at once. */
+  peer_quit(&p);
+  ASSERT_OK(vp_device_set_shared_headroom(dev, -1));
+  ASSERT_EQ_U64(test_info(dev).kept_free, 0);
+  ASSERT_EQ_U64(fill(v, ps, CAP), CAP); /* the rest of the device */
+  ASSERT_OK(vp_unpin(v, 0, CAP * ps, 0));
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* A peer that dies holding its slot: its headroom is no longer kept, read
+ * again within LEDGER_HEADROOM_NS while the survivor works. And a shared
+ * headroom set apart from the headroom is what the other side keeps. */
+TEST(shared_headroom_dead_peer, TEST_SIM_ONLY) {
+  char name[64];
+  shared_name(name, sizeof name, "dead");
+  vp_options_t o;
+  shared_opts(ctx, &o, name);
+  uint64_t ps = o.page_size, want = vp__default_headroom(CAP * ps, true);
+  peer_t p = peer_start(ctx, name, 2, 2);
+  ASSERT_EQ_U64(get_u64(p.from), 2);
+  vp_device_t dev = test_open(ctx, &o);
+  ASSERT_EQ_U64(test_info(dev).kept_free, want);
+  peer_kill(&p);
+  vp_vbar_t v = test_vbar(dev, CAP * ps);
+  ASSERT_EQ_U64(fill(v, ps, 1), 1);
+  test_sleep_ms(LEDGER_HEADROOM_NS / 1000000 + 20);
+  ASSERT_OK(vp_unpin(v, 0, ps, 0)); /* a publishing call: reads again */
+  ASSERT_EQ_U64(test_info(dev).kept_free, 0);
+  ASSERT_OK(vp_device_set_headroom(dev, (int64_t)(3 * ps)));
+  ASSERT_OK(vp_device_set_shared_headroom(dev, (int64_t)ps));
+  vp_device_info_t info = test_info(dev);
+  ASSERT_EQ_INT(info.shared_headroom, (int64_t)ps);
+  ASSERT_EQ_U64(info.kept_free, 3 * ps); /* its own is larger */
+  ASSERT_RC(vp_device_set_shared_headroom(dev, -2), VP_EINVAL);
+  ASSERT_STR_CONTAINS(vp_last_error(), "vp_device_set_shared_headroom");
+  ASSERT_OK(vp_device_close(dev));
+  ASSERT_RC(vp_device_set_shared_headroom(dev, 0), VP_EHANDLE);
+}
+
+/* Without a ledger the shared headroom changes nothing but what info()
+ * says. */
+TEST(shared_headroom_no_ledger, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  ASSERT_OK(vp_device_set_shared_headroom(dev, 1 << 20));
+  vp_device_info_t info = test_info(dev);
+  ASSERT_EQ_INT(info.shared_headroom, 1 << 20);
+  ASSERT_EQ_U64(info.kept_free, (uint64_t)info.headroom);
+  ASSERT_OK(vp_device_close(dev));
+}
