@@ -9,11 +9,21 @@ tensors), the way ComfyUI's own dynamic path rebuilds one over its VBAR
 bytes (comfy/memory_management.py interpret_gathered_like). Here each part
 becomes a plain Parameter of the op (a "part", `_vpager_q_<param>_<attr>`)
 that vpager.torch pages like any weight, and the op's forward is wrapped:
-inside it the op's parameter is the same wrapper class rebuilt over the
-parts as vpager.torch set them (views of the VBAR or of staging), so
-ComfyUI's op code dequantizes and casts exactly as it does on its own
-resident copy. Outside the forward the op keeps its own QuantizedTensor
-(what ComfyUI's LoRA patching reads).
+inside it the op's parameter is the same wrapper class over the parts
+as vpager.torch set them (views of the VBAR or of staging), so ComfyUI's
+op code dequantizes and casts exactly as it does on its own resident
+copy. Outside the forward the op keeps its own QuantizedTensor (what
+ComfyUI's LoRA patching reads).
+
+The wrapper is built once, over the part Parameters themselves: vpager's
+per-unit path points their .data at each acquire's memory, resident or
+staged, so that one wrapper always sees the current bytes and a forward
+costs a dict store, not a rebuild (building one runs the layout's Params
+dataclass and torch's wrapper constructor: tens of microseconds of host
+time, and ComfyUI's QuantizedTensor ops are host-bound). Only where the
+parts are other tensors (vpager holding the units for the whole forward
+puts its own Parameters in their place) is the wrapper rebuilt over them,
+cached by their addresses.
 
 Free of ComfyUI: a quantized weight is recognised by the flatten protocol
 and its layout's name (`_layout_cls`)."""
@@ -119,6 +129,13 @@ class Split:
             self.names.append(prefix + name)
         self.size = sum(nbytes(p) for _n, p, _a in self.parts)
         self.cache: Dict[Tuple[int, ...], torch.Tensor] = {}
+        # The wrapper over the part Parameters themselves (current()),
+        # made at the first forward, on the device the parts are acquired
+        # on; keeps_parts: whether the layout's wrapper holds the tensors
+        # it is built over (None: not known before the first build).
+        self.live: Optional[torch.Tensor] = None
+        self.live_device: Optional[torch.device] = None
+        self.keeps_parts: Optional[bool] = None
         self.installed = False
         self.saved = None               # (had a forward of its own, it)
 
@@ -150,14 +167,15 @@ class Split:
         else:
             self.module.__dict__.pop("forward", None)
         self.cache.clear()
+        self.live = self.live_device = None
 
     def _wrap(self, fwd: Callable[..., Any]) -> Callable[..., Any]:
-        module, pname, rebuild = self.module, self.pname, self.rebuild
+        module, pname, current = self.module, self.pname, self.current
 
         def forward(*args, **kwargs):
             d = module._parameters
             own = d[pname]
-            d[pname] = rebuild()
+            d[pname] = current(d)
             try:
                 return fwd(*args, **kwargs)
             finally:
@@ -166,23 +184,56 @@ class Split:
         forward._vpager_split = self
         return forward
 
-    def rebuild(self) -> torch.Tensor:
-        """The op's wrapper class over the parts as they are now (inside
-        the forward: views of what vpager acquired), cached by their
-        addresses (the resident ones repeat, so do the staging slots')."""
-        d = self.module._parameters
+    def current(self, d: Dict[str, Any]) -> torch.Tensor:
+        """The wrapper the op computes with now (d: the op's _parameters,
+        inside the forward): the live one while the parts are the Split's
+        own Parameters on the device it was made on, else rebuilt."""
+        for name, p, _a in self.parts:
+            if d[name] is not p:
+                return self.rebuild(d)
+        live = self.live
+        if live is not None:
+            if self.parts[0][1].device == self.live_device:
+                return live
+            return self.rebuild(d)
+        qt = self._build({attr: p for _n, p, attr in self.parts})
+        if self.keeps_parts:
+            self.live = qt
+            self.live_device = self.parts[0][1].device
+        return qt
+
+    def rebuild(self, d: Dict[str, Any]) -> torch.Tensor:
+        """The op's wrapper class over the parts in d now (the Parameters
+        vpager holds the units with, over the VBAR), cached by their
+        addresses when the wrapper holds the parts themselves."""
         now = [d[name] for name, _p, _a in self.parts]
         k = tuple(t.data_ptr() for t in now)
         qt = self.cache.get(k)
         if qt is None:
-            if len(self.cache) >= _CACHED:
-                self.cache.clear()
-            inner = {attr: t.detach()
-                     for (_n, _p, attr), t in zip(self.parts, now)}
+            qt = self._build({attr: t.detach() for (_n, _p, attr), t
+                              in zip(self.parts, now)})
+            if self.keeps_parts:
+                if len(self.cache) >= _CACHED:
+                    self.cache.clear()
+                self.cache[k] = qt
+        return qt
+
+    def _build(self, inner: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The op's wrapper class over `inner` ({attribute: tensor}).
+        Sets keeps_parts: False when the layout's wrapper holds a copy of
+        a part instead of it (its Params converting a tensor): such a
+        wrapper is made anew for each forward, since neither vpager's
+        .data swaps nor new bytes at the same address reach a copy."""
+        # (Not an inference tensor: it is kept for later forwards, which
+        # may run outside inference mode.)
+        with torch.inference_mode(False):
             qt = self.cls.__tensor_unflatten__(inner, self.ctx, *self.outer)
-            if self.is_param:
-                qt._is_param = True
-            self.cache[k] = qt
+        if self.keeps_parts is None:
+            got, _ctx = _inner(qt)
+            self.keeps_parts = len(got) == len(inner) and all(
+                inner.get(attr) is x for attr, x in got)
+        if self.is_param:
+            qt._is_param = True
         return qt
 
     def sources(self, qt: Optional[torch.Tensor]
