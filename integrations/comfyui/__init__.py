@@ -83,10 +83,10 @@ def install(comfy=None):
     INSTALLED[0] = cls
     r = getattr(comfy.args, "reserve_vram", None)
     log.info("vpager: ComfyUI's dynamic VRAM models page through vpager "
-             "(%s, headroom %d MB%s)",
+             "(%s, headroom %s%s)",
              "weights and activations within the device's total less "
              "--reserve-vram %.2f GB" % r if r is not None else "no budget",
-             _patcher.headroom_bytes(comfy.args) >> 20,
+             _patcher.headroom_text(comfy.args),
              ", file sources (--fast-disk)"
              if getattr(comfy.args, "fast_disk", False) else "")
     return cls

@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from vpager import env
+from vpager.governor import governor
 
 from . import engine, gguf
 from . import quantized
@@ -25,7 +26,6 @@ log = logging.getLogger("vpager.comfyui")
 SMALL = 16 * 1024           # ComfyUI force-loads modules this small
 ENV = "VPAGER_COMFYUI"      # "0"/"off"/"false"/"no": the node is off
 OPTION = "vpager"           # model_options[OPTION] = False: off for a model
-DEFAULT_HEADROOM = 256 << 20
 
 # Seams (the tests set them): open the vpager.Device serving a torch
 # device, and whether a CPU load device means the simulated device.
@@ -50,20 +50,41 @@ def note(model, why):
              type(model).__name__, why)
 
 
-def headroom_bytes(args):
-    """What vpager keeps free on the GPU beyond torch's needs: comfy_aimdo's
-    default floor (256 MiB) plus --vram-headroom."""
-    return DEFAULT_HEADROOM + int((getattr(args, "vram_headroom", 0) or 0)
-                                  * (1 << 30))
+def headroom_bytes(args, default):
+    """What vpager keeps free on the GPU beyond torch's growth: the
+    device's default headroom (`default`: vpager's, room for the display
+    and other programs) plus --vram-headroom, as ComfyUI adds it to its
+    own default; with --reserve-vram, which says itself what other
+    programs get, --vram-headroom alone."""
+    extra = int((getattr(args, "vram_headroom", 0) or 0) * (1 << 30))
+    if reserve_bytes(args) is not None:
+        return extra
+    return int(default) + extra
+
+
+def headroom_text(args):
+    """headroom_bytes() in words, before a device gives its default."""
+    extra = int((getattr(args, "vram_headroom", 0) or 0) * 1024)
+    if reserve_bytes(args) is not None:
+        return "%d MB" % extra
+    return "vpager's default" + (" + %d MB" % extra if extra else "")
+
+
+def reserve_bytes(args):
+    """--reserve-vram in bytes (None without it): what the user keeps for
+    other programs, which the device asks every vpager process on the
+    GPU to keep free instead of its default headroom."""
+    r = getattr(args, "reserve_vram", None)
+    return None if r is None else max(int(r * (1 << 30)), 0)
 
 
 def budget_bytes(args, total):
     """The GPU memory this process may use, weights and activations
     together: the device's total less --reserve-vram; None without it."""
-    r = getattr(args, "reserve_vram", None)
+    r = reserve_bytes(args)
     if r is None or total is None:
         return None
-    return max(int(total - r * (1 << 30)), 0)
+    return max(int(total - r), 0)
 
 
 def _total(target):
@@ -88,8 +109,12 @@ def vp_device(target, args):
         page = scheduled_page(target, opts)   # as offload() opens them
         if page is not None:
             opts["page_size"] = page
-        dev = vpager.torch.open_device(str(target), budget=budget,
-                                       headroom=headroom_bytes(args), **opts)
+        # The device's default headroom stays (issue 29 point 4): the
+        # flags add to it or, --reserve-vram given, replace it.
+        dev = vpager.torch.open_device(str(target), budget=budget, **opts)
+        gov = governor(dev)
+        gov.declare_flags(headroom_bytes(args, gov.user_headroom), budget,
+                          reserve_bytes(args))
     _DEVICES[target] = (dev, budget)
     return dev, budget
 

@@ -1,5 +1,5 @@
 """vpager.governor: one Governor per vpager.Device, the only code that
-writes the device's limit, headroom and lookahead.
+writes the device's limit, headroom, shared headroom and lookahead.
 
 Every layer that has a say declares its input here (a small record each)
 instead of writing the device itself; the Governor derives the three
@@ -13,6 +13,10 @@ stats() shows the inputs and the result:
                     and its margin)               (none: no cap)
     headroom  = max(the user's headroom, learned)        (vpager.torch)
               = the flags' headroom + learned    (ComfyUI's flags given)
+    shared    = the user's headroom, or the flags' reserve (--reserve-vram)
+                else their headroom: what every vpager process on the GPU
+                is asked to keep free (the ledger), learned left out (it
+                is this process's own growth)
     lookahead = the device's own (the user's lookahead=): what weights
                 without a window of their own prefetch with (a model's
                 prefetch windows are its weights', vp_weight_set_lookahead,
@@ -27,7 +31,14 @@ learned is what torch may still grab in the forward about to run: its
 peak reservation (the largest read) less what it holds now, plus the OOM
 margin (5% of the peak, at most 256 MiB, raised by each out-of-memory
 retry). Torch is never imported here: its numbers are declared
-(TorchMemory) by vpager.torch, which reads them."""
+(TorchMemory) by vpager.torch, which reads them.
+
+The user's headroom is the device's own until declared: a device opened
+without one keeps the C library's default free (on a GPU the larger of
+512 MiB and 2% of its memory, more under WDDM/WSL2: room for the display
+and other programs), and shares it, so two processes with no flags leave
+it free together; any headroom, budget flags or reserve the user gives
+overrides it."""
 
 import logging
 import weakref
@@ -59,9 +70,12 @@ class HostFlags:
     """The host application's memory flags (ComfyUI's --vram-headroom
     and --reserve-vram): headroom, bytes kept free beyond torch's growth
     (added to what is learned); shared_budget, bytes weights and torch's
-    activations share (None: no such cap)."""
+    activations share (None: no such cap); reserve, bytes the user keeps
+    for other programs (--reserve-vram; None: not given), what the
+    device shares through the ledger instead of the headroom."""
     headroom: int
     shared_budget: Optional[int] = None
+    reserve: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class Governor:
         # What is on the device: written here, or its own at first use.
         self.limit: int = NO_LIMIT
         self.headroom: int = self.user_headroom
+        self.shared_headroom: int = -1  # -1: the device shares its headroom
         self.lookahead: int = self.base_lookahead
         self.user_pin_budget: Optional[int] = None  # None: the library's
         self.changes: int = 0
@@ -116,12 +131,15 @@ class Governor:
         self._apply_limit("user budget %s" % _b(limit))
 
     def declare_flags(self, headroom: int,
-                      shared_budget: Optional[int] = None) -> None:
+                      shared_budget: Optional[int] = None,
+                      reserve: Optional[int] = None) -> None:
         """The host application's flags: headroom then adds to what is
-        learned, and a shared budget caps weights and activations."""
-        self.flags = HostFlags(int(headroom), shared_budget)
-        why = "host flags headroom %s shared budget %s" % (
-            _b(headroom), _b(shared_budget))
+        learned, a shared budget caps weights and activations, and a
+        reserve (else the headroom) is what the device shares."""
+        self.flags = HostFlags(int(headroom), shared_budget,
+                               None if reserve is None else int(reserve))
+        why = "host flags headroom %s shared budget %s reserve %s" % (
+            _b(headroom), _b(shared_budget), _b(reserve))
         self._apply_headroom(why)
         self._apply_limit(why)
 
@@ -210,6 +228,13 @@ class Governor:
             return self.flags.headroom + self.learned
         return max(self.user_headroom, self.learned)
 
+    def derived_shared_headroom(self) -> int:
+        if self.flags is not None:
+            if self.flags.reserve is not None:
+                return self.flags.reserve
+            return self.flags.headroom
+        return self.user_headroom
+
     def derived_limit(self) -> int:
         limit = self.user.limit if self.user.limit is not None else NO_LIMIT
         t = self.torch
@@ -230,6 +255,7 @@ class Governor:
         return repr(dev) if dev is not None else "(gone)"
 
     def _apply_headroom(self, why: str) -> None:
+        self._apply_shared_headroom(why)
         head = self.derived_headroom()
         if head == self.headroom:
             return
@@ -239,6 +265,17 @@ class Governor:
         dev.set_headroom(head)
         self._changed("headroom", self.headroom, head, why)
         self.headroom = head
+
+    def _apply_shared_headroom(self, why: str) -> None:
+        shared = self.derived_shared_headroom()
+        if shared == self.shared_headroom:
+            return
+        dev = self._dev()
+        if dev is None or getattr(dev, "closed", False):
+            return
+        dev.set_shared_headroom(shared)
+        self._changed("shared headroom", self.shared_headroom, shared, why)
+        self.shared_headroom = shared
 
     def _apply_limit(self, why: str) -> None:
         limit = self.derived_limit()
@@ -287,6 +324,8 @@ class Governor:
                                   if self.flags is not None else None),
                 "shared_budget": (self.flags.shared_budget
                                   if self.flags is not None else None),
+                "host_reserve": (self.flags.reserve
+                                 if self.flags is not None else None),
                 "platform_soft_limit": self.platform.soft,
                 "platform_margin": self.platform.margin,
                 "torch_reserved": t.reserved if t is not None else None,
@@ -298,6 +337,8 @@ class Governor:
             "learned": self.learned,
             "limit": None if self.limit == NO_LIMIT else self.limit,
             "headroom": self.headroom,
+            "shared_headroom": (None if self.shared_headroom < 0
+                                else self.shared_headroom),
             "lookahead": self.lookahead,
             "pin_budget": self.user_pin_budget,
             "changes": self.changes,
@@ -305,7 +346,7 @@ class Governor:
 
 
 def _b(n: Optional[int]) -> str:
-    if n is None or n == NO_LIMIT:
+    if n is None or n == NO_LIMIT or n < 0:
         return "none"
     return "%d MiB" % (n >> 20) if n >= 1 << 20 and not n % (1 << 20) \
         else "%d B" % n

@@ -1466,13 +1466,30 @@ def test_install():
 
 
 def test_flags():
+    """No flags: the device's default headroom (vpager's, room for the
+    display: `default` here); --vram-headroom adds to it, as ComfyUI adds
+    it to its own default; --reserve-vram replaces it (it says what other
+    programs get, and is what the device shares) and gives the budget."""
     a = Args()
-    assert glue.headroom_bytes(a) == glue.DEFAULT_HEADROOM
+    default = 512 << 20
+    assert glue.headroom_bytes(a, default) == default
+    assert glue.reserve_bytes(a) is None
     assert glue.budget_bytes(a, 80 << 30) is None
+    assert glue.headroom_text(a) == "vpager's default"
+    a.vram_headroom = 1
+    assert glue.headroom_bytes(a, default) == default + (1 << 30)
+    assert glue.headroom_text(a) == "vpager's default + 1024 MB"
+    a.reserve_vram = 74
+    assert glue.headroom_bytes(a, default) == 1 << 30
+    assert glue.reserve_bytes(a) == 74 << 30
+    assert glue.budget_bytes(a, 80 << 30) == 6 << 30
+    assert glue.headroom_text(a) == "1024 MB"
+    a.vram_headroom = 0
+    a.reserve_vram = 0                      # everything: no headroom at all
+    assert glue.headroom_bytes(a, default) == 0
+    assert glue.reserve_bytes(a) == 0
     a.reserve_vram = 74
     a.vram_headroom = 1
-    assert glue.headroom_bytes(a) == glue.DEFAULT_HEADROOM + (1 << 30)
-    assert glue.budget_bytes(a, 80 << 30) == 6 << 30
     a.fast_disk = True
     with env(args=a, capacity=4 << 20) as e:
         m = DiT()
@@ -1482,6 +1499,40 @@ def test_flags():
         # where the tensor is a slice of ComfyUI's mapped file).
         assert m._vpager_pager.stats()["model"]["file_weights"] == 0
         assert torch.equal(run(m), run(frozen_unpaged(m)))
+
+
+def test_flags_declared_at_open():
+    """The node opens a device with its default headroom and declares
+    ComfyUI's flags to its Governor at once: no flags, the default is
+    kept and shared (the simulated device's default is 0; a GPU's is
+    vpager's figure); --vram-headroom adds to it; --reserve-vram is what
+    the device shares, the budget the device's total less it."""
+    from vpager.governor import governor
+    saved = glue.DEVICE_FACTORY, dict(glue._DEVICES)
+    glue.DEVICE_FACTORY = None
+    try:
+        for extra, reserve in ((0, None), (0.5, None), (0.25, 1.0)):
+            glue._DEVICES.clear()
+            a = Args()
+            a.vram_headroom, a.reserve_vram = extra, reserve
+            dev, budget = glue.vp_device(CPU, a)
+            try:
+                gov = governor(dev)
+                want = int(extra * (1 << 30))
+                assert gov.flags.headroom == want
+                assert gov.flags.reserve == (
+                    None if reserve is None else int(reserve * (1 << 30)))
+                st = gov.stats()
+                assert st["shared_headroom"] == (
+                    want if reserve is None else 1 << 30)
+                assert dev.info()["shared_headroom"] == st["shared_headroom"]
+                assert budget is None        # CPU: no total to reserve from
+            finally:
+                dev.close()
+    finally:
+        glue.DEVICE_FACTORY = saved[0]
+        glue._DEVICES.clear()
+        glue._DEVICES.update(saved[1])
 
 
 class FakeDev:
@@ -1498,6 +1549,9 @@ class FakeDev:
 
     def set_headroom(self, n):
         self.calls.append(("headroom", n))
+
+    def set_shared_headroom(self, n):
+        self.calls.append(("shared", n))
 
     def set_limit(self, n):
         self.calls.append(("limit", n))
@@ -1523,7 +1577,8 @@ def test_activations_first():
     dev = FakeDev()
     gov = Governor(dev)
     gov.declare_flags(256 * M, 6144 * M)
-    assert dev.calls == []                  # nothing learned yet
+    assert dev.calls == [("shared", 256 * M)]   # nothing learned yet
+    dev.calls = []
     gov.declare_torch(600 * M, 900 * M)
     assert gov.learned == 300 * M + 45 * M
     limit = 6144 * M - 900 * M - 45 * M
@@ -1544,7 +1599,7 @@ def test_activations_first():
     gov = Governor(dev)
     gov.declare_flags(256 * M, None)
     gov.declare_torch(600 * M, 900 * M)
-    assert [c[0] for c in dev.calls] == ["headroom"]
+    assert [c[0] for c in dev.calls] == ["shared", "headroom"]
 
 
 def test_host_copy_threads():

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -32,10 +33,11 @@ def sim(**kw):
 
 
 def test_one_writer():
-    """Only the Governor writes a device's limit, headroom, lookahead and
-    pin budget: every call of the setters in python/ and integrations/ is in
+    """Only the Governor writes a device's limit, headroom, shared
+    headroom, lookahead and pin budget: every call of the setters in python/ and integrations/ is in
     python/vpager/governor.py (the binding defines them)."""
-    pat = re.compile(r"\.set_(limit|headroom|lookahead|pin_budget)\(")
+    pat = re.compile(
+        r"\.set_(limit|headroom|shared_headroom|lookahead|pin_budget)\(")
     found = set()
     for top in ("python", "integrations"):
         for root, _dirs, files in os.walk(os.path.join(REPO, top)):
@@ -198,6 +200,107 @@ def test_two_models_and_the_nodes_inputs_give_one_limit():
         assert gov.headroom == PAGE             # learned forgotten
     finally:
         dev.close()
+
+
+# ------------------------------------------------ room for the desktop
+
+def shared_pair(name):
+    """Two device handles on one shared simulated GPU of 64 pages (two
+    participants of its ledger, as two processes would be), no headroom
+    given: the first serves a Linux desktop (its default headroom: the
+    quarter of the device that caps the GPU figure, 16 pages), the second
+    none (the sim's default, 0). Free memory is polled at every check:
+    each sees the other's commits at once."""
+    a = sim(sim_shared=name, poll_interval_us=0)
+    a.sim_inject(vpager.SIM_SET_DESKTOP, 1)
+    b = sim(sim_shared=name, poll_interval_us=0)
+    return a, b
+
+
+def reread(dev):
+    """A publishing call after the ledger's reread interval (100 ms): the
+    peers' shared headroom read again."""
+    time.sleep(0.12)
+    v = dev.create_vbar(PAGE)
+    v.close()
+
+
+def fill(dev, pages):
+    """Fault (pinned) pages one by one until one misses; returns the VBAR
+    and how many became resident."""
+    v = dev.create_vbar(pages * PAGE)
+    n = 0
+    while n < pages and v.fault(n * PAGE, PAGE, gens=False)[0]:
+        n += 1
+    return v, n
+
+
+def test_default_headroom_shared_by_two_devices():
+    """With no budget flags the default headroom is kept by both: the
+    device given none keeps the other's, and the device ends with the
+    default free (issue 29: 99.8% used before)."""
+    a, b = shared_pair("vpg-two-%d" % os.getpid())
+    try:
+        ga, gb = governor(a), governor(b)
+        assert ga.user_headroom == 16 * PAGE and gb.user_headroom == 0
+        ga.declare_torch(0, 0)          # a forward: the Governor shares
+        assert ga.stats()["shared_headroom"] == 16 * PAGE
+        assert b.info()["kept_free"] == 16 * PAGE
+        va, na = fill(a, 30)
+        vb, nb = fill(b, 64)
+        assert (na, nb) == (30, 64 - 30 - 16), (na, nb)
+        assert b.info()["free_memory"] == 16 * PAGE
+        va.unpin(0, na * PAGE)
+        vb.unpin(0, nb * PAGE)
+        va.close()
+        vb.close()
+    finally:
+        b.close()
+        a.close()
+
+
+def test_user_flags_override_the_default_headroom():
+    """The user's headroom (the drop-in's init_device) and the node's
+    --vram-headroom replace or add to the default in what the device
+    shares; --reserve-vram (its reserve) replaces it; learned torch
+    growth is never shared."""
+    a, b = shared_pair("vpg-flags-%d" % os.getpid())
+    try:
+        ga = governor(a)
+        ga.declare_headroom(3 * PAGE)           # the user's
+        assert ga.stats()["shared_headroom"] == 3 * PAGE
+        reread(b)
+        assert b.info()["kept_free"] == 3 * PAGE
+        ga.declare_torch(0, 20 * PAGE)          # learned: a's own
+        assert ga.headroom > 20 * PAGE
+        assert ga.stats()["shared_headroom"] == 3 * PAGE
+        assert a.info()["shared_headroom"] == 3 * PAGE
+        reread(b)
+        assert b.info()["kept_free"] == 3 * PAGE
+        # The node, --vram-headroom: the flags' headroom is shared.
+        ga.declare_flags(16 * PAGE + 2 * PAGE, None)
+        assert ga.stats()["shared_headroom"] == 18 * PAGE
+        # The node, --reserve-vram: its reserve replaces the default.
+        ga.declare_flags(0, 40 * PAGE, reserve=PAGE)
+        st = ga.stats()
+        assert st["shared_headroom"] == PAGE
+        assert st["inputs"]["host_reserve"] == PAGE
+        assert st["headroom"] == ga.learned     # no default added
+        reread(b)
+        assert b.info()["kept_free"] == PAGE
+    finally:
+        b.close()
+        a.close()
+    # A budget alone leaves the default where it is.
+    a = sim()
+    try:
+        a.sim_inject(vpager.SIM_SET_DESKTOP, 2)
+        g = governor(a)
+        g.declare_budget(20 * PAGE)
+        g.declare_torch(0, 0)
+        assert g.headroom == 16 * PAGE and a.info()["kept_free"] == 16 * PAGE
+    finally:
+        a.close()
 
 
 if __name__ == "__main__":
