@@ -243,3 +243,41 @@ TEST(shared_headroom_no_ledger, TEST_ALL_BACKENDS) {
   ASSERT_EQ_U64(info.kept_free, (uint64_t)info.headroom);
   ASSERT_OK(vp_device_close(dev));
 }
+
+/* On a GPU: a device opened without a headroom keeps the GPU's default
+ * (WDDM's when the GPU serves a Windows desktop, WSL2's /dev/dxg), and a
+ * second handle on the same GPU given none of its own (headroom 0) keeps
+ * the first's, through the GPU's ledger. Other processes on the GPU may
+ * ask more: at least. */
+TEST(gpu_default_headroom_shared, TEST_GPU_ONLY) {
+  vp_options_t o;
+  test_options(ctx, &o);
+  o.headroom = -1;
+  vp_device_t a = test_open(ctx, &o);
+  vp_device_info_t ia = test_info(a);
+  uint64_t want =
+      vp__default_headroom(ia.total_memory, access("/dev/dxg", F_OK) == 0);
+  test_log("GPU %llu MiB: default headroom %llu MiB",
+           (unsigned long long)(ia.total_memory >> 20),
+           (unsigned long long)(want >> 20));
+  ASSERT_EQ_INT(ia.headroom, (int64_t)want);
+  ASSERT_GE_U64(ia.kept_free, want);
+  test_options(ctx, &o);
+  o.headroom = 0;
+  vp_device_t b = test_open(ctx, &o);
+  vp_device_info_t ib = test_info(b);
+  ASSERT_EQ_INT(ib.headroom, 0);
+  char why[64] = "";
+  size_t need = 0, len = 1 << 20;
+  char *snap = malloc(len);
+  ASSERT_NOT_NULL(snap);
+  ASSERT_OK(vp_ledger_snapshot(b, snap, len, &need));
+  bool joined = strstr(snap, "\"joined\":true") != NULL;
+  free(snap);
+  snprintf(why, sizeof why, "%s", joined ? "joined" : "no ledger");
+  test_log("second handle: %s, kept free %llu MiB", why,
+           (unsigned long long)(ib.kept_free >> 20));
+  if (joined) ASSERT_GE_U64(ib.kept_free, want);
+  ASSERT_OK(vp_device_close(b));
+  ASSERT_OK(vp_device_close(a));
+}
