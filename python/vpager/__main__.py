@@ -75,10 +75,11 @@ def _command(text):
 
 def _process_lines(led, p, rates):
     yield ("  pid %-7d %-32.32s committed %-8s framework %-8s (floor %s) "
-           "served %d (%s)%s" % (
+           "headroom %s served %d (%s)%s" % (
                p["pid"], _command(p["command"]), _size(p["committed"]),
                _size(p["external_reserved"]),
-               _size(p.get("external_floor", 0)), p["served"],
+               _size(p.get("external_floor", 0)),
+               _size(p.get("headroom", 0)), p["served"],
                _size(p["released"]), "" if p["alive"] else "  DEAD"))
     for v in sorted(p["vbars"], key=lambda v: v["priority"]):
         hit, miss = rates.get((led["ledger"], p["serial"], v["id"]),
