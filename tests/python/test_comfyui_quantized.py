@@ -558,6 +558,37 @@ def test_mixed_precision_plain_weights_paged():
         assert torch.equal(run(m), run(ref))
 
 
+def test_bench_quant_ops_ways():
+    """bench/bench_quant_ops.py's ways on CPU with the stand-ins: "split"
+    (the node's wrapper, built once) and "rebuild" (by the parts'
+    addresses at each forward, the node before its fix) compute what the
+    op computes on its own weight, bitwise."""
+    import runpy
+    ns = runpy.run_path(os.path.join(REPO, "bench", "bench_quant_ops.py"),
+                        run_name="bench_quant_ops")
+    a = ns["parse"](["--comfyui", "x"])
+    assert (a.pairs, a.tokens, a.budget_half) == (16, 4096, False)
+    assert a.deps == os.path.join(os.path.dirname(os.path.abspath("x")),
+                                  "pydeps")
+    want = run(qmodel())
+    for rebuild in (False, True):
+        m = qmodel()
+        splits = ns["install_splits"](m, quantized, rebuild=rebuild)
+        assert len(splits) == 12
+        calls, undo = _count_builds(QTensor)
+        try:
+            for _ in range(3):
+                assert torch.equal(run(m), want)
+        finally:
+            undo()
+        # Built once each (live, or cached by the same addresses).
+        assert len(calls) == 12, (rebuild, len(calls))
+        assert all((s.live is None) == rebuild for s in splits)
+        for s in splits:
+            s.remove()
+        assert torch.equal(run(m), want)
+
+
 def test_bench_quant_matrix():
     """bench_node.py --quant: bench/comfyui_run.py's --quant option (the
     tensors a converter quantizes, passed to every child), the checkpoint
