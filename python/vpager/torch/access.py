@@ -1,11 +1,12 @@
-"""ModelAccess: what the code that adapts a model between forwards (the
-re-placement in the order of use, replace.py; the tuner and its schedule,
-tuner.py) may ask of the model, and nothing more. The handle makes one
-(handle.py) and keeps the state behind it; the adapters never see the
-handle."""
+"""What a model's parts may ask of it, and nothing more: Lifecycle, what
+the handle (handle.py) tells the parts it is made of (build.py) about its
+state; ModelAccess, what the code that adapts the model between forwards
+(the re-placement in the order of use, replace.py; the tuner and its
+schedule, tuner.py) may do to it. The handle keeps the state behind both;
+no part sees the handle's fields."""
 
 from dataclasses import dataclass
-from typing import Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 from .units import Unit
 
@@ -29,3 +30,19 @@ class ModelAccess:
     held: Callable[[], Tuple[Unit, ...]]
     stream: Callable[[], int]
     cuda_index: int
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """owner: the handle, as the device's priority list and the managed
+    tensors' `_vpager_handle` name it; check_open() raises unless the
+    model may run; is_open(): open and its device too; unloaded(): unload()
+    ran; may_replace, swap, scheduled: as ModelAccess's."""
+
+    owner: Any
+    check_open: Callable[[], None]
+    is_open: Callable[[], bool]
+    unloaded: Callable[[], bool]
+    may_replace: Callable[[], bool]
+    swap: Callable[[List, List[int], List], None]
+    scheduled: Callable[[], None]

@@ -29,9 +29,18 @@ def _repoint(e: Any, t: torch.Tensor) -> None:
             e.tensor.data = t
 
 
-def set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
-               ) -> None:
-    """Offloaded.set_source() for the entry `e` (see there)."""
+def set_source(layout: Layout, name: str, tensor: Optional[torch.Tensor],
+               model: str) -> None:
+    """Offloaded.set_source() (see there) of the `model` (its class name)."""
+    for e in layout.entries:
+        if e.name == name:
+            return _set_source(layout, e, tensor)
+    raise KeyError("vpager.torch: %r is not a weight of this offloaded %s "
+                   "(names: layout())" % (name, model))
+
+
+def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
+                ) -> None:
     if e.cur:
         raise RuntimeError("vpager.torch: set_source(%r) while the "
                            "weight is acquired" % e.name)

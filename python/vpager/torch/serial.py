@@ -12,6 +12,7 @@ between forwards. The lock is re-entrant: a forward calls its units on
 the same thread. Different models run concurrently.
 """
 
+import functools
 import threading
 
 from .units import refuse_copy
@@ -53,3 +54,13 @@ def unlock_root(module):
 
 def new_lock():
     return threading.RLock()
+
+
+def serialized(method):
+    """A method of an object with a `hot_path` (the handle) that changes
+    the model: it waits for a forward running on another thread."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.hot_path.lock:
+            return method(self, *args, **kwargs)
+    return locked

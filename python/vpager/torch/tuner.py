@@ -165,8 +165,17 @@ class Tuner:
         self.root_hooks.set("measure", pre=self._begin, post=self._end)
 
     def describe(self):
-        """Offloaded.schedule()'s dict (see there), or None before the
-        first schedule."""
+        """Offloaded.schedule(): None before the first schedule, else
+        predicted_ms and all_resident_ms (the forward, predicted; its
+        measured compute), streamed_bytes (copied per forward),
+        resident_bytes, resident_weights, staging (the ring), link
+        (bytes/s), planned_for (the device budget it was made for),
+        replans (times made again since, for another budget), measured
+        (forwards measured: two, or more until their work settles),
+        windows (lookahead bytes per unit, placement order, or None),
+        held_units (units acquired once per inference forward:
+        HotPath.hold), rings (the ring sizes the last plan tried:
+        staging, predicted_ms, streamed_bytes)."""
         sch = self.schedule
         if sch is None:
             return None
