@@ -152,6 +152,7 @@ def main(argv=None):
     import comfy.ops
     import comfy.quant_ops      # noqa: F401  (its layouts registered)
     import vpager.torch
+    from vpager.torch import counters
     from comfyui import quantized
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -192,12 +193,16 @@ def main(argv=None):
         torch.cuda.synchronize()
         res["schedule"] = {k: v for k, v in (h.schedule() or {}).items()
                            if isinstance(v, (int, float, str))}
+        before = h.stats()
         host = collections.defaultdict(list)
         dev = collections.defaultdict(list)
         enq = collections.defaultdict(list)
         sync = collections.defaultdict(list)
-        for _r in range(a.rounds):
-            for name, m in ways.items():
+        names = list(ways)
+        for r in range(a.rounds):
+            # (each round starts with another way: no way always first)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                m = ways[name]
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(a.forwards * 4):
@@ -223,6 +228,13 @@ def main(argv=None):
                 m(xs)
                 sync[name].append((time.perf_counter() - t0) * 1e3)
                 torch.cuda.synchronize()
+        after = h.stats()
+        # What vpager did for the node during the timing (resident: no
+        # copies, no faults; --budget-half: the streamed bytes).
+        res["node_counters"] = {sec: counters.delta(after, before, sec)
+                                for sec in ("model", "device")}
+        say("node's counters during the timing: %s"
+            % json.dumps(res["node_counters"]))
         table = {}
         say("%-9s %12s %12s %12s %12s" % ("way", "host us/op", "device ms",
                                           "enqueue ms", "sync ms"))
