@@ -15,6 +15,7 @@ import ctypes
 import gc
 import json
 import os
+import re
 import struct
 import sys
 import tempfile
@@ -637,6 +638,63 @@ def test_hooks_state_dict_and_modes():
     assert sum(p.numel() for p in m.parameters()) == \
         sum(p.numel() for p in ref.parameters())
     h.unload()
+
+
+def test_root_hooks_in_declared_order():
+    """The root's hooks are RootHooks' (roothooks.py), run in its
+    declared order whatever order they were filled in: before the
+    schedule the recorder and the tuner measure, then the ledger; once
+    measured the tuner watches, after the ledger; a slot outside the
+    order is refused; unload() leaves the root as it was; no other file
+    of vpager.torch registers forward hooks or reads the handle's
+    private fields."""
+    from vpager.torch import roothooks
+    m = mlp(depth=4)
+    ref = frozen_copy(m)
+    x = torch.randn(4, 64)
+    cls = type(m)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    hooks = h.root_hooks
+    assert hooks.names() == (("record", "measure", "ledger"),
+                             ("record", "measure", "ledger"))
+    assert len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1
+    for _ in range(3):
+        assert torch.equal(m(x), ref(x))
+    assert h.order == "scheduled"
+    assert hooks.names() == (("ledger", "watch"), ("ledger",))
+    ran = []
+    hooks.set("learn", pre=lambda mod, args: ran.append("learn"))
+    hooks.set("record", pre=lambda mod, args: ran.append("record"),
+              post=lambda mod, args, out: ran.append("record after"))
+    m(x)
+    assert ran == ["learn", "record", "record after"], ran
+    hooks.clear("learn")
+    hooks.clear("record")
+    for bad in (dict(slot="nope"), dict(slot="watch", post=print)):
+        try:
+            hooks.set(**bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(bad)
+    h.unload()
+    assert type(m) is cls and "forward" not in m.__dict__
+    assert not m._forward_pre_hooks and not m._forward_hooks
+    assert torch.equal(m(x), ref(x))
+    # ... and no part reaches into the handle's private fields (they get
+    # access.ModelAccess / Lifecycle instead).
+    here = os.path.join(REPO, "python", "vpager", "torch")
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py") and name != "handle.py":
+            with open(os.path.join(here, name)) as f:
+                text = f.read()
+            assert name == "roothooks.py" or \
+                "register_forward" not in text, name
+            assert not re.search(r"\b(h|handle)\._[a-z]", text), name
+    assert roothooks.PRE_ORDER[0] == "learn"
 
 
 def test_shared_weights():

@@ -14,21 +14,39 @@
 The manual (what offload() does, placement order, safetensors files,
 devices and budget, activations first, the limits) is python/README.md.
 The public surface is __all__; the modules of the package, one concept
-each:
+each, by lifetime:
 
-    api        offload(), load_safetensors(): arguments and the Plan
-    handle     Offloaded, the handle, built from the collaborators below
-    devices    the torch device, the vpager.Device and its staging ring,
-               open_device(), activation headroom
+    api        offload(), load_safetensors(): the entry points
+    config     offload()'s arguments (OffloadConfig), checked once
+    handle     Offloaded: the model's lifecycle (open, unloaded, closed)
+  built once, at offload():
+    plan       what offload() finds in the module (no device writes)
     units      units and entries: what gets managed, checked
+    placement  offsets in the VBAR, interleaved-order groups (pure)
     sources    host copies (HostBuf) and file sources; meta placeholders
     files      a module's state_dict against a safetensors file
+    devices    the torch device, the vpager.Device and its staging ring,
+               open_device(), activation headroom
     layout     the VBAR, its weights and per-unit batches
-    placement  offsets in the VBAR, interleaved-order groups
-    replace    re-placement in execution order after the first forward
+    build      the device and layout for a plan; the parts wired (Parts)
+    install    what changes in the module, and back at unload()/close()
+  run every forward:
     hotpath    the wrapped forward: acquire/release, OOM retry, autograd
-               aliasing, buffer write-back
+               aliasing, buffer write-back, held units, acquired()
+    roothooks  the root's hooks, in one declared order (RootHooks)
+    serial     one forward of a model at a time (its lock)
     views      tensors over device and host addresses
+  adapted between forwards:
+    access     what the parts may ask of the model (ModelAccess,
+               Lifecycle): never the handle itself
+    replace    re-placement in execution order after the first forward
+    tuner      the measured forwards and the schedule applied
+    schedule   the copy schedule from measured costs (pure)
+    patches    a weight's bytes from another tensor (set_source)
+    ledger     the models in the GPU's shared ledger
+  read out:
+    counters   stats() and residency()
+    progress   the progress shown while offload() copies
 """
 
 from .api import load_safetensors, offload

@@ -20,6 +20,7 @@ from . import ledger as _ledger
 from . import patches
 from .hotpath import HotPath
 from .layout import Layout
+from .roothooks import RootHooks
 from .serial import serialized as _serial
 from .tuner import Tuner
 from .units import CLOSED, OPEN, UNLOADED, refuse_copy
@@ -30,8 +31,8 @@ class Offloaded:
     vbar, target (the torch device it computes on), order (the VBAR's
     eviction order: "interleaved", "tail", or "scheduled" once the copy
     schedule ranks its pages: tuner.py), state ("open", "unloaded",
-    "closed"); hot_path, tuner (None when not scheduled) and vbar_layout,
-    its parts, for tests and benchmarks. See python/README.md."""
+    "closed"); hot_path, tuner (None when not scheduled), vbar_layout and
+    root_hooks, its parts, for tests and benchmarks. See python/README.md."""
 
     def __init__(self, plan: Any, dev: Any = None) -> None:
         s = plan.settings
@@ -54,6 +55,7 @@ class Offloaded:
             self._scheduled))
         self.hot_path: HotPath = self._parts.hot_path
         self.tuner: Optional[Tuner] = self._parts.tuner
+        self.root_hooks: RootHooks = self._parts.hooks
         _ledger.track(self, self._ds, self._parts.hooks, budget=s.budget)
 
     # ------------------------------------------- what adapting may do

@@ -87,7 +87,7 @@ class HotPath:
         self.ds = ds
         self.target = target
         self.recorder = recorder
-        self.tuner = _NO_TUNER      # handle.py sets the Tuner, if any
+        self.tuner = _NO_TUNER      # build.assemble sets the Tuner, if any
         self.staged = {}            # (address, dtype, shape) -> view
         self.held = None            # WeightBatch of the held units' weights
         self.held_units = ()        # the units whose weights hold() takes

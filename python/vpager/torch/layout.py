@@ -32,7 +32,7 @@ class Layout:
 
     @classmethod
     def build(cls, dev, plan):
-        """The layout of a Plan (api.py) on dev. On failure what was made
+        """The layout of a Plan (plan.py) on dev. On failure what was made
         is closed and the module's tensors keep their bytes."""
         lay = cls(dev, plan.units, plan.entries, plan.settings.align)
         try:
