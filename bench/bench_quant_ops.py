@@ -26,6 +26,9 @@ Interleaved rounds (the VM's noise hits every way alike), medians:
   sync         the host's time to queue one forward behind a 100 ms GPU
                sleep: >= 100 ms means something in the forward waited
                for the device (a synchronizing copy, .item(), a sync)
+  gc2 n/ms     Python's oldest-generation collections during the way's
+               timing, and their time
+and the node's vpager counters during the timing (resident: no copies),
 then the CUDA kernels of one forward per way (torch.profiler: names and
 counts, the node's extra ones listed) and the outputs compared bitwise.
 
@@ -38,6 +41,7 @@ output differs from the resident one's.
 
 import argparse
 import collections
+import gc
 import json
 import os
 import statistics
@@ -194,6 +198,21 @@ def main(argv=None):
         res["schedule"] = {k: v for k, v in (h.schedule() or {}).items()
                            if isinstance(v, (int, float, str))}
         before = h.stats()
+        gcs = collections.defaultdict(lambda: [0, 0.0])  # way -> [n, s]
+        gc_way = [None, 0.0]
+
+        def gc_seen(phase, info):
+            # Python's collections of the oldest generation during each
+            # way's timing: a way whose objects make them more frequent
+            # or longer pays it per step.
+            if info.get("generation") != 2 or gc_way[0] is None:
+                return
+            if phase == "start":
+                gc_way[1] = time.perf_counter()
+            else:
+                gcs[gc_way[0]][0] += 1
+                gcs[gc_way[0]][1] += time.perf_counter() - gc_way[1]
+        gc.callbacks.append(gc_seen)
         host = collections.defaultdict(list)
         dev = collections.defaultdict(list)
         enq = collections.defaultdict(list)
@@ -203,6 +222,7 @@ def main(argv=None):
             # (each round starts with another way: no way always first)
             for name in names[r % len(names):] + names[:r % len(names)]:
                 m = ways[name]
+                gc_way[0] = name
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(a.forwards * 4):
@@ -228,6 +248,8 @@ def main(argv=None):
                 m(xs)
                 sync[name].append((time.perf_counter() - t0) * 1e3)
                 torch.cuda.synchronize()
+        gc_way[0] = None
+        gc.callbacks.remove(gc_seen)
         after = h.stats()
         # What vpager did for the node during the timing (resident: no
         # copies, no faults; --budget-half: the streamed bytes).
@@ -236,17 +258,21 @@ def main(argv=None):
         say("node's counters during the timing: %s"
             % json.dumps(res["node_counters"]))
         table = {}
-        say("%-9s %12s %12s %12s %12s" % ("way", "host us/op", "device ms",
-                                          "enqueue ms", "sync ms"))
+        say("%-9s %12s %12s %12s %12s %10s" % (
+            "way", "host us/op", "device ms", "enqueue ms", "sync ms",
+            "gc2 n/ms"))
         for name in ways:
             row = {"host_us_per_op": statistics.median(host[name]),
                    "device_ms": statistics.median(dev[name]),
                    "enqueue_ms": statistics.median(enq[name]),
-                   "sync_probe_ms": statistics.median(sync[name])}
+                   "sync_probe_ms": statistics.median(sync[name]),
+                   "gc2_collections": gcs[name][0],
+                   "gc2_ms": gcs[name][1] * 1e3}
             table[name] = row
-            say("%-9s %12.1f %12.2f %12.2f %12.1f" % (
+            say("%-9s %12.1f %12.2f %12.2f %12.1f %4d/%-5.1f" % (
                 name, row["host_us_per_op"], row["device_ms"],
-                row["enqueue_ms"], row["sync_probe_ms"]))
+                row["enqueue_ms"], row["sync_probe_ms"],
+                row["gc2_collections"], row["gc2_ms"]))
         ref = table["resident"]
         for name in ways:
             if name != "resident":
