@@ -219,7 +219,6 @@ class Pager:
             self.gov.declare_flags(self.gov.user_headroom, budget)
         self.entries = []
         self.closed = True              # until offload() took the model
-        self.hook = None                # the patcher's learn hook
         self.refills = 0                # weights whose source was swapped
         # (parameter, its original tensor) of the weights converted here
         t0 = time.perf_counter()

@@ -421,19 +421,13 @@ class VpagerPatcher:
                 label="comfyui:%s" % type(self.model).__name__,
                 budget=budget, root=root, dtypes=plan.dtypes)
             self.model._vpager_pager = pager
-            ref = weakref.ref(pager)
-
-            def learn(_module, _args):
-                p = ref()
-                if p is not None:
-                    p.learn()
-            # After vpager.torch's hooks on the root (its learn, the
-            # re-placement and the schedule's measurement).
-            pager.hook = root.register_forward_pre_hook(learn)
-            # No finalizer of ours: the model and its pager form a
-            # cycle (vpager.torch's handle holds the model); when ComfyUI
-            # drops the model the collector takes both, and
-            # vpager.torch.ledger's finalizer closes the VBAR.
+            # The root's forwards learn torch's headroom through
+            # vpager.torch's own hooks on it (roothooks.py: its "learn"
+            # slot on CUDA); the node adds none. No finalizer of ours:
+            # the model and its pager form a cycle (vpager.torch's handle
+            # holds the model); when ComfyUI drops the model the collector
+            # takes both, and vpager.torch.ledger's finalizer closes the
+            # VBAR.
         return pager, plan
 
     def _vp_placed(self, plan):
