@@ -6,12 +6,7 @@
  * is "off" or the simulated device is not shared: then the device counts
  * alone against its own budget, as hostmem.c did before).
  *
- * Layout (magic, version and size first, as the ledger's):
- *   header  magic, version, size, the budget, the lock (robust, shared)
- *   req[]   release requests: the ledger's request state machine
- *           (ledger.h: REQ_*, vp__lreq_answer)
- *   part[]  participants, one per device handle: pid, start time, pid
- *           namespace, serial, bytes pinned, bytes it could give back
+ * The segment's layout is in pins.h.
  *
  * Counting: a participant takes bytes only under the lock, after summing
  * every live participant's count (the dead are reaped there: a process
@@ -35,43 +30,13 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
-#include "ledger.h"
+#include "pins.h"
 
 #define ULL(x) ((unsigned long long)(x))
 #define RELAXED memory_order_relaxed
 #define GiB (1ull << 30)
-
-#define PINS_MAGIC 0x736e697072657076ull /* "vprepins" */
-#define PINS_VERSION 1u
-#define PINS_PARTS 128
-#define PINS_REQS 64
-#define PINS_PREFIX "/vpager-pins-"
 #define PINS_LOCK_NS 1000000000ll /* the lock is held for microseconds */
 #define PINS_NS_PER_GIB 60000000ull /* unpinning: ~19 ms/GiB, and a sync */
-
-typedef struct pins_part {
-  _Atomic uint32_t state; /* PART_FREE / PART_LIVE, under the lock */
-  _Atomic uint32_t wake;  /* futex: bumped to wake its service thread */
-  _Atomic int32_t pid;
-  _Atomic uint32_t uid;
-  lword_t start, pidns, serial;
-  lword_t pinned;      /* bytes it page-locked: only it writes */
-  lword_t releasable;  /* of those, what it could give back */
-  lword_t served, released;
-} pins_part_t;
-
-typedef struct pins_seg {
-  lword_t magic; /* PINS_MAGIC, stored last at creation */
-  _Atomic uint32_t version;
-  _Atomic uint32_t unlinked; /* the name was removed: open it anew */
-  lword_t size;
-  lword_t serials;
-  lword_t budget; /* the machine's budget, bytes */
-  pthread_mutex_t lock;
-  char pad[64];
-  ledger_req_t req[PINS_REQS];
-  pins_part_t part[PINS_PARTS];
-} pins_seg_t;
 
 struct vp__pins {
   pins_seg_t *seg;
@@ -545,13 +510,17 @@ uint64_t vp__pins_machine(const vp__device_t *dev) {
   return sum;
 }
 
+/* A forked child's copy of a device is not the participant: it pins
+ * nothing more and gives nothing back in the parent's name. */
+static bool ours(const vp__pins_t *pn) { return pn && pn->pid == getpid(); }
+
 bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
                    uint64_t *used) {
   vp__pins_t *pn = dev->pins;
   pins_seg_t *seg = pn->seg;
   *budget = atomic_load(&seg->budget);
   *used = 0;
-  if (seg_lock(seg) != VP_OK) {
+  if (!ours(pn) || seg_lock(seg) != VP_OK) {
     *used = UINT64_MAX; /* unknown: the lock could not be had */
     return false;
   }
@@ -569,12 +538,12 @@ bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
 }
 
 void vp__pins_put(vp__device_t *dev, uint64_t size) {
-  if (dev->pins) atomic_fetch_sub(&dev->pins->seg->part[dev->pins->part].pinned,
-                                  size);
+  if (ours(dev->pins))
+    atomic_fetch_sub(&dev->pins->seg->part[dev->pins->part].pinned, size);
 }
 
 void vp__pins_releasable(vp__device_t *dev, int64_t delta) {
-  if (dev->pins)
+  if (ours(dev->pins))
     atomic_fetch_add(&dev->pins->seg->part[dev->pins->part].releasable,
                      (uint64_t)delta);
 }
@@ -654,7 +623,7 @@ bool vp__pins_may_help(const vp__device_t *dev) {
  * (no device lock held). Returns what they gave back. */
 uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
   vp__pins_t *pn = dev->pins;
-  if (!pn || pn->pid != getpid()) return 0;
+  if (!ours(pn)) return 0;
   pins_seg_t *seg = pn->seg;
   bool asked[PINS_PARTS] = {false};
   uint64_t got = 0;

@@ -990,3 +990,56 @@ TEST(gpu_file_read_to_address, TEST_GPU_ONLY) {
   test_rm_dir(dir);
   gpu_primary_release(g, 0);
 }
+
+/* The machine's pin budget on CUDA (src/pins.c): two handles on one pin
+ * ledger of our own name; the second, short of budget, has the first give
+ * its host buffer's real registration back while a copy from it may still
+ * be queued (its streams are waited for first). The first's bytes stay and
+ * copy to the device correctly from pageable memory afterwards. */
+TEST(gpu_pins_give_back, TEST_GPU_ONLY) {
+  gpu_t *g = gpu_get();
+  (void)gpu_primary(g, 0);
+  const uint64_t size = 64 * MiB;
+  vp_options_t o;
+  test_options(ctx, &o);
+  snprintf(o.ledger, sizeof o.ledger, "vpp-gpu-%d", (int)getpid());
+  o.pin_budget = 96 * MiB;
+  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
+  uint64_t ps = test_page_size(ctx), n = size / ps * ps;
+  vp_hostbuf_t ha, hb;
+  vp_hostbuf_info_t ia, ib;
+  ASSERT_OK(vp_hostbuf_alloc(a, size, size, &ha));
+  ASSERT_OK(vp_hostbuf_info(ha, &ia));
+  ASSERT_EQ_U64(ia.pinned_bytes, size);
+  test_pattern(ia.ptr, size, 11);
+  vp_vbar_t v = test_vbar(a, n);
+  uint64_t base = test_vbar_base(v);
+  ASSERT_OK(vp_fault(v, 0, n, NULL, 0));
+  vp_stream_t s;
+  ASSERT_OK(vp_stream_create(a, &s));
+  ASSERT_OK(vp_copy_to_device(a, base, ia.ptr, n, s)); /* not waited for */
+  ASSERT_OK(vp_hostbuf_alloc(b, size, size, &hb));
+  ASSERT_OK(vp_hostbuf_info(hb, &ib));
+  ASSERT_EQ_U64(ib.pinned_bytes, size);
+  ASSERT_OK(vp_hostbuf_info(ha, &ia));
+  ASSERT_EQ_U64(ia.pinned_bytes, 0);
+  ASSERT_EQ_U64(test_dev_stats(a).machine_pinned_bytes, size);
+  unsigned char *back = malloc(n);
+  ASSERT_NOT_NULL(back);
+  ASSERT_OK(vp_copy_to_host(a, back, base, n, s));
+  ASSERT_OK(vp_stream_synchronize(a, s));
+  ASSERT_MEM_EQ(back, ia.ptr, n);
+  memset(back, 0, n);
+  ASSERT_OK(vp_copy_to_device(a, base, ia.ptr, n, s)); /* now pageable */
+  ASSERT_OK(vp_copy_to_host(a, back, base, n, s));
+  ASSERT_OK(vp_stream_synchronize(a, s));
+  ASSERT_MEM_EQ(back, ia.ptr, n);
+  free(back);
+  ASSERT_OK(vp_unpin(v, 0, n, s));
+  ASSERT_OK(vp_stream_destroy(a, s));
+  ASSERT_OK(vp_hostbuf_free(ha));
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(b));
+  ASSERT_OK(vp_device_close(a));
+  gpu_primary_release(g, 0);
+}

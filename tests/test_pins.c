@@ -54,9 +54,25 @@ static uint64_t get_u64(int fd) {
   return v;
 }
 
+/* Host buffers made and freed many times, two at once; returns the most
+ * the machine had pinned at any check. */
+static uint64_t churn(vp_device_t dev) {
+  uint64_t most = 0;
+  for (int i = 0; i < 60; i++) {
+    vp_hostbuf_t a, b;
+    ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &a));
+    ASSERT_OK(vp_hostbuf_alloc(dev, 8 * MiB, 8 * MiB, &b));
+    uint64_t now = machine_pinned(dev);
+    if (now > most) most = now;
+    ASSERT_OK(vp_hostbuf_free(b));
+    ASSERT_OK(vp_hostbuf_free(a));
+  }
+  return most;
+}
+
 /* Commands: 'A' allocate a host buffer of `size` (answers its pinned
  * bytes), 'P' its pinned bytes now, 'K' whether its bytes are intact,
- * 'M' the machine's pinned bytes, 'F' free it, 'Q' quit. */
+ * 'M' the machine's pinned bytes, 'L' churn(), 'F' free it, 'Q' quit. */
 static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
                       uint64_t size, int in, int out) {
   vp_options_t o;
@@ -84,6 +100,7 @@ static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
       free(want);
     }
     if (cmd == 'M') v = machine_pinned(dev);
+    if (cmd == 'L') v = churn(dev);
     if (cmd == 'F') ASSERT_OK(vp_hostbuf_free(hb));
     if (cmd == 'Q') break;
     put_u64(out, v);
@@ -210,6 +227,25 @@ TEST(pins_never_beyond_budget, TEST_SIM_ONLY) {
   }
   for (int i = 0; i < 12; i++) ASSERT_OK(vp_hostbuf_free(many[i]));
   peer_do(&peer, 'F');
+  peer_quit(&peer);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Both processes pin and free at once, asking each other: the machine's
+ * total never passes the budget at any check, and ends at nothing. */
+TEST(pins_budget_holds_under_churn, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "churn");
+  peer_t peer = peer_start(ctx, name, 16 * MiB, 4 * MiB);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 16 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  char cmd = 'L';
+  ASSERT_EQ_INT(write(peer.to, &cmd, 1), 1);
+  uint64_t ours = churn(dev), theirs = get_u64(peer.from);
+  ASSERT_LE_U64(ours, 16 * MiB);
+  ASSERT_LE_U64(theirs, 16 * MiB);
+  ASSERT_EQ_U64(machine_pinned(dev), 0);
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(dev));
 }

@@ -74,6 +74,7 @@ static const struct {
 
 typedef struct cfg {
   bool wild, worker, interleaved, hostbuf, tidy, second_dev;
+  bool pins_shared; /* wild: the devices join one pin ledger (pins.c) */
   int streams; /* strict: streams created before the first op */
   uint64_t gran, page;
   int shift;
@@ -112,6 +113,7 @@ static void cfg_read(fz_reader_t *r, cfg_t *c) {
   if (skip_fail_nth) c->fail_nth = 0;
   c->second_dev = b[7] & 1;
   c->streams = (b[7] >> 1) & 3;
+  c->pins_shared = c->wild && (b[7] & 8);
 }
 
 static void cfg_options(const cfg_t *c, vp_options_t *o) {
@@ -131,6 +133,10 @@ static void cfg_options(const cfg_t *c, vp_options_t *o) {
   o->poll_interval_us = c->poll_us;
   o->headroom = c->headroom;
   o->pin_budget = c->pin_budget;
+  /* A ledger of our own name: both devices count their pinned memory in
+   * one pin ledger and ask each other for it (and share a GPU ledger). */
+  if (c->pins_shared)
+    snprintf(o->ledger, sizeof o->ledger, "fz-pins-%d", (int)getpid());
 }
 
 /* ------------------------------------------------------------ patterns */
@@ -1674,6 +1680,14 @@ static void s_stats(fz_reader_t *r) {
   CHECK(st.pinned_bytes == pinned << g.cfg.shift, "op %u: stats pinned_bytes "
         "%llu, residency shows %llu pinned pages", g.op,
         (unsigned long long)st.pinned_bytes, (unsigned long long)pinned);
+  /* A device without a pin ledger is the machine's only pinner, within
+   * its budget. */
+  CHECK(st.machine_pinned_bytes == st.host_pinned_bytes &&
+        (!g.cfg.pin_budget || st.machine_pinned_bytes <= g.cfg.pin_budget),
+        "op %u: stats machine_pinned_bytes %llu, host_pinned_bytes %llu, "
+        "pin budget %llu", g.op, (unsigned long long)st.machine_pinned_bytes,
+        (unsigned long long)st.host_pinned_bytes,
+        (unsigned long long)g.cfg.pin_budget);
   uint64_t ring = (g.cfg.staging < g.cfg.page ? g.cfg.page
                    : (g.cfg.staging + g.cfg.page - 1) & ~(g.cfg.page - 1));
   uint64_t res = resident << g.cfg.shift;

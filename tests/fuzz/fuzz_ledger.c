@@ -12,9 +12,16 @@
  *          else the patches may break it (a refused segment: run alone)
  *   bit 1  a fresh robust mutex; else its bytes come from the input too
  *   bit 2  a simulated device with worker streams
+ *   bit 3  the patches build the machine's pin ledger of that name
+ *          (/dev/shm/vpager-pins-fzl-<pid>, pins.h: header, request k or
+ *          participant k) instead; the GPU ledger is left as written
  *   bits 4-5  the segment's length: exact, truncated, one page more, empty
  * A patch: a region byte (header, request k, participant k, or entry j of
  * participant k), an offset in it, a length byte and that many bytes.
+ *
+ * The device also pins host buffers against the pin ledger (its takes sum
+ * the hostile counts and ask the hostile "participants" to give back),
+ * reads the machine's total and sets the budget.
  *
  * Checks: every call keeps the error-code rule; vp_ledger_snapshot and
  * vp_ledger_read give NUL-terminated text; the device works alone or
@@ -26,7 +33,7 @@
 #include <unistd.h>
 
 #include "fuzz_common.h"
-#include "ledger.h"
+#include "pins.h"
 
 #define CHECK(cond, ...)                                                       \
   do {                                                                         \
@@ -36,8 +43,9 @@
 #define PAGE (64u << 10)
 #define SNAP (1u << 20)
 
-static char name[64], shm[128];
+static char name[64], shm[128], pshm[128];
 static ledger_seg_t *model; /* the segment as built, before writing */
+static pins_seg_t *pmodel;  /* the pin ledger as built (flags bit 3) */
 static char *snap;
 
 /* Where a patch goes: its region's start and length in the segment. */
@@ -69,6 +77,23 @@ static void region(fz_reader_t *r, size_t *start, size_t *len) {
   }
 }
 
+/* The same for the pin ledger: header, request k or participant k. */
+static void pin_region(fz_reader_t *r, size_t *start, size_t *len) {
+  uint8_t kind = fz_u8(r) % 3;
+  if (kind == 0) {
+    *start = 0;
+    *len = offsetof(pins_seg_t, req);
+  } else if (kind == 1) {
+    size_t k = fz_below(r, PINS_REQS);
+    *start = offsetof(pins_seg_t, req) + k * sizeof(ledger_req_t);
+    *len = sizeof(ledger_req_t);
+  } else {
+    size_t k = fz_below(r, PINS_PARTS);
+    *start = offsetof(pins_seg_t, part) + k * sizeof(pins_part_t);
+    *len = sizeof(pins_part_t);
+  }
+}
+
 static void init_lock(pthread_mutex_t *m) {
   pthread_mutexattr_t a;
   pthread_mutexattr_init(&a);
@@ -78,6 +103,45 @@ static void init_lock(pthread_mutex_t *m) {
   pthread_mutexattr_destroy(&a);
 }
 
+/* `total` bytes of `seg` (zero past it) as the shared-memory file `path`. */
+static void put_segment(const char *path, const void *seg, size_t seg_size,
+                        size_t total) {
+  shm_unlink(path);
+  int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+  if (fd < 0 || ftruncate(fd, (off_t)total)) abort();
+  size_t w = total < seg_size ? total : seg_size;
+  if (w && pwrite(fd, seg, w, 0) != (ssize_t)w) abort();
+  close(fd);
+}
+
+/* The pin ledger of this input (flags bit 3), written to /dev/shm. */
+static void build_pins(const uint8_t *data, size_t size, uint8_t flags) {
+  memset(pmodel, 0, sizeof *pmodel);
+  atomic_store(&pmodel->magic, PINS_MAGIC);
+  atomic_store(&pmodel->version, PINS_VERSION);
+  atomic_store(&pmodel->size, sizeof(pins_seg_t));
+  atomic_store(&pmodel->budget, 8 * PAGE);
+  if (flags & 2) init_lock(&pmodel->lock);
+  fz_reader_t r = {data, size, 0};
+  while (fz_more(&r)) {
+    size_t start, len;
+    pin_region(&r, &start, &len);
+    size_t off = fz_below(&r, len), n = fz_u8(&r);
+    if (n > len - off) n = len - off;
+    for (size_t i = 0; i < n; i++) ((uint8_t *)pmodel)[start + off + i] =
+        fz_u8(&r);
+  }
+  if (flags & 1) {
+    atomic_store(&pmodel->magic, PINS_MAGIC);
+    atomic_store(&pmodel->version, PINS_VERSION);
+    atomic_store(&pmodel->size, sizeof(pins_seg_t));
+  }
+  if (flags & 2) init_lock(&pmodel->lock);
+  static const size_t lens[4] = {sizeof(pins_seg_t), sizeof(pins_seg_t) / 2,
+                                 sizeof(pins_seg_t) + 4096, 0};
+  put_segment(pshm, pmodel, sizeof *pmodel, lens[(flags >> 4) & 3]);
+}
+
 /* The segment of this input, written to /dev/shm. */
 static void build(const uint8_t *data, size_t size, uint8_t flags) {
   memset(model, 0, sizeof *model);
@@ -85,6 +149,13 @@ static void build(const uint8_t *data, size_t size, uint8_t flags) {
   atomic_store(&model->version, LEDGER_VERSION);
   atomic_store(&model->size, sizeof(ledger_seg_t));
   if (flags & 2) init_lock(&model->lock);
+  shm_unlink(pshm);
+  if (flags & 8) { /* the patches are the pin ledger's */
+    build_pins(data, size, flags);
+    init_lock(&model->lock);
+    size = 0;
+    flags &= 0x0f;
+  }
   fz_reader_t r = {data, size, 0};
   while (fz_more(&r)) {
     size_t start, len;
@@ -103,13 +174,25 @@ static void build(const uint8_t *data, size_t size, uint8_t flags) {
   static const size_t lens[4] = {sizeof(ledger_seg_t),
                                  sizeof(ledger_seg_t) / 2,
                                  sizeof(ledger_seg_t) + 4096, 0};
-  size_t total = lens[(flags >> 4) & 3];
-  shm_unlink(shm);
-  int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL, 0600);
-  if (fd < 0 || ftruncate(fd, (off_t)total)) abort();
-  size_t w = total < sizeof *model ? total : sizeof *model;
-  if (w && pwrite(fd, model, w, 0) != (ssize_t)w) abort();
-  close(fd);
+  put_segment(shm, model, sizeof *model, lens[(flags >> 4) & 3]);
+}
+
+/* Host buffers against the pin ledger: within its budget or pageable,
+ * never an error; the machine's total read; the budget set. */
+static void pin_some(vp_device_t dev) {
+  vp_hostbuf_t hb[2];
+  bool have[2] = {false, false};
+  for (int i = 0; i < 2; i++)
+    have[i] = FZ_CALL(false, vp_hostbuf_alloc(dev, 2 * PAGE, 4 * PAGE,
+                                              &hb[i]), "") == VP_OK;
+  CHECK(have[0] && have[1], "vp_hostbuf_alloc failed against a pin ledger");
+  FZ_CALL(false, vp_hostbuf_grow(hb[0], 4 * PAGE), "");
+  vp_stats_t st = {.size = sizeof st};
+  CHECK(FZ_CALL(false, vp_device_stats(dev, &st), "") == VP_OK,
+        "vp_device_stats");
+  FZ_CALL(false, vp_device_set_pin_budget(dev, 3 * PAGE), "");
+  for (int i = 0; i < 2; i++)
+    if (have[i]) FZ_CALL(false, vp_hostbuf_free(hb[i]), "");
 }
 
 static void check_text(const char *what, int rc, size_t need) {
@@ -126,9 +209,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   fz_dump_on_death();
   snprintf(name, sizeof name, "fzl-%d", (int)getpid());
   snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  snprintf(pshm, sizeof pshm, PINS_PREFIX "%s", name);
   model = malloc(sizeof *model);
+  pmodel = malloc(sizeof *pmodel);
   snap = malloc(SNAP);
-  if (!model || !snap) abort();
+  if (!model || !pmodel || !snap) abort();
   return 0;
 }
 
@@ -174,6 +259,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   FZ_CALL(false, vp_ledger_free_memory_keep(dev, 2 * PAGE, &a, 1, &freed),
           "");
   FZ_CALL(false, vp_device_set_external_reserved(dev, 1), "");
+  pin_some(dev);
   rc = FZ_CALL(false, vp_ledger_snapshot(dev, snap, SNAP, &need), "");
   check_text("vp_ledger_snapshot", rc, need);
   char ledger[96];
@@ -182,5 +268,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   check_text("vp_ledger_read", rc, need);
   CHECK(FZ_CALL(false, vp_device_close(dev), "") == VP_OK, "close");
   shm_unlink(shm);
+  shm_unlink(pshm);
   return 0;
 }
