@@ -64,23 +64,47 @@ static uint64_t file_u64(const char *path) {
   return strtoull(buf, NULL, 10);
 }
 
-/* The memory limit of our cgroup, 0 = none: v2 memory.max of our cgroup
- * (from /proc/self/cgroup "0::<path>"), else v1 memory.limit_in_bytes
- * (which says a huge number for "none"). */
+/* The lowest limit in `file` of the cgroup at `path` under `mount` and of
+ * its ancestors (a parent's limit binds its children too); 0 = none. */
+static uint64_t cgroup_walk(const char *mount, char *path, const char *file) {
+  char full[700];
+  uint64_t low = 0;
+  for (;;) {
+    snprintf(full, sizeof full, "%s%s/%s", mount, path, file);
+    uint64_t lim = file_u64(full);
+    if (lim && (!low || lim < low)) low = lim;
+    char *slash = strrchr(path, '/');
+    if (!slash) break;
+    *slash = '\0'; /* the parent; "" is the mount itself */
+  }
+  return low;
+}
+
+/* The memory limit of our cgroup, 0 = none, from /proc/self/cgroup: v2
+ * ("0::<path>", memory.max) and v1 (a "memory" controller line,
+ * memory.limit_in_bytes, which says a huge number for "none"). */
 static uint64_t cgroup_limit(void) {
-  char buf[512] = {0}, path[600];
+  char buf[2048] = {0};
   int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
   ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
   if (fd >= 0) close(fd);
-  char *v2 = n > 0 ? strstr(buf, "0::") : NULL;
-  if (v2 && (v2 == buf || v2[-1] == '\n')) {
-    v2 += 3;
-    v2[strcspn(v2, "\n")] = '\0';
-    snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.max", v2);
-    uint64_t lim = file_u64(path);
-    if (lim) return lim;
+  uint64_t low = 0;
+  for (char *line = n > 0 ? buf : NULL, *next; line && *line; line = next) {
+    next = strchr(line, '\n');
+    if (next) *next++ = '\0';
+    char *ctl = strchr(line, ':'), *path = ctl ? strchr(ctl + 1, ':') : NULL;
+    if (!path || path[1] != '/') continue;
+    *path++ = '\0';
+    ctl++;
+    uint64_t lim = 0;
+    if (strcmp(line, "0") == 0 && !*ctl)
+      lim = cgroup_walk("/sys/fs/cgroup", path, "memory.max");
+    else if (strstr(ctl, "memory"))
+      lim = cgroup_walk("/sys/fs/cgroup/memory", path,
+                        "memory.limit_in_bytes");
+    if (lim && (!low || lim < low)) low = lim;
   }
-  return file_u64("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+  return low;
 }
 
 /* "MemTotal:" or "MemAvailable:" of /proc/meminfo in bytes, 0 unknown. */
