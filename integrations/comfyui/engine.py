@@ -82,6 +82,15 @@ def convert_host(items, target):
     return outs
 
 
+def _host_staging(nbytes):
+    """A pinned staging buffer, else (no pinned memory to be had) a pageable
+    one: its copies are slower, never an error."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def _convert_on_gpu(jobs, target):
     """convert_host's GPU pipeline over jobs [(source chunk, destination
     chunk)] (CPU tensors, contiguous)."""
@@ -113,10 +122,8 @@ def _convert_on_gpu(jobs, target):
 
         for _ in range(2):
             slots.append({
-                "pin_in": torch.empty(big_in, dtype=torch.uint8,
-                                      pin_memory=True),
-                "pin_out": torch.empty(big_out, dtype=torch.uint8,
-                                       pin_memory=True),
+                "pin_in": _host_staging(big_in),
+                "pin_out": _host_staging(big_out),
                 "gin": torch.empty(big_in, dtype=torch.uint8, device=target),
                 "gout": torch.empty(big_out, dtype=torch.uint8,
                                     device=target),

@@ -90,7 +90,11 @@ def measure_link(index):
     if link is not None:
         return link
     n = 64 << 20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    try:
+        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        # No pinned memory to be had: vpager's copies are pageable too.
+        host = torch.empty(n, dtype=torch.uint8)
     dev = torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", index))
     s = torch.cuda.Stream(device=index)
     best = float("inf")
