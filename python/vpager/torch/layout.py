@@ -7,7 +7,7 @@ weights move (re-placement) or change source (load_safetensors)."""
 from ..errors import Error
 from ..weights import WeightBatch
 from .files import load_unmanaged, match_file
-from .placement import group_room, groups, place, vbar_bytes
+from .placement import first_placement, groups
 from .sources import release_host, sources
 from .units import refuse_copy
 
@@ -51,15 +51,11 @@ class Layout:
             match, loads = match_file(plan.module, entries, self.st,
                                       "offload(weights_from=...)")
         self.groups = groups(dev, s.order, entries)
-        offsets, _ = place(entries, self.align, self.groups)
+        offsets, size = first_placement(entries, self.align, self.groups,
+                                        dev.page_size, s.scheduled)
         for e, off in zip(entries, offsets):
             e.offset = off
-        # Room for any order of the weights (re-placement keeps the VBAR).
-        size = vbar_bytes(entries, self.align)
-        room = group_room(self.groups, size)
-        if s.scheduled:     # the resident ones first, then a page boundary
-            room = max(room, 2 * dev.page_size)
-        self.vbar = dev.create_vbar(size + room)
+        self.vbar = dev.create_vbar(size)
         if s.order is not None:
             self.vbar.set_order(s.order)
         custom = None

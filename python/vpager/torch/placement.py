@@ -95,6 +95,19 @@ def group_room(grouping, vbar_size):
     return ((vbar_size // size + 1) * 4 // 3 + 1) * page
 
 
+def first_placement(entries, align, grouping, page, scheduled):
+    """(offsets, VBAR bytes) of offload()'s placement: the entries in
+    module order (grouped for the interleaved order), and a VBAR with room
+    for any order of them (re-placement keeps the VBAR), for a schedule
+    also for its page boundary after the resident ones."""
+    offsets, _ = place(entries, align, grouping)
+    size = vbar_bytes(entries, align)
+    room = group_room(grouping, size)
+    if scheduled:
+        room = max(room, 2 * page)
+    return offsets, size + room
+
+
 def place_resident_first(entries, align, page, resident):
     """Offsets for a scheduled layout (schedule.py): the resident entries
     (resident[i] True) first, in this order, each at an `align` boundary,
