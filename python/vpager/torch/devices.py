@@ -7,6 +7,7 @@ import sys
 import time
 import warnings
 import weakref
+from typing import Any, Union
 
 import torch
 
@@ -15,7 +16,7 @@ from ..device import Device
 from ..errors import BusyError, Error
 from ..governor import governor
 from ..options import default_options, parse_size
-from .config import size_argument, torch_device, warn_budget_over
+from .config import Size, size_argument, torch_device, warn_budget_over
 from .placement import round_up
 
 __all__ = ["open_device"]
@@ -410,7 +411,8 @@ def attach(dev, budget, lookahead, largest):
         gov.declare_lookahead(lookahead)
 
 
-def open_device(device=None, budget=None, lookahead=None, **options):
+def open_device(device: Any = None, budget: Size = None,
+                lookahead: Size = None, **options: Union[int, str]) -> Device:
     """A vpager.Device for torch modules, to share between offload(...,
     dev=d) calls: `device` "cuda"/"cuda:N"/N for a GPU, "cpu"/"sim" for the
     simulated device (default: CUDA when torch has it, else sim, with a

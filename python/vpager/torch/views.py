@@ -12,6 +12,7 @@ address mapped and holding these bytes.
 """
 
 import ctypes
+from typing import Sequence, Union
 
 import torch
 
@@ -46,7 +47,8 @@ class _CudaMemory:
             "strides": None, "version": 3}
 
 
-def view(ptr, dtype, shape, device):
+def view(ptr: int, dtype: torch.dtype, shape: Sequence[int],
+         device: Union[str, torch.device]) -> torch.Tensor:
     """A contiguous tensor of `dtype` and `shape` over memory at `ptr` on
     `device` (a torch.device: "cuda:N" for a GPU address, "cpu" for a host
     one, such as the simulated device's memory). Not a copy; never frees."""
