@@ -416,7 +416,7 @@ static int acquire(vp_device_t h, const vp_weight_t *w, size_t n,
   vp__ask_t ask = {0};
   int rc = ws && fl ? vp__dev_enter(h, &dev)
                     : vp__err(VP_ENOMEM, "no memory for %zu handles", n);
-  if (rc == VP_OK) {
+  for (int tries = 0; rc == VP_OK; tries++) {
     rc = vp__weights_find(dev, w, n, ws);
     /* Budget misses that our own pages could not cover are taken to
      * other processes after the call, unlocked: the next acquire finds
@@ -428,6 +428,11 @@ static int acquire(vp_device_t h, const vp_weight_t *w, size_t n,
     if (rc == VP_OK) ledger_used(dev, ws, n);
     vp__unlock(dev, rc);
     vp__release_ask(dev, &ask);
+    /* The staging ring (VP_EOOM: every miss needs it) found no room that
+     * other processes hold: they were just asked, so once more (another
+     * process that filled the device before our first miss). */
+    if (rc != VP_EOOM || !ask.pending || tries > 0) break;
+    rc = vp__dev_enter(h, &dev);
   }
   if (ws != few) free(ws);
   if (fl != flags && fl != few_flags) free(fl);

@@ -59,10 +59,12 @@ typedef struct peer {
 } peer_t;
 
 /* A process with a desktop's default headroom (desktop: VP_SIM_SET_DESKTOP)
- * that fills up to `pages` pages and answers how many it holds; it closes
- * its device when told (a byte), or dies holding it when killed. */
-static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t desktop,
-                         uint64_t pages) {
+ * that fills up to `pages` pages, pinned or not (then others' release
+ * requests may take them), and answers how many it holds; it closes its
+ * device when told (a byte), or dies holding it when killed. */
+static peer_t peer_start_pinned(test_ctx_t *ctx, const char *name,
+                                uint64_t desktop, uint64_t pages,
+                                bool pinned) {
   int down[2], up[2];
   ASSERT_EQ_INT(pipe(down), 0);
   ASSERT_EQ_INT(pipe(up), 0);
@@ -78,7 +80,9 @@ static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t desktop,
     vp_device_t dev = test_open(ctx, &o);
     ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, desktop));
     vp_vbar_t v = test_vbar(dev, pages * o.page_size);
-    put_u64(up[1], fill(v, o.page_size, pages));
+    uint64_t n = fill(v, o.page_size, pages);
+    if (!pinned && n) ASSERT_OK(vp_unpin(v, 0, n * o.page_size, 0));
+    put_u64(up[1], n);
     char cmd;
     if (read(down[0], &cmd, 1) == 1) ASSERT_OK(vp_device_close(dev));
     _exit(0);
@@ -86,6 +90,11 @@ static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t desktop,
   close(down[0]);
   close(up[1]);
   return (peer_t){pid, down[1], up[0]};
+}
+
+static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t desktop,
+                         uint64_t pages) {
+  return peer_start_pinned(ctx, name, desktop, pages, true);
 }
 
 static void peer_quit(peer_t *p) {
@@ -280,4 +289,42 @@ TEST(gpu_default_headroom_shared, TEST_GPU_ONLY) {
   if (joined) ASSERT_GE_U64(ib.kept_free, want);
   ASSERT_OK(vp_device_close(b));
   ASSERT_OK(vp_device_close(a));
+}
+
+/* A process that opens its device after another filled it (no budget
+ * flags, unpinned pages) gets room for its staging ring at its first
+ * acquire: the ring's miss asks the other process, and vp_acquire tries
+ * once more after asking (before: VP_EOOM, "no device memory for the
+ * staging ring", the first forward of the second process failed). */
+TEST(shared_ring_after_a_full_peer, TEST_SIM_ONLY) {
+  char name[64];
+  shared_name(name, sizeof name, "ring");
+  vp_options_t o;
+  shared_opts(ctx, &o, name);
+  uint64_t ps = o.page_size;
+  peer_t p = peer_start_pinned(ctx, name, 0, CAP, false);
+  ASSERT_EQ_U64(get_u64(p.from), CAP); /* the whole device */
+  o.staging_size = 2 * ps;
+  o.lookahead = 0;
+  vp_device_t dev = test_open(ctx, &o);
+  vp_vbar_t v = test_vbar(dev, 2 * ps);
+  unsigned char *host = malloc(2 * ps), *back = malloc(2 * ps);
+  ASSERT_NOT_NULL(host);
+  ASSERT_NOT_NULL(back);
+  test_pattern(host, 2 * ps, 29);
+  uint64_t off[1] = {0}, size[1] = {2 * ps};
+  vp_source_t src[1] = {{.kind = VP_SOURCE_HOST, .host = host}};
+  vp_weight_t w[1];
+  ASSERT_OK(vp_weights_create(v, 1, off, size, src, w));
+  uint64_t ptr[1];
+  uint8_t flags[1];
+  ASSERT_OK(vp_acquire(dev, w, 1, 0, ptr, flags));
+  ASSERT_OK(vp_copy_to_host(dev, back, ptr[0], 2 * ps, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(back, host, 2 * ps);
+  ASSERT_OK(vp_release(dev, w, 1, 0));
+  peer_quit(&p);
+  ASSERT_OK(vp_device_close(dev));
+  free(back);
+  free(host);
 }

@@ -303,5 +303,25 @@ def test_user_flags_override_the_default_headroom():
         a.close()
 
 
+
+def test_bench_headroom_dry_run():
+    """bench/bench_headroom.py --dry-run: two processes with no budget
+    flags on a shared simulated device serving a desktop leave its
+    default headroom free all along (issue 29's row)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        _runner.skip("needs torch")
+    import subprocess
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(REPO, "python")
+    out = subprocess.run([sys.executable,
+                          os.path.join(REPO, "bench", "bench_headroom.py"),
+                          "--dry-run", "--seconds", "0.5"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "least free / default headroom" in out.stdout
+    assert "MET" in out.stdout, out.stdout
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))
