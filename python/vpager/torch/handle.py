@@ -50,15 +50,16 @@ class Offloaded:
         self._ds = devstate(dev, owned)
         self._ds.users.add(self)
         self._parts = assemble(plan, lay, self._ds, owned, Lifecycle(
-            self, self._check_open, self._is_open,
-            lambda: self._state is UNLOADED, self._may_replace, self._swap,
-            self._scheduled))
+            owner=self, check_open=self._check_open, is_open=self._is_open,
+            unloaded=lambda: self._state is UNLOADED,
+            may_replace=self._may_replace, swap=self._swap,
+            scheduled=self._scheduled))
         self.hot_path: HotPath = self._parts.hot_path
         self.tuner: Optional[Tuner] = self._parts.tuner
         self.root_hooks: RootHooks = self._parts.hooks
         _ledger.track(self, self._ds, self._parts.hooks, budget=s.budget)
 
-    # ------------------------------------------- what adapting may do
+    # ------------------------------- what the parts may ask (Lifecycle)
     def _is_open(self) -> bool:
         return self._state is OPEN and not self.device.closed
 
