@@ -37,6 +37,8 @@
 #define GiB (1ull << 30)
 #define PINS_LOCK_NS 1000000000ll /* the lock is held for microseconds */
 #define PINS_NS_PER_GIB 60000000ull /* unpinning: ~19 ms/GiB, and a sync */
+#define PINS_STUCK_NS 5000000000ull /* a lock that timed out: pin nothing */
+#define PINS_SKIP_NS 1000000000ull  /* a peer that did not answer: skipped */
 
 struct vp__pins {
   pins_seg_t *seg;
@@ -50,6 +52,10 @@ struct vp__pins {
   pthread_t thread;
   bool thread_started;
   atomic_bool stop;
+  /* A stopped lock holder costs one timeout, then no pinning for a while;
+   * a silent peer one timeout, then it is not asked for a second. */
+  _Atomic uint64_t stuck_until;
+  _Atomic uint64_t skip_serial[PINS_PARTS], skip_until[PINS_PARTS];
 };
 
 /* ------------------------------------------------------ default budget */
@@ -217,12 +223,17 @@ static void reap(pins_seg_t *seg) {
  * another kind. A holder that died: its participant is reaped. */
 static int seg_lock(pins_seg_t *seg) {
   if (!lock_kind_ok(seg)) return VP_EDEVICE;
-  struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
-  int64_t ns = ts.tv_nsec + PINS_LOCK_NS;
-  ts.tv_sec += (time_t)(ns / 1000000000);
-  ts.tv_nsec = (long)(ns % 1000000000);
-  int r = pthread_mutex_timedlock(&seg->lock, &ts);
+  /* trylock first, as the ledger does: it is uncontended nearly always,
+   * and TSan follows a trylock's EOWNERDEAD (not a timedlock's). */
+  int r = pthread_mutex_trylock(&seg->lock);
+  if (r == EBUSY) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t ns = ts.tv_nsec + PINS_LOCK_NS;
+    ts.tv_sec += (time_t)(ns / 1000000000);
+    ts.tv_nsec = (long)(ns % 1000000000);
+    r = pthread_mutex_timedlock(&seg->lock, &ts);
+  }
   if (r == EOWNERDEAD) {
     reap(seg);
     pthread_mutex_consistent(&seg->lock);
@@ -543,9 +554,14 @@ bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
   vp__pins_t *pn = dev->pins;
   pins_seg_t *seg = pn->seg;
   *budget = atomic_load(&seg->budget);
-  *used = 0;
-  if (!ours(pn) || seg_lock(seg) != VP_OK) {
-    *used = UINT64_MAX; /* unknown: the lock could not be had */
+  *used = UINT64_MAX; /* unknown: the lock could not be had */
+  uint64_t now = vp__now_ns();
+  if (!ours(pn) || now < atomic_load(&pn->stuck_until)) return false;
+  if (seg_lock(seg) != VP_OK) {
+    atomic_store(&pn->stuck_until, now + PINS_STUCK_NS);
+    vp__log(VP_LOG_WARN, dev->caps.name, "the pin ledger %s stayed locked "
+            "(a stopped process?): nothing more is pinned for %llu s",
+            pn->shm, ULL(PINS_STUCK_NS / 1000000000u));
     return false;
   }
   reap(seg);
@@ -577,7 +593,7 @@ void vp__pins_releasable(vp__device_t *dev, int64_t delta) {
 /* Wait for the answer at most the timeout (more once taken, by what was
  * asked); then give the request up, as release.c's await does. */
 static uint64_t await(vp__pins_t *pn, ledger_req_t *r, uint32_t to,
-                      uint64_t serial, uint64_t bytes) {
+                      uint64_t serial, uint64_t bytes, bool *answered) {
   uint64_t deadline = vp__now_ns() + pn->timeout_ns;
   bool extended = false;
   for (;;) {
@@ -606,6 +622,7 @@ static uint64_t await(vp__pins_t *pn, ledger_req_t *r, uint32_t to,
   if (s != REQ_DONE) return 0;
   uint64_t freed = atomic_load(&r->freed);
   atomic_store(&r->state, REQ_FREE);
+  *answered = true;
   return freed;
 }
 
@@ -627,7 +644,17 @@ static uint64_t ask_one(vp__pins_t *pn, uint32_t to, uint64_t bytes) {
     atomic_store(&r->posted, vp__coarse_ns());
     atomic_store(&r->state, REQ_POSTED);
     wake_part(p);
-    return await(pn, r, to, serial, bytes);
+    bool answered = false;
+    uint64_t freed = await(pn, r, to, serial, bytes, &answered);
+    if (!answered && slot_live(seg, to, serial)) {
+      atomic_store(&pn->skip_serial[to], serial);
+      atomic_store(&pn->skip_until[to], vp__now_ns() + PINS_SKIP_NS);
+      vp__log(VP_LOG_WARN, pn->dev->caps.name, "pin ledger %s: participant "
+              "%u (pid %d) did not answer within %llu us; skipping it for "
+              "a second", pn->shm, to, (int)atomic_load(&p->pid),
+              ULL(pn->timeout_ns / 1000));
+    }
+    return freed;
   }
   return 0; /* every request slot is in use */
 }
@@ -662,7 +689,9 @@ uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
       pins_part_t *p = &seg->part[i];
       uint64_t has = atomic_load(&p->releasable);
       if (i == pn->part || asked[i] || atomic_load(&p->state) != PART_LIVE ||
-          has <= most || !part_alive(p))
+          has <= most || !part_alive(p) ||
+          (atomic_load(&pn->skip_serial[i]) == atomic_load(&p->serial) &&
+           vp__now_ns() < atomic_load(&pn->skip_until[i])))
         continue;
       best = i;
       most = has;

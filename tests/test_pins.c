@@ -8,9 +8,13 @@
  * start threads) and obey one-byte commands, answering with a number. */
 #include "test.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "pins.h"
 
 #define MiB (1ull << 20)
 
@@ -70,9 +74,24 @@ static uint64_t churn(vp_device_t dev) {
   return most;
 }
 
+/* The pin ledger `name` mapped as it is (the test's own view of it). */
+static pins_seg_t *seg_map(const char *name) {
+  char shm[128];
+  snprintf(shm, sizeof shm, PINS_PREFIX "%s", name);
+  int fd = shm_open(shm, O_RDWR, 0);
+  ASSERT_GE_INT(fd, 0);
+  void *p = mmap(NULL, sizeof(pins_seg_t), PROT_READ | PROT_WRITE,
+                 MAP_SHARED, fd, 0);
+  close(fd);
+  ASSERT_TRUE(p != MAP_FAILED);
+  return p;
+}
+
 /* Commands: 'A' allocate a host buffer of `size` (answers its pinned
  * bytes), 'P' its pinned bytes now, 'K' whether its bytes are intact,
- * 'M' the machine's pinned bytes, 'L' churn(), 'F' free it, 'Q' quit. */
+ * 'M' the machine's pinned bytes, 'L' churn(), 'H' take the pin ledger's
+ * lock and keep it, 'U' give it back, 'D' take it and die, 'F' free it,
+ * 'Q' quit. */
 static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
                       uint64_t size, int in, int out) {
   vp_options_t o;
@@ -80,6 +99,7 @@ static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
   vp_device_t dev = test_open(ctx, &o);
   vp_hostbuf_t hb = {0};
   vp_hostbuf_info_t info = {0};
+  pins_seg_t *held = NULL;
   put_u64(out, 0); /* ready */
   for (;;) {
     char cmd = 0;
@@ -101,6 +121,16 @@ static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
     }
     if (cmd == 'M') v = machine_pinned(dev);
     if (cmd == 'L') v = churn(dev);
+    if (cmd == 'H' || cmd == 'D') {
+      pins_seg_t *seg = seg_map(name);
+      ASSERT_EQ_INT(pthread_mutex_lock(&seg->lock), 0);
+      if (cmd == 'D') _exit(0); /* holding it */
+      held = seg;
+    }
+    if (cmd == 'U') {
+      ASSERT_EQ_INT(pthread_mutex_unlock(&held->lock), 0);
+      munmap(held, sizeof *held);
+    }
     if (cmd == 'F') ASSERT_OK(vp_hostbuf_free(hb));
     if (cmd == 'Q') break;
     put_u64(out, v);
@@ -247,6 +277,79 @@ TEST(pins_budget_holds_under_churn, TEST_SIM_ONLY) {
   ASSERT_LE_U64(theirs, 16 * MiB);
   ASSERT_EQ_U64(machine_pinned(dev), 0);
   peer_quit(&peer);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* A peer that does not answer (stopped) costs one timeout: what does not
+ * fit stays pageable, and the peer is not asked again for a while. */
+TEST(pins_silent_peer_skipped, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "silent");
+  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
+  kill(peer.pid, SIGSTOP);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 32 * MiB);
+  o.ledger_timeout_us = 20000;
+  vp_device_t dev = test_open(ctx, &o);
+  vp_hostbuf_t a, b;
+  uint64_t t0 = test_now_ms();
+  ASSERT_OK(vp_hostbuf_alloc(dev, 16 * MiB, 16 * MiB, &a));
+  uint64_t t1 = test_now_ms();
+  ASSERT_OK(vp_hostbuf_alloc(dev, 16 * MiB, 16 * MiB, &b));
+  uint64_t t2 = test_now_ms();
+  ASSERT_EQ_U64(hb_pinned(a), 0);
+  ASSERT_EQ_U64(hb_pinned(b), 0);
+  ASSERT_GE_U64(t1 - t0, 20);
+  if (!TEST_SANITIZED) ASSERT_LT_U64(t2 - t1, 20); /* skipped: no wait */
+  kill(peer.pid, SIGCONT);
+  ASSERT_EQ_U64(peer_do(&peer, 'P'), 24 * MiB);
+  ASSERT_OK(vp_hostbuf_free(a));
+  ASSERT_OK(vp_hostbuf_free(b));
+  peer_do(&peer, 'F');
+  peer_quit(&peer);
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* The pin ledger's lock held by a stopped process: one bounded wait, then
+ * nothing more is pinned for a while (pageable, never an error); a holder
+ * that dies with it: the next taker recovers it and reaps the dead. */
+TEST(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "lock");
+  peer_t peer = peer_start(ctx, name, 32 * MiB, 4 * MiB);
+  peer_t dying = peer_start(ctx, name, 32 * MiB, 4 * MiB);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 32 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  peer_do(&peer, 'H');
+  vp_hostbuf_t a, b;
+  uint64_t t0 = test_now_ms();
+  ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &a));
+  uint64_t t1 = test_now_ms();
+  ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &b));
+  uint64_t t2 = test_now_ms();
+  ASSERT_EQ_U64(hb_pinned(a), 0);
+  ASSERT_EQ_U64(hb_pinned(b), 0);
+  ASSERT_GE_U64(t1 - t0, 900);
+  ASSERT_LT_U64(t2 - t1, 500);
+  ASSERT_OK(vp_hostbuf_free(a));
+  ASSERT_OK(vp_hostbuf_free(b));
+  peer_do(&peer, 'U');
+  peer_quit(&peer);
+  ASSERT_OK(vp_device_close(dev));
+  /* The dying one takes the lock to its grave; a new device recovers. */
+  ASSERT_EQ_U64(peer_do(&dying, 'A'), 4 * MiB);
+  char d = 'D';
+  ASSERT_EQ_INT(write(dying.to, &d, 1), 1);
+  test_wait(dying.pid);
+  close(dying.to);
+  close(dying.from);
+  dev = test_open(ctx, &o);
+  ASSERT_EQ_U64(machine_pinned(dev), 0);
+  ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &a));
+  ASSERT_EQ_U64(hb_pinned(a), 4 * MiB);
+  ASSERT_OK(vp_hostbuf_free(a));
   ASSERT_OK(vp_device_close(dev));
 }
 
