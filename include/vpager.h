@@ -434,7 +434,9 @@ typedef struct vp_hostbuf_info {
   void *ptr;             /* never moves, also across vp_hostbuf_grow */
   uint64_t size;         /* usable bytes now */
   uint64_t max_size;     /* bytes it may grow to */
-  uint64_t pinned_bytes; /* how much of size is page-locked */
+  uint64_t pinned_bytes; /* how much of size is page-locked (it falls
+                            when another process asked for pinned
+                            memory back: those bytes stay, pageable) */
 } vp_hostbuf_info_t;
 
 /* Allocate `size` bytes (zeroed) with room to grow to `max_size` (address
