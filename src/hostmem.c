@@ -380,8 +380,10 @@ static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i,
  * pinned chunks of host buffers pageable until `bytes` are given back.
  * Their bytes stay where they are, so copies from them stay correct, only
  * slower. Busy buffers (a registration in flight) are skipped. Under the
- * device lock, after the device's streams finished: no copy of ours reads
- * a chunk while it is unregistered (stream.c copies under the lock). */
+ * device lock, after all work queued on the device finished (on CUDA the
+ * context's: torch's streams too, which copy from a drop-in HostBuffer):
+ * no copy of ours reads a chunk while it is unregistered (stream.c copies
+ * under the lock). */
 static uint64_t give_back(vp__device_t *dev, uint64_t bytes) {
   uint64_t freed = 0;
   bool synced = false;
@@ -392,12 +394,8 @@ static uint64_t give_back(vp__device_t *dev, uint64_t bytes) {
     for (uint32_t i = 0; i < hb->nchunks && freed < bytes; i++) {
       hb_chunk_t *c = &hb->chunks[i];
       if (!c->pinned) continue;
-      if (!synced) {
-        vp__be_stream_synchronize(dev, 0);
-        if (dev->copy_stream)
-          vp__be_stream_synchronize(dev, dev->copy_stream);
-        for (uint32_t k = 0; k < dev->nstreams; k++)
-          vp__be_stream_synchronize(dev, dev->streams[k]);
+      if (!synced) { /* every stream's copies, the framework's too */
+        vp__be_synchronize(dev);
         synced = true;
       }
       vp__be_host_unregister(dev, c->ptr);

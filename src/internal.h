@@ -290,6 +290,7 @@ int vp__be_set_access(vp__device_t *dev, uint64_t va, uint64_t size);
 int vp__be_stream_create(vp__device_t *dev, vp_stream_t *stream);
 int vp__be_stream_destroy(vp__device_t *dev, vp_stream_t stream);
 int vp__be_stream_synchronize(vp__device_t *dev, vp_stream_t stream);
+int vp__be_synchronize(vp__device_t *dev); /* all work, every stream's */
 int vp__be_stream_wait_event(vp__device_t *dev, vp_stream_t s, vp__event_t ev);
 int vp__be_event_create(vp__device_t *dev, vp__event_t *ev);
 int vp__be_event_destroy(vp__device_t *dev, vp__event_t ev);

@@ -117,6 +117,7 @@ DOOR(stream_create, (vp__device_t *dev, vp_stream_t *stream),
      (dev->ctx, stream))
 DOOR(stream_destroy, (vp__device_t *dev, vp_stream_t stream),
      (dev->ctx, stream))
+DOOR(synchronize, (vp__device_t *dev), (dev->ctx))
 DOOR(stream_synchronize, (vp__device_t *dev, vp_stream_t stream),
      (dev->ctx, stream))
 DOOR(stream_wait_event, (vp__device_t *dev, vp_stream_t s, vp__event_t ev),

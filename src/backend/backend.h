@@ -73,6 +73,9 @@ typedef struct vp__backend {
   int (*stream_create)(void *ctx, vp_stream_t *stream);
   int (*stream_destroy)(void *ctx, vp_stream_t stream);
   int (*stream_synchronize)(void *ctx, vp_stream_t stream);
+  /* Wait for all work queued on the device so far, every stream's (on
+   * CUDA the context's, so the framework's streams too). */
+  int (*synchronize)(void *ctx);
   /* The stream waits (on the device, not the host) for the event. */
   int (*stream_wait_event)(void *ctx, vp_stream_t stream, vp__event_t ev);
 

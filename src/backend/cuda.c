@@ -514,6 +514,14 @@ static int cuda_stream_synchronize(void *ctx, vp_stream_t stream) {
   return injected && rc == VP_OK ? VP_EDEVICE : rc;
 }
 
+static int cuda_synchronize(void *ctx) {
+  cuda_t *c = ctx;
+  bool injected = vp__inject_fail(c->inj);
+  int rc;
+  IN_CTX(c, rc, c->cu.ctx_synchronize());
+  return injected && rc == VP_OK ? VP_EDEVICE : rc;
+}
+
 static int cuda_stream_wait_event(void *ctx, vp_stream_t stream,
                                   vp__event_t ev) {
   cuda_t *c = ctx;
@@ -804,6 +812,7 @@ const vp__backend_t vp__backend_cuda = {
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,
+    .synchronize = cuda_synchronize,
     .stream_wait_event = cuda_stream_wait_event,
     .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,

@@ -816,6 +816,21 @@ static int sim_stream_synchronize(void *ctx, vp_stream_t stream) {
   return rc;
 }
 
+/* Every live stream's work so far; waits even when failing, as a stream
+ * synchronize does. */
+static int sim_synchronize(void *ctx) {
+  sim_ctx_t *c = ctx;
+  sim_lock(c);
+  bool fail = vp__inject_fail(c->inj);
+  for (uint32_t i = 0; i < c->streams.n; i++) {
+    sim_stream_t *s = c->streams.s[i].u.stream;
+    if (s && !s->stop) sim_wait_ticket(c, sim_ticket_now(c, i));
+  }
+  int rc = c->broken || fail ? VP_EDEVICE : VP_OK;
+  sim_unlock(c);
+  return rc;
+}
+
 /* Sync mode: every recorded event is already complete, so nothing to do.
  * Worker mode: a marker op holds the stream until the ticket is done. */
 static int sim_stream_wait_event(void *ctx, vp_stream_t stream,
@@ -1027,6 +1042,7 @@ const vp__backend_t vp__backend_sim = {
     .stream_create = sim_stream_create,
     .stream_destroy = sim_stream_destroy,
     .stream_synchronize = sim_stream_synchronize,
+    .synchronize = sim_synchronize,
     .stream_wait_event = sim_stream_wait_event,
     .event_create = sim_event_create,
     .event_destroy = sim_event_destroy,
