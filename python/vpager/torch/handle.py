@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ..device import Device
 from .access import Lifecycle
 from .build import assemble, build_layout
 from .devices import devstate
@@ -20,6 +21,7 @@ from . import ledger as _ledger
 from . import patches
 from .hotpath import HotPath
 from .layout import Layout
+from .plan import Plan
 from .roothooks import RootHooks
 from .serial import serialized as _serial
 from .tuner import Tuner
@@ -34,7 +36,7 @@ class Offloaded:
     "closed"); hot_path, tuner (None when not scheduled), vbar_layout and
     root_hooks, its parts, for tests and benchmarks. See python/README.md."""
 
-    def __init__(self, plan: Any, dev: Any = None) -> None:
+    def __init__(self, plan: Plan, dev: Optional[Device] = None) -> None:
         s = plan.settings
         lay, dev, owned = build_layout(plan, dev)
         self.module: torch.nn.Module = plan.module
@@ -149,15 +151,10 @@ class Offloaded:
     @_serial
     def set_source(self, name: str, tensor: Optional[torch.Tensor] = None
                    ) -> None:
-        """Weight `name` (its qualified name, as layout() gives it) takes
-        its bytes from `tensor` from now on: a tensor of its dtype and
-        shape (any device), copied once into a pinned host buffer of its
-        own. tensor None: its own bytes again (host copy or file). Only
-        that weight is filled anew, at its next acquire; the others keep
-        their pages. What the module's tensor holds outside the forward
-        (its placeholder, or with outside="host" its own bytes) does not
-        change. For weights a loader patches (ComfyUI's LoRA). Not inside
-        the weight's forward (RuntimeError)."""
+        """Weight `name` (as layout() names it) takes its bytes from
+        `tensor` (its dtype and shape, any device) from now on; None: its
+        own bytes again. Only it refills, at its next acquire. For weights
+        a loader patches (ComfyUI's LoRA): patches.set_source."""
         self._check_open()
         patches.set_source(self.vbar_layout, name, tensor,
                            type(self.module).__name__)

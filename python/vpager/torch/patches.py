@@ -31,7 +31,15 @@ def _repoint(e: Any, t: torch.Tensor) -> None:
 
 def set_source(layout: Layout, name: str, tensor: Optional[torch.Tensor],
                model: str) -> None:
-    """Offloaded.set_source() (see there) of the `model` (its class name)."""
+    """Offloaded.set_source() on the model (`model`: its class name, for
+    errors): weight `name` (its qualified name, as layout() gives it)
+    takes its bytes from `tensor` from now on: a tensor of its dtype and
+    shape (any device), copied once into a pinned host buffer of its own.
+    tensor None: its own bytes again (host copy or file). Only that weight
+    is filled anew, at its next acquire; the others keep their pages. What
+    the module's tensor holds outside the forward (its placeholder, or
+    with outside="host" its own bytes) does not change. Not inside the
+    weight's forward (RuntimeError)."""
     for e in layout.entries:
         if e.name == name:
             return _set_source(layout, e, tensor)
