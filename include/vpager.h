@@ -423,8 +423,9 @@ VP_API int vp_vbar_residency(vp_vbar_t vbar, uint8_t *flags, size_t n);
  * process's pinned bytes are counted there; a process that dies is reaped
  * with its count. A process short of budget asks the others to give pinned
  * memory back: they make the pinned parts of their host buffers pageable
- * (the bytes stay; copies from them stay correct, only slower), waiting
- * for their device's streams first. When pinning fails or the budget is
+ * (the bytes stay; copies from them stay correct, only slower), after all
+ * work queued on their device finished (on CUDA: the context's, every
+ * stream's). When pinning fails or the budget is
  * still spent the memory stays pageable — correct, slower, and counted in
  * stats (pin_fallback_bytes) — never an error. stats.machine_pinned_bytes
  * is the machine's total. */
