@@ -471,6 +471,10 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
     rc = join(pn, budget, why, sizeof why);
   }
   if (rc == VP_OK) {
+    /* An explicit budget is the machine's from now on (the last one set
+     * wins); the default keeps what the segment holds. */
+    if (dev->opts.pin_budget) atomic_store(&pn->seg->budget, budget);
+    dev->pins = pn; /* before the thread: it reads it under the lock */
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
@@ -478,6 +482,7 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pn->thread_started = e == 0;
     if (e) {
+      dev->pins = NULL;
       leave(pn);
       munmap(pn->seg, sizeof(pins_seg_t));
       snprintf(why, sizeof why, "its service thread could not start");
@@ -491,10 +496,6 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
     free(pn);
     return;
   }
-  /* An explicit budget is the machine's from now on (the last one set
-   * wins); the default keeps what the segment holds. */
-  if (dev->opts.pin_budget) atomic_store(&pn->seg->budget, budget);
-  dev->pins = pn;
   vp__log(VP_LOG_INFO, dev->caps.name, "joined pin ledger %s as "
           "participant %d: the machine's pin budget is %s (%s available "
           "now)", pn->shm, pn->part,
