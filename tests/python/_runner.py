@@ -19,6 +19,10 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 _PLAIN = []     # non-empty while main() runs the tests
+# Schedules planned on the forward's thread, at the measured forward's
+# end, so a test knows which forward they land at (vpager.torch.tuner;
+# test_plan_thread.py turns the planner's thread on).
+os.environ.setdefault("VPAGER_PLAN_THREAD", "0")
 
 
 def add_paths(*folders):

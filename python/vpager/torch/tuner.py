@@ -25,6 +25,7 @@ schedule is made again from the measured costs for the room there is
 its windows, not missed one by one."""
 
 import sys
+import threading
 import time
 import warnings
 
@@ -81,6 +82,15 @@ HOLD_SHARE = 0.02
 WATCH_EVERY = 1.0
 SHRINK, GROW = 0.97, 1.15
 _LINKS = {}                 # CUDA device index -> measured bytes/s
+# Plans are computed on a worker thread (_Planner): a measured forward's
+# end hands over its marks and returns at once; the plan is applied at
+# the start of the first forward after it is ready (before any unit).
+# SDXL's 794 units cost ~1 s of host time a plan; on the simulated
+# device an 800-unit stack took 232 ms to plan against a 45 ms forward
+# (bench/first_prompt_sim.py). VPAGER_PLAN_THREAD=0: planned at the
+# forward's end, on its thread, as before (the tests' default: their
+# schedules land at a known forward).
+PLAN_THREAD = "VPAGER_PLAN_THREAD"
 
 
 def measure_link(index):
@@ -124,6 +134,48 @@ def enabled(settings, dev_given):
     return settings.order_asked is False
 
 
+class _Planner:
+    """One worker thread that runs plan jobs off the forward's thread.
+    submit(job) while none is pending; take() the finished job's
+    (result, error) once, else None; wait() until no job runs (tests).
+    The thread ends when it has no job; the next submit starts one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._done = None           # (result, error) of the last job
+        self.pending = False        # a job submitted, its answer not taken
+
+    def submit(self, job):
+        with self._lock:
+            if self.pending:
+                raise RuntimeError("vpager.torch: a plan is being made")
+            self.pending = True
+            self._idle.clear()
+        threading.Thread(target=self._run, args=(job,), daemon=True,
+                         name="vpager-plan").start()
+
+    def _run(self, job):
+        try:
+            out = (job(), None)
+        except BaseException as e:  # noqa: BLE001 (handed to the forward)
+            out = (None, e)
+        with self._lock:
+            self._done = out
+        self._idle.set()
+
+    def take(self):
+        with self._lock:
+            out, self._done = self._done, None
+            if out is not None:
+                self.pending = False
+            return out
+
+    def wait(self, timeout=None):
+        return self._idle.wait(timeout)
+
+
 class _NoRoom(Exception):
     """The VBAR has no room for a schedule's placement: keep the layout."""
 
@@ -163,6 +215,8 @@ class Tuner:
         self.replans = 0            # schedules made again for the room
         self.watch_at = 0.0
         self.watching = False       # the room watched, once done
+        # Plans made off the forward's thread (PLAN_THREAD), else None.
+        self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
 
     def install(self):
         """Measure from the next root forward on."""
@@ -278,7 +332,14 @@ class Tuner:
 
     # ------------------------------------------------------------ hooks
     def _begin(self, module, args):
-        if self.done or self.model.busy():
+        if self.model.busy():
+            return
+        if self.planner is not None and self.planner.pending:
+            # A plan being made: this forward runs unmeasured; one that
+            # takes the plan too (its placement fills as it runs).
+            self._take()
+            return
+        if self.done:
             return
         self.calls = []
         self.start = self._mark()
@@ -293,6 +354,17 @@ class Tuner:
                 not self.model.may_replace():
             return                  # the next forward measures
         end = self._mark()
+        if self.planner is not None:
+            self._submit(calls, self.start, end)
+            return
+        work = self._work(calls, self.start, end)
+        work, settled = self._merge(work)
+        if self._measured(work, settled, self._free_to_wait()):
+            self._apply_safely(work)
+
+    def _work(self, calls, start, end):
+        """unit -> seconds of work, from one forward's marks (CUDA: waits
+        for its end event: on the planner's thread, off the forward's)."""
         if self.cuda:
             end.synchronize()
         work = {}
@@ -304,26 +376,44 @@ class Tuner:
                 cur = u
             work[cur] += self._seconds(e, nxt)
         # What runs before the first unit follows the last one (cyclic).
-        work[cur] += self._seconds(self.start, calls[0][1])
+        work[cur] += self._seconds(start, calls[0][1])
+        return work
+
+    def _merge(self, raw, least=None):
+        """(work, settled): the least of raw and the forwards measured
+        before (`least`: self.work), and whether it dropped by less than
+        SETTLED (or SETTLED_ABS). raw is kept as measured in works."""
+        least = self.work if least is None else least
+        if not least:
+            return raw, False
+        before = sum(least.values())
+        work = {u: min(t, least.get(u, t)) for u, t in raw.items()}
+        drop = before - sum(work.values())
+        return work, drop < SETTLED * before or drop < SETTLED_ABS
+
+    def _free_to_wait(self):
+        """Whether a forward measured before settling may skip its plan:
+        yes unless a schedule placed may not fit the budget now (torch's
+        activations learned, as under ComfyUI)."""
+        return self.schedule is None or not self._room_moved()
+
+    def _measured(self, work, settled, free_to_wait, raw=None):
+        """Count a measured forward (its least work `work`); True if a
+        plan is to be applied for it. Measuring ends after ROUNDS forwards
+        once settled, or ROUNDS_MAX."""
         self.rounds += 1
-        self.works.append(work)
-        settled = False
-        if self.work is not None:   # the least of the forwards measured
-            before = sum(self.work.values())
-            work = {u: min(t, self.work.get(u, t)) for u, t in work.items()}
-            drop = before - sum(work.values())
-            settled = drop < SETTLED * before or drop < SETTLED_ABS
+        self.works.append(work if raw is None else raw)
         self.work = work
         if self.rounds >= ROUNDS_MAX or (self.rounds >= ROUNDS and settled):
             self._done()
-        elif self.rounds > 1 and (self.schedule is None
-                                  or not self._room_moved()):
-            # Measure on; plan once the work settles, or now if the budget
-            # moved (torch's activations learned, as under ComfyUI): the
-            # resident set placed may not fit it.
-            return
+            return True
+        # Measure on; plan once the work settles, or now if the budget
+        # moved: the resident set placed may not fit it.
+        return not (self.rounds > 1 and free_to_wait)
+
+    def _apply_safely(self, work, planned=None):
         try:
-            self.apply(work)
+            self.apply(work, planned=planned)
         except Exception as e:      # noqa: BLE001 (the forward is done)
             # The forward's output is right whatever happens here, and
             # every later one's: Layout.swap is all or nothing, and a
@@ -335,6 +425,58 @@ class Tuner:
                           "applied (%s: %s); the model runs on with the "
                           "placement it has" % (type(e).__name__, e),
                           RuntimeWarning)
+
+    # ------------------------------------------------------------ planner
+    def _submit(self, calls, start, end):
+        """Hand a measured forward to the planner: what the job reads is
+        taken here (the budget, the rings, the sizes; the link measured
+        once, on this thread, its copies beside no forward's); the job
+        itself reads only the marks and pure arithmetic (schedule.py),
+        never the model (threads share it under its lock)."""
+        lay = self.layout
+        dev = lay.device
+        if self.link is None:
+            self.link = (measure_link(self.model.cuda_index) if self.cuda
+                         else SIM_LINK)
+        units, _, sizes, _ = self._costs({})
+        need = max(staging_need(u.entries) for u in lay.units)
+        total = dev.info()["budget"]
+        rings = self._rings(dev, need)
+        page, link, align = dev.page_size, self.link, lay.align
+        least, rounds = self.work, self.rounds + 1
+        free_to_wait = self._free_to_wait()
+
+        def job():
+            raw = self._work(calls, start, end)
+            work, settled = self._merge(raw, least)
+            if not (rounds >= ROUNDS_MAX or (rounds >= ROUNDS and settled)) \
+                    and rounds > 1 and free_to_wait:
+                return raw, work, settled, None
+            w = [work.get(u, 0.0) for u in units]
+            return raw, work, settled, (total, plan_rings(
+                w, sizes, total, rings, page, link, align))
+        self.planner.submit(job)
+
+    def _take(self):
+        """At a root forward's start: apply the plan the planner finished,
+        if any (the forward has not run a unit yet). True if one was."""
+        got = self.planner.take() if self.planner is not None else None
+        if got is None:
+            return False
+        out, err = got
+        if err is not None:
+            self.done = True
+            self.remove()
+            warnings.warn("vpager.torch: no copy schedule (%s: %s); the "
+                          "model runs on with the placement it has"
+                          % (type(err).__name__, err), RuntimeWarning)
+            return True
+        raw, work, settled, planned = out
+        # Budget moves since the job was handed over are the watch's.
+        if self._measured(work, settled, planned is None, raw) and \
+                planned is not None and self.model.may_replace():
+            self._apply_safely(work, planned)
+        return True
 
     # ------------------------------------------------------------ apply
     def _costs(self, work):
@@ -377,21 +519,21 @@ class Tuner:
                                     self.link, dev.page_size)
         return sorted(set(rings) | {cur}, reverse=True)
 
-    def plan(self, work, sizes, need, rings=None):
+    def plan(self, work, sizes, need, rings=None, planned=None):
         """(Schedule, ring bytes) among `rings` (default: _rings()), as
         schedule.pick_ring chooses: the fastest predicted, or one as fast
-        that copies less."""
+        that copies less. planned: (budget, candidates) the planner made
+        (plan_rings), used as they are."""
         dev = self.layout.device
-        page = dev.page_size
-        total = dev.info()["budget"]
+        if planned is None:
+            total = dev.info()["budget"]
+            cands = plan_rings(work, sizes, total,
+                               rings or self._rings(dev, need),
+                               dev.page_size, self.link, self.layout.align)
+        else:
+            total, cands = planned
         self.planned_for = total
-        link = self.link
-        self.rings = []
-        for ring in rings or self._rings(dev, need):
-            room = total - ring_pages(ring, page) - SPARE_PAGES * page
-            self.rings.append((ring, schedule.plan(
-                work, sizes, room, page, link, ring, PER_COPY,
-                self.layout.align, MARGIN)))
+        self.rings = cands
         ring, sch = schedule.pick_ring(self.rings)
         return sch, ring
 
@@ -404,10 +546,11 @@ class Tuner:
         return schedule.resident_pages(sizes, sch.resident, page,
                                        self.layout.align) <= room
 
-    def apply(self, work, room_changed=False):
-        """Plan from the per-unit work and apply it. room_changed: the
-        watch found another budget: keep the placement only if the plan
-        made for it is the same."""
+    def apply(self, work, room_changed=False, planned=None):
+        """Plan from the per-unit work (planned: the planner's candidates
+        for it, see plan()) and apply it. room_changed: the watch found
+        another budget: keep the placement only if the plan made for it
+        is the same."""
         lay = self.layout
         dev = lay.device
         if self.link is None:
@@ -415,7 +558,7 @@ class Tuner:
                          else SIM_LINK)
         units, w, sizes, flat = self._costs(work)
         need = max(staging_need(u.entries) for u in lay.units)
-        sch, ring = self.plan(w, sizes, need)
+        sch, ring = self.plan(w, sizes, need, planned=planned)
         old = self.schedule
         if room_changed and old is not None and ring == self.ring and \
                 sch.resident == old.resident:
@@ -477,7 +620,10 @@ class Tuner:
         self.model.scheduled()
         self.schedule = sch
         self._windows(units, sizes, sch, ring)
-        self.warm(flat, sch.resident, ring, max(sch.window or [0]))
+        if self.planner is None:
+            self.warm(flat, sch.resident, ring, max(sch.window or [0]))
+        # else no stop at a forward's start to fill the resident set: its
+        # pages commit as the next forward uses the weights.
         # The streamed weights miss at once (no commit tried, so nothing
         # evicted for them): the watermark just above the resident runs.
         page = dev.page_size
@@ -549,7 +695,10 @@ class Tuner:
         first streamed weights, as the end of every forward does."""
         lay = self.layout
         stream = self.model.stream()
-        todo = [lay.weight(e) for e, r in zip(entries, resident) if r]
+        # (A weight with a fill, patches.set_fill, fills at its forward's
+        # acquire: this one would not rewrite its bytes.)
+        todo = [lay.weight(e) for e, r in zip(entries, resident)
+                if r and e.fill is None]
         chunks, cur, size = [], [], 0
         for w in todo:
             if cur and size + w.size > ring // 2:
@@ -560,7 +709,7 @@ class Tuner:
         if cur:
             chunks.append(cur)
         ahead = None            # the weights' windows
-        if self.windows and entries:
+        if self.windows and entries and entries[-1].fill is None:
             ahead = window
             chunks.append([lay.weight(entries[-1])])
         for ws in chunks:
@@ -569,6 +718,18 @@ class Tuner:
             b.release(stream)
         if self.ds.sync:
             lay.device.synchronize(stream)
+
+
+def plan_rings(work, sizes, total, rings, page, link, align):
+    """[(ring, Schedule)]: schedule.plan() for each ring size, in the
+    room a device budget of `total` bytes leaves beside it. Pure: the
+    planner's thread runs it."""
+    out = []
+    for ring in rings:
+        room = total - ring_pages(ring, page) - SPARE_PAGES * page
+        out.append((ring, schedule.plan(work, sizes, room, page, link, ring,
+                                        PER_COPY, align, MARGIN)))
+    return out
 
 
 def carried(units, window, held):
