@@ -1,0 +1,181 @@
+"""Plans off the forward's critical path (issue 29, points 2 and 5), on
+the simulated device, with the planner's thread on (VPAGER_PLAN_THREAD=1;
+the other tests plan on the forward's thread, _runner.py):
+
+* no forward waits for a plan: a plan held back on the planner's thread
+  lets the forwards run on, and the time charged to the forward's thread
+  (a fake clock: each plan and each warm() charges the thread that runs
+  it) never includes a plan's compute or a warm;
+* a plan made there is applied at a forward's start, on the forward's
+  thread, before any unit runs; outputs stay bitwise;
+* ten prompts of four forwards: from the second prompt on, each copies,
+  commits and evicts exactly what the one before did.
+No timed assertions: counts and the fake clock only.
+
+    make && PYTHONPATH=python python3 tests/python/test_plan_thread.py
+"""
+import os
+import sys
+import threading
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+
+_runner.add_paths("python")
+
+try:
+    import torch
+except ImportError:         # pragma: no cover - depends on the machine
+    torch = None
+    if __name__ != "__main__":
+        import pytest
+        pytest.skip("torch is not importable", allow_module_level=True)
+
+if torch is not None:
+    from vpager.torch import tuner  # noqa: E402
+    from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
+
+WAIT = 60.0                 # seconds: only a hung planner reaches it
+PLAN_COST = 1.0             # fake seconds a plan charges its thread
+WARM_COST = 1.0             # fake seconds a warm() charges its thread
+
+
+class FakeClock:
+    """Fake seconds charged per thread: plans and warms charge the thread
+    that runs them; a forward's time is what its thread was charged."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.charged = {}
+
+    def charge(self, seconds):
+        t = threading.get_ident()
+        with self.lock:
+            self.charged[t] = self.charged.get(t, 0.0) + seconds
+
+    def of(self, ident):
+        with self.lock:
+            return self.charged.get(ident, 0.0)
+
+
+class Patched:
+    """tuner.plan_rings and Tuner.warm charging the fake clock; plans
+    held at `gate` until it is set; Tuner.apply recording (thread, busy)."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.gate = threading.Event()
+        self.gate.set()
+        self.applied = []           # (thread ident, model busy) per apply
+        self.plans = 0
+
+    def __enter__(self):
+        self.old = (tuner.plan_rings, tuner.Tuner.warm, tuner.Tuner.apply)
+        plan_rings, warm, apply = self.old
+
+        def plan(*a, **kw):
+            assert self.gate.wait(WAIT), "the plan was never let go"
+            self.plans += 1
+            self.clock.charge(PLAN_COST)
+            return plan_rings(*a, **kw)
+
+        def warm_charged(tun, *a, **kw):
+            self.clock.charge(WARM_COST)
+            return warm(tun, *a, **kw)
+
+        def apply_seen(tun, *a, **kw):
+            self.applied.append((threading.get_ident(), tun.model.busy()))
+            return apply(tun, *a, **kw)
+        tuner.plan_rings, tuner.Tuner.warm = plan, warm_charged
+        tuner.Tuner.apply = apply_seen
+        return self
+
+    def __exit__(self, *exc):
+        self.gate.set()
+        tuner.plan_rings, tuner.Tuner.warm, tuner.Tuner.apply = self.old
+        return False
+
+
+def _threaded_mlp():
+    with environ(VPAGER_PLAN_THREAD="1"):
+        m, x, want, h = _scheduled_mlp()
+    assert h.tuner.planner is not None
+    return m, x, want, h
+
+
+def test_forwards_never_wait_for_a_plan():
+    clock = FakeClock()
+    me = threading.get_ident()
+    with Patched(clock) as p:
+        m, x, want, h = _threaded_mlp()
+        p.gate.clear()              # the first plan takes "forever"
+        for _ in range(4):          # the forwards run on meanwhile
+            assert torch.equal(m(x), want)
+        assert h.tuner.planner.pending and h.schedule() is None
+        assert p.applied == [], p.applied
+        p.gate.set()
+        assert h.tuner.planner.wait(WAIT)
+        assert h.schedule() is None     # ready, not applied between forwards
+        # Forwards until measuring ends (each plan taken at a forward's
+        # start, the next measured after it).
+        for _ in range(3 * tuner.ROUNDS_MAX):
+            assert torch.equal(m(x), want)
+            assert h.tuner.planner.wait(WAIT)
+        assert h.tuner.done and h.schedule() is not None
+        assert h.schedule()["resident_weights"] > 0
+        assert p.plans >= 1
+        # Applied on the forward's thread, at its start (no unit busy).
+        assert p.applied and all(t == me and not busy
+                                 for t, busy in p.applied), p.applied
+        # The forward's thread was charged no plan and no warm.
+        assert clock.of(me) == 0.0, clock.charged
+        assert sum(clock.charged.values()) == p.plans * PLAN_COST
+    for _ in range(2):
+        assert torch.equal(m(x), want)
+    h.unload()
+
+
+def test_planned_on_the_forwards_thread_when_asked():
+    """VPAGER_PLAN_THREAD=0 (the other tests' setting): the plan and the
+    warm run at the measured forward's end, on its thread, as before."""
+    clock = FakeClock()
+    me = threading.get_ident()
+    with Patched(clock), environ(VPAGER_PLAN_THREAD="0"):
+        m, x, want, h = _scheduled_mlp()
+        assert h.tuner.planner is None
+        assert torch.equal(m(x), want)
+        assert h.schedule() is not None     # planned at its end
+        assert clock.of(me) >= PLAN_COST + WARM_COST, clock.charged
+    h.unload()
+
+
+PROMPTS = 10
+STEPS = 4
+COUNTS = ("bytes_copied", "staged_bytes", "copies", "pages_committed", "pages_evicted",
+          "misses", "fills")
+
+
+def test_ten_prompts_cost_the_same():
+    """10 prompts of STEPS forwards, the planner's thread on: the first
+    prompt measures and places; from the second on every prompt copies,
+    commits and evicts the same (the node's "second run slower" kind of
+    drift would show here). Outputs bitwise throughout."""
+    m, x, want, h = _threaded_mlp()
+    per_prompt = []
+    for _ in range(PROMPTS):
+        s0 = h.stats()["device"]
+        for _ in range(STEPS):
+            assert torch.equal(m(x), want)
+            # What a GPU forward's length gives the planner: time to finish.
+            assert h.tuner.planner.wait(WAIT)
+        per_prompt.append(delta(h.stats()["device"], s0, *COUNTS))
+    assert h.tuner.done and h.schedule() is not None
+    later = per_prompt[1:]
+    assert all(c == later[0] for c in later), per_prompt
+    h.unload()
+
+
+if __name__ == "__main__":
+    sys.exit(_runner.main(globals(), unavailable=None if torch else
+                          "torch is not importable"))
