@@ -39,6 +39,10 @@ MODEL_SIZES = {
     "replaced": "times the weights were re-placed in the order of use",
     "set_sources": "weights whose bytes come from set_source()",
     "load_seconds": "offload()'s host copy: host_fill_s, host_alloc_s",
+    "host_by_kind": "host bytes of its weights by where they live: \"in "
+                    "place\" (the mapped file), \"pinned copy\" (vpager's), "
+                    "\"file\" (read from it)",
+    "host_policy": "the line offload() logged saying what it chose and why",
 }
 
 
@@ -55,7 +59,10 @@ def handle_stats(handle, layout, gov) -> Dict[str, Any]:
         file_weights=sum(e.host is None for e in entries),
         replaced=handle.replaced,
         set_sources=sum(e.own is not None for e in entries),
-        load_seconds=dict(layout.load_times))
+        load_seconds=dict(layout.load_times),
+        host_by_kind=(layout.hbytes.by_kind(entries)
+                      if layout.hbytes is not None else {}),
+        host_policy=layout.hbytes.line if layout.hbytes is not None else "")
     device = handle.device.stats()
     # CUDA: what the last forward learned torch may still grab (margin
     # included); 0 before a forward and on the simulated device.

@@ -28,6 +28,7 @@ class Layout:
         self.align = align
         self.groups = None
         self.vbar = self.weights = self.hb = self.st = None
+        self.hbytes = None      # sources.HostBytes: in place, FILE fds
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
 
     @classmethod
@@ -66,8 +67,10 @@ class Layout:
                 if src is not None:
                     e.keep = e.tensor.data
                 custom.append(src)
-        self.hb, slots = sources(dev, entries, self.align, self.st, match,
-                                 custom, self.load_times)
+        self.hb, slots, self.hbytes = sources(
+            dev, entries, self.align, self.st, match, custom,
+            self.load_times, plan.target.type, _streamed(plan),
+            type(plan.module).__name__)
         for e, (host, addr, src) in zip(entries, slots):
             e.host, e.file_addr, e.src = host, addr, src
         self.weights = self.vbar.create_weights(
@@ -144,19 +147,20 @@ class Layout:
         module."""
         dev, entries = self.device, self.entries
         st = dev.open_safetensors(path)
-        hb = None
+        hb = hbytes = None
         try:
             match, loads = match_file(module, entries, st, "load_safetensors")
-            hb, slots = sources(dev, entries, self.align, st, match)
+            hb, slots, hbytes = sources(dev, entries, self.align, st, match,
+                                        model=type(module).__name__)
             swap(list(entries), [e.offset for e in entries],
                  [src for _, _, src in slots])
         except BaseException:
-            _close_quietly((hb, st))
+            _close_quietly((hb, st, hbytes))
             raise
         for e, (host, addr, src) in zip(self.entries, slots):
             e.host, e.file_addr = host, addr
-        old = (self.hb, self.st)
-        self.hb, self.st = hb, st
+        old = (self.hb, self.st, self.hbytes)
+        self.hb, self.st, self.hbytes = hb, st, hbytes
         load_unmanaged(st, loads)
         for obj in old:
             if obj is not None:
@@ -182,6 +186,8 @@ class Layout:
                 obj.close()
             except Error as e:
                 errors.append(e)
+        if self.hbytes is not None:     # after the weights reading them
+            errors += self.hbytes.close()
         return errors
 
 
@@ -192,3 +198,11 @@ def _close_quietly(objs):
                 obj.close()
             except Error:
                 pass
+
+
+def _streamed(plan):
+    """Bytes a step streams, as offload() can tell before any forward: the
+    weights past the budget (0: no budget given, or they fit)."""
+    budget = plan.settings.budget
+    total = sum(e.size for e in plan.entries)
+    return max(total - budget, 0) if budget else 0

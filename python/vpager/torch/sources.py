@@ -1,7 +1,9 @@
-"""Where an offloaded module's weight bytes live: a pinned HostBuf holding
-the only full copy (from the module's tensors, or from a file for
-buffers), or the safetensors file itself (vp_st_source); and the CPU
-placeholders that stand in for meta tensors whose bytes come from a file."""
+"""Where an offloaded module's weight bytes live, in one place each
+(hostpolicy.py chooses): a file's bytes where they lie (the weights_from=
+file or a mapped CPU tensor: in place, registered, or read as a FILE
+source), or a pinned HostBuf holding the only full copy (from the
+module's tensors, or from a file for buffers); and the CPU placeholders
+that stand in for meta tensors whose bytes come from a file."""
 
 import concurrent.futures
 import ctypes
@@ -11,28 +13,175 @@ import time
 
 import torch
 
+from ..errors import Error
 from ..weights import Source
+from . import hostpolicy
 from .placement import place
 from .progress import Progress
 from .views import placeholder, view
 
 
-def _file_slots(entries, st, plan, custom=None):
-    """[(host, file_addr, Source) or None], [indices needing a host copy]:
-    with a file, parameters get a FILE source and no host copy; an entry
-    with a source of the caller's (custom[i], offload(sources=)) neither."""
+class HostBytes:
+    """What sources() made besides the HostBuf of copies (hostpolicy.py):
+    HostBufs registering memory used in place, the tensors they register
+    (held until those are unregistered), fds opened for FILE sources of
+    mapped tensors, each entry's kind (hostpolicy.KINDS, or "source": a
+    caller's) and the policy's log line."""
+
+    def __init__(self):
+        self.registered = []
+        self.hold = []
+        self.fds = []
+        self.kinds = {}
+        self.line = ""
+
+    def by_kind(self, entries):
+        """{kind: host bytes} over entries (every kind, 0 if none)."""
+        out = dict.fromkeys(hostpolicy.KINDS, 0)
+        for e in entries:
+            k = self.kinds.get(e)
+            if k in out:
+                out[k] += e.size
+        return out
+
+    def close(self):
+        """Unregister, then let go of the memory and the fds; returns the
+        errors met."""
+        errors = []
+        for hb in self.registered:
+            try:
+                hb.close()
+            except Error as err:
+                errors.append(err)
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.registered, self.hold, self.fds = [], [], []
+        return errors
+
+
+def _mapped(e, maps):
+    """(address, Mapping) of a parameter whose CPU tensor lies whole in a
+    file mapping (safetensors' mmap, torch.load(mmap=True), ComfyUI's
+    loader), else None. Buffers are copied: training updates them."""
+    t = e.tensor
+    if not e.is_param or e.size == 0 or t.device.type != "cpu" or \
+            not t.is_contiguous():
+        return None
+    addr = t.data_ptr()
+    m = maps.find(addr, e.size)
+    return (addr, m) if m is not None else None
+
+
+def _page_span(lo, hi, bound_lo, bound_hi):
+    page = mmap.PAGESIZE
+    lo = max(lo // page * page, bound_lo)
+    hi = min((hi + page - 1) // page * page, bound_hi)
+    return lo, hi - lo
+
+
+def _register(dev, lo, size, hb_out):
+    """A HostBuf registering [lo, lo+size) in place, or None where the
+    device pinned none of it (budget spent, or refused)."""
+    try:
+        hb = dev.register_hostbuf(lo, size)
+    except Error:
+        return None
+    if hb.pinned_bytes == 0:
+        hb.close()
+        return None
+    hb_out.registered.append(hb)
+    return hb
+
+
+def _file_source(m, addr, fds):
+    """A FILE source for a mapped tensor at addr, opening m's file (the
+    same inode), or None."""
+    try:
+        fd = os.open(m.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if os.fstat(fd).st_ino != m.inode:
+        os.close(fd)
+        return None
+    fds.append(fd)
+    return Source.from_file(fd, m.offset + addr - m.start)
+
+
+def _file_slots(dev, entries, st, plan, custom, target_type, streamed,
+                hbytes):
+    """[(host, file_addr, Source) or None], [indices needing a host copy],
+    the policy's Choice (None: nothing file-backed). Entries with a
+    source of the caller's (custom[i], offload(sources=)) get none of
+    ours; file-backed parameters (st: weights_from=; or a mapped CPU
+    tensor) stay where they are, in place (HOST, registered) or FILE, as
+    hostpolicy.choose() says; the rest need a host copy."""
     base = st.mmap()[0] if st is not None else 0
+    maps = hostpolicy.Mappings() if st is None else None
     slots = [None] * len(entries)
-    hosted = []
+    hosted, backed = [], []
     for i, e in enumerate(entries):
         if custom is not None and custom[i] is not None:
             slots[i] = (None, None, custom[i])
+            hbytes.kinds[e] = "source"
         elif st is not None and e.is_param:
-            info = plan[e]
-            slots[i] = (None, base + info.offset, st.source(info.index))
+            backed.append((i, base + plan[e].offset, None))
         else:
-            hosted.append(i)
-    return slots, hosted
+            found = _mapped(e, maps) if st is None else None
+            if found is not None:
+                backed.append((i,) + found)
+            else:
+                hosted.append(i)
+    if not backed:
+        return slots, hosted, None
+    path = st.path if st is not None else backed[0][2].path
+    choice = hostpolicy.choose(sum(entries[i].size for i, _, _ in backed),
+                               streamed, path)
+    groups = {}
+    for i, addr, m in backed:
+        groups.setdefault(None if m is None else m.start, []).append(
+            (i, addr, m))
+    for key, group in groups.items():
+        in_place = choice.kind == hostpolicy.IN_PLACE
+        m = group[0][2]
+        if in_place and not (target_type == "cuda" and m is not None
+                             and m.writable_private):
+            # (CUDA pins a writable private mapping for write: its pages
+            # would be copied; such a mapping is read as a FILE.)
+            lo = min(a for _, a, _ in group)
+            hi = max(a + entries[i].size for i, a, _ in group)
+            bound = ((m.start, m.end) if m is not None
+                     else (base, base + st.mmap()[1]))
+            if _register(dev, *_page_span(lo, hi, *bound),
+                         hb_out=hbytes) is None:
+                in_place = False
+        elif in_place:
+            in_place = False
+        for i, addr, mp in group:
+            e = entries[i]
+            if mp is not None:
+                hbytes.hold.append(e.tensor.data)
+            if in_place:
+                src = Source.from_host(addr)
+                hbytes.kinds[e] = hostpolicy.IN_PLACE
+            elif mp is None:
+                src = st.source(plan[e].index)
+                hbytes.kinds[e] = hostpolicy.FILE
+            else:
+                src = _file_source(mp, addr, hbytes.fds)
+                if src is None:         # the file is gone: copy it
+                    hosted.append(i)
+                    continue
+                hbytes.kinds[e] = hostpolicy.FILE
+            if mp is not None:
+                e.keep = e.tensor.data      # the caller's, in place
+                slots[i] = (None, None, src)
+            else:
+                slots[i] = (None, addr, src)
+    hosted.sort()
+    return slots, hosted, choice
 
 
 COPY_THREADS = 8            # threads making a host copy
@@ -135,21 +284,47 @@ def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
         flush()
 
 
-def sources(dev, entries, align, st=None, plan=None, custom=None, times=None):
-    """Where each entry's bytes live: [(host, file_addr, Source)] and the
-    HostBuf holding the host copies (None if no entry has one).
+def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
+            target_type="cpu", streamed=0, model="model"):
+    """Where each entry's bytes live: ([(host, file_addr, Source)], the
+    HostBuf holding the host copies (None if no entry has one), HostBytes).
+    A weight's host bytes live in one place (hostpolicy.py):
 
-    Without a file every entry gets a slot of one new HostBuf (in entries'
-    order, align-aligned: the VBAR's offsets when that is their order),
-    filled from its tensor; a CPU tensor is pointed at its slot at once,
-    so its old storage can go. With a file (st, plan from
-    files.match_file), parameters get a FILE source (vp_st_source) and no
-    host copy; buffers, which training mode updates in place, get a
-    HostBuf slot filled from the file. custom: per entry a Source of the
-    caller's, or None (offload(sources=)): such entries get no host copy.
+    - file-backed parameters (st, plan from files.match_file: the
+      weights_from= file; or a CPU tensor over a mapped file) stay in the
+      file: in place (a HOST source over the mapping, registered: not on
+      CUDA for a writable private mapping, whose pages pinning would copy)
+      or read from it (FILE), as hostpolicy.choose() says; a mapped
+      tensor's entry keeps it (e.keep) for restore and outside="host";
+    - entries with a source of the caller's (custom[i], offload(sources=))
+      get nothing of ours;
+    - the rest (buffers, which training updates in place; tensors in
+      anonymous memory, which their caller may change in place) get a slot
+      of one new HostBuf, a pinned copy (in entries' order, align-aligned),
+      filled from the file or their tensor; a CPU tensor is pointed at its
+      slot at once, so its old storage can go (still one copy).
+
+    One line says what was chosen and why (logger "vpager"; HostBytes.line).
     times (a dict, or None): gets host_fill_s (mapping the memory and
     copying the bytes in) and host_alloc_s (page-locking it)."""
-    slots, hosted = _file_slots(entries, st, plan, custom)
+    hbytes = HostBytes()
+    try:
+        hb, slots = _sources(dev, entries, align, st, plan, custom, times,
+                             target_type, streamed, model, hbytes)
+    except BaseException:
+        hbytes.close()
+        raise
+    return hb, slots, hbytes
+
+
+def _sources(dev, entries, align, st, plan, custom, times, target_type,
+             streamed, model, hbytes):
+    slots, hosted, choice = _file_slots(dev, entries, st, plan, custom,
+                                        target_type, streamed, hbytes)
+    for i in hosted:
+        hbytes.kinds[entries[i]] = hostpolicy.PINNED_COPY
+    hbytes.line, _ = hostpolicy.report(model, hbytes.by_kind(entries),
+                                       choice, bool(hbytes.registered))
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)

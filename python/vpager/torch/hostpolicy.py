@@ -1,0 +1,252 @@
+"""Where a model's file-backed weights live in host memory (issue 28,
+shared/DESIGN.md §10), chosen once per model and said in one log line.
+
+A weight's host bytes live in exactly one place. Weights whose bytes are
+already in a file (offload(weights_from=), or CPU tensors over a mapped
+file: safetensors' mmap, torch.load(mmap=True), ComfyUI's loader) stay
+there: either "in place" (the mapping itself is the HOST source,
+registered for DMA where the device allows it) or "file" (a FILE
+source: read through the C file reader's small pinned bounce slots, so
+the page cache may drop what is not read again). Every other CPU tensor
+gets a "pinned copy" vpager owns (the caller may change their tensor in
+place later; the copy replaces it, so there is still one copy).
+
+The choice between "in place" and "file" weighs RAM available (the
+cgroup's room where lower), the file system's read speed (measured once
+per file system) and the bytes the schedule streams each step. Its
+inputs can be fixed for tests (override())."""
+
+import contextlib
+import logging
+import mmap
+import os
+import time
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+IN_PLACE, PINNED_COPY, FILE = "in place", "pinned copy", "file"
+KINDS = (IN_PLACE, PINNED_COPY, FILE)
+
+FIT = 0.9           # in place only if the weights fit in this much RAM
+ROOMY = 0.5         # ... and, with a fast disk, in this much
+FAST_DISK = 1.5e9   # bytes/s: a disk that feeds the steps itself (NVMe)
+PROBE_BYTES = 32 << 20  # read once per file system to time it
+
+log = logging.getLogger("vpager")
+
+_OVERRIDE: Dict[str, float] = {}   # override()'s inputs
+_DISK: Dict[int, float] = {}       # st_dev -> measured bytes/s
+
+
+@contextlib.contextmanager
+def override(ram_available: Optional[int] = None,
+             disk_bytes_per_s: Optional[float] = None):
+    """Within the block the policy sees these inputs instead of the
+    machine's (tests: a fake small RAM, a slow disk)."""
+    old = dict(_OVERRIDE)
+    if ram_available is not None:
+        _OVERRIDE["ram"] = ram_available
+    if disk_bytes_per_s is not None:
+        _OVERRIDE["disk"] = disk_bytes_per_s
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(old)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _number(path: str) -> int:
+    s = _read(path).strip()
+    return int(s) if s.isdigit() else 0
+
+
+def _cgroup_room() -> int:
+    """Bytes our cgroup may still charge (its limit less its usage; the
+    lowest over its ancestors, as src/pins.c's cgroup_limit walks them);
+    0: no limit. v2 memory.max/memory.current, v1
+    memory.limit_in_bytes/memory.usage_in_bytes."""
+    low = 0
+    for line in _read("/proc/self/cgroup").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3 or not parts[2].startswith("/"):
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            root, lim_f, use_f = "/sys/fs/cgroup", "memory.max", \
+                "memory.current"
+        elif "memory" in parts[1].split(","):
+            root, lim_f, use_f = "/sys/fs/cgroup/memory", \
+                "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        path = parts[2].rstrip("/")
+        while True:
+            d = root + path
+            lim = _number(d + "/" + lim_f)
+            if lim and lim < 1 << 60:       # v1 says "none" with a huge one
+                room = max(lim - _number(d + "/" + use_f), 0)
+                low = room if not low else min(low, room)
+            if not path:
+                break
+            path = path[:path.rfind("/")]
+    return low
+
+
+def ram_available() -> int:
+    """Bytes of RAM we may still use: MemAvailable, or the cgroup's room
+    when lower (override() in tests)."""
+    if "ram" in _OVERRIDE:
+        return int(_OVERRIDE["ram"])
+    avail = 0
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    room = _cgroup_room()
+    return min(avail, room) if room and avail else (room or avail)
+
+
+def disk_speed(path: Optional[str]) -> Optional[float]:
+    """Read speed (bytes/s) of the file system holding `path`: measured
+    once per file system (a direct read past the page cache where the file
+    system allows it, else a buffered one), then cached; None: no file."""
+    if "disk" in _OVERRIDE:
+        return float(_OVERRIDE["disk"])
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_dev in _DISK:
+        return _DISK[st.st_dev]
+    n = min(PROBE_BYTES, st.st_size) // mmap.PAGESIZE * mmap.PAGESIZE
+    if n == 0:
+        return None
+    buf = mmap.mmap(-1, n)          # page-aligned, as O_DIRECT wants
+    speed = None
+    for flags in (getattr(os, "O_DIRECT", 0), 0):
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except OSError:
+            continue
+        try:
+            at = (st.st_size - n) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+            t0 = time.perf_counter()
+            got = os.preadv(fd, [buf], at)
+            dt = time.perf_counter() - t0
+            if got > 0:
+                speed = got / max(dt, 1e-6)
+                break
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    buf.close()
+    if speed is not None:
+        _DISK[st.st_dev] = speed
+    return speed
+
+
+@dataclass
+class Mapping:
+    """One file mapping of this process (/proc/self/maps)."""
+    start: int
+    end: int
+    perms: str
+    offset: int
+    inode: int
+    path: str
+
+    @property
+    def writable_private(self) -> bool:
+        """Pinning it for write would copy its pages (copy on write)."""
+        return "w" in self.perms and "p" in self.perms
+
+
+class Mappings:
+    """This process's file mappings, read once (offload() builds one)."""
+
+    def __init__(self) -> None:
+        maps: List[Mapping] = []
+        for line in _read("/proc/self/maps").splitlines():
+            f = line.split(None, 5)
+            if len(f) < 6 or not f[5].startswith("/") or f[4] == "0":
+                continue
+            lo, hi = f[0].split("-")
+            maps.append(Mapping(int(lo, 16), int(hi, 16), f[1],
+                                int(f[2], 16), int(f[4]), f[5]))
+        maps.sort(key=lambda m: m.start)
+        self.maps = maps
+        self.starts = [m.start for m in maps]
+
+    def find(self, addr: int, size: int) -> Optional[Mapping]:
+        """The file mapping holding [addr, addr+size) whole, or None."""
+        i = bisect_right(self.starts, addr) - 1
+        if i < 0 or size <= 0:
+            return None
+        m = self.maps[i]
+        return m if addr + size <= m.end else None
+
+
+@dataclass
+class Choice:
+    kind: str       # IN_PLACE or FILE
+    reason: str
+
+
+def gib(n: float) -> str:
+    if n >= 1 << 30:
+        return "%.1f GiB" % (n / (1 << 30))
+    return "%d MiB" % round(n / (1 << 20))
+
+
+def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
+    """Where `nbytes` of file-backed weights stay (IN_PLACE or FILE) when
+    the schedule streams `streamed` bytes a step, the file at `path`."""
+    ram = ram_available()
+    disk = disk_speed(path)
+    said = "RAM available %s" % gib(ram)
+    if disk is not None:
+        said += ", disk %.2f GB/s" % (disk / 1e9)
+        if streamed:
+            said += " (%s streamed a step: %d ms of reads)" % (
+                gib(streamed), round(streamed / disk * 1e3))
+    if nbytes > FIT * ram:
+        return Choice(FILE, "they do not fit in RAM (%s)" % said)
+    if disk is not None and disk >= FAST_DISK and nbytes > ROOMY * ram:
+        return Choice(FILE, "RAM is tight and the disk is fast (%s)" % said)
+    return Choice(IN_PLACE, "they fit in RAM (%s)" % said)
+
+
+def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
+        registered: Optional[bool]) -> str:
+    """The one line a model's offload() logs (logger "vpager")."""
+    parts = []
+    if by_kind.get(IN_PLACE):
+        parts.append("%s of weights stay in the mapped file (in place, %s)"
+                     % (gib(by_kind[IN_PLACE]), "registered" if registered
+                        else "pageable"))
+    if by_kind.get(FILE):
+        parts.append("%s are read from the file" % gib(by_kind[FILE]))
+    if by_kind.get(PINNED_COPY):
+        parts.append("%s are in a pinned copy (not file-backed)"
+                     % gib(by_kind[PINNED_COPY]))
+    line = "vpager: %s: %s" % (model, "; ".join(parts) or "no host bytes")
+    if choice is not None:
+        line += ": " + choice.reason
+    return line
+
+
+def report(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
+           registered: Optional[bool]) -> Tuple[str, Dict[str, int]]:
+    line = say(model, by_kind, choice, registered)
+    log.info("%s", line)
+    return line, by_kind

@@ -1,0 +1,281 @@
+"""One copy of a model in host memory (issue 28): weights over a mapped
+file stay where they are (in place or read from the file), the RAM-aware
+policy's choices (a fake small RAM, a slow disk), outputs bitwise in each
+source kind, and what offload() adds to the process's RSS.
+    make && PYTHONPATH=python python3 tests/python/test_hostmem.py
+Needs torch (Debian's python3-torch 1.13); skipped without it."""
+import contextlib
+import ctypes
+import gc
+import json
+import logging
+import mmap
+import os
+import struct
+import sys
+import tempfile
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+
+REPO = _runner.add_paths("python")
+try:
+    import torch
+    from torch import nn
+except ImportError:         # pragma: no cover - depends on the machine
+    torch = None
+    if __name__ != "__main__":
+        import pytest
+        pytest.skip("torch is not importable", allow_module_level=True)
+    sys.exit(_runner.main({}, unavailable="torch is not importable"))
+
+import vpager.torch as vt  # noqa: E402
+from vpager.torch import hostpolicy  # noqa: E402
+
+K, M = 1 << 10, 1 << 20
+GiB = 1 << 30
+_ST = {torch.float32: "F32", torch.float16: "F16"}
+
+
+def sim_opts(**kw):
+    """A small simulated device of its own: 64 KiB pages, no prefetch."""
+    opts = dict(page_size=64 * K, sim_granularity=64 * K, lookahead=0,
+                sim_shared="", sim_streams="sync")
+    opts.update(kw)
+    return opts
+
+
+def offload_sim(model, budget, staging, **kw):
+    return vt.offload(model, device="cpu", budget=budget,
+                      staging_size=staging, **sim_opts(**kw))
+
+
+def write_safetensors(path, tensors):
+    """A tiny safetensors writer; returns {name: absolute data offset}."""
+    header, blobs, off, where = {}, [], 0, {}
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+        header[name] = {"dtype": _ST[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [off, off + len(data)]}
+        where[name] = off
+        blobs.append(data)
+        off += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.writelines(blobs)
+    return {k: 8 + len(raw) + v for k, v in where.items()}
+
+
+def mlp(width=256, depth=6, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    m = nn.Sequential(*layers).eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def map_into(model, path, writable=False):
+    """The model's parameters become tensors over a mapping of `path` (as
+    safetensors' safe_open maps it read-only; writable: a private
+    read-write mapping, as torch's from_file and ComfyUI's loader make)."""
+    where = write_safetensors(path, model.state_dict())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable
+                                              else 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # a read-only buffer
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+    for name, p in model.named_parameters():
+        at, n = where[name], p.numel() * p.element_size()
+        p.data = flat[at:at + n].view(p.dtype).view(p.shape)
+    return mm
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * K
+    return 0
+
+
+@contextlib.contextmanager
+def mapped_model(writable=False, **kw):
+    with tempfile.TemporaryDirectory() as tmp:
+        m = mlp(**kw)
+        map_into(m, os.path.join(tmp, "m.safetensors"), writable)
+        yield m
+
+
+def run_bitwise(m, kind, **kw):
+    x = torch.randn(8, m[0].in_features)
+    with torch.no_grad():
+        want = m(x).clone()
+    params = sum(p.numel() * p.element_size() for p in m.parameters())
+    h = offload_sim(m, 768 * K, 320 * K, **kw)
+    s = h.stats()["model"]
+    assert s["host_by_kind"][kind] == params, s
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+    return h, want, x
+
+
+def test_mapped_model_stays_in_place_bitwise():
+    with mapped_model() as m:
+        first = m[0].weight.data_ptr()
+        h, want, x = run_bitwise(m, hostpolicy.IN_PLACE)
+        s = h.stats()["model"]
+        assert s["host_bytes"] == 0, s          # no copy at all
+        assert "in place, registered" in s["host_policy"], s["host_policy"]
+        assert s["host_by_kind"][hostpolicy.PINNED_COPY] == 0, s
+        h.unload()                  # the caller's mapped tensor back
+        assert m[0].weight.data_ptr() == first
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+
+
+def test_outside_host_holds_the_mapping_itself():
+    with mapped_model() as m:
+        first = m[2].weight.data_ptr()
+        h, want, x = run_bitwise(m, hostpolicy.IN_PLACE, outside="host")
+        assert m[2].weight.data_ptr() == first     # no second copy
+        h.close()
+
+
+def test_small_ram_reads_the_file_bitwise():
+    with hostpolicy.override(ram_available=1 * M), mapped_model() as m:
+        h, want, x = run_bitwise(m, hostpolicy.FILE)
+        s = h.stats()
+        assert "do not fit in RAM" in s["model"]["host_policy"]
+        assert s["model"]["file_bytes_read"] > 0 or \
+            s["device"]["file_bytes_read"] > 0
+        h.unload()
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+
+
+def test_policy_choices():
+    ch = hostpolicy.choose
+    with hostpolicy.override(ram_available=32 * GiB,
+                             disk_bytes_per_s=0.2e9):
+        assert ch(9 * GiB, 0, None).kind == hostpolicy.IN_PLACE
+        assert ch(25 * GiB, 0, None).kind == hostpolicy.IN_PLACE  # slow disk
+        assert ch(30 * GiB, 0, None).kind == hostpolicy.FILE     # no room
+    with hostpolicy.override(ram_available=32 * GiB, disk_bytes_per_s=7e9):
+        assert ch(9 * GiB, 0, None).kind == hostpolicy.IN_PLACE
+        c = ch(25 * GiB, 4 * GiB, None)         # tight RAM, fast disk
+        assert c.kind == hostpolicy.FILE and "disk is fast" in c.reason
+        assert "4.0 GiB streamed a step" in c.reason, c.reason
+    with hostpolicy.override(ram_available=8 * GiB, disk_bytes_per_s=0.2e9):
+        c = ch(9 * GiB, 0, None)
+        assert c.kind == hostpolicy.FILE and "RAM available 8.0 GiB" in \
+            c.reason, c.reason
+
+
+def test_one_line_a_model_says_why():
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    log = logging.getLogger("vpager")
+    keep, level = Keep(), log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        with hostpolicy.override(ram_available=64 * GiB,
+                                 disk_bytes_per_s=0.5e9), mapped_model() as m:
+            h = offload_sim(m, 768 * K, 320 * K)
+            h.close()
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    mine = [x for x in lines if x.startswith("vpager: Sequential:")]
+    assert len(mine) == 1, lines
+    assert "stay in the mapped file (in place, registered)" in mine[0]
+    assert "RAM available 64.0 GiB, disk 0.50 GB/s" in mine[0], mine[0]
+
+
+def test_anonymous_tensors_get_one_pinned_copy():
+    # (the caller may change their tensor in place later: the copy
+    # replaces it, so the process still holds one)
+    m = mlp()
+    h, want, x = run_bitwise(m, hostpolicy.PINNED_COPY)
+    s = h.stats()["model"]
+    assert s["host_bytes"] == h.weight_bytes, s
+    assert "pinned copy (not file-backed)" in s["host_policy"], s
+    h.unload()
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+
+
+def test_writable_private_mapping_on_the_sim_is_in_place():
+    # (CUDA reads such a mapping as a FILE: pinning it would copy it.)
+    with mapped_model(writable=True) as m:
+        run_bitwise(m, hostpolicy.IN_PLACE)[0].close()
+
+
+def test_weights_from_in_place_and_file():
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = mlp()
+        path = os.path.join(tmp, "w.safetensors")
+        write_safetensors(path, ref.state_dict())
+        x = torch.randn(8, 256)
+        with torch.no_grad():
+            want = ref(x)
+        for ram, kind in ((64 * GiB, hostpolicy.IN_PLACE),
+                          (1 * M, hostpolicy.FILE)):
+            with hostpolicy.override(ram_available=ram):
+                m = mlp(seed=5)
+                h = offload_sim(m, 768 * K, 320 * K, weights_from=path)
+                s = h.stats()["model"]
+                params = sum(p.numel() * 4 for p in m.parameters())
+                assert s["host_by_kind"][kind] == params, s
+                with torch.no_grad():
+                    for _ in range(2):
+                        assert torch.equal(m(x), want)
+                h.close()
+
+
+def test_mapped_model_grows_rss_by_the_budget_only():
+    """A 48 MiB model over a mapped file, offloaded with budget B = 8 MiB:
+    the process grows by <= B + 10% of the model (a host copy would add
+    the whole model)."""
+    width, depth = 512, 48           # 48 x 1 MiB
+    budget = 8 * M
+    with tempfile.TemporaryDirectory() as tmp:
+        m = mlp(width, depth)
+        path = os.path.join(tmp, "big.safetensors")
+        mm = map_into(m, path)
+        gc.collect()
+        size = sum(p.numel() * 4 for p in m.parameters())
+        x = torch.randn(4, width)
+        with torch.no_grad():
+            want = m(x).clone()         # the mapping's pages are in now
+        before = rss()
+        with hostpolicy.override(ram_available=64 * GiB):
+            h = offload_sim(m, budget, 2 * M)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(x), want)
+        grown = rss() - before
+        assert grown <= budget + size // 10, \
+            "RSS grew by %.1f MiB (budget %d MiB, model %d MiB)" % (
+                grown / M, budget // M, size // M)
+        h.close()
+        del mm
+
+
+if __name__ == "__main__":
+    sys.exit(_runner.main(globals(), after_each=gc.collect))
