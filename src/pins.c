@@ -531,6 +531,11 @@ void vp__pins_set_budget(vp__device_t *dev, uint64_t bytes) {
   if (dev->pins) atomic_store(&dev->pins->seg->budget, bytes);
 }
 
+/* a + b, at most UINT64_MAX (a corrupt count must not wrap to room). */
+static uint64_t add_sat(uint64_t a, uint64_t b) {
+  return a + b < a ? UINT64_MAX : a + b;
+}
+
 /* Every live participant's pinned bytes (lock-free; the dead are left out,
  * not reaped). */
 uint64_t vp__pins_machine(const vp__device_t *dev) {
@@ -541,7 +546,7 @@ uint64_t vp__pins_machine(const vp__device_t *dev) {
     const pins_part_t *p = &pn->seg->part[i];
     if (atomic_load(&p->state) == PART_LIVE &&
         (i == pn->part || part_alive(p)))
-      sum += atomic_load(&p->pinned);
+      sum = add_sat(sum, atomic_load(&p->pinned));
   }
   return sum;
 }
@@ -569,7 +574,7 @@ bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
   uint64_t sum = 0;
   for (int i = 0; i < PINS_PARTS; i++)
     if (atomic_load(&seg->part[i].state) == PART_LIVE)
-      sum += atomic_load(&seg->part[i].pinned);
+      sum = add_sat(sum, atomic_load(&seg->part[i].pinned));
   *used = sum;
   *budget = atomic_load(&seg->budget);
   bool ok = sum <= *budget && size <= *budget - sum;
