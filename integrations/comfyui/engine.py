@@ -183,7 +183,7 @@ class Entry:
     for."""
 
     __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
-                 "file", "patch", "split")
+                 "file", "patch", "split", "host_patched")
 
     def __init__(self, key, module, pname, param, split=None):
         self.key = key
@@ -196,6 +196,7 @@ class Entry:
         self.size = split.size if split is not None else nbytes(param)
         self.file = None                # (fd, offset) when file-sourced
         self.patch = None               # the patch set it was filled with
+        self.host_patched = False       # its patched bytes: a host copy
 
 
 class Pager:
@@ -400,12 +401,17 @@ class Pager:
         return [(k, off, n) for k, off, n, _ in self.h.layout()]
 
     # ---------------------------------------------------------- patches
-    def set_patched(self, key, patch, make):
-        """Weight `key` is to hold the bytes `make()` returns (a tensor of
-        its dtype and shape: the patched weight), filled for the patch set
+    def set_patched(self, key, patch, make, fill=None):
+        """Weight `key` is to hold the patched weight for the patch set
         `patch` (compared with same_patch); patch None: its own bytes.
-        Swaps the weight's source only when the patch set changed; returns
-        True if it did (the weight refills at its next acquire)."""
+        fill(view): rewrites the weight's own bytes in `view` (a device
+        tensor) into the patched ones, on the device, each time they are
+        filled from their source (patch at fill, vpager.torch's
+        set_fill: no host copy); make(): the patched weight (a tensor of
+        its dtype and shape), copied to a host source of its own: a
+        QuantizedTensor's parts, or without fill. Changes the weight
+        only when the patch set changed; returns True if it did (the
+        weight refills at its next acquire)."""
         e = self.by_key[key]
         if same_patch(e.patch, patch):
             return False
@@ -415,9 +421,14 @@ class Pager:
             srcs = e.split.sources(None if patch is None else make())
             for name, src in zip(e.split.names, srcs):
                 self.h.set_source(name, src)
+            e.host_patched = patch is not None
+        elif fill is not None or patch is None:
+            self.h.set_fill(self.vt_name[key],
+                            None if patch is None else fill)
+            e.host_patched = False
         else:
-            self.h.set_source(self.vt_name[key],
-                              None if patch is None else make())
+            self.h.set_source(self.vt_name[key], make())
+            e.host_patched = True
         e.patch = patch
         self.refills += 1
         return True
@@ -442,12 +453,13 @@ class Pager:
         return self.h.free_memory(nbytes)
 
     def host_bytes(self):
-        """Host memory held for sources: the host copy and patched copies."""
+        """Host memory held for sources: the host copy and the patched
+        copies (weights patched at fill have none)."""
         if self.closed:
             return 0
         s = self.h.stats()["model"]
-        return s["host_bytes"] + sum(self.by_key[k].size
-                                     for k in self.patched_keys())
+        return s["host_bytes"] + sum(e.size for e in self.entries
+                                     if e.host_patched)
 
     def stats(self):
         """vpager.torch's stats() shape (python/README.md, "stats()"),
@@ -464,6 +476,8 @@ class Pager:
                                      for e in self.entries)
         m["convert_ms"] = self.convert_s * 1e3
         m["patched_weights"] = len(self.patched_keys())
+        m["host_patched_weights"] = sum(e.host_patched
+                                        for e in self.entries)
         m["refills"] = self.refills
         return s
 

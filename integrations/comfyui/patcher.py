@@ -495,10 +495,11 @@ class VpagerPatcher:
             key = e.key
             pager.set_patched(
                 key, list(patches) if patches else None,
-                # the patched weight where ComfyUI computed it: the
-                # new source is copied straight from there
+                # a QuantizedTensor's parts: the patched weight where
+                # ComfyUI computed it, copied to host sources
                 lambda key=key: self.patch_weight_to_device(
-                    key, device_to=device_to, return_weight=True))
+                    key, device_to=device_to, return_weight=True),
+                fill=self._vp_fill(e, device_to) if patches else None)
             refilled += 1
         if refilled and device_to.type == "cuda":
             # ComfyUI computed the patched weights on the device: torch's
@@ -547,6 +548,38 @@ class VpagerPatcher:
                  refilled, len(plan.forced),
                  (time.perf_counter() - t0) * 1e3)
         self._vp_loaded_callbacks(device_to)
+
+    def _vp_fill(self, e, device_to):
+        """Weight e (an engine.Entry) patched at fill: fill(view) computes
+        the patched weight on the device from its own bytes in `view`
+        with ComfyUI's own patch_weight_to_device (the parameter over
+        `view` while it runs: as ComfyUI's legacy path patches it, so the
+        bytes are the same) and writes it back into `view`. Runs each
+        time the weight is filled from its source: a resident weight once
+        per patch set, a streamed one at every fill."""
+        key, param = e.key, e.param
+
+        def fill(view):
+            # (e.patch: the patch set the weight was last loaded with)
+            if not engine.same_patch(self.patches.get(key) or None,
+                                     e.patch):
+                raise RuntimeError(
+                    "vpager ComfyUI node: %s's patches changed after its "
+                    "load; load the model again" % key)
+            with torch.no_grad(), torch.inference_mode(False):
+                old = param.data
+                swap = old.data_ptr() != view.data_ptr()
+                if swap:
+                    param.data = view
+                try:
+                    out = self.patch_weight_to_device(
+                        key, device_to=device_to, return_weight=True)
+                finally:
+                    if swap:
+                        param.data = old
+                view.copy_(out)
+
+        return fill
 
     def _vp_loaded_callbacks(self, device_to):
         for callback in self.get_all_callbacks(

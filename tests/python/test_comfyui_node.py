@@ -16,6 +16,7 @@ fallback decisions with their one log line.
 """
 
 import contextlib
+import collections
 import copy
 import gc
 import importlib
@@ -749,6 +750,171 @@ def test_patches_identity_and_refill():
         # The weights outside the forward stayed the unpatched ones.
         assert torch.equal(m.diffusion_model.blocks[1].up.weight,
                            base.diffusion_model.blocks[1].up.weight)
+
+
+def lora_ref(base, patches):
+    """The legacy bake: a copy of `base` whose weights are patched once
+    by ComfyUI's math (the stand-ins' calculate_weight in float32, back
+    to the weight's dtype), {key: [patch tuples]}."""
+    ref = frozen(base)
+    for key, ps in patches.items():
+        o, n = resolve_attr(ref, key)
+        w = getattr(o, n)
+        w.data = calculate_weight(ps, w.to(torch.float32), key).to(w.dtype)
+    return ref
+
+
+def fill_counter(p, keys):
+    """Counts ComfyUI's patch_weight_to_device per key of `keys` on
+    patcher p."""
+    calls = collections.Counter()
+    real = p.patch_weight_to_device
+
+    def counted(key, *a, **k):
+        if key in keys:
+            calls[key] += 1
+        return real(key, *a, **k)
+
+    p.patch_weight_to_device = counted
+    return calls
+
+
+def test_patch_at_fill():
+    """Issue 29 point 1: a patched weight's bytes are computed on the
+    device when it is filled, from its own bytes (no host copy per
+    patched weight): outputs bitwise equal to the legacy bake for
+    resident and streamed weights, prompt after prompt; a changed
+    strength recomputes only that weight (a resident one once, a
+    streamed one at its fills); removed, the base bytes again."""
+    for dtype, room in ((torch.float32, 1), (torch.bfloat16, 2)):
+        # (room: the budget and ring shrunk as the weights: some stream)
+        with env(capacity=640 * K // room, staging=256 * K // room) as e:
+            m = DiT(op=CastLinear, dtype=dtype)
+            base = frozen(m)
+            p = e.patcher(m)
+            p.partially_load(CPU)
+            want0 = run(base)
+            for _ in range(3):
+                assert torch.equal(run(m), want0)
+            pager = m._vpager_pager
+            host0 = pager.host_bytes()
+            keys = ["diffusion_model.blocks.%d.%s.weight" % (i, n)
+                    for i in range(6) for n in ("up", "down")]
+            g = torch.Generator().manual_seed(5)
+            diffs = {k: (torch.randn(*dict(base.named_parameters())[k]
+                                     .shape, generator=g) * 0.01)
+                     for k in keys}
+            sources = []
+            real_set_source = pager.h.set_source
+            pager.h.set_source = lambda *a: (sources.append(a[0]),
+                                             real_set_source(*a))
+            q = p.clone()
+            calls = fill_counter(q, keys)
+            q.add_patches({k: ("diff", (d,)) for k, d in diffs.items()},
+                          0.8)
+            q.partially_load(CPU)
+            assert q._vp_refilled == len(keys)
+            assert not calls, calls         # nothing computed at load
+            want1 = run(lora_ref(base, q.patches))
+            assert not torch.equal(want1, want0)
+            for _ in range(3):
+                assert torch.equal(run(m), want1)
+            # No host copy per patched weight.
+            assert sources == [] and pager.host_bytes() == host0
+            s = pager.stats()["model"]
+            assert s["patched_weights"] == len(keys)
+            assert s["host_patched_weights"] == 0
+            # Steady: the streamed patched weights are computed at each
+            # of their fills, the resident ones not again.
+            calls.clear()
+            assert torch.equal(run(m), want1)
+            streamed = set(calls)
+            assert all(n == 1 for n in calls.values()), calls
+            resident = [k for k in keys if k not in streamed]
+            assert streamed and resident, (streamed, resident)
+            # A changed strength: a resident weight and a streamed one.
+            kr, ks = resident[0], sorted(streamed)[0]
+            q2 = p.clone()
+            calls2 = fill_counter(q2, keys)
+            q2.add_patches({k: ("diff", (d,)) for k, d in diffs.items()
+                            if k not in (kr, ks)}, 0.8)
+            q2.add_patches({kr: ("diff", (diffs[kr],)),
+                            ks: ("diff", (diffs[ks],))}, 0.5)
+            q2.partially_load(CPU)
+            assert q2._vp_refilled == 2, q2._vp_refilled
+            want2 = run(lora_ref(base, q2.patches))
+            calls.clear()
+            assert torch.equal(run(m), want2)
+            # Recomputed: the changed resident weight, and the streamed
+            # ones (at their fills, through the new patcher only where
+            # it changed); no other resident weight.
+            done = set(calls) | set(calls2)
+            assert done == streamed | {kr}, (done, streamed, kr)
+            assert set(calls2) == {kr, ks}, calls2
+            for _ in range(2):
+                assert torch.equal(run(m), want2)
+            assert sources == [] and pager.host_bytes() == host0
+            # Removed: the base bytes again, nothing computed.
+            calls.clear()
+            calls2.clear()
+            p.partially_load(CPU)
+            assert p._vp_refilled == len(keys)
+            for _ in range(2):
+                assert torch.equal(run(m), want0)
+            assert not calls and not calls2
+            assert pager.patched_keys() == []
+            assert torch.equal(m.diffusion_model.blocks[1].up.weight,
+                               base.diffusion_model.blocks[1].up.weight)
+
+
+def test_set_fill():
+    """vpager.torch's set_fill: fill(view) rewrites a weight's bytes each
+    time they come from its source, on the device; None: its own bytes;
+    set_source drops it; not while acquired."""
+    with env() as e:
+        m = DiT()
+        base = frozen(m)
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        h = m._vpager_pager.h
+        name = "diffusion_model.blocks.2.up.weight"
+        seen = []
+
+        def fill(view):
+            seen.append(view.data_ptr())
+            view.mul_(2)
+
+        want0 = run(base)
+        h.set_fill(name, fill)
+        ref = frozen(base)
+        ref.diffusion_model.blocks[2].up.weight.data *= 2
+        want = run(ref)
+        for _ in range(3):
+            assert torch.equal(run(m), want)
+        assert seen
+        with h.acquired(m.diffusion_model.blocks[2]):
+            try:
+                h.set_fill(name, None)
+                raise AssertionError("set_fill while acquired")
+            except RuntimeError:
+                pass
+        try:
+            h.set_fill(name, 3)
+            raise AssertionError("not callable")
+        except TypeError:
+            pass
+        try:
+            h.set_fill("nope", fill)
+            raise AssertionError("no such weight")
+        except KeyError:
+            pass
+        h.set_source(name, None)      # its own bytes: the fill dropped
+        assert torch.equal(run(m), want0)
+        h.set_fill(name, fill)
+        assert torch.equal(run(m), want)
+        h.set_fill(name, None)
+        assert torch.equal(run(m), want0)
+        p.detach()
 
 
 def test_load_again_as_before():

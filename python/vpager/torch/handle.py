@@ -8,7 +8,7 @@ access.ModelAccess the handle gives them, never the handle).
 python/README.md says what each method does."""
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -158,6 +158,14 @@ class Offloaded:
         self._check_open()
         patches.set_source(self.vbar_layout, name, tensor,
                            type(self.module).__name__)
+
+    @_serial
+    def set_fill(self, name: str, fill: Optional[Callable] = None) -> None:
+        """fill(view) rewrites weight `name`'s bytes on the device each
+        time they come from its source (None: no more): patches.set_fill."""
+        self._check_open()
+        patches.set_fill(self.vbar_layout, name, fill,
+                         type(self.module).__name__)
 
     @_serial
     def place_by_use(self) -> bool:

@@ -21,11 +21,12 @@ import time
 
 import torch
 
-from .. import ACQUIRED_RESIDENT, PAGE_RESIDENT
+from .. import ACQUIRED_COPIED, ACQUIRED_RESIDENT, PAGE_RESIDENT
 from ..errors import Error
 from ..weights import WeightBatch
 from .devices import LEARN_EVERY, cuda_index, learn_headroom
 from .layout import ALL
+from .patches import refill, run_fills
 from .serial import new_lock
 from .units import Unit, refuse_copy
 from .views import view
@@ -36,6 +37,7 @@ from .views import view
 # ~10-30 us to build, more than the rest of an acquire).
 _STAGED_VIEWS = 4096
 _RESIDENT = ACQUIRED_RESIDENT
+_COPIED = ACQUIRED_COPIED
 _PAGE_RESIDENT = PAGE_RESIDENT
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
@@ -99,6 +101,7 @@ class HotPath:
         self._held_entries = []     # the held weights' Entries, in order
         self._held_slots = []       # (dict, key, tensor, Entry) of them
         self._held_ptrs = None      # the addresses hparams were made for
+        self._held_fills = False    # a held weight has a fill (set_fill)
         self.blocks = 0             # acquired() blocks open
         self._check_open = check_open
         self._is_open = is_open
@@ -261,8 +264,13 @@ class HotPath:
                                              self.target)
                 e.tensor.data = v
                 e.cur, e.curv = p, v
+                # Bytes fresh from the source, rewritten on the device
+                # (patches.set_fill: a patch computed at fill).
+                if e.fill is not None and flags[i] & _COPIED:
+                    e.fill(v)
         except BaseException:
             self.leave(unit, stream, prev, False)
+            refill(self.layout, entries)
             raise
         return stream, prev
 
@@ -423,12 +431,23 @@ class HotPath:
             self.vbar.prioritize()
             ds.top = self.owner
         stream = self.stream()
+        self._held_fills = any(e.fill is not None
+                               for e in self._held_entries)
         try:
             ptrs = batch.acquire(stream)    # no prefetch (_held_batch)
         except Error:           # e.g. misses the ring cannot hold at once
             self.set_held(())
             return False        # the per-unit path meets it, if it stays
         flags = batch.flags
+        if self._held_fills:
+            try:
+                run_fills(self._held_entries, ptrs, flags,
+                          lambda i, e: view(ptrs[i], e.dtype, e.shape,
+                                            self.target))
+            except BaseException:
+                batch.release(stream)
+                refill(self.layout, self._held_entries)
+                raise
         if not all(flags[i] & _RESIDENT for i in range(batch.n)):
             batch.release(stream)
             self.set_held(())

@@ -1,13 +1,15 @@
 """A weight's bytes taken from another tensor (Offloaded.set_source: the
-weights a loader patches, ComfyUI's LoRA), and every weight's own bytes
-again when a safetensors file replaces them (load_safetensors). The
-patched bytes live in a pinned host buffer of the weight's own (e.alt);
-e.own keeps the source it had before."""
+patched bytes live in a pinned host buffer of the weight's own, e.alt;
+e.own keeps the source it had before), or rewritten on the device each
+time they are filled from their source (Offloaded.set_fill: a patch
+computed at fill, e.fill; no host copy), and every weight's own bytes
+again when a safetensors file replaces them (load_safetensors)."""
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from .. import ACQUIRED_COPIED
 from ..weights import Source
 from .layout import Layout
 from .sources import host_memory, outside
@@ -52,6 +54,11 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
     if e.cur:
         raise RuntimeError("vpager.torch: set_source(%r) while the "
                            "weight is acquired" % e.name)
+    if e.fill is not None:      # other bytes: the fill is not theirs
+        e.fill = None
+        if tensor is None and e.own is None:
+            layout.set_source(e, e.src)     # its own bytes, unrewritten
+            return
     if tensor is None:
         if e.own is None:
             return
@@ -82,6 +89,64 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
     e.alt = hb
 
 
+def set_fill(layout: Layout, name: str,
+             fill: Optional[Callable[[torch.Tensor], None]],
+             model: str) -> None:
+    """Offloaded.set_fill() on the model (`model`: its class name, for
+    errors): each time weight `name` is filled from its own source (in
+    place, staged, prefetched), fill(view) runs at its acquire, on the
+    acquiring stream, before any use: `view` is a device tensor of the
+    weight's dtype and shape over the fresh bytes, which fill rewrites in
+    place (a LoRA patch computed on the device: no host copy). Bytes that
+    stayed resident since are not filled, nor rewritten again. fill None:
+    the weight's own bytes. Either way only that weight is filled anew,
+    at its next acquire. A source set by set_source() is dropped (its own
+    bytes again). Not inside the weight's forward (RuntimeError)."""
+    if fill is not None and not callable(fill):
+        raise TypeError("vpager.torch: set_fill(%r): a callable or None, "
+                        "not %s" % (name, type(fill).__name__))
+    for e in layout.entries:
+        if e.name == name:
+            break
+    else:
+        raise KeyError("vpager.torch: %r is not a weight of this offloaded "
+                       "%s (names: layout())" % (name, model))
+    if e.cur:
+        raise RuntimeError("vpager.torch: set_fill(%r) while the weight is "
+                           "acquired" % e.name)
+    if e.own is not None:       # a set_source() copy: its own bytes again
+        layout.set_source(e, e.own)
+        e.own = None
+        drop_alt(e)
+    elif fill is None and e.fill is None:
+        return
+    else:
+        layout.set_source(e, e.src)     # the same source: filled anew
+    e.fill = fill
+
+
+def run_fills(entries: Iterable[Any], ptrs: Any, flags: Any,
+              views: Callable[[int, Any], torch.Tensor]) -> None:
+    """The fills (set_fill) of the weights just acquired whose bytes came
+    fresh from their sources (VP_ACQUIRED_COPIED); views(i, e): weight
+    i's view."""
+    for i, e in enumerate(entries):
+        if e.fill is not None and flags[i] & ACQUIRED_COPIED:
+            e.fill(views(i, e))
+
+
+def refill(layout: Layout, entries: Iterable[Any]) -> None:
+    """The weights with a fill that are not acquired are filled anew at
+    their next acquire: after an acquire whose fills did not all run (an
+    error), so no unrewritten bytes stay resident."""
+    for e in entries:
+        if e.fill is not None and not e.cur:
+            try:
+                layout.set_source(e, e.src)
+            except Exception:   # pragma: no cover - the first error wins
+                pass
+
+
 def load_file(layout: Layout, module: torch.nn.Module, path: str,
               swap: Callable, outside_mode: Any) -> None:
     """Every weight's bytes from the safetensors file at `path` (its
@@ -89,6 +154,7 @@ def load_file(layout: Layout, module: torch.nn.Module, path: str,
     layout.reload(module, path, swap)
     for e in layout.entries:
         e.own = None
+        e.fill = None
         drop_alt(e)
         if outside_mode == "host":
             _repoint(e, outside(e))
