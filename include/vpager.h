@@ -448,7 +448,10 @@ typedef struct vp_hostbuf_info {
 VP_API int vp_hostbuf_alloc(vp_device_t dev, uint64_t size, uint64_t max_size,
                             vp_hostbuf_t *out);
 /* Page-lock existing memory [ptr, ptr+size) (it stays the caller's; free
- * the hostbuf before freeing the memory). */
+ * the hostbuf before freeing the memory). Memory that cannot be pinned
+ * for writing, such as a read-only file mapping used in place, is pinned
+ * read-only where the device allows it (CUDA 11.1+): the device only
+ * reads host sources. */
 VP_API int vp_hostbuf_register(vp_device_t dev, void *ptr, uint64_t size,
                                vp_hostbuf_t *out);
 /* Grow an allocated hostbuf to `size` (<= max_size, else VP_ERANGE) in

@@ -592,17 +592,25 @@ static int cuda_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
 }
 
 /* PORTABLE: one registration serves every context, so a host copy of the
- * weights can feed several devices. Pinning is only an optimisation: any
- * refusal short of a broken device (already registered by someone else,
- * RLIMIT_MEMLOCK, memory that cannot be pinned) is VP_EUNSUPPORTED, and
- * the memory stays as it was, which is still correct. The caller must not
- * unregister what it did not register. */
+ * weights can feed several devices. Memory that cannot be pinned for
+ * writing (a read-only file mapping: a safetensors file used in place) is
+ * pinned READ_ONLY (CUDA 11.1+): the device only reads host sources.
+ * Pinning is only an optimisation: any refusal short of a broken device
+ * (already registered by someone else, RLIMIT_MEMLOCK, memory that cannot
+ * be pinned) is VP_EUNSUPPORTED, and the memory stays as it was, which is
+ * still correct. The caller must not unregister what it did not
+ * register. */
 static int cuda_host_register(void *ctx, void *ptr, uint64_t size) {
   cuda_t *c = ctx;
   INJECT(c, VP_EDEVICE);
   int rc;
   IN_CTX(c, rc,
          c->cu.mem_host_register(ptr, size, VP_CU_MEMHOSTREGISTER_PORTABLE));
+  if (rc != VP_OK && rc != VP_EDEVICE)
+    IN_CTX(c, rc,
+           c->cu.mem_host_register(ptr, size,
+                                   VP_CU_MEMHOSTREGISTER_PORTABLE |
+                                       VP_CU_MEMHOSTREGISTER_READ_ONLY));
   if (rc != VP_OK && rc != VP_EDEVICE) rc = VP_EUNSUPPORTED;
   return rc;
 }

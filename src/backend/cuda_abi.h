@@ -134,7 +134,8 @@ enum {
   VP_CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,  /* CUmemAllocationGranularity_f. */
   VP_CU_STREAM_NON_BLOCKING = 1,            /* CUstream_flags */
   VP_CU_EVENT_DISABLE_TIMING = 2,           /* CUevent_flags */
-  VP_CU_MEMHOSTREGISTER_PORTABLE = 1        /* cuMemHostRegister flags */
+  VP_CU_MEMHOSTREGISTER_PORTABLE = 1,       /* cuMemHostRegister flags */
+  VP_CU_MEMHOSTREGISTER_READ_ONLY = 8
 };
 
 /* ------------------------------------------------------ entry points */
