@@ -154,7 +154,8 @@ def child(cr, a):
                 "weight_staged", "fill_bytes", "staged_bytes",
                 "prefetch_bytes", "file_weights", "converted_weights",
                 "convert_ms", "patched_weights", "quantized_weights",
-                "refills", "set_sources", "replaced", "schedule")
+                "refills", "host_patched_weights", "set_sources",
+                "replaced", "schedule")
                 if k in s}
         m["node"] = info.get("node")
         return m
@@ -338,8 +339,46 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
             row["refilled_only_changed"] = ok
             say("%s: LoRA prompts: refilled exactly the weights whose patch "
                 "set changed %s (per prompt after the first)" % (run, ok))
+        if a.lora:
+            lora_change(cr, run, reps, row)
     summary["table"] = table
     return rc
+
+
+# Issue 29's targets for a LoRA change (s) and the step with a LoRA.
+LORA_FIRST_S, LORA_STRENGTH_S, LORA_STEP = 1.0, 0.3, 1.03
+
+
+def lora_change(cr, run, reps, row):
+    """The cost of a LoRA change (issue 29's "LoRA change" rows): each
+    LoRA prompt's sample() time (its load included) less that of
+    lora_b_again (the LoRA loaded, nothing to change): first application
+    (lora_a), strength change (lora_a@0.5), another LoRA (lora_b), removed;
+    and the steady step with a LoRA over the one without (lora_b_again's
+    over removed's)."""
+    by = {x.get("label"): x for x in reps}
+    same = by.get("lora_b_again")
+    if same is None or "sample_s" not in same:
+        return
+    cost = {k: by[k]["sample_s"] - same["sample_s"]
+            for k in ("lora_a", "lora_a@0.5", "lora_b", "removed")
+            if k in by and "sample_s" in by[k]}
+    step = None
+    if "removed" in by:
+        step = cr.steady(same["steps_ms"]) / cr.steady(
+            by["removed"]["steps_ms"])
+    row["lora_change_s"] = cost
+    row["lora_step_ratio"] = step
+
+    def fmt(k):
+        return "%.2f s" % cost[k] if k in cost else "n/a"
+    say("%s: LoRA change (a prompt's time less lora_b_again's): first "
+        "application %s (target <= %.1f), strength change %s (target <= "
+        "%.1f), another LoRA %s, removed %s; step with LoRA / without %s "
+        "(target <= %.2f)" % (
+            run, fmt("lora_a"), LORA_FIRST_S, fmt("lora_a@0.5"),
+            LORA_STRENGTH_S, fmt("lora_b"), fmt("removed"),
+            "%.3f" % step if step else "n/a", LORA_STEP))
 
 
 def run_set(cr, a, ours, runs, out, gen, summary, judged=None):

@@ -617,6 +617,35 @@ def test_bench_step_stats():
                            - snaps[1]["model"]["misses"]) in lines[0]
 
 
+def test_bench_lora_change():
+    """bench_node.py --lora's line for issue 29's "LoRA change" rows: each
+    LoRA prompt's time less lora_b_again's, the step with the LoRA over
+    the one without, and the targets."""
+    bn = bench_module("bench_node")
+    cr = types.SimpleNamespace(steady=lambda ms: sorted(ms[1:])[
+        len(ms[1:]) // 2])
+
+    def rep(label, sample_s, step):
+        return {"label": label, "sample_s": sample_s,
+                "steps_ms": [step * 3, step, step]}
+    reps = [rep("base", 9.0, 100), rep("lora_a", 2.4, 104),
+            rep("lora_a@0.5", 1.6, 104), rep("lora_b", 2.3, 104),
+            rep("lora_b_again", 1.5, 103), rep("removed", 1.8, 100)]
+    lines, row = [], {}
+    real = bn.say
+    bn.say = lines.append
+    try:
+        bn.lora_change(cr, "node6", reps, row)
+    finally:
+        bn.say = real
+    c = row["lora_change_s"]
+    assert abs(c["lora_a"] - 0.9) < 1e-9 and abs(c["lora_a@0.5"] - 0.1) \
+        < 1e-9 and abs(row["lora_step_ratio"] - 1.03) < 1e-9, row
+    assert len(lines) == 1 and "first application 0.90 s (target <= 1.0)" \
+        in lines[0] and "strength change 0.10 s (target <= 0.3)" in \
+        lines[0] and "step with LoRA / without 1.030" in lines[0], lines
+
+
 def test_bench_step_timeline():
     """bench/step_timeline.py (VPAGER_BENCH_TIMELINE) on the node's units:
     only the step asked for is marked, every call of a module with weights
@@ -1194,6 +1223,49 @@ def test_converted_weights_and_file_sources():
             with torch.inference_mode():
                 assert torch.equal(m(inputs()), ref(inputs()))
             pager.close()
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+
+def test_mapped_weights_stay_in_place():
+    """Weights ComfyUI's loader mapped from a file stay in the mapping
+    (issue 28): no host copy of them, the mapped tensors between
+    forwards (outside="host"), outputs bitwise."""
+    import mmap
+    import warnings
+    with env(capacity=4 << 20) as e:
+        m = DiT(op=CastLinear)
+        ref = comfy_resident(m)
+        plan = glue.plan_model(m, e.comfy)
+        fd, path = tempfile.mkstemp()
+        try:
+            where = weights_file(plan, fd)
+            mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # a read-only buffer
+                flat = torch.frombuffer(mm, dtype=torch.uint8)
+            mapped, ptrs = 0, {}
+            for _, mod, params in plan.units:
+                for _key, k in params:
+                    p = mod._parameters[k]
+                    off, n = where[p.data_ptr()], p.numel() * p.element_size()
+                    p.data = flat[off:off + n].view(p.dtype).view(p.shape)
+                    mapped += n
+                    ptrs[k, id(mod)] = p.data_ptr()
+            dev, _ = glue.vp_device(CPU, e.comfy.args)
+            pager = engine.Pager(dev, CPU, m, plan.units, dtypes=plan.dtypes)
+            s = pager.stats()["model"]
+            assert s["host_by_kind"]["in place"] == mapped, s
+            assert s["host_by_kind"]["pinned copy"] == 0, s
+            for _, mod, params in plan.units:
+                for _key, k in params:
+                    assert mod._parameters[k].data_ptr() == ptrs[k, id(mod)]
+            with torch.inference_mode():
+                for _ in range(2):
+                    assert torch.equal(m(inputs()), ref(inputs()))
+            pager.close()
+            del flat
         finally:
             os.close(fd)
             os.unlink(path)
