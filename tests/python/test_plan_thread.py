@@ -8,6 +8,7 @@ the other tests plan on the forward's thread, _runner.py):
   it) never includes a plan's compute or a warm;
 * a plan made there is applied at a forward's start, on the forward's
   thread, before any unit runs; outputs stay bitwise;
+* the planner's process (planproc.py) plans as this one does;
 * ten prompts of four forwards: from the second prompt on, each copies,
   commits and evicts exactly what the one before did.
 No timed assertions: counts and the fake clock only.
@@ -33,7 +34,7 @@ except ImportError:         # pragma: no cover - depends on the machine
         pytest.skip("torch is not importable", allow_module_level=True)
 
 if torch is not None:
-    from vpager.torch import tuner  # noqa: E402
+    from vpager.torch import planproc, schedule, tuner  # noqa: E402
     from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
 
 WAIT = 60.0                 # seconds: only a hung planner reaches it
@@ -148,6 +149,22 @@ def test_planned_on_the_forwards_thread_when_asked():
         assert h.schedule() is not None     # planned at its end
         assert clock.of(me) >= PLAN_COST + WARM_COST, clock.charged
     h.unload()
+
+
+def test_the_planners_process_plans_as_this_one():
+    """planproc.plan_rings (a child interpreter of its own, off the GIL)
+    gives the schedules schedule.plan_rings gives here, field by field."""
+    work = [1e-3 * (1 + (i % 7)) for i in range(60)]
+    sizes = [[(64 << 10) * (1 + i % 3), 512] for i in range(60)]
+    args = (work, sizes, 6 << 20, [1 << 20, 512 << 10], 64 << 10, 10e9,
+            512, 1, 4e-6, 5e-4)
+    there = planproc.plan_rings(*args)
+    assert there is not None, "no planner's process on this machine"
+    here = schedule.plan_rings(*args)
+    fields = schedule.Schedule.__slots__
+    assert [(r, [getattr(c, f) for f in fields]) for r, c in there] == \
+        [(r, [getattr(c, f) for f in fields]) for r, c in here]
+    assert any(not all(c.resident) for _, c in here)   # some streamed
 
 
 PROMPTS = 10

@@ -42,6 +42,7 @@ each, by lifetime:
     replace    re-placement in execution order after the first forward
     tuner      the measured forwards and the schedule applied
     schedule   the copy schedule from measured costs (pure)
+    planproc   the planner's process: plans off the forward's GIL
     patches    a weight's bytes from another tensor (set_source)
     ledger     the models in the GPU's shared ledger
   read out:

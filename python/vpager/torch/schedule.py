@@ -369,3 +369,16 @@ def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
     return Schedule(res, win, t, _streamed(sizes, res),
                     resident_pages(sizes, res, page, align),
                     float(sum(work)))
+
+
+def plan_rings(work, sizes, total, rings, page, link, align, spare_pages,
+               per_copy=0.0, margin=5e-4):
+    """[(ring, Schedule)]: plan() for each ring size in `rings`, in the
+    room a device budget of `total` bytes leaves beside the ring (whole
+    pages) and `spare_pages` pages."""
+    out = []
+    for ring in rings:
+        room = total - _round(max(ring, page), page) - spare_pages * page
+        out.append((ring, plan(work, sizes, room, page, link, ring,
+                               per_copy, align, margin)))
+    return out

@@ -34,7 +34,7 @@ import torch
 from .. import env
 from ..errors import BusyError
 from ..weights import WeightBatch
-from . import schedule
+from . import planproc, schedule
 from .devices import ring_pages
 from .placement import (place_resident_first, scheduled_ranks,
                         staging_need)
@@ -454,7 +454,7 @@ class Tuner:
                 return raw, work, settled, None
             w = [work.get(u, 0.0) for u in units]
             return raw, work, settled, (total, plan_rings(
-                w, sizes, total, rings, page, link, align))
+                w, sizes, total, rings, page, link, align, remote=True))
         self.planner.submit(job)
 
     def _take(self):
@@ -720,16 +720,18 @@ class Tuner:
             lay.device.synchronize(stream)
 
 
-def plan_rings(work, sizes, total, rings, page, link, align):
-    """[(ring, Schedule)]: schedule.plan() for each ring size, in the
-    room a device budget of `total` bytes leaves beside it. Pure: the
-    planner's thread runs it."""
-    out = []
-    for ring in rings:
-        room = total - ring_pages(ring, page) - SPARE_PAGES * page
-        out.append((ring, schedule.plan(work, sizes, room, page, link, ring,
-                                        PER_COPY, align, MARGIN)))
-    return out
+def plan_rings(work, sizes, total, rings, page, link, align, remote=False):
+    """[(ring, Schedule)]: schedule.plan_rings() with the tuner's
+    constants. remote: in the planner's process (planproc.py: its own
+    interpreter, so the plan's pure-Python seconds take no GIL from the
+    forward's thread), computed here if that process cannot be had."""
+    args = (work, sizes, total, rings, page, link, align, SPARE_PAGES,
+            PER_COPY, MARGIN)
+    if remote:
+        got = planproc.plan_rings(*args)
+        if got is not None:
+            return got
+    return schedule.plan_rings(*args)
 
 
 def carried(units, window, held):
