@@ -34,7 +34,10 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
         [--fp8-budget half|N]      # formats: a comma list of --quant's
 
 Prints per run: patcher class, steady step (median of steps 2..n) and first
-step per repetition (prompt), vpager's counters; then each run's latents
+step per repetition (prompt), vpager's counters, the host's memory
+(issue 28: RSS and MemAvailable after each prompt and before the load,
+vpager's pinned bytes and the machine's; the node's host_by_kind and
+host_policy among its counters); then each run's latents
 against the resident run's (sha256 of the float32 bytes, prompt by
 prompt); for runs under a budget the limit L = max(resident, (W - B +
 2 w_max) / link) (B: the budget less torch's peak reservation in that run,
@@ -146,7 +149,10 @@ def child(cr, a):
         stats = getattr(patcher, "vpager_stats", None)
         s = stats() if stats is not None else None
         if s is not None:
-            sch = s["schedule"]
+            sch, dv = s["schedule"], s["device"]
+            m["pinned"] = {k: dv.get(k) for k in (
+                "host_pinned_bytes", "machine_pinned_bytes",
+                "pin_fallback_bytes")}
             s = dict(s["model"], schedule=sch)
             m["vpager"] = {k: s[k] for k in (
                 "weights", "weight_bytes", "resident_bytes", "units",
@@ -155,7 +161,7 @@ def child(cr, a):
                 "prefetch_bytes", "file_weights", "converted_weights",
                 "convert_ms", "patched_weights", "quantized_weights",
                 "refills", "host_patched_weights", "set_sources",
-                "replaced", "schedule")
+                "replaced", "schedule", "host_by_kind", "host_policy")
                 if k in s}
         m["node"] = info.get("node")
         return m
@@ -226,6 +232,16 @@ def report(cr, name, r):
                    copied(d) / 2**20, d.get("fill_bytes", 0) / 2**20,
                    d.get("staged_bytes", 0) / 2**20,
                    d.get("prefetch_bytes", 0) / 2**20))
+        if "rss" in rep:
+            hb = r.get("host_before_load") or {}
+            pin = rep.get("pinned") or {}
+            say("      host: RSS %.2f GiB (before load %.2f), MemAvailable "
+                "%.2f GiB (before load %.2f), pinned %.2f GiB (machine "
+                "%.2f)" % (rep["rss"] / GiB, hb.get("rss", 0) / GiB,
+                           rep.get("mem_available", 0) / GiB,
+                           hb.get("mem_available", 0) / GiB,
+                           (pin.get("host_pinned_bytes") or 0) / GiB,
+                           (pin.get("machine_pinned_bytes") or 0) / GiB))
         say("      resident %s, torch reserved %.2f GiB (peak %.2f), device "
             "used %.2f GiB" % (rep.get("patcher_loaded"),
                                rep["torch_reserved"] / GiB,

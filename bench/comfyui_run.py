@@ -936,6 +936,7 @@ def child_sample(a):
            "patcher_state": state,
            "aimdo_enabled": bool(comfy.memory_management.aimdo_enabled),
            "comfy_aimdo": os.path.dirname(comfy_aimdo.control.__file__)}
+    res["host_before_load"] = host_memory()
     t0 = time.perf_counter()
     opts = unet_options(a.weight_dtype, torch)
     res["weight_dtype"] = a.weight_dtype
@@ -1070,7 +1071,25 @@ def memory(patcher, torch):
     m["torch_allocated"] = torch.cuda.memory_allocated()
     free, total = torch.cuda.mem_get_info()
     m["device_used"] = total - free
+    m.update(host_memory())
     return m
+
+
+def host_memory():
+    """The process's RSS and the machine's MemAvailable, bytes (issue 28:
+    one copy of a model in RAM)."""
+    out = {}
+    for path, key, name in (("/proc/self/status", "VmRSS:", "rss"),
+                            ("/proc/meminfo", "MemAvailable:",
+                             "mem_available")):
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(key):
+                        out[name] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return out
 
 
 # ----------------------------------------------------------- orchestrator
