@@ -226,6 +226,17 @@ def test_writable_private_mapping_on_the_sim_is_in_place():
         run_bitwise(m, hostpolicy.IN_PLACE)[0].close()
 
 
+def test_no_pin_budget_reads_the_file_bitwise():
+    """Registration pins nothing (the pin budget is spent): the mapped
+    weights are read from their file instead, bitwise."""
+    with hostpolicy.override(ram_available=64 * GiB), mapped_model() as m:
+        h, want, x = run_bitwise(m, hostpolicy.FILE, pin_budget=1)
+        assert "read from the file instead" in \
+            h.stats()["model"]["host_policy"]
+        assert h.stats()["device"]["machine_pinned_bytes"] <= 1
+        h.close()
+
+
 def test_weights_from_in_place_and_file():
     with tempfile.TemporaryDirectory() as tmp:
         ref = mlp()

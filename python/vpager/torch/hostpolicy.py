@@ -217,7 +217,7 @@ def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
     if disk is not None:
         said += ", disk %.2f GB/s" % (disk / 1e9)
         if streamed:
-            said += " (%s streamed a step: %d ms of reads)" % (
+            said += ", %s streamed a step = %d ms of reads" % (
                 gib(streamed), round(streamed / disk * 1e3))
     if nbytes > FIT * ram:
         return Choice(FILE, "they do not fit in RAM (%s)" % said)
@@ -242,6 +242,11 @@ def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
     line = "vpager: %s: %s" % (model, "; ".join(parts) or "no host bytes")
     if choice is not None:
         line += ": " + choice.reason
+        if choice.kind == IN_PLACE and by_kind.get(FILE):
+            line += ("; in place was chosen, but the device pinned none of "
+                     "the file's mapping (the pin budget spent, or a "
+                     "writable private mapping on CUDA, which pinning "
+                     "would copy): read from the file instead")
     return line
 
 
