@@ -487,7 +487,7 @@ class VpagerPatcher:
         for name, m, _params in plan.units:
             self._vp_prepare_op(name, m)
         # Patched weights: only those whose patch set changed refill.
-        refilled = 0
+        refilled = computed = 0
         for e in pager.entries:
             patches = self.patches.get(e.key) or None
             if engine.same_patch(e.patch, patches):
@@ -501,10 +501,12 @@ class VpagerPatcher:
                     key, device_to=device_to, return_weight=True),
                 fill=self._vp_fill(e, device_to) if patches else None)
             refilled += 1
-        if refilled and device_to.type == "cuda":
-            # ComfyUI computed the patched weights on the device: torch's
-            # cache would keep those blocks reserved, room the budget's
-            # weights and the staging ring then lack.
+            computed += bool(e.host_patched)
+        if computed and device_to.type == "cuda":
+            # ComfyUI computed patched QuantizedTensors on the device here:
+            # torch's cache would keep those blocks reserved, room the
+            # budget's weights and the staging ring then lack. (Weights
+            # patched at fill compute in the forward: nothing to give.)
             torch.cuda.empty_cache()
         # The rest ComfyUI's way: straight to the device; a parameter
         # of a module that is no ComfyUI op in the dtype the model
