@@ -8,6 +8,8 @@ the other tests plan on the forward's thread, _runner.py):
   it) never includes a plan's compute or a warm;
 * a plan made there is applied at a forward's start, on the forward's
   thread, before any unit runs; outputs stay bitwise;
+* the forward that takes a placement fills the resident set by prefetch
+  as it runs (no warm() stop), and the next one is back to the plan;
 * the planner's process (planproc.py) plans as this one does;
 * ten prompts of four forwards: from the second prompt on, each copies,
   commits and evicts exactly what the one before did.
@@ -165,6 +167,45 @@ def test_the_planners_process_plans_as_this_one():
     assert [(r, [getattr(c, f) for f in fields]) for r, c in there] == \
         [(r, [getattr(c, f) for f in fields]) for r, c in here]
     assert any(not all(c.resident) for _, c in here)   # some streamed
+
+
+def test_a_placement_fills_while_it_streams():
+    """The forward that takes a new placement fills its resident set by
+    prefetch (windows grown by the next units' resident bytes, no units
+    held), with no warm(); the forward after it has the planned windows
+    and held units back and commits nothing more."""
+    clock = FakeClock()
+    with Patched(clock):
+        m, x, want, h = _threaded_mlp()
+        tun = h.tuner
+        s0 = h.stats()["device"]
+        for _ in range(3 * tuner.ROUNDS_MAX):
+            assert torch.equal(m(x), want)
+            if tun.filling is not None:
+                break
+            assert tun.planner.wait(WAIT)
+            s0 = h.stats()["device"]
+        assert tun.filling is not None, "no placement was taken"
+        filled = delta(h.stats()["device"], s0, "prefetch_bytes",
+                       "pages_committed")
+        assert filled["pages_committed"] > 0, filled
+        planned, held = tun.filling
+        units = tun._costs({})[0]
+        grown = [u.window for u in units if u is not None]
+        assert any(g > (p or 0) for g, p in zip(
+            grown, [w for u, w in zip(units, planned) if u is not None]))
+        s1 = h.stats()["device"]
+        assert torch.equal(m(x), want)
+        assert tun.filling is None      # no placement taken anew
+        assert [u.window for u in units] == planned
+        assert tun.model.held() == held
+        after = delta(h.stats()["device"], s1, "pages_committed")
+        assert after == {"pages_committed": 0}, after
+        # (the plan may still be measuring: only its next placement moves)
+        if tun.planner.pending:
+            assert tun.planner.wait(WAIT)
+        assert clock.of(threading.get_ident()) == 0.0, clock.charged
+    h.unload()
 
 
 PROMPTS = 10

@@ -91,6 +91,13 @@ _LINKS = {}                 # CUDA device index -> measured bytes/s
 # forward's end, on its thread, as before (the tests' default: their
 # schedules land at a known forward).
 PLAN_THREAD = "VPAGER_PLAN_THREAD"
+# A placement applied at a forward's start fills its resident set during
+# that forward (no warm() stop): each unit's window grows by the resident
+# bytes of the next FILL_UNITS units, so prefetch commits and fills them
+# on the copy stream while earlier units compute, as it copies the
+# streamed ones; the planned windows (and the held units, whose batch
+# would fill at the forward's start) come back at the next forward's.
+FILL_UNITS = 2
 
 
 def measure_link(index):
@@ -217,6 +224,7 @@ class Tuner:
         self.watching = False       # the room watched, once done
         # Plans made off the forward's thread (PLAN_THREAD), else None.
         self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
+        self.filling = None         # (planned windows, held units) to restore
 
     def install(self):
         """Measure from the next root forward on."""
@@ -275,6 +283,7 @@ class Tuner:
             self.watching = True
 
     def _watch(self, module, args):
+        self._filled()
         now = time.monotonic()
         if now < self.watch_at or self.schedule is None or \
                 self.planned_for is None:
@@ -334,6 +343,7 @@ class Tuner:
     def _begin(self, module, args):
         if self.model.busy():
             return
+        self._filled()
         if self.planner is not None and self.planner.pending:
             # A plan being made: this forward runs unmeasured; one that
             # takes the plan too (its placement fills as it runs).
@@ -622,8 +632,8 @@ class Tuner:
         self._windows(units, sizes, sch, ring)
         if self.planner is None:
             self.warm(flat, sch.resident, ring, max(sch.window or [0]))
-        # else no stop at a forward's start to fill the resident set: its
-        # pages commit as the next forward uses the weights.
+        else:
+            self._fill_ahead(units, flat, sch.resident)
         # The streamed weights miss at once (no commit tried, so nothing
         # evicted for them): the watermark just above the resident runs.
         page = dev.page_size
@@ -633,6 +643,38 @@ class Tuner:
                 runs.update(range(off // page, (off + e.size - 1) // page + 1))
         lay.vbar.set_watermark(len(runs) * page)
         self._log(sch, ring, units, w)
+
+    def _fill_ahead(self, units, flat, resident):
+        """The forward after a placement fills its resident set as it runs
+        (FILL_UNITS): windows grown, no units held; _filled() undoes it."""
+        if not self.windows:
+            return              # the device's lookahead: nothing to grow
+        res = {id(e): r for e, r in zip(flat, resident)}
+        mine = [0 if u is None else sum(e.size for e in u.entries
+                                        if res.get(id(e)))
+                for u in units]
+        saved = [u.window if u is not None else None for u in units]
+        for i, u in enumerate(units):
+            if u is not None:
+                u.window = (u.window or 0) + sum(mine[i + 1:i + 1 +
+                                                      FILL_UNITS])
+        self.filling = (saved, self.model.held())
+        self.model.hold(())
+        self.layout.set_windows(units)
+
+    def _filled(self):
+        """At a forward's start after the filling one: the planned windows
+        and held units back."""
+        if self.filling is None:
+            return
+        saved, held = self.filling
+        self.filling = None
+        units = self._costs({})[0]
+        for u, w in zip(units, saved):
+            if u is not None:
+                u.window = w
+        self.layout.set_windows(units)
+        self.model.hold(held)
 
     def _windows(self, units, sizes, sch, ring):
         """Each unit's window: the largest of those the measured forwards
