@@ -183,6 +183,28 @@ def test_policy_choices():
             c.reason, c.reason
 
 
+def test_tight_ram_fast_disk_reads_the_file_slow_disk_stays():
+    """The policy through offload(): RAM for the model twice over, a fast
+    disk: the file is read; the same RAM and a slow disk: in place."""
+    size = sum(p.numel() * 4 for p in mlp().parameters())
+    for disk, kind in ((7e9, hostpolicy.FILE), (0.1e9, hostpolicy.IN_PLACE)):
+        with hostpolicy.override(ram_available=size * 3 // 2,
+                                 disk_bytes_per_s=disk), \
+                mapped_model() as m:
+            run_bitwise(m, kind)[0].close()
+
+
+def test_the_line_says_what_is_pinned():
+    kinds = {hostpolicy.IN_PLACE: 10 * GiB, hostpolicy.PINNED_COPY: 2 * M}
+    c = hostpolicy.Choice(hostpolicy.IN_PLACE, "why")
+    line = hostpolicy.say("Flux", kinds, c, (4 * GiB, 10 * GiB))
+    assert line == ("vpager: Flux: 10.0 GiB of weights stay in the mapped "
+                    "file (in place, registered: 4.0 GiB of it pinned, the "
+                    "rest pageable (the pin budget)); 2 MiB are in a pinned "
+                    "copy (not file-backed): why"), line
+    assert "(in place, pageable)" in hostpolicy.say("F", kinds, c, None)
+
+
 def test_one_line_a_model_says_why():
     lines = []
 

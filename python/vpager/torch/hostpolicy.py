@@ -227,13 +227,20 @@ def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
 
 
 def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-        registered: Optional[bool]) -> str:
-    """The one line a model's offload() logs (logger "vpager")."""
+        registered: Optional[Tuple[int, int]]) -> str:
+    """The one line a model's offload() logs (logger "vpager");
+    registered: (bytes pinned, bytes registered) of the mappings used in
+    place, None if none was."""
     parts = []
     if by_kind.get(IN_PLACE):
+        how = "pageable"
+        if registered is not None:
+            pinned, span = registered
+            how = "registered" if pinned >= span else (
+                "registered: %s of it pinned, the rest pageable (the pin "
+                "budget)" % gib(pinned))
         parts.append("%s of weights stay in the mapped file (in place, %s)"
-                     % (gib(by_kind[IN_PLACE]), "registered" if registered
-                        else "pageable"))
+                     % (gib(by_kind[IN_PLACE]), how))
     if by_kind.get(FILE):
         parts.append("%s are read from the file" % gib(by_kind[FILE]))
     if by_kind.get(PINNED_COPY):
@@ -251,7 +258,8 @@ def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
 
 
 def report(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-           registered: Optional[bool]) -> Tuple[str, Dict[str, int]]:
+           registered: Optional[Tuple[int, int]]
+           ) -> Tuple[str, Dict[str, int]]:
     line = say(model, by_kind, choice, registered)
     log.info("%s", line)
     return line, by_kind

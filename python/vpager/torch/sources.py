@@ -34,6 +34,7 @@ class HostBytes:
         self.fds = []
         self.kinds = {}
         self.line = ""
+        self.span = self.pinned = 0     # bytes registered, pinned of them
 
     def by_kind(self, entries):
         """{kind: host bytes} over entries (every kind, 0 if none)."""
@@ -93,6 +94,8 @@ def _register(dev, lo, size, hb_out):
         hb.close()
         return None
     hb_out.registered.append(hb)
+    hb_out.span += size
+    hb_out.pinned += hb.pinned_bytes
     return hb
 
 
@@ -323,8 +326,9 @@ def _sources(dev, entries, align, st, plan, custom, times, target_type,
                                         target_type, streamed, hbytes)
     for i in hosted:
         hbytes.kinds[entries[i]] = hostpolicy.PINNED_COPY
-    hbytes.line, _ = hostpolicy.report(model, hbytes.by_kind(entries),
-                                       choice, bool(hbytes.registered))
+    hbytes.line, _ = hostpolicy.report(
+        model, hbytes.by_kind(entries), choice,
+        (hbytes.pinned, hbytes.span) if hbytes.registered else None)
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
