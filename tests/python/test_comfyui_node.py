@@ -943,6 +943,33 @@ def test_set_fill():
         assert torch.equal(run(m), want)
         h.set_fill(name, None)
         assert torch.equal(run(m), want0)
+        # Out of memory in a fill: once more after vpager evicted.
+        ooms = [1]
+
+        def tight(view):
+            if ooms[0]:
+                ooms[0] -= 1
+                raise RuntimeError("CUDA out of memory (a stand-in)")
+            view.mul_(2)
+        h.set_fill(name, tight)
+        assert torch.equal(run(m), want) and ooms == [0]
+        # Another error: the forward raises, and the weight is filled
+        # (and rewritten) anew at its next acquire, not left unrewritten.
+        broken = [True]
+
+        def flaky(view):
+            if broken[0]:
+                raise ValueError("a stand-in failure")
+            view.mul_(2)
+        h.set_fill(name, flaky)
+        try:
+            run(m)
+            raise AssertionError("the fill's error")
+        except ValueError:
+            pass
+        broken[0] = False
+        for _ in range(2):
+            assert torch.equal(run(m), want)
         p.detach()
 
 

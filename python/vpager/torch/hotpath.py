@@ -26,7 +26,7 @@ from ..errors import Error
 from ..weights import WeightBatch
 from .devices import LEARN_EVERY, cuda_index, learn_headroom
 from .layout import ALL
-from .patches import refill, run_fills
+from .patches import refill
 from .serial import new_lock
 from .units import Unit, refuse_copy
 from .views import view
@@ -267,12 +267,30 @@ class HotPath:
                 # Bytes fresh from the source, rewritten on the device
                 # (patches.set_fill: a patch computed at fill).
                 if e.fill is not None and flags[i] & _COPIED:
-                    e.fill(v)
+                    self.fill(e, v)
         except BaseException:
             self.leave(unit, stream, prev, False)
             refill(self.layout, entries)
             raise
         return stream, prev
+
+    def fill(self, e, v):
+        """Weight e's fill (patches.set_fill) over its fresh bytes in v;
+        after an out-of-memory error (a fill that raises leaves the bytes
+        as they were) once more, with vpager's unpinned pages evicted and
+        torch's cache emptied, as retry() does for a forward."""
+        try:
+            e.fill(v)
+            return
+        except Exception as x:
+            if not is_oom(x):
+                raise
+        self.device.free_memory(ALL)
+        self.ds.top = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        self.ds.gov.raise_oom_margin()
+        e.fill(v)
 
     @staticmethod
     def leave(unit, stream, prev, raise_errors):
@@ -441,9 +459,10 @@ class HotPath:
         flags = batch.flags
         if self._held_fills:
             try:
-                run_fills(self._held_entries, ptrs, flags,
-                          lambda i, e: view(ptrs[i], e.dtype, e.shape,
-                                            self.target))
+                for i, e in enumerate(self._held_entries):
+                    if e.fill is not None and flags[i] & _COPIED:
+                        self.fill(e, view(ptrs[i], e.dtype, e.shape,
+                                          self.target))
             except BaseException:
                 batch.release(stream)
                 refill(self.layout, self._held_entries)

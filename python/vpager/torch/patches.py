@@ -9,7 +9,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .. import ACQUIRED_COPIED
 from ..weights import Source
 from .layout import Layout
 from .sources import host_memory, outside
@@ -98,7 +97,9 @@ def set_fill(layout: Layout, name: str,
     acquiring stream, before any use: `view` is a device tensor of the
     weight's dtype and shape over the fresh bytes, which fill rewrites in
     place (a LoRA patch computed on the device: no host copy). Bytes that
-    stayed resident since are not filled, nor rewritten again. fill None:
+    stayed resident since are not filled, nor rewritten again. A fill
+    that raises leaves the bytes as they were (after an out-of-memory
+    error it runs once more: HotPath.fill). fill None:
     the weight's own bytes. Either way only that weight is filled anew,
     at its next acquire. A source set by set_source() is dropped (its own
     bytes again). Not inside the weight's forward (RuntimeError)."""
@@ -123,16 +124,6 @@ def set_fill(layout: Layout, name: str,
     else:
         layout.set_source(e, e.src)     # the same source: filled anew
     e.fill = fill
-
-
-def run_fills(entries: Iterable[Any], ptrs: Any, flags: Any,
-              views: Callable[[int, Any], torch.Tensor]) -> None:
-    """The fills (set_fill) of the weights just acquired whose bytes came
-    fresh from their sources (VP_ACQUIRED_COPIED); views(i, e): weight
-    i's view."""
-    for i, e in enumerate(entries):
-        if e.fill is not None and flags[i] & ACQUIRED_COPIED:
-            e.fill(views(i, e))
 
 
 def refill(layout: Layout, entries: Iterable[Any]) -> None:
