@@ -282,10 +282,10 @@ def test_weights_from_in_place_and_file():
 
 
 def test_mapped_model_grows_rss_by_the_budget_only():
-    """A 48 MiB model over a mapped file, offloaded with budget B = 8 MiB:
+    """A 96 MiB model over a mapped file, offloaded with budget B = 8 MiB:
     the process grows by <= B + 10% of the model (a host copy would add
     the whole model)."""
-    width, depth = 512, 48           # 48 x 1 MiB
+    width, depth = 512, 96           # 96 x 1 MiB
     budget = 8 * M
     with tempfile.TemporaryDirectory() as tmp:
         m = mlp(width, depth)
