@@ -242,10 +242,30 @@ def test_anonymous_tensors_get_one_pinned_copy():
         assert torch.equal(m(x), want)
 
 
-def test_writable_private_mapping_on_the_sim_is_in_place():
-    # (CUDA reads such a mapping as a FILE: pinning it would copy it.)
+def test_writable_private_mapping_is_read_through_our_own():
+    """A private writable mapping (torch's from_file, ComfyUI's loader):
+    used in place through a read-only mapping of vpager's own of the
+    same file (pinning the caller's for write would copy its pages); the
+    caller's tensors are theirs again after unload()."""
     with mapped_model(writable=True) as m:
-        run_bitwise(m, hostpolicy.IN_PLACE)[0].close()
+        first = m[0].weight.data_ptr()
+        h, want, x = run_bitwise(m, hostpolicy.IN_PLACE)
+        assert h.stats()["model"]["host_bytes"] == 0
+        h.unload()
+        assert m[0].weight.data_ptr() == first
+    with hostpolicy.override(ram_available=1 * M), \
+            mapped_model(writable=True) as m:
+        run_bitwise(m, hostpolicy.FILE)[0].close()
+
+
+def test_a_written_private_mapping_gets_a_pinned_copy():
+    """The caller changed their private mapping's bytes: the file no
+    longer holds them, so vpager keeps a pinned copy of what the tensor
+    holds."""
+    with mapped_model(writable=True) as m:
+        with torch.no_grad():
+            m[0].weight.mul_(2)
+        run_bitwise(m, hostpolicy.PINNED_COPY)[0].close()
 
 
 def test_no_pin_budget_reads_the_file_bitwise():

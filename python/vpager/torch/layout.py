@@ -69,7 +69,7 @@ class Layout:
                 custom.append(src)
         self.hb, slots, self.hbytes = sources(
             dev, entries, self.align, self.st, match, custom,
-            self.load_times, plan.target.type, _streamed(plan),
+            self.load_times, _streamed(plan),
             type(plan.module).__name__)
         for e, (host, addr, src) in zip(entries, slots):
             e.host, e.file_addr, e.src = host, addr, src

@@ -10,6 +10,7 @@ import ctypes
 import mmap
 import os
 import time
+import warnings
 
 import torch
 
@@ -35,6 +36,8 @@ class HostBytes:
         self.kinds = {}
         self.line = ""
         self.span = self.pinned = 0     # bytes registered, pinned of them
+        self.maps = []                  # read-only mappings of our own
+        self.fd_of = {}                 # inode -> fd (FILE sources)
 
     def by_kind(self, entries):
         """{kind: host bytes} over entries (every kind, 0 if none)."""
@@ -54,12 +57,18 @@ class HostBytes:
                 hb.close()
             except Error as err:
                 errors.append(err)
+        self.registered, self.hold = [], []
+        for mm in self.maps:
+            try:
+                mm.close()
+            except BufferError:     # still viewed: goes with its views
+                pass
         for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self.registered, self.hold, self.fds = [], [], []
+        self.maps, self.fds, self.fd_of = [], [], {}
         return errors
 
 
@@ -99,9 +108,11 @@ def _register(dev, lo, size, hb_out):
     return hb
 
 
-def _file_source(m, addr, fds):
-    """A FILE source for a mapped tensor at addr, opening m's file (the
-    same inode), or None."""
+def _open_same(m, hbytes):
+    """An fd of m's file (the same inode; one a file), or None."""
+    fd = hbytes.fd_of.get(m.inode)
+    if fd is not None:
+        return fd
     try:
         fd = os.open(m.path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -109,12 +120,47 @@ def _file_source(m, addr, fds):
     if os.fstat(fd).st_ino != m.inode:
         os.close(fd)
         return None
-    fds.append(fd)
+    hbytes.fds.append(fd)
+    hbytes.fd_of[m.inode] = fd
+    return fd
+
+
+def _file_source(m, addr, hbytes):
+    """A FILE source for a mapped tensor at addr, or None."""
+    fd = _open_same(m, hbytes)
+    if fd is None:
+        return None
     return Source.from_file(fd, m.offset + addr - m.start)
 
 
-def _file_slots(dev, entries, st, plan, custom, target_type, streamed,
-                hbytes):
+def _own_mapping(m, lo, hi, hbytes):
+    """A read-only shared mapping of our own of the file bytes the
+    caller's private writable mapping m shows at [lo, hi): the same page
+    cache pages, but pinning it copies nothing (pinning the caller's for
+    write would copy its pages), and the caller's later writes to theirs
+    do not reach it. (shift: our address of caller address a is
+    a + shift; our mapping's first and end address), or None."""
+    fd = _open_same(m, hbytes)
+    if fd is None:
+        return None
+    gran = mmap.ALLOCATIONGRANULARITY
+    flo = (m.offset + lo - m.start) // gran * gran
+    try:
+        mm = mmap.mmap(fd, m.offset + hi - m.start - flo,
+                       flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
+                       offset=flo)
+    except (OSError, ValueError):
+        return None
+    hbytes.maps.append(mm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # a read-only buffer
+        t = torch.frombuffer(mm, dtype=torch.uint8)
+    hbytes.hold.append(t)
+    base = t.data_ptr()
+    return base + m.offset - m.start - flo, base, base + len(mm)
+
+
+def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
     """[(host, file_addr, Source) or None], [indices needing a host copy],
     the policy's Choice (None: nothing file-backed). Entries with a
     source of the caller's (custom[i], offload(sources=)) get none of
@@ -146,39 +192,42 @@ def _file_slots(dev, entries, st, plan, custom, target_type, streamed,
     for i, addr, m in backed:
         groups.setdefault(None if m is None else m.start, []).append(
             (i, addr, m))
-    for key, group in groups.items():
-        in_place = choice.kind == hostpolicy.IN_PLACE
+    for group in groups.values():
         m = group[0][2]
-        if in_place and not (target_type == "cuda" and m is not None
-                             and m.writable_private):
-            # (CUDA pins a writable private mapping for write: its pages
-            # would be copied; such a mapping is read as a FILE.)
-            lo = min(a for _, a, _ in group)
-            hi = max(a + entries[i].size for i, a, _ in group)
-            bound = ((m.start, m.end) if m is not None
-                     else (base, base + st.mmap()[1]))
-            if _register(dev, *_page_span(lo, hi, *bound),
-                         hb_out=hbytes) is None:
+        if m is not None and m.writable_private and maps.modified(m):
+            hosted.extend(i for i, _, _ in group)   # not the file's bytes
+            continue
+        lo = min(a for _, a, _ in group)
+        hi = max(a + entries[i].size for i, a, _ in group)
+        in_place = choice.kind == hostpolicy.IN_PLACE
+        shift, bound = 0, ((m.start, m.end) if m is not None
+                           else (base, base + st.mmap()[1]))
+        if in_place and m is not None and m.writable_private:
+            own = _own_mapping(m, lo, hi, hbytes)
+            if own is None:
                 in_place = False
-        elif in_place:
+            else:
+                shift, bound = own[0], own[1:]
+        if in_place and _register(dev, *_page_span(lo + shift, hi + shift,
+                                                   *bound),
+                                  hb_out=hbytes) is None:
             in_place = False
         for i, addr, mp in group:
             e = entries[i]
-            if mp is not None:
-                hbytes.hold.append(e.tensor.data)
             if in_place:
-                src = Source.from_host(addr)
+                src = Source.from_host(addr + shift)
                 hbytes.kinds[e] = hostpolicy.IN_PLACE
             elif mp is None:
                 src = st.source(plan[e].index)
                 hbytes.kinds[e] = hostpolicy.FILE
             else:
-                src = _file_source(mp, addr, hbytes.fds)
+                src = _file_source(mp, addr, hbytes)
                 if src is None:         # the file is gone: copy it
                     hosted.append(i)
                     continue
                 hbytes.kinds[e] = hostpolicy.FILE
             if mp is not None:
+                hbytes.hold.append(e.tensor.data)
                 e.keep = e.tensor.data      # the caller's, in place
                 slots[i] = (None, None, src)
             else:
@@ -288,17 +337,19 @@ def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
 
 
 def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
-            target_type="cpu", streamed=0, model="model"):
+            streamed=0, model="model"):
     """Where each entry's bytes live: ([(host, file_addr, Source)], the
     HostBuf holding the host copies (None if no entry has one), HostBytes).
     A weight's host bytes live in one place (hostpolicy.py):
 
     - file-backed parameters (st, plan from files.match_file: the
       weights_from= file; or a CPU tensor over a mapped file) stay in the
-      file: in place (a HOST source over the mapping, registered: not on
-      CUDA for a writable private mapping, whose pages pinning would copy)
-      or read from it (FILE), as hostpolicy.choose() says; a mapped
-      tensor's entry keeps it (e.keep) for restore and outside="host";
+      file: in place (a HOST source over the mapping, registered; for a
+      caller's writable private mapping a read-only one of our own over
+      the same page-cache pages: _own_mapping) or read from it (FILE), as
+      hostpolicy.choose() says; a mapped tensor's entry keeps it (e.keep)
+      for restore and outside="host". A private mapping the caller wrote
+      to holds other bytes than the file: a pinned copy;
     - entries with a source of the caller's (custom[i], offload(sources=))
       get nothing of ours;
     - the rest (buffers, which training updates in place; tensors in
@@ -313,17 +364,17 @@ def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
     hbytes = HostBytes()
     try:
         hb, slots = _sources(dev, entries, align, st, plan, custom, times,
-                             target_type, streamed, model, hbytes)
+                             streamed, model, hbytes)
     except BaseException:
         hbytes.close()
         raise
     return hb, slots, hbytes
 
 
-def _sources(dev, entries, align, st, plan, custom, times, target_type,
-             streamed, model, hbytes):
+def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
+             hbytes):
     slots, hosted, choice = _file_slots(dev, entries, st, plan, custom,
-                                        target_type, streamed, hbytes)
+                                        streamed, hbytes)
     for i in hosted:
         hbytes.kinds[entries[i]] = hostpolicy.PINNED_COPY
     hbytes.line, _ = hostpolicy.report(
