@@ -160,7 +160,8 @@ def child(cr, a):
                 "weight_staged", "fill_bytes", "staged_bytes",
                 "prefetch_bytes", "file_weights", "converted_weights",
                 "convert_ms", "patched_weights", "quantized_weights",
-                "refills", "host_patched_weights", "set_sources",
+                "refills", "host_patched_weights", "patch_fills",
+                "patch_fill_bytes", "set_sources",
                 "replaced", "schedule", "host_by_kind", "host_policy")
                 if k in s}
         m["node"] = info.get("node")
@@ -385,16 +386,28 @@ def lora_change(cr, run, reps, row):
             by["removed"]["steps_ms"])
     row["lora_change_s"] = cost
     row["lora_step_ratio"] = step
+    # The node's patches computed at fill in the unchanged LoRA prompt:
+    # the streamed patched weights' per-step cost (bytes rewritten).
+    i = reps.index(same)
+    now = same.get("vpager") or {}
+    was = (reps[i - 1].get("vpager") or {}) if i else {}
+    fill_mib = None
+    if "patch_fill_bytes" in now and same["steps_ms"]:
+        fill_mib = (now["patch_fill_bytes"] - was.get("patch_fill_bytes", 0)
+                    ) / len(same["steps_ms"]) / 2**20
+        row["lora_fill_mib_per_step"] = fill_mib
 
     def fmt(k):
         return "%.2f s" % cost[k] if k in cost else "n/a"
     say("%s: LoRA change (a prompt's time less lora_b_again's): first "
         "application %s (target <= %.1f), strength change %s (target <= "
         "%.1f), another LoRA %s, removed %s; step with LoRA / without %s "
-        "(target <= %.2f)" % (
+        "(target <= %.2f)%s" % (
             run, fmt("lora_a"), LORA_FIRST_S, fmt("lora_a@0.5"),
             LORA_STRENGTH_S, fmt("lora_b"), fmt("removed"),
-            "%.3f" % step if step else "n/a", LORA_STEP))
+            "%.3f" % step if step else "n/a", LORA_STEP,
+            "; patched at fill %.0f MiB a step" % fill_mib
+            if fill_mib is not None else ""))
 
 
 def run_set(cr, a, ours, runs, out, gen, summary, judged=None):

@@ -465,7 +465,8 @@ class Pager:
         """vpager.torch's stats() shape (python/README.md, "stats()"),
         the node's own figures in "model": its weights as ComfyUI holds
         them, converted_weights, quantized_weights, convert_ms,
-        patched_weights, refills."""
+        patched_weights, host_patched_weights, refills, patch_fills,
+        patch_fill_bytes."""
         s = self.h.stats()
         m = s["model"]
         m["weights"] = len(self.entries)
@@ -478,6 +479,10 @@ class Pager:
         m["patched_weights"] = len(self.patched_keys())
         m["host_patched_weights"] = sum(e.host_patched
                                         for e in self.entries)
+        # Patches computed at fill (on the device) since offload, and the
+        # bytes they rewrote: a streamed patched weight's at each fill.
+        m["patch_fills"] = self.h.hot_path.fills
+        m["patch_fill_bytes"] = self.h.hot_path.fill_bytes
         m["refills"] = self.refills
         return s
 

@@ -631,6 +631,8 @@ def test_bench_lora_change():
     reps = [rep("base", 9.0, 100), rep("lora_a", 2.4, 104),
             rep("lora_a@0.5", 1.6, 104), rep("lora_b", 2.3, 104),
             rep("lora_b_again", 1.5, 103), rep("removed", 1.8, 100)]
+    reps[3]["vpager"] = {"patch_fill_bytes": 10 << 20}
+    reps[4]["vpager"] = {"patch_fill_bytes": 40 << 20}   # 30 MiB, 3 steps
     lines, row = [], {}
     real = bn.say
     bn.say = lines.append
@@ -643,7 +645,8 @@ def test_bench_lora_change():
         < 1e-9 and abs(row["lora_step_ratio"] - 1.03) < 1e-9, row
     assert len(lines) == 1 and "first application 0.90 s (target <= 1.0)" \
         in lines[0] and "strength change 0.10 s (target <= 0.3)" in \
-        lines[0] and "step with LoRA / without 1.030" in lines[0], lines
+        lines[0] and "step with LoRA / without 1.030" in lines[0] and \
+        "patched at fill 10 MiB a step" in lines[0], lines
 
 
 def test_bench_step_timeline():
@@ -856,9 +859,12 @@ def test_patch_at_fill():
             # Steady: the streamed patched weights are computed at each
             # of their fills, the resident ones not again.
             calls.clear()
+            f0 = pager.stats()["model"]["patch_fills"]
             assert torch.equal(run(m), want1)
             streamed = set(calls)
             assert all(n == 1 for n in calls.values()), calls
+            assert pager.stats()["model"]["patch_fills"] - f0 == \
+                len(streamed)
             resident = [k for k in keys if k not in streamed]
             assert streamed and resident, (streamed, resident)
             # A changed strength: a resident weight and a streamed one.

@@ -102,6 +102,8 @@ class HotPath:
         self._held_slots = []       # (dict, key, tensor, Entry) of them
         self._held_ptrs = None      # the addresses hparams were made for
         self._held_fills = False    # a held weight has a fill (set_fill)
+        self.fills = 0              # fills run (set_fill), and their bytes
+        self.fill_bytes = 0
         self.blocks = 0             # acquired() blocks open
         self._check_open = check_open
         self._is_open = is_open
@@ -279,6 +281,8 @@ class HotPath:
         after an out-of-memory error (a fill that raises leaves the bytes
         as they were) once more, with vpager's unpinned pages evicted and
         torch's cache emptied, as retry() does for a forward."""
+        self.fills += 1
+        self.fill_bytes += e.size
         try:
             e.fill(v)
             return
