@@ -38,6 +38,7 @@ except ImportError:         # pragma: no cover - depends on the machine
 if torch is not None:
     from vpager.torch import planproc, schedule, tuner  # noqa: E402
     from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
+    from _runner import raises  # noqa: E402
 
 WAIT = 60.0                 # seconds: only a hung planner reaches it
 PLAN_COST = 1.0             # fake seconds a plan charges its thread
@@ -63,8 +64,9 @@ class FakeClock:
 
 
 class Patched:
-    """tuner.plan_rings and Tuner.warm charging the fake clock; plans
-    held at `gate` until it is set; Tuner.apply recording (thread, busy)."""
+    """tuner.plan_rings (a plan on the forward's thread), tuner.plan_job
+    (the planner's) and Tuner.warm charging the fake clock; plans held at
+    `gate` until it is set; Tuner.apply recording (thread, busy)."""
 
     def __init__(self, clock):
         self.clock = clock
@@ -74,14 +76,17 @@ class Patched:
         self.plans = 0
 
     def __enter__(self):
-        self.old = (tuner.plan_rings, tuner.Tuner.warm, tuner.Tuner.apply)
-        plan_rings, warm, apply = self.old
+        self.old = (tuner.plan_rings, tuner.plan_job, tuner.Tuner.warm,
+                    tuner.Tuner.apply)
+        plan_rings, plan_job, warm, apply = self.old
 
-        def plan(*a, **kw):
-            assert self.gate.wait(WAIT), "the plan was never let go"
-            self.plans += 1
-            self.clock.charge(PLAN_COST)
-            return plan_rings(*a, **kw)
+        def charged(fn):
+            def plan(*a, **kw):
+                assert self.gate.wait(WAIT), "the plan was never let go"
+                self.plans += 1
+                self.clock.charge(PLAN_COST)
+                return fn(*a, **kw)
+            return plan
 
         def warm_charged(tun, *a, **kw):
             self.clock.charge(WARM_COST)
@@ -90,13 +95,15 @@ class Patched:
         def apply_seen(tun, *a, **kw):
             self.applied.append((threading.get_ident(), tun.model.busy()))
             return apply(tun, *a, **kw)
-        tuner.plan_rings, tuner.Tuner.warm = plan, warm_charged
-        tuner.Tuner.apply = apply_seen
+        tuner.plan_rings, tuner.plan_job = charged(plan_rings), \
+            charged(plan_job)
+        tuner.Tuner.warm, tuner.Tuner.apply = warm_charged, apply_seen
         return self
 
     def __exit__(self, *exc):
         self.gate.set()
-        tuner.plan_rings, tuner.Tuner.warm, tuner.Tuner.apply = self.old
+        (tuner.plan_rings, tuner.plan_job, tuner.Tuner.warm,
+         tuner.Tuner.apply) = self.old
         return False
 
 
@@ -154,19 +161,23 @@ def test_planned_on_the_forwards_thread_when_asked():
 
 
 def test_the_planners_process_plans_as_this_one():
-    """planproc.plan_rings (a child interpreter of its own, off the GIL)
-    gives the schedules schedule.plan_rings gives here, field by field."""
+    """planproc.call("plan_job") (a child interpreter of its own, off the
+    GIL) gives what schedule.plan_job gives here: the candidates, the
+    pick's merged windows, the kept placement's figures."""
     work = [1e-3 * (1 + (i % 7)) for i in range(60)]
+    works = [work, [2 * t for t in work]]
     sizes = [[(64 << 10) * (1 + i % 3), 512] for i in range(60)]
-    args = (work, sizes, 6 << 20, [1 << 20, 512 << 10], 64 << 10, 10e9,
-            512, 1, 4e-6, 5e-4)
-    there = planproc.plan_rings(*args)
+    old = [i % 3 != 0 for i in range(120)]
+    args = (work, works, sizes, 6 << 20, [1 << 20], 64 << 10,
+            10e9, 512, 1, 4e-6, 5e-4, old, 1 << 20)
+    there = planproc.call("plan_job", *args)
     assert there is not None, "no planner's process on this machine"
-    here = schedule.plan_rings(*args)
-    fields = schedule.Schedule.__slots__
-    assert [(r, [getattr(c, f) for f in fields]) for r, c in there] == \
-        [(r, [getattr(c, f) for f in fields]) for r, c in here]
-    assert any(not all(c.resident) for _, c in here)   # some streamed
+    here = schedule.plan_job(*args)
+    assert there[0] == here
+    assert any(not all(f[0]) for _, f in here["cands"])     # some streamed
+    assert here["old"] is not None
+    e = raises(RuntimeError, planproc.call, "plan_job", "not", "enough")
+    assert "planner's process" in str(e), str(e)
 
 
 def test_a_placement_fills_while_it_streams():

@@ -4,13 +4,13 @@ A plan is pure Python arithmetic (schedule.py): ~1 s of host time for
 SDXL's 794 units. On a thread of the model's own process it would take
 the GIL from the forward's thread, and a host-bound forward (SDXL's) is
 slowed by as much as the plan costs, wherever the plan runs. So the
-planner's thread (tuner._Planner) hands the plan to one child Python per
-process, which loads schedule.py by its path (no torch, no vpager: it
+planner's thread (tuner._Planner) hands the plan (schedule.plan_job) to
+one child Python per process, which loads schedule.py by its path (no torch, no vpager: it
 starts in tens of milliseconds) and answers plan after plan over pipes
 (pickle; the arguments are lists of numbers). The thread waits on the
 pipe without the GIL. The child ends when this process closes the pipe.
 
-plan_rings() returns None when no such process can be had (no
+call() returns None when no such process can be had (no
 sys.executable, a sandbox without subprocesses, the child died): the
 caller then computes the plan itself."""
 
@@ -20,13 +20,12 @@ import pickle
 import subprocess
 import sys
 import threading
-from typing import Any, List, Optional, Tuple
-
-from . import schedule
+from typing import Any, Optional, Tuple
 
 _SCHEDULE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                          "schedule.py")
-# The child: schedule.py by path, then one answer per pickled request.
+# The child: schedule.py by path, then one answer per pickled request
+# (name, args): schedule.<name>(*args).
 # SIGINT ignored: a Ctrl-C in the terminal is the parent's to handle.
 _CHILD = r"""
 import importlib.util, pickle, signal, sys
@@ -41,9 +40,8 @@ while True:
     except EOFError:
         break
     try:
-        msg = ("ok", [(ring, (c.resident, c.window, c.predicted, c.streamed,
-                              c.resident_bytes, c.all_resident))
-                      for ring, c in s.plan_rings(*args)])
+        name, args = args
+        msg = ("ok", getattr(s, name)(*args))
     except Exception as e:
         msg = ("error", "%s: %s" % (type(e).__name__, e))
     pickle.dump(msg, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,13 +102,14 @@ _CHILD_PROCESS = _Child()
 atexit.register(_CHILD_PROCESS.close)
 
 
-def plan_rings(*args: Any) -> Optional[List[Tuple[int, schedule.Schedule]]]:
-    """schedule.plan_rings(*args) computed in the planner's process; None
-    if it cannot be had. A plan that raised there raises RuntimeError."""
-    got = _CHILD_PROCESS.ask(args)
+def call(name: str, *args: Any) -> Optional[Tuple[Any]]:
+    """(schedule.<name>(*args),) computed in the planner's process, for
+    functions of plain data (lists, numbers, dicts); None if the process
+    cannot be had. One that raised there raises RuntimeError."""
+    got = _CHILD_PROCESS.ask((name, args))
     if got is None:
         return None
     status, out = got
     if status != "ok":
         raise RuntimeError("vpager.torch: the planner's process: %s" % out)
-    return [(ring, schedule.Schedule(*fields)) for ring, fields in out]
+    return (out,)

@@ -382,3 +382,42 @@ def plan_rings(work, sizes, total, rings, page, link, align, spare_pages,
         out.append((ring, plan(work, sizes, room, page, link, ring,
                                per_copy, align, margin)))
     return out
+
+
+def merged_windows(window, works, sizes, resident, link, ring,
+                   per_copy=0.0, margin=0.0):
+    """`window` raised, unit by unit, to what each of `works` (per-unit
+    work lists: several measured forwards, of several kinds) asks for
+    with this resident set: a window long enough for each."""
+    out = list(window)
+    for w in works:
+        other = windows(w, sizes, resident, link, ring, per_copy, margin)
+        out = [max(a, b) for a, b in zip(out, other)]
+    return out
+
+
+def plan_job(work, works, sizes, total, rings, page, link, align,
+             spare_pages, per_copy, margin, old_resident, old_ring):
+    """All the arithmetic of a plan's application, as plain data (the
+    planner's process returns it): "cands", plan_rings' [(ring, Schedule
+    fields)]; "pick", the index pick_ring chooses and its windows merged
+    over `works` (merged_windows); "old", when old_resident is given and
+    the pick keeps old_ring: (predicted seconds, windows, merged windows)
+    of the old resident set under `work`."""
+    cands = plan_rings(work, sizes, total, rings, page, link, align,
+                       spare_pages, per_copy, margin)
+    ring, sch = pick_ring(cands)
+    i = [c for _, c in cands].index(sch)
+    win = merged_windows(sch.window, works, sizes, sch.resident, link,
+                         int(ring * FRAGMENTATION), per_copy, margin)
+    old = None
+    if old_resident is not None and ring == old_ring:
+        eff = int(old_ring * FRAGMENTATION)
+        t = simulate(work, sizes, old_resident, link, eff, per_copy)
+        base = windows(work, sizes, old_resident, link, eff, per_copy,
+                       margin)
+        old = (t, base, merged_windows(base, works, sizes, old_resident,
+                                       link, eff, per_copy, margin))
+    return {"cands": [(r, [getattr(c, f) for f in Schedule.__slots__])
+                      for r, c in cands],
+            "pick": (i, win), "old": old}

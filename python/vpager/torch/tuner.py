@@ -455,6 +455,10 @@ class Tuner:
         page, link, align = dev.page_size, self.link, lay.align
         least, rounds = self.work, self.rounds + 1
         free_to_wait = self._free_to_wait()
+        before = list(self.works)
+        old = self.schedule
+        old = None if old is None else list(old.resident)
+        old_ring = self.ring
 
         def job():
             raw = self._work(calls, start, end)
@@ -463,8 +467,10 @@ class Tuner:
                     and rounds > 1 and free_to_wait:
                 return raw, work, settled, None
             w = [work.get(u, 0.0) for u in units]
-            return raw, work, settled, (total, plan_rings(
-                w, sizes, total, rings, page, link, align, remote=True))
+            ws = [[wk.get(u, 0.0) for u in units] for wk in before + [raw]]
+            return raw, work, settled, plan_job(
+                w, ws, sizes, total, rings, page, link, align, old, old_ring,
+                remote=True)
         self.planner.submit(job)
 
     def _take(self):
@@ -532,8 +538,8 @@ class Tuner:
     def plan(self, work, sizes, need, rings=None, planned=None):
         """(Schedule, ring bytes) among `rings` (default: _rings()), as
         schedule.pick_ring chooses: the fastest predicted, or one as fast
-        that copies less. planned: (budget, candidates) the planner made
-        (plan_rings), used as they are."""
+        that copies less. planned: the planner's Planned (its budget and
+        candidates), used as they are."""
         dev = self.layout.device
         if planned is None:
             total = dev.info()["budget"]
@@ -541,7 +547,7 @@ class Tuner:
                                rings or self._rings(dev, need),
                                dev.page_size, self.link, self.layout.align)
         else:
-            total, cands = planned
+            total, cands = planned.total, planned.cands
         self.planned_for = total
         self.rings = cands
         ring, sch = schedule.pick_ring(self.rings)
@@ -569,6 +575,7 @@ class Tuner:
         units, w, sizes, flat = self._costs(work)
         need = max(staging_need(u.entries) for u in lay.units)
         sch, ring = self.plan(w, sizes, need, planned=planned)
+        merged = planned.merged(sch) if planned is not None else None
         old = self.schedule
         if room_changed and old is not None and ring == self.ring and \
                 sch.resident == old.resident:
@@ -581,16 +588,23 @@ class Tuner:
             # take new windows. Another ring is placed anew: the plan
             # before was made from a cold forward (_rings).
             eff = int(self.ring * schedule.FRAGMENTATION)
-            t_old = schedule.simulate(w, sizes, old.resident, self.link, eff,
-                                      PER_COPY)
+            got = (planned.kept(old.resident, self.ring)
+                   if planned is not None else None)
+            if got is None:
+                t_old = schedule.simulate(w, sizes, old.resident, self.link,
+                                          eff, PER_COPY)
+                base = merged = None
+            else:
+                t_old, base, merged = got
             if t_old <= sch.predicted * 1.02:
+                if base is None:
+                    base = schedule.windows(w, sizes, old.resident, self.link,
+                                            eff, PER_COPY, MARGIN)
                 sch = schedule.Schedule(
-                    old.resident, schedule.windows(
-                        w, sizes, old.resident, self.link, eff, PER_COPY,
-                        MARGIN), t_old, old.streamed, old.resident_bytes,
-                    float(sum(w)))
+                    old.resident, base, t_old, old.streamed,
+                    old.resident_bytes, float(sum(w)))
                 self.schedule = sch
-                self._windows(units, sizes, sch, self.ring)
+                self._windows(units, sizes, sch, self.ring, merged)
                 self._log(sch, self.ring, units, w)
                 return
         cur = dev.options["staging_size"]
@@ -599,8 +613,9 @@ class Tuner:
                 dev.set_staging_size(ring)
             except BusyError:       # a model sharing the ring holds some
                 sch, ring = self.plan(w, sizes, need, [cur])
+                merged = None
         try:
-            self._place(lay, dev, flat, units, w, sizes, sch, ring)
+            self._place(lay, dev, flat, units, w, sizes, sch, ring, merged)
         except _NoRoom:
             if dev.options["staging_size"] != cur:
                 dev.set_staging_size(cur)
@@ -614,9 +629,10 @@ class Tuner:
                 self.ring = cur
             raise
 
-    def _place(self, lay, dev, flat, units, w, sizes, sch, ring):
+    def _place(self, lay, dev, flat, units, w, sizes, sch, ring,
+               merged=None):
         """Place the weights for schedule `sch` with a ring of `ring`
-        bytes, and fill the resident set."""
+        bytes, and fill the resident set (merged: _windows')."""
         offsets, end = place_resident_first(flat, lay.align, dev.page_size,
                                             sch.resident)
         if end > lay.vbar.size:
@@ -629,7 +645,7 @@ class Tuner:
                                            lay.vbar.size // dev.page_size))
         self.model.scheduled()
         self.schedule = sch
-        self._windows(units, sizes, sch, ring)
+        self._windows(units, sizes, sch, ring, merged)
         if self.planner is None:
             self.warm(flat, sch.resident, ring, max(sch.window or [0]))
         else:
@@ -676,18 +692,18 @@ class Tuner:
         self.layout.set_windows(units)
         self.model.hold(held)
 
-    def _windows(self, units, sizes, sch, ring):
+    def _windows(self, units, sizes, sch, ring, merged=None):
         """Each unit's window: the largest of those the measured forwards
         ask for (a model may run forwards of several kinds, a prefill and
-        then decode steps: a window long enough for each)."""
-        eff = int(ring * schedule.FRAGMENTATION)
-        win = list(sch.window)
-        for work in self.works:
-            w = [work.get(u, 0.0) for u in units]
-            other = schedule.windows(w, sizes, sch.resident, self.link, eff,
-                                     PER_COPY, MARGIN)
-            win = [max(a, b) for a, b in zip(win, other)]
-        sch.window = win
+        then decode steps: a window long enough for each); merged: those
+        windows as the planner computed them."""
+        if merged is None:
+            merged = schedule.merged_windows(
+                sch.window, [[work.get(u, 0.0) for u in units]
+                             for work in self.works],
+                sizes, sch.resident, self.link,
+                int(ring * schedule.FRAGMENTATION), PER_COPY, MARGIN)
+        sch.window = list(merged)
         held = self._hold(units, sch)
         if self.windows:
             for u, win in zip(units, smooth(carried(units, sch.window,
@@ -762,18 +778,48 @@ class Tuner:
             lay.device.synchronize(stream)
 
 
-def plan_rings(work, sizes, total, rings, page, link, align, remote=False):
+def plan_rings(work, sizes, total, rings, page, link, align):
     """[(ring, Schedule)]: schedule.plan_rings() with the tuner's
-    constants. remote: in the planner's process (planproc.py: its own
-    interpreter, so the plan's pure-Python seconds take no GIL from the
-    forward's thread), computed here if that process cannot be had."""
-    args = (work, sizes, total, rings, page, link, align, SPARE_PAGES,
-            PER_COPY, MARGIN)
-    if remote:
-        got = planproc.plan_rings(*args)
-        if got is not None:
-            return got
-    return schedule.plan_rings(*args)
+    constants, on this thread."""
+    return schedule.plan_rings(work, sizes, total, rings, page, link, align,
+                               SPARE_PAGES, PER_COPY, MARGIN)
+
+
+class Planned:
+    """What the planner computed for one measured forward
+    (schedule.plan_job): total, the budget planned for; cands, [(ring,
+    Schedule)]; merged(sch), the pick's windows merged over the measured
+    forwards if sch is the pick; kept(resident, ring), (predicted,
+    windows, merged windows) of the placement kept, if it was computed
+    for that resident set and ring."""
+
+    def __init__(self, total, out, old_resident, old_ring):
+        self.total = total
+        self.cands = [(r, schedule.Schedule(*f)) for r, f in out["cands"]]
+        self._pick, self._merged = out["pick"]
+        self._old = out["old"]
+        self._old_key = (old_resident, old_ring)
+
+    def merged(self, sch):
+        return self._merged if sch is self.cands[self._pick][1] else None
+
+    def kept(self, resident, ring):
+        if self._old is None or self._old_key != (list(resident), ring):
+            return None
+        return self._old
+
+
+def plan_job(work, works, sizes, total, rings, page, link, align,
+             old_resident, old_ring, remote=False):
+    """Planned: schedule.plan_job() with the tuner's constants. remote: in
+    the planner's process (planproc.py: its own interpreter, so the plan's
+    pure-Python seconds take no GIL from the forward's thread), computed
+    here if that process cannot be had."""
+    args = (work, works, sizes, total, rings, page, link, align, SPARE_PAGES,
+            PER_COPY, MARGIN, old_resident, old_ring)
+    got = planproc.call("plan_job", *args) if remote else None
+    out = got[0] if got is not None else schedule.plan_job(*args)
+    return Planned(total, out, old_resident, old_ring)
 
 
 def carried(units, window, held):
