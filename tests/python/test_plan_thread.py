@@ -10,6 +10,7 @@ the other tests plan on the forward's thread, _runner.py):
   thread, before any unit runs; outputs stay bitwise;
 * the forward that takes a placement fills the resident set by prefetch
   as it runs (no warm() stop), and the next one is back to the plan;
+* a budget that moves is planned for there too;
 * the planner's process (planproc.py) plans as this one does;
 * ten prompts of four forwards: from the second prompt on, each copies,
   commits and evicts exactly what the one before did.
@@ -216,6 +217,54 @@ def test_a_placement_fills_while_it_streams():
         if tun.planner.pending:
             assert tun.planner.wait(WAIT)
         assert clock.of(threading.get_ident()) == 0.0, clock.charged
+    h.unload()
+
+
+def _settle(m, x, want, h):
+    """Forwards, each followed by the planner's end, until measuring is
+    over and no plan is pending."""
+    for _ in range(4 * tuner.ROUNDS_MAX):
+        assert torch.equal(m(x), want)
+        assert h.tuner.planner.wait(WAIT)
+        if h.tuner.done and not h.tuner.planner.pending:
+            return
+    raise AssertionError("the schedule did not settle")
+
+
+def test_a_new_room_is_planned_off_the_forwards_thread():
+    """The device's budget falls after the schedule settled: the watch
+    hands the plan for the new room to the planner, a later forward's
+    start applies it (the resident set fits the room, steady forwards
+    commit nothing), no plan or warm on the forward's thread."""
+    clock = FakeClock()
+    old = tuner.WATCH_EVERY
+    tuner.WATCH_EVERY = 0.0
+    try:
+        with Patched(clock):
+            m, x, want, h = _threaded_mlp()
+            _settle(m, x, want, h)
+            first = h.schedule()
+            assert first["replans"] == 0 and first["resident_weights"] > 0
+            h.device.set_limit(600 << 10)
+            assert torch.equal(m(x), want)      # the watch hands it over
+            assert h.tuner.planner.pending
+            assert h.schedule()["resident_bytes"] == first["resident_bytes"]
+            assert h.tuner.planner.wait(WAIT)
+            assert torch.equal(m(x), want)      # taken at its start
+            low = h.schedule()
+            assert low["replans"] == 1, low
+            assert low["resident_bytes"] <= (600 - 320) << 10, low
+            for _ in range(2):                  # the filling one, then
+                assert torch.equal(m(x), want)
+            s0 = h.stats()["device"]
+            for _ in range(3):
+                assert torch.equal(m(x), want)
+            d = delta(h.stats()["device"], s0, "pages_committed",
+                      "pages_evicted")
+            assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+            assert clock.of(threading.get_ident()) == 0.0, clock.charged
+    finally:
+        tuner.WATCH_EVERY = old
     h.unload()
 
 

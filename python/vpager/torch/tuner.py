@@ -284,6 +284,9 @@ class Tuner:
 
     def _watch(self, module, args):
         self._filled()
+        if self.planner is not None and self.planner.pending:
+            self._take()            # a plan for the new room, once ready
+            return
         now = time.monotonic()
         if now < self.watch_at or self.schedule is None or \
                 self.planned_for is None:
@@ -292,8 +295,16 @@ class Tuner:
         if not self.model.may_replace() or not self._room_moved():
             return
         self.replans += 1
+        if self.planner is not None:
+            inputs, work, works = self._inputs(), self.work, list(self.works)
+            self.planner.submit(lambda: ("replan", self._plan_from(
+                inputs, work, works)))
+            return
+        self._replan(None)
+
+    def _replan(self, planned):
         try:
-            self.apply(self.work, room_changed=True)
+            self.apply(self.work, room_changed=True, planned=planned)
         except Exception as e:      # noqa: BLE001 (outputs stay right)
             self._stop_watching()
             warnings.warn("vpager.torch: the copy schedule was not made "
@@ -437,12 +448,13 @@ class Tuner:
                           RuntimeWarning)
 
     # ------------------------------------------------------------ planner
-    def _submit(self, calls, start, end):
-        """Hand a measured forward to the planner: what the job reads is
-        taken here (the budget, the rings, the sizes; the link measured
-        once, on this thread, its copies beside no forward's); the job
-        itself reads only the marks and pure arithmetic (schedule.py),
-        never the model (threads share it under its lock)."""
+    def _inputs(self):
+        """What a plan job reads, taken on the forward's thread (the
+        budget, the rings, the sizes, the placement kept; the link
+        measured once, here, its copies beside no forward's): the job
+        itself reads only these and the marks, and does pure arithmetic
+        (schedule.py), never the model (threads share it under its
+        lock)."""
         lay = self.layout
         dev = lay.device
         if self.link is None:
@@ -450,27 +462,41 @@ class Tuner:
                          else SIM_LINK)
         units, _, sizes, _ = self._costs({})
         need = max(staging_need(u.entries) for u in lay.units)
-        total = dev.info()["budget"]
-        rings = self._rings(dev, need)
-        page, link, align = dev.page_size, self.link, lay.align
+        old = self.schedule
+        return {"units": units, "sizes": sizes,
+                "total": dev.info()["budget"],
+                "rings": self._rings(dev, need), "page": dev.page_size,
+                "link": self.link, "align": lay.align,
+                "old": None if old is None else list(old.resident),
+                "old_ring": self.ring}
+
+    @staticmethod
+    def _plan_from(inputs, work, works):
+        """Planned for `work` (unit -> seconds) and the measured forwards'
+        `works`, from _inputs(): on the planner's thread."""
+        units = inputs["units"]
+        return plan_job(
+            [work.get(u, 0.0) for u in units],
+            [[wk.get(u, 0.0) for u in units] for wk in works],
+            inputs["sizes"], inputs["total"], inputs["rings"],
+            inputs["page"], inputs["link"], inputs["align"], inputs["old"],
+            inputs["old_ring"], remote=True)
+
+    def _submit(self, calls, start, end):
+        """Hand a measured forward to the planner (its marks, _inputs())."""
+        inputs = self._inputs()
         least, rounds = self.work, self.rounds + 1
         free_to_wait = self._free_to_wait()
         before = list(self.works)
-        old = self.schedule
-        old = None if old is None else list(old.resident)
-        old_ring = self.ring
 
         def job():
             raw = self._work(calls, start, end)
             work, settled = self._merge(raw, least)
             if not (rounds >= ROUNDS_MAX or (rounds >= ROUNDS and settled)) \
                     and rounds > 1 and free_to_wait:
-                return raw, work, settled, None
-            w = [work.get(u, 0.0) for u in units]
-            ws = [[wk.get(u, 0.0) for u in units] for wk in before + [raw]]
-            return raw, work, settled, plan_job(
-                w, ws, sizes, total, rings, page, link, align, old, old_ring,
-                remote=True)
+                return "measured", raw, work, settled, None
+            return "measured", raw, work, settled, self._plan_from(
+                inputs, work, before + [raw])
         self.planner.submit(job)
 
     def _take(self):
@@ -487,7 +513,11 @@ class Tuner:
                           "model runs on with the placement it has"
                           % (type(err).__name__, err), RuntimeWarning)
             return True
-        raw, work, settled, planned = out
+        if out[0] == "replan":
+            if self.model.may_replace():
+                self._replan(out[1])
+            return True
+        _, raw, work, settled, planned = out
         # Budget moves since the job was handed over are the watch's.
         if self._measured(work, settled, planned is None, raw) and \
                 planned is not None and self.model.may_replace():
