@@ -16,10 +16,14 @@ forward's start). Phases on the planner's thread are not counted.
 Prints one line per forward (ms, phases), then the worst forward after
 the first over the median of the last half (the issue's target: <= 1.1).
 On the simulated device, 2 busy cores, 800 units of 96x96 (2026-12-04):
-planned on the forward's thread, forward 1 530 ms (plan 265, place 152
-of which warm 99 and swap 34) and forward 2 227 ms (plan 145, windows
-26) against a steady 40-60 ms; with the planner's thread, 60-95 ms (the
-planner shares the GIL and the 2 cores; a plan taken 30-43 ms).
+planned on the forward's thread (VPAGER_PLAN_THREAD=0), forward 1 211-
+294 ms (plan 101-150, place 47-65 of which warm 18-22 and swap 16-23)
+and the last measured one 168-245 ms (plan 101-152, windows 24-40)
+against a steady 24-34 ms: 6.9-7.3x. With the planner (thread and
+process, the default) no plan on the forward's thread; the forward that
+takes the placement spends 25-33 ms there (swap 18-22: Layout.batches
+12 of it; windows 2-4) and fills the resident set as it runs: 75-99 ms,
+2.0-2.7x (the simulated link is the CPU: the fill is no cheaper there).
 """
 
 import argparse
