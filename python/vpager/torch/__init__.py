@@ -23,7 +23,10 @@ each, by lifetime:
     plan       what offload() finds in the module (no device writes)
     units      units and entries: what gets managed, checked
     placement  offsets in the VBAR, interleaved-order groups (pure)
-    sources    host copies (HostBuf) and file sources; meta placeholders
+    sources    each weight's host bytes in one place: the file (in place
+               or read) or a pinned copy (HostBuf); meta placeholders
+    hostpolicy in place or file, from RAM, disk speed and bytes streamed;
+               the one line a model saying why
     files      a module's state_dict against a safetensors file
     devices    the torch device, the vpager.Device and its staging ring,
                open_device(), activation headroom
