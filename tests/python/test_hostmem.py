@@ -137,6 +137,7 @@ def test_mapped_model_stays_in_place_bitwise():
         h, want, x = run_bitwise(m, hostpolicy.IN_PLACE)
         s = h.stats()["model"]
         assert s["host_bytes"] == 0, s          # no copy at all
+        assert {k for _, _, _, k in h.layout()} == {"file"}
         assert "in place, registered" in s["host_policy"], s["host_policy"]
         assert s["host_by_kind"][hostpolicy.PINNED_COPY] == 0, s
         h.unload()                  # the caller's mapped tensor back

@@ -134,7 +134,7 @@ class Offloaded:
     def layout(self) -> List[Tuple[str, int, int, str]]:
         """[(weight name, VBAR offset, bytes, "host", "file" or "source")]
         in VBAR order: where each weight lives and where its bytes come
-        from (its host copy, the safetensors file, or offload(sources=))."""
+        from (its host copy, a file in place or read, or sources=)."""
         self._check_open()
         return self.vbar_layout.describe()
 

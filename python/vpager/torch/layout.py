@@ -7,6 +7,7 @@ weights move (re-placement) or change source (load_safetensors)."""
 from ..errors import Error
 from ..weights import WeightBatch
 from .files import load_unmanaged, match_file
+from .hostpolicy import FILE, IN_PLACE
 from .placement import first_placement, groups
 from .sources import release_host, sources
 from .units import refuse_copy
@@ -167,12 +168,14 @@ class Layout:
                 obj.close()
 
     def describe(self):
-        """[(weight name, VBAR offset, bytes, "host", "file" or
-        "source": a source of the caller's, offload(sources=))]."""
+        """[(weight name, VBAR offset, bytes, "host", "file" (a file's
+        bytes, in place or read: hostpolicy) or "source": a source of the
+        caller's, offload(sources=))]."""
+        kinds = self.hbytes.kinds if self.hbytes is not None else {}
         return [(e.name, e.offset, e.size,
                  "host" if e.host is not None else
                  "file" if e.file_addr is not None or e.keep is None
-                 else "source")
+                 or kinds.get(e) in (IN_PLACE, FILE) else "source")
                 for e in self.entries]
 
     def close(self):
