@@ -171,8 +171,10 @@ def test_policy_choices():
     with hostpolicy.override(ram_available=32 * GiB,
                              disk_bytes_per_s=0.2e9):
         assert ch(9 * GiB, 0, None).kind == hostpolicy.IN_PLACE
-        assert ch(25 * GiB, 0, None).kind == hostpolicy.IN_PLACE  # slow disk
-        assert ch(30 * GiB, 0, None).kind == hostpolicy.FILE     # no room
+        assert ch(25 * GiB, GiB, None).kind == hostpolicy.IN_PLACE  # slow
+        c = ch(25 * GiB, 0, None)       # tight, but read once: the file
+        assert c.kind == hostpolicy.FILE and "read once" in c.reason
+        assert ch(30 * GiB, GiB, None).kind == hostpolicy.FILE   # no room
     with hostpolicy.override(ram_available=32 * GiB, disk_bytes_per_s=7e9):
         assert ch(9 * GiB, 0, None).kind == hostpolicy.IN_PLACE
         c = ch(25 * GiB, 4 * GiB, None)         # tight RAM, fast disk

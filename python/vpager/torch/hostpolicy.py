@@ -225,7 +225,10 @@ def gib(n: float) -> str:
 
 def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
     """Where `nbytes` of file-backed weights stay (IN_PLACE or FILE) when
-    the schedule streams `streamed` bytes a step, the file at `path`."""
+    the schedule streams `streamed` bytes a step, the file at `path`: in
+    place when they fit in FIT of the RAM available, except when they take
+    over ROOMY of it and either the disk feeds the steps itself (FAST_DISK)
+    or nothing streams (they fit the budget: read once); else the file."""
     ram = ram_available()
     disk = disk_speed(path)
     said = "RAM available %s" % gib(ram)
@@ -236,8 +239,13 @@ def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
                 gib(streamed), round(streamed / disk * 1e3))
     if nbytes > FIT * ram:
         return Choice(FILE, "they do not fit in RAM (%s)" % said)
-    if disk is not None and disk >= FAST_DISK and nbytes > ROOMY * ram:
-        return Choice(FILE, "RAM is tight and the disk is fast (%s)" % said)
+    if nbytes > ROOMY * ram:
+        if disk is not None and disk >= FAST_DISK:
+            return Choice(FILE, "RAM is tight and the disk is fast (%s)"
+                          % said)
+        if streamed == 0:
+            return Choice(FILE, "RAM is tight and they fit the device's "
+                          "budget: read once, nothing to keep (%s)" % said)
     return Choice(IN_PLACE, "they fit in RAM (%s)" % said)
 
 
