@@ -5,6 +5,7 @@ WeightBatch per unit. Built all or nothing; re-created in place when the
 weights move (re-placement) or change source (load_safetensors)."""
 
 from ..errors import Error
+from ..governor import NO_LIMIT, governor
 from ..weights import WeightBatch
 from .files import load_unmanaged, match_file
 from .hostpolicy import FILE, IN_PLACE
@@ -70,7 +71,7 @@ class Layout:
                 custom.append(src)
         self.hb, slots, self.hbytes = sources(
             dev, entries, self.align, self.st, match, custom,
-            self.load_times, _streamed(plan),
+            self.load_times, _streamed(plan, dev),
             type(plan.module).__name__)
         for e, (host, addr, src) in zip(entries, slots):
             e.host, e.file_addr, e.src = host, addr, src
@@ -203,9 +204,13 @@ def _close_quietly(objs):
                 pass
 
 
-def _streamed(plan):
+def _streamed(plan, dev):
     """Bytes a step streams, as offload() can tell before any forward: the
-    weights past the budget (0: no budget given, or they fit)."""
+    weights past the budget (offload(budget=), else the device's limit
+    from its Governor; 0: none known, or they fit)."""
     budget = plan.settings.budget
+    if not budget:
+        limit = governor(dev).limit
+        budget = limit if 0 < limit < NO_LIMIT else 0
     total = sum(e.size for e in plan.entries)
     return max(total - budget, 0) if budget else 0
