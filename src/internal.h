@@ -4,7 +4,8 @@
  * Layers (src/layers.txt is the table `make check-layers` proves from the
  * object files): a file calls only files of lower layers, or files of its
  * own layer listed before it; nothing calls layer 4.
- *   L0  diagnostics (log, error), options, json, registry, inject
+ *   L0  diagnostics (log, error), options, json, registry, inject, shm
+ *       (named shared-memory segments and their robust lock: shm.h)
  *   L1  backend/: the sim and CUDA backends and backend.c, their one door
  *   L2  handles, fence, budget, page, pager, stats, invariants, entry
  *   L3  ledger, release, ledger_view (the per-GPU ledger shared by

@@ -1,7 +1,7 @@
 /* The per-GPU ledger: every device handle on a physical device joins one
  * shared-memory segment (ledger.h has its layout) and publishes its
- * process and its VBARs there. This file maps, creates and checks the
- * segment, keeps the membership lock (robust: a holder that dies is
+ * process and its VBARs there. This file checks the segment (shm.c
+ * creates and maps it, and keeps its robust lock: a holder that dies is
  * detected and the lock recovered), reaps dead participants by pid and
  * start time, joins, leaves, and publishes.
  *
@@ -15,10 +15,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include "ledger.h"
+#include "shm.h"
 
 #define ULL(x) ((unsigned long long)(x))
 #define RELAXED memory_order_relaxed
@@ -185,148 +185,52 @@ void vp__lseg_reap(ledger_seg_t *seg) {
 
 /* ---------------------------------------------------- membership lock */
 
-static int init_lock(pthread_mutex_t *m);
-
-/* Whether the lock word's kind (glibc: type, robust, shared and protocol
- * bits) is the one init_lock makes. Another (a priority protocol with a
- * bogus ceiling, in a corrupt segment) has glibc abort the process inside
- * pthread_mutex_trylock, so such a lock is never used. Not checked with
- * other C libraries. */
-static bool lock_kind_ok(ledger_seg_t *seg) {
-#ifdef __GLIBC__
-  static _Atomic int want; /* 0 until made once */
-  int k = atomic_load_explicit(&want, RELAXED);
-  if (!k) {
-    pthread_mutex_t m;
-    if (init_lock(&m)) return true; /* cannot tell */
-    k = m.__data.__kind;
-    pthread_mutex_destroy(&m);
-    atomic_store_explicit(&want, k, RELAXED);
-  }
-  return __atomic_load_n(&seg->lock.__data.__kind, __ATOMIC_RELAXED) == k;
-#else
-  (void)seg;
-  return true;
-#endif
-}
-
-/* A holder that died leaves the lock EOWNERDEAD: take it, remove the dead
- * participants (whatever the holder was doing was its own slot or a
- * reap), mark it consistent. Bounded, so a stopped holder costs a timeout,
- * never a hang. A lock of another kind is not taken (VP_EDEVICE). */
+/* A holder that died: remove the dead participants (whatever the holder
+ * was doing was its own slot or a reap). Bounded, so a stopped holder
+ * costs a timeout, never a hang; a lock that others took and gave back
+ * meanwhile is busy (many processes joining at once on few CPUs), not
+ * stuck: waited on up to LEDGER_LOCK_BUSY_MS. A lock of another kind is
+ * not taken (VP_EDEVICE). */
 int vp__lseg_lock(ledger_seg_t *seg) {
-  struct timespec ts;
-  if (!lock_kind_ok(seg)) {
+  bool dead;
+  int r = vp__shm_lock(&seg->lock, LEDGER_LOCK_MS, LEDGER_LOCK_BUSY_MS,
+                       &seg->lock_gen, &dead);
+  if (r == VP_EINVAL) {
     vp__log(VP_LOG_WARN, "ledger", "the ledger's lock is not of the kind "
             "this library makes (a corrupt segment?); going on without it");
     return VP_EDEVICE;
   }
-  /* trylock first: it is uncontended nearly always, and TSan follows a
-   * trylock's EOWNERDEAD (not a timedlock's). */
-  int r = pthread_mutex_trylock(&seg->lock);
-  /* A lock that others took and gave back meanwhile is busy (many
-   * processes joining at once on few CPUs), not stuck: wait on, up to
-   * LEDGER_LOCK_BUSY_MS. One nobody else took for LEDGER_LOCK_MS is. */
-  for (int waited = 0; r == EBUSY || (r == ETIMEDOUT &&
-                                      waited < LEDGER_LOCK_BUSY_MS);
-       waited += LEDGER_LOCK_MS) {
-    uint64_t gen = atomic_load(&seg->lock_gen);
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_nsec += (LEDGER_LOCK_MS % 1000) * 1000000L;
-    ts.tv_sec += LEDGER_LOCK_MS / 1000 + ts.tv_nsec / 1000000000L;
-    ts.tv_nsec %= 1000000000L;
-    r = pthread_mutex_timedlock(&seg->lock, &ts);
-    if (r == ETIMEDOUT && atomic_load(&seg->lock_gen) == gen) break;
-  }
-  if (r == EOWNERDEAD) {
+  if (dead) {
     vp__log(VP_LOG_WARN, "ledger", "a process died holding the ledger lock; "
             "recovered it and reaped the dead");
     vp__lseg_reap(seg);
-    pthread_mutex_consistent(&seg->lock);
-    return VP_OK;
   }
-  if (r == ETIMEDOUT)
+  if (r == VP_EAGAIN)
     vp__log(VP_LOG_WARN, "ledger", "the ledger lock stayed taken (%d ms "
             "with nobody else taking it, or %d ms in all: a stopped "
             "process?); going on without it", LEDGER_LOCK_MS,
             LEDGER_LOCK_BUSY_MS);
-  return r == 0 ? VP_OK : r == ETIMEDOUT ? VP_EAGAIN : VP_EDEVICE;
+  return r;
 }
 
 void vp__lseg_unlock(ledger_seg_t *seg) {
-  atomic_fetch_add(&seg->lock_gen, 1);
-  pthread_mutex_unlock(&seg->lock);
+  vp__shm_unlock(&seg->lock, &seg->lock_gen);
 }
 
 /* --------------------------------------------------------- mapping */
 
-static void nap_ms(long ms) {
-  struct timespec ts = {0, ms * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
-static int init_lock(pthread_mutex_t *m) {
-  pthread_mutexattr_t a;
-  if (pthread_mutexattr_init(&a)) return -1;
-  int r = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-  if (!r) r = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-  if (!r) r = pthread_mutex_init(m, &a);
-  pthread_mutexattr_destroy(&a);
-  return r;
-}
-
-/* Exclusive create: size, map, initialise, and store the magic last, so a
- * joiner that sees it sees the rest. VP_EAGAIN: it exists already. */
-static int seg_create(const char *shm, ledger_seg_t **out, char *why,
-                      size_t len) {
-  int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    if (errno == EEXIST) return VP_EAGAIN;
-    snprintf(why, len, "cannot create %s: %s", shm, strerror(errno));
-    return VP_EUNSUPPORTED;
-  }
-  /* posix_fallocate, not ftruncate: a full /dev/shm fails here, not with
-   * SIGBUS at a later touch. */
-  int e = posix_fallocate(fd, 0, sizeof(ledger_seg_t));
-  void *p = e ? MAP_FAILED : mmap(NULL, sizeof(ledger_seg_t),
-                                  PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (!e && p == MAP_FAILED) e = errno;
-  close(fd);
+static void seg_init(void *p, const char *shm, const void *arg) {
   ledger_seg_t *seg = p;
-  if (!e && init_lock(&seg->lock)) e = ENOMEM;
-  if (e) {
-    if (p != MAP_FAILED) munmap(p, sizeof(ledger_seg_t));
-    shm_unlink(shm);
-    snprintf(why, len, "cannot make %s: %s", shm, strerror(e));
-    return VP_EUNSUPPORTED;
-  }
+  (void)arg;
   atomic_store(&seg->version, LEDGER_VERSION);
   atomic_store(&seg->size, sizeof(ledger_seg_t));
   text_put(seg->name, LEDGER_WORDS(80), shm + strlen(LEDGER_PREFIX));
-  atomic_store_explicit(&seg->magic, LEDGER_MAGIC, memory_order_release);
-  *out = seg;
-  return VP_OK;
-}
-
-/* The file's size once its creator has sized it (it may be racing us). */
-static int wait_sized(int fd, off_t *size) {
-  struct stat st;
-  for (int i = 0; i < 250; i++, nap_ms(1)) {
-    if (fstat(fd, &st)) return errno;
-    if (st.st_size != 0) break;
-  }
-  *size = st.st_size;
-  return 0;
 }
 
 /* Refuse a segment that is not this layout: why says what it is. */
-static int check_header(ledger_seg_t *seg, char *why, size_t len,
-                        const char *shm) {
-  uint64_t magic = 0;
-  for (int i = 0; i < 250 && !magic; i++) {
-    magic = atomic_load_explicit(&seg->magic, memory_order_acquire);
-    if (!magic) nap_ms(1);
-  }
+static int check_header(void *p, const char *shm, char *why, size_t len) {
+  ledger_seg_t *seg = p;
+  uint64_t magic = atomic_load_explicit(&seg->magic, memory_order_acquire);
   uint32_t version = atomic_load(&seg->version);
   if (magic != LEDGER_MAGIC)
     snprintf(why, len, "%s is not a vpager ledger (corrupt header)", shm);
@@ -342,62 +246,20 @@ static int check_header(ledger_seg_t *seg, char *why, size_t len,
   return VP_EUNSUPPORTED;
 }
 
-static int open_fail(char *why, size_t len, const char *shm, int e) {
-  if (e == ENOENT) return VP_ENODEV;
-  if (e == EACCES)
-    snprintf(why, len, "%s belongs to another user and is not open to us",
-             shm);
-  else
-    snprintf(why, len, "cannot open %s: %s", shm, strerror(e));
-  return VP_EUNSUPPORTED;
-}
-
-/* Map an existing segment after checking its owner, size and header.
- * VP_ENODEV: it is not there. */
-static int seg_open(const char *shm, bool writable, ledger_seg_t **out,
-                    char *why, size_t len) {
-  int fd = shm_open(shm, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC, 0);
-  if (fd < 0) return open_fail(why, len, shm, errno);
-  struct stat st;
-  off_t size = 0;
-  int e = fstat(fd, &st) ? errno : wait_sized(fd, &size);
-  void *p = MAP_FAILED;
-  if (e) {
-    snprintf(why, len, "cannot stat %s: %s", shm, strerror(e));
-  } else if (writable && st.st_uid != geteuid()) {
-    snprintf(why, len, "%s belongs to uid %u, not to us (uid %u)", shm,
-             (unsigned)st.st_uid, (unsigned)geteuid());
-  } else if (size != (off_t)sizeof(ledger_seg_t)) {
-    snprintf(why, len, "%s is %lld bytes, not %zu: truncated, or another "
-             "layout version", shm, (long long)size, sizeof(ledger_seg_t));
-  } else {
-    p = mmap(NULL, sizeof(ledger_seg_t),
-             PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED)
-      snprintf(why, len, "cannot map %s: %s", shm, strerror(errno));
-  }
-  close(fd);
-  if (p == MAP_FAILED) return VP_EUNSUPPORTED;
-  int rc = check_header(p, why, len, shm);
-  if (rc) munmap(p, sizeof(ledger_seg_t));
-  else *out = p;
-  return rc;
-}
+static const vp__shm_kind_t seg_kind = {
+    sizeof(ledger_seg_t), offsetof(ledger_seg_t, lock), LEDGER_MAGIC,
+    seg_init, check_header};
 
 int vp__lseg_map(const char *shm, bool writable, ledger_seg_t **out,
                  char *why, size_t len) {
-  if (!writable) return seg_open(shm, false, out, why, len);
-  for (int tries = 0; tries < 20; tries++) {
-    int rc = seg_create(shm, out, why, len);
-    if (rc != VP_EAGAIN) return rc;
-    rc = seg_open(shm, true, out, why, len);
-    if (rc != VP_ENODEV) return rc; /* ENODEV: it went away meanwhile */
-  }
-  snprintf(why, len, "%s kept appearing and vanishing", shm);
-  return VP_EUNSUPPORTED;
+  void *p = NULL;
+  int rc = writable ? vp__shm_attach(shm, &seg_kind, NULL, &p, why, len)
+                    : vp__shm_join(shm, &seg_kind, false, &p, why, len);
+  if (rc == VP_OK) *out = p;
+  return rc;
 }
 
-void vp__lseg_unmap(ledger_seg_t *seg) { munmap(seg, sizeof *seg); }
+void vp__lseg_unmap(ledger_seg_t *seg) { vp__shm_unmap(seg, &seg_kind); }
 
 /* ---------------------------------------------------------- joining */
 
@@ -551,7 +413,7 @@ static void leave(vp__ledger_t *l) {
   for (int i = 0; i < LEDGER_PARTS && !live; i++) live = part_live(seg, i);
   if (!live) {
     atomic_store(&seg->unlinked, 1);
-    shm_unlink(l->shm);
+    vp__shm_remove(l->shm);
   }
   vp__lseg_unlock(seg);
 }

@@ -136,13 +136,13 @@ void vp__lseg_unlock(ledger_seg_t *seg);
 void vp__lseg_reap(ledger_seg_t *seg); /* lock held */
 bool vp__lpart_alive(const ledger_part_t *p);
 bool vp__lpart_ours(const ledger_part_t *p, int32_t pid);
-/* Whether participant `slot` is live with that serial (not left, reaped or
- * replaced). */
-bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot, uint64_t serial);
 /* vp__lpart_alive's rule for another table's entries (pins.c), and what
  * such an entry records for this process. */
 bool vp__lproc_alive(int32_t pid, uint64_t start, uint64_t pidns);
 void vp__lproc_self(uint64_t *start, uint64_t *pidns);
+/* Whether participant `slot` is live with that serial (not left, reaped or
+ * replaced). */
+bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot, uint64_t serial);
 /* Answer a request its holder took (REQ_TAKEN): `freed` bytes, then DONE;
  * if the requester gave up meanwhile (ABANDONED), the slot is freed. */
 void vp__lreq_answer(ledger_req_t *r, uint64_t freed);

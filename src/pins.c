@@ -27,15 +27,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 
 #include "pins.h"
+#include "shm.h"
 
 #define ULL(x) ((unsigned long long)(x))
 #define RELAXED memory_order_relaxed
 #define GiB (1ull << 30)
-#define PINS_LOCK_NS 1000000000ll /* the lock is held for microseconds */
+#define PINS_LOCK_MS 1000 /* the lock is held for microseconds */
 #define PINS_NS_PER_GIB 60000000ull /* unpinning: ~19 ms/GiB, and a sync */
 #define PINS_STUCK_NS 5000000000ull /* a lock that timed out: pin nothing */
 #define PINS_SKIP_NS 1000000000ull  /* a peer that did not answer: skipped */
@@ -145,36 +144,6 @@ uint64_t vp__pins_default_budget(void) {
 
 /* ------------------------------------------------------------ the lock */
 
-static int init_lock(pthread_mutex_t *m) {
-  pthread_mutexattr_t a;
-  if (pthread_mutexattr_init(&a)) return -1;
-  int r = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-  if (!r) r = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-  if (!r) r = pthread_mutex_init(m, &a);
-  pthread_mutexattr_destroy(&a);
-  return r;
-}
-
-/* As the ledger's: a lock word of another kind (a corrupt segment) can make
- * glibc abort inside the lock call, so it is never used. */
-static bool lock_kind_ok(pins_seg_t *seg) {
-#ifdef __GLIBC__
-  static _Atomic int want;
-  int k = atomic_load_explicit(&want, RELAXED);
-  if (!k) {
-    pthread_mutex_t m;
-    if (init_lock(&m)) return true;
-    k = m.__data.__kind;
-    pthread_mutex_destroy(&m);
-    atomic_store_explicit(&want, k, RELAXED);
-  }
-  return __atomic_load_n(&seg->lock.__data.__kind, __ATOMIC_RELAXED) == k;
-#else
-  (void)seg;
-  return true;
-#endif
-}
-
 static void part_clear(pins_part_t *p) {
   atomic_store(&p->pinned, 0);
   atomic_store(&p->releasable, 0);
@@ -219,107 +188,40 @@ static void reap(pins_seg_t *seg) {
   }
 }
 
-/* Bounded: VP_EAGAIN after PINS_LOCK_NS, VP_EDEVICE for a lock word of
+/* Bounded: VP_EAGAIN after PINS_LOCK_MS, VP_EDEVICE for a lock word of
  * another kind. A holder that died: its participant is reaped. */
 static int seg_lock(pins_seg_t *seg) {
-  if (!lock_kind_ok(seg)) return VP_EDEVICE;
-  /* trylock first, as the ledger does: it is uncontended nearly always,
-   * and TSan follows a trylock's EOWNERDEAD (not a timedlock's). */
-  int r = pthread_mutex_trylock(&seg->lock);
-  if (r == EBUSY) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    int64_t ns = ts.tv_nsec + PINS_LOCK_NS;
-    ts.tv_sec += (time_t)(ns / 1000000000);
-    ts.tv_nsec = (long)(ns % 1000000000);
-    r = pthread_mutex_timedlock(&seg->lock, &ts);
-  }
-  if (r == EOWNERDEAD) {
-    reap(seg);
-    pthread_mutex_consistent(&seg->lock);
-    return VP_OK;
-  }
-  return r == 0 ? VP_OK : r == ETIMEDOUT ? VP_EAGAIN : VP_EDEVICE;
+  bool dead;
+  int r = vp__shm_lock(&seg->lock, PINS_LOCK_MS, 0, NULL, &dead);
+  if (dead) reap(seg);
+  return r == VP_EINVAL ? VP_EDEVICE : r;
 }
 
-static void seg_unlock(pins_seg_t *seg) { pthread_mutex_unlock(&seg->lock); }
+static void seg_unlock(pins_seg_t *seg) { vp__shm_unlock(&seg->lock, NULL); }
 
 /* ----------------------------------------------------------- mapping */
 
-static void nap_ms(long ms) {
-  struct timespec ts = {0, ms * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
-/* Exclusive create, the magic stored last. VP_EAGAIN: it exists. */
-static int seg_create(const char *shm, uint64_t budget, pins_seg_t **out,
-                      char *why, size_t len) {
-  int fd = shm_open(shm, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    if (errno == EEXIST) return VP_EAGAIN;
-    snprintf(why, len, "cannot create %s: %s", shm, strerror(errno));
-    return VP_EUNSUPPORTED;
-  }
-  int e = posix_fallocate(fd, 0, sizeof(pins_seg_t));
-  void *p = e ? MAP_FAILED : mmap(NULL, sizeof(pins_seg_t),
-                                  PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (!e && p == MAP_FAILED) e = errno;
-  close(fd);
+static void seg_init(void *p, const char *shm, const void *arg) {
   pins_seg_t *seg = p;
-  if (!e && init_lock(&seg->lock)) e = ENOMEM;
-  if (e) {
-    if (p != MAP_FAILED) munmap(p, sizeof(pins_seg_t));
-    shm_unlink(shm);
-    snprintf(why, len, "cannot make %s: %s", shm, strerror(e));
-    return VP_EUNSUPPORTED;
-  }
+  (void)shm;
   atomic_store(&seg->version, PINS_VERSION);
   atomic_store(&seg->size, sizeof(pins_seg_t));
-  atomic_store(&seg->budget, budget);
-  atomic_store_explicit(&seg->magic, PINS_MAGIC, memory_order_release);
-  *out = seg;
-  return VP_OK;
+  atomic_store(&seg->budget, *(const uint64_t *)arg);
 }
 
-/* Map an existing segment after checking owner, size and header.
- * VP_ENODEV: it is not there. */
-static int seg_open(const char *shm, pins_seg_t **out, char *why,
-                    size_t len) {
-  int fd = shm_open(shm, O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) {
-    if (errno == ENOENT) return VP_ENODEV;
-    snprintf(why, len, "cannot open %s: %s", shm, strerror(errno));
-    return VP_EUNSUPPORTED;
-  }
-  struct stat st = {0};
-  for (int i = 0; i < 250 && !fstat(fd, &st) && !st.st_size; i++) nap_ms(1);
-  void *p = MAP_FAILED;
-  if (st.st_uid != geteuid())
-    snprintf(why, len, "%s belongs to uid %u, not to us (uid %u)", shm,
-             (unsigned)st.st_uid, (unsigned)geteuid());
-  else if (st.st_size != (off_t)sizeof(pins_seg_t))
-    snprintf(why, len, "%s is %lld bytes, not %zu: another layout", shm,
-             (long long)st.st_size, sizeof(pins_seg_t));
-  else if ((p = mmap(NULL, sizeof(pins_seg_t), PROT_READ | PROT_WRITE,
-                     MAP_SHARED, fd, 0)) == MAP_FAILED)
-    snprintf(why, len, "cannot map %s: %s", shm, strerror(errno));
-  close(fd);
-  if (p == MAP_FAILED) return VP_EUNSUPPORTED;
+static int check_header(void *p, const char *shm, char *why, size_t len) {
   pins_seg_t *seg = p;
-  uint64_t magic = 0;
-  for (int i = 0; i < 250 && !magic; i++) {
-    magic = atomic_load_explicit(&seg->magic, memory_order_acquire);
-    if (!magic) nap_ms(1);
-  }
-  if (magic == PINS_MAGIC && atomic_load(&seg->version) == PINS_VERSION &&
-      atomic_load(&seg->size) == sizeof(pins_seg_t)) {
-    *out = seg;
+  if (atomic_load_explicit(&seg->magic, memory_order_acquire) == PINS_MAGIC &&
+      atomic_load(&seg->version) == PINS_VERSION &&
+      atomic_load(&seg->size) == sizeof(pins_seg_t))
     return VP_OK;
-  }
   snprintf(why, len, "%s is not a vpager pin ledger of this layout", shm);
-  munmap(p, sizeof(pins_seg_t));
   return VP_EUNSUPPORTED;
 }
+
+static const vp__shm_kind_t seg_kind = {
+    sizeof(pins_seg_t), offsetof(pins_seg_t, lock), PINS_MAGIC, seg_init,
+    check_header};
 
 /* ----------------------------------------------------------- joining */
 
@@ -350,10 +252,10 @@ static int join_locked(vp__pins_t *pn) {
 
 static int join(vp__pins_t *pn, uint64_t budget, char *why, size_t len) {
   for (int tries = 0; tries < 20; tries++) {
-    int rc = seg_create(pn->shm, budget, &pn->seg, why, len);
-    if (rc == VP_EAGAIN) rc = seg_open(pn->shm, &pn->seg, why, len);
-    if (rc == VP_ENODEV) continue; /* it went away meanwhile */
+    void *p = NULL;
+    int rc = vp__shm_attach(pn->shm, &seg_kind, &budget, &p, why, len);
     if (rc) return rc;
+    pn->seg = p;
     rc = seg_lock(pn->seg);
     if (rc == VP_OK) {
       rc = join_locked(pn);
@@ -366,7 +268,7 @@ static int join(vp__pins_t *pn, uint64_t budget, char *why, size_t len) {
                "stayed taken" : "cannot be used (a corrupt segment?)");
     }
     if (rc == VP_OK) return VP_OK;
-    munmap(pn->seg, sizeof(pins_seg_t));
+    vp__shm_unmap(pn->seg, &seg_kind);
     pn->seg = NULL;
     if (rc != VP_EAGAIN) return VP_EUNSUPPORTED;
   }
@@ -448,7 +350,7 @@ static void leave(vp__pins_t *pn) {
     live = atomic_load(&seg->part[i].state) == PART_LIVE;
   if (!live) {
     atomic_store(&seg->unlinked, 1);
-    shm_unlink(pn->shm);
+    vp__shm_remove(pn->shm);
   }
   seg_unlock(seg);
 }
@@ -484,7 +386,7 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
     if (e) {
       dev->pins = NULL;
       leave(pn);
-      munmap(pn->seg, sizeof(pins_seg_t));
+      vp__shm_unmap(pn->seg, &seg_kind);
       snprintf(why, sizeof why, "its service thread could not start");
       rc = VP_ENOMEM;
     }
@@ -516,7 +418,7 @@ void vp__pins_close(vp__device_t *dev) {
     }
     leave(pn);
   }
-  munmap(pn->seg, sizeof(pins_seg_t));
+  vp__shm_unmap(pn->seg, &seg_kind);
   free(pn);
 }
 

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "ledger.h"
+#include "peer.h"
 
 #define PAGES_CAP 12 /* shared capacity of most tests, in pages */
 
@@ -37,16 +38,6 @@ static void shared_opts(test_ctx_t *ctx, vp_options_t *o, const char *name,
   o->sim_capacity = cap * o->page_size;
   snprintf(o->sim_shared, sizeof o->sim_shared, "%s", name);
   o->ledger_timeout_us = 2000000; /* generous: sanitizers are slow */
-}
-
-static void put_u64(int fd, uint64_t v) {
-  ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
-}
-
-static uint64_t get_u64(int fd) {
-  uint64_t v = 0;
-  ASSERT_EQ_INT(read(fd, &v, sizeof v), (int)sizeof v);
-  return v;
 }
 
 /* Others may change the ledger between two calls: grow until it fits. */
@@ -80,11 +71,6 @@ typedef struct peer_cfg {
   const char *label;
   int streams;        /* vp_sim_streams_t */
 } peer_cfg_t;
-
-typedef struct peer {
-  pid_t pid;
-  int to, from;
-} peer_t;
 
 typedef struct model {
   vp_device_t dev;
@@ -152,7 +138,8 @@ static uint64_t slow_fence(model_t *m) {
 /* Commands: R run a pass (prioritized first), T touch (a pass as it is),
  * P a pass keeping pages pinned, U unpin, C resident page count, W a slow
  * fence on the last page, Q quit. Each answers a number. */
-static void peer_main(test_ctx_t *ctx, const peer_cfg_t *c, int in, int out) {
+static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
+  const peer_cfg_t *c = arg;
   model_t m;
   model_open(ctx, c, &m);
   put_u64(out, 0); /* joined */
@@ -171,40 +158,6 @@ static void peer_main(test_ctx_t *ctx, const peer_cfg_t *c, int in, int out) {
   model_unpin_all(&m);
   ASSERT_OK(vp_device_close(m.dev));
   exit(0);
-}
-
-static peer_t peer_start(test_ctx_t *ctx, const peer_cfg_t *c) {
-  int down[2], up[2];
-  ASSERT_EQ_INT(pipe(down), 0);
-  ASSERT_EQ_INT(pipe(up), 0);
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE_INT(pid, 0);
-  if (pid == 0) {
-    close(down[1]);
-    close(up[0]);
-    peer_main(ctx, c, down[0], up[1]);
-  }
-  close(down[0]);
-  close(up[1]);
-  peer_t p = {pid, down[1], up[0]};
-  ASSERT_EQ_U64(get_u64(p.from), 0);
-  return p;
-}
-
-static uint64_t peer_do(peer_t *p, char cmd) {
-  ASSERT_EQ_INT(write(p->to, &cmd, 1), 1);
-  return get_u64(p->from);
-}
-
-static void peer_quit(peer_t *p) {
-  char q = 'Q';
-  ASSERT_EQ_INT(write(p->to, &q, 1), 1);
-  int st = test_wait(p->pid);
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  close(p->to);
-  close(p->from);
 }
 
 /* A peer that is gone (killed): reap it. */
@@ -275,7 +228,7 @@ TEST(ledger_alternating_processes, TEST_SIM_ONLY) {
   for (int i = 0; i < 3; i++) {
     peer_cfg_t c = {name, PAGES_CAP, sizes[i], 1000u * (i + 1), NULL,
                     i == 1 ? VP_SIM_WORKER : VP_SIM_SYNC};
-    p[i] = peer_start(ctx, &c);
+    p[i] = peer_start(ctx, peer_main, &c);
   }
   uint64_t rounds = test_scale(6);
   for (uint64_t r = 0; r < rounds; r++)
@@ -298,7 +251,8 @@ TEST(ledger_idle_before_active, TEST_SIM_ONLY) {
   ledger_name(name, sizeof name, "lru");
   peer_cfg_t ci = {name, PAGES_CAP, 4, 10, "idle", VP_SIM_SYNC};
   peer_cfg_t cb = {name, PAGES_CAP, 4, 20, "busy", VP_SIM_SYNC};
-  peer_t idle = peer_start(ctx, &ci), busy = peer_start(ctx, &cb);
+  peer_t idle = peer_start(ctx, peer_main, &ci);
+  peer_t busy = peer_start(ctx, peer_main, &cb);
   ASSERT_EQ_U64(peer_do(&idle, 'R'), 4);
   test_sleep_ms(20); /* coarse clocks: make "less recently" unambiguous */
   ASSERT_EQ_U64(peer_do(&busy, 'R'), 4);
@@ -334,7 +288,8 @@ TEST(ledger_own_older_first, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "own");
   peer_cfg_t cp = {name, 8, 4, 40, "peer", VP_SIM_SYNC};
-  peer_t peer = peer_start(ctx, &cp); /* forked before we have threads */
+  /* forked before we have threads */
+  peer_t peer = peer_start(ctx, peer_main, &cp);
   peer_cfg_t cr = {name, 8, 4, 30, "old-own", VP_SIM_SYNC};
   model_t old;
   model_open(ctx, &cr, &old);
@@ -423,7 +378,7 @@ TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "mid");
   peer_cfg_t cp = {name, 8, 4, 10, "slow", VP_SIM_WORKER};
-  peer_t p = peer_start(ctx, &cp);
+  peer_t p = peer_start(ctx, peer_main, &cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
   ASSERT_EQ_U64(peer_do(&p, 'W'), 0);
   vp_options_t o;
@@ -462,7 +417,7 @@ TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "stop");
   peer_cfg_t cp = {name, 8, 4, 10, "stopped", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, &cp);
+  peer_t p = peer_start(ctx, peer_main, &cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);
@@ -794,7 +749,7 @@ TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "much");
   peer_cfg_t cp = {name, 8, 4, 10, "peer", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, &cp);
+  peer_t p = peer_start(ctx, peer_main, &cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);
@@ -841,7 +796,7 @@ TEST(ledger_free_memory_keep, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "keep");
   peer_cfg_t cp = {name, 12, 3, 10, "peer", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, &cp);
+  peer_t p = peer_start(ctx, peer_main, &cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 3);
   vp_options_t o;
   shared_opts(ctx, &o, name, 12);
@@ -886,7 +841,7 @@ TEST(ledger_acquire_asks_after, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "acq");
   peer_cfg_t cp = {name, 8, 6, 10, "peer", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, &cp);
+  peer_t p = peer_start(ctx, peer_main, &cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 6);
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);

@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "peer.h"
 #include "pins.h"
 
 #define MiB (1ull << 20)
@@ -42,21 +43,6 @@ static uint64_t hb_pinned(vp_hostbuf_t hb) {
 }
 
 /* ---------------------------------------------------------------- peers */
-
-typedef struct peer {
-  pid_t pid;
-  int to, from;
-} peer_t;
-
-static void put_u64(int fd, uint64_t v) {
-  ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
-}
-
-static uint64_t get_u64(int fd) {
-  uint64_t v = 0;
-  ASSERT_EQ_INT(read(fd, &v, sizeof v), (int)sizeof v);
-  return v;
-}
 
 /* Host buffers made and freed many times, two at once; returns the most
  * the machine had pinned at any check. */
@@ -92,8 +78,15 @@ static pins_seg_t *seg_map(const char *name) {
  * 'M' the machine's pinned bytes, 'L' churn(), 'H' take the pin ledger's
  * lock and keep it, 'U' give it back, 'D' take it and die, 'F' free it,
  * 'Q' quit. */
-static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
-                      uint64_t size, int in, int out) {
+typedef struct pins_peer {
+  const char *name;
+  uint64_t budget, size;
+} pins_peer_t;
+
+static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
+  const pins_peer_t *c = arg;
+  const char *name = c->name;
+  uint64_t budget = c->budget, size = c->size;
   vp_options_t o;
   pins_opts(ctx, &o, name, budget);
   vp_device_t dev = test_open(ctx, &o);
@@ -139,39 +132,10 @@ static void peer_main(test_ctx_t *ctx, const char *name, uint64_t budget,
   exit(0);
 }
 
-static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t budget,
-                         uint64_t size) {
-  int down[2], up[2];
-  ASSERT_EQ_INT(pipe(down), 0);
-  ASSERT_EQ_INT(pipe(up), 0);
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE_INT(pid, 0);
-  if (pid == 0) {
-    close(down[1]);
-    close(up[0]);
-    peer_main(ctx, name, budget, size, down[0], up[1]);
-  }
-  close(down[0]);
-  close(up[1]);
-  peer_t p = {pid, down[1], up[0]};
-  ASSERT_EQ_U64(get_u64(p.from), 0);
-  return p;
-}
-
-static uint64_t peer_do(peer_t *p, char cmd) {
-  ASSERT_EQ_INT(write(p->to, &cmd, 1), 1);
-  return get_u64(p->from);
-}
-
-static void peer_quit(peer_t *p) {
-  char q = 'Q';
-  ASSERT_EQ_INT(write(p->to, &q, 1), 1);
-  int st = test_wait(p->pid);
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  close(p->to);
-  close(p->from);
+static peer_t pins_peer(test_ctx_t *ctx, const char *name, uint64_t budget,
+                        uint64_t size) {
+  pins_peer_t c = {name, budget, size};
+  return peer_start(ctx, peer_main, &c);
 }
 
 /* ---------------------------------------------------------------- tests */
@@ -180,7 +144,7 @@ static void peer_quit(peer_t *p) {
 TEST(pins_count_across_processes, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "count");
-  peer_t peer = peer_start(ctx, name, 64 * MiB, 16 * MiB);
+  peer_t peer = pins_peer(ctx, name, 64 * MiB, 16 * MiB);
   ASSERT_EQ_U64(peer_do(&peer, 'A'), 16 * MiB);
   vp_options_t o;
   pins_opts(ctx, &o, name, 64 * MiB);
@@ -204,7 +168,7 @@ TEST(pins_count_across_processes, TEST_SIM_ONLY) {
 TEST(pins_other_process_gives_back, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "ask");
-  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  peer_t peer = pins_peer(ctx, name, 32 * MiB, 24 * MiB);
   ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
   vp_options_t o;
   pins_opts(ctx, &o, name, 32 * MiB);
@@ -227,7 +191,7 @@ TEST(pins_other_process_gives_back, TEST_SIM_ONLY) {
 TEST(pins_never_beyond_budget, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "cap");
-  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  peer_t peer = pins_peer(ctx, name, 32 * MiB, 24 * MiB);
   ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
   vp_options_t o;
   pins_opts(ctx, &o, name, 32 * MiB);
@@ -266,7 +230,7 @@ TEST(pins_never_beyond_budget, TEST_SIM_ONLY) {
 TEST(pins_budget_holds_under_churn, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "churn");
-  peer_t peer = peer_start(ctx, name, 16 * MiB, 4 * MiB);
+  peer_t peer = pins_peer(ctx, name, 16 * MiB, 4 * MiB);
   vp_options_t o;
   pins_opts(ctx, &o, name, 16 * MiB);
   vp_device_t dev = test_open(ctx, &o);
@@ -285,7 +249,7 @@ TEST(pins_budget_holds_under_churn, TEST_SIM_ONLY) {
 TEST(pins_silent_peer_skipped, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "silent");
-  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  peer_t peer = pins_peer(ctx, name, 32 * MiB, 24 * MiB);
   ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
   kill(peer.pid, SIGSTOP);
   vp_options_t o;
@@ -317,8 +281,8 @@ TEST(pins_silent_peer_skipped, TEST_SIM_ONLY) {
 TEST(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "lock");
-  peer_t peer = peer_start(ctx, name, 32 * MiB, 4 * MiB);
-  peer_t dying = peer_start(ctx, name, 32 * MiB, 4 * MiB);
+  peer_t peer = pins_peer(ctx, name, 32 * MiB, 4 * MiB);
+  peer_t dying = pins_peer(ctx, name, 32 * MiB, 4 * MiB);
   vp_options_t o;
   pins_opts(ctx, &o, name, 32 * MiB);
   vp_device_t dev = test_open(ctx, &o);
@@ -357,7 +321,7 @@ TEST(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY) {
 TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "dead");
-  peer_t peer = peer_start(ctx, name, 32 * MiB, 24 * MiB);
+  peer_t peer = pins_peer(ctx, name, 32 * MiB, 24 * MiB);
   ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
   kill(peer.pid, SIGKILL);
   test_wait(peer.pid);

@@ -1,0 +1,32 @@
+/* Forked peers of the cross-process tests (test_ledger.c, test_pins.c): a
+ * child that runs `run` and obeys one-byte commands read from `in`,
+ * answering each with a number written to `out`; it writes 0 once ready.
+ * Fork peers before the test opens a device of its own: a device with a
+ * ledger has a thread, and TSan lets no child of a threaded process start
+ * threads. */
+#ifndef VP_PEER_H
+#define VP_PEER_H
+
+#include <sys/types.h>
+
+#include "test.h"
+
+typedef struct peer {
+  pid_t pid;
+  int to, from;
+} peer_t;
+
+/* Runs in the child; `arg` is peer_start's (the child's copy). Exits. */
+typedef void (*peer_main_t)(test_ctx_t *ctx, const void *arg, int in,
+                            int out);
+
+void put_u64(int fd, uint64_t v);
+uint64_t get_u64(int fd);
+/* Forks the peer and waits until it is ready. */
+peer_t peer_start(test_ctx_t *ctx, peer_main_t run, const void *arg);
+/* Sends a command; returns its answer. */
+uint64_t peer_do(peer_t *p, char cmd);
+/* Tells it to quit ('Q') and checks that it exited with 0. */
+void peer_quit(peer_t *p);
+
+#endif /* VP_PEER_H */
