@@ -41,9 +41,14 @@ def set_source(layout: Layout, name: str, tensor: Optional[torch.Tensor],
     the module's tensor holds outside the forward (its placeholder, or
     with outside="host" its own bytes) does not change. Not inside the
     weight's forward (RuntimeError)."""
+    _set_source(layout, _entry(layout, name, model), tensor)
+
+
+def _entry(layout: Layout, name: str, model: str) -> Any:
+    """The Entry of weight `name`; KeyError naming the model if none."""
     for e in layout.entries:
         if e.name == name:
-            return _set_source(layout, e, tensor)
+            return e
     raise KeyError("vpager.torch: %r is not a weight of this offloaded %s "
                    "(names: layout())" % (name, model))
 
@@ -106,12 +111,7 @@ def set_fill(layout: Layout, name: str,
     if fill is not None and not callable(fill):
         raise TypeError("vpager.torch: set_fill(%r): a callable or None, "
                         "not %s" % (name, type(fill).__name__))
-    for e in layout.entries:
-        if e.name == name:
-            break
-    else:
-        raise KeyError("vpager.torch: %r is not a weight of this offloaded "
-                       "%s (names: layout())" % (name, model))
+    e = _entry(layout, name, model)
     if e.cur:
         raise RuntimeError("vpager.torch: set_fill(%r) while the weight is "
                            "acquired" % e.name)
