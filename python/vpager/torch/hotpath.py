@@ -101,7 +101,6 @@ class HotPath:
         self._held_entries = []     # the held weights' Entries, in order
         self._held_slots = []       # (dict, key, tensor, Entry) of them
         self._held_ptrs = None      # the addresses hparams were made for
-        self._held_fills = False    # a held weight has a fill (set_fill)
         self.fills = 0              # fills run (set_fill), and their bytes
         self.fill_bytes = 0
         self.blocks = 0             # acquired() blocks open
@@ -289,11 +288,7 @@ class HotPath:
         except Exception as x:
             if not is_oom(x):
                 raise
-        self.device.free_memory(ALL)
-        self.ds.top = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-        self.ds.gov.raise_oom_margin()
+        self._make_room()
         e.fill(v)
 
     @staticmethod
@@ -453,15 +448,14 @@ class HotPath:
             self.vbar.prioritize()
             ds.top = self.owner
         stream = self.stream()
-        self._held_fills = any(e.fill is not None
-                               for e in self._held_entries)
+        fills = any(e.fill is not None for e in self._held_entries)
         try:
             ptrs = batch.acquire(stream)    # no prefetch (_held_batch)
         except Error:           # e.g. misses the ring cannot hold at once
             self.set_held(())
             return False        # the per-unit path meets it, if it stays
         flags = batch.flags
-        if self._held_fills:
+        if fills:
             try:
                 for i, e in enumerate(self._held_entries):
                     if e.fill is not None and flags[i] & _COPIED:
@@ -551,19 +545,25 @@ class HotPath:
             first = str(e)  # not e: its frames hold the activations
         return self.retry(unit, fwd, args, kwargs, first)
 
-    def retry(self, unit, fwd, args, kwargs, first):
-        """call()'s second attempt, after the out-of-memory error `first`
-        (its message)."""
+    def _make_room(self):
+        """After an out-of-memory error: vpager's unpinned pages evicted,
+        torch's cache emptied, the learned headroom's margin raised;
+        returns the bytes evicted."""
         freed = self.device.free_memory(ALL)
         # The eviction lowered the watermarks: the next acquire puts the
         # model on top again, so its weights are filled, not only staged.
         self.ds.top = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        # The learned headroom was too small: raise its margin, now for the
-        # rest of this forward too.
+        # The learned headroom was too small.
         self.ds.gov.raise_oom_margin()
-        if self.target.type == "cuda":
+        return freed
+
+    def retry(self, unit, fwd, args, kwargs, first):
+        """call()'s second attempt, after the out-of-memory error `first`
+        (its message)."""
+        freed = self._make_room()
+        if self.target.type == "cuda":      # the margin, for this forward too
             self.learn()
         try:
             return fwd(*args, **kwargs)
