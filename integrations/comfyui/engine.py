@@ -419,6 +419,10 @@ class Pager:
             # ComfyUI's patching requantizes (the op's set_weight): each
             # part's source is the patched weight's part.
             srcs = e.split.sources(None if patch is None else make())
+            # Set one by one: until all are, the parts are of no patch set
+            # (an error between two leaves them mixed: the next load, of
+            # any patch set, sets them all again).
+            e.patch = _MIXED
             for name, src in zip(e.split.names, srcs):
                 self.h.set_source(name, src)
             e.host_patched = patch is not None
@@ -511,6 +515,11 @@ class Pager:
             self.h.unload()
         finally:
             self._restore()
+
+
+# Entry.patch of a QuantizedTensor whose parts set_patched() left mixed
+# (an error between two parts): same_patch() matches no patch set with it.
+_MIXED = [object()]
 
 
 def _same(a, b):

@@ -331,6 +331,41 @@ def test_quantized_lora_as_comfyui_bakes_it():
         assert torch.equal(run(m), want0)
 
 
+def test_quantized_patch_failing_between_parts():
+    """A patch whose second part cannot be set (set_source raising):
+    the parts are left mixed, so the next load, even of the patch set
+    they had before (none), sets them all again: the base outputs."""
+    with env(capacity=256 * K, staging=128 * K) as e:
+        m = qmodel()
+        want0 = run(qmodel())
+        p = QEnv(e).patcher(m)
+        p.partially_load(CPU)
+        k = "diffusion_model.blocks.1.up.weight"
+        d = torch.randn(H, 64, generator=torch.Generator().manual_seed(5))
+        q = p.clone()
+        q.add_patches({k: ("diff", (d * 0.05,))})
+        h = p._vp().h
+        real, calls = h.set_source, []
+
+        def second_fails(name, tensor=None):
+            calls.append(name)
+            if len(calls) == 2:
+                raise RuntimeError("no host memory for the second part")
+            return real(name, tensor)
+
+        h.set_source = second_fails
+        try:
+            q.partially_load(CPU)
+            assert False, "the failing part did not raise"
+        except RuntimeError as err:
+            assert "second part" in str(err), err
+        finally:
+            del h.set_source
+        assert len(calls) == 2
+        p.partially_load(CPU)
+        assert torch.equal(run(m), want0)
+
+
 def test_quantized_lora_scale_stored_as_one_element():
     """Scales a file stored as [1] (requantizing gives []): the patched
     parts keep the loaded shapes, outputs equal the legacy bake."""
