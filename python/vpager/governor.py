@@ -254,57 +254,46 @@ class Governor:
         dev = self._dev()
         return repr(dev) if dev is not None else "(gone)"
 
+    def _write(self, what: str, attr: str, setter: str, new: int,
+               why: str) -> Any:
+        """Setting self.<attr> (on the device: its method `setter`) to
+        `new` when it differs and the device is open; returns the device
+        if written, else None."""
+        old = getattr(self, attr)
+        if new == old:
+            return None
+        dev = self._dev()
+        if dev is None or getattr(dev, "closed", False):
+            return None
+        getattr(dev, setter)(new)
+        setattr(self, attr, new)
+        self._changed(what, old, new, why)
+        return dev
+
     def _apply_headroom(self, why: str) -> None:
         self._apply_shared_headroom(why)
-        head = self.derived_headroom()
-        if head == self.headroom:
-            return
-        dev = self._dev()
-        if dev is None or getattr(dev, "closed", False):
-            return
-        dev.set_headroom(head)
-        self._changed("headroom", self.headroom, head, why)
-        self.headroom = head
+        self._write("headroom", "headroom", "set_headroom",
+                    self.derived_headroom(), why)
 
     def _apply_shared_headroom(self, why: str) -> None:
-        shared = self.derived_shared_headroom()
-        if shared == self.shared_headroom:
-            return
-        dev = self._dev()
-        if dev is None or getattr(dev, "closed", False):
-            return
-        dev.set_shared_headroom(shared)
-        self._changed("shared headroom", self.shared_headroom, shared, why)
-        self.shared_headroom = shared
+        self._write("shared headroom", "shared_headroom",
+                    "set_shared_headroom", self.derived_shared_headroom(),
+                    why)
 
     def _apply_limit(self, why: str) -> None:
-        limit = self.derived_limit()
-        if limit == self.limit:
-            return
-        dev = self._dev()
-        if dev is None or getattr(dev, "closed", False):
-            return
-        dev.set_limit(limit)
-        old, self.limit = self.limit, limit
-        self._changed("limit", old, limit, why)
+        old, limit = self.limit, self.derived_limit()
+        dev = self._write("limit", "limit", "set_limit", limit, why)
         # Under a shared budget a lower cap gives back the pages resident
         # over it now (it binds only at the next commit otherwise), so
         # the activations find their room.
-        if self.flags is not None and self.flags.shared_budget is not None \
-                and limit < old:
+        if dev is not None and self.flags is not None \
+                and self.flags.shared_budget is not None and limit < old:
             over = dev.stats()["committed_bytes"] - limit
             if over > 0:
                 dev.free_memory(over)
 
     def _set_lookahead(self, nbytes: int, why: str) -> None:
-        if nbytes == self.lookahead:
-            return
-        dev = self._dev()
-        if dev is None or getattr(dev, "closed", False):
-            return
-        dev.set_lookahead(nbytes)
-        self._changed("lookahead", self.lookahead, nbytes, why)
-        self.lookahead = nbytes
+        self._write("lookahead", "lookahead", "set_lookahead", nbytes, why)
 
     def _changed(self, what: str, old: int, new: int, why: str) -> None:
         self.changes += 1
