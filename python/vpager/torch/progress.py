@@ -9,6 +9,7 @@ import time
 from typing import Callable, Optional, TextIO
 
 from .. import env
+from .hostpolicy import gib as _gib
 
 __all__ = ["Progress", "LARGE", "SLOW"]
 
@@ -16,11 +17,6 @@ LARGE = 1 << 30         # bytes: a copy this large is shown from its start
 SLOW = 2.0              # seconds: a smaller one once it has taken this long
 _EVERY = 0.1            # seconds between two redraws of the bar
 _WIDTH = 30             # the bar's characters
-
-
-def _gib(n: float) -> str:
-    return "%.1f GiB" % (n / (1 << 30)) if n >= 1 << 30 else \
-        "%.0f MiB" % (n / (1 << 20))
 
 
 class Progress:
