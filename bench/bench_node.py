@@ -496,18 +496,7 @@ def fp8_matrix(cr, a, ours, out, gen, summary):
         "prompt by prompt: R equal to resident's, L to legacy's):"
         % (budget_of(bud, gen, "fp8_e4m3fn")[0], ", half the weights as "
            "held" if bud == "half" else ""))
-    say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
-        "weight_dtype", "LoRA", "node latents", "node/L", "dynamic/L",
-        "node/dyn", "dynamic latents"))
-    for wd, lora, cell in rows:
-        t = cell.get("table", {})
-        n, h = t.get("node" + bud, {}), t.get(bud, {})
-        ns, hs = n.get("steady_ms"), h.get("steady_ms")
-        say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
-            wd, "yes" if lora else "no", _equal_words(n),
-            "%.3f" % n["vs_L"] if "vs_L" in n else "-",
-            "%.3f" % h["vs_L"] if "vs_L" in h else "-",
-            "%.3f" % (ns / hs) if ns and hs else "-", _equal_words(h)))
+    _say_rows("weight_dtype", rows, bud)
     return rc
 
 
@@ -592,19 +581,25 @@ def quant_matrix(cr, a, ours, out, summary):
         "the last prompt's; latents prompt by prompt: R equal to "
         "resident's, L to legacy's):" % ("half the weights as held"
                                          if bud == "half" else bud + " GiB"))
+    _say_rows("format", rows, bud)
+    return rc
+
+
+def _say_rows(first, rows, bud):
+    """The node's and ComfyUI's dynamic path's latents and times of each
+    (`first`'s value, LoRA, cell) row of a matrix, under budget `bud`."""
     say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
-        "format", "LoRA", "node latents", "node/L", "dynamic/L",
+        first, "LoRA", "node latents", "node/L", "dynamic/L",
         "node/dyn", "dynamic latents"))
-    for fmt, lora, cell in rows:
+    for what, lora, cell in rows:
         t = cell.get("table", {})
         n, h = t.get("node" + bud, {}), t.get(bud, {})
         ns, hs = n.get("steady_ms"), h.get("steady_ms")
         say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
-            fmt, "yes" if lora else "no", _equal_words(n),
+            what, "yes" if lora else "no", _equal_words(n),
             "%.3f" % n["vs_L"] if "vs_L" in n else "-",
             "%.3f" % h["vs_L"] if "vs_L" in h else "-",
             "%.3f" % (ns / hs) if ns and hs else "-", _equal_words(h)))
-    return rc
 
 
 def _equal_words(row):
