@@ -263,9 +263,10 @@ static int join(vp__pins_t *pn, uint64_t budget, char *why, size_t len) {
       if (rc == VP_ELIMIT)
         snprintf(why, len, "all %d participant slots of %s are taken",
                  PINS_PARTS, pn->shm);
-    } else {
+    } else { /* a stopped holder, or a hostile lock word: alone, at once */
       snprintf(why, len, "the lock of %s %s", pn->shm, rc == VP_EAGAIN ?
                "stayed taken" : "cannot be used (a corrupt segment?)");
+      rc = VP_EUNSUPPORTED;
     }
     if (rc == VP_OK) return VP_OK;
     vp__shm_unmap(pn->seg, &seg_kind);

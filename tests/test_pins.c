@@ -317,6 +317,28 @@ TEST(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(dev));
 }
 
+/* A device opened while the pin ledger's lock stays taken waits one lock
+ * timeout, not one per join attempt, and counts its pinned memory alone. */
+TEST(pins_open_with_lock_stuck, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "stuckopen");
+  peer_t peer = pins_peer(ctx, name, 32 * MiB, 4 * MiB);
+  peer_do(&peer, 'H');
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 8 * MiB);
+  uint64_t t0 = test_now_ms();
+  vp_device_t dev = test_open(ctx, &o);
+  ASSERT_LT_U64(test_now_ms() - t0, 3000);
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 4 * MiB, 4 * MiB, &hb));
+  ASSERT_EQ_U64(hb_pinned(hb), 4 * MiB);
+  ASSERT_EQ_U64(machine_pinned(dev), 4 * MiB); /* its own count alone */
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(dev));
+  peer_do(&peer, 'U');
+  peer_quit(&peer);
+}
+
 /* A process killed with pins held: its count goes with it. */
 TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
   char name[64];
