@@ -251,7 +251,10 @@ TEST(pins_silent_peer_skipped, TEST_SIM_ONLY) {
   pins_name(name, sizeof name, "silent");
   peer_t peer = pins_peer(ctx, name, 32 * MiB, 24 * MiB);
   ASSERT_EQ_U64(peer_do(&peer, 'A'), 24 * MiB);
-  kill(peer.pid, SIGSTOP);
+  ASSERT_EQ_INT(kill(peer.pid, SIGSTOP), 0);
+  int st = 0; /* stopped for sure, its service thread too, not signalled */
+  ASSERT_EQ_INT(waitpid(peer.pid, &st, WUNTRACED), peer.pid);
+  ASSERT_TRUE(WIFSTOPPED(st));
   vp_options_t o;
   pins_opts(ctx, &o, name, 32 * MiB);
   o.ledger_timeout_us = 20000;
