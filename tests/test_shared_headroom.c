@@ -5,15 +5,15 @@
  * shares through the ledger, so two processes with no budget flags leave
  * the default free together, and one given less keeps the other's.
  *
- * The peer is forked before the test opens a device of its own (a device
- * with a ledger has a thread; see test_ledger.c). */
+ * The peer (tests/peer.c) is forked before the test opens a device of its
+ * own (a device with a ledger has a thread; see peer.h). */
 #include "test.h"
 
 #include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "ledger.h" /* LEDGER_HEADROOM_NS; internal.h */
+#include "peer.h"
 
 #define CAP 16 /* pages of the shared device */
 
@@ -43,73 +43,47 @@ static uint64_t fill(vp_vbar_t v, uint64_t ps, uint64_t pages) {
   return n;
 }
 
-static void put_u64(int fd, uint64_t v) {
-  ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
-}
-
-static uint64_t get_u64(int fd) {
-  uint64_t v = 0;
-  ASSERT_EQ_INT(read(fd, &v, sizeof v), (int)sizeof v);
-  return v;
-}
-
-typedef struct peer {
-  pid_t pid;
-  int to, from;
-} peer_t;
-
 /* A process with a desktop's default headroom (desktop: VP_SIM_SET_DESKTOP)
  * that fills up to `pages` pages, pinned or not (then others' release
- * requests may take them), and answers how many it holds; it closes its
- * device when told (a byte), or dies holding it when killed. */
+ * requests may take them); 'N' answers how many it holds, 'Q' closes its
+ * device, and killed it dies holding it. */
+typedef struct headroom_peer {
+  const char *name;
+  uint64_t desktop, pages;
+  bool pinned;
+} headroom_peer_t;
+
+static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
+  const headroom_peer_t *c = arg;
+  vp_options_t o;
+  shared_opts(ctx, &o, c->name);
+  vp_device_t dev = test_open(ctx, &o);
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, c->desktop));
+  vp_vbar_t v = test_vbar(dev, c->pages * o.page_size);
+  uint64_t n = fill(v, o.page_size, c->pages);
+  if (!c->pinned && n) ASSERT_OK(vp_unpin(v, 0, n * o.page_size, 0));
+  put_u64(out, 0); /* ready */
+  for (char cmd = 0; read(in, &cmd, 1) == 1 && cmd != 'Q';)
+    put_u64(out, cmd == 'N' ? n : 0);
+  ASSERT_OK(vp_device_close(dev));
+  exit(0);
+}
+
 static peer_t peer_start_pinned(test_ctx_t *ctx, const char *name,
                                 uint64_t desktop, uint64_t pages,
                                 bool pinned) {
-  int down[2], up[2];
-  ASSERT_EQ_INT(pipe(down), 0);
-  ASSERT_EQ_INT(pipe(up), 0);
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE_INT(pid, 0);
-  if (pid == 0) {
-    close(down[1]);
-    close(up[0]);
-    vp_options_t o;
-    shared_opts(ctx, &o, name);
-    vp_device_t dev = test_open(ctx, &o);
-    ASSERT_OK(vp_sim_inject(dev, VP_SIM_SET_DESKTOP, desktop));
-    vp_vbar_t v = test_vbar(dev, pages * o.page_size);
-    uint64_t n = fill(v, o.page_size, pages);
-    if (!pinned && n) ASSERT_OK(vp_unpin(v, 0, n * o.page_size, 0));
-    put_u64(up[1], n);
-    char cmd;
-    if (read(down[0], &cmd, 1) == 1) ASSERT_OK(vp_device_close(dev));
-    _exit(0);
-  }
-  close(down[0]);
-  close(up[1]);
-  return (peer_t){pid, down[1], up[0]};
+  headroom_peer_t c = {name, desktop, pages, pinned};
+  return peer_start(ctx, peer_main, &c);
 }
 
-static peer_t peer_start(test_ctx_t *ctx, const char *name, uint64_t desktop,
-                         uint64_t pages) {
+static peer_t headroom_peer(test_ctx_t *ctx, const char *name,
+                            uint64_t desktop, uint64_t pages) {
   return peer_start_pinned(ctx, name, desktop, pages, true);
-}
-
-static void peer_quit(peer_t *p) {
-  char cmd = 'Q';
-  ASSERT_EQ_INT(write(p->to, &cmd, 1), 1);
-  int status = 0;
-  ASSERT_EQ_INT(waitpid(p->pid, &status, 0), p->pid);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-  close(p->to);
-  close(p->from);
 }
 
 static void peer_kill(peer_t *p) {
   ASSERT_EQ_INT(kill(p->pid, SIGKILL), 0);
-  ASSERT_EQ_INT(waitpid(p->pid, NULL, 0), p->pid);
+  test_wait(p->pid);
   close(p->to);
   close(p->from);
 }
@@ -184,8 +158,8 @@ TEST(shared_headroom_two_processes, TEST_SIM_ONLY) {
   shared_opts(ctx, &o, name);
   uint64_t ps = o.page_size, want = vp__default_headroom(CAP * ps, false);
   ASSERT_EQ_U64(want, 4 * ps);
-  peer_t p = peer_start(ctx, name, 1, 6);
-  ASSERT_EQ_U64(get_u64(p.from), 6);
+  peer_t p = headroom_peer(ctx, name, 1, 6);
+  ASSERT_EQ_U64(peer_do(&p, 'N'), 6);
   vp_device_t dev = test_open(ctx, &o);
   vp_device_info_t info = test_info(dev);
   ASSERT_EQ_INT(info.headroom, 0);
@@ -221,8 +195,8 @@ TEST(shared_headroom_dead_peer, TEST_SIM_ONLY) {
   vp_options_t o;
   shared_opts(ctx, &o, name);
   uint64_t ps = o.page_size, want = vp__default_headroom(CAP * ps, true);
-  peer_t p = peer_start(ctx, name, 2, 2);
-  ASSERT_EQ_U64(get_u64(p.from), 2);
+  peer_t p = headroom_peer(ctx, name, 2, 2);
+  ASSERT_EQ_U64(peer_do(&p, 'N'), 2);
   vp_device_t dev = test_open(ctx, &o);
   ASSERT_EQ_U64(test_info(dev).kept_free, want);
   peer_kill(&p);
@@ -303,7 +277,7 @@ TEST(shared_ring_after_a_full_peer, TEST_SIM_ONLY) {
   shared_opts(ctx, &o, name);
   uint64_t ps = o.page_size;
   peer_t p = peer_start_pinned(ctx, name, 0, CAP, false);
-  ASSERT_EQ_U64(get_u64(p.from), CAP); /* the whole device */
+  ASSERT_EQ_U64(peer_do(&p, 'N'), CAP); /* the whole device */
   o.staging_size = 2 * ps;
   o.lookahead = 0;
   vp_device_t dev = test_open(ctx, &o);
