@@ -40,7 +40,9 @@ and other programs), and shares it, so two processes with no flags leave
 it free together; any headroom, budget flags or reserve the user gives
 overrides it."""
 
+import functools
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -55,6 +57,18 @@ NO_LIMIT = (1 << 64) - 1        # vp_device_set_limit: no cap
 _MARGIN_FRAC = 20               # the margin: 1/20 (5%) of torch's peak ...
 MARGIN_MAX = 256 << 20          # ... but at most 256 MiB
 OOM_MARGIN_MAX = 4 << 30        # what OOM retries may raise it to
+
+
+def _one_at_a_time(method: Any) -> Any:
+    """A declaration applied whole under the Governor's lock: models on
+    one device run their forwards on threads of their own (each under its
+    own lock only), and two writes interleaved would leave the setting
+    recorded here other than the device's (then never written again)."""
+    @functools.wraps(method)
+    def locked(self: "Governor", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,7 @@ class Governor:
 
     def __init__(self, dev: Any) -> None:
         self._dev = weakref.ref(dev)
+        self._lock = threading.RLock()
         info = dev.info()
         # The device's own settings when it was first governed: the
         # user's headroom and lookahead until declared otherwise.
@@ -125,11 +140,13 @@ class Governor:
         return self._dev()
 
     # ---------------------------------------------------------- inputs
+    @_one_at_a_time
     def declare_budget(self, limit: Optional[int]) -> None:
         """The user's budget (None: no cap)."""
         self.user = UserBudget(limit)
         self._apply_limit("user budget %s" % _b(limit))
 
+    @_one_at_a_time
     def declare_flags(self, headroom: int,
                       shared_budget: Optional[int] = None,
                       reserve: Optional[int] = None) -> None:
@@ -143,12 +160,14 @@ class Governor:
         self._apply_headroom(why)
         self._apply_limit(why)
 
+    @_one_at_a_time
     def declare_headroom(self, headroom: int) -> None:
         """The user's headroom (the drop-in's init_device): what stays free
         when nothing is learned."""
         self.user_headroom = int(headroom)
         self._apply_headroom("user headroom %s" % _b(headroom))
 
+    @_one_at_a_time
     def declare_platform(self, soft: Optional[int], margin: int,
                          reserved: Optional[int] = None) -> None:
         """The platform's soft limit (None: none) and torch's reservation
@@ -161,6 +180,7 @@ class Governor:
             self.torch = TorchMemory(int(reserved), max(peak, reserved))
         self._apply_limit("platform soft limit %s" % _b(soft))
 
+    @_one_at_a_time
     def declare_torch(self, reserved: int, peak: int) -> int:
         """Torch's memory before a forward: the learned headroom (and a
         shared budget's limit) follow; returns the headroom."""
@@ -174,11 +194,13 @@ class Governor:
             self._apply_limit(why)
         return self.headroom
 
+    @_one_at_a_time
     def forget_torch_peak(self) -> None:
         """A fresh torch (tests): the largest peak read is forgotten."""
         if self.torch is not None:
             self.torch = TorchMemory(self.torch.reserved, 0)
 
+    @_one_at_a_time
     def raise_oom_margin(self) -> None:
         """The learned headroom was too small (torch ran out of memory):
         its margin doubles from twice the usual cap, up to OOM_MARGIN_MAX.
@@ -188,18 +210,21 @@ class Governor:
         _log.debug("device %s: oom margin %s", self._name(),
                    _b(self.oom_margin))
 
+    @_one_at_a_time
     def forget_learned(self) -> None:
         """No model uses the device any more: the user's headroom again."""
         if self.learned:
             self.learned = 0
             self._apply_headroom("no model left")
 
+    @_one_at_a_time
     def declare_lookahead(self, nbytes: int) -> None:
         """The device's own lookahead (attach's lookahead=): what a model
         without windows prefetches with."""
         self.base_lookahead = int(nbytes)
         self._set_lookahead(self.base_lookahead, "device lookahead")
 
+    @_one_at_a_time
     def declare_pin_budget(self, nbytes: int) -> None:
         """The user's pinned-host budget: bytes vpager may page-lock on the
         machine, every vpager process together (the last one set wins; 0

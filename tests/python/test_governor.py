@@ -122,6 +122,51 @@ def test_writes_only_on_change_and_logs_each():
         dev.close()
 
 
+def test_two_threads_leave_the_device_as_recorded():
+    """Two models on one device declare from their own threads (each
+    under its own model's lock only): a write overtaken by the other's
+    leaves what the Governor records the device's setting (else it
+    would skip the write that puts the device right)."""
+    import threading
+    from vpager.governor import Governor
+
+    class Dev:
+        closed = False
+        options = {"lookahead": 0}
+
+        def __init__(self):
+            self.headroom = self.shared = 0
+            self.stall = threading.Event()
+            self.in_first = threading.Event()
+
+        def info(self):
+            return {"headroom": 0}
+
+        def set_shared_headroom(self, n):
+            self.shared = n
+
+        def set_headroom(self, n):
+            self.headroom = n
+            if n == PAGE:           # the first writer, slow to return
+                self.in_first.set()
+                self.stall.wait(0.5)
+
+    dev = Dev()
+    gov = Governor(dev)
+    a = threading.Thread(target=gov.declare_headroom, args=(PAGE,))
+    b = threading.Thread(target=gov.declare_headroom, args=(2 * PAGE,))
+    a.start()
+    assert dev.in_first.wait(5)
+    b.start()
+    b.join(0.1)                     # done by now unless it waits for a
+    dev.stall.set()
+    a.join(5)
+    b.join(5)
+    assert gov.headroom == dev.headroom == 2 * PAGE, (gov.headroom,
+                                                      dev.headroom)
+    assert gov.shared_headroom == dev.shared == 2 * PAGE
+
+
 def test_derived_limit_is_the_smallest_input():
     """The user's budget, a shared budget less torch's peak and margin,
     the platform's soft limit less torch's reservation and its margin:
