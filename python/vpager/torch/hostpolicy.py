@@ -281,8 +281,8 @@ def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
 
 
 def report(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-           registered: Optional[Tuple[int, int]]
-           ) -> Tuple[str, Dict[str, int]]:
+           registered: Optional[Tuple[int, int]]) -> str:
+    """say()'s line, logged at info; returns it."""
     line = say(model, by_kind, choice, registered)
     log.info("%s", line)
-    return line, by_kind
+    return line

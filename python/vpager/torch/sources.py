@@ -377,7 +377,7 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
                                         streamed, hbytes)
     for i in hosted:
         hbytes.kinds[entries[i]] = hostpolicy.PINNED_COPY
-    hbytes.line, _ = hostpolicy.report(
+    hbytes.line = hostpolicy.report(
         model, hbytes.by_kind(entries), choice,
         (hbytes.pinned, hbytes.span) if hbytes.registered else None)
     if not hosted:
