@@ -450,6 +450,13 @@ class Tuner:
                           RuntimeWarning)
 
     # ------------------------------------------------------------ planner
+    def _measure_link(self):
+        """self.link: the host-to-device copy speed (bytes/s), measured
+        at the first plan (SIM_LINK on the simulated device)."""
+        if self.link is None:
+            self.link = (measure_link(self.model.cuda_index) if self.cuda
+                         else SIM_LINK)
+
     def _inputs(self):
         """What a plan job reads, taken on the forward's thread (the
         budget, the rings, the sizes, the placement kept; the link
@@ -459,9 +466,7 @@ class Tuner:
         lock)."""
         lay = self.layout
         dev = lay.device
-        if self.link is None:
-            self.link = (measure_link(self.model.cuda_index) if self.cuda
-                         else SIM_LINK)
+        self._measure_link()
         units, _, sizes, _ = self._costs({})
         need = max(staging_need(u.entries) for u in lay.units)
         old = self.schedule
@@ -601,9 +606,7 @@ class Tuner:
         is the same."""
         lay = self.layout
         dev = lay.device
-        if self.link is None:
-            self.link = (measure_link(self.model.cuda_index) if self.cuda
-                         else SIM_LINK)
+        self._measure_link()
         units, w, sizes, flat = self._costs(work)
         need = max(staging_need(u.entries) for u in lay.units)
         sch, ring = self.plan(w, sizes, need, planned=planned)
