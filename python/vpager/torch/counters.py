@@ -35,7 +35,8 @@ MODEL_SIZES = {
     "resident_bytes": "bytes of the VBAR resident on the device now",
     "units": "units (modules acquired as one)",
     "host_bytes": "the pinned host copy's bytes (0: from a file/sources)",
-    "file_weights": "weights read from a safetensors file",
+    "file_weights": "weights without a pinned copy of vpager's: a "
+                    "file's (in place or read) or a caller's sources=",
     "replaced": "times the weights were re-placed in the order of use",
     "set_sources": "weights whose bytes come from set_source()",
     "load_seconds": "offload()'s host copy: host_fill_s, host_alloc_s",
