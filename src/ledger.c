@@ -89,18 +89,6 @@ static uint64_t own_pidns(void) {
  * belongs to someone else. A pid of another pid namespace (a container
  * sharing /dev/shm) means nothing here: such a participant counts as live,
  * for its own namespace to reap. Where /proc is hidden, kill(2) decides. */
-bool vp__lpart_alive(const ledger_part_t *p) {
-  int32_t pid = atomic_load_explicit(&p->pid, RELAXED);
-  uint64_t start = 0, want = atomic_load_explicit(&p->start, RELAXED);
-  if (atomic_load_explicit(&p->pidns, RELAXED) != own_pidns()) return true;
-  if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH)) return false;
-  int found = proc_start(pid, &start);
-  if (found < 0) return true;
-  return found && (want == 0 || start == want);
-}
-
-/* The same rule for an entry of another shared table (pins.c's): the pid,
- * start time and pid namespace it recorded. */
 bool vp__lproc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
   uint64_t now = 0;
   if (pidns != own_pidns()) return true;
@@ -108,6 +96,13 @@ bool vp__lproc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
   int found = proc_start(pid, &now);
   if (found < 0) return true;
   return found && (start == 0 || now == start);
+}
+
+/* The same rule for a participant of this ledger. */
+bool vp__lpart_alive(const ledger_part_t *p) {
+  return vp__lproc_alive(atomic_load_explicit(&p->pid, RELAXED),
+                         atomic_load_explicit(&p->start, RELAXED),
+                         atomic_load_explicit(&p->pidns, RELAXED));
 }
 
 /* What such a table records for this process: its start time (0 when
