@@ -114,21 +114,29 @@ int vp__pread_exact(int fd, void *buf, uint64_t n, uint64_t off,
   return 0;
 }
 
-/* vp__pread_exact with messages naming `what`; a read that ends early
- * means the file is shorter than expected. */
+/* The message for vp__pread_exact's answer e (0: none) to a read of the
+ * part [at, at + n) of the n_all bytes at off_all, which came `got` bytes
+ * far; a read that ends early means the file is shorter than expected. */
+static int read_said(int e, uint64_t at, uint64_t n, uint64_t got,
+                     uint64_t off_all, uint64_t n_all, const char *what) {
+  if (e > 0)
+    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading %llu "
+                   "bytes at offset %llu failed: %s", what, ULL(n - got),
+                   ULL(at + got), strerror(e));
+  if (e < 0)
+    return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before the "
+                   "%llu bytes at offset %llu were read (it is shorter than "
+                   "expected)", what, ULL(at + got), ULL(n_all),
+                   ULL(off_all));
+  return VP_OK;
+}
+
+/* vp__pread_exact with messages naming `what`. */
 static int read_full(int fd, void *buf, uint64_t n, uint64_t off,
                      const char *what) {
   uint64_t got;
   int e = vp__pread_exact(fd, buf, n, off, &got);
-  if (e > 0)
-    return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: reading %llu "
-                   "bytes at offset %llu failed: %s", what, ULL(n - got),
-                   ULL(off + got), strerror(e));
-  if (e < 0)
-    return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before the "
-                   "%llu bytes at offset %llu were read (it is shorter than "
-                   "expected)", what, ULL(off + got), ULL(n), ULL(off));
-  return VP_OK;
+  return read_said(e, off, n, got, off, n, what);
 }
 
 /* A piece of a slot read on its own thread. */
@@ -171,18 +179,9 @@ static int read_par(vp__device_t *dev, int fd, void *buf, uint64_t n,
     if (started[i]) pthread_join(t[i], NULL);
     else read_piece_run(&p[i]);
   }
-  for (uint64_t i = 0; i < m; i++) {
-    if (p[i].err > 0)
-      return vp__err(p[i].err == ENOMEM ? VP_ENOMEM : VP_EINVAL,
-                     "%s: reading %llu bytes at offset %llu failed: %s", what,
-                     ULL(p[i].n - p[i].got), ULL(p[i].off + p[i].got),
-                     strerror(p[i].err));
-    if (p[i].err < 0)
-      return vp__err(VP_ERANGE, "%s: the file ends at offset %llu, before the "
-                     "%llu bytes at offset %llu were read (it is shorter than "
-                     "expected)", what, ULL(p[i].off + p[i].got), ULL(n),
-                     ULL(off));
-  }
+  for (uint64_t i = 0; i < m; i++)
+    if (p[i].err)
+      return read_said(p[i].err, p[i].off, p[i].n, p[i].got, off, n, what);
   return VP_OK;
 }
 
