@@ -71,10 +71,12 @@ static int parse_nonzero(const char *t, void *f) {
   return 0;
 }
 
+static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
+
 /* A power of two of at least 4 KiB (page_size, sim_granularity). */
 static int parse_pow2(const char *t, void *f) {
   uint64_t v;
-  if (parse_size(t, &v) || v < 4096 || (v & (v - 1))) return -1;
+  if (parse_size(t, &v) || v < 4096 || !is_pow2(v)) return -1;
   *(uint64_t *)f = v;
   return 0;
 }
@@ -255,8 +257,6 @@ uint64_t vp__default_headroom(uint64_t total, bool wddm) {
   return head < total / 4 ? head : total / 4;
 }
 
-static bool is_pow2(uint64_t v) { return v && !(v & (v - 1)); }
-
 /* Checks that need no backend (granularity is checked after open). */
 int vp__options_check(const vp_options_t *o) {
   if (o->size != sizeof(vp_options_t))
@@ -279,8 +279,7 @@ int vp__options_check(const vp_options_t *o) {
     return vp__err(VP_EINVAL, "option sim_capacity (VPAGER_SIM_CAPACITY): "
                    "0 bytes; the simulated device needs some memory");
   if (o->backend == VP_BACKEND_SIM &&
-      (o->sim_granularity < 4096 ||
-       o->sim_granularity & (o->sim_granularity - 1)))
+      (o->sim_granularity < 4096 || !is_pow2(o->sim_granularity)))
     return vp__err(VP_EINVAL, "option sim_granularity "
                    "(VPAGER_SIM_GRANULARITY): %llu is not a power of two of "
                    "at least 4 KiB", (unsigned long long)o->sim_granularity);
