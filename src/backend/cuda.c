@@ -716,9 +716,6 @@ static uint64_t nvml_proc_used(cuda_t *c) {
   return used;
 }
 
-/* Device memory as NVML sees it (used, total) and this process's own use
- * (UINT64_MAX: unknown). VP_EUNSUPPORTED without NVML. The first call loads
- * NVML (~10 ms); later ones cost a few µs. Thread-safe. */
 /* "/sys/fs/cgroup" + this process's cgroup v2 path (/proc/self/cgroup's
  * "0::" line); false without one. */
 static bool own_cgroup(char *out, size_t len) {
@@ -756,6 +753,9 @@ int vp__cuda_soft_limit(void *ctx, uint64_t *bytes) {
   return VP_OK;
 }
 
+/* Device memory as NVML sees it (used, total) and this process's own use
+ * (UINT64_MAX: unknown). VP_EUNSUPPORTED without NVML. The first call loads
+ * NVML (~10 ms); later ones cost a few µs. Thread-safe. */
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used) {
   cuda_t *c = ctx;
