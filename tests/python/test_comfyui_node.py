@@ -979,6 +979,38 @@ def test_set_fill():
         p.detach()
 
 
+def test_set_source_refused_keeps_the_fill():
+    """set_source() refusing its tensor (another dtype) leaves a weight's
+    fill in place: the bytes refilled after an eviction are rewritten as
+    the resident ones were (dropping it there mixed patched and unpatched
+    bytes by residency)."""
+    with env() as e:
+        m = DiT()
+        base = frozen(m)
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        h = m._vpager_pager.h
+        name = "diffusion_model.blocks.2.up.weight"
+
+        def fill(view):
+            view.mul_(2)
+
+        h.set_fill(name, fill)
+        ref = frozen(base)
+        ref.diffusion_model.blocks[2].up.weight.data *= 2
+        want = run(ref)
+        assert torch.equal(run(m), want)
+        w = ref.diffusion_model.blocks[2].up.weight
+        try:
+            h.set_source(name, w.detach().double())
+            raise AssertionError("a float64 tensor for a float32 weight")
+        except ValueError:
+            pass
+        h.free_memory(1 << 40)        # every page refilled at next use
+        assert torch.equal(run(m), want)
+        p.detach()
+
+
 def test_load_again_as_before():
     """ComfyUI loads the model before every prompt: a load by the same
     patch set with nothing moved since puts nothing in place again (no

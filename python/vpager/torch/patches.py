@@ -55,20 +55,19 @@ def _entry(layout: Layout, name: str, model: str) -> Any:
 
 def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
                 ) -> None:
+    # A fill (set_fill) goes with the bytes it rewrites: dropped only once
+    # the new source is set (an error before leaves the weight as it was).
     if e.cur:
         raise RuntimeError("vpager.torch: set_source(%r) while the "
                            "weight is acquired" % e.name)
-    if e.fill is not None:      # other bytes: the fill is not theirs
-        e.fill = None
-        if tensor is None and e.own is None:
-            layout.set_source(e, e.src)     # its own bytes, unrewritten
-            return
     if tensor is None:
-        if e.own is None:
-            return
-        layout.set_source(e, e.own)
-        e.own = None
-        drop_alt(e)
+        if e.own is not None:
+            layout.set_source(e, e.own)
+            e.own = None
+            drop_alt(e)
+        elif e.fill is not None:
+            layout.set_source(e, e.src)     # its own bytes, unrewritten
+        e.fill = None
         return
     if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
         raise ValueError("vpager.torch: set_source(%r): a %s %s tensor, "
@@ -89,6 +88,7 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
         hb.close()
         raise
     e.own = own
+    e.fill = None           # other bytes: the fill is not theirs
     drop_alt(e)
     e.alt = hb
 
