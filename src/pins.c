@@ -580,10 +580,11 @@ bool vp__pins_may_help(const vp__device_t *dev) {
 }
 
 /* The others, largest giver first, until `size` more bytes fit the budget
- * (no device lock held). Returns what they gave back. */
+ * (no device lock held). Returns what they gave back. Nobody is asked
+ * while the lock is known stuck: nothing could be taken after. */
 uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
   vp__pins_t *pn = dev->pins;
-  if (!ours(pn)) return 0;
+  if (!ours(pn) || vp__now_ns() < atomic_load(&pn->stuck_until)) return 0;
   pins_seg_t *seg = pn->seg;
   bool asked[PINS_PARTS] = {false};
   uint64_t got = 0;

@@ -342,6 +342,31 @@ TEST(pins_open_with_lock_stuck, TEST_SIM_ONLY) {
   peer_quit(&peer);
 }
 
+/* The lock held by a stopped process while the budget is spent: nothing
+ * is asked of the others either (nothing could be taken after their
+ * answer), so they keep their pins. */
+TEST(pins_lock_stuck_asks_nobody, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "stuckask");
+  peer_t giver = pins_peer(ctx, name, 32 * MiB, 24 * MiB);
+  peer_t holder = pins_peer(ctx, name, 32 * MiB, 4 * MiB);
+  ASSERT_EQ_U64(peer_do(&giver, 'A'), 24 * MiB);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 32 * MiB);
+  vp_device_t dev = test_open(ctx, &o);
+  peer_do(&holder, 'H');
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_alloc(dev, 16 * MiB, 16 * MiB, &hb));
+  ASSERT_EQ_U64(hb_pinned(hb), 0);
+  ASSERT_EQ_U64(peer_do(&giver, 'P'), 24 * MiB);
+  ASSERT_OK(vp_hostbuf_free(hb));
+  peer_do(&holder, 'U');
+  peer_quit(&holder);
+  peer_do(&giver, 'F');
+  peer_quit(&giver);
+  ASSERT_OK(vp_device_close(dev));
+}
+
 /* A process killed with pins held: its count goes with it. */
 TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
   char name[64];
