@@ -686,10 +686,15 @@ TEST(ledger_leave_keeps_answers, TEST_SIM_ONLY) {
 }
 
 
+/* Room for two pinned pages of every slot at once: the test is about
+ * joining and leaving, not about a full device (64 pages filled up under
+ * load, and a join's pages missed). */
+#define CHURN_PAGES (2 * LEDGER_PARTS)
+
 static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
                         int seed) {
   vp_options_t o;
-  shared_opts(ctx, &o, name, 64);
+  shared_opts(ctx, &o, name, CHURN_PAGES);
   for (uint64_t i = 0; i < loops; i++) {
     vp_device_t dev = test_open(ctx, &o);
     vp_vbar_t v = test_vbar(dev, 2 * o.page_size);
@@ -728,7 +733,7 @@ TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   }
   /* A last one reaps whoever was killed inside and removes the name. */
   vp_options_t o;
-  shared_opts(ctx, &o, name, 64);
+  shared_opts(ctx, &o, name, CHURN_PAGES);
   vp_device_t dev = test_open(ctx, &o);
   char *s = snapshot(dev);
   test_note("%s", s);
