@@ -245,15 +245,23 @@ static int device_attribute(cuda_t *c, vp_cu_device_attribute_t attr,
                    error_name(c, r));
 }
 
-/* cuInit, the ordinal, and whether the GPU can do what we need. */
-static int find_device(cuda_t *c, int index) {
+/* cuInit and the number of devices (*n: 0 on failure). */
+static int count_devices(cuda_t *c, int *n) {
+  *n = 0;
   vp_cu_result_t r = c->cu.init(0);
   if (r != VP_CU_SUCCESS)
     return open_fail(VP_ENODEV, "cuInit: %s", error_name(c, r));
+  r = c->cu.device_get_count(n);
+  if (r == VP_CU_SUCCESS) return VP_OK;
+  *n = 0;
+  return open_fail(VP_ENODEV, "cuDeviceGetCount: %s", error_name(c, r));
+}
+
+/* cuInit, the ordinal, and whether the GPU can do what we need. */
+static int find_device(cuda_t *c, int index) {
   int n = 0;
-  r = c->cu.device_get_count(&n);
-  if (r != VP_CU_SUCCESS)
-    return open_fail(VP_ENODEV, "cuDeviceGetCount: %s", error_name(c, r));
+  if (count_devices(c, &n)) return VP_ENODEV; /* open_reason says why */
+  vp_cu_result_t r;
   if (index < 0 || index >= n)
     return open_fail(VP_ENODEV, "device %d out of range (%d CUDA device%s)",
                      index, n, n == 1 ? "" : "s");
@@ -785,12 +793,7 @@ int vp__cuda_device_count(int *count) {
   if (!c) return open_fail(VP_ENOMEM, "out of host memory");
   int rc = load_driver(c);
   if (rc == VP_OK) {
-    vp_cu_result_t r = c->cu.init(0);
-    if (r == VP_CU_SUCCESS) r = c->cu.device_get_count(count);
-    if (r != VP_CU_SUCCESS) {
-      *count = 0;
-      open_fail(VP_ENODEV, "cuInit/cuDeviceGetCount: %s", error_name(c, r));
-    }
+    count_devices(c, count); /* on failure 0, and open_reason says why */
     dlclose(c->lib);
   }
   free(c);
