@@ -42,6 +42,23 @@ def add_paths(*folders):
     return REPO
 
 
+def require_torch(module_name):
+    """torch, for a test file that needs it (call at import, with the
+    file's __name__). Without torch: under pytest the module is skipped;
+    run as a script, the runner's "skipped" line is printed and the
+    process exits 0; imported otherwise, the ImportError."""
+    try:
+        import torch
+        return torch
+    except ImportError:
+        if "pytest" in sys.modules:
+            import pytest
+            pytest.skip("torch is not importable", allow_module_level=True)
+        if module_name == "__main__":
+            sys.exit(main({}, unavailable="torch is not importable"))
+        raise
+
+
 class Skipped(Exception):
     pass
 

@@ -33,16 +33,8 @@ sys.path.insert(0, HERE)
 import _runner  # noqa: E402
 REPO = _runner.add_paths("integrations", "python")
 
-try:
-    import torch
-    from torch import nn
-except ImportError:         # pragma: no cover - depends on the machine
-    torch = None
-    if __name__ != "__main__":
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
-    # Before the module-level models, which need torch to be defined.
-    sys.exit(_runner.main({}, unavailable="torch is not importable"))
+torch = _runner.require_torch(__name__)
+from torch import nn  # noqa: E402
 
 from _runner import raises  # noqa: E402,F401  (the runner's helpers)
 

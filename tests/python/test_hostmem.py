@@ -21,15 +21,8 @@ sys.path.insert(0, HERE)
 import _runner  # noqa: E402
 
 REPO = _runner.add_paths("python")
-try:
-    import torch
-    from torch import nn
-except ImportError:         # pragma: no cover - depends on the machine
-    torch = None
-    if __name__ != "__main__":
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
-    sys.exit(_runner.main({}, unavailable="torch is not importable"))
+torch = _runner.require_torch(__name__)
+from torch import nn  # noqa: E402
 
 import vpager.torch as vt  # noqa: E402
 from vpager.torch import hostpolicy  # noqa: E402

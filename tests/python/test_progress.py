@@ -12,15 +12,7 @@ sys.path.insert(0, HERE)
 import _runner  # noqa: E402
 REPO = _runner.add_paths("python")
 
-try:
-    import torch  # noqa: F401
-except ImportError:
-    if "pytest" in sys.modules:
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
-    if __name__ == "__main__":
-        sys.exit(_runner.main({}, unavailable="torch is not importable"))
-    raise
+_runner.require_torch(__name__)
 
 from vpager.torch import progress  # noqa: E402
 

@@ -14,16 +14,8 @@ sys.path.insert(0, HERE)
 import _runner  # noqa: E402
 REPO = _runner.add_paths("python")
 
-try:
-    import torch
-    from torch import nn
-except ImportError:
-    if "pytest" in sys.modules:
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
-    if __name__ == "__main__":
-        sys.exit(_runner.main({}, unavailable="torch is not importable"))
-    raise
+torch = _runner.require_torch(__name__)
+from torch import nn  # noqa: E402
 
 import vpager  # noqa: E402
 import vpager.torch as vt  # noqa: E402
