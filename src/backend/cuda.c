@@ -1,6 +1,6 @@
 /* The CUDA backend: NVIDIA GPUs through the driver's virtual memory API.
  *
- * The driver is loaded at run time (dlopen of libcuda.so.1) and every entry
+ * The driver is loaded at run time (libcuda.so.1, nvcuda.dll) and every entry
  * point is resolved with cuGetProcAddress at VP_CU_ABI_VERSION, so vpager
  * builds and runs with no CUDA anywhere; src/cuda_abi.h declares the part
  * of the ABI we use. Without a usable GPU, open returns VP_ENODEV quietly
@@ -27,6 +27,16 @@
 #include "cuda_abi.h"
 
 #define MiB (1024ull * 1024)
+
+/* The driver's and NVML's file names (docs/windows.md: Windows loads them
+ * from System32 by these names). */
+#ifdef _WIN32
+#define CUDA_LIBRARY "nvcuda.dll"
+#define NVML_LIBRARY "nvml.dll"
+#else
+#define CUDA_LIBRARY "libcuda.so.1"
+#define NVML_LIBRARY "libnvidia-ml.so.1"
+#endif
 
 _Static_assert(sizeof(size_t) == sizeof(uint64_t), "LP64 only");
 _Static_assert(sizeof(void *) == sizeof(vp_cu_init_fn),
@@ -205,7 +215,7 @@ static int resolve(cuda_t *c, vp_cu_get_proc_address_fn gpa) {
     vp_cu_result_t r = gpa(e->name, &fn, VP_CU_ABI_VERSION,
                            VP_CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
     if (r == VP_CU_ERROR_STUB_LIBRARY)
-      return open_fail(VP_ENODEV, "libcuda.so.1 is the toolkit's stub "
+      return open_fail(VP_ENODEV, CUDA_LIBRARY " is the toolkit's stub "
                        "library, not a driver");
     if (r != VP_CU_SUCCESS || !fn ||
         status != VP_CU_GET_PROC_ADDRESS_SUCCESS)
@@ -221,12 +231,12 @@ static int resolve(cuda_t *c, vp_cu_get_proc_address_fn gpa) {
  * starts threads at cuInit and must never be unmapped under them, so our
  * dlclose only drops a reference. */
 static int load_driver(cuda_t *c) {
-  c->lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+  c->lib = dlopen(CUDA_LIBRARY, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
   if (!c->lib) return open_fail(VP_ENODEV, "%s", dlerror());
   void *sym = dlsym(c->lib, "cuGetProcAddress_v2");
   int rc;
   if (!sym) {
-    rc = open_fail(VP_ENODEV, "libcuda.so.1 has no cuGetProcAddress_v2 "
+    rc = open_fail(VP_ENODEV, CUDA_LIBRARY " has no cuGetProcAddress_v2 "
                    "(driver older than CUDA 12.0)");
   } else {
     vp_cu_get_proc_address_fn gpa;
@@ -667,7 +677,7 @@ static void nvml_load(cuda_t *c) {
   nvml_t *n = &c->nvml;
   n->tried = true;
   void *lib =
-      dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+      dlopen(NVML_LIBRARY, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
   if (!lib) return;
   vp_nvml_init_fn init;
   vp_nvml_get_handle_by_uuid_fn by_uuid;
