@@ -705,6 +705,115 @@ def test_handle_owns_the_lifecycle_only():
             assert "return" in fn.__annotations__, name
 
 
+def _module_state(m):
+    """What offload() changes in a module, to compare before and after."""
+    return (type(m), [(n, p, p.requires_grad, hasattr(p, "_vpager_handle"))
+                      for n, p in m.named_parameters()],
+            [sorted(k for k in ("forward", "_vpager_lock")
+                    if k in sub.__dict__) for sub in m.modules()],
+            [(len(sub._forward_pre_hooks), len(sub._forward_hooks),
+              len(sub._state_dict_hooks),
+              len(sub._load_state_dict_pre_hooks)) for sub in m.modules()])
+
+
+def test_failed_offload_changes_nothing():
+    """offload() is all or nothing: a step that fails while the model's
+    parts are installed (a placeholder, a unit's wrapper, the root's
+    hooks, the ledger's track) leaves the module as it was (its tensors,
+    their bytes in memory of their own, requires_grad, forwards, hooks,
+    class), the VBAR freed and a shared device without the model; the
+    error is the step's own."""
+    from vpager.torch import hotpath, install, ledger, roothooks
+    from vpager.torch.devices import DEVSTATES
+    m = mlp(depth=3)
+    ref = frozen_copy(m)
+    x = torch.randn(3, 64)
+    before = _module_state(m)
+
+    class Boom(Exception):
+        pass
+
+    def failing(owner, name, nth):
+        real, calls = getattr(owner, name), [0]
+
+        def fn(*a, **kw):
+            calls[0] += 1
+            if calls[0] == nth:
+                raise Boom("%s, call %d" % (name, nth))
+            return real(*a, **kw)
+        return real, fn
+
+    steps = [(install, "placeholder", 3), (hotpath.HotPath, "wrap", 2),
+             (roothooks.RootHooks, "install", 1), (ledger, "track", 1)]
+    dev = vt.open_device("cpu", budget=896 * K, staging_size=640 * K,
+                         **sim_opts())
+    try:
+        for owner, name, nth in steps:
+            for shared in (False, True):
+                real, fn = failing(owner, name, nth)
+                setattr(owner, name, fn)
+                try:
+                    kw = dict(dev=dev) if shared else dict(
+                        device="cpu", budget=896 * K, staging_size=640 * K,
+                        **sim_opts())
+                    raises(Boom, vt.offload, m, **kw)
+                finally:
+                    setattr(owner, name, real)
+                assert _module_state(m) == before, (name, shared)
+                gc.collect()        # the failed handle's host copy gone
+                with torch.no_grad():
+                    assert torch.equal(m(x), ref(x)), name
+                if shared:
+                    assert not dev.report(json=True)["vbars"]
+                    assert not DEVSTATES[dev].users and not dev.closed
+        h = vt.offload(m, dev=dev)          # and it offloads after all
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        h.unload()
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+    finally:
+        dev.close()
+
+
+def test_unload_restores_before_the_vbar_closes():
+    """unload() puts the tensors back while the VBAR is still open, all or
+    nothing: a restore that fails half way (no room, a file's read)
+    changes no tensor, and the model stays offloaded and working; the
+    next unload() does it."""
+    from vpager.torch.install import Installation
+    m = mlp(depth=3)
+    ref = frozen_copy(m)
+    x = torch.randn(3, 64)
+    h = offload_sim(m, budget=896 * K, staging=640 * K)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    held = [p.data for p in m.parameters()]
+    real, calls = Installation._original, [0]
+
+    def fail_third(e):
+        calls[0] += 1
+        assert not h.vbar.closed        # restored while the VBAR is open
+        if calls[0] == 3:
+            raise MemoryError("no room for the third weight")
+        return real(e)
+    Installation._original = staticmethod(fail_third)
+    try:
+        raises(MemoryError, h.unload)
+    finally:
+        Installation._original = staticmethod(real)
+    assert h.state == "open" and not h.vbar.closed
+    assert all(p.data.data_ptr() == d.data_ptr()
+               for p, d in zip(m.parameters(), held))
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    h.unload()
+    assert h.state == "unloaded" and h.vbar.closed
+    with torch.no_grad():
+        assert torch.equal(m(x), ref(x))
+    assert all(p.requires_grad for p in m.parameters())
+
+
 def test_shared_weights():
     torch.manual_seed(3)
     lin = nn.Linear(256, 256)

@@ -3,12 +3,14 @@ for it (or a shared one set up for it), the Layout (the VBAR, the weights,
 their sources: layout.py; all or nothing: a device opened here is closed
 again if the layout cannot be built), then the model's parts (Parts:
 what runs each forward and what adapts between forwards), wired to each
-other and installed in the module."""
+other and installed in the module (all or nothing too: assemble() undoes
+what it installed when a step fails, and the handle frees the layout)."""
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from .. import env
+from ..errors import Error
 from .access import Lifecycle, ModelAccess
 from .devices import attach, DEVSTATES, leave, open_for, SIZED_RINGS
 from .hotpath import HotPath
@@ -17,6 +19,7 @@ from .layout import Layout
 from .patches import drop_alt
 from .replace import Recorder
 from .roothooks import RootHooks
+from .sources import release_host
 from . import tuner
 
 
@@ -85,26 +88,65 @@ class Parts:
             self.tuner.remove()
         self.hot_path.staged.clear()
 
+    def undo(self) -> None:
+        """Everything assemble() installed taken out, the module's tensors
+        their own again (an offload() that failed before its end)."""
+        self.hooks.remove()
+        self.recorder.remove()
+        if self.tuner is not None:
+            self.tuner.remove()
+        self.install.undo()
+
     def free(self, device: Any, owner: Any) -> None:
-        """The vpager objects freed (unload(), close()): the sources, the
-        VBAR and its weights, the patches; the device left by `owner` (and
-        closed if it was opened for it and nobody else uses it)."""
-        lay = self.layout
-        for e in lay.entries:
-            e.host = e.file_addr = e.src = e.keep = e.own = None
-        errors = lay.close()
-        for e in lay.entries:
-            drop_alt(e)
-        errors += leave(device, self.ds, owner)
-        if errors:
-            raise errors[0]
+        """free(): unload(), close()."""
+        free(self.layout, self.ds, device, owner)
+
+
+def free(lay: Layout, ds: Any, device: Any, owner: Any) -> None:
+    """The vpager objects freed (unload(), close(), a failed offload()):
+    the sources, the VBAR and its weights, the patches; the device left
+    by `owner` (and closed if it was opened for it and nobody else uses
+    it)."""
+    for e in lay.entries:
+        e.host = e.file_addr = e.src = e.keep = e.own = None
+    errors = lay.close()
+    for e in lay.entries:
+        drop_alt(e)
+    errors += leave(device, ds, owner)
+    if errors:
+        raise errors[0]
 
 
 def assemble(plan: Any, lay: Layout, ds: Any, owned: bool,
-             life: Lifecycle) -> Parts:
+             life: Lifecycle, track: Callable[[RootHooks], None]) -> Parts:
     """The parts of the model `plan` describes, laid out in `lay`, wired
     and installed: placeholders and the units' wrappers in the module, the
-    root's hooks in their order (roothooks.py)."""
+    root's hooks in their order (roothooks.py); then track(root hooks)
+    (the ledger's). All or nothing: when a step fails, what was installed
+    is undone (Parts.undo()), tensors over their host copy get their own
+    (as when Layout.build() fails), the layout is freed and the device
+    left by life.owner (free()), and the step's error raised."""
+    parts = None
+    try:
+        parts = _parts(plan, lay, ds, owned, life)
+        _install(parts, plan)
+        track(parts.hooks)
+    except BaseException:
+        if parts is not None:
+            parts.undo()
+        release_host(lay.entries)   # the host copy is about to go
+        try:
+            free(lay, ds, lay.device, life.owner)
+        except Error:
+            pass                # the step's error is the one to see
+        raise
+    parts.install.commit()
+    return parts
+
+
+def _parts(plan: Any, lay: Layout, ds: Any, owned: bool,
+           life: Lifecycle) -> Parts:
+    """The parts, wired to each other; nothing installed yet."""
     s = plan.settings
     # The submodule whose forward is one step (offload(root=)): the
     # hooks that learn, record and measure go there.
@@ -128,12 +170,17 @@ def assemble(plan: Any, lay: Layout, ds: Any, owned: bool,
     install = Installation(plan.module, lay, plan.target, s.outside,
                            s.tensors is not None, plan.owners, life.owner,
                            life.check_open, life.unloaded)
-    install.install(hot.wrap)
+    return Parts(lay, ds, install, hooks, hot, recorder, tune)
+
+
+def _install(parts: Parts, plan: Any) -> None:
+    """The parts installed in the module and on its root."""
+    s, hot, hooks = plan.settings, parts.hot_path, parts.hooks
+    parts.install.install(hot.wrap)
     hooks.install(hot.lock, hot.wrap_root)
     if plan.target.type == "cuda":     # activations first
         hooks.set("learn", pre=hot.learn_hook)
-    if s.reorder and len(lay.units) > 1:
-        recorder.install()
-    if tune is not None:
-        tune.install()
-    return Parts(lay, ds, install, hooks, hot, recorder, tune)
+    if s.reorder and len(parts.layout.units) > 1:
+        parts.recorder.install()
+    if parts.tuner is not None:
+        parts.tuner.install()

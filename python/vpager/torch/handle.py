@@ -55,11 +55,11 @@ class Offloaded:
             owner=self, check_open=self._check_open, is_open=self._is_open,
             unloaded=lambda: self._state is UNLOADED,
             may_replace=self._may_replace, swap=self._swap,
-            scheduled=self._scheduled))
+            scheduled=self._scheduled), lambda hooks: _ledger.track(
+                self, self._ds, hooks, budget=s.budget))
         self.hot_path: HotPath = self._parts.hot_path
         self.tuner: Optional[Tuner] = self._parts.tuner
         self.root_hooks: RootHooks = self._parts.hooks
-        _ledger.track(self, self._ds, self._parts.hooks, budget=s.budget)
 
     # ------------------------------- what the parts may ask (Lifecycle)
     def _is_open(self) -> bool:
@@ -272,8 +272,9 @@ class Offloaded:
                                "weights were freed")
         self._check_open()          # the device (and host copy) still there
         self._idle("unload")
-        # Device memory first: a GPU model needs the room to come back.
-        self.vbar.close()
+        # Pages evicted (room for a GPU model), tensors back, then the VBAR
+        # closed: a failed restore leaves the model offloaded and working.
+        self.vbar.free_memory(1 << 62)
         self._parts.install.restore()
         self._state = UNLOADED
         self._parts.remove()

@@ -4,7 +4,10 @@ with outside="host", its host copy) until a forward acquires it; each
 unit's forward is wrapped by the hot path (hotpath.py); the tensors
 vpager leaves alone go to the target device; the modules owning managed
 tensors get state_dict hooks (a host copy out, no loading in). The root's
-hooks are RootHooks' (roothooks.py)."""
+hooks are RootHooks' (roothooks.py).
+
+offload() is all or nothing: until commit() the tensors' own data are
+kept, and undo() puts every change install() made back exactly."""
 
 import functools
 from typing import Any, Callable, List
@@ -37,19 +40,29 @@ class Installation:
         self.unloaded = unloaded
         self.hooks: List[Any] = []      # the owners' state_dict hooks
         self.moved: List[tuple] = []    # unmanaged tensors moved to target
+        self.wrapped: List[Any] = []    # the units whose forward is wrapped
+        # (Entry, its tensor's data before its placeholder): until commit()
+        self.saved: List[tuple] = []
 
     def install(self, wrap: Callable) -> None:
         """Placeholders in, the rest moved, each unit's forward replaced by
-        wrap(unit, forward), the state_dict hooks registered."""
+        wrap(unit, forward), the state_dict hooks registered. On an error
+        what it did is undone (undo()) and the error raised."""
+        try:
+            self._install(wrap)
+        except BaseException:
+            self.undo()
+            raise
+
+    def _install(self, wrap: Callable) -> None:
         self._placeholders()
         self._move_unmanaged()
-        if any(e.src_device.type == "cuda" for e in self.layout.entries):
-            torch.cuda.empty_cache()    # the old storage is vpager's now
         for u in self.layout.units:
             fwd = u.module.forward
             u.had_forward = "forward" in u.module.__dict__
             u.saved_forward = u.module.__dict__.get("forward")
             u.module.forward = wrap(u, fwd)
+            self.wrapped.append(u)
         # outside="host": the tensors hold their bytes, state_dict() needs
         # no copies (and the loader that asked for it owns loading).
         for m, items in (self.owners if self.outside != "host" else ()):
@@ -62,6 +75,7 @@ class Installation:
         with torch.no_grad(), torch.inference_mode(False):
             for e in self.layout.entries:
                 t = e.tensor
+                self.saved.append((e, t.data))
                 if e.is_param:
                     t.requires_grad_(False)
                 e.ph = (outside(e) if self.outside == "host"
@@ -87,16 +101,44 @@ class Installation:
                 else:
                     d[k] = moved
 
+    def commit(self) -> None:
+        """offload() succeeded: the tensors' old data are dropped (a GPU
+        model's storage is vpager's now)."""
+        self.saved = []
+        if any(e.src_device.type == "cuda" for e in self.layout.entries):
+            torch.cuda.empty_cache()
+
+    def undo(self) -> None:
+        """Before commit(): the module exactly as before install() (its
+        tensors' own data, requires_grad, forwards; the rest moved back;
+        no state_dict hooks). After the root's RootHooks.remove()."""
+        self._unwrap(self.wrapped)
+        with torch.no_grad(), torch.inference_mode(False):
+            self._move_back()
+            for e, data in reversed(self.saved):
+                e.tensor.data = data
+                if e.is_param:
+                    e.tensor.requires_grad_(e.requires_grad)
+        self.saved, self.moved = [], []
+        self._forget()
+
     def uninstall(self) -> None:
         """The units' own forwards back, the state_dict hooks removed, the
         views forgotten (after the root's RootHooks.remove(): the root's
         saved forward may be a unit's wrapper)."""
-        for u in self.layout.units:
+        self._unwrap(self.layout.units)
+        self._forget()
+
+    def _unwrap(self, units: List[Any]) -> None:
+        for u in units:
             if u.had_forward:
                 u.module.forward = u.saved_forward
             else:
                 u.module.__dict__.pop("forward", None)
             u.batch = None
+        self.wrapped = []
+
+    def _forget(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks = []
@@ -108,24 +150,34 @@ class Installation:
                 pass
 
     def restore(self) -> None:
-        """The tensors' bytes back on their original devices (unload())."""
+        """The tensors' bytes back on their original devices (unload()).
+        All or nothing: every tensor is made before any is put back, so
+        a failure (no room on the GPU, a file's read) changes nothing."""
         with torch.no_grad(), torch.inference_mode(False):
-            for e in self.layout.entries:
-                t = e.tensor
-                if e.keep is not None and e.file_addr is None:
-                    t.data = e.keep         # the caller's source's tensor
-                elif e.host is None:        # file-backed
-                    t.data = host_copy(e).to(e.src_device)
-                else:
-                    t.data = (e.host.clone() if e.src_device.type == "cpu"
-                              else e.host.to(e.src_device))
+            back = [(e, self._original(e)) for e in self.layout.entries]
+            for e, data in back:
+                e.tensor.data = data
                 if e.is_param:
-                    t.requires_grad_(e.requires_grad)
-            for d, k, t, is_param, where in self.moved:
-                if is_param:
-                    t.data = t.data.to(where)
-                elif d.get(k) is not None:
-                    d[k] = d[k].to(where)
+                    e.tensor.requires_grad_(e.requires_grad)
+            self._move_back()
+
+    @staticmethod
+    def _original(e: Any) -> torch.Tensor:
+        """A weight's bytes as a tensor on its original device."""
+        if e.keep is not None and e.file_addr is None:
+            return e.keep               # the caller's source's tensor
+        if e.host is None:              # file-backed
+            return host_copy(e).to(e.src_device)
+        return (e.host.clone() if e.src_device.type == "cpu"
+                else e.host.to(e.src_device))
+
+    def _move_back(self) -> None:
+        """The tensors _move_unmanaged() moved, back where they were."""
+        for d, k, t, is_param, where in self.moved:
+            if is_param:
+                t.data = t.data.to(where)
+            elif d.get(k) is not None:
+                d[k] = d[k].to(where)
 
     def orphan(self) -> None:
         """close(): the views forgotten; with outside="host" the tensors get
