@@ -22,9 +22,13 @@ endif
 CFLAGS  += $(CFLAGS_BASE)
 LDLIBS  += -pthread -ldl -lrt
 
-# Every library source, in the layer order of src/layers.txt.
-LIB_SRC = $(patsubst %,src/%.c,$(shell sed -e 's/\#.*//' -e 's/^L[0-9]*//' \
-                                  -e 's/\*//g' src/layers.txt))
+# Every library source, in the layer order of src/layers.txt; of the files
+# marked @ (one platform's each), only this PLATFORM's (os_posix.c).
+PLATFORM ?= posix
+LIB_NAMES = $(shell sed -e 's/\#.*//' -e 's/^L[0-9]*//' -e 's/\*//g' \
+                        src/layers.txt)
+LIB_SRC = $(patsubst %,src/%.c,$(foreach n,$(LIB_NAMES),$(if $(filter %@,$(n)),\
+            $(patsubst %@,%,$(filter %_$(PLATFORM)@,$(n))),$(n))))
 LIB_OBJ = $(LIB_SRC:src/%.c=$(BUILD)/obj/%.o)
 
 TEST_SRC = $(wildcard tests/*.c)

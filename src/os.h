@@ -154,7 +154,12 @@ void vp__os_vm_populate(void *p, size_t size);
 
 int vp__os_file_open_read(const char *path, int *fd); /* close-on-exec */
 void vp__os_file_close(int fd);
-int vp__os_file_size(int fd, uint64_t *size);
+typedef struct vp__os_file_info {
+  uint64_t size;
+  uint64_t mtime_ns; /* last modified, ns since 1970: a change check */
+  bool regular;      /* a regular file (not a pipe, device, ...) */
+} vp__os_file_info_t;
+int vp__os_file_stat(int fd, vp__os_file_info_t *info);
 /* One read of up to n bytes at `off` (pread; interrupted reads retried):
  * 0 with *got bytes, *got == 0 at the end of the file. */
 int vp__os_file_read_at(int fd, void *buf, size_t n, uint64_t off,
