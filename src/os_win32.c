@@ -1,0 +1,801 @@
+/* The platform layer on Windows (src/os.h): Win32 calls behind the same
+ * door os_posix.c is on Linux. SRWLOCK and CONDITION_VARIABLE for locks,
+ * _beginthreadex for threads, VirtualAlloc for reservations, ReadFile at
+ * an OVERLAPPED offset, named file mappings for shared segments, a named
+ * mutex for their robust lock (WAIT_ABANDONED is what a dead holder
+ * leaves), and a named event per shared word for cross-process waits
+ * (WaitOnAddress works only inside one process). Named objects live in the
+ * session's "Local\" namespace and go with their last handle, so a
+ * segment needs no unlink. Built only for _WIN32 (the Makefile's
+ * check-windows cross-build); elsewhere this file is empty. */
+#ifdef _WIN32
+
+#ifndef _WIN32_WINNT
+#define _WIN32_WINNT 0x0A00 /* Windows 10: GetSystemTimePreciseAsFileTime */
+#endif
+#define WIN32_LEAN_AND_MEAN
+#include <windows.h>
+
+#include <errno.h>
+#include <io.h>
+#include <fcntl.h>
+#include <process.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "os.h"
+
+_Static_assert(sizeof(SRWLOCK) <= sizeof(vp__os_mutex_t), "vp__os_mutex_t");
+_Static_assert(sizeof(CONDITION_VARIABLE) <= sizeof(vp__os_cond_t),
+               "vp__os_cond_t");
+_Static_assert(sizeof(INIT_ONCE) <= sizeof(vp__os_once_t), "vp__os_once_t");
+
+/* A Win32 error as the errno value os.h promises. */
+static int errno_of(DWORD e) {
+  switch (e) {
+  case ERROR_SUCCESS:
+    return EIO; /* a failure that left no error: still a failure */
+  case ERROR_FILE_NOT_FOUND:
+  case ERROR_PATH_NOT_FOUND:
+  case ERROR_INVALID_NAME:
+  case ERROR_MOD_NOT_FOUND:
+  case ERROR_BAD_PATHNAME:
+    return ENOENT;
+  case ERROR_ACCESS_DENIED:
+    return EACCES;
+  case ERROR_ALREADY_EXISTS:
+  case ERROR_FILE_EXISTS:
+    return EEXIST;
+  case ERROR_NOT_ENOUGH_MEMORY:
+  case ERROR_OUTOFMEMORY:
+  case ERROR_COMMITMENT_LIMIT:
+    return ENOMEM;
+  case ERROR_DISK_FULL:
+  case ERROR_HANDLE_DISK_FULL:
+    return ENOSPC;
+  case ERROR_INVALID_PARAMETER:
+  case ERROR_INVALID_HANDLE:
+  case ERROR_INVALID_ADDRESS:
+    return EINVAL;
+  case ERROR_TIMEOUT:
+  case WAIT_TIMEOUT:
+    return ETIMEDOUT;
+  case ERROR_SHARING_VIOLATION:
+  case ERROR_LOCK_VIOLATION:
+  case ERROR_BUSY:
+    return EBUSY;
+  case ERROR_PROC_NOT_FOUND:
+    return ENOSYS;
+  default:
+    return EIO;
+  }
+}
+
+static int last_errno(void) { return errno_of(GetLastError()); }
+
+/* UTF-8 to UTF-16 into `out` (of n wide characters): false when it does
+ * not fit or is not UTF-8. */
+static bool widen(const char *s, wchar_t *out, int n) {
+  return MultiByteToWideChar(CP_UTF8, MB_ERR_INVALID_CHARS, s, -1, out, n) > 0;
+}
+
+/* --------------------------------------------------- threads and locks */
+
+int vp__os_mutex_init(vp__os_mutex_t *m) {
+  memset(m, 0, sizeof *m);
+  InitializeSRWLock((SRWLOCK *)m->opaque);
+  return 0;
+}
+
+void vp__os_mutex_destroy(vp__os_mutex_t *m) { (void)m; }
+
+void vp__os_mutex_lock(vp__os_mutex_t *m) {
+  AcquireSRWLockExclusive((SRWLOCK *)m->opaque);
+}
+
+void vp__os_mutex_unlock(vp__os_mutex_t *m) {
+  ReleaseSRWLockExclusive((SRWLOCK *)m->opaque);
+}
+
+int vp__os_cond_init(vp__os_cond_t *c) {
+  memset(c, 0, sizeof *c);
+  InitializeConditionVariable((CONDITION_VARIABLE *)c->opaque);
+  return 0;
+}
+
+void vp__os_cond_destroy(vp__os_cond_t *c) { (void)c; }
+
+void vp__os_cond_wait(vp__os_cond_t *c, vp__os_mutex_t *m) {
+  SleepConditionVariableSRW((CONDITION_VARIABLE *)c->opaque,
+                            (SRWLOCK *)m->opaque, INFINITE, 0);
+}
+
+/* Milliseconds for a wait of ns: rounded up (a wait never ends early by
+ * rounding), below INFINITE. */
+static DWORD wait_ms(uint64_t ns) {
+  if (ns == VP__OS_FOREVER) return INFINITE;
+  uint64_t ms = ns / 1000000u + (ns % 1000000u != 0);
+  return ms >= INFINITE ? INFINITE - 1 : (DWORD)ms;
+}
+
+int vp__os_cond_timedwait(vp__os_cond_t *c, vp__os_mutex_t *m,
+                          uint64_t timeout_ns) {
+  if (SleepConditionVariableSRW((CONDITION_VARIABLE *)c->opaque,
+                                (SRWLOCK *)m->opaque, wait_ms(timeout_ns), 0))
+    return 0;
+  return GetLastError() == ERROR_TIMEOUT ? ETIMEDOUT : 0;
+}
+
+void vp__os_cond_signal(vp__os_cond_t *c) {
+  WakeConditionVariable((CONDITION_VARIABLE *)c->opaque);
+}
+
+void vp__os_cond_broadcast(vp__os_cond_t *c) {
+  WakeAllConditionVariable((CONDITION_VARIABLE *)c->opaque);
+}
+
+static BOOL CALLBACK once_call(INIT_ONCE *o, void *fn, void **ctx) {
+  (void)o;
+  (void)ctx;
+  (*(void (**)(void))fn)();
+  return TRUE;
+}
+
+void vp__os_once(vp__os_once_t *o, void (*fn)(void)) {
+  InitOnceExecuteOnce((INIT_ONCE *)o->opaque, once_call, (void *)&fn, NULL);
+}
+
+/* The thread's storage: its handle, and what it runs (read by the new
+ * thread, which the caller's vp__os_thread_t outlives until the join). */
+typedef struct win_thread {
+  HANDLE handle;
+  void *(*fn)(void *);
+  void *arg;
+} win_thread_t;
+_Static_assert(sizeof(win_thread_t) <= sizeof(vp__os_thread_t),
+               "vp__os_thread_t");
+
+static unsigned __stdcall thread_main(void *p) {
+  win_thread_t *t = p;
+  t->fn(t->arg);
+  return 0;
+}
+
+/* Windows has no asynchronous signals to keep from a thread: flags are
+ * met as they are. */
+int vp__os_thread_start(vp__os_thread_t *t, void *(*fn)(void *), void *arg,
+                        unsigned flags) {
+  (void)flags;
+  win_thread_t *w = (win_thread_t *)t->opaque;
+  w->fn = fn;
+  w->arg = arg;
+  /* _beginthreadex, not CreateThread: the C runtime's per-thread state. */
+  uintptr_t h = _beginthreadex(NULL, 0, thread_main, w, 0, NULL);
+  if (h == 0) return errno ? errno : EAGAIN;
+  w->handle = (HANDLE)h;
+  return 0;
+}
+
+void vp__os_thread_join(vp__os_thread_t *t) {
+  win_thread_t *w = (win_thread_t *)t->opaque;
+  WaitForSingleObject(w->handle, INFINITE);
+  CloseHandle(w->handle);
+  w->handle = NULL;
+}
+
+/* ------------------------------------------------------- time and sleep */
+
+uint64_t vp__os_now_ns(void) {
+  static LARGE_INTEGER freq; /* fixed at boot; a racy first store is benign */
+  LARGE_INTEGER now;
+  if (freq.QuadPart == 0) QueryPerformanceFrequency(&freq);
+  QueryPerformanceCounter(&now);
+  uint64_t f = (uint64_t)freq.QuadPart, t = (uint64_t)now.QuadPart;
+  return t / f * 1000000000u + t % f * 1000000000u / f;
+}
+
+/* The tick count is one clock for every process of the machine. */
+uint64_t vp__os_coarse_ns(void) { return GetTickCount64() * 1000000u; }
+
+/* A FILETIME (100 ns since 1601) as ns since 1970. */
+static uint64_t filetime_unix_ns(FILETIME ft) {
+  uint64_t t = ((uint64_t)ft.dwHighDateTime << 32) | ft.dwLowDateTime;
+  const uint64_t epoch = 116444736000000000ull; /* 1601 to 1970, in 100 ns */
+  return t < epoch ? 0 : (t - epoch) * 100u;
+}
+
+uint64_t vp__os_realtime_ns(void) {
+  FILETIME ft;
+  GetSystemTimePreciseAsFileTime(&ft);
+  return filetime_unix_ns(ft);
+}
+
+void vp__os_sleep_ns(uint64_t ns) { Sleep(wait_ms(ns)); }
+
+/* ------------------------------------------------------- the machine */
+
+size_t vp__os_page_size(void) {
+  SYSTEM_INFO si;
+  GetSystemInfo(&si);
+  return si.dwPageSize;
+}
+
+unsigned vp__os_cpu_count(void) {
+  DWORD n = GetActiveProcessorCount(ALL_PROCESSOR_GROUPS);
+  return n ? (unsigned)n : 1u;
+}
+
+static bool memory_status(MEMORYSTATUSEX *ms) {
+  memset(ms, 0, sizeof *ms);
+  ms->dwLength = sizeof *ms;
+  return GlobalMemoryStatusEx(ms) != 0;
+}
+
+uint64_t vp__os_ram_total(void) {
+  MEMORYSTATUSEX ms;
+  return memory_status(&ms) ? ms.ullTotalPhys : 0;
+}
+
+uint64_t vp__os_ram_available(void) {
+  MEMORYSTATUSEX ms;
+  return memory_status(&ms) ? ms.ullAvailPhys : 0;
+}
+
+/* The job object's process or job memory limit, the lower one. */
+uint64_t vp__os_memory_limit(void) {
+  JOBOBJECT_EXTENDED_LIMIT_INFORMATION info;
+  memset(&info, 0, sizeof info);
+  if (!QueryInformationJobObject(NULL, JobObjectExtendedLimitInformation,
+                                 &info, sizeof info, NULL))
+    return 0;
+  uint64_t limit = 0;
+  DWORD f = info.BasicLimitInformation.LimitFlags;
+  if (f & JOB_OBJECT_LIMIT_PROCESS_MEMORY) limit = info.ProcessMemoryLimit;
+  if ((f & JOB_OBJECT_LIMIT_JOB_MEMORY) &&
+      (limit == 0 || info.JobMemoryLimit < limit))
+    limit = info.JobMemoryLimit;
+  return limit;
+}
+
+bool vp__os_cgroup_path(char *out, size_t len) {
+  if (len) out[0] = '\0';
+  return false;
+}
+
+/* ASCII only, whatever the locale: option and unit names. */
+int vp__os_strcasecmp(const char *a, const char *b) {
+  for (;; a++, b++) {
+    int x = (unsigned char)*a, y = (unsigned char)*b;
+    if (x >= 'A' && x <= 'Z') x += 'a' - 'A';
+    if (y >= 'A' && y <= 'Z') y += 'a' - 'A';
+    if (x != y || x == 0) return x - y;
+  }
+}
+
+/* ----------------------------------------------------------- processes */
+
+int32_t vp__os_pid(void) { return (int32_t)GetCurrentProcessId(); }
+
+uint32_t vp__os_uid(void) { return 0; }
+
+static uint64_t creation_time(HANDLE proc) {
+  FILETIME created, exited, kernel, user;
+  if (!GetProcessTimes(proc, &created, &exited, &kernel, &user)) return 0;
+  return ((uint64_t)created.dwHighDateTime << 32) | created.dwLowDateTime;
+}
+
+void vp__os_proc_self(uint64_t *start, uint64_t *pidns) {
+  *start = creation_time(GetCurrentProcess());
+  *pidns = 1; /* one pid space per machine */
+}
+
+bool vp__os_proc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
+  if (pidns != 0 && pidns != 1) return true;
+  HANDLE h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION | SYNCHRONIZE,
+                         FALSE, (DWORD)pid);
+  if (!h) return GetLastError() != ERROR_INVALID_PARAMETER; /* no such pid */
+  /* An exited process whose handles others still hold is a zombie. */
+  bool alive = WaitForSingleObject(h, 0) == WAIT_TIMEOUT;
+  if (alive && start != 0) {
+    uint64_t t = creation_time(h);
+    if (t != 0 && t != start) alive = false; /* the pid was given again */
+  }
+  CloseHandle(h);
+  return alive;
+}
+
+bool vp__os_pid_exists(int32_t pid) {
+  HANDLE h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, FALSE, (DWORD)pid);
+  if (!h) return GetLastError() != ERROR_INVALID_PARAMETER;
+  CloseHandle(h);
+  return true;
+}
+
+void vp__os_proc_command(char *out, size_t len) {
+  if (len == 0) return;
+  out[0] = '\0';
+  const wchar_t *cmd = GetCommandLineW();
+  if (!cmd) return;
+  int n = len > INT_MAX ? INT_MAX : (int)len;
+  /* Cut to fit: a whole conversion, else as many characters as fit. */
+  if (WideCharToMultiByte(CP_UTF8, 0, cmd, -1, out, n, NULL, NULL) > 0)
+    return;
+  size_t k = wcslen(cmd);
+  while (k > 0) {
+    k = k * 3 / 4;
+    int got = WideCharToMultiByte(CP_UTF8, 0, cmd, (int)k, out, n - 1, NULL,
+                                  NULL);
+    if (got > 0) {
+      out[got] = '\0';
+      return;
+    }
+  }
+  out[0] = '\0';
+}
+
+/* ------------------------------------------------------ virtual memory */
+
+/* Reservations come at the allocation granularity (64 KiB); a larger
+ * alignment reserves more, finds the aligned address inside, and reserves
+ * just that (another thread may take it between: try again). */
+int vp__os_vm_reserve(size_t size, size_t align, void **p) {
+  *p = NULL;
+  SYSTEM_INFO si;
+  GetSystemInfo(&si);
+  if (align <= si.dwAllocationGranularity) {
+    *p = VirtualAlloc(NULL, size, MEM_RESERVE, PAGE_NOACCESS);
+    return *p ? 0 : last_errno();
+  }
+  if (size + align < size) return ENOMEM;
+  for (int tries = 0; tries < 16; tries++) {
+    char *big = VirtualAlloc(NULL, size + align, MEM_RESERVE, PAGE_NOACCESS);
+    if (!big) return last_errno();
+    uintptr_t at = ((uintptr_t)big + align - 1) & ~(uintptr_t)(align - 1);
+    VirtualFree(big, 0, MEM_RELEASE);
+    *p = VirtualAlloc((void *)at, size, MEM_RESERVE, PAGE_NOACCESS);
+    if (*p) return 0;
+  }
+  return ENOMEM;
+}
+
+int vp__os_vm_commit(void *p, size_t size) {
+  return VirtualAlloc(p, size, MEM_COMMIT, PAGE_READWRITE) ? 0 : last_errno();
+}
+
+int vp__os_vm_decommit(void *p, size_t size) {
+  return VirtualFree(p, size, MEM_DECOMMIT) ? 0 : last_errno();
+}
+
+int vp__os_vm_release(void *p, size_t size) {
+  (void)size; /* a reservation goes whole, by its base */
+  return VirtualFree(p, 0, MEM_RELEASE) ? 0 : last_errno();
+}
+
+int vp__os_vm_alloc(size_t size, void **p) {
+  *p = VirtualAlloc(NULL, size, MEM_RESERVE | MEM_COMMIT, PAGE_READWRITE);
+  return *p ? 0 : last_errno();
+}
+
+void vp__os_vm_free(void *p, size_t size) {
+  (void)size;
+  if (p) VirtualFree(p, 0, MEM_RELEASE);
+}
+
+/* Large pages need a privilege and a locked commit: no transparent hint. */
+void vp__os_vm_hint_huge(void *p, size_t size) {
+  (void)p;
+  (void)size;
+}
+
+/* An atomic OR of zero: every page faulted in writably, its bytes kept
+ * even while other threads write them. */
+void vp__os_vm_populate(void *p, size_t size) {
+  size_t ps = vp__os_page_size();
+  for (size_t off = 0; off < size; off += ps)
+    __atomic_fetch_or((unsigned char *)p + off, 0, __ATOMIC_RELAXED);
+}
+
+/* --------------------------------------------------------------- files */
+
+static HANDLE file_handle(int fd) { return (HANDLE)_get_osfhandle(fd); }
+
+int vp__os_file_open_read(const char *path, int *fd) {
+  *fd = -1;
+  wchar_t wpath[MAX_PATH * 4];
+  if (!widen(path, wpath, (int)(sizeof wpath / sizeof *wpath)))
+    return ENAMETOOLONG;
+  /* Not inheritable (close-on-exec); others may write, rename or delete
+   * the file meanwhile, as on POSIX. */
+  HANDLE h = CreateFileW(wpath, GENERIC_READ,
+                         FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+                         NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
+  if (h == INVALID_HANDLE_VALUE) return last_errno();
+  int f = _open_osfhandle((intptr_t)h, _O_RDONLY | _O_BINARY);
+  if (f < 0) {
+    CloseHandle(h);
+    return EMFILE;
+  }
+  *fd = f;
+  return 0;
+}
+
+void vp__os_file_close(int fd) {
+  if (fd >= 0) _close(fd);
+}
+
+int vp__os_file_stat(int fd, vp__os_file_info_t *info) {
+  HANDLE h = file_handle(fd);
+  if (h == INVALID_HANDLE_VALUE) return EBADF;
+  BY_HANDLE_FILE_INFORMATION fi;
+  if (!GetFileInformationByHandle(h, &fi)) {
+    /* A pipe or a console has no such information: not a regular file. */
+    if (GetFileType(h) == FILE_TYPE_UNKNOWN) return last_errno();
+    memset(info, 0, sizeof *info);
+    return 0;
+  }
+  info->size = ((uint64_t)fi.nFileSizeHigh << 32) | fi.nFileSizeLow;
+  info->mtime_ns = filetime_unix_ns(fi.ftLastWriteTime);
+  info->regular = GetFileType(h) == FILE_TYPE_DISK &&
+                  !(fi.dwFileAttributes & FILE_ATTRIBUTE_DIRECTORY);
+  return 0;
+}
+
+/* ReadFile with the offset in its OVERLAPPED: threads that read one
+ * handle at different offsets do not race on a file pointer. */
+int vp__os_file_read_at(int fd, void *buf, size_t n, uint64_t off,
+                        size_t *got) {
+  *got = 0;
+  HANDLE h = file_handle(fd);
+  if (h == INVALID_HANDLE_VALUE) return EBADF;
+  OVERLAPPED ov;
+  memset(&ov, 0, sizeof ov);
+  ov.Offset = (DWORD)off;
+  ov.OffsetHigh = (DWORD)(off >> 32);
+  DWORD want = n > (1u << 30) ? (1u << 30) : (DWORD)n, read = 0;
+  if (!ReadFile(h, buf, want, &read, &ov)) {
+    DWORD e = GetLastError();
+    if (e == ERROR_HANDLE_EOF) return 0;
+    return errno_of(e);
+  }
+  *got = read;
+  return 0;
+}
+
+int vp__os_file_map(int fd, uint64_t size, const void **p) {
+  *p = NULL;
+  HANDLE h = file_handle(fd);
+  if (h == INVALID_HANDLE_VALUE) return EBADF;
+  HANDLE m = CreateFileMappingW(h, NULL, PAGE_READONLY, 0, 0, NULL);
+  if (!m) return last_errno();
+  *p = MapViewOfFile(m, FILE_MAP_READ, 0, 0, (SIZE_T)size);
+  int rc = *p ? 0 : last_errno();
+  CloseHandle(m); /* the view keeps the mapping */
+  return rc;
+}
+
+void vp__os_file_unmap(const void *p, uint64_t size) {
+  (void)size;
+  if (p) UnmapViewOfFile(p);
+}
+
+/* Unlocking pages that are not locked takes them out of the working set
+ * (they are read again when touched); Windows has no call that drops a
+ * file's cached pages: a hint with nothing to do. */
+int vp__os_file_map_drop(const void *p, uint64_t size) {
+  VirtualUnlock((void *)p, (SIZE_T)size);
+  return 0;
+}
+
+int vp__os_file_drop_cache(int fd) {
+  (void)fd;
+  return 0;
+}
+
+/* ------------------------------------------------- dynamic libraries */
+
+static void error_words(DWORD e, char *why, size_t len) {
+  if (!why || len == 0) return;
+  char msg[256];
+  DWORD n = FormatMessageA(FORMAT_MESSAGE_FROM_SYSTEM |
+                               FORMAT_MESSAGE_IGNORE_INSERTS,
+                           NULL, e, 0, msg, sizeof msg, NULL);
+  while (n > 0 && (msg[n - 1] == '\n' || msg[n - 1] == '\r' ||
+                   msg[n - 1] == ' ' || msg[n - 1] == '.'))
+    n--;
+  msg[n] = '\0';
+  snprintf(why, len, "%s (Win32 error %lu)", n ? msg : "LoadLibrary failed",
+           (unsigned long)e);
+}
+
+void *vp__os_dl_open(const char *name, char *why, size_t len) {
+  wchar_t wname[MAX_PATH];
+  if (!widen(name, wname, MAX_PATH)) {
+    if (why && len) snprintf(why, len, "%s: name too long", name);
+    return NULL;
+  }
+  HMODULE lib = LoadLibraryW(wname);
+  if (!lib) {
+    error_words(GetLastError(), why, len);
+    return NULL;
+  }
+  /* Pinned: FreeLibrary never unloads it (a driver's exit handlers must
+   * not outlive its code); our reference still counts for dl_close. */
+  HMODULE pinned;
+  GetModuleHandleExW(GET_MODULE_HANDLE_EX_FLAG_PIN, wname, &pinned);
+  return (void *)lib;
+}
+
+void *vp__os_dl_sym(void *lib, const char *symbol) {
+  FARPROC f = GetProcAddress((HMODULE)lib, symbol);
+  void *p;
+  _Static_assert(sizeof f == sizeof p, "function and data pointers");
+  memcpy(&p, &f, sizeof p);
+  return p;
+}
+
+void vp__os_dl_close(void *lib) {
+  if (lib) FreeLibrary((HMODULE)lib);
+}
+
+/* ------------------------------------------------ named shared memory */
+
+/* "/name" as the kernel object name "Local\name" plus a suffix (".lock",
+ * ".w<offset>"): false when it does not fit. */
+static bool object_name(const char *shm, const char *suffix, wchar_t *out,
+                        size_t n) {
+  char name[300];
+  int len = snprintf(name, sizeof name, "Local\\%s%s",
+                     shm[0] == '/' ? shm + 1 : shm, suffix);
+  if (len < 0 || (size_t)len >= sizeof name) return false;
+  return widen(name, out, (int)n);
+}
+
+enum { NAME_MAX_W = 320 };
+
+/* The section handle of each mapped segment, kept until its unmap: a view
+ * alone does not keep a section's name (Wine drops it with the last
+ * handle), and joiners open it by name. */
+typedef struct shm_view {
+  void *base;
+  HANDLE section;
+  struct shm_view *next;
+} shm_view_t;
+static shm_view_t *g_views;
+static vp__os_mutex_t g_views_mu = VP__OS_MUTEX_INIT;
+
+static int view_keep(void *base, HANDLE section) {
+  shm_view_t *v = malloc(sizeof *v);
+  if (!v) return ENOMEM;
+  v->base = base;
+  v->section = section;
+  vp__os_mutex_lock(&g_views_mu);
+  v->next = g_views;
+  g_views = v;
+  vp__os_mutex_unlock(&g_views_mu);
+  return 0;
+}
+
+static void view_drop(void *base) {
+  shm_view_t *v = NULL;
+  vp__os_mutex_lock(&g_views_mu);
+  for (shm_view_t **at = &g_views; *at; at = &(*at)->next) {
+    if ((*at)->base == base) {
+      v = *at;
+      *at = v->next;
+      break;
+    }
+  }
+  vp__os_mutex_unlock(&g_views_mu);
+  UnmapViewOfFile(base);
+  if (v) {
+    CloseHandle(v->section);
+    free(v);
+  }
+}
+
+/* Map a section whole and keep its handle with the view; the handle is
+ * closed when it cannot be. */
+static int map_section(HANDLE m, DWORD access, size_t size, void **base) {
+  void *p = MapViewOfFile(m, access, 0, 0, size);
+  int rc = p ? 0 : last_errno();
+  if (rc == 0) rc = view_keep(p, m);
+  if (rc != 0) {
+    if (p) UnmapViewOfFile(p);
+    CloseHandle(m);
+    return rc;
+  }
+  *base = p;
+  return 0;
+}
+
+int vp__os_shm_create(const char *name, size_t size,
+                      int (*init)(void *base, void *arg), void *arg,
+                      void **base) {
+  *base = NULL;
+  wchar_t wname[NAME_MAX_W];
+  if (!object_name(name, "", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  /* Backed by the paging file, committed whole now (SEC_COMMIT): no room
+   * fails here, not at a later touch. */
+  HANDLE m = CreateFileMappingW(INVALID_HANDLE_VALUE, NULL,
+                                PAGE_READWRITE | SEC_COMMIT,
+                                (DWORD)((uint64_t)size >> 32), (DWORD)size,
+                                wname);
+  if (!m) return last_errno();
+  if (GetLastError() == ERROR_ALREADY_EXISTS) {
+    CloseHandle(m);
+    return EEXIST;
+  }
+  void *p = NULL;
+  int rc = map_section(m, FILE_MAP_ALL_ACCESS, size, &p);
+  if (rc != 0) return rc;
+  if (init) rc = init(p, arg); /* new sections are zeroed */
+  if (rc != 0) {
+    view_drop(p);
+    return rc;
+  }
+  *base = p;
+  return 0;
+}
+
+/* A view's size as the memory manager keeps it: its pages. */
+static uint64_t view_size(const void *p) {
+  MEMORY_BASIC_INFORMATION mbi;
+  if (VirtualQuery(p, &mbi, sizeof mbi) != sizeof mbi) return 0;
+  return mbi.RegionSize;
+}
+
+int vp__os_shm_open(const char *name, bool writable, size_t size,
+                    void **base, vp__os_shm_info_t *info) {
+  *base = NULL;
+  if (info) memset(info, 0, sizeof *info);
+  wchar_t wname[NAME_MAX_W];
+  if (!object_name(name, "", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  DWORD access = writable ? FILE_MAP_ALL_ACCESS : FILE_MAP_READ;
+  HANDLE m = OpenFileMappingW(access, FALSE, wname);
+  if (!m) return last_errno();
+  void *p = NULL;
+  int rc = map_section(m, access, 0, &p);
+  if (rc != 0) return rc;
+  /* Sections have no size call; the view's pages stand for it, so sizes
+   * compare rounded up to pages. */
+  uint64_t have = view_size(p), ps = vp__os_page_size();
+  uint64_t want = ((uint64_t)size + ps - 1) / ps * ps;
+  if (info) info->size = have;
+  if (have != want) {
+    view_drop(p);
+    return EMSGSIZE;
+  }
+  *base = p;
+  return 0;
+}
+
+void vp__os_shm_unmap(void *base, size_t size) {
+  (void)size;
+  if (base) view_drop(base);
+}
+
+void vp__os_shm_unlink(const char *name) { (void)name; }
+
+/* The object namespace has no listing call short of ntdll's
+ * NtQueryDirectoryObject. */
+int vp__os_shm_list(const char *prefix,
+                    void (*each)(const char *name, void *arg), void *arg) {
+  (void)prefix;
+  (void)each;
+  (void)arg;
+  return ENOSYS;
+}
+
+/* ----------------------------------- waits on a word of shared memory */
+
+/* One manual-reset event per word, named after the segment and the word's
+ * offset in it. A waiter opens (or makes) the event before it compares
+ * the word, and a waker changes the word before it sets the event, so a
+ * wake between the compare and the wait is not lost. A set event stays
+ * set: a waiter that finds it set but the word unchanged resets it, and a
+ * waiter whose wake that reset took sleeps no longer than SLICE_MS (its
+ * caller rereads the word anyway). The event goes with its last handle. */
+enum { SLICE_MS = 20 };
+
+static HANDLE word_event(const char *shm, const void *base,
+                         _Atomic uint32_t *word, bool create) {
+  char suffix[32];
+  snprintf(suffix, sizeof suffix, ".w%llx",
+           (unsigned long long)((uintptr_t)word - (uintptr_t)base));
+  wchar_t wname[NAME_MAX_W];
+  if (!object_name(shm, suffix, wname, NAME_MAX_W)) return NULL;
+  if (create) return CreateEventW(NULL, TRUE, FALSE, wname);
+  return OpenEventW(EVENT_MODIFY_STATE, FALSE, wname);
+}
+
+int vp__os_word_wait(const char *shm, const void *base,
+                     _Atomic uint32_t *word, uint32_t seen,
+                     uint64_t timeout_ns) {
+  HANDLE ev = word_event(shm, base, word, true);
+  uint64_t deadline = timeout_ns == VP__OS_FOREVER
+                          ? VP__OS_FOREVER
+                          : vp__os_now_ns() + timeout_ns;
+  int rc = 0;
+  for (;;) {
+    if (atomic_load(word) != seen) break;
+    uint64_t now = vp__os_now_ns();
+    if (deadline != VP__OS_FOREVER && now >= deadline) {
+      rc = ETIMEDOUT;
+      break;
+    }
+    DWORD ms = SLICE_MS;
+    if (deadline != VP__OS_FOREVER && wait_ms(deadline - now) < ms)
+      ms = wait_ms(deadline - now);
+    if (!ev) { /* no event to be had: a bounded poll */
+      Sleep(ms);
+      continue;
+    }
+    DWORD w = WaitForSingleObject(ev, ms);
+    if (w == WAIT_TIMEOUT) continue; /* a slice's end: reread the word */
+    if (w != WAIT_OBJECT_0) break;
+    if (atomic_load(word) != seen) break;
+    ResetEvent(ev); /* an earlier wake's: the word is as it was */
+  }
+  if (ev) CloseHandle(ev);
+  return rc;
+}
+
+void vp__os_word_wake(const char *shm, const void *base,
+                      _Atomic uint32_t *word) {
+  HANDLE ev = word_event(shm, base, word, false);
+  if (!ev) return; /* no waiter has it open: none is waiting */
+  SetEvent(ev);
+  CloseHandle(ev);
+}
+
+/* ------------------------------- the lock of a shared segment, robust */
+
+/* The shared part only marks the segment's lock as made (a corrupt
+ * segment's lock is refused); the lock is the named mutex "<shm>.lock". */
+static const char plock_magic[8] = "vpWin32M";
+
+int vp__os_plock_init(vp__os_plock_shared_t *s) {
+  memset(s, 0, sizeof *s);
+  memcpy(s->opaque, plock_magic, sizeof plock_magic);
+  return 0;
+}
+
+int vp__os_plock_open(vp__os_plock_t *l, const char *shm,
+                      vp__os_plock_shared_t *s) {
+  l->shared = s;
+  l->handle = NULL;
+  wchar_t wname[NAME_MAX_W];
+  if (!object_name(shm, ".lock", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  HANDLE h = CreateMutexW(NULL, FALSE, wname);
+  if (!h) return last_errno();
+  l->handle = h;
+  return 0;
+}
+
+void vp__os_plock_close(vp__os_plock_t *l) {
+  if (l->handle) CloseHandle(l->handle);
+  l->handle = NULL;
+}
+
+int vp__os_plock_lock(vp__os_plock_t *l, uint32_t timeout_ms) {
+  if (memcmp(l->shared->opaque, plock_magic, sizeof plock_magic) != 0)
+    return EINVAL;
+  if (!l->handle) return EBADF;
+  DWORD ms = timeout_ms >= INFINITE ? INFINITE - 1 : timeout_ms;
+  switch (WaitForSingleObject(l->handle, ms)) {
+  case WAIT_OBJECT_0:
+    return 0;
+  case WAIT_ABANDONED: /* its holder's thread ended holding it */
+    return EOWNERDEAD;
+  case WAIT_TIMEOUT:
+    return timeout_ms == 0 ? EBUSY : ETIMEDOUT;
+  default:
+    return last_errno();
+  }
+}
+
+void vp__os_plock_unlock(vp__os_plock_t *l) { ReleaseMutex(l->handle); }
+
+#endif /* _WIN32 */
