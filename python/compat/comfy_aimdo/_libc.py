@@ -6,12 +6,18 @@ populate() faults memory in (MADV_POPULATE_WRITE, or writing it where the
 kernel lacks that), pread_par() reads a file range (pread per piece).
 ctypes drops the GIL around each call, so the kernel does the work on
 every thread at once.
+
+POSIX only: on Windows (no libc with mmap, madvise, pread) importing it
+works and every call that needs libc raises OSError(ENOSYS) saying so
+(docs/windows.md).
 """
 
 import ctypes
 import errno
+import mmap
 import os
 import stat
+import sys
 
 from . import _par
 
@@ -20,22 +26,39 @@ __all__ = ["libc", "PAGE", "HUGE", "map_anon", "map_file", "unmap",
            "pread_par", "read_pieces", "check_file_range", "fileno",
            "page_up", "huge_up"]
 
-libc = ctypes.CDLL(None, use_errno=True)
+class _NoLibc:
+    """libc where there is none (Windows): each use raises."""
+
+    def __getattr__(self, name):
+        raise OSError(errno.ENOSYS, "comfy_aimdo on vpager: %s() is POSIX "
+                      "only; host buffers and model mappings of the drop-in "
+                      "are not implemented on Windows yet" % name)
+
+
 _vp = ctypes.c_void_p
 _sz = ctypes.c_size_t
-libc.mmap.restype = _vp
-libc.mmap.argtypes = [_vp, _sz, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                      ctypes.c_long]
-libc.munmap.restype = ctypes.c_int
-libc.munmap.argtypes = [_vp, _sz]
-libc.mprotect.restype = ctypes.c_int
-libc.mprotect.argtypes = [_vp, _sz, ctypes.c_int]
-libc.madvise.restype = ctypes.c_int
-libc.madvise.argtypes = [_vp, _sz, ctypes.c_int]
-libc.pread.restype = ctypes.c_ssize_t
-libc.pread.argtypes = [ctypes.c_int, _vp, _sz, ctypes.c_long]
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
+
+def _load_libc():
+    if sys.platform == "win32":
+        return _NoLibc()
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.mmap.restype = _vp
+    lib.mmap.argtypes = [_vp, _sz, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                         ctypes.c_long]
+    lib.munmap.restype = ctypes.c_int
+    lib.munmap.argtypes = [_vp, _sz]
+    lib.mprotect.restype = ctypes.c_int
+    lib.mprotect.argtypes = [_vp, _sz, ctypes.c_int]
+    lib.madvise.restype = ctypes.c_int
+    lib.madvise.argtypes = [_vp, _sz, ctypes.c_int]
+    lib.pread.restype = ctypes.c_ssize_t
+    lib.pread.argtypes = [ctypes.c_int, _vp, _sz, ctypes.c_long]
+    return lib
+
+
+libc = _load_libc()
+PAGE = mmap.PAGESIZE
 PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
 MADV_DONTNEED = 4
@@ -45,6 +68,8 @@ MAP_FAILED = (1 << (8 * ctypes.sizeof(_vp))) - 1
 
 
 def _huge_size():
+    if not sys.platform.startswith("linux"):
+        return 2 << 20
     try:
         with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
             n = int(f.read())
@@ -179,15 +204,9 @@ def _split(addr, size, piece, align, workers):
 
 
 def mem_available():
-    """MemAvailable of /proc/meminfo in bytes, None when unknown."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            for ln in f:
-                if ln.startswith(b"MemAvailable:"):
-                    return int(ln.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """MemAvailable in bytes (vpager._sysmem), None when unknown."""
+    from vpager import _sysmem
+    return _sysmem.ram_available()
 
 
 CHECK_AVAILABLE = 64 << 20   # populating more: first see that it is there

@@ -37,7 +37,6 @@ reader).
 
 import ctypes
 import operator
-import os
 import sys
 
 from . import _libc, _par, control
@@ -46,10 +45,8 @@ __all__ = ["HostBuffer"]
 
 
 def _ram():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 1 << 40
+    from vpager import _sysmem
+    return _sysmem.ram_total() or 1 << 40
 
 
 def _pin_device():

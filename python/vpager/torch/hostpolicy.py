@@ -25,6 +25,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from .. import _sysmem
+
 IN_PLACE, PINNED_COPY, FILE = "in place", "pinned copy", "file"
 KINDS = (IN_PLACE, PINNED_COPY, FILE)
 
@@ -56,60 +58,15 @@ def override(ram_available: Optional[int] = None,
         _OVERRIDE.update(old)
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _number(path: str) -> int:
-    s = _read(path).strip()
-    return int(s) if s.isdigit() else 0
-
-
-def _cgroup_room() -> int:
-    """Bytes our cgroup may still charge (its limit less its usage; the
-    lowest over its ancestors, as src/pins.c's cgroup_limit walks them);
-    0: no limit. v2 memory.max/memory.current, v1
-    memory.limit_in_bytes/memory.usage_in_bytes."""
-    low = 0
-    for line in _read("/proc/self/cgroup").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3 or not parts[2].startswith("/"):
-            continue
-        if parts[0] == "0" and parts[1] == "":
-            root, lim_f, use_f = "/sys/fs/cgroup", "memory.max", \
-                "memory.current"
-        elif "memory" in parts[1].split(","):
-            root, lim_f, use_f = "/sys/fs/cgroup/memory", \
-                "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        path = parts[2].rstrip("/")
-        while True:
-            d = root + path
-            lim = _number(d + "/" + lim_f)
-            if lim and lim < 1 << 60:       # v1 says "none" with a huge one
-                room = max(lim - _number(d + "/" + use_f), 0)
-                low = room if not low else min(low, room)
-            if not path:
-                break
-            path = path[:path.rfind("/")]
-    return low
-
-
 def ram_available() -> int:
     """Bytes of RAM we may still use: MemAvailable, or the cgroup's room
-    when lower (override() in tests)."""
+    when lower (vpager._sysmem; override() in tests); 0: unknown (not
+    Linux), which choose() takes as no room: weights are read from their
+    file, never kept in place."""
     if "ram" in _OVERRIDE:
         return int(_OVERRIDE["ram"])
-    avail = 0
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith("MemAvailable:"):
-            avail = int(line.split()[1]) * 1024
-    room = _cgroup_room()
+    avail = _sysmem.ram_available() or 0
+    room = _sysmem.cgroup_room()
     return min(avail, room) if room and avail else (room or avail)
 
 
@@ -140,7 +97,7 @@ def disk_speed(path: Optional[str]) -> Optional[float]:
         try:
             at = (st.st_size - n) // 2 // mmap.PAGESIZE * mmap.PAGESIZE
             t0 = time.perf_counter()
-            got = os.preadv(fd, [buf], at)
+            got = _read_at(fd, buf, at)
             dt = time.perf_counter() - t0
             if got > 0:
                 speed = got / max(dt, 1e-6)
@@ -153,6 +110,17 @@ def disk_speed(path: Optional[str]) -> Optional[float]:
     if speed is not None:
         _DISK[st.st_dev] = speed
     return speed
+
+
+def _read_at(fd: int, buf: mmap.mmap, at: int) -> int:
+    """Read len(buf) bytes of fd at offset `at` into buf; the count read
+    (os.preadv where the system has it; Windows has not)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buf], at)
+    os.lseek(fd, at, os.SEEK_SET)
+    data = os.read(fd, len(buf))
+    buf[:len(data)] = data
+    return len(data)
 
 
 @dataclass
@@ -176,7 +144,7 @@ class Mappings:
 
     def __init__(self) -> None:
         maps: List[Mapping] = []
-        for line in _read("/proc/self/maps").splitlines():
+        for line in _sysmem.read_text("/proc/self/maps").splitlines():
             f = line.split(None, 5)
             if len(f) < 6 or not f[5].startswith("/") or f[4] == "0":
                 continue
@@ -194,7 +162,7 @@ class Mappings:
         file's. Unknown counts as written."""
         if self._anon is None:
             self._anon, start = {}, None
-            for line in _read("/proc/self/smaps").splitlines():
+            for line in _sysmem.read_text("/proc/self/smaps").splitlines():
                 head = line.split(None, 1)[0] if line else ""
                 if "-" in head and not head.endswith(":"):
                     start = int(head.split("-")[0], 16)

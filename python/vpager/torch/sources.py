@@ -147,8 +147,7 @@ def _own_mapping(m, lo, hi, hbytes):
     flo = (m.offset + lo - m.start) // gran * gran
     try:
         mm = mmap.mmap(fd, m.offset + hi - m.start - flo,
-                       flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                       offset=flo)
+                       access=mmap.ACCESS_READ, offset=flo)   # shared
     except (OSError, ValueError):
         return None
     hbytes.maps.append(mm)
@@ -287,7 +286,9 @@ def host_memory(total):
     huge = total >= HUGE_PAGE
     unit = HUGE_PAGE if huge else mmap.PAGESIZE
     n = (max(total, 1) + unit - 1) // unit * unit
-    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # Windows' anonymous mappings (the paging file's) take no flags.
+    buf = (mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+           if hasattr(mmap, "MAP_ANONYMOUS") else mmap.mmap(-1, n))
     if huge:
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)
