@@ -116,6 +116,7 @@ check-python: $(BUILD)/libvpager.so
 	$(PYTHON) tests/python/test_schedule.py
 	PYTHONPATH=python:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_compat.py
 	PYTHONPATH=python:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_compat_malloc_graph.py
+	PYTHONPATH=python:integrations:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_windows.py
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/comfyui_run.py --check
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_ledger.py

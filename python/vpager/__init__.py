@@ -16,9 +16,9 @@ Vbar, HostBuf, Weights, SafeTensors) free them exactly once: close(), a
 with block, or garbage collection as a last resort; a closed one raises
 HandleError when used.
 
-The library is found through VPAGER_LIBRARY, else inside this package
-(pip install .), else at <repo>/build/libvpager.so (make, then
-PYTHONPATH=python).
+The library (libvpager.so; vpager.dll on Windows) is found through
+VPAGER_LIBRARY, else inside this package (pip install .), else at
+<repo>/build/ (make, then PYTHONPATH=python).
 """
 
 import ctypes

@@ -1,18 +1,22 @@
-"""Loading libvpager.so and the ctypes declarations of include/vpager.h.
+"""Loading libvpager.so (vpager.dll on Windows) and the ctypes
+declarations of include/vpager.h.
 
 Everything here is written out by hand from the header (nothing is parsed at
 run time); tests/python/test_binding.py checks it against the header.
 
-The library is found, in this order:
-  1. the file named by the environment variable VPAGER_LIBRARY;
-  2. libvpager.so inside this package (placed there by `pip install .`);
-  3. the in-tree build, <repo>/build/libvpager.so (after `make`).
+The library (library_name(): libvpager.so, or vpager.dll on Windows) is
+found, in this order:
+  1. the file named by the environment variable VPAGER_LIBRARY (then only
+     it: a wrong path is an error that names VPAGER_LIBRARY);
+  2. the library inside this package (placed there by `pip install .`);
+  3. the in-tree build, <repo>/build/<library name> (after `make`).
 Importing vpager never fails for want of the library: the first call that
 needs it raises LibraryError saying how to build it.
 """
 
 import ctypes
 import os
+import sys
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_int, c_int64,
                     c_size_t, c_uint8, c_uint32, c_uint64, c_void_p)
 
@@ -361,29 +365,41 @@ PROTOTYPES = {
 
 
 class LibraryError(OSError):
-    """libvpager.so could not be found or loaded, or does not match."""
+    """libvpager.so (vpager.dll) could not be found or loaded, or does not
+    match."""
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(os.path.dirname(_HERE))
-_BUILD_HINT = (
-    "build it with `make` in the vpager repository (the binding then finds "
-    "build/libvpager.so when run from the tree with PYTHONPATH=python), "
-    "install the package with `pip install .` from the repository root, or "
-    "set VPAGER_LIBRARY to the path of a libvpager.so")
 
 _lib = None
 _path = None
 _error = None
 
 
+def library_name() -> str:
+    """The library's file name here: vpager.dll on Windows, else
+    libvpager.so (read at each call: sys.platform)."""
+    return "vpager.dll" if sys.platform == "win32" else "libvpager.so"
+
+
+def _build_hint(name):
+    return ("build it with `make` in the vpager repository (the binding "
+            "then finds build/%s when run from the tree with "
+            "PYTHONPATH=python), install the package with `pip install .` "
+            "from the repository root, or set VPAGER_LIBRARY to the path of "
+            "a %s" % (name, name))
+
+
 def _candidates():
+    """[(where, absolute path)] to try, in order (module doc)."""
     path = _env.text("VPAGER_LIBRARY")
     if path:
-        return [("VPAGER_LIBRARY", path)]
-    out = [("package", os.path.join(_HERE, "libvpager.so"))]
+        return [("VPAGER_LIBRARY", os.path.abspath(path))]
+    name = library_name()
+    out = [("package", os.path.join(_HERE, name))]
     if os.path.isfile(os.path.join(_REPO, "include", "vpager.h")):
-        out.append(("tree", os.path.join(_REPO, "build", "libvpager.so")))
+        out.append(("tree", os.path.join(_REPO, "build", name)))
     return out
 
 
@@ -394,7 +410,8 @@ def _declare(lib):
         except AttributeError:
             raise LibraryError("vpager: %s has no symbol %s: the library is "
                                "older than this binding; rebuild it (%s)"
-                               % (_path, name, _BUILD_HINT)) from None
+                               % (_path, name, _build_hint(library_name()))
+                               ) from None
         fn.restype = restype
         fn.argtypes = argtypes
     # The library says how big its vp_options_t is.
@@ -431,8 +448,9 @@ def load():
             raise
         _lib = lib
         return lib
-    _error = ("vpager: libvpager.so not found; tried " + "; ".join(tried) +
-              ". To fix: " + _BUILD_HINT)
+    name = library_name()
+    _error = ("vpager: %s not found; tried %s. To fix: %s"
+              % (name, "; ".join(tried), _build_hint(name)))
     raise LibraryError(_error)
 
 

@@ -46,7 +46,7 @@ VARIABLES: Dict[str, Variable] = {
                                  "(vpager.torch then sets no windows)",
                                  by_c=True),
     # The Python layer's own.
-    "VPAGER_LIBRARY": Variable("text", "path of the libvpager.so to load"),
+    "VPAGER_LIBRARY": Variable("text", "path of the libvpager.so (vpager.dll) to load"),
     "VPAGER_SCHEDULE": Variable("flag", "0: offload() does not schedule "
                                 "the copies (default 1)"),
     "VPAGER_PLAN_THREAD": Variable("flag", "1: a schedule is planned on "
