@@ -129,7 +129,7 @@ def run_child(pythonpath, library=None):
     if library is not None:
         env["VPAGER_LIBRARY"] = library
     ours = [os.path.join(REPO, p) for p in ("python", "integrations",
-                                            "python", "python/compat")]
+                                            "python/compat")]
     given = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(pythonpath + given + ours)
     args = json.dumps({"modules": POSIX_MODULES, "os": POSIX_OS})
