@@ -6,21 +6,7 @@
  * poll interval; between polls our own commits are accounted exactly, which
  * the formula does by fixing ours at the poll. The min() matters when the
  * device shrinks below what is committed (free reads 0). */
-#include <time.h>
-
 #include "internal.h"
-
-uint64_t vp__now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-uint64_t vp__coarse_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 void vp__budget_init(vp__device_t *dev) {
   vp__budget_t *b = &dev->budget;
@@ -59,7 +45,7 @@ static int poll(vp__device_t *dev, uint64_t now) {
 
 int vp__budget_allowed(vp__device_t *dev, uint64_t *allowed) {
   vp__budget_t *b = &dev->budget;
-  uint64_t now = vp__now_ns();
+  uint64_t now = vp__os_now_ns();
   if (b->last_poll_ns == 0 || now - b->last_poll_ns >= b->poll_interval_ns) {
     int rc = poll(dev, now);
     if (rc) return rc;

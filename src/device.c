@@ -63,8 +63,8 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
   if (rc) goto free_dev;
   rc = check_geometry(dev);
   if (rc) goto close_backend;
-  if (pthread_mutex_init(&dev->lock, NULL)) {
-    rc = vp__err(VP_ENOMEM, "pthread_mutex_init failed");
+  if (vp__os_mutex_init(&dev->lock)) {
+    rc = vp__err(VP_ENOMEM, "cannot make the device lock");
     goto close_backend;
   }
   vp__budget_init(dev);
@@ -94,7 +94,7 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
   *out = dev;
   return VP_OK;
 destroy_lock:
-  pthread_mutex_destroy(&dev->lock);
+  vp__os_mutex_destroy(&dev->lock);
 close_backend:
   vp__be_close(dev);
 free_dev:
@@ -124,7 +124,7 @@ static void device_destroy(vp__device_t *dev) {
   vp__hostmem_close(dev);
   vp__fence_pool_free(dev);
   vp__be_close(dev);
-  pthread_mutex_destroy(&dev->lock);
+  vp__os_mutex_destroy(&dev->lock);
   free(dev);
 }
 

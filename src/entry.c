@@ -12,7 +12,7 @@ int vp__dev_lock(vp_device_t h, vp__device_t **out) {
   if (!dev || dev->id != h.id)
     return vp__err(VP_EHANDLE, "device handle 0x%llx is not an open device",
                    ULL(h.id));
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   *out = dev;
   return VP_OK;
 }
@@ -21,12 +21,12 @@ int vp__handle_lock(uint64_t id, size_t table, const char *what,
                     vp__device_t **dev, void **out) {
   vp__device_t *d = vp__registry_get(id);
   if (d) {
-    pthread_mutex_lock(&d->lock);
+    vp__os_mutex_lock(&d->lock);
     if ((*out = vp__table_get((vp__table_t *)((char *)d + table), id))) {
       *dev = d;
       return VP_OK;
     }
-    pthread_mutex_unlock(&d->lock);
+    vp__os_mutex_unlock(&d->lock);
   }
   return vp__err(VP_EHANDLE, "%s handle 0x%llx is not live", what, ULL(id));
 }
@@ -41,7 +41,7 @@ int vp__unlock(vp__device_t *dev, int rc) {
 #ifdef VP_DEBUG
   vp__check_invariants(dev);
 #endif
-  pthread_mutex_unlock(&dev->lock);
+  vp__os_mutex_unlock(&dev->lock);
   return rc;
 }
 

@@ -6,13 +6,9 @@
  * reading chunk k+1 overlaps the upload of chunk k. The ring is made on
  * first use and used with the device lock held. */
 #include <errno.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -20,7 +16,7 @@
 
 typedef struct ring_slot {
   void *buf;          /* NULL until first used */
-  bool hostmem;       /* from vp__host_alloc (else our own mmap) */
+  bool hostmem;       /* from vp__host_alloc (else vp__os_vm_alloc) */
   bool pinned;
   bool has_event;
   bool in_flight;     /* an upload from buf may still be reading it */
@@ -53,7 +49,7 @@ static void slot_free_buf(vp__device_t *dev, struct vp__file_ring *r,
                           ring_slot_t *s) {
   if (!s->buf) return;
   if (s->hostmem) vp__host_free(dev, s->buf, r->slot_size, s->pinned);
-  else munmap(s->buf, r->slot_size);
+  else vp__os_vm_free(s->buf, (size_t)r->slot_size);
   s->buf = NULL;
 }
 
@@ -83,11 +79,9 @@ static int slot_ready(vp__device_t *dev, struct vp__file_ring *r,
     } else {
       /* No pinned memory to be had (or no allocator): pageable memory
        * uploads more slowly but just as correctly. */
-      p = vp__inject_fail(&dev->inject)
-              ? MAP_FAILED
-              : mmap(NULL, r->slot_size, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED)
+      p = NULL;
+      if (vp__inject_fail(&dev->inject) || r->slot_size > SIZE_MAX ||
+          vp__os_vm_alloc((size_t)r->slot_size, &p))
         return vp__err(VP_ENOMEM, "%s: no memory for a file reader slot of "
                        "%llu bytes", what, ULL(r->slot_size));
       s->hostmem = false;
@@ -104,12 +98,14 @@ static int slot_ready(vp__device_t *dev, struct vp__file_ring *r,
 int vp__pread_exact(int fd, void *buf, uint64_t n, uint64_t off,
                     uint64_t *got) {
   for (*got = 0; *got < n;) {
-    ssize_t r = pread(fd, (char *)buf + *got, (size_t)(n - *got),
-                      (off_t)(off + *got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return errno;
+    uint64_t want = n - *got;
+    size_t r = 0;
+    int e = vp__os_file_read_at(fd, (char *)buf + *got,
+                                want > SIZE_MAX ? SIZE_MAX : (size_t)want,
+                                off + *got, &r);
+    if (e) return e;
     if (r == 0) return -1;
-    *got += (uint64_t)r;
+    *got += r;
   }
   return 0;
 }
@@ -165,7 +161,7 @@ static int read_par(vp__device_t *dev, int fd, void *buf, uint64_t n,
   uint64_t k = threads < n / PIECE_MIN ? threads : n / PIECE_MIN;
   if (k <= 1) return read_full(fd, buf, n, off, what);
   read_piece_t p[VP_FILE_THREADS_MAX];
-  pthread_t t[VP_FILE_THREADS_MAX];
+  vp__os_thread_t t[VP_FILE_THREADS_MAX];
   bool started[VP_FILE_THREADS_MAX] = {false};
   uint64_t step = (n / k + 4095) & ~4095ull, m = 0;
   for (uint64_t at = 0; at < n; at += step, m++)
@@ -173,10 +169,10 @@ static int read_par(vp__device_t *dev, int fd, void *buf, uint64_t n,
                           .n = n - at < step ? n - at : step, .off = off + at};
   for (uint64_t i = 1; i < m; i++)
     started[i] = !vp__inject_fail(&dev->inject) &&
-                 pthread_create(&t[i], NULL, read_piece_run, &p[i]) == 0;
+                 vp__os_thread_start(&t[i], read_piece_run, &p[i], 0) == 0;
   read_piece_run(&p[0]);
   for (uint64_t i = 1; i < m; i++) {
-    if (started[i]) pthread_join(t[i], NULL);
+    if (started[i]) vp__os_thread_join(&t[i]);
     else read_piece_run(&p[i]);
   }
   for (uint64_t i = 0; i < m; i++)
@@ -196,16 +192,14 @@ static int file_read(vp__device_t *dev, int fd, uint64_t offset,
                      uint64_t size, uint64_t dst, vp_stream_t stream,
                      uint32_t threads, const char *what) {
   if (size == 0) return VP_OK;
-  struct stat sb;
-  if (fstat(fd, &sb) != 0) {
-    int e = errno;
-    return vp__err(VP_EINVAL, "%s: fstat failed: %s", what, strerror(e));
-  }
+  vp__os_file_info_t sb;
+  int e = vp__os_file_stat(fd, &sb);
+  if (e) return vp__err(VP_EINVAL, "%s: fstat failed: %s", what, strerror(e));
   if (offset > UINT64_MAX - size ||
-      (S_ISREG(sb.st_mode) && offset + size > (uint64_t)sb.st_size))
+      (sb.regular && offset + size > sb.size))
     return vp__err(VP_ERANGE, "%s: [%llu, +%llu) runs past the end of the file "
                    "(%llu bytes)", what, ULL(offset), ULL(size),
-                   ULL(sb.st_size));
+                   ULL(sb.size));
   if (offset + size > (uint64_t)INT64_MAX)
     return vp__err(VP_ERANGE, "%s: offset %llu + %llu is too large for a file",
                    what, ULL(offset), ULL(size));

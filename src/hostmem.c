@@ -17,14 +17,11 @@
  * whose host range spans two registrations (or registered and pageable
  * memory), so host<->device copies go through vp__copy_htod/dtoh, which
  * split them at chunk edges. */
-#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -53,14 +50,9 @@ typedef struct hostbuf {
   bool busy; /* a registration runs with the device lock dropped */
 } hostbuf_t;
 
-static uint64_t host_page(void) {
-  long p = sysconf(_SC_PAGESIZE);
-  return p > 0 ? (uint64_t)p : 4096;
-}
-
 /* Round up to whole host pages; 0 when that would overflow. */
 static uint64_t page_round(uint64_t n) {
-  uint64_t pg = host_page();
+  uint64_t pg = vp__os_page_size();
   if (n > UINT64_MAX - (pg - 1)) return 0;
   return (n + pg - 1) & ~(pg - 1);
 }
@@ -171,11 +163,9 @@ void vp__unpin_host(vp__device_t *dev, void *ptr, uint64_t size) {
 int vp__host_alloc(vp__device_t *dev, uint64_t size, void **ptr, bool *pinned) {
   uint64_t len = page_round(size);
   if (!len) return vp__err(VP_EINVAL, "host buffer of %llu bytes", ULL(size));
-  void *p = MAP_FAILED;
-  if (!vp__inject_fail(&dev->inject))
-    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-             -1, 0);
-  if (p == MAP_FAILED)
+  void *p = NULL;
+  if (len > SIZE_MAX || vp__inject_fail(&dev->inject) ||
+      vp__os_vm_alloc((size_t)len, &p))
     return vp__err(VP_ENOMEM, "no host memory for a %llu-byte buffer",
                    ULL(size));
   vp__pin_host(dev, p, len, pinned);
@@ -187,7 +177,7 @@ void vp__host_free(vp__device_t *dev, void *ptr, uint64_t size, bool pinned) {
   if (!ptr) return;
   uint64_t len = page_round(size);
   if (pinned) vp__unpin_host(dev, ptr, len);
-  munmap(ptr, len);
+  vp__os_vm_free(ptr, (size_t)len);
 }
 
 /* --------------------------------------------------------- host buffers */
@@ -240,7 +230,7 @@ static uint64_t hb_release_memory(vp__device_t *dev, hostbuf_t *hb) {
     vp__be_host_unregister(dev, hb->chunks[i].ptr);
     pinned += hb->chunks[i].size;
   }
-  if (hb->reserved) munmap(hb->ptr, hb->reserved);
+  if (hb->reserved) vp__os_vm_release(hb->ptr, (size_t)hb->reserved);
   return pinned;
 }
 
@@ -266,22 +256,12 @@ static void hb_abandon(vp__device_t *dev, hostbuf_t *hb) {
 static int hb_reserve(vp__device_t *dev, hostbuf_t *hb, uint64_t max) {
   uint64_t len = page_round(max);
   uint64_t slack = len >= HUGE_ALIGN ? HUGE_ALIGN : 0;
-  uint8_t *p = MAP_FAILED;
-  if (len && len + slack >= len && !vp__inject_fail(&dev->inject))
-    p = mmap(NULL, len + slack, PROT_NONE,
-             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED)
+  void *p = NULL;
+  if (!len || len > SIZE_MAX - slack || vp__inject_fail(&dev->inject) ||
+      vp__os_vm_reserve((size_t)len, (size_t)slack, &p))
     return vp__err(VP_ENOMEM, "cannot reserve %llu bytes of address space",
                    ULL(max));
-  if (slack) { /* trim to an aligned [p, p+len) */
-    uintptr_t up = ((uintptr_t)p + slack - 1) & ~(uintptr_t)(slack - 1);
-    uint8_t *a = (uint8_t *)up;
-    if (a > p) munmap(p, (size_t)(a - p));
-    if (a + len < p + len + slack)
-      munmap(a + len, (size_t)(p + len + slack - (a + len)));
-    p = a;
-    (void)madvise(p, len, MADV_HUGEPAGE); /* a hint: THP may be off */
-  }
+  if (slack) vp__os_vm_hint_huge(p, (size_t)len);
   hb->ptr = p;
   hb->reserved = len;
   hb->max_size = max;
@@ -295,8 +275,7 @@ static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size) {
   if (end <= hb->committed) return VP_OK;
   uint8_t *p = hb->ptr + hb->committed;
   uint64_t len = end - hb->committed;
-  if (vp__inject_fail(&dev->inject) ||
-      mprotect(p, len, PROT_READ | PROT_WRITE))
+  if (vp__inject_fail(&dev->inject) || vp__os_vm_commit(p, (size_t)len))
     return vp__err(VP_ENOMEM, "cannot commit %llu bytes of host memory",
                    ULL(len));
   hb->chunks[hb->nchunks++] = (hb_chunk_t){p, len, false};
@@ -306,9 +285,6 @@ static int hb_commit(vp__device_t *dev, hostbuf_t *hb, uint64_t size) {
 
 /* ---------------------------------------------- faulting pages in first */
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
-#endif
 #define PREFAULT_MIN ((uint64_t)256 << 20) /* per thread, at least */
 #define PREFAULT_THREADS 8
 
@@ -319,10 +295,7 @@ typedef struct {
 
 static void *prefault_span(void *arg) {
   span_t *s = arg;
-  if (madvise(s->p, s->len, MADV_POPULATE_WRITE) == 0) return NULL;
-  long pg = sysconf(_SC_PAGESIZE); /* older kernels: a write per page */
-  for (uint64_t o = 0; o < s->len; o += (uint64_t)pg)
-    ((volatile uint8_t *)s->p)[o] = 0;
+  vp__os_vm_populate(s->p, (size_t)s->len);
   return NULL;
 }
 
@@ -331,25 +304,24 @@ static void *prefault_span(void *arg) {
  * thread (~550 ms/GiB in a VM, FACTS.md), touched memory registers at
  * ~41 ms/GiB. Never for the caller's memory (the fallback writes). */
 static void prefault(uint8_t *p, uint64_t len) {
-  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  uint64_t n = len / PREFAULT_MIN;
+  uint64_t n = len / PREFAULT_MIN, cpus = vp__os_cpu_count();
   if (n > PREFAULT_THREADS) n = PREFAULT_THREADS;
-  if (cpus > 0 && n > (uint64_t)cpus) n = (uint64_t)cpus;
+  if (n > cpus) n = cpus;
   if (n < 2) return; /* the registration does it as fast */
   span_t s[PREFAULT_THREADS];
-  pthread_t t[PREFAULT_THREADS];
+  vp__os_thread_t t[PREFAULT_THREADS];
   bool started[PREFAULT_THREADS] = {false};
   uint64_t step = (len / n + 4095) & ~(uint64_t)4095;
   for (uint64_t i = 0; i < n; i++) {
     uint64_t at = i * step, end = at + step < len ? at + step : len;
     s[i] = (span_t){p + at, end > at ? end - at : 0};
     started[i] = i > 0 && s[i].len &&
-                 pthread_create(&t[i], NULL, prefault_span, &s[i]) == 0;
+                 vp__os_thread_start(&t[i], prefault_span, &s[i], 0) == 0;
   }
   for (uint64_t i = 0; i < n; i++) /* this thread: the first and any */
     if (!started[i] && s[i].len) prefault_span(&s[i]); /* not started */
   for (uint64_t i = 0; i < n; i++)
-    if (started[i]) pthread_join(t[i], NULL);
+    if (started[i]) vp__os_thread_join(&t[i]);
 }
 
 /* Pin chunk i, dropping the device lock around the registration (and the
@@ -363,15 +335,15 @@ static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i,
   bool ask = dev->pins && vp__pins_may_help(dev);
   if (!pin_reserve(dev, c.size, ask)) {
     if (!ask) return;
-    pthread_mutex_unlock(&dev->lock);
+    vp__os_mutex_unlock(&dev->lock);
     vp__pins_ask(dev, c.size);
-    pthread_mutex_lock(&dev->lock);
+    vp__os_mutex_lock(&dev->lock);
     if (!pin_reserve(dev, c.size, false)) return;
   }
-  pthread_mutex_unlock(&dev->lock);
+  vp__os_mutex_unlock(&dev->lock);
   if (ours) prefault(c.ptr, c.size);
   int rc = vp__be_host_register(dev, c.ptr, c.size);
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   hb->chunks[i].pinned = pin_finish(dev, c.size, rc);
   if (hb->chunks[i].pinned) vp__pins_releasable(dev, (int64_t)c.size);
 }
@@ -387,7 +359,7 @@ static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i,
 static uint64_t give_back(vp__device_t *dev, uint64_t bytes) {
   uint64_t freed = 0;
   bool synced = false;
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   for (uint32_t s = 0; s < dev->hostbufs.n && freed < bytes; s++) {
     hostbuf_t *hb = dev->hostbufs.slots[s];
     if (!hb || hb->busy || dev->broken) continue;
@@ -410,7 +382,7 @@ static uint64_t give_back(vp__device_t *dev, uint64_t bytes) {
     vp__log(VP_LOG_INFO, dev->caps.name, "gave %s of pinned host memory "
             "back to another vpager process (those host buffers stay "
             "pageable: slower copies)", vp__size(freed).s);
-  pthread_mutex_unlock(&dev->lock);
+  vp__os_mutex_unlock(&dev->lock);
   return freed;
 }
 
@@ -465,9 +437,9 @@ static int copy_pieces(vp__device_t *dev, bool htod, uint64_t addr,
                        uint8_t *host, uint64_t size, vp_stream_t stream,
                        bool locked) {
   while (size) {
-    if (!locked) pthread_mutex_lock(&dev->lock);
+    if (!locked) vp__os_mutex_lock(&dev->lock);
     uint64_t n = vp__host_piece(dev, host, size);
-    if (!locked) pthread_mutex_unlock(&dev->lock);
+    if (!locked) vp__os_mutex_unlock(&dev->lock);
     int rc = htod ? vp__be_copy_htod(dev, addr, host, n, stream)
                   : vp__be_copy_dtoh(dev, host, addr, n, stream);
     if (rc) return rc;
@@ -614,10 +586,10 @@ int vp_hostbuf_free(vp_hostbuf_t h) {
                                    "pinned by another thread", ULL(hb->id)));
   /* Out of the table first: no one else can reach it while unlocked. */
   vp__table_remove(&dev->hostbufs, hb->id);
-  pthread_mutex_unlock(&dev->lock);
+  vp__os_mutex_unlock(&dev->lock);
   uint64_t pinned = hb_release_memory(dev, hb);
   hb_delete(hb);
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   unpin_account(dev, pinned);
   vp__pins_releasable(dev, -(int64_t)pinned);
   return vp__unlock(dev, VP_OK);

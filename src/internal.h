@@ -26,7 +26,7 @@
 #ifndef VPAGER_INTERNAL_H
 #define VPAGER_INTERNAL_H
 
-#include <pthread.h>
+#include "os.h"
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -174,7 +174,7 @@ struct vp__ledger;
 
 struct vp__device {
   uint64_t id;
-  pthread_mutex_t lock; /* guards everything below */
+  vp__os_mutex_t lock; /* guards everything below */
   const vp__backend_t *be;
   void *ctx;
   vp__caps_t caps;
@@ -337,8 +337,6 @@ void vp__budget_invalidate(vp__device_t *dev);
 /* Bytes kept free now: the larger of our headroom and the peers' shared
  * one. */
 uint64_t vp__budget_kept(const vp__device_t *dev);
-uint64_t vp__now_ns(void);
-uint64_t vp__coarse_ns(void); /* CLOCK_MONOTONIC_COARSE: ms, cheap */
 /* When more device free memory would let `want` more bytes be committed
  * (neither the limit nor the device's size is what stops it), the free
  * memory that would: *target. */

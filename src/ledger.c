@@ -9,13 +9,9 @@
  * before; the public calls that used a VBAR stamp its last use and copy its
  * counts into the entry with plain atomic stores (no lock: an entry has one
  * writer, its participant, under the device lock). */
-#include <errno.h>
-#include <fcntl.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "ledger.h"
 #include "shm.h"
@@ -49,74 +45,20 @@ void vp__ltext_get(const lword_t *w, size_t nwords, char *out) {
 
 /* ------------------------------------------------------- processes */
 
-/* Field 22 of /proc/<pid>/stat: when the process started (clock ticks
- * since boot). 1: found; 0: no such process, or a zombie (dead, not yet
- * waited for); -1: unreadable (hidden /proc). */
-static int proc_start(int32_t pid, uint64_t *start) {
-  char path[64], buf[1024];
-  snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno == ENOENT ? 0 : -1;
-  ssize_t n = read(fd, buf, sizeof buf - 1);
-  close(fd);
-  if (n <= 0) return n == 0 ? 0 : -1;
-  buf[n] = '\0';
-  char *p = strrchr(buf, ')'); /* the command may hold spaces and ')' */
-  if (!p || p[1] != ' ') return -1;
-  p += 2;
-  if (*p == 'Z' || *p == 'X') return 0;
-  for (int field = 3; field < 22; field++) {
-    p = strchr(p, ' ');
-    if (!p) return -1;
-    p++;
-  }
-  *start = strtoull(p, NULL, 10);
-  return 1;
-}
-
-/* Read once: every liveness check compares with it, under the lock. */
-static uint64_t own_pidns(void) {
-  static _Atomic uint64_t ns;
-  uint64_t v = atomic_load_explicit(&ns, RELAXED);
-  if (v) return v;
-  struct stat st;
-  v = stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
-  atomic_store_explicit(&ns, v, RELAXED);
-  return v;
-}
-
-/* Live while a process with its pid and start time exists: a recycled pid
- * belongs to someone else. A pid of another pid namespace (a container
- * sharing /dev/shm) means nothing here: such a participant counts as live,
- * for its own namespace to reap. Where /proc is hidden, kill(2) decides. */
-bool vp__lproc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
-  uint64_t now = 0;
-  if (pidns != own_pidns()) return true;
-  if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH)) return false;
-  int found = proc_start(pid, &now);
-  if (found < 0) return true;
-  return found && (start == 0 || now == start);
-}
-
-/* The same rule for a participant of this ledger. */
+/* Live while a process with its pid and start time exists (os.h). */
 bool vp__lpart_alive(const ledger_part_t *p) {
-  return vp__lproc_alive(atomic_load_explicit(&p->pid, RELAXED),
-                         atomic_load_explicit(&p->start, RELAXED),
-                         atomic_load_explicit(&p->pidns, RELAXED));
-}
-
-/* What such a table records for this process: its start time (0 when
- * unknown) and pid namespace. */
-void vp__lproc_self(uint64_t *start, uint64_t *pidns) {
-  if (proc_start((int32_t)getpid(), start) != 1) *start = 0;
-  *pidns = own_pidns();
+  return vp__os_proc_alive(atomic_load_explicit(&p->pid, RELAXED),
+                           atomic_load_explicit(&p->start, RELAXED),
+                           atomic_load_explicit(&p->pidns, RELAXED));
 }
 
 /* One of this process's participants: our pid in our pid namespace (a
  * container sharing /dev/shm may hold the same pid in its own). */
 bool vp__lpart_ours(const ledger_part_t *p, int32_t pid) {
+  uint64_t pidns;
+  vp__os_proc_self(NULL, &pidns);
   return atomic_load_explicit(&p->pid, RELAXED) == pid &&
-         atomic_load_explicit(&p->pidns, RELAXED) == own_pidns();
+         atomic_load_explicit(&p->pidns, RELAXED) == pidns;
 }
 
 /* ------------------------------------------------------------ reaping */
@@ -137,14 +79,15 @@ bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot,
          atomic_load(&seg->part[slot].serial) == serial;
 }
 
-void vp__lreq_answer(ledger_req_t *r, uint64_t freed) {
+void vp__lreq_answer(const char *shm, const void *seg, ledger_req_t *r,
+                     uint64_t freed) {
   atomic_store(&r->freed, freed);
   uint32_t s = REQ_TAKEN;
   if (!atomic_compare_exchange_strong(&r->state, &s, REQ_DONE)) {
     s = REQ_ABANDONED; /* the requester gave up: the slot is ours to free */
     atomic_compare_exchange_strong(&r->state, &s, REQ_FREE);
   }
-  vp__futex_wake(&r->state);
+  vp__os_word_wake(shm, seg, &r->state);
 }
 
 /* Requests whose requester is gone are freed; one a live peer is serving
@@ -186,9 +129,10 @@ void vp__lseg_reap(ledger_seg_t *seg) {
  * meanwhile is busy (many processes joining at once on few CPUs), not
  * stuck: waited on up to LEDGER_LOCK_BUSY_MS. A lock of another kind is
  * not taken (VP_EDEVICE). */
-int vp__lseg_lock(ledger_seg_t *seg) {
+int vp__lseg_lock(vp__ledger_t *l) {
+  ledger_seg_t *seg = l->seg;
   bool dead;
-  int r = vp__shm_lock(&seg->lock, LEDGER_LOCK_MS, LEDGER_LOCK_BUSY_MS,
+  int r = vp__shm_lock(&l->lock, LEDGER_LOCK_MS, LEDGER_LOCK_BUSY_MS,
                        &seg->lock_gen, &dead);
   if (r == VP_EINVAL) {
     vp__log(VP_LOG_WARN, "ledger", "the ledger's lock is not of the kind "
@@ -208,8 +152,8 @@ int vp__lseg_lock(ledger_seg_t *seg) {
   return r;
 }
 
-void vp__lseg_unlock(ledger_seg_t *seg) {
-  vp__shm_unlock(&seg->lock, &seg->lock_gen);
+void vp__lseg_unlock(vp__ledger_t *l) {
+  vp__shm_unlock(&l->lock, &l->seg->lock_gen);
 }
 
 /* --------------------------------------------------------- mapping */
@@ -258,28 +202,19 @@ void vp__lseg_unmap(ledger_seg_t *seg) { vp__shm_unmap(seg, &seg_kind); }
 
 /* ---------------------------------------------------------- joining */
 
-/* What `vpager top` shows for us: the command line, spaces for NULs. */
-static void own_command(char *out, size_t len) {
-  int fd = open("/proc/self/cmdline", O_RDONLY | O_CLOEXEC);
-  ssize_t n = fd < 0 ? -1 : read(fd, out, len - 1);
-  if (fd >= 0) close(fd);
-  if (n <= 0) n = 0;
-  out[n] = '\0';
-  for (ssize_t i = 0; i < n; i++)
-    if (out[i] == '\0') out[i] = i + 1 < n ? ' ' : '\0';
-}
-
-static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start) {
+/* `vpager top` shows our command line. */
+static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start,
+                      uint64_t pidns) {
   char cmd[64];
-  own_command(cmd, sizeof cmd);
+  vp__os_proc_command(cmd, sizeof cmd);
   part_clear(p); /* a dead predecessor's entries */
   l->serial = atomic_fetch_add(&l->seg->serials, 1) + 1;
-  atomic_store(&p->pid, (int32_t)getpid());
-  atomic_store(&p->uid, (uint32_t)geteuid());
+  atomic_store(&p->pid, vp__os_pid());
+  atomic_store(&p->uid, vp__os_uid());
   atomic_store(&p->start, start);
-  atomic_store(&p->pidns, own_pidns());
+  atomic_store(&p->pidns, pidns);
   atomic_store(&p->serial, l->serial);
-  atomic_store(&p->joined, vp__coarse_ns());
+  atomic_store(&p->joined, vp__os_coarse_ns());
   atomic_store(&p->page_size, l->dev->page_size);
   atomic_store(&p->committed, 0);
   atomic_store(&p->external_reserved, 0);
@@ -294,13 +229,13 @@ static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start) {
 static int join_locked(vp__ledger_t *l, char *why, size_t len) {
   ledger_seg_t *seg = l->seg;
   if (atomic_load(&seg->unlinked)) return VP_EAGAIN;
-  uint64_t start = 0;
-  if (proc_start((int32_t)getpid(), &start) != 1) start = 0;
+  uint64_t start, pidns;
+  vp__os_proc_self(&start, &pidns);
   vp__lseg_reap(seg);
   for (int i = 0; i < LEDGER_PARTS; i++) {
     ledger_part_t *p = &seg->part[i];
     if (atomic_load(&p->state) != PART_FREE) continue;
-    part_fill(l, p, start);
+    part_fill(l, p, start, pidns);
     atomic_store(&p->state, PART_LIVE);
     l->part = i;
     return VP_OK;
@@ -314,10 +249,11 @@ static int join(vp__ledger_t *l, char *why, size_t len) {
   for (int tries = 0; tries < 20; tries++) {
     int rc = vp__lseg_map(l->shm, true, &l->seg, why, len);
     if (rc) return rc;
-    rc = vp__lseg_lock(l->seg);
+    int e = vp__os_plock_open(&l->lock, l->shm, &l->seg->lock);
+    rc = e ? VP_EDEVICE : vp__lseg_lock(l);
     if (rc == VP_OK) {
       rc = join_locked(l, why, len);
-      vp__lseg_unlock(l->seg);
+      vp__lseg_unlock(l);
     } else { /* a stopped holder, or a hostile lock word: alone, at once */
       if (rc == VP_EAGAIN)
         snprintf(why, len, "the lock of %s stayed taken (%d ms idle, or "
@@ -328,6 +264,7 @@ static int join(vp__ledger_t *l, char *why, size_t len) {
       rc = VP_EUNSUPPORTED;
     }
     if (rc == VP_OK) return VP_OK;
+    if (!e) vp__os_plock_close(&l->lock);
     vp__lseg_unmap(l->seg);
     l->seg = NULL;
     if (rc != VP_EAGAIN) return rc;
@@ -356,16 +293,16 @@ void vp__ledger_open(vp__device_t *dev) {
   char name[80], why[192] = "no memory for the ledger";
   if (!ledger_name(dev, name, sizeof name)) return;
   vp__ledger_t *l = calloc(1, sizeof *l);
-  int rc = !l || pthread_mutex_init(&l->skip_mu, NULL) ? VP_ENOMEM : VP_OK;
+  int rc = !l || vp__os_mutex_init(&l->skip_mu) ? VP_ENOMEM : VP_OK;
   if (rc == VP_OK) {
     snprintf(l->name, sizeof l->name, "%s", name);
     snprintf(l->shm, sizeof l->shm, LEDGER_PREFIX "%s", name);
     l->dev = dev;
-    l->pid = getpid();
+    l->pid = vp__os_pid();
     uint32_t us = dev->opts.ledger_timeout_us;
     l->timeout_ns = (uint64_t)(us ? us : LEDGER_TIMEOUT_US) * 1000;
     rc = join(l, why, sizeof why);
-    if (rc) pthread_mutex_destroy(&l->skip_mu);
+    if (rc) vp__os_mutex_destroy(&l->skip_mu);
   }
   if (rc) {
     vp__log(VP_LOG_WARN, dev->caps.name, "not joining ledger %s: %s; this "
@@ -384,7 +321,7 @@ void vp__ledger_open(vp__device_t *dev) {
  * the next join). Without the lock we still clear our own slot. */
 static void leave(vp__ledger_t *l) {
   ledger_seg_t *seg = l->seg;
-  bool locked = vp__lseg_lock(seg) == VP_OK;
+  bool locked = vp__lseg_lock(l) == VP_OK;
   ledger_part_t *p = &seg->part[l->part];
   if (atomic_load(&p->serial) == l->serial) part_clear(p);
   /* Requests posted to us that nobody will serve now: taken and answered
@@ -398,7 +335,7 @@ static void leave(vp__ledger_t *l) {
         atomic_load(&r->to) == (uint32_t)l->part &&
         atomic_load(&r->to_serial) == l->serial &&
         atomic_compare_exchange_strong(&r->state, &s, REQ_TAKEN))
-      vp__lreq_answer(r, 0);
+      vp__lreq_answer(l->shm, seg, r, 0);
   }
   if (!locked) return;
   /* Whether anyone is left: the first live one ends the search (the dead
@@ -410,7 +347,7 @@ static void leave(vp__ledger_t *l) {
     atomic_store(&seg->unlinked, 1);
     vp__shm_remove(l->shm);
   }
-  vp__lseg_unlock(seg);
+  vp__lseg_unlock(l);
 }
 
 /* A forked child's copy of the device is not a participant: it only
@@ -419,9 +356,10 @@ void vp__ledger_close(vp__device_t *dev) {
   vp__ledger_t *l = dev->ledger;
   if (!l) return;
   dev->ledger = NULL;
-  if (l->pid == getpid()) leave(l);
+  if (l->pid == vp__os_pid()) leave(l);
+  vp__os_plock_close(&l->lock);
   vp__lseg_unmap(l->seg);
-  pthread_mutex_destroy(&l->skip_mu);
+  vp__os_mutex_destroy(&l->skip_mu);
   free(l);
 }
 
@@ -529,7 +467,7 @@ static void part_put(vp__ledger_t *l, vp__device_t *dev) {
 void vp__ledger_used(vp__device_t *dev, vp__vbar_t *vb) {
   vp__ledger_t *l = dev->ledger;
   if (!l || !vb->listed) return;
-  vb->last_use = vp__coarse_ns();
+  vb->last_use = vp__os_coarse_ns();
   entry_put(l, vb, RANK_KEEP, false);
   part_put(l, dev);
 }
@@ -558,7 +496,7 @@ void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
                            uint64_t total) {
   atomic_store_explicit(&l->seg->free, free_bytes, RELAXED);
   atomic_store_explicit(&l->seg->total, total, RELAXED);
-  atomic_store_explicit(&l->seg->measured, vp__coarse_ns(), RELAXED);
+  atomic_store_explicit(&l->seg->measured, vp__os_coarse_ns(), RELAXED);
 }
 
 /* The framework allocator's floor: what it holds at least once warmed up
@@ -594,8 +532,8 @@ static uint64_t own_shared_headroom(const vp__device_t *dev) {
 
 static void headroom_exchange(vp__ledger_t *l, vp__device_t *dev) {
   ledger_seg_t *seg = l->seg;
-  l->headroom_read = vp__coarse_ns();
-  if (l->pid != getpid()) return; /* a forked child's copy: not a member */
+  l->headroom_read = vp__os_coarse_ns();
+  if (l->pid != vp__os_pid()) return; /* a forked child's copy: not a member */
   atomic_store_explicit(&seg->part[l->part].headroom,
                         own_shared_headroom(dev), RELAXED);
   uint64_t most = 0, total = dev->caps.total_memory;
@@ -615,6 +553,6 @@ void vp__ledger_put_headroom(vp__device_t *dev) {
 
 void vp__ledger_refresh_headroom(vp__device_t *dev) {
   vp__ledger_t *l = dev->ledger;
-  if (l && vp__coarse_ns() - l->headroom_read >= LEDGER_HEADROOM_NS)
+  if (l && vp__os_coarse_ns() - l->headroom_read >= LEDGER_HEADROOM_NS)
     headroom_exchange(l, dev);
 }

@@ -5,9 +5,10 @@
  *
  * Layout, version LEDGER_VERSION (magic, version and size stay at offsets
  * 0, 8 and 16 in every version, so any version can tell another apart):
- *   header  magic, version, size, the membership lock (a robust,
- *           process-shared mutex), device memory as last measured, name
- *   req[]   release requests, each a small state machine on a futex word
+ *   header  magic, version, size, the membership lock (os.h's robust
+ *           lock), device memory as last measured, name
+ *   req[]   release requests, each a small state machine on a word that
+ *           its waiters sleep on (vp__os_word_wait)
  *   part[]  participants, one per device handle, each with its VBARs
  *
  * Who writes what:
@@ -22,12 +23,6 @@
  * is bounded before use. */
 #ifndef VPAGER_LEDGER_H
 #define VPAGER_LEDGER_H
-
-#include <limits.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -63,11 +58,11 @@ typedef struct ledger_vbar {
 
 typedef struct ledger_part {
   _Atomic uint32_t state; /* PART_*, under the lock */
-  _Atomic uint32_t wake;  /* futex: bumped to wake its service thread */
+  _Atomic uint32_t wake;  /* bumped to wake its service thread */
   _Atomic int32_t pid;
   _Atomic uint32_t uid;
-  lword_t start;          /* field 22 of /proc/<pid>/stat; 0 unknown */
-  lword_t pidns;          /* its pid namespace (inode of /proc/self/ns/pid) */
+  lword_t start;          /* its start time (vp__os_proc_self); 0 unknown */
+  lword_t pidns;          /* its pid namespace (vp__os_proc_self) */
   lword_t serial;         /* new at every join: a respawn is a new one */
   lword_t joined;         /* CLOCK_MONOTONIC_COARSE ns */
   lword_t committed, external_reserved, page_size;
@@ -80,7 +75,7 @@ typedef struct ledger_part {
 } ledger_part_t;
 
 typedef struct ledger_req {
-  _Atomic uint32_t state; /* REQ_*; the requester's futex word */
+  _Atomic uint32_t state; /* REQ_*; the word the requester waits on */
   _Atomic uint32_t from, to;   /* participant slots */
   lword_t from_serial, to_serial;
   lword_t bytes;   /* asked for */
@@ -98,8 +93,11 @@ typedef struct ledger_seg {
   lword_t lock_gen; /* bumped at every unlock: a busy lock, not a stuck one */
   lword_t total, free, measured; /* device memory, and when (coarse ns) */
   lword_t name[LEDGER_WORDS(80)];
-  pthread_mutex_t lock; /* membership: join, leave, reap */
-  char pad[64];
+  /* Membership: join, leave, reap. With pad, 104 bytes: version 3's
+   * pthread_mutex_t (40 bytes on x86-64 glibc, the first of these) and
+   * its pad[64], so the layout there is the same as before. */
+  vp__os_plock_shared_t lock;
+  char pad[40];
   ledger_req_t req[LEDGER_REQS];
   ledger_part_t part[LEDGER_PARTS];
 } ledger_seg_t;
@@ -110,19 +108,20 @@ typedef struct vp__ledger {
   vp__device_t *dev;
   int part;           /* our participant slot */
   uint64_t serial;    /* our serial */
-  pid_t pid;          /* the process that joined; a forked child is not it */
+  int32_t pid;        /* the process that joined; a forked child is not it */
   char name[80];      /* the ledger's name ("GPU-...", "sim-...") */
   char shm[112];      /* LEDGER_PREFIX name */
+  vp__os_plock_t lock; /* our handle to seg->lock */
   uint64_t timeout_ns;
   bool warned_full;   /* more VBARs than entries, said once */
   uint64_t free_published; /* device free memory we last published */
   uint64_t headroom_read;  /* when we last read the peers' headroom (coarse) */
   uint32_t entries;   /* of our part's entries in use */
   /* release.c */
-  pthread_t thread;
+  vp__os_thread_t thread;
   bool thread_started;
   atomic_bool stop;
-  pthread_mutex_t skip_mu; /* guards skip[] (requesting threads share it) */
+  vp__os_mutex_t skip_mu; /* guards skip[] (requesting threads share it) */
   struct { uint64_t serial, until; } skip[LEDGER_PARTS];
 } vp__ledger_t;
 
@@ -130,22 +129,21 @@ typedef struct vp__ledger {
 int vp__lseg_map(const char *shm, bool writable, ledger_seg_t **out,
                  char *why, size_t len);
 void vp__lseg_unmap(ledger_seg_t *seg);
-/* VP_EAGAIN after LEDGER_LOCK_MS; VP_EDEVICE: a lock word it cannot use */
-int vp__lseg_lock(ledger_seg_t *seg);
-void vp__lseg_unlock(ledger_seg_t *seg);
+/* The membership lock of l's segment. VP_EAGAIN after LEDGER_LOCK_MS;
+ * VP_EDEVICE: a lock word it cannot use. */
+int vp__lseg_lock(vp__ledger_t *l);
+void vp__lseg_unlock(vp__ledger_t *l);
 void vp__lseg_reap(ledger_seg_t *seg); /* lock held */
 bool vp__lpart_alive(const ledger_part_t *p);
 bool vp__lpart_ours(const ledger_part_t *p, int32_t pid);
-/* vp__lpart_alive's rule for another table's entries (pins.c), and what
- * such an entry records for this process. */
-bool vp__lproc_alive(int32_t pid, uint64_t start, uint64_t pidns);
-void vp__lproc_self(uint64_t *start, uint64_t *pidns);
 /* Whether participant `slot` is live with that serial (not left, reaped or
  * replaced). */
 bool vp__lslot_live(const ledger_seg_t *seg, uint32_t slot, uint64_t serial);
 /* Answer a request its holder took (REQ_TAKEN): `freed` bytes, then DONE;
- * if the requester gave up meanwhile (ABANDONED), the slot is freed. */
-void vp__lreq_answer(ledger_req_t *r, uint64_t freed);
+ * if the requester gave up meanwhile (ABANDONED), the slot is freed. r
+ * lies in segment `shm`, mapped here at `seg`: its waiter is woken. */
+void vp__lreq_answer(const char *shm, const void *seg, ledger_req_t *r,
+                     uint64_t freed);
 /* Device memory as a participant measured it, for everyone to see. */
 void vp__ledger_put_memory(vp__ledger_t *l, uint64_t free_bytes,
                            uint64_t total);
@@ -158,15 +156,5 @@ typedef struct ledger_vbar_view {
 bool vp__lvbar_read(const ledger_vbar_t *e, ledger_vbar_view_t *v);
 /* Text words to a string: printable ASCII kept, the rest '?'. */
 void vp__ltext_get(const lword_t *w, size_t nwords, char *out);
-
-static inline long vp__futex(_Atomic uint32_t *addr, int op, uint32_t val,
-                             const struct timespec *ts) {
-  return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
-}
-
-/* Wake every waiter on a shared futex word. */
-static inline void vp__futex_wake(_Atomic uint32_t *addr) {
-  vp__futex(addr, FUTEX_WAKE, INT_MAX, NULL);
-}
 
 #endif /* VPAGER_LEDGER_H */

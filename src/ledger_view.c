@@ -3,7 +3,6 @@
  * `vpager top`), and the list of this machine's ledgers. What comes from
  * the segment is bounded and escaped: a hostile segment gives odd numbers,
  * never a crash or broken JSON. */
-#include <dirent.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -96,7 +95,7 @@ static void view_requests(vp__out_t *o, const ledger_seg_t *seg, uint64_t now) {
 /* The whole segment; self: our slot, or -1. */
 static void view(vp__out_t *o, const ledger_seg_t *seg, int self) {
   char name[80];
-  uint64_t now = vp__coarse_ns();
+  uint64_t now = vp__os_coarse_ns();
   vp__ltext_get(seg->name, LEDGER_WORDS(80), name);
   vp__put(o, "{\"ledger\":");
   put_str(o, name);
@@ -185,28 +184,38 @@ static int cmp_str(const void *a, const void *b) {
   return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-/* glibc keeps POSIX shared memory in /dev/shm. */
+/* The names found so far; after a failed allocation, no more. */
+typedef struct name_list {
+  char **names;
+  size_t n, cap;
+  bool failed;
+} name_list_t;
+
+static void add_name(const char *seg, void *arg) {
+  name_list_t *l = arg;
+  const char *name = seg + strlen(LEDGER_PREFIX) - 1; /* no slash in seg */
+  if (l->failed || !name_ok(name)) return;
+  if (l->n == l->cap) {
+    size_t ncap = l->cap ? l->cap * 2 : 16;
+    char **g = realloc(l->names, ncap * sizeof *g);
+    if (!g) {
+      l->failed = true;
+      return;
+    }
+    l->names = g;
+    l->cap = ncap;
+  }
+  if (!(l->names[l->n] = strdup(name))) l->failed = true;
+  else l->n++;
+}
+
 int vp_ledger_list(char *buf, size_t len, size_t *needed) {
   VP__ENTER();
   VP__NEED(buf || len == 0, "buf is NULL");
-  const char *prefix = &LEDGER_PREFIX[1]; /* without the slash */
-  size_t plen = strlen(prefix), n = 0, cap = 0;
-  char **names = NULL;
-  DIR *d = opendir("/dev/shm");
-  for (struct dirent *e; d && (e = readdir(d));) {
-    if (strncmp(e->d_name, prefix, plen) || !name_ok(e->d_name + plen))
-      continue;
-    if (n == cap) {
-      size_t ncap = cap ? cap * 2 : 16;
-      char **g = realloc(names, ncap * sizeof *g);
-      if (!g) break;
-      names = g;
-      cap = ncap;
-    }
-    if (!(names[n] = strdup(e->d_name + plen))) break;
-    n++;
-  }
-  if (d) closedir(d);
+  name_list_t l = {NULL, 0, 0, false};
+  (void)vp__os_shm_list(&LEDGER_PREFIX[1], add_name, &l); /* none: [] */
+  char **names = l.names;
+  size_t n = l.n;
   if (n) qsort(names, n, sizeof *names, cmp_str);
   vp__out_t o = {buf, len, 0};
   vp__put(&o, "[");

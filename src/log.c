@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "internal.h"
 
@@ -18,7 +17,7 @@ static const char *const level_names[] = {"none", "error", "warn",
 static int parse_level(const char *s) {
   if (!s || !*s) return LEVEL_UNSET;
   for (int i = 0; i <= VP_LOG_TRACE; i++)
-    if (strcasecmp(s, level_names[i]) == 0) return i;
+    if (vp__os_strcasecmp(s, level_names[i]) == 0) return i;
   char *end;
   long v = strtol(s, &end, 10);
   if (*end == '\0' && v >= VP_LOG_NONE && v <= VP_LOG_TRACE) return (int)v;

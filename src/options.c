@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "internal.h"
 
@@ -105,7 +104,7 @@ static int parse_int(const char *t, void *f) {
 
 static int parse_word(const char *t, int *f, const char *const *words, int n) {
   for (int i = 0; i < n; i++)
-    if (words[i] && strcasecmp(t, words[i]) == 0) return *f = i, 0;
+    if (words[i] && vp__os_strcasecmp(t, words[i]) == 0) return *f = i, 0;
   return -1;
 }
 

@@ -105,6 +105,11 @@ uint64_t vp__os_memory_limit(void);
  * one (and always on Windows). NVML's limits are asked per cgroup. */
 bool vp__os_cgroup_path(char *out, size_t len);
 
+/* Whether the GPUs are driven through Windows' WDDM, which spills to system
+ * memory when a card is full and serves the desktop from it: Windows, and
+ * Linux under WSL2 (/dev/dxg). */
+bool vp__os_gpu_wddm(void);
+
 /* ASCII case-insensitive comparison (strcasecmp, _stricmp). */
 int vp__os_strcasecmp(const char *a, const char *b);
 
@@ -115,7 +120,8 @@ uint32_t vp__os_uid(void); /* effective user id; 0 on Windows */
 /* What tells this process apart from a later one with its pid: its start
  * time (Linux: field 22 of /proc/<pid>/stat; Win32: its creation time),
  * 0 when unknown; and its pid namespace (Linux: the inode of
- * /proc/self/ns/pid; 0 unknown; Win32: 1). */
+ * /proc/self/ns/pid; 0 unknown; Win32: 1). start may be NULL (the pid
+ * namespace alone is cheap). */
 void vp__os_proc_self(uint64_t *start, uint64_t *pidns);
 /* Whether the process `pid` that started at `start` (0: any start) is
  * alive, as seen from here: false only when it is known gone (no such pid,

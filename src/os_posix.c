@@ -233,6 +233,8 @@ bool vp__os_cgroup_path(char *out, size_t len) {
   return false;
 }
 
+bool vp__os_gpu_wddm(void) { return access("/dev/dxg", F_OK) == 0; }
+
 int vp__os_strcasecmp(const char *a, const char *b) {
   return strcasecmp(a, b);
 }
@@ -279,7 +281,7 @@ static uint64_t own_pidns(void) {
 }
 
 void vp__os_proc_self(uint64_t *start, uint64_t *pidns) {
-  if (proc_start((int32_t)getpid(), start) != 1) *start = 0;
+  if (start && proc_start((int32_t)getpid(), start) != 1) *start = 0;
   *pidns = own_pidns();
 }
 

@@ -21,9 +21,6 @@
  * timeout for each; the holder's service thread, asleep on its wake word,
  * unpins through the callback hostmem.c gave (pins_give_t) and answers.
  * As in release.c the requester holds no device lock while it waits. */
-#include <errno.h>
-#include <fcntl.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,10 +42,11 @@ struct vp__pins {
   vp__pins_give_t give;
   int part;
   uint64_t serial;
-  pid_t pid; /* the process that joined; a forked child is not it */
+  int32_t pid; /* the process that joined; a forked child is not it */
   char shm[112];
+  vp__os_plock_t lock; /* our handle to seg->lock */
   uint64_t timeout_ns;
-  pthread_t thread;
+  vp__os_thread_t thread;
   bool thread_started;
   atomic_bool stop;
   /* A stopped lock holder costs one timeout, then no pinning for a while;
@@ -58,69 +56,6 @@ struct vp__pins {
 };
 
 /* ------------------------------------------------------ default budget */
-
-/* A number from a file holding one ("max" and unreadable: 0). */
-static uint64_t file_u64(const char *path) {
-  char buf[64] = {0};
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
-  if (fd >= 0) close(fd);
-  if (n <= 0 || buf[0] < '0' || buf[0] > '9') return 0;
-  return strtoull(buf, NULL, 10);
-}
-
-/* The lowest limit in `file` of the cgroup at `path` under `mount` and of
- * its ancestors (a parent's limit binds its children too); 0 = none. */
-static uint64_t cgroup_walk(const char *mount, char *path, const char *file) {
-  char full[700];
-  uint64_t low = 0;
-  for (;;) {
-    snprintf(full, sizeof full, "%s%s/%s", mount, path, file);
-    uint64_t lim = file_u64(full);
-    if (lim && (!low || lim < low)) low = lim;
-    char *slash = strrchr(path, '/');
-    if (!slash) break;
-    *slash = '\0'; /* the parent; "" is the mount itself */
-  }
-  return low;
-}
-
-/* The memory limit of our cgroup, 0 = none, from /proc/self/cgroup: v2
- * ("0::<path>", memory.max) and v1 (a "memory" controller line,
- * memory.limit_in_bytes, which says a huge number for "none"). */
-static uint64_t cgroup_limit(void) {
-  char buf[2048] = {0};
-  int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
-  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
-  if (fd >= 0) close(fd);
-  uint64_t low = 0;
-  for (char *line = n > 0 ? buf : NULL, *next; line && *line; line = next) {
-    next = strchr(line, '\n');
-    if (next) *next++ = '\0';
-    char *ctl = strchr(line, ':'), *path = ctl ? strchr(ctl + 1, ':') : NULL;
-    if (!path || path[1] != '/') continue;
-    *path++ = '\0';
-    ctl++;
-    uint64_t lim = 0;
-    if (strcmp(line, "0") == 0 && !*ctl)
-      lim = cgroup_walk("/sys/fs/cgroup", path, "memory.max");
-    else if (strstr(ctl, "memory"))
-      lim = cgroup_walk("/sys/fs/cgroup/memory", path,
-                        "memory.limit_in_bytes");
-    if (lim && (!low || lim < low)) low = lim;
-  }
-  return low;
-}
-
-/* "MemTotal:" or "MemAvailable:" of /proc/meminfo in bytes, 0 unknown. */
-static uint64_t meminfo(const char *key) {
-  char buf[4096] = {0};
-  int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
-  ssize_t n = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
-  if (fd >= 0) close(fd);
-  char *p = n > 0 ? strstr(buf, key) : NULL;
-  return p ? strtoull(p + strlen(key), NULL, 10) * 1024 : 0;
-}
 
 /* Half of the memory we may use: RAM (MemTotal), or our cgroup's limit
  * when lower (page-locked pages are charged to it, and the OOM killer acts
@@ -132,13 +67,8 @@ static uint64_t meminfo(const char *key) {
  * MemAvailable is not used: it is what happens to be free when the first
  * process starts, and the budget outlives that moment; it is logged. */
 uint64_t vp__pins_default_budget(void) {
-  uint64_t ram = meminfo("MemTotal:");
-  if (!ram) {
-    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || psz <= 0) return 0; /* unknown RAM: pin nothing */
-    ram = (uint64_t)pages * (uint64_t)psz;
-  }
-  uint64_t cg = cgroup_limit();
+  uint64_t ram = vp__os_ram_total(); /* 0, unknown: pin nothing */
+  uint64_t cg = vp__os_memory_limit();
   return (cg && cg < ram ? cg : ram) / 2;
 }
 
@@ -153,8 +83,8 @@ static void part_clear(pins_part_t *p) {
 }
 
 static bool part_alive(const pins_part_t *p) {
-  return vp__lproc_alive(atomic_load(&p->pid), atomic_load(&p->start),
-                         atomic_load(&p->pidns));
+  return vp__os_proc_alive(atomic_load(&p->pid), atomic_load(&p->start),
+                           atomic_load(&p->pidns));
 }
 
 static bool slot_live(const pins_seg_t *seg, uint32_t slot, uint64_t serial) {
@@ -190,14 +120,14 @@ static void reap(pins_seg_t *seg) {
 
 /* Bounded: VP_EAGAIN after PINS_LOCK_MS, VP_EDEVICE for a lock word of
  * another kind. A holder that died: its participant is reaped. */
-static int seg_lock(pins_seg_t *seg) {
+static int seg_lock(vp__pins_t *pn) {
   bool dead;
-  int r = vp__shm_lock(&seg->lock, PINS_LOCK_MS, 0, NULL, &dead);
-  if (dead) reap(seg);
+  int r = vp__shm_lock(&pn->lock, PINS_LOCK_MS, 0, NULL, &dead);
+  if (dead) reap(pn->seg);
   return r == VP_EINVAL ? VP_EDEVICE : r;
 }
 
-static void seg_unlock(pins_seg_t *seg) { vp__shm_unlock(&seg->lock, NULL); }
+static void seg_unlock(vp__pins_t *pn) { vp__shm_unlock(&pn->lock, NULL); }
 
 /* ----------------------------------------------------------- mapping */
 
@@ -233,11 +163,11 @@ static int join_locked(vp__pins_t *pn) {
     pins_part_t *p = &seg->part[i];
     if (atomic_load(&p->state) != PART_FREE) continue;
     uint64_t start, pidns;
-    vp__lproc_self(&start, &pidns);
+    vp__os_proc_self(&start, &pidns);
     part_clear(p);
     pn->serial = atomic_fetch_add(&seg->serials, 1) + 1;
-    atomic_store(&p->pid, (int32_t)getpid());
-    atomic_store(&p->uid, (uint32_t)geteuid());
+    atomic_store(&p->pid, vp__os_pid());
+    atomic_store(&p->uid, vp__os_uid());
     atomic_store(&p->start, start);
     atomic_store(&p->pidns, pidns);
     atomic_store(&p->serial, pn->serial);
@@ -256,10 +186,11 @@ static int join(vp__pins_t *pn, uint64_t budget, char *why, size_t len) {
     int rc = vp__shm_attach(pn->shm, &seg_kind, &budget, &p, why, len);
     if (rc) return rc;
     pn->seg = p;
-    rc = seg_lock(pn->seg);
+    int e = vp__os_plock_open(&pn->lock, pn->shm, &pn->seg->lock);
+    rc = e ? VP_EDEVICE : seg_lock(pn);
     if (rc == VP_OK) {
       rc = join_locked(pn);
-      seg_unlock(pn->seg);
+      seg_unlock(pn);
       if (rc == VP_ELIMIT)
         snprintf(why, len, "all %d participant slots of %s are taken",
                  PINS_PARTS, pn->shm);
@@ -269,6 +200,7 @@ static int join(vp__pins_t *pn, uint64_t budget, char *why, size_t len) {
       rc = VP_EUNSUPPORTED;
     }
     if (rc == VP_OK) return VP_OK;
+    if (!e) vp__os_plock_close(&pn->lock);
     vp__shm_unmap(pn->seg, &seg_kind);
     pn->seg = NULL;
     if (rc != VP_EAGAIN) return VP_EUNSUPPORTED;
@@ -315,25 +247,25 @@ static void *service_main(void *arg) {
       uint64_t freed = pn->give(pn->dev, bytes);
       atomic_fetch_add(&me->served, 1);
       atomic_fetch_add(&me->released, freed);
-      vp__lreq_answer(r, freed);
+      vp__lreq_answer(pn->shm, pn->seg, r, freed);
       vp__log(VP_LOG_DEBUG, pn->dev->caps.name, "pins: gave back %llu of "
               "%llu pinned bytes asked", ULL(freed), ULL(bytes));
     }
-    vp__futex(&me->wake, FUTEX_WAIT, seen, NULL);
+    vp__os_word_wait(pn->shm, pn->seg, &me->wake, seen, VP__OS_FOREVER);
   }
   return NULL;
 }
 
-static void wake_part(pins_part_t *p) {
+static void wake_part(vp__pins_t *pn, pins_part_t *p) {
   atomic_fetch_add(&p->wake, 1);
-  vp__futex_wake(&p->wake);
+  vp__os_word_wake(pn->shm, pn->seg, &p->wake);
 }
 
 /* Give our slot back; requests posted to us answered "nothing"; the last
  * one out removes the name. */
 static void leave(vp__pins_t *pn) {
   pins_seg_t *seg = pn->seg;
-  bool locked = seg_lock(seg) == VP_OK;
+  bool locked = seg_lock(pn) == VP_OK;
   pins_part_t *me = &seg->part[pn->part];
   if (atomic_load(&me->serial) == pn->serial) part_clear(me);
   for (int i = 0; i < PINS_REQS; i++) {
@@ -342,7 +274,7 @@ static void leave(vp__pins_t *pn) {
     if (atomic_load(&r->to) == (uint32_t)pn->part &&
         atomic_load(&r->to_serial) == pn->serial &&
         atomic_compare_exchange_strong(&r->state, &s, REQ_TAKEN))
-      vp__lreq_answer(r, 0);
+      vp__lreq_answer(pn->shm, seg, r, 0);
   }
   if (!locked) return;
   reap(seg);
@@ -353,7 +285,7 @@ static void leave(vp__pins_t *pn) {
     atomic_store(&seg->unlinked, 1);
     vp__shm_remove(pn->shm);
   }
-  seg_unlock(seg);
+  seg_unlock(pn);
 }
 
 void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
@@ -368,7 +300,7 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
   if (rc == VP_OK) {
     pn->dev = dev;
     pn->give = give;
-    pn->pid = getpid();
+    pn->pid = vp__os_pid();
     uint32_t us = dev->opts.ledger_timeout_us;
     pn->timeout_ns = (uint64_t)(us ? us : LEDGER_TIMEOUT_US) * 1000;
     rc = join(pn, budget, why, sizeof why);
@@ -378,15 +310,13 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
      * wins); the default keeps what the segment holds. */
     if (dev->opts.pin_budget) atomic_store(&pn->seg->budget, budget);
     dev->pins = pn; /* before the thread: it reads it under the lock */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    int e = pthread_create(&pn->thread, NULL, service_main, pn);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    int e = vp__os_thread_start(&pn->thread, service_main, pn,
+                                VP__OS_THREAD_NO_SIGNALS);
     pn->thread_started = e == 0;
     if (e) {
       dev->pins = NULL;
       leave(pn);
+      vp__os_plock_close(&pn->lock);
       vp__shm_unmap(pn->seg, &seg_kind);
       snprintf(why, sizeof why, "its service thread could not start");
       rc = VP_ENOMEM;
@@ -403,7 +333,7 @@ void vp__pins_open(vp__device_t *dev, vp__pins_give_t give) {
           "participant %d: the machine's pin budget is %s (%s available "
           "now)", pn->shm, pn->part,
           vp__size(atomic_load(&pn->seg->budget)).s,
-          vp__size(meminfo("MemAvailable:")).s);
+          vp__size(vp__os_ram_available()).s);
 }
 
 /* A forked child's copy only unmaps. */
@@ -411,14 +341,15 @@ void vp__pins_close(vp__device_t *dev) {
   vp__pins_t *pn = dev->pins;
   if (!pn) return;
   dev->pins = NULL;
-  if (pn->pid == getpid()) {
+  if (pn->pid == vp__os_pid()) {
     if (pn->thread_started) {
       atomic_store(&pn->stop, true);
-      wake_part(&pn->seg->part[pn->part]);
-      pthread_join(pn->thread, NULL);
+      wake_part(pn, &pn->seg->part[pn->part]);
+      vp__os_thread_join(&pn->thread);
     }
     leave(pn);
   }
+  vp__os_plock_close(&pn->lock);
   vp__shm_unmap(pn->seg, &seg_kind);
   free(pn);
 }
@@ -456,7 +387,9 @@ uint64_t vp__pins_machine(const vp__device_t *dev) {
 
 /* A forked child's copy of a device is not the participant: it pins
  * nothing more and gives nothing back in the parent's name. */
-static bool ours(const vp__pins_t *pn) { return pn && pn->pid == getpid(); }
+static bool ours(const vp__pins_t *pn) {
+  return pn && pn->pid == vp__os_pid();
+}
 
 bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
                    uint64_t *used) {
@@ -464,9 +397,9 @@ bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
   pins_seg_t *seg = pn->seg;
   *budget = atomic_load(&seg->budget);
   *used = UINT64_MAX; /* unknown: the lock could not be had */
-  uint64_t now = vp__now_ns();
+  uint64_t now = vp__os_now_ns();
   if (!ours(pn) || now < atomic_load(&pn->stuck_until)) return false;
-  if (seg_lock(seg) != VP_OK) {
+  if (seg_lock(pn) != VP_OK) {
     atomic_store(&pn->stuck_until, now + PINS_STUCK_NS);
     vp__log(VP_LOG_WARN, dev->caps.name, "the pin ledger %s stayed locked "
             "(a stopped process?): nothing more is pinned for %llu s",
@@ -482,7 +415,7 @@ bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
   *budget = atomic_load(&seg->budget);
   bool ok = sum <= *budget && size <= *budget - sum;
   if (ok) atomic_fetch_add(&seg->part[pn->part].pinned, size);
-  seg_unlock(seg);
+  seg_unlock(pn);
   return ok;
 }
 
@@ -503,7 +436,7 @@ void vp__pins_releasable(vp__device_t *dev, int64_t delta) {
  * asked); then give the request up, as release.c's await does. */
 static uint64_t await(vp__pins_t *pn, ledger_req_t *r, uint32_t to,
                       uint64_t serial, uint64_t bytes, bool *answered) {
-  uint64_t deadline = vp__now_ns() + pn->timeout_ns;
+  uint64_t deadline = vp__os_now_ns() + pn->timeout_ns;
   bool extended = false;
   for (;;) {
     uint32_t s = atomic_load(&r->state);
@@ -513,15 +446,13 @@ static uint64_t await(vp__pins_t *pn, ledger_req_t *r, uint32_t to,
       uint64_t gib = bytes / GiB + 1;
       deadline += (gib > 64 ? 64 : gib) * PINS_NS_PER_GIB;
     }
-    uint64_t now = vp__now_ns();
+    uint64_t now = vp__os_now_ns();
     if (now >= deadline || (s != REQ_POSTED && s != REQ_TAKEN) ||
         !slot_live(pn->seg, to, serial))
       break;
     uint64_t left = deadline - now;
     if (left > 10000000ull) left = 10000000ull;
-    struct timespec ts = {(time_t)(left / 1000000000u),
-                          (long)(left % 1000000000u)};
-    vp__futex(&r->state, FUTEX_WAIT, s, &ts);
+    vp__os_word_wait(pn->shm, pn->seg, &r->state, s, left);
   }
   uint32_t s = REQ_POSTED;
   if (atomic_compare_exchange_strong(&r->state, &s, REQ_FREE)) return 0;
@@ -550,14 +481,14 @@ static uint64_t ask_one(vp__pins_t *pn, uint32_t to, uint64_t bytes) {
     atomic_store(&r->bytes, bytes);
     atomic_store(&r->before, 0);
     atomic_store(&r->freed, 0);
-    atomic_store(&r->posted, vp__coarse_ns());
+    atomic_store(&r->posted, vp__os_coarse_ns());
     atomic_store(&r->state, REQ_POSTED);
-    wake_part(p);
+    wake_part(pn, p);
     bool answered = false;
     uint64_t freed = await(pn, r, to, serial, bytes, &answered);
     if (!answered && slot_live(seg, to, serial)) {
       atomic_store(&pn->skip_serial[to], serial);
-      atomic_store(&pn->skip_until[to], vp__now_ns() + PINS_SKIP_NS);
+      atomic_store(&pn->skip_until[to], vp__os_now_ns() + PINS_SKIP_NS);
       vp__log(VP_LOG_WARN, pn->dev->caps.name, "pin ledger %s: participant "
               "%u (pid %d) did not answer within %llu us; skipping it for "
               "a second", pn->shm, to, (int)atomic_load(&p->pid),
@@ -584,7 +515,7 @@ bool vp__pins_may_help(const vp__device_t *dev) {
  * while the lock is known stuck: nothing could be taken after. */
 uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
   vp__pins_t *pn = dev->pins;
-  if (!ours(pn) || vp__now_ns() < atomic_load(&pn->stuck_until)) return 0;
+  if (!ours(pn) || vp__os_now_ns() < atomic_load(&pn->stuck_until)) return 0;
   pins_seg_t *seg = pn->seg;
   bool asked[PINS_PARTS] = {false};
   uint64_t got = 0;
@@ -601,7 +532,7 @@ uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
       if (i == pn->part || asked[i] || atomic_load(&p->state) != PART_LIVE ||
           has <= most || !part_alive(p) ||
           (atomic_load(&pn->skip_serial[i]) == atomic_load(&p->serial) &&
-           vp__now_ns() < atomic_load(&pn->skip_until[i])))
+           vp__os_now_ns() < atomic_load(&pn->skip_until[i])))
         continue;
       best = i;
       most = has;

@@ -4,7 +4,7 @@
  *
  * Layout, version PINS_VERSION (magic, version and size first):
  *   header  magic, version, size, serials, the machine's budget, the lock
- *           (a robust, process-shared mutex)
+ *           (os.h's robust lock)
  *   req[]   release requests: ledger.h's request state machine
  *   part[]  participants, one per device handle
  *
@@ -27,7 +27,7 @@
 
 typedef struct pins_part {
   _Atomic uint32_t state; /* PART_FREE / PART_LIVE, under the lock */
-  _Atomic uint32_t wake;  /* futex: bumped to wake its service thread */
+  _Atomic uint32_t wake;  /* bumped to wake its service thread */
   _Atomic int32_t pid;
   _Atomic uint32_t uid;
   lword_t start, pidns, serial;
@@ -43,8 +43,10 @@ typedef struct pins_seg {
   lword_t size;
   lword_t serials;
   lword_t budget; /* the machine's budget, bytes */
-  pthread_mutex_t lock;
-  char pad[64];
+  /* With pad, 104 bytes: version 1's pthread_mutex_t (40 bytes on x86-64
+   * glibc, the first of these) and its pad[64], as in ledger.h. */
+  vp__os_plock_shared_t lock;
+  char pad[40];
   ledger_req_t req[PINS_REQS];
   pins_part_t part[PINS_PARTS];
 } pins_seg_t;

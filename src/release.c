@@ -4,13 +4,13 @@
  *
  * A request is a slot in the segment (ledger.h): the requester claims a
  * free one, fills it (bytes, `before`), posts it and bumps the holder's
- * wake word; the holder's service thread, asleep on that futex (it never
+ * wake word; the holder's service thread, asleep on that word (it never
  * polls), takes it, evicts its own pages of VBARs last used no later than
  * `before` (through the pager, under its device lock, waiting for its own
- * fences), and answers what it freed on the request's futex word. The
- * requester waits at most the ledger timeout, then gives the request up
- * (a holder still serving it frees the slot when done) and skips that
- * holder for a second. Nobody touches another process's memory.
+ * fences), and answers what it freed on the request's word (both sleep in
+ * vp__os_word_wait). The requester waits at most the ledger timeout, then
+ * gives the request up (a holder still serving it frees the slot when
+ * done) and skips that holder for a second. Nobody touches another process's memory.
  *
  * Locks: a requester holds no device lock while it waits (api.c and
  * stream.c call vp__release_ask after unlocking), so two processes asking
@@ -18,8 +18,6 @@
  * device lock only to re-measure free memory. The service thread takes its
  * device lock only to serve. Neither takes the membership lock, except to
  * reap a participant found dead. */
-#include <errno.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -80,14 +78,14 @@ static void serve_one(vp__ledger_t *l, ledger_req_t *r) {
   vp__device_t *dev = l->dev;
   uint64_t bytes = atomic_load(&r->bytes), before = atomic_load(&r->before);
   uint64_t freed = 0;
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   if (!dev->broken) freed = serve_evict(dev, bytes, before);
   vp__ledger_sync(dev);
   vp__unlock(dev, VP_OK);
   ledger_part_t *p = own_part(l);
   atomic_fetch_add(&p->served, 1);
   atomic_fetch_add(&p->released, freed);
-  vp__lreq_answer(r, freed);
+  vp__lreq_answer(l->shm, l->seg, r, freed);
   vp__log(VP_LOG_DEBUG, dev->caps.name, "ledger: released %llu of %llu "
           "bytes asked", ULL(freed), ULL(bytes));
 }
@@ -113,36 +111,33 @@ static void *service_main(void *arg) {
     uint32_t seen = atomic_load(wake);
     if (atomic_load(&l->stop)) break;
     serve_all(l);
-    vp__futex(wake, FUTEX_WAIT, seen, NULL);
+    vp__os_word_wait(l->shm, l->seg, wake, seen, VP__OS_FOREVER);
   }
   return NULL;
 }
 
-static void wake_part(ledger_part_t *p) {
+static void wake_part(vp__ledger_t *l, ledger_part_t *p) {
   atomic_fetch_add(&p->wake, 1);
-  vp__futex_wake(&p->wake);
+  vp__os_word_wake(l->shm, l->seg, &p->wake);
 }
 
 /* The thread takes no signals: they are the application's. */
 int vp__release_start(vp__device_t *dev) {
   vp__ledger_t *l = dev->ledger;
   if (!l) return VP_OK;
-  sigset_t all, old;
-  sigfillset(&all);
-  pthread_sigmask(SIG_SETMASK, &all, &old);
-  int e = pthread_create(&l->thread, NULL, service_main, l);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
-  if (e) return VP_ENOMEM;
+  if (vp__os_thread_start(&l->thread, service_main, l,
+                          VP__OS_THREAD_NO_SIGNALS))
+    return VP_ENOMEM;
   l->thread_started = true;
   return VP_OK;
 }
 
 void vp__release_stop(vp__device_t *dev) {
   vp__ledger_t *l = dev->ledger;
-  if (!l || !l->thread_started || l->pid != getpid()) return;
+  if (!l || !l->thread_started || l->pid != vp__os_pid()) return;
   atomic_store(&l->stop, true);
-  wake_part(own_part(l));
-  pthread_join(l->thread, NULL);
+  wake_part(l, own_part(l));
+  vp__os_thread_join(&l->thread);
   l->thread_started = false;
 }
 
@@ -152,7 +147,7 @@ void vp__release_stop(vp__device_t *dev) {
  * everyone; false when the device cannot say. */
 static bool measure(vp__device_t *dev, uint64_t *free_bytes) {
   uint64_t allowed;
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   vp__budget_invalidate(dev);
   bool ok = !dev->broken && vp__budget_allowed(dev, &allowed) == VP_OK;
   *free_bytes = dev->budget.free_at_poll;
@@ -162,19 +157,19 @@ static bool measure(vp__device_t *dev, uint64_t *free_bytes) {
 }
 
 static bool skipped(vp__ledger_t *l, uint32_t part, uint64_t serial) {
-  pthread_mutex_lock(&l->skip_mu);
+  vp__os_mutex_lock(&l->skip_mu);
   bool skip = l->skip[part].serial == serial &&
-              vp__now_ns() < l->skip[part].until;
-  pthread_mutex_unlock(&l->skip_mu);
+              vp__os_now_ns() < l->skip[part].until;
+  vp__os_mutex_unlock(&l->skip_mu);
   return skip;
 }
 
 static void skip_for_a_while(vp__ledger_t *l, uint32_t part,
                              uint64_t serial) {
-  pthread_mutex_lock(&l->skip_mu);
+  vp__os_mutex_lock(&l->skip_mu);
   l->skip[part].serial = serial;
-  l->skip[part].until = vp__now_ns() + LEDGER_SKIP_NS;
-  pthread_mutex_unlock(&l->skip_mu);
+  l->skip[part].until = vp__os_now_ns() + LEDGER_SKIP_NS;
+  vp__os_mutex_unlock(&l->skip_mu);
 }
 
 /* A VBAR some participant might release. */
@@ -234,9 +229,9 @@ static size_t collect(vp__ledger_t *l, uint64_t before, bool self,
     collect_part(l, i, before, keep, out, &n, &cap);
     if (n > first && !me && !vp__lpart_alive(p)) n = first, dead = true;
   }
-  if (dead && vp__lseg_lock(l->seg) == VP_OK) {
+  if (dead && vp__lseg_lock(l) == VP_OK) {
     vp__lseg_reap(l->seg);
-    vp__lseg_unlock(l->seg);
+    vp__lseg_unlock(l);
   }
   if (n) qsort(*out, n, sizeof **out, cand_cmp);
   return n;
@@ -254,9 +249,9 @@ static ledger_req_t *post(vp__ledger_t *l, const cand_t *c, uint64_t bytes) {
     atomic_store(&r->bytes, bytes);
     atomic_store(&r->before, c->last_use);
     atomic_store(&r->freed, 0);
-    atomic_store(&r->posted, vp__coarse_ns());
+    atomic_store(&r->posted, vp__os_coarse_ns());
     atomic_store(&r->state, REQ_POSTED);
-    wake_part(&l->seg->part[c->part]);
+    wake_part(l, &l->seg->part[c->part]);
     return r;
   }
   return NULL;
@@ -289,7 +284,7 @@ static uint64_t taken_extra(vp__ledger_t *l, ledger_req_t *r,
 
 static bool await(vp__ledger_t *l, ledger_req_t *r, const cand_t *c,
                   uint64_t *freed, bool *left_us) {
-  uint64_t deadline = vp__now_ns() + l->timeout_ns;
+  uint64_t deadline = vp__os_now_ns() + l->timeout_ns;
   bool extended = false;
   for (;;) {
     uint32_t s = atomic_load(&r->state);
@@ -298,7 +293,7 @@ static bool await(vp__ledger_t *l, ledger_req_t *r, const cand_t *c,
       extended = true;
       deadline += taken_extra(l, r, c);
     }
-    uint64_t now = vp__now_ns();
+    uint64_t now = vp__os_now_ns();
     if (now >= deadline || (s != REQ_POSTED && s != REQ_TAKEN)) break;
     if (!vp__lslot_live(l->seg, c->part, c->serial) ||
         (extended && !vp__lpart_alive(&l->seg->part[c->part]))) {
@@ -307,9 +302,7 @@ static bool await(vp__ledger_t *l, ledger_req_t *r, const cand_t *c,
     }
     uint64_t left = deadline - now;
     if (left > AWAIT_SLICE_NS) left = AWAIT_SLICE_NS;
-    struct timespec ts = {(time_t)(left / 1000000000u),
-                          (long)(left % 1000000000u)};
-    vp__futex(&r->state, FUTEX_WAIT, s, &ts);
+    vp__os_word_wait(l->shm, l->seg, &r->state, s, left);
   }
   uint32_t s = REQ_POSTED;
   if (atomic_compare_exchange_strong(&r->state, &s, REQ_FREE)) return false;
@@ -342,7 +335,7 @@ static bool ask_peer(vp__ledger_t *l, const cand_t *c, uint64_t bytes,
 /* One of our own VBARs, in the cross-process order. */
 static uint64_t evict_own(vp__device_t *dev, uint64_t id, uint64_t bytes) {
   uint64_t freed = 0;
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   vp__vbar_t *vb = vp__table_get(&dev->vbars, id);
   if (vb && vb->listed && !vb->pinned && !dev->broken)
     vp__vbar_evict(vb, bytes, 0, &freed);
@@ -379,7 +372,7 @@ static uint64_t walk(vp__ledger_t *l, uint64_t target, uint64_t before,
  * other processes' VBARs older than that go first. */
 static uint64_t own_oldest(vp__device_t *dev, uint64_t vbar, uint64_t now) {
   uint64_t oldest = now;
-  pthread_mutex_lock(&dev->lock);
+  vp__os_mutex_lock(&dev->lock);
   vp__vbar_t *vb = vp__table_get(&dev->vbars, vbar);
   for (vp__vbar_t *w = vb && vb->listed ? vb->down : NULL; w; w = w->down)
     if (w->resident > w->pinned && w->last_use < oldest) oldest = w->last_use;
@@ -407,7 +400,7 @@ bool vp__release_may_help(vp__device_t *dev) {
 void vp__release_ask(vp__device_t *dev, const vp__ask_t *ask) {
   vp__ledger_t *l = dev->ledger;
   if (!l || !ask->pending || !vp__release_may_help(dev)) return;
-  uint64_t now = vp__coarse_ns(), before = own_oldest(dev, ask->vbar, now);
+  uint64_t now = vp__os_coarse_ns(), before = own_oldest(dev, ask->vbar, now);
   uint64_t freed = walk(l, ask->target, before, false, NULL);
   if (before < now && ask->own < ask->target)
     freed += walk(l, ask->target - ask->own, now, false, NULL);
@@ -445,7 +438,7 @@ static int free_memory(vp_device_t h, uint64_t bytes, const vp_vbar_t *keep,
   vp__unlock(dev, VP_OK);
   if (!measure(dev, &start)) return vp__broken(dev);
   uint64_t target = start > UINT64_MAX - bytes ? UINT64_MAX : start + bytes;
-  done = walk(dev->ledger, target, vp__coarse_ns(), true, &k);
+  done = walk(dev->ledger, target, vp__os_coarse_ns(), true, &k);
   if (done < bytes)
     vp__log(VP_LOG_INFO, dev->caps.name, "ledger: freed %llu of the %llu "
             "bytes asked; nothing else is reclaimable now", ULL(done),

@@ -10,15 +10,11 @@
  * Parsing runs without the device lock; the handle table (dev->sts) and
  * everything after open are used with it held. */
 #include <errno.h>
-#include <fcntl.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include "internal.h"
 #include "json.h"
@@ -39,12 +35,12 @@ typedef struct vp__st {
   int fd;
   char *path;
   uint64_t file_size;   /* at open */
-  struct timespec mtime;
+  uint64_t mtime_ns;
   uint64_t data_start;  /* 8 + N */
   size_t n;
   st_tensor_t *t;       /* by data offset */
   st_tensor_t **by_name;
-  void *map;            /* vp_st_mmap's mapping, or NULL */
+  const void *map;      /* vp_st_mmap's mapping, or NULL */
 } vp__st_t;
 
 /* --------------------------------------------------------------- dtypes */
@@ -73,8 +69,8 @@ static uint32_t dtype_bits(const char *name) {
 
 static void st_free(vp__st_t *st) {
   if (!st) return;
-  if (st->map) munmap(st->map, st->file_size);
-  if (st->fd >= 0) close(st->fd);
+  if (st->map) vp__os_file_unmap(st->map, st->file_size);
+  if (st->fd >= 0) vp__os_file_close(st->fd);
   for (size_t i = 0; i < st->n; i++) free((char *)st->t[i].t.name);
   free(st->t);
   free(st->by_name);
@@ -411,21 +407,18 @@ static int read_exact(const char *path, int fd, void *buf,
 
 static int st_read(vp__st_t *st) {
   const char *path = st->path;
-  st->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (st->fd < 0) {
-    int e = errno;
+  int e = vp__os_file_open_read(path, &st->fd);
+  if (e) {
     return vp__err(e == ENOMEM ? VP_ENOMEM : VP_EINVAL, "%s: cannot open: %s",
                    path, strerror(e));
   }
-  struct stat sb;
-  if (fstat(st->fd, &sb) != 0) {
-    int e = errno;
+  vp__os_file_info_t sb;
+  if ((e = vp__os_file_stat(st->fd, &sb)))
     return vp__err(VP_EINVAL, "%s: fstat failed: %s", path, strerror(e));
-  }
-  if (!S_ISREG(sb.st_mode))
+  if (!sb.regular)
     return vp__err(VP_EINVAL, "%s: not a regular file", path);
-  st->file_size = (uint64_t)sb.st_size;
-  st->mtime = sb.st_mtim;
+  st->file_size = sb.size;
+  st->mtime_ns = sb.mtime_ns;
   if (st->file_size < 8)
     return vp__err(VP_EINVAL, "%s: the file is %llu bytes, too short for the "
                    "8-byte header length", path, ULL(st->file_size));
@@ -584,9 +577,9 @@ int vp_st_mmap(vp_st_t h, const void **base, uint64_t *size) {
   vp__st_t *st = NULL;
   ST_ENTER(h, st);
   if (!st->map) {
-    void *p = mmap(NULL, st->file_size, PROT_READ, MAP_SHARED, st->fd, 0);
-    if (p == MAP_FAILED) {
-      int e = errno;
+    const void *p = NULL;
+    int e = vp__os_file_map(st->fd, st->file_size, &p);
+    if (e) {
       int code = e == ENOMEM ? VP_ENOMEM : VP_EINVAL;
       return vp__unlock(st->dev, vp__err(code, "%s: mmap of %llu bytes "
                                          "failed: %s", st->path,
@@ -604,11 +597,10 @@ int vp_st_drop_pages(vp_st_t h) {
   vp__st_t *st = NULL;
   ST_ENTER(h, st);
   int rc = VP_OK;
-  if (st->map && madvise(st->map, st->file_size, MADV_DONTNEED) != 0) {
-    int e = errno;
+  int e = st->map ? vp__os_file_map_drop(st->map, st->file_size) : 0;
+  if (e)
     rc = vp__err(VP_EINVAL, "%s: madvise failed: %s", st->path, strerror(e));
-  }
-  int e = posix_fadvise(st->fd, 0, 0, POSIX_FADV_DONTNEED);
+  e = vp__os_file_drop_cache(st->fd);
   if (rc == VP_OK && e != 0)
     rc = vp__err(VP_EINVAL, "%s: posix_fadvise failed: %s", st->path,
                  strerror(e));
@@ -626,18 +618,15 @@ typedef struct load_range {
 
 /* VP_OK while the file has the size and mtime it had at open. */
 static int check_unchanged(vp__st_t *st) {
-  struct stat sb;
-  if (fstat(st->fd, &sb) != 0) {
-    int e = errno;
+  vp__os_file_info_t sb;
+  int e = vp__os_file_stat(st->fd, &sb);
+  if (e)
     return vp__err(VP_EINVAL, "%s: fstat failed: %s", st->path, strerror(e));
-  }
-  if ((uint64_t)sb.st_size != st->file_size ||
-      sb.st_mtim.tv_sec != st->mtime.tv_sec ||
-      sb.st_mtim.tv_nsec != st->mtime.tv_nsec)
+  if (sb.size != st->file_size || sb.mtime_ns != st->mtime_ns)
     return vp__err(VP_EINVAL, "%s: the file changed since it was opened (%llu "
                    "bytes then, %llu now%s); open it again", st->path,
-                   ULL(st->file_size), ULL(sb.st_size),
-                   (uint64_t)sb.st_size == st->file_size ? ", modified" : "");
+                   ULL(st->file_size), ULL(sb.size),
+                   sb.size == st->file_size ? ", modified" : "");
   return VP_OK;
 }
 
@@ -773,9 +762,9 @@ static int st_elsewhere(vp_st_t h, vp__device_t *dev) {
   vp__device_t *other = vp__registry_get(h.id);
   bool live = false;
   if (other && other != dev) {
-    pthread_mutex_lock(&other->lock);
+    vp__os_mutex_lock(&other->lock);
     live = vp__table_get(&other->sts, h.id) != NULL;
-    pthread_mutex_unlock(&other->lock);
+    vp__os_mutex_unlock(&other->lock);
   }
   if (live)
     return vp__err(VP_EINVAL, "the safetensors file and the VBAR belong to "

@@ -1,25 +1,27 @@
-/* A named POSIX shared-memory segment of one fixed layout, shared by
- * processes that each map it whole: the ledger (ledger.c) and the pin
- * ledger (pins.c). The POSIX side of the platform layer that issue 30 asks
- * for: what they share lives here, once.
+/* A named shared-memory segment of one fixed layout, shared by processes
+ * that each map it whole: the ledger (ledger.c) and the pin ledger
+ * (pins.c). What they share lives here, once, over os.h's segments and
+ * robust lock.
  *
  * A segment begins with its magic word (a uint64_t at offset 0), stored
  * last, with release order, by its creator: a joiner that sees it sees the
- * header the creator wrote before it. It holds a robust, process-shared
- * mutex: a holder that dies leaves it to the next taker, who is told so
- * (and removes the dead holder's traces). */
+ * header the creator wrote before it (where the OS lets a joiner open a
+ * segment before its creator is done). It holds a robust lock
+ * (vp__os_plock_shared_t): a holder that dies leaves it to the next taker,
+ * who is told so (and removes the dead holder's traces). */
 #ifndef VPAGER_SHM_H
 #define VPAGER_SHM_H
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
+#include "os.h"
+
 typedef struct vp__shm_kind {
   size_t size;     /* the layout's sizeof: the file's size */
-  size_t lock_off; /* offsetof its mutex */
+  size_t lock_off; /* offsetof its vp__os_plock_shared_t */
   uint64_t magic;  /* at offset 0, published last */
   /* The creator's header (version, size, ...), before the magic; arg is
    * vp__shm_create's. */
@@ -30,7 +32,8 @@ typedef struct vp__shm_kind {
 } vp__shm_kind_t;
 
 /* Create `shm` exclusively: sized (a full /dev/shm fails here, not later
- * with SIGBUS), mapped, zeroed, the mutex made, init, then the magic.
+ * with SIGBUS), mapped, zeroed, the lock made, init, then the magic, all
+ * before the name appears where the OS allows (vp__os_shm_create).
  * VP_EAGAIN: it exists; VP_EUNSUPPORTED and why: it cannot be made. */
 int vp__shm_create(const char *shm, const vp__shm_kind_t *k, const void *arg,
                    void **out, char *why, size_t len);
@@ -46,16 +49,16 @@ void vp__shm_unmap(void *seg, const vp__shm_kind_t *k);
 /* Remove the name (the last user out): a joiner after it creates anew. */
 void vp__shm_remove(const char *shm);
 
-/* The robust process-shared mutex. vp__shm_lock tries, then waits up to
- * `ms`; with `gen` (a word the holder bumps at every unlock), a lock that
- * others took and gave back meanwhile is busy, not stuck: it waits on, up
- * to `busy_ms` in all. *dead: its holder died; the lock is taken and made
- * consistent, and the caller removes the dead. VP_EAGAIN: it stayed taken;
- * VP_EINVAL: a lock word of another kind (never used: glibc may abort on
- * one); VP_EDEVICE: another failure. */
-int vp__shm_lock_init(pthread_mutex_t *m);
-int vp__shm_lock(pthread_mutex_t *m, int ms, int busy_ms,
+/* The segment's robust lock, through this process's handle to it
+ * (vp__os_plock_open). vp__shm_lock tries, then waits up to `ms`; with
+ * `gen` (a word the holder bumps at every unlock), a lock that others took
+ * and gave back meanwhile is busy, not stuck: it waits on, up to `busy_ms`
+ * in all. *dead: its holder died; the lock is taken and made consistent,
+ * and the caller removes the dead. VP_EAGAIN: it stayed taken; VP_EINVAL:
+ * a lock word of another kind (never used: glibc may abort on one);
+ * VP_EDEVICE: another failure. */
+int vp__shm_lock(vp__os_plock_t *l, int ms, int busy_ms,
                  _Atomic uint64_t *gen, bool *dead);
-void vp__shm_unlock(pthread_mutex_t *m, _Atomic uint64_t *gen);
+void vp__shm_unlock(vp__os_plock_t *l, _Atomic uint64_t *gen);
 
 #endif /* VPAGER_SHM_H */

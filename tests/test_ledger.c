@@ -341,7 +341,9 @@ TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
     ledger_seg_t *seg = NULL;
     char why[192];
     ASSERT_OK(vp__lseg_map(shm, true, &seg, why, sizeof why));
-    ASSERT_OK(vp__lseg_lock(seg));
+    vp__ledger_t l = {.seg = seg};
+    ASSERT_EQ_INT(vp__os_plock_open(&l.lock, shm, &seg->lock), 0);
+    ASSERT_OK(vp__lseg_lock(&l));
     put_u64(sync[1], 1);
     pause();
     _exit(0);
@@ -534,10 +536,12 @@ TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
                            MAP_SHARED, fd, 0);
   close(fd);
   ASSERT_TRUE(seg != MAP_FAILED);
-  int kind = seg->lock.__data.__kind;
+  /* os_posix.c's lock: a pthread mutex at the start of seg->lock */
+  pthread_mutex_t *m = (pthread_mutex_t *)(void *)&seg->lock;
+  int kind = m->__data.__kind;
   /* glibc: PTHREAD_MUTEX_PRIO_PROTECT_NP (64), not robust (16), ceiling
    * (bits 19 up) 4095 */
-  seg->lock.__data.__kind = (kind & ~16) | 64 | (int)(0xfffu << 19);
+  m->__data.__kind = (kind & ~16) | 64 | (int)(0xfffu << 19);
   vp_device_t alone = test_open(ctx, &o);
   char *s = snapshot(alone);
   ASSERT_STR_CONTAINS(s, "\"joined\":false");
@@ -547,7 +551,7 @@ TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
   test_load_pages(v, 0, 4);
   ASSERT_OK(vp_device_close(alone));
   ASSERT_OK(vp_device_close(joined));
-  seg->lock.__data.__kind = kind;
+  m->__data.__kind = kind;
   munmap(seg, sizeof *seg);
   ASSERT_EQ_INT(shm_unlink(shm), 0); /* left without the lock: not removed */
 #else
@@ -931,3 +935,57 @@ TEST(ledger_views, TEST_SIM_ONLY) {
   ASSERT_EQ_U64(freed, 0);
   ASSERT_OK(vp_device_close(alone));
 }
+
+#ifndef _WIN32 /* forks a creator and SIGKILLs it */
+/* vp__os_shm_create's init for a creator killed while it makes the
+ * segment. */
+static int die_midway(void *base, void *arg) {
+  (void)base;
+  (void)arg;
+  kill(getpid(), SIGKILL);
+  return 0;
+}
+
+static void unlink_each(const char *name, void *arg) {
+  char path[320];
+  snprintf(path, sizeof path, "/%s", name);
+  vp__os_shm_unlink(path);
+  (*(int *)arg)++;
+}
+
+/* A creator killed while it makes a ledger leaves nothing under the
+ * ledger's name (a segment is made under a temporary name and linked into
+ * place once whole), so the next device makes the ledger anew and joins;
+ * a 0-byte segment there made every later device run alone. */
+TEST(ledger_creator_killed_midway, TEST_SIM_ONLY) {
+  char name[64], shm[128], tmp[64];
+  ledger_name(name, sizeof name, "midway");
+  snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  fflush(stdout);
+  fflush(stderr);
+  pid_t child = fork();
+  ASSERT_GE_INT(child, 0);
+  if (child == 0) {
+    void *p;
+    vp__os_shm_create(shm, sizeof(ledger_seg_t), die_midway, NULL, &p);
+    _exit(1);
+  }
+  int st = test_wait(child);
+  ASSERT_TRUE(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+  void *p = NULL;
+  ASSERT_EQ_INT(vp__os_shm_open(shm, false, sizeof(ledger_seg_t), &p, NULL),
+                ENOENT);
+  int left = 0; /* the killed creator's temporary segment */
+  snprintf(tmp, sizeof tmp, ".vpager-new-%d-", (int)child);
+  ASSERT_EQ_INT(vp__os_shm_list(tmp, unlink_each, &left), 0);
+  ASSERT_EQ_INT(left, 1);
+  vp_options_t o;
+  test_options(ctx, &o);
+  snprintf(o.ledger, sizeof o.ledger, "%s", name);
+  vp_device_t dev = test_open(ctx, &o);
+  char *s = snapshot(dev);
+  ASSERT_STR_CONTAINS(s, "\"joined\":true");
+  free(s);
+  ASSERT_OK(vp_device_close(dev));
+}
+#endif

@@ -93,6 +93,7 @@ static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
   vp_hostbuf_t hb = {0};
   vp_hostbuf_info_t info = {0};
   pins_seg_t *held = NULL;
+  vp__os_plock_t held_lock; /* our handle to held->lock */
   put_u64(out, 0); /* ready */
   for (;;) {
     char cmd = 0;
@@ -116,12 +117,16 @@ static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
     if (cmd == 'L') v = churn(dev);
     if (cmd == 'H' || cmd == 'D') {
       pins_seg_t *seg = seg_map(name);
-      ASSERT_EQ_INT(pthread_mutex_lock(&seg->lock), 0);
+      char shm[128];
+      snprintf(shm, sizeof shm, PINS_PREFIX "%s", name);
+      ASSERT_EQ_INT(vp__os_plock_open(&held_lock, shm, &seg->lock), 0);
+      ASSERT_EQ_INT(vp__os_plock_lock(&held_lock, 10000), 0);
       if (cmd == 'D') _exit(0); /* holding it */
       held = seg;
     }
     if (cmd == 'U') {
-      ASSERT_EQ_INT(pthread_mutex_unlock(&held->lock), 0);
+      vp__os_plock_unlock(&held_lock);
+      vp__os_plock_close(&held_lock);
       munmap(held, sizeof *held);
     }
     if (cmd == 'F') ASSERT_OK(vp_hostbuf_free(hb));

@@ -13,18 +13,16 @@
  * to the right GPU, and the caller's current context is left as it was.
  * Nothing here synchronises a context or the device.
  */
-#include <dlfcn.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "backend.h"
 #include "cuda_abi.h"
+#include "os.h"
 
 #define MiB (1024ull * 1024)
 
@@ -50,7 +48,7 @@ typedef struct cu_api {
 
 /* NVML, loaded on first use (nvmlInit costs ~10 ms) and only if present. */
 typedef struct nvml {
-  pthread_mutex_t lock; /* guards everything below */
+  vp__os_mutex_t lock; /* guards everything below */
   bool tried;
   void *lib; /* non-NULL: loaded, initialised, device found */
   vp_nvml_device_t dev;
@@ -227,13 +225,14 @@ static int resolve(cuda_t *c, vp_cu_get_proc_address_fn gpa) {
   return VP_OK;
 }
 
-/* dlopen and resolve; undoes itself on failure. RTLD_NODELETE: the driver
- * starts threads at cuInit and must never be unmapped under them, so our
- * dlclose only drops a reference. */
+/* Load and resolve; undoes itself on failure. The driver starts threads at
+ * cuInit and must never be unmapped under them: vp__os_dl_open's library
+ * is never unloaded for good. */
 static int load_driver(cuda_t *c) {
-  c->lib = dlopen(CUDA_LIBRARY, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
-  if (!c->lib) return open_fail(VP_ENODEV, "%s", dlerror());
-  void *sym = dlsym(c->lib, "cuGetProcAddress_v2");
+  char why[160];
+  c->lib = vp__os_dl_open(CUDA_LIBRARY, why, sizeof why);
+  if (!c->lib) return open_fail(VP_ENODEV, "%s", why);
+  void *sym = vp__os_dl_sym(c->lib, "cuGetProcAddress_v2");
   int rc;
   if (!sym) {
     rc = open_fail(VP_ENODEV, CUDA_LIBRARY " has no cuGetProcAddress_v2 "
@@ -243,7 +242,7 @@ static int load_driver(cuda_t *c) {
     memcpy(&gpa, &sym, sizeof gpa);
     rc = resolve(c, gpa);
   }
-  if (rc != VP_OK) dlclose(c->lib);
+  if (rc != VP_OK) vp__os_dl_close(c->lib);
   return rc;
 }
 
@@ -311,7 +310,7 @@ static int retain_context(cuda_t *c) {
  * WSL2 the card serves the Windows desktop through WDDM (/dev/dxg), which
  * spills to system memory when the card is full. */
 static uint64_t default_headroom(uint64_t total) {
-  return vp__default_headroom(total, access("/dev/dxg", F_OK) == 0);
+  return vp__default_headroom(total, vp__os_gpu_wddm());
 }
 
 static void fill_props(cuda_t *c) {
@@ -377,8 +376,8 @@ static int cuda_open(const vp_options_t *opts, vp__inject_t *inj, void **ctx,
   }
   rc = query_caps(c, caps);
   if (rc != VP_OK) goto fail_release;
-  if (pthread_mutex_init(&c->nvml.lock, NULL) != 0) {
-    rc = open_fail(VP_ENOMEM, "pthread_mutex_init");
+  if (vp__os_mutex_init(&c->nvml.lock) != 0) {
+    rc = open_fail(VP_ENOMEM, "cannot make the NVML lock");
     goto fail_release;
   }
   *ctx = c;
@@ -387,7 +386,7 @@ static int cuda_open(const vp_options_t *opts, vp__inject_t *inj, void **ctx,
 fail_release:
   c->cu.primary_ctx_release(c->dev);
 fail_unload:
-  dlclose(c->lib);
+  vp__os_dl_close(c->lib);
 fail_free:
   free(c);
   return rc;
@@ -399,27 +398,13 @@ static void cuda_close(void *ctx) {
   cuda_t *c = ctx;
   if (!c) return;
   nvml_unload(c);
-  pthread_mutex_destroy(&c->nvml.lock);
+  vp__os_mutex_destroy(&c->nvml.lock);
   c->cu.primary_ctx_release(c->dev);
-  dlclose(c->lib);
+  vp__os_dl_close(c->lib);
   free(c);
 }
 
 /* ----------------------------------------------------------- memory */
-
-/* MemAvailable of /proc/meminfo in bytes; false if it cannot be read. */
-static bool host_available(uint64_t *bytes) {
-  FILE *f = fopen("/proc/meminfo", "re");
-  if (!f) return false;
-  char line[128];
-  unsigned long long kib = 0;
-  bool found = false;
-  while (!found && fgets(line, sizeof line, f))
-    found = sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
-  fclose(f);
-  *bytes = (uint64_t)kib * 1024;
-  return found;
-}
 
 /* Device-wide on Linux: every process's allocations count. An integrated
  * GPU shares host memory, where cuMemGetInfo misses reclaimable page
@@ -429,7 +414,7 @@ static int cuda_mem_info(void *ctx, uint64_t *free_bytes,
   cuda_t *c = ctx;
   INJECT(c, VP_EDEVICE);
   uint64_t avail;
-  if (c->integrated && host_available(&avail)) {
+  if (c->integrated && (avail = vp__os_ram_available())) {
     *free_bytes = avail < c->total ? avail : c->total;
     *total_bytes = c->total;
     return VP_OK;
@@ -676,23 +661,22 @@ static bool nvml_find(cuda_t *c, vp_nvml_get_handle_by_uuid_fn by_uuid) {
 static void nvml_load(cuda_t *c) {
   nvml_t *n = &c->nvml;
   n->tried = true;
-  void *lib =
-      dlopen(NVML_LIBRARY, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+  void *lib = vp__os_dl_open(NVML_LIBRARY, NULL, 0);
   if (!lib) return;
   vp_nvml_init_fn init;
   vp_nvml_get_handle_by_uuid_fn by_uuid;
-  void *s_init = dlsym(lib, "nvmlInit_v2");
-  void *s_shut = dlsym(lib, "nvmlShutdown");
-  void *s_uuid = dlsym(lib, "nvmlDeviceGetHandleByUUID");
-  void *s_mem = dlsym(lib, "nvmlDeviceGetMemoryInfo");
-  void *s_procs = dlsym(lib, "nvmlDeviceGetComputeRunningProcesses_v3");
+  void *s_init = vp__os_dl_sym(lib, "nvmlInit_v2");
+  void *s_shut = vp__os_dl_sym(lib, "nvmlShutdown");
+  void *s_uuid = vp__os_dl_sym(lib, "nvmlDeviceGetHandleByUUID");
+  void *s_mem = vp__os_dl_sym(lib, "nvmlDeviceGetMemoryInfo");
+  void *s_procs = vp__os_dl_sym(lib, "nvmlDeviceGetComputeRunningProcesses_v3");
   if (!s_init || !s_shut || !s_uuid || !s_mem) goto fail_close;
   memcpy(&init, &s_init, sizeof init);
   memcpy(&n->shutdown, &s_shut, sizeof n->shutdown);
   memcpy(&by_uuid, &s_uuid, sizeof by_uuid);
   memcpy(&n->memory_info, &s_mem, sizeof n->memory_info);
   memcpy(&n->compute_procs, &s_procs, sizeof n->compute_procs);
-  void *s_limits = dlsym(lib, "nvmlDeviceGetMemoryLimits_v1");
+  void *s_limits = vp__os_dl_sym(lib, "nvmlDeviceGetMemoryLimits_v1");
   memcpy(&n->memory_limits, &s_limits, sizeof n->memory_limits);
   if (init() != VP_NVML_SUCCESS) goto fail_close;
   if (!nvml_find(c, by_uuid)) goto fail_shutdown;
@@ -702,13 +686,13 @@ static void nvml_load(cuda_t *c) {
 fail_shutdown:
   n->shutdown();
 fail_close:
-  dlclose(lib);
+  vp__os_dl_close(lib);
 }
 
 static void nvml_unload(cuda_t *c) {
   if (!c->nvml.lib) return;
   c->nvml.shutdown();
-  dlclose(c->nvml.lib);
+  vp__os_dl_close(c->nvml.lib);
   c->nvml.lib = NULL;
 }
 
@@ -726,29 +710,12 @@ static uint64_t nvml_proc_used(cuda_t *c) {
     r = c->nvml.compute_procs(c->nvml.dev, &count, infos);
   }
   uint64_t used = UINT64_MAX;
-  unsigned int pid = (unsigned int)getpid();
+  unsigned int pid = (unsigned int)vp__os_pid();
   for (unsigned int i = 0; r == VP_NVML_SUCCESS && i < count; i++)
     if (infos[i].pid == pid && infos[i].used_gpu_memory != UINT64_MAX)
       used = (used == UINT64_MAX ? 0 : used) + infos[i].used_gpu_memory;
   if (infos != small) free(infos);
   return used;
-}
-
-/* "/sys/fs/cgroup" + this process's cgroup v2 path (/proc/self/cgroup's
- * "0::" line); false without one. */
-static bool own_cgroup(char *out, size_t len) {
-  FILE *f = fopen("/proc/self/cgroup", "re");
-  if (!f) return false;
-  char line[512];
-  bool found = false;
-  while (!found && fgets(line, sizeof line, f)) {
-    if (strncmp(line, "0::", 3) != 0) continue;
-    line[strcspn(line, "\n")] = '\0';
-    int n = snprintf(out, len, "/sys/fs/cgroup%s", line + 3);
-    found = n > 0 && (size_t)n < len;
-  }
-  fclose(f);
-  return found;
 }
 
 /* The soft limit NVML reports for this process's cgroup on this GPU
@@ -758,8 +725,8 @@ int vp__cuda_soft_limit(void *ctx, uint64_t *bytes) {
   cuda_t *c = ctx;
   *bytes = 0;
   char cg[600];
-  if (!own_cgroup(cg, sizeof cg)) return VP_OK;
-  pthread_mutex_lock(&c->nvml.lock);
+  if (!vp__os_cgroup_path(cg, sizeof cg)) return VP_OK;
+  vp__os_mutex_lock(&c->nvml.lock);
   if (!c->nvml.tried) nvml_load(c);
   vp_nvml_memory_limits_t lim;
   memset(&lim, 0, sizeof lim);
@@ -767,7 +734,7 @@ int vp__cuda_soft_limit(void *ctx, uint64_t *bytes) {
   if (c->nvml.lib && c->nvml.memory_limits &&
       c->nvml.memory_limits(c->nvml.dev, &lim) == VP_NVML_SUCCESS)
     *bytes = lim.soft_limit;
-  pthread_mutex_unlock(&c->nvml.lock);
+  vp__os_mutex_unlock(&c->nvml.lock);
   return VP_OK;
 }
 
@@ -778,7 +745,7 @@ int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used) {
   cuda_t *c = ctx;
   int rc = VP_EUNSUPPORTED;
-  pthread_mutex_lock(&c->nvml.lock);
+  vp__os_mutex_lock(&c->nvml.lock);
   if (!c->nvml.tried) nvml_load(c);
   vp_nvml_memory_t mem;
   if (c->nvml.lib &&
@@ -788,7 +755,7 @@ int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
     *proc_used = nvml_proc_used(c);
     rc = VP_OK;
   }
-  pthread_mutex_unlock(&c->nvml.lock);
+  vp__os_mutex_unlock(&c->nvml.lock);
   return rc;
 }
 
@@ -804,7 +771,7 @@ int vp__cuda_device_count(int *count) {
   int rc = load_driver(c);
   if (rc == VP_OK) {
     count_devices(c, count); /* on failure 0, and open_reason says why */
-    dlclose(c->lib);
+    vp__os_dl_close(c->lib);
   }
   free(c);
   return VP_OK; /* no driver, or no device: 0, and open_reason says why */

@@ -1,8 +1,8 @@
 /* The simulated device: device memory is host memory.
  *
- * Reserve = an mmap'd range with no access (costs nothing); commit = count a
- * page against the capacity; set_access = mprotect read/write; unmap = drop
- * the contents and remove access, so a later touch faults as an illegal
+ * Reserve = a host reservation with no access (costs nothing); commit =
+ * count a page against the capacity; set_access = commit it read/write;
+ * unmap = decommit: drop the contents and remove access, so a later touch faults as an illegal
  * address does on a GPU.
  *
  * Streams: in VP_SIM_SYNC mode every op runs at once in the caller; in
@@ -15,19 +15,13 @@
  * POSIX shared-memory segment shared by every process opening that name.
  */
 #include <errno.h>
-#include <fcntl.h>
-#include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "backend.h"
+#include "os.h"
 
 /* ------------------------------------------------------------- handles */
 
@@ -84,10 +78,10 @@ typedef struct sim_op {
 
 struct sim_stream {
   struct sim_ctx *c;
-  pthread_t thr;
+  vp__os_thread_t thr;
   bool running;            /* a worker thread exists */
   bool stop;               /* takes no more work; worker exits once drained */
-  pthread_cond_t work_cv;  /* work queued or stop set */
+  vp__os_cond_t work_cv;  /* work queued or stop set */
   sim_op_t *head, *tail;
   uint64_t enq, done;      /* ops queued and finished, ever (worker mode) */
 };
@@ -117,8 +111,8 @@ typedef struct sim_shm {
 } sim_shm_t;
 
 typedef struct sim_ctx {
-  pthread_mutex_t mu;
-  pthread_cond_t done_cv; /* an op finished on some stream */
+  vp__os_mutex_t mu;
+  vp__os_cond_t done_cv; /* an op finished on some stream */
   vp__inject_t *inj;
   uint64_t gran;
   bool worker;
@@ -133,7 +127,7 @@ typedef struct sim_ctx {
   size_t nres, capres;
   sim_shm_t *shm;
   int slot;               /* ours in shm->slot */
-  pid_t pid;              /* the opener (a forked child owns no workers) */
+  int32_t pid;            /* the opener (a forked child owns no workers) */
   char shm_name[96];
   uint64_t reaped_ns;     /* when dead processes' memory was last freed */
 } sim_ctx_t;
@@ -189,8 +183,8 @@ static int64_t tab_find(const sim_table_t *t, uint64_t h) {
 
 /* ------------------------------------------------------------ helpers */
 
-static void sim_lock(sim_ctx_t *c) { pthread_mutex_lock(&c->mu); }
-static void sim_unlock(sim_ctx_t *c) { pthread_mutex_unlock(&c->mu); }
+static void sim_lock(sim_ctx_t *c) { vp__os_mutex_lock(&c->mu); }
+static void sim_unlock(sim_ctx_t *c) { vp__os_mutex_unlock(&c->mu); }
 
 /* Every failable op starts here (c->mu held): a broken device, or the
  * fault-injection countdown, fails it with `fail`. */
@@ -247,7 +241,7 @@ static sim_ticket_t sim_ticket_now(const sim_ctx_t *c, uint32_t idx) {
 }
 
 static void sim_wait_ticket(sim_ctx_t *c, sim_ticket_t t) {
-  while (!ticket_done(c, t)) pthread_cond_wait(&c->done_cv, &c->mu);
+  while (!ticket_done(c, t)) vp__os_cond_wait(&c->done_cv, &c->mu);
 }
 
 /* ----------------------------------------------------------- workers */
@@ -264,7 +258,7 @@ static void *sim_worker(void *arg) {
   sim_ctx_t *c = s->c;
   sim_lock(c);
   for (;;) {
-    while (!s->head && !s->stop) pthread_cond_wait(&s->work_cv, &c->mu);
+    while (!s->head && !s->stop) vp__os_cond_wait(&s->work_cv, &c->mu);
     sim_op_t *op = s->head;
     if (!op) break; /* stopped and drained */
     if (op->kind == SIM_OP_WAIT) sim_wait_ticket(c, op->u.wait);
@@ -275,7 +269,7 @@ static void *sim_worker(void *arg) {
     free(op);
     sim_lock(c);
     s->done++;
-    pthread_cond_broadcast(&c->done_cv);
+    vp__os_cond_broadcast(&c->done_cv);
   }
   sim_unlock(c);
   return NULL;
@@ -287,14 +281,14 @@ static void sim_enqueue(sim_stream_t *s, sim_op_t *op) {
   else s->head = op;
   s->tail = op;
   s->enq++;
-  pthread_cond_signal(&s->work_cv);
+  vp__os_cond_signal(&s->work_cv);
 }
 
 static sim_stream_t *sim_stream_alloc(sim_ctx_t *c, vp__inject_t *inj) {
   if (vp__inject_fail(inj)) return NULL;
   sim_stream_t *s = calloc(1, sizeof *s);
   if (!s) return NULL;
-  if (pthread_cond_init(&s->work_cv, NULL)) {
+  if (vp__os_cond_init(&s->work_cv)) {
     free(s);
     return NULL;
   }
@@ -316,7 +310,7 @@ static int sim_stream_new(sim_ctx_t *c, vp__inject_t *inj, uint32_t *idx) {
   sim_stream_t *s = sl->u.stream;
   s->stop = false;
   if (c->worker) {
-    if (vp__inject_fail(inj) || pthread_create(&s->thr, NULL, sim_worker, s)) {
+    if (vp__inject_fail(inj) || vp__os_thread_start(&s->thr, sim_worker, s, 0)) {
       tab_free(&c->streams, *idx);
       return VP_ENOMEM;
     }
@@ -329,29 +323,26 @@ static int sim_stream_new(sim_ctx_t *c, vp__inject_t *inj, uint32_t *idx) {
  * while joining). */
 static void sim_stream_stop(sim_ctx_t *c, sim_stream_t *s) {
   s->stop = true;
-  pthread_cond_signal(&s->work_cv);
+  vp__os_cond_signal(&s->work_cv);
   if (!s->running) return;
   sim_unlock(c);
-  pthread_join(s->thr, NULL);
+  vp__os_thread_join(&s->thr);
   sim_lock(c);
   s->running = false;
 }
 
 /* ------------------------------------------------------ shared memory */
 
-static void sim_nap(void) {
-  struct timespec ts = {0, 50 * 1000};
-  nanosleep(&ts, NULL);
-}
+static void sim_nap(void) { vp__os_sleep_ns(50 * 1000); }
 
 static bool pid_dead(int32_t pid) {
-  return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
+  return pid > 0 && !vp__os_pid_exists(pid);
 }
 
 /* The attach lock: a pid in the segment; a dead holder's lock is taken
  * over. Held for microseconds, so give up after about 5 s. */
 static bool shm_lock(sim_shm_t *m) {
-  int32_t me = (int32_t)getpid();
+  int32_t me = vp__os_pid();
   for (int i = 0; i < 100000; i++) {
     int32_t cur = 0;
     if (atomic_compare_exchange_strong(&m->lock, &cur, me)) return true;
@@ -397,26 +388,22 @@ static int shm_errno(int e) {
              ? VP_ENOMEM : VP_EDEVICE;
 }
 
-/* Open (or create) the segment, sized, and map it. */
+/* Open (or create: zeroed, shm_join initialises it) the segment and map
+ * it. VP_EAGAIN: it appeared or vanished meanwhile; open it again. */
 static int shm_map(sim_ctx_t *c) {
-  int fd = shm_open(c->shm_name, O_RDWR | O_CREAT, 0600);
-  if (fd < 0) return shm_errno(errno);
-  struct stat st;
-  int rc = VP_OK, e = fstat(fd, &st) ? errno : 0;
-  /* posix_fallocate, not ftruncate: a full /dev/shm fails here instead of
-   * raising SIGBUS later; on an existing segment it changes nothing. */
-  if (!e && st.st_size < (off_t)sizeof(sim_shm_t))
-    e = posix_fallocate(fd, 0, sizeof(sim_shm_t));
-  if (!e) e = fstat(fd, &st) ? errno : 0;
-  if (e) rc = shm_errno(e);
-  else if (st.st_size != (off_t)sizeof(sim_shm_t)) rc = VP_EDEVICE;
-  void *p = MAP_FAILED;
-  if (!rc) p = mmap(NULL, sizeof(sim_shm_t), PROT_READ | PROT_WRITE,
-                    MAP_SHARED, fd, 0);
-  if (!rc && p == MAP_FAILED) rc = shm_errno(errno);
-  close(fd);
-  if (!rc) c->shm = p;
-  return rc;
+  void *p = NULL;
+  vp__os_shm_info_t info = {0, 0};
+  int e = vp__os_shm_open(c->shm_name, true, sizeof(sim_shm_t), &p, &info);
+  if (e == ENOENT) {
+    e = vp__os_shm_create(c->shm_name, sizeof(sim_shm_t), NULL, NULL, &p);
+    if (e == EEXIST) return VP_EAGAIN;
+  } else if (e == EMSGSIZE && info.size == 0) {
+    vp__os_shm_unlink(c->shm_name); /* an older build's killed creator's */
+    return VP_EAGAIN;
+  }
+  if (e) return e == EMSGSIZE || e == EPERM ? VP_EDEVICE : shm_errno(e);
+  c->shm = p;
+  return VP_OK;
 }
 
 static int shm_claim(sim_ctx_t *c) {
@@ -459,10 +446,11 @@ static int shm_attach(sim_ctx_t *c, const vp_options_t *o) {
   for (int tries = 0; tries < 100; tries++) {
     if (vp__inject_fail(c->inj)) return VP_ENOMEM;
     int rc = shm_map(c);
+    if (rc == VP_EAGAIN) continue;
     if (rc) return rc;
     rc = shm_join(c, o->sim_capacity);
     if (rc == VP_OK) return VP_OK;
-    munmap(c->shm, sizeof(sim_shm_t));
+    vp__os_shm_unmap(c->shm, sizeof(sim_shm_t));
     c->shm = NULL;
     if (rc != VP_EAGAIN) return rc;
   }
@@ -473,23 +461,23 @@ static int shm_attach(sim_ctx_t *c, const vp_options_t *o) {
  * not outlive its devices (a crashed run's is re-initialised on attach). */
 static void shm_detach(sim_ctx_t *c) {
   sim_shm_t *m = c->shm;
-  if (getpid() == c->pid) { /* a forked child's slot is its parent's */
+  if (vp__os_pid() == c->pid) { /* a forked child's slot is its parent's */
     bool locked = shm_lock(m);
     shm_free_slot(m, c->slot);
     if (locked && shm_reclaim(m) == 0) {
       atomic_store(&m->unlinked, 1);
-      shm_unlink(c->shm_name);
+      vp__os_shm_unlink(c->shm_name);
     }
     if (locked) shm_unlock(m);
   }
-  munmap(m, sizeof(sim_shm_t));
+  vp__os_shm_unmap(m, sizeof(sim_shm_t));
   c->shm = NULL;
 }
 
 /* ----------------------------------------------------- open and close */
 
 static int sim_check_opts(const vp_options_t *o) {
-  uint64_t g = o->sim_granularity, page = (uint64_t)sysconf(_SC_PAGESIZE);
+  uint64_t g = o->sim_granularity, page = vp__os_page_size();
   if (g < 4096 || g < page || (g & (g - 1))) return VP_EINVAL;
   if (o->sim_capacity == 0) return VP_EINVAL;
   if (o->sim_streams != VP_SIM_SYNC && o->sim_streams != VP_SIM_WORKER)
@@ -503,19 +491,19 @@ static int sim_check_opts(const vp_options_t *o) {
 static sim_ctx_t *sim_ctx_new(const vp_options_t *o, vp__inject_t *inj) {
   sim_ctx_t *c = vp__inject_fail(inj) ? NULL : calloc(1, sizeof *c);
   if (!c) return NULL;
-  if (pthread_mutex_init(&c->mu, NULL)) goto fail_mu;
-  if (pthread_cond_init(&c->done_cv, NULL)) goto fail_cv;
+  if (vp__os_mutex_init(&c->mu)) goto fail_mu;
+  if (vp__os_cond_init(&c->done_cv)) goto fail_cv;
   c->inj = inj;
   c->gran = o->sim_granularity;
   c->worker = o->sim_streams == VP_SIM_WORKER;
   c->capacity = o->sim_capacity;
-  c->pid = getpid();
+  c->pid = vp__os_pid();
   tab_init(&c->streams, SIM_TAG_STREAM, c);
   tab_init(&c->events, SIM_TAG_EVENT, c);
   tab_init(&c->phys, SIM_TAG_PHYS, c);
   return c;
 fail_cv:
-  pthread_mutex_destroy(&c->mu);
+  vp__os_mutex_destroy(&c->mu);
 fail_mu:
   free(c);
   return NULL;
@@ -525,7 +513,7 @@ fail_mu:
  * child has no workers, and its copies of the mutex and condition
  * variables may show the parent's waiters: it only frees memory. */
 static void sim_teardown(sim_ctx_t *c) {
-  bool owner = getpid() == c->pid;
+  bool owner = vp__os_pid() == c->pid;
   for (uint32_t i = 0; owner && i < c->streams.n; i++) {
     sim_stream_t *s = c->streams.s[i].u.stream;
     if (!s) continue;
@@ -535,19 +523,19 @@ static void sim_teardown(sim_ctx_t *c) {
   }
   for (uint32_t i = 0; i < c->streams.n; i++) {
     sim_stream_t *s = c->streams.s[i].u.stream;
-    if (s && owner) pthread_cond_destroy(&s->work_cv);
+    if (s && owner) vp__os_cond_destroy(&s->work_cv);
     free(s);
   }
   for (size_t i = 0; i < c->nres; i++)
-    munmap((void *)(uintptr_t)c->res[i].va, c->res[i].size);
+    vp__os_vm_release((void *)(uintptr_t)c->res[i].va, c->res[i].size);
   if (c->shm) shm_detach(c);
   free(c->streams.s);
   free(c->events.s);
   free(c->phys.s);
   free(c->res);
   if (owner) {
-    pthread_cond_destroy(&c->done_cv);
-    pthread_mutex_destroy(&c->mu);
+    vp__os_cond_destroy(&c->done_cv);
+    vp__os_mutex_destroy(&c->mu);
   }
   free(c);
 }
@@ -586,9 +574,7 @@ static void sim_close(void *ctx) {
  * does at its exit: looked for at most every 100 ms, when free memory is
  * read (c->mu held). */
 static void sim_reap_dead(sim_ctx_t *c) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  uint64_t now = vp__os_now_ns();
   if (!c->shm || now - c->reaped_ns < 100000000ull) return;
   c->reaped_ns = now;
   if (!shm_lock(c->shm)) return;
@@ -626,18 +612,13 @@ static int sim_res_add(sim_ctx_t *c, uint64_t va, uint64_t size) {
   return VP_OK;
 }
 
-/* mmap size + gran bytes and trim both ends to an aligned range. */
-static int sim_mmap_aligned(uint64_t size, uint64_t gran, uint64_t *va) {
-  if (size > UINT64_MAX - gran || size + gran > SIZE_MAX) return VP_ENOMEM;
-  size_t len = (size_t)(size + gran);
-  char *p = mmap(NULL, len, PROT_NONE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (p == MAP_FAILED) return VP_ENOMEM;
-  uintptr_t a = ((uintptr_t)p + gran - 1) & ~(uintptr_t)(gran - 1);
-  size_t head = a - (uintptr_t)p, tail = len - head - (size_t)size;
-  if (head) munmap(p, head);
-  if (tail) munmap((char *)a + size, tail);
-  *va = a;
+/* A reservation of size bytes aligned to the granularity. */
+static int sim_reserve_aligned(uint64_t size, uint64_t gran, uint64_t *va) {
+  void *p = NULL;
+  if (size > UINT64_MAX - gran || size + gran > SIZE_MAX ||
+      vp__os_vm_reserve((size_t)size, (size_t)gran, &p))
+    return VP_ENOMEM;
+  *va = (uint64_t)(uintptr_t)p;
   return VP_OK;
 }
 
@@ -647,9 +628,9 @@ static int sim_va_reserve(void *ctx, uint64_t size, uint64_t *va) {
   sim_lock(c);
   int rc = sim_enter(c, VP_EDEVICE);
   uint64_t a = 0;
-  if (!rc) rc = sim_mmap_aligned(size, c->gran, &a);
+  if (!rc) rc = sim_reserve_aligned(size, c->gran, &a);
   if (!rc && (rc = sim_res_add(c, a, size)))
-    munmap((void *)(uintptr_t)a, size);
+    vp__os_vm_release((void *)(uintptr_t)a, size);
   sim_unlock(c);
   if (!rc) *va = a;
   return rc;
@@ -661,7 +642,7 @@ static int sim_va_free(void *ctx, uint64_t va, uint64_t size) {
   sim_range_t *r = sim_reserve_of(c, va, size);
   int rc = r && r->va == va && r->size == size ? VP_OK : VP_EINVAL;
   if (!rc) {
-    munmap((void *)(uintptr_t)va, size);
+    vp__os_vm_release((void *)(uintptr_t)va, size);
     *r = c->res[--c->nres];
   }
   sim_unlock(c);
@@ -750,8 +731,8 @@ static int sim_set_access(void *ctx, uint64_t va, uint64_t size) {
   if (!rc && (!sim_aligned(c, size) || !sim_reserve_of(c, va, size)))
     rc = VP_EINVAL;
   /* ENOMEM: the kernel's mapping count or commit limit; out of memory. */
-  if (!rc && mprotect((void *)(uintptr_t)va, size, PROT_READ | PROT_WRITE))
-    rc = errno == ENOMEM ? VP_EOOM : VP_EDEVICE;
+  int e = rc ? 0 : vp__os_vm_commit((void *)(uintptr_t)va, size);
+  if (e) rc = e == ENOMEM ? VP_EOOM : VP_EDEVICE;
   sim_unlock(c);
   return rc;
 }
@@ -764,8 +745,7 @@ static int sim_unmap(void *ctx, uint64_t va, uint64_t size) {
   sim_lock(c);
   int rc = sim_aligned(c, size) && sim_reserve_of(c, va, size) ? VP_OK
                                                                : VP_EINVAL;
-  if (!rc && mprotect(p, size, PROT_NONE)) rc = VP_EDEVICE;
-  if (rc != VP_EINVAL && madvise(p, size, MADV_DONTNEED)) rc = VP_EDEVICE;
+  if (!rc && vp__os_vm_decommit(p, size)) rc = VP_EDEVICE;
   sim_unlock(c);
   return rc;
 }
@@ -794,7 +774,7 @@ static int sim_stream_destroy(void *ctx, vp_stream_t stream) {
   if (s) {
     sim_stream_stop(c, s);
     tab_free(&c->streams, idx); /* its tickets are complete from now */
-    pthread_cond_broadcast(&c->done_cv);
+    vp__os_cond_broadcast(&c->done_cv);
   }
   sim_unlock(c);
   return s ? VP_OK : VP_EINVAL;

@@ -94,14 +94,7 @@ static void pin_region(fz_reader_t *r, size_t *start, size_t *len) {
   }
 }
 
-static void init_lock(pthread_mutex_t *m) {
-  pthread_mutexattr_t a;
-  pthread_mutexattr_init(&a);
-  pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-  pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-  pthread_mutex_init(m, &a);
-  pthread_mutexattr_destroy(&a);
-}
+static void init_lock(vp__os_plock_shared_t *m) { vp__os_plock_init(m); }
 
 /* `total` bytes of `seg` (zero past it) as the shared-memory file `path`. */
 static void put_segment(const char *path, const void *seg, size_t seg_size,
