@@ -82,7 +82,7 @@ void vp__hostmem_share(vp__device_t *dev) {
 /* Count bytes left pageable; the first time on this device, say why (once:
  * a load may fall back for thousands of buffers). */
 static void fallback(vp__device_t *dev, uint64_t size, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+    VP__PRINTF(3, 4);
 static void fallback(vp__device_t *dev, uint64_t size, const char *fmt, ...) {
   if (dev->stats.pin_fallback_bytes == 0 && vp__log_on(VP_LOG_INFO)) {
     char why[256];

@@ -222,7 +222,7 @@ struct vp__device {
 
 /* log.c */
 void vp__log(int level, const char *who, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+    VP__PRINTF(3, 4);
 #define vp__log_on(level) ((level) <= vp_get_log_level())
 void vp__log_set_level(int level);
 
@@ -230,7 +230,7 @@ void vp__log_set_level(int level);
  * public function begins with VP__ENTER(); lower layers never name one. */
 void vp__api_enter(const char *fn);
 #define VP__ENTER() vp__api_enter(__func__)
-int vp__err(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int vp__err(int code, const char *fmt, ...) VP__PRINTF(2, 3);
 void vp__clear_error(void);
 /* An argument check of a public function. */
 #define VP__NEED(cond, what)                                                   \
@@ -244,8 +244,7 @@ typedef struct vp__out {
   char *buf;
   size_t len, pos;
 } vp__out_t;
-void vp__put(vp__out_t *o, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+void vp__put(vp__out_t *o, const char *fmt, ...) VP__PRINTF(2, 3);
 /* A size as people read it, in one rule everywhere: "32 MiB", "1 GiB",
  * "1.5 GiB", "0 B" (the largest binary unit it reaches, one decimal when
  * not whole). The text lives in the returned value: vp__size(n).s is valid

@@ -30,6 +30,18 @@
 
 #define VP__OS_FOREVER UINT64_MAX /* a timeout that never runs out */
 
+/* A printf-like function, for the compiler's format checks. vpager's
+ * formats are C99's (%zu, %llu); mingw-w64 takes `printf` to mean
+ * Microsoft's, so it checks gnu_printf there (and prints with its ANSI
+ * stdio); clang before 15 knows no gnu_printf; MSVC checks nothing. */
+#if defined(__MINGW32__)
+#define VP__PRINTF(fmt, args) __attribute__((format(gnu_printf, fmt, args)))
+#elif defined(__GNUC__)
+#define VP__PRINTF(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define VP__PRINTF(fmt, args)
+#endif
+
 /* --------------------------------------------------- threads and locks */
 
 /* pthread_mutex_t (40 bytes on x86-64 glibc, 48 on arm64, 64 on macOS),

@@ -90,8 +90,8 @@ typedef struct parse {
 } parse_t;
 
 /* "path: tensor "name": message" (after the entry's name) */
-__attribute__((format(printf, 3, 4))) static int perr(parse_t *ps, int code,
-                                                      const char *fmt, ...) {
+VP__PRINTF(3, 4) static int perr(parse_t *ps, int code, const char *fmt,
+                                  ...) {
   char msg[320];
   va_list ap;
   va_start(ap, fmt);

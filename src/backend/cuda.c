@@ -80,8 +80,7 @@ typedef struct cuda {
 /* Why the last failed open on this thread failed (open sets no message). */
 static _Thread_local char open_reason[192];
 
-static int open_fail(int code, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+static int open_fail(int code, const char *fmt, ...) VP__PRINTF(2, 3);
 static int open_fail(int code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
