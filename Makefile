@@ -27,8 +27,9 @@ LDLIBS  += -pthread -ldl -lrt
 PLATFORM ?= posix
 LIB_NAMES = $(shell sed -e 's/\#.*//' -e 's/^L[0-9]*//' -e 's/\*//g' \
                         src/layers.txt)
-LIB_SRC = $(patsubst %,src/%.c,$(foreach n,$(LIB_NAMES),$(if $(filter %@,$(n)),\
-            $(patsubst %@,%,$(filter %_$(PLATFORM)@,$(n))),$(n))))
+platform_src = $(patsubst %,src/%.c,$(foreach n,$(LIB_NAMES),$(if $(filter %@,$(n)),\
+                 $(patsubst %@,%,$(filter %_$(1)@,$(n))),$(n))))
+LIB_SRC = $(call platform_src,$(PLATFORM))
 LIB_OBJ = $(LIB_SRC:src/%.c=$(BUILD)/obj/%.o)
 
 TEST_SRC = $(wildcard tests/*.c)
@@ -118,6 +119,7 @@ check-python: $(BUILD)/libvpager.so
 	PYTHONPATH=python:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_compat_malloc_graph.py
 	PYTHONPATH=python:integrations:python/compat VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) tests/python/test_windows.py
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/comfyui_run.py --check
+	$(PYTHON) tests/python/test_bench_node.py
 	PYTHONPATH=python VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
 	  $(PYTHON) tests/python/test_ledger.py
 	PYTHONPATH=python:integrations VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so \
@@ -145,6 +147,63 @@ check-notorch: $(BUILD)/libvpager.so
 # output in build/check/<step>.log (tools/check.sh).
 check:
 	@sh tools/check.sh "$(MAKE)"
+
+# Windows: vpager.dll, libvpager.a and the C test runner cross-built with
+# mingw-w64 into WIN_BUILD (src/os_win32.c for the platform), the suite run
+# under Wine on the simulated device in a Wine prefix of its own (made once:
+# wineboot). Debian: apt-get install mingw-w64 wine64. The runner lists the
+# tests Windows cannot run (TEST_EXCLUDED) with their reasons.
+WIN_CC     ?= x86_64-w64-mingw32-gcc
+WIN_AR     ?= x86_64-w64-mingw32-ar
+WIN_OBJDUMP ?= x86_64-w64-mingw32-objdump
+WIN_NM     ?= x86_64-w64-mingw32-nm
+WIN_BUILD  ?= build-win
+WINE       ?= $(firstword $(wildcard /usr/lib/wine/wine64) wine64)
+# __USE_MINGW_ANSI_STDIO: mingw's own printf, with C99's %zu and %llu.
+WIN_CFLAGS  = -std=c11 -D__USE_MINGW_ANSI_STDIO=1 -Wall -Wextra -Werror -g \
+              -O2 -DVPAGER_BUILD -Iinclude -Isrc -Isrc/backend
+WIN_LIB_OBJ = $(patsubst src/%.c,$(WIN_BUILD)/obj/%.o,$(call platform_src,win32))
+WIN_TEST_OBJ = $(TEST_SRC:tests/%.c=$(WIN_BUILD)/tests/%.o)
+WIN_ENV     = WINEPREFIX=$(CURDIR)/$(WIN_BUILD)/wine WINEDEBUG=-all
+
+# -Wno-format until src/'s format attributes say gnu_printf: mingw's
+# "printf" is Microsoft's, which has no %zu (the Linux build checks them).
+$(WIN_BUILD)/obj/%.o: src/%.c $(wildcard src/*.h src/backend/*.h) include/vpager.h
+	@mkdir -p $(dir $@)
+	$(WIN_CC) $(WIN_CFLAGS) -Wno-format -c $< -o $@
+
+# -Wno-unused-function: a test TEST_EXCLUDED here leaves its helpers unused.
+$(WIN_BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h src/*.h src/backend/*.h) include/vpager.h
+	@mkdir -p $(dir $@)
+	$(WIN_CC) $(WIN_CFLAGS) -Wno-unused-function -Itests -c $< -o $@
+
+# The DLL exports the public vp_ functions only (a .def made from the
+# objects; the rest stays inside, as -fvisibility=hidden keeps it on
+# Linux); libgcc linked in: it needs only Windows' own DLLs.
+$(WIN_BUILD)/vpager.def: $(WIN_LIB_OBJ)
+	{ echo EXPORTS; $(WIN_NM) -g --defined-only $^ | \
+	  awk '$$2 == "T" && $$3 ~ /^vp_[a-z0-9]/ {print "  " $$3}' | sort -u; } > $@
+
+$(WIN_BUILD)/vpager.dll: $(WIN_LIB_OBJ) $(WIN_BUILD)/vpager.def
+	$(WIN_CC) -shared -static-libgcc -o $@ $^ \
+	  -Wl,--out-implib,$(WIN_BUILD)/libvpager.dll.a
+
+$(WIN_BUILD)/libvpager.a: $(WIN_LIB_OBJ)
+	rm -f $@ && $(WIN_AR) rcs $@ $^
+
+# Static: winpthreads (the tests' threads) in the .exe, no DLL to find.
+$(WIN_BUILD)/tests/runner.exe: $(WIN_TEST_OBJ) $(WIN_BUILD)/libvpager.a
+	$(WIN_CC) -static -o $@ $(WIN_TEST_OBJ) $(WIN_BUILD)/libvpager.a -lpthread
+
+$(WIN_BUILD)/wine/system.reg:
+	@mkdir -p $(WIN_BUILD)/wine
+	$(WIN_ENV) $(WINE) wineboot -i
+
+check-windows: $(WIN_BUILD)/vpager.dll $(WIN_BUILD)/libvpager.a $(WIN_BUILD)/tests/runner.exe $(WIN_BUILD)/wine/system.reg
+	@bad=$$($(WIN_OBJDUMP) -p $(WIN_BUILD)/vpager.dll | awk '/^\[Ordinal\/Name Pointer\] Table/ {t = 1; next} t && NF == 0 {t = 0} t {print $$NF}' | grep -v '^vp_' || true); \
+	if [ -n "$$bad" ]; then echo "vpager.dll exports non-vp_ symbols: $$bad"; exit 1; fi; \
+	echo "vpager.dll exports: $$($(WIN_OBJDUMP) -p $(WIN_BUILD)/vpager.dll | awk '/^\[Ordinal\/Name Pointer\] Table/ {t = 1; next} t && NF == 0 {t = 0} t' | wc -l) vp_ symbols only"
+	$(WIN_ENV) $(WINE) $(WIN_BUILD)/tests/runner.exe $(WIN_TESTS)
 
 # libFuzzer harnesses (clang): make fuzz [FUZZ_SECONDS=60] (tests/fuzz/README.md)
 include tests/fuzz/fuzz.mk
@@ -182,5 +241,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-abi check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
+.PHONY: all test check check-windows check-abi check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
 .SECONDARY:

@@ -180,7 +180,7 @@ def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
         ["--run", budget if budget is not None else "resident",
          "--tag", run, "--ckpt", ckpt]
     env = cr.child_env(a, [os.path.join(ROOT, "integrations")])
-    return cr.spawn(cmd, env, log_path, timeout, run)
+    return cr.spawn(cmd, env, log_path, timeout, run, a.cgroup_gib)
 
 
 def budget_of(run, gen, weight_dtype="default"):
@@ -358,8 +358,64 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
                 "set changed %s (per prompt after the first)" % (run, ok))
         if a.lora:
             lora_change(cr, run, reps, row)
+        if a.switch_shape is not None:
+            row["switch"] = cr.say_switch(a, run, r)
+        host_row(run, r, row, summary)
+    if a.switch_shape is not None:
+        versus(table, "switch", "model switch (the second model's prompts "
+               "after the first's: extra s)", SWITCH_TARGET,
+               lambda row: [c["extra_s"] for c in row["switch"]
+                            if c["prompt"].startswith("second")])
+    versus(table, "rss_max", "host RSS, the largest after a prompt",
+           RSS_TARGET, lambda row: [row["rss_max"]])
     summary["table"] = table
     return rc
+
+
+# Issue 29's model switch target (node / ComfyUI's dynamic path) and issue
+# 28's host RSS target (node / ComfyUI's dynamic path; and at most the
+# model files + RSS_OVER_FILES).
+SWITCH_TARGET, RSS_TARGET, RSS_OVER_FILES = 0.8, 1.05, 1.5 * GiB
+
+
+def host_row(run, r, row, summary):
+    """The run's host memory: the largest RSS after a prompt and its peak
+    (VmHWM), against the model files it loaded (issue 28: <= files +
+    1.5 GiB); the memory cgroup's peak and OOM kills with --cgroup-gib."""
+    reps = r.get("reps", [])
+    rss = [x["rss"] for x in reps if "rss" in x]
+    if not rss:
+        return
+    files = sum((summary.get(k) or {}).get("file_bytes", 0)
+                for k in ("checkpoint", "checkpoint2"))
+    peak = max(x.get("rss_peak", 0) for x in reps)
+    row.update(rss_max=max(rss), rss_peak=peak, model_files=files)
+    cap = r.get("memcap")
+    if cap is not None:
+        row["memcap"] = cap
+    say("%s: host RSS largest after a prompt %.2f GiB (peak %.2f), model "
+        "files %.2f GiB: RSS - files %+.2f GiB (target <= %+.1f)%s" % (
+            run, max(rss) / GiB, peak / GiB, files / GiB,
+            (max(rss) - files) / GiB, RSS_OVER_FILES / GiB,
+            "; cgroup v%d limit %.1f GiB: peak %s, OOM kills %d" % (
+                cap["version"], cap["limit"] / GiB,
+                "%.2f GiB" % (cap["peak"] / GiB) if cap["peak"] else "n/a",
+                cap["oom_kills"]) if cap else ""))
+
+
+def versus(table, key, what, goal, values):
+    """Each node run's `values(row)` (summed) over the same budget's
+    ComfyUI dynamic run's, against `goal` (node / ComfyUI's <= goal)."""
+    for run, row in table.items():
+        if not run.startswith("node") or key not in row:
+            continue
+        peer = table.get(run[4:])
+        if peer is None or key not in peer:
+            continue
+        mine, theirs = sum(values(row)), sum(values(peer))
+        if theirs > 0:
+            say("%s vs %s: %s %.3f / %.3f = %.3f (target <= %.2f)"
+                % (run, run[4:], what, mine, theirs, mine / theirs, goal))
 
 
 # Issue 29's targets for a LoRA change (s) and the step with a LoRA.
@@ -708,6 +764,19 @@ def main(argv=None):
                             "; VAE %.0f MiB" % (gen["vae"]["bytes"] / 2**20)
                             if "vae" in gen else ""))
         summary["checkpoint"] = gen
+        if a.switch_shape is not None:
+            gj2 = os.path.join(a.workdir, "gen_second.json")
+            if ours["reuse"] and os.path.exists(gj2):
+                with open(gj2) as f:
+                    gen2 = json.load(f)
+                a.ckpt2 = gen2["path"]
+            else:
+                gen2 = cr.gen_second(a, out)
+                if gen2 is None:
+                    return 1
+                with open(gj2, "w") as f:
+                    json.dump(gen2, f)
+            summary["checkpoint2"] = gen2
         if ours["fp8"]:
             rc = fp8_matrix(cr, a, ours, out, gen, summary)
         else:

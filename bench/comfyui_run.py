@@ -62,6 +62,7 @@ them). Never patches ComfyUI; writes nothing into the ComfyUI tree.
 """
 
 import argparse
+import copy
 import ctypes
 import faulthandler
 import hashlib
@@ -276,6 +277,16 @@ def parse(argv):
                         "(the scaled_fp8 marker + scale_weight), or a "
                         "comfy_quant format; loaded by ComfyUI's normal "
                         "loader (mixed-precision ops, QuantizedTensor)")
+    p.add_argument("--switch", default=None, metavar="DxS",
+                   help="flux: a second Flux-class model of D double + S "
+                        "single blocks (same hidden), loaded beside the "
+                        "first; prompts alternate first, second, first, "
+                        "... (--reps of each): the model switch")
+    p.add_argument("--cgroup-gib", type=float, default=None,
+                   help="run each sampling child in a memory cgroup of "
+                        "this many GiB (bench/memcap.py: cgroup v2 "
+                        "memory.max, else v1); its peak and OOM kills "
+                        "are reported")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--dry-run", action="store_true")
@@ -289,6 +300,7 @@ def parse(argv):
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--tag", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt2", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     d = a.dry_run
     full = {"steps": 6, "size": 1024, "double": 8, "single": 16,
@@ -310,8 +322,23 @@ def parse(argv):
         p.error("--size must be a multiple of 16")
     if a.frames % 4 != 1:
         p.error("--frames must be 4k + 1 (Wan's temporal compression)")
-    if (a.lora or a.vae) and a.model != "flux":
-        p.error("--lora and --vae are for --model flux")
+    if (a.lora or a.vae or a.switch) and a.model != "flux":
+        p.error("--lora, --vae and --switch are for --model flux")
+    a.switch_shape = None
+    if a.switch is not None:
+        d, x, sgl = a.switch.partition("x")
+        if not (x and d.isdigit() and sgl.isdigit()) or int(d) + int(sgl) < 1:
+            p.error("--switch %r: give D x S blocks of the second model, "
+                    "e.g. 19x38" % a.switch)
+        a.switch_shape = (int(d), int(sgl))
+        if a.switch_shape == (a.double, a.single):
+            p.error("--switch %s: the second model must differ from the "
+                    "first (%dx%d)" % (a.switch, a.double, a.single))
+        if a.lora:
+            p.error("--switch with --lora: one workflow at a time")
+    if a.cgroup_gib is not None and a.cgroup_gib <= 0:
+        p.error("--cgroup-gib %r: give a positive number of GiB"
+                % a.cgroup_gib)
     if a.quant != "none" and a.weight_dtype != "default":
         p.error("--quant and --weight-dtype: one or the other")
     if a.comfyui and a.deps is None:
@@ -842,12 +869,17 @@ def sample_inputs(a, patcher, torch, comfy):
     return pos, neg, latent
 
 
-def prompts(a, patcher, comfy, res):
-    """[(label, patcher)]: the prompts of this run. --lora: the base
+def prompts(a, patcher, comfy, res, second=None):
+    """[(label, patcher)]: the prompts of this run. --switch (second: the
+    second model's patcher): the two models in turn, --reps of each,
+    labelled first0, second0, first1, ... --lora: the base
     model, then ComfyUI's LoraLoader path (comfy.utils.load_torch_file,
     comfy.sd.load_lora_for_models) for LoRA A at 1.0, A at 0.5, B at 1.0,
     B's same patcher again (nothing to refill), then the base model again
     (the LoRA removed)."""
+    if second is not None:          # --switch: first, second, first, ...
+        return [x for i in range(a.reps) for x in
+                (("first%d" % i, patcher), ("second%d" % i, second))]
     if not a.lora:
         return [("rep%d" % i, patcher) for i in range(a.reps)]
     import comfy.utils
@@ -949,6 +981,12 @@ def child_sample(a):
         res["unet_dtype"] = str(patcher.model.get_dtype())
     except Exception:   # noqa: BLE001
         pass
+    second = None
+    if a.ckpt2:
+        t0 = time.perf_counter()
+        second = comfy.sd.load_diffusion_model(a.ckpt2, model_options=opts)
+        res["load2_s"] = time.perf_counter() - t0
+        res["model2_size"] = second.model_size()
     vae = None
     if a.vae:
         vae = comfy.sd.VAE(sd=comfy.utils.load_torch_file(os.path.join(
@@ -976,9 +1014,10 @@ def child_sample(a):
         if not starts:
             torch.cuda.synchronize()
             starts.append(time.perf_counter())
-    hook = patcher.model.diffusion_model.register_forward_pre_hook(
-        first_forward)
-    for rep, (label, p) in enumerate(prompts(a, patcher, comfy, res)):
+    hooks = [x.model.diffusion_model.register_forward_pre_hook(
+        first_forward) for x in (patcher, second) if x is not None]
+    for rep, (label, p) in enumerate(prompts(a, patcher, comfy, res,
+                                             second)):
         marks = []
         starts.clear()
 
@@ -1055,7 +1094,8 @@ def child_sample(a):
         before = r["after_node"]
         reps.append(r)
         del out
-    hook.remove()
+    for h in hooks:
+        h.remove()
     res["reps"] = reps
     say(TAG + json.dumps(res))
 
@@ -1076,10 +1116,11 @@ def memory(patcher, torch):
 
 
 def host_memory():
-    """The process's RSS and the machine's MemAvailable, bytes (issue 28:
-    one copy of a model in RAM)."""
+    """The process's RSS, its peak (VmHWM) and the machine's MemAvailable,
+    bytes (issue 28: one copy of a model in RAM)."""
     out = {}
     for path, key, name in (("/proc/self/status", "VmRSS:", "rss"),
+                            ("/proc/self/status", "VmHWM:", "rss_peak"),
                             ("/proc/meminfo", "MemAvailable:",
                              "mem_available")):
         try:
@@ -1128,21 +1169,39 @@ def child_env(a, more_path=()):
     return env
 
 
-def spawn(cmd, env, log_path, timeout, label):
+def spawn(cmd, env, log_path, timeout, label, cap_gib=None):
     """Run one child (stderr to log_path, stdout kept too); its TAG line's
-    JSON with wall_s added, or None after saying why, with the log's tail."""
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
+    JSON with wall_s added, or None after saying why, with the log's tail.
+    cap_gib: the child runs in a memory cgroup of that many GiB
+    (bench/memcap.py); what the kernel saw there is the JSON's "memcap"
+    (and said with the failure)."""
+    cap = None
+    if cap_gib is not None:
+        import memcap
         try:
-            p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
-                               stderr=log, text=True, timeout=timeout)
-            out, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout or ""
-            if isinstance(out, bytes):
-                out = out.decode(errors="replace")
-            rc = "timeout"
-        log.write("\n--- stdout ---\n" + out)
+            cap = memcap.open_cap(int(cap_gib * GiB), "vp-bench")
+        except memcap.CapError as e:
+            say("  %s NOT RUN: --cgroup-gib %g: %s" % (label, cap_gib, e))
+            return None
+        say("  %s: in %s" % (label, cap.describe()))
+    t0 = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            try:
+                p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
+                                   stderr=log, text=True, timeout=timeout,
+                                   preexec_fn=cap.enter if cap else None)
+                out, rc = p.stdout, p.returncode
+            except subprocess.TimeoutExpired as e:
+                out = e.stdout or ""
+                if isinstance(out, bytes):
+                    out = out.decode(errors="replace")
+                rc = "timeout"
+            log.write("\n--- stdout ---\n" + out)
+        capped = cap.report() if cap is not None else None
+    finally:
+        if cap is not None:
+            cap.close()
     wall = time.perf_counter() - t0
     res = None
     for ln in out.splitlines():
@@ -1151,10 +1210,13 @@ def spawn(cmd, env, log_path, timeout, label):
     if res is None:
         with open(log_path) as f:
             tail = f.read()[-3000:]
-        say("  %s FAILED (rc %s, %.0f s); log %s:\n%s"
-            % (label, rc, wall, log_path, tail))
+        say("  %s FAILED (rc %s, %.0f s%s); log %s:\n%s"
+            % (label, rc, wall, "; cgroup: %s" % capped if capped else "",
+               log_path, tail))
     else:
         res["wall_s"] = wall
+        if capped is not None:
+            res["memcap"] = capped
     return res
 
 
@@ -1170,14 +1232,65 @@ def common_args(a):
             "--layers", str(a.layers), "--frames", str(a.frames)] \
         + (["--dry-run"] if a.dry_run else []) \
         + (["--lora"] if a.lora else []) + (["--vae"] if a.vae else []) \
+        + (["--ckpt2", a.ckpt2] if getattr(a, "ckpt2", None) else []) \
         + [x for d in a.deps for x in ("--deps", d)]
+
+
+def gen_second(a, out):
+    """--switch: the second model's checkpoint (gen child, its own seed,
+    no LoRA or VAE); a.ckpt2 set to it. Its gen JSON, or None."""
+    if a.switch_shape is None:
+        return None
+    b = copy.copy(a)
+    b.double, b.single = a.switch_shape
+    b.lora = b.vae = False
+    b.ckpt2 = None
+    b.seed = a.seed + 1000
+    gen2 = run_child(b, "gen", [], os.path.join(out, "gen_second.log"))
+    if gen2 is not None:
+        a.ckpt2 = gen2["path"]
+        say("second model (--switch %s): %.2f GiB, %d tensors, made %.1f s"
+            % (a.switch, gen2["bytes"] / GiB, gen2["tensors"],
+               gen2["make_s"]))
+    return gen2
+
+
+def switch_costs(a, r):
+    """--switch: per prompt after one of the other model, [{prompt, after,
+    first_ms, extra_s}]: extra_s is its sample() time less its steps at
+    its own steady step (what the switch added: loading, evicting, the
+    first faults)."""
+    out = []
+    reps = r.get("reps", [])
+    for prev, cur in zip(reps, reps[1:]):
+        if prev["label"].rstrip("0123456789") == \
+                cur["label"].rstrip("0123456789"):
+            continue
+        ms = cur["steps_ms"]
+        out.append({"prompt": cur["label"], "after": prev["label"],
+                    "first_ms": ms[0], "extra_s": cur["sample_s"]
+                    - len(ms) * steady(ms) / 1e3})
+    return out
+
+
+def say_switch(a, run, r):
+    """One line: the run's model switches (switch_costs)."""
+    cs = switch_costs(a, r)
+    if cs:
+        say("%s: model switch (a prompt's sample() less its steps at its "
+            "steady step): %s" % (run, "; ".join(
+                "%s after %s +%.2f s (first step %.0f ms)"
+                % (c["prompt"], c["after"], c["extra_s"], c["first_ms"])
+                for c in cs)))
+    return cs
 
 
 def run_child(a, kind, extra, log_path):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind] \
         + common_args(a) + extra
     return spawn(cmd, child_env(a), log_path, a.timeout,
-                 "%s %s" % (kind, extra))
+                 "%s %s" % (kind, extra),
+                 a.cgroup_gib if kind == "sample" else None)
 
 
 def budget_arg(run, gen, a=None):
@@ -1255,6 +1368,10 @@ def main(argv=None):
                                      gen["model_config"], gen["make_s"],
                                      gen["save_s"], gen["warmup"]))
         summary["checkpoint"] = gen
+        if a.switch_shape is not None:
+            summary["checkpoint2"] = gen2 = gen_second(a, out)
+            if gen2 is None:
+                return 1
         for run in runs:
             say("run %s ..." % run)
             r = run_child(a, "sample", ["--run", budget_arg(run, gen, a),
@@ -1263,6 +1380,7 @@ def main(argv=None):
             summary["runs"][run] = r
             if r is not None:
                 report_run(r)
+                say_switch(a, run, r)
         rc = compare(a, summary)
     finally:
         if made:
@@ -1286,6 +1404,12 @@ def inputs_line(a):
                                         (a.frames - 1) // 4 + 1))
     what = ("prompts base, LoRA A, A@0.5, LoRA B, B again, removed"
             if a.lora else "%d repetitions a run" % a.reps)
+    if a.switch_shape is not None:
+        what = ("two models in turn, %d prompts of each: this one, then a "
+                "second of %d double + %d single blocks (--switch)"
+                % ((a.reps,) + a.switch_shape))
+    if a.cgroup_gib is not None:
+        what += "; each run in a %g GiB memory cgroup" % a.cgroup_gib
     if a.weight_dtype != "default":
         m += ", loaded with weight_dtype %s" % a.weight_dtype
     if a.quant != "none":

@@ -1,0 +1,252 @@
+"""bench/bench_node.py's and bench/comfyui_run.py's workflows for issues 28
+and 29 without a GPU or ComfyUI: --switch (two models in turn: the model
+switch), --cgroup-gib (each sampling child in a memory cgroup,
+bench/memcap.py) and the host-memory rows (RSS against the model files and
+against ComfyUI's own path).
+
+    python3 tests/python/test_bench_node.py
+
+The cgroup tests make real cgroups (v2, else v1) and skip, saying why,
+where this process may not.
+"""
+
+import json
+import os
+import runpy
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+from _runner import raises  # noqa: E402
+
+REPO = _runner.REPO
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import memcap  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _bench():
+    ns = runpy.run_path(os.path.join(REPO, "bench", "bench_node.py"),
+                        run_name="bench_node")
+    return ns, ns["harness"]()
+
+
+class _Quiet:
+    """argparse's error text off stderr while a bad option is tried."""
+
+    def __enter__(self):
+        self.err, sys.stderr = sys.stderr, open(os.devnull, "w")
+
+    def __exit__(self, *exc):
+        sys.stderr.close()
+        sys.stderr = self.err
+
+
+def test_switch_option():
+    """--switch DxS: the second model's blocks; refused when malformed,
+    equal to the first, for another --model or with --lora."""
+    _, cr = _bench()
+    a = cr.parse(["--comfyui", "x", "--switch", "19x38"])
+    assert a.switch_shape == (19, 38)
+    assert "two models in turn" in cr.inputs_line(a)
+    assert cr.parse(["--comfyui", "x"]).switch_shape is None
+    with _Quiet():
+        for bad in (["--switch", "19"], ["--switch", "ax3"],
+                    ["--switch", "0x0"], ["--switch", "8x16"],
+                    ["--switch", "2x2", "--lora"],
+                    ["--switch", "2x2", "--model", "sdxl"],
+                    ["--cgroup-gib", "0"]):
+            raises(SystemExit, cr.parse, ["--comfyui", "x"] + bad)
+    # The second checkpoint travels to the sampling children.
+    assert "--ckpt2" not in cr.common_args(a)
+    a.ckpt2 = "/w/second.safetensors"
+    args = cr.common_args(a)
+    assert args[args.index("--ckpt2") + 1] == "/w/second.safetensors"
+    a = cr.parse(["--comfyui", "x", "--cgroup-gib", "32"])
+    assert a.cgroup_gib == 32.0 and "32 GiB memory cgroup" in \
+        cr.inputs_line(a)
+
+
+def test_switch_prompts_alternate():
+    """Two patchers: first0, second0, first1, second1 (--reps of each)."""
+    _, cr = _bench()
+    a = cr.parse(["--comfyui", "x", "--switch", "2x4", "--reps", "2"])
+    got = cr.prompts(a, "A", None, {}, second="B")
+    assert got == [("first0", "A"), ("second0", "B"), ("first1", "A"),
+                   ("second1", "B")]
+    assert [x for x, _ in cr.prompts(a, "A", None, {})] == ["rep0", "rep1"]
+
+
+def test_switch_costs():
+    """A prompt after one of the other model: its sample() time less its
+    steps at its own steady step."""
+    _, cr = _bench()
+    a = cr.parse(["--comfyui", "x", "--switch", "2x4"])
+    reps = [{"label": lb, "steps_ms": ms, "sample_s": s} for lb, ms, s in (
+        ("first0", [900.0, 100.0, 100.0], 1.1),
+        ("second0", [1500.0, 200.0, 200.0], 1.9),
+        ("first1", [300.0, 100.0, 100.0], 0.5))]
+    cs = cr.switch_costs(a, {"reps": reps})
+    assert [(c["prompt"], c["after"]) for c in cs] == [
+        ("second0", "first0"), ("first1", "second0")]
+    assert abs(cs[0]["extra_s"] - (1.9 - 0.6)) < 1e-9
+    assert abs(cs[1]["extra_s"] - (0.5 - 0.3)) < 1e-9
+    assert cs[0]["first_ms"] == 1500.0
+    # The same model twice in a row is no switch.
+    same = [dict(reps[0]), dict(reps[0], label="first1")]
+    assert cr.switch_costs(a, {"reps": same}) == []
+
+
+def test_host_rows_and_versus():
+    """Per run the largest RSS after a prompt against the model files, the
+    cgroup's verdict, and each node run over ComfyUI's run of the same
+    budget (RSS, model switch)."""
+    ns, cr = _bench()
+    lines = []
+    g = ns["host_row"].__globals__
+    saved = g["say"]
+    g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
+    try:
+        summary = {"checkpoint": {"file_bytes": 10 * GiB},
+                   "checkpoint2": {"file_bytes": 20 * GiB}}
+        table = {}
+        for run, rss in (("node12", 31 * GiB), ("12", 33 * GiB)):
+            r = {"reps": [{"rss": rss - GiB, "rss_peak": rss + GiB},
+                          {"rss": rss, "rss_peak": rss + GiB}]}
+            if run == "node12":
+                r["memcap"] = {"version": 2, "limit": 32 * GiB,
+                               "peak": 31 * GiB, "oom_kills": 0}
+            row = table[run] = {"switch": [
+                {"prompt": "second0", "extra_s": 1.0 if run == "node12"
+                 else 2.0}]}
+            ns["host_row"](run, r, row, summary)
+        assert table["node12"]["rss_max"] == 31 * GiB
+        assert table["node12"]["model_files"] == 30 * GiB
+        assert table["node12"]["memcap"]["oom_kills"] == 0
+        assert any("RSS - files +1.00 GiB" in x and "OOM kills 0" in x
+                   for x in lines), lines
+        ns["versus"](table, "rss_max", "rss", 1.05,
+                     lambda row: [row["rss_max"] / GiB])
+        ns["versus"](table, "switch", "switch", 0.8,
+                     lambda row: [c["extra_s"] for c in row["switch"]])
+        assert any("node12 vs 12: rss 31.000 / 33.000 = 0.939" in x
+                   for x in lines), lines
+        assert any("switch 1.000 / 2.000 = 0.500 (target <= 0.80)" in x
+                   for x in lines), lines
+        # No RSS in a run's prompts: no host row.
+        row = {}
+        ns["host_row"]("node4", {"reps": [{}]}, row, summary)
+        assert row == {}
+    finally:
+        g["say"] = saved
+
+
+def _cap_or_skip(limit):
+    try:
+        return memcap.open_cap(limit, "vp-test")
+    except memcap.CapError as e:
+        _runner.skip("no memory cgroup here: %s" % e)
+
+
+def _child(code, cap):
+    import subprocess
+    return subprocess.run([sys.executable, "-c", code], preexec_fn=cap.enter,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_memcap_limits_a_child():
+    """A child over the cap is OOM-killed and the report says so; one
+    under it runs, its peak reported; the cgroup is removed after."""
+    cap = _cap_or_skip(96 << 20)
+    try:
+        p = _child("b = bytearray(400 << 20); b[::4096] = b'x' * "
+                   "len(b[::4096]); print('survived')", cap)
+        rep = cap.report()
+    finally:
+        cap.close()
+    assert p.returncode != 0 and "survived" not in p.stdout, p
+    assert rep["oom_kills"] >= 1 and rep["limit"] == 96 << 20, rep
+    assert not os.path.exists(cap.path)
+    cap = _cap_or_skip(256 << 20)
+    try:
+        p = _child("b = bytearray(32 << 20); print('survived')", cap)
+        rep = cap.report()
+    finally:
+        cap.close()
+    assert p.returncode == 0 and "survived" in p.stdout, p
+    assert rep["oom_kills"] == 0, rep
+    assert rep["peak"] is None or rep["peak"] >= 32 << 20, rep
+
+
+def test_memcap_refuses_a_bad_limit():
+    for bad in (0, -1, 1.5, "32"):
+        raises(memcap.CapError, memcap.open_cap, bad, "vp-test")
+
+
+def test_spawn_in_a_cgroup():
+    """comfyui_run.spawn(..., cap_gib): the child runs in the cgroup and
+    its result carries the cgroup's report; a cgroup that cannot be made
+    runs nothing and says why."""
+    _, cr = _bench()
+    cap = _cap_or_skip(64 << 20)        # may we make one at all?
+    cap.close()
+    g = cr.spawn.__globals__
+    lines = []
+    saved = g["say"]
+    g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            log = os.path.join(d, "child.log")
+            code = ("import json; print(%r + json.dumps({'ok': 1}))"
+                    % cr.TAG)
+            r = cr.spawn([sys.executable, "-c", code], dict(os.environ),
+                         log, 60, "capped", 0.25)
+            assert r is not None and r["ok"] == 1, lines
+            assert r["memcap"]["limit"] == GiB // 4
+            assert r["memcap"]["oom_kills"] == 0
+            assert any("capped: in cgroup v" in x for x in lines), lines
+            # Killed over the cap: no result, the kill said.
+            code = "b = bytearray(600 << 20); b[::4096] = b'x' * " \
+                "len(b[::4096])"
+            r = cr.spawn([sys.executable, "-c", code], dict(os.environ),
+                         log, 60, "over", 0.125)
+            assert r is None
+            assert any("over FAILED" in x and "'oom_kills': 1" in x
+                       for x in lines), lines
+    finally:
+        g["say"] = saved
+
+
+def test_gen_second_makes_the_second_checkpoint():
+    """--switch: a gen child for the second shape, its own seed, no LoRA
+    or VAE; a.ckpt2 its path."""
+    _, cr = _bench()
+    a = cr.parse(["--comfyui", "x", "--switch", "19x38", "--vae"])
+    a.workdir = "/w"
+    seen = []
+    g = cr.gen_second.__globals__
+    saved = (g["run_child"], g["say"])
+
+    def run_child(b, kind, extra, log):
+        seen.append((kind, b.double, b.single, b.seed, b.lora, b.vae,
+                     b.ckpt2))
+        return {"path": "/w/second.safetensors", "bytes": 22 * GiB,
+                "tensors": 9, "make_s": 1.0}
+    try:
+        g["run_child"], g["say"] = run_child, lambda *x: None
+        gen2 = cr.gen_second(a, "/out")
+    finally:
+        g["run_child"], g["say"] = saved
+    assert gen2["bytes"] == 22 * GiB
+    assert seen == [("gen", 19, 38, a.seed + 1000, False, False, None)]
+    assert a.ckpt2 == "/w/second.safetensors"
+    assert (a.double, a.single, a.vae) == (8, 16, True)   # a unchanged
+    b = cr.parse(["--comfyui", "x"])
+    assert cr.gen_second(b, "/out") is None
+
+
+if __name__ == "__main__":
+    sys.exit(_runner.main(globals()))
