@@ -33,6 +33,14 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
     ... --quant scaled_fp8 [--shape small|flux] [--fp8-lora off|on|both]
         [--fp8-budget half|N]      # formats: a comma list of --quant's
 
+    # issues 28 (host memory) and 29 (the cost of change), each beside
+    # ComfyUI's own dynamic path under the same budget:
+    ... --double 19 --single 38 --runs resident,node8,8 --reps 4
+    ... --switch 19x38 --runs resident,node12,12   # 9.4 GiB, then 22 GiB
+    ... --double 19 --single 38 --switch 8x16 --cgroup-gib 32 \
+        --runs resident,node8,8                  # memory pressure survived
+    ... --lora --runs legacy,node6,6             # LoRA change
+
 Prints per run: patcher class, steady step (median of steps 2..n) and first
 step per repetition (prompt), vpager's counters, the host's memory
 (issue 28: RSS and MemAvailable after each prompt and before the load,
@@ -45,6 +53,11 @@ link: measured in the checkpoint's process) and steady / L; with --lora,
 per prompt the weights whose patch set changed against what the node
 refilled (its refills counter, bytes copied); with --vae, the second
 prompt's first step over the first prompt's steady step (no thrash: <= 1.1).
+With --switch, each model switch (a prompt after one of the other model:
+its sample() time less its steps at its own steady step) and the node's
+over ComfyUI's (target <= 0.8); per run the largest RSS after a prompt
+against the model files (target: <= files + 1.5 GiB) and the node's over
+ComfyUI's (<= 1.05); with --cgroup-gib the cgroup's peak and OOM kills.
 Exit 0; 1 when a run failed; 2 when latents differ.
 """
 
