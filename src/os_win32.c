@@ -264,6 +264,9 @@ bool vp__os_cgroup_path(char *out, size_t len) {
   return false;
 }
 
+/* Windows drives every GPU through WDDM. */
+bool vp__os_gpu_wddm(void) { return true; }
+
 /* ASCII only, whatever the locale: option and unit names. */
 int vp__os_strcasecmp(const char *a, const char *b) {
   for (;; a++, b++) {
@@ -287,7 +290,7 @@ static uint64_t creation_time(HANDLE proc) {
 }
 
 void vp__os_proc_self(uint64_t *start, uint64_t *pidns) {
-  *start = creation_time(GetCurrentProcess());
+  if (start) *start = creation_time(GetCurrentProcess());
   *pidns = 1; /* one pid space per machine */
 }
 
@@ -407,10 +410,13 @@ int vp__os_file_open_read(const char *path, int *fd) {
   if (!widen(path, wpath, (int)(sizeof wpath / sizeof *wpath)))
     return ENAMETOOLONG;
   /* Not inheritable (close-on-exec); others may write, rename or delete
-   * the file meanwhile, as on POSIX. */
+   * the file meanwhile, as on POSIX. BACKUP_SEMANTICS opens a folder too,
+   * as open(2) does: the caller's stat then says it is no regular file. */
   HANDLE h = CreateFileW(wpath, GENERIC_READ,
                          FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
-                         NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
+                         NULL, OPEN_EXISTING,
+                         FILE_ATTRIBUTE_NORMAL | FILE_FLAG_BACKUP_SEMANTICS,
+                         NULL);
   if (h == INVALID_HANDLE_VALUE) return last_errno();
   int f = _open_osfhandle((intptr_t)h, _O_RDONLY | _O_BINARY);
   if (f < 0) {
@@ -426,19 +432,16 @@ void vp__os_file_close(int fd) {
 }
 
 int vp__os_file_stat(int fd, vp__os_file_info_t *info) {
+  memset(info, 0, sizeof *info);
   HANDLE h = file_handle(fd);
   if (h == INVALID_HANDLE_VALUE) return EBADF;
+  /* A pipe, a console or a device: not a regular file. */
+  if (GetFileType(h) != FILE_TYPE_DISK) return 0;
   BY_HANDLE_FILE_INFORMATION fi;
-  if (!GetFileInformationByHandle(h, &fi)) {
-    /* A pipe or a console has no such information: not a regular file. */
-    if (GetFileType(h) == FILE_TYPE_UNKNOWN) return last_errno();
-    memset(info, 0, sizeof *info);
-    return 0;
-  }
+  if (!GetFileInformationByHandle(h, &fi)) return last_errno();
   info->size = ((uint64_t)fi.nFileSizeHigh << 32) | fi.nFileSizeLow;
   info->mtime_ns = filetime_unix_ns(fi.ftLastWriteTime);
-  info->regular = GetFileType(h) == FILE_TYPE_DISK &&
-                  !(fi.dwFileAttributes & FILE_ATTRIBUTE_DIRECTORY);
+  info->regular = !(fi.dwFileAttributes & FILE_ATTRIBUTE_DIRECTORY);
   return 0;
 }
 
@@ -449,6 +452,8 @@ int vp__os_file_read_at(int fd, void *buf, size_t n, uint64_t off,
   *got = 0;
   HANDLE h = file_handle(fd);
   if (h == INVALID_HANDLE_VALUE) return EBADF;
+  /* A pipe has no offsets (pread's ESPIPE); ReadFile would wait on it. */
+  if (GetFileType(h) != FILE_TYPE_DISK) return ESPIPE;
   OVERLAPPED ov;
   memset(&ov, 0, sizeof ov);
   ov.Offset = (DWORD)off;
