@@ -241,7 +241,7 @@ VP_API int vp_device_count(int backend, int *count);
  * buffer), in this device's context, for callers without a CUDA binding
  * of their own. VP_EINVAL when ptr is not registered. The simulated device
  * registers nothing and answers VP_OK. What vpager pinned itself is
- * vp_hostbuf_free's to drop. */
+ * vp_hostbuf_free's to drop: VP_EBUSY for memory of a live host buffer. */
 VP_API int vp_host_unregister(vp_device_t dev, void *ptr);
 /* The platform's soft memory limit for this process on the device, in
  * bytes (0: none): on CUDA, what NVML reports for the process's cgroup

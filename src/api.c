@@ -500,6 +500,13 @@ int vp_host_unregister(vp_device_t h, void *ptr) {
   VP__NEED(ptr, "ptr is NULL");
   vp__device_t *dev = NULL;
   VP__DEVICE_ENTER(h, dev);
+  /* Ours to drop, not a client's: unregistered under a live host buffer,
+   * its copies would fail (or, pinned again, count twice). */
+  uint64_t hb = vp__hostbuf_holding(dev, ptr);
+  if (hb)
+    return vp__unlock(dev, vp__err(VP_EBUSY, "%p is in vpager's host buffer "
+                                   "%llu: vp_hostbuf_free drops its "
+                                   "registration", ptr, ULL(hb)));
   vp__unlock(dev, VP_OK); /* the driver call needs none of our state */
   int rc = vp__be_host_unregister(dev, ptr);
   if (rc == VP_EINVAL)

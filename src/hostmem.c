@@ -405,6 +405,16 @@ static bool inside(uintptr_t a, uintptr_t c, uint64_t len) {
   return a - c < len;
 }
 
+uint64_t vp__hostbuf_holding(vp__device_t *dev, const void *ptr) {
+  for (uint32_t s = 0; s < dev->hostbufs.n; s++) {
+    const hostbuf_t *hb = dev->hostbufs.slots[s];
+    if (!hb) continue;
+    uint64_t span = hb->reserved ? hb->reserved : hb->committed;
+    if (inside((uintptr_t)ptr, (uintptr_t)hb->ptr, span)) return hb->id;
+  }
+  return 0;
+}
+
 /* n, shortened so that [a, a+n) does not cross an edge of the chunk
  * [c, c+len): up to its end when a is inside it, else up to its start. */
 static uint64_t clip(uintptr_t a, uint64_t n, uintptr_t c, uint64_t len) {

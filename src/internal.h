@@ -4,8 +4,10 @@
  * Layers (src/layers.txt is the table `make check-layers` proves from the
  * object files): a file calls only files of lower layers, or files of its
  * own layer listed before it; nothing calls layer 4.
- *   L0  diagnostics (log, error), options, json, registry, inject, shm
- *       (named shared-memory segments and their robust lock: shm.h)
+ *   L0  os_posix or os_win32 (the platform layer, os.h: the only files
+ *       that include an OS header), diagnostics (log, error), options,
+ *       json, registry, inject, shm (named shared-memory segments and
+ *       their robust lock: shm.h)
  *   L1  backend/: the sim and CUDA backends and backend.c, their one door
  *   L2  handles, fence, budget, page, pager, stats, invariants, entry
  *   L3  ledger, release, ledger_view (the per-GPU ledger shared by
@@ -482,6 +484,9 @@ void vp__unpin_host(vp__device_t *dev, void *ptr, uint64_t size);
 int vp__host_alloc(vp__device_t *dev, uint64_t size, void **ptr, bool *pinned);
 void vp__host_free(vp__device_t *dev, void *ptr, uint64_t size, bool pinned);
 void vp__hostmem_close(vp__device_t *dev); /* frees every hostbuf */
+/* The id of the host buffer whose memory holds ptr, 0 if none (device lock
+ * held): vpager's own registration, which vp_host_unregister refuses. */
+uint64_t vp__hostbuf_holding(vp__device_t *dev, const void *ptr);
 /* Host<->device copies split at host buffer chunk edges: CUDA refuses one
  * whose host range spans two registrations, or registered and unregistered
  * memory. locked: the caller holds the device lock. Backend codes, no

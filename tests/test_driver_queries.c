@@ -33,12 +33,22 @@ TEST(host_unregister, TEST_ALL_BACKENDS) {
    * registers nothing and has nothing to refuse. */
   if (cuda) ASSERT_RC(vp_host_unregister(dev, p), VP_EINVAL);
   else ASSERT_OK(vp_host_unregister(dev, p));
-  /* A registration made elsewhere (here: a host buffer's, standing in for
-   * a client's cudaHostRegister) is dropped; a second time it is gone. */
+  /* vpager's own registration (a host buffer's, registered or allocated)
+   * is vp_hostbuf_free's: refused anywhere inside it, naming that call;
+   * once freed, the memory is nobody's again. (A client's own
+   * cuMemHostRegister dropped here: gpu_host_unregister_client.) */
   vp_hostbuf_t hb;
   ASSERT_OK(vp_hostbuf_register(dev, p, len, &hb));
-  ASSERT_OK(vp_host_unregister(dev, p));
+  ASSERT_RC(vp_host_unregister(dev, p), VP_EBUSY);
+  ASSERT_NOT_NULL(strstr(vp_last_error(), "vp_hostbuf_free"));
+  ASSERT_RC(vp_host_unregister(dev, (char *)p + len - 1), VP_EBUSY);
+  ASSERT_OK(vp_hostbuf_free(hb));
   if (cuda) ASSERT_RC(vp_host_unregister(dev, p), VP_EINVAL);
+  else ASSERT_OK(vp_host_unregister(dev, p));
+  vp_hostbuf_info_t hi;
+  ASSERT_OK(vp_hostbuf_alloc(dev, len, len, &hb));
+  ASSERT_OK(vp_hostbuf_info(hb, &hi));
+  ASSERT_RC(vp_host_unregister(dev, hi.ptr), VP_EBUSY);
   ASSERT_OK(vp_hostbuf_free(hb));
   ASSERT_RC(vp_host_unregister(dev, NULL), VP_EINVAL);
   ASSERT_OK(vp_device_close(dev));

@@ -270,6 +270,7 @@ typedef struct gpu {
   gpu_memset_d8_fn memset_d8;
   gpu_stream_query_fn stream_query;
   vp_cu_stream_synchronize_fn stream_synchronize;
+  vp_cu_mem_host_register_fn mem_host_register;
 } gpu_t;
 
 static gpu_t g_gpu;
@@ -341,6 +342,7 @@ static gpu_t *gpu_get(void) {
   GPU_RESOLVE(memset_d8, "cuMemsetD8");
   GPU_RESOLVE(stream_query, "cuStreamQuery");
   GPU_RESOLVE(stream_synchronize, "cuStreamSynchronize");
+  GPU_RESOLVE_AT(mem_host_register, "cuMemHostRegister", 6050);
 #undef GPU_RESOLVE
 #undef GPU_RESOLVE_AT
   CU_OK(g->init(0));
@@ -745,6 +747,31 @@ TEST(gpu_foreign_context, TEST_GPU_ONLY) {
            "tried\n");
   }
   CU_OK(g->ctx_destroy(mine));
+  gpu_primary_release(g, 0);
+}
+
+/* ------------------------------------------- a client's registration */
+
+/* A client's own page-lock (cuMemHostRegister in GPU 0's primary context,
+ * as torch's pin_memory makes one) is dropped by vp_host_unregister; a
+ * second time the driver says it is gone (vpager's own is refused:
+ * host_unregister in test_driver_queries.c). */
+TEST(gpu_host_unregister_client, TEST_GPU_ONLY) {
+  gpu_t *g = gpu_get();
+  vp_cu_context_t pc = gpu_primary(g, 0);
+  vp_device_t dev = test_open(ctx, NULL);
+  size_t len = 2 * MiB;
+  void *p = aligned_alloc(4096, len);
+  ASSERT_NOT_NULL(p);
+  memset(p, 1, len);
+  CU_OK(g->ctx_push_current(pc));
+  CU_OK(g->mem_host_register(p, len, 0));
+  vp_cu_context_t popped;
+  CU_OK(g->ctx_pop_current(&popped));
+  ASSERT_OK(vp_host_unregister(dev, p));
+  ASSERT_RC(vp_host_unregister(dev, p), VP_EINVAL);
+  ASSERT_OK(vp_device_close(dev));
+  free(p);
   gpu_primary_release(g, 0);
 }
 
