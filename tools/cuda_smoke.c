@@ -4,11 +4,10 @@
  * call (one cold pass, then the mean of repeated commit/evict cycles).
  * Prints "no CUDA device: <reason>" and exits 0 when there is none.
  *
- *   gcc -std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -Iinclude -Isrc/backend \
- *       -pthread tools/cuda_smoke.c src/backend/cuda.c src/inject.c -ldl \
- *       -o build/cuda_smoke
+ *   make && gcc -std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Werror -Iinclude \
+ *       -Isrc -Isrc/backend -pthread tools/cuda_smoke.c build/libvpager.a \
+ *       -ldl -lrt -o build/cuda_smoke
  *   build/cuda_smoke [device_index]
- * (or link build/libvpager.a instead of the two sources).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,8 +17,6 @@
 #include "backend.h"
 
 /* Defined in src/backend/cuda.c. */
-const char *vp__cuda_open_reason(void);
-const char *vp__cuda_error_name(void *ctx);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used);
 
@@ -51,7 +48,7 @@ static double now_us(void) {
 
 /* Report a call's result and time; count a failure when rc != want. */
 static int check(const char *what, int rc, int want, double us) {
-  const char *cu = rc != VP_OK ? vp__cuda_error_name(ctx) : "";
+  const char *cu = rc != VP_OK ? vp__vmm_error_name(ctx) : "";
   printf("  %-34s %9.1f us  %s %s%s\n", what, us, err_name(rc), cu,
          rc == want ? "" : "   <-- UNEXPECTED");
   if (rc != want) failures++;
@@ -210,11 +207,11 @@ int main(int argc, char **argv) {
   int rc = be->open(&opts, &inj, &ctx, &caps);
   double open_us = now_us() - t0;
   if (rc == VP_ENODEV) {
-    printf("no CUDA device: %s\n", vp__cuda_open_reason());
+    printf("no CUDA device: %s\n", vp__vmm_open_reason());
     return 0;
   }
   if (rc != VP_OK) {
-    printf("open failed: %s: %s\n", err_name(rc), vp__cuda_open_reason());
+    printf("open failed: %s: %s\n", err_name(rc), vp__vmm_open_reason());
     return 1;
   }
   printf("cuda smoke: device %d, granularity %llu KiB, %.1f GiB, default "

@@ -18,7 +18,7 @@ static int result(vp__device_t *dev, int rc, const char *op) {
 }
 
 static const char *open_reason(const vp__backend_t *be) {
-  return be == &vp__backend_cuda ? vp__cuda_open_reason() : "";
+  return be == &vp__backend_cuda ? vp__vmm_open_reason() : "";
 }
 
 int vp__be_open(vp__device_t *dev) {
@@ -39,7 +39,7 @@ int vp__be_open(vp__device_t *dev) {
             open_reason(be));
     if (rc != VP_ENODEV || kind != VP_BACKEND_AUTO) break;
   }
-  const char *why = kind == VP_BACKEND_CUDA ? vp__cuda_open_reason() : "";
+  const char *why = kind == VP_BACKEND_CUDA ? vp__vmm_open_reason() : "";
   return vp__err(rc, "no %s device could be opened%s%s",
                  kind == VP_BACKEND_CUDA ? "CUDA"
                  : kind == VP_BACKEND_SIM ? "simulated" : "usable",
@@ -50,7 +50,7 @@ int vp__be_device_count(int kind, int *count) {
   if (kind == VP_BACKEND_CUDA) {
     int rc = vp__cuda_device_count(count);
     if (rc == VP_OK && *count == 0)
-      vp__log(VP_LOG_DEBUG, "cuda", "no device: %s", vp__cuda_open_reason());
+      vp__log(VP_LOG_DEBUG, "cuda", "no device: %s", vp__vmm_open_reason());
     return rc;
   }
   *count = 1; /* the simulated device: one per open, always there */
@@ -60,7 +60,7 @@ int vp__be_device_count(int kind, int *count) {
 void vp__be_close(vp__device_t *dev) { dev->be->close(dev->ctx); }
 
 const char *vp__be_error_detail(vp__device_t *dev) {
-  return dev->be == &vp__backend_cuda ? vp__cuda_error_name(dev->ctx) : "";
+  return dev->be == &vp__backend_cuda ? vp__vmm_error_name(dev->ctx) : "";
 }
 
 int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
@@ -81,7 +81,7 @@ int vp__be_ledger_key(vp__device_t *dev, char *out, size_t len) {
   int n;
   if (dev->be == &vp__backend_cuda) {
     char uuid[48];
-    vp__cuda_uuid(dev->ctx, uuid);
+    vp__vmm_uuid_text(dev->ctx, "GPU-", uuid);
     n = snprintf(out, len, "%s", uuid);
   } else if (dev->opts.sim_shared[0]) {
     n = snprintf(out, len, "sim-%s", dev->opts.sim_shared);

@@ -104,14 +104,19 @@ typedef struct vp__backend {
 extern const vp__backend_t vp__backend_cuda;
 extern const vp__backend_t vp__backend_sim;
 
-/* CUDA backend extras (src/backend_cuda.c). Why the last open on this
- * thread failed ("" if unknown); the driver's name for ctx's last failing
- * call; device memory as NVML sees it and this process's own use. */
-const char *vp__cuda_open_reason(void);
-/* CUDA devices the driver sees (0 without a driver or a device, and then
- * vp__cuda_open_reason says why); never fails but for VP_ENOMEM. */
+/* The GPU backends (vmm.c, the CUDA backend's operations): why the last
+ * open on this thread failed ("" if unknown); the driver's name for ctx's
+ * last failing call; the device's UUID as text after prefix ("GPU-"; 48
+ * bytes with the NUL). */
+const char *vp__vmm_open_reason(void);
+const char *vp__vmm_error_name(void *ctx);
+void vp__vmm_uuid_text(const void *ctx, const char *prefix, char out[48]);
+
+/* CUDA backend extras (src/backend/cuda.c). CUDA devices the driver sees
+ * (0 without a driver or a device, and then vp__vmm_open_reason says why);
+ * never fails but for VP_ENOMEM. Device memory as NVML sees it and this
+ * process's own use. */
 int vp__cuda_device_count(int *count);
-const char *vp__cuda_error_name(void *ctx);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used);
 /* The platform's soft memory limit for this process on the device (bytes,
@@ -119,8 +124,5 @@ int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
  * simulated device. */
 int vp__cuda_soft_limit(void *ctx, uint64_t *bytes);
 int vp__sim_soft_limit(void *ctx, uint64_t *bytes);
-/* The device's UUID as NVML and nvidia-smi print it ("GPU-xxxxxxxx-...";
- * 41 bytes with the NUL). */
-void vp__cuda_uuid(void *ctx, char out[48]);
 
 #endif /* VPAGER_BACKEND_H */

@@ -221,7 +221,7 @@ typedef vp_cu_result_t (*vp_cu_get_proc_address_fn)(
   X(mem_host_register, cuMemHostRegister, 6050,                                \
     (void *ptr, size_t size, unsigned int flags))                              \
   X(mem_host_unregister, cuMemHostUnregister, 4000, (void *ptr))             \
-  X(ctx_synchronize, cuCtxSynchronize, 2000, (void))
+  X(synchronize, cuCtxSynchronize, 2000, (void))
 
 #define VP_CU__FN_TYPE(field, symbol, version, params)                         \
   typedef vp_cu_result_t(*vp_cu_##field##_fn) params;
