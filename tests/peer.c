@@ -1,8 +1,8 @@
-/* Forked peers: see peer.h. */
+/* Forked peers: see peer.h. POSIX only: Windows has no fork, and the tests
+ * that use peers are TEST_EXCLUDED there. */
+#ifndef _WIN32
 #include "peer.h"
-
-#include <sys/wait.h>
-#include <unistd.h>
+#include "compat.h"
 
 void put_u64(int fd, uint64_t v) {
   ASSERT_EQ_INT(write(fd, &v, sizeof v), (int)sizeof v);
@@ -48,3 +48,5 @@ void peer_quit(peer_t *p) {
   close(p->to);
   close(p->from);
 }
+
+#endif /* !_WIN32 */

@@ -12,7 +12,11 @@
  * A child gets its own process group (so a test's own children die with
  * it), a timeout (alarm; TEST_TIMEOUT seconds, default 60, 300 under
  * sanitizers), and its stdout and stderr in a temporary file that the
- * runner prints when the test fails.
+ * runner prints when the test fails. On Windows, which has no fork, the
+ * child is this program started again with "--child backend/name", in a
+ * job object (its children die with it), timed by the runner
+ * (child_win32.c); a test TEST_EXCLUDED there is listed with its reason
+ * ("excluded sim/x: why") and counted as skipped.
  *
  * Also the shared helpers of test.h.
  */
@@ -20,12 +24,11 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
-#include <sys/wait.h>
 #include <time.h>
-#include <unistd.h>
+
+#include "compat.h"
 
 extern char **environ;
 
@@ -37,6 +40,7 @@ typedef struct test_entry {
   int flags;
   const char *file;
   int line;
+  const char *excluded; /* why this platform cannot run it; NULL: it can */
 } test_entry_t;
 
 static test_entry_t *g_tests;
@@ -49,7 +53,13 @@ void test_register(const char *name, test_fn_t fn, int flags,
     g_tests = realloc(g_tests, g_cap * sizeof *g_tests);
     if (!g_tests) abort();
   }
-  g_tests[g_ntests++] = (test_entry_t){name, fn, flags, file, line};
+  g_tests[g_ntests++] = (test_entry_t){name, fn, flags, file, line, NULL};
+}
+
+void test_exclude(const char *name, int flags, const char *why,
+                  const char *file, int line) {
+  test_register(name, NULL, flags, file, line);
+  g_tests[g_ntests - 1].excluded = why;
 }
 
 static int entry_cmp(const void *a, const void *b) {
@@ -381,6 +391,7 @@ void test_clear_vpager_env(void) {
   }
 }
 
+#ifndef _WIN32
 int test_wait(int pid) {
   int st = 0;
   while (waitpid(pid, &st, 0) < 0) {
@@ -388,6 +399,7 @@ int test_wait(int pid) {
   }
   return st;
 }
+#endif
 
 static char g_self[4096];
 
@@ -402,6 +414,45 @@ typedef struct backend {
   char reason[512];
 } backend_t;
 
+/* Open and close a CUDA device: VP_OK, else the code and why in msg. */
+static int open_cuda(char *msg, size_t len) {
+  vp_options_t o;
+  int rc = vp_options_init(&o);
+  if (rc == VP_OK) {
+    vp_device_t dev;
+    o.backend = VP_BACKEND_CUDA;
+    o.page_size = 2u << 20;
+    rc = vp_device_open(&o, &dev);
+    if (rc == VP_OK) rc = vp_device_close(dev);
+  }
+  snprintf(msg, len, "%s", rc == VP_OK ? "" : vp_last_error());
+  return rc;
+}
+
+/* What the probe's open said, as b's presence or the reason it is not. */
+static void probe_result(backend_t *b, int rc, const char *rest) {
+  if (rc == VP_OK) {
+    b->present = true;
+  } else if (rc == VP_ENODEV) {
+    snprintf(b->reason, sizeof b->reason, "%s", *rest ? rest : "VP_ENODEV");
+  } else {
+    snprintf(b->reason, sizeof b->reason, "open failed: %s: %s",
+             vp_err_name(rc), rest);
+  }
+}
+
+#ifdef _WIN32
+/* Each test is a new process here: the runner may initialise CUDA. Quiet:
+ * the skip line says why it failed. */
+static void probe_cuda(backend_t *b) {
+  char msg[512];
+  int level = vp_get_log_level();
+  vp_set_log_level(VP_LOG_NONE);
+  int rc = open_cuda(msg, sizeof msg);
+  vp_set_log_level(level);
+  probe_result(b, rc, msg);
+}
+#else
 /* Probe CUDA in a child: CUDA must not be initialised in the runner, or no
  * forked test could use it. */
 static void probe_cuda(backend_t *b) {
@@ -416,18 +467,9 @@ static void probe_cuda(backend_t *b) {
     close(fds[0]);
     int devnull = open("/dev/null", O_WRONLY);
     if (devnull >= 0) dup2(devnull, STDERR_FILENO); /* the backend's log */
-    vp_options_t o;
-    char msg[512];
-    int rc = vp_options_init(&o);
-    if (rc == VP_OK) {
-      vp_device_t dev;
-      o.backend = VP_BACKEND_CUDA;
-      o.page_size = 2u << 20;
-      rc = vp_device_open(&o, &dev);
-      if (rc == VP_OK) rc = vp_device_close(dev);
-    }
-    int n = snprintf(msg, sizeof msg, "%d %s", rc,
-                     rc == VP_OK ? "" : vp_last_error());
+    char msg[512], why[480];
+    int rc = open_cuda(why, sizeof why);
+    int n = snprintf(msg, sizeof msg, "%d %s", rc, why);
     if (n > 0 && write(fds[1], msg, (size_t)n) < 0) _exit(2);
     _exit(0);
   }
@@ -451,17 +493,12 @@ static void probe_cuda(backend_t *b) {
   char *rest = buf;
   if (got > 0) rc = (int)strtol(buf, &rest, 10);
   while (*rest == ' ') rest++;
-  if (pid < 0 || got == 0) {
+  if (pid < 0 || got == 0)
     snprintf(b->reason, sizeof b->reason, "probe process failed");
-  } else if (rc == VP_OK) {
-    b->present = true;
-  } else if (rc == VP_ENODEV) {
-    snprintf(b->reason, sizeof b->reason, "%s", *rest ? rest : "VP_ENODEV");
-  } else {
-    snprintf(b->reason, sizeof b->reason, "open failed: %s: %s",
-             vp_err_name(rc), rest);
-  }
+  else
+    probe_result(b, rc, rest);
 }
+#endif
 
 /* ------------------------------------------------------------- running */
 
@@ -493,6 +530,53 @@ static void print_output(FILE *f) {
   }
 }
 
+/* The test itself, in its child process: from a clean VPAGER_ environment
+ * (tests choose their options; only the log level comes from outside).
+ * Exits 0 when it passed; a failed assert exits 1 first. */
+static void child_run(const test_entry_t *t, const backend_t *b) {
+  const char *log = getenv("VPAGER_LOG");
+  char logbuf[64] = "";
+  if (log) snprintf(logbuf, sizeof logbuf, "%s", log);
+  test_clear_vpager_env();
+  if (logbuf[0]) setenv("VPAGER_LOG", logbuf, 1);
+  test_ctx_t ctx = {t->name, b->name, b->kind};
+  t->fn(&ctx);
+  fflush(stdout);
+  fflush(stderr);
+  exit(0);
+}
+
+/* How the test went, printed: true when it passed. */
+static bool report(const test_entry_t *t, const backend_t *b, bool verbose,
+                   const char *why, uint64_t ms, FILE *out) {
+  bool ok = why[0] == '\0';
+  if (ok)
+    printf("ok   %s/%s\n", b->name, t->name);
+  else
+    printf("FAIL %s/%s (%s)\n", b->name, t->name, why);
+  if (verbose) printf("    (%" PRIu64 " ms)\n", ms);
+  if (!ok || verbose) print_output(out);
+  fflush(stdout);
+  fclose(out);
+  return ok;
+}
+
+#ifdef _WIN32
+/* Run one test in a child: this program again, with --child. */
+static bool run_one(const test_entry_t *t, const backend_t *b, bool verbose) {
+  char full[256], why[64] = "";
+  snprintf(full, sizeof full, "%s/%s", b->name, t->name);
+  fflush(stdout);
+  fflush(stderr);
+  uint64_t t0 = test_now_ms();
+  FILE *out = test_child_run(g_self, full, timeout_s(), why, sizeof why);
+  if (!out) {
+    printf("FAIL %s (%s)\n", full, why);
+    return false;
+  }
+  return report(t, b, verbose, why, test_now_ms() - t0, out);
+}
+#else
 /* Run one test in a child; true when it passed. */
 static bool run_one(const test_entry_t *t, const backend_t *b, bool verbose) {
   FILE *out = tmpfile();
@@ -514,18 +598,8 @@ static bool run_one(const test_entry_t *t, const backend_t *b, bool verbose) {
     dup2(fileno(out), STDOUT_FILENO);
     dup2(fileno(out), STDERR_FILENO);
     setvbuf(stdout, NULL, _IOLBF, 0);
-    /* Tests choose their options; only the log level comes from outside. */
-    const char *log = getenv("VPAGER_LOG");
-    char logbuf[64] = "";
-    if (log) snprintf(logbuf, sizeof logbuf, "%s", log);
-    test_clear_vpager_env();
-    if (logbuf[0]) setenv("VPAGER_LOG", logbuf, 1);
     alarm(timeout_s());
-    test_ctx_t ctx = {t->name, b->name, b->kind};
-    t->fn(&ctx);
-    fflush(stdout);
-    fflush(stderr);
-    exit(0);
+    child_run(t, b);
   }
   setpgid(pid, pid);
   int st = 0;
@@ -541,17 +615,9 @@ static bool run_one(const test_entry_t *t, const backend_t *b, bool verbose) {
     snprintf(why, sizeof why, "timeout");
   else if (WIFSIGNALED(st))
     snprintf(why, sizeof why, "signal %d", WTERMSIG(st));
-  bool ok = why[0] == '\0';
-  if (ok)
-    printf("ok   %s/%s\n", b->name, t->name);
-  else
-    printf("FAIL %s/%s (%s)\n", b->name, t->name, why);
-  if (verbose) printf("    (%" PRIu64 " ms)\n", ms);
-  if (!ok || verbose) print_output(out);
-  fflush(stdout);
-  fclose(out);
-  return ok;
+  return report(t, b, verbose, why, ms, out);
 }
+#endif
 
 /* Hidden mode for test_options.c: print the initial log level. */
 static int print_log_level(void) {
@@ -564,19 +630,48 @@ static int print_log_level(void) {
  * main's copy of the pointer may be gone from its stack). */
 static char **g_filters;
 
+/* The child mode of Windows' runner: run the test named `full`
+ * ("backend/name") here; exits. */
+static int run_child(const backend_t *backends, int nb, const char *full) {
+  for (int bi = 0; bi < nb; bi++) {
+    size_t n = strlen(backends[bi].name);
+    if (strncmp(full, backends[bi].name, n) != 0 || full[n] != '/') continue;
+    for (size_t i = 0; i < g_ntests; i++)
+      if (g_tests[i].fn && strcmp(g_tests[i].name, full + n + 1) == 0)
+        child_run(&g_tests[i], &backends[bi]);
+  }
+  fprintf(stderr, "runner --child: no test %s\n", full);
+  return 2;
+}
+
 int main(int argc, char **argv) {
   bool list = false, verbose = false;
   int nf = 0;
   g_filters = calloc((size_t)argc + 1, sizeof *g_filters);
   char **filters = g_filters;
   if (!filters) return 2;
+#ifdef _WIN32
+  _fmode = _O_BINARY; /* the tests' files hold bytes, not text */
+  test_self_exe(g_self, sizeof g_self);
+#else
   ssize_t n = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
   if (n > 0) g_self[n] = '\0';
   else snprintf(g_self, sizeof g_self, "%s", argv[0]);
+#endif
+  backend_t backends[2] = {{"sim", VP_BACKEND_SIM, true, ""},
+                           {"cuda", VP_BACKEND_CUDA, false, ""}};
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--print-log-level") == 0) {
       free(filters);
       return print_log_level();
+    }
+    if (strcmp(argv[i], "--child") == 0 && i + 1 < argc) {
+      free(filters);
+#ifdef _WIN32
+      test_child_guard();
+#endif
+      setvbuf(stdout, NULL, _IOLBF, 0);
+      return run_child(backends, 2, argv[i + 1]);
     }
     if (strcmp(argv[i], "-l") == 0) list = true;
     else if (strcmp(argv[i], "-v") == 0) verbose = true;
@@ -584,12 +679,9 @@ int main(int argc, char **argv) {
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
   qsort(g_tests, g_ntests, sizeof *g_tests, entry_cmp);
-
-  backend_t backends[2] = {{"sim", VP_BACKEND_SIM, true, ""},
-                           {"cuda", VP_BACKEND_CUDA, false, ""}};
   probe_cuda(&backends[1]);
 
-  int passed = 0, failed = 0, skipped = 0;
+  int passed = 0, failed = 0, skipped = 0, excluded = 0;
   for (int bi = 0; bi < 2; bi++) {
     backend_t *b = &backends[bi];
     int want = 0;
@@ -603,6 +695,11 @@ int main(int argc, char **argv) {
       if (!selected(full, nf, filters)) continue;
       want++;
       if (!b->present) continue;
+      if (t->excluded) {
+        if (!list) printf("excluded %s: %s\n", full, t->excluded);
+        excluded++;
+        continue;
+      }
       if (list) {
         printf("%s\n", full);
         continue;
@@ -617,13 +714,14 @@ int main(int argc, char **argv) {
   }
   free(filters);
   if (list) return 0;
-  printf("%d skipped\n", skipped);
+  if (excluded) printf("%d excluded on this platform\n", excluded);
+  printf("%d skipped\n", skipped + excluded);
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
 
 void test_make_dir(char *dir, size_t len, const char *tag) {
-  snprintf(dir, len, "/tmp/vpager-%s-XXXXXX", tag);
+  snprintf(dir, len, "%s/vpager-%s-XXXXXX", test_tmp_dir(), tag);
   ASSERT_NOT_NULL(mkdtemp(dir));
 }
 

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "compat.h" /* what tests use of POSIX, on Windows too */
+#include "os.h"     /* VP__PRINTF: C99's formats, mingw-w64 too */
 #include "vpager.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -75,15 +77,25 @@ void test_register(const char *name, test_fn_t fn, int flags,
   }                                                                            \
   static void test_fn_##name(test_ctx_t *ctx __attribute__((unused)))
 
+/* A test this platform cannot run (it needs what the platform lacks, said
+ * in `why`): the runner lists it, with why, where it would have run, and
+ * counts it as skipped. Used under #ifdef _WIN32 in place of the TEST. */
+void test_exclude(const char *name, int flags, const char *why,
+                  const char *file, int line);
+#define TEST_EXCLUDED(name, flags, why)                                        \
+  __attribute__((constructor)) static void test_reg_##name(void) {             \
+    test_exclude(#name, (flags), (why), __FILE__, __LINE__);                   \
+  }
+
 /* ------------------------------------------------------------- asserts */
 
 /* Print "file:line: message" (and the note, if any) and end the test. */
-__attribute__((noreturn, format(printf, 3, 4))) void
+__attribute__((noreturn)) VP__PRINTF(3, 4) void
 test_fail(const char *file, int line, const char *fmt, ...);
 /* A line printed with every failure from now on (seed, step, ...). */
-__attribute__((format(printf, 1, 2))) void test_note(const char *fmt, ...);
+VP__PRINTF(1, 2) void test_note(const char *fmt, ...);
 /* Printed only when the test fails or the runner runs with -v. */
-__attribute__((format(printf, 1, 2))) void test_log(const char *fmt, ...);
+VP__PRINTF(1, 2) void test_log(const char *fmt, ...);
 
 #define TEST_FAIL(...) test_fail(__FILE__, __LINE__, __VA_ARGS__)
 
@@ -256,8 +268,10 @@ bool test_check_pattern(vp_device_t dev, uint64_t addr, uint64_t size,
 
 /* Remove every VPAGER_* variable from the environment. */
 void test_clear_vpager_env(void);
+#ifndef _WIN32
 /* Wait for a child process; returns its wait status. */
 int test_wait(int pid);
+#endif
 /* The path of the running test binary (for re-exec). */
 const char *test_self_path(void);
 

@@ -2,8 +2,7 @@
  * count of a backend, and dropping a host registration another library
  * made (vp_device_count, vp_host_unregister), on both backends. */
 #include "test.h"
-
-#include <sys/mman.h>
+#include "compat.h"
 
 TEST(device_count, TEST_ALL_BACKENDS) {
   int n = -1;

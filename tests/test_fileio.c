@@ -2,11 +2,9 @@
  * checked byte for byte against the file for odd sizes and offsets, in
  * sync and worker stream modes, from several threads, and its errors. */
 #include "test.h"
+#include "compat.h"
 
-#include <fcntl.h>
 #include <pthread.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #define KiB 1024ull
 #define SLOT (8 * KiB)

@@ -29,15 +29,13 @@
  * embedded below as PTX; the driver is reached through our own dlopen of
  * libcuda.so.1, with src/backend/cuda_abi.h's types, so no toolkit is needed.
  */
-#include <dlfcn.h>
-#include <fcntl.h>
 #include <pthread.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "cuda_abi.h"
 #include "refill.h"
 #include "stream_fixture.h"
+#include "compat.h"
 #include "test.h"
 
 #define MiB ((uint64_t)1 << 20)
@@ -761,7 +759,7 @@ TEST(gpu_host_unregister_client, TEST_GPU_ONLY) {
   vp_cu_context_t pc = gpu_primary(g, 0);
   vp_device_t dev = test_open(ctx, NULL);
   size_t len = 2 * MiB;
-  void *p = aligned_alloc(4096, len);
+  void *p = test_aligned_alloc(4096, len);
   ASSERT_NOT_NULL(p);
   memset(p, 1, len);
   CU_OK(g->ctx_push_current(pc));
@@ -771,7 +769,7 @@ TEST(gpu_host_unregister_client, TEST_GPU_ONLY) {
   ASSERT_OK(vp_host_unregister(dev, p));
   ASSERT_RC(vp_host_unregister(dev, p), VP_EINVAL);
   ASSERT_OK(vp_device_close(dev));
-  free(p);
+  test_aligned_free(p);
   gpu_primary_release(g, 0);
 }
 

@@ -2,10 +2,10 @@
  * caller's memory, the pin budget and its pageable fallback, bad input,
  * cleanup at device close, injected allocation failures, threads. */
 #include "test.h"
+#include "compat.h"
 #include "internal.h" /* vp__host_piece */
 
 #include <pthread.h>
-#include <unistd.h>
 
 #define KiB 1024ull
 #define MiB (1024ull * 1024)

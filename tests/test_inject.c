@@ -1,11 +1,10 @@
 /* Fault injection on the simulated device: failed and transient commits,
  * a broken device, and every failure rung of open walked one by one. */
 #include "test.h"
+#include "compat.h"
 
 #include <dirent.h>
 #include <pthread.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 TEST(inject_fail_commit, TEST_SIM_ONLY) {
   vp_device_t dev = test_open(ctx, NULL);

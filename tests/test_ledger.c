@@ -9,15 +9,11 @@
  * with a ledger has a thread, and TSan lets no child of a threaded
  * process start threads. */
 #include "test.h"
+#include "compat.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <signal.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
-#include <unistd.h>
 
 #include "ledger.h"
 #include "peer.h"
@@ -135,6 +131,7 @@ static uint64_t slow_fence(model_t *m) {
   return 0;
 }
 
+#ifndef _WIN32 /* forked peers */
 /* Commands: R run a pass (prioritized first), T touch (a pass as it is),
  * P a pass keeping pages pinned, U unpin, C resident page count, W a slow
  * fence on the last page, Q quit. Each answers a number. */
@@ -166,11 +163,13 @@ static void peer_reap(peer_t *p) {
   close(p->to);
   close(p->from);
 }
+#endif
 
 /* ---------------------------------------------------------------- tests */
 
 /* A keep list names this process's VBARs: a participant with our pid in
  * another pid namespace (a container sharing /dev/shm) is not ours. */
+#ifndef _WIN32
 TEST(ledger_ours_needs_our_pid_namespace, TEST_SIM_ONLY) {
   (void)ctx;
   struct stat st;
@@ -184,6 +183,11 @@ TEST(ledger_ours_needs_our_pid_namespace, TEST_SIM_ONLY) {
   atomic_store(&p.pidns, (uint64_t)st.st_ino + 1);
   ASSERT_FALSE(vp__lpart_ours(&p, (int32_t)getpid()));
 }
+#else
+TEST_EXCLUDED(ledger_ours_needs_our_pid_namespace, TEST_SIM_ONLY,
+              "pid namespaces are Linux's (under Wine the host's /proc is "
+              "visible)")
+#endif
 
 /* Two devices of one process on one shared device: the idle one's pages
  * go to the one that faults; the snapshot shows both, with labels. */
@@ -220,6 +224,7 @@ TEST(ledger_two_devices, TEST_SIM_ONLY) {
 /* Three processes whose models together are twice the shared capacity (one
  * alone is larger than it) take turns: the one whose turn it is gets every
  * page the idle ones hold, and every byte is checked in every pass. */
+#ifndef _WIN32
 TEST(ledger_alternating_processes, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "alt");
@@ -242,10 +247,15 @@ TEST(ledger_alternating_processes, TEST_SIM_ONLY) {
     }
   for (int i = 0; i < 3; i++) peer_quit(&p[i]);
 }
+#else
+TEST_EXCLUDED(ledger_alternating_processes, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* The order is least recently used first over every process: a model
  * loaded long ago in an idle process goes before a busy process's, and a
  * model with pinned pages is never a victim. */
+#ifndef _WIN32
 TEST(ledger_idle_before_active, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "lru");
@@ -281,9 +291,14 @@ TEST(ledger_idle_before_active, TEST_SIM_ONLY) {
   peer_quit(&busy);
   ASSERT_OK(vp_device_close(m.dev));
 }
+#else
+TEST_EXCLUDED(ledger_idle_before_active, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* Our own older VBAR goes before another process's newer one; theirs
  * older than ours goes first. */
+#ifndef _WIN32
 TEST(ledger_own_older_first, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "own");
@@ -308,6 +323,10 @@ TEST(ledger_own_older_first, TEST_SIM_ONLY) {
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(old.dev));
 }
+#else
+TEST_EXCLUDED(ledger_own_older_first, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* ------------------------------------------------------------- faults */
 
@@ -324,6 +343,7 @@ static int count_pid(const char *snap, pid_t pid) {
 /* A process killed while it holds the ledger's lock: the next one to take
  * it recovers it (EOWNERDEAD) and reaps the dead at once; the memory the
  * dead held comes back as the driver frees it (the sim: within 100 ms). */
+#ifndef _WIN32
 TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
   char name[64], shm[128];
   ledger_name(name, sizeof name, "kill");
@@ -372,10 +392,15 @@ TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
   close(sync[0]);
   close(sync[1]);
 }
+#else
+TEST_EXCLUDED(ledger_sigkill_lock_holder, TEST_SIM_ONLY,
+              "SIGKILLs a forked lock holder: Windows has no fork")
+#endif
 
 /* A holder killed while it answers (its eviction waits for a fence): the
  * requester gives up after the timeout and goes on; the dead one's memory
  * and its place in the ledger come back. */
+#ifndef _WIN32
 TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "mid");
@@ -411,10 +436,15 @@ TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(other));
   ASSERT_OK(vp_device_close(dev));
 }
+#else
+TEST_EXCLUDED(ledger_sigkill_while_answering, TEST_SIM_ONLY,
+              "SIGKILLs a forked peer: Windows has no fork")
+#endif
 
 /* A stopped holder: the request times out, the requester goes on (a miss)
  * and skips the holder for a second instead of waiting again; once it runs
  * again it answers. */
+#ifndef _WIN32
 TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "stop");
@@ -449,7 +479,13 @@ TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
   peer_quit(&p);
   ASSERT_OK(vp_device_close(dev));
 }
+#else
+TEST_EXCLUDED(ledger_sigstop_peer, TEST_SIM_ONLY,
+              "SIGSTOPs a forked peer: Windows has neither fork nor "
+              "SIGSTOP")
+#endif
 
+#ifndef _WIN32 /* POSIX shm */
 /* Write a segment by hand: `size` bytes, the header words given. */
 static void bad_segment(const char *shm, off_t size, uint64_t magic,
                         uint32_t version, bool garbage) {
@@ -467,9 +503,11 @@ static void bad_segment(const char *shm, off_t size, uint64_t magic,
     ASSERT_EQ_INT(pwrite(fd, buf, sizeof buf, 0), (int)sizeof buf);
   close(fd);
 }
+#endif
 
 /* A truncated, corrupt or other-version segment is not joined: the device
  * works alone and says why; the segment is left as it is. */
+#ifndef _WIN32
 TEST(ledger_bad_segment, TEST_SIM_ONLY) {
   static const struct {
     off_t size;
@@ -516,11 +554,17 @@ TEST(ledger_bad_segment, TEST_SIM_ONLY) {
     ASSERT_EQ_INT(shm_unlink(shm), 0);
   }
 }
+#else
+TEST_EXCLUDED(ledger_bad_segment, TEST_SIM_ONLY,
+              "writes a bad segment through POSIX shm_open: Windows names "
+              "a file mapping instead")
+#endif
 
 /* A segment whose lock word is of another kind (here a priority protocol
  * with a ceiling past any priority: glibc aborts in pthread_mutex_trylock
  * on it) is not locked: a device opened on it runs alone and says why;
  * one that had joined leaves without the lock. glibc's layout only. */
+#ifndef _WIN32
 TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
 #ifdef __GLIBC__
   char name[64], shm[128];
@@ -558,11 +602,17 @@ TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
   (void)ctx;
 #endif
 }
+#else
+TEST_EXCLUDED(ledger_bad_lock_kind, TEST_SIM_ONLY,
+              "writes a glibc mutex of another kind through POSIX "
+              "shm_open: the Win32 lock is a named mutex")
+#endif
 
 /* A segment another user made (0600, theirs) is not joined: the device
  * runs alone and says whose it is; the owner's ledger is left alone. As
  * root (CI) a child that became nobody makes it; otherwise our own segment
  * with no permissions stands in for a foreign one (the open fails). */
+#ifndef _WIN32
 TEST(ledger_other_users_segment, TEST_SIM_ONLY) {
   char name[64], shm[128];
   ledger_name(name, sizeof name, "user");
@@ -627,6 +677,11 @@ TEST(ledger_other_users_segment, TEST_SIM_ONLY) {
     close(down[i]);
   }
 }
+#else
+TEST_EXCLUDED(ledger_other_users_segment, TEST_SIM_ONLY,
+              "another user's segment, made by a forked setuid child: "
+              "Windows has neither")
+#endif
 
 /* --------------------------------------------------------- membership */
 
@@ -661,6 +716,7 @@ static void put_request(ledger_seg_t *seg, int k, int from, int to,
 
 /* A participant that leaves answers "nothing" to what is still posted to
  * it, and leaves an answer it gave before, not yet read, as it was. */
+#ifndef _WIN32
 TEST(ledger_leave_keeps_answers, TEST_SIM_ONLY) {
   char name[64], shm[128];
   ledger_name(name, sizeof name, "answers");
@@ -688,6 +744,10 @@ TEST(ledger_leave_keeps_answers, TEST_SIM_ONLY) {
   munmap(seg, sizeof *seg);
   ASSERT_OK(vp_device_close(stay));
 }
+#else
+TEST_EXCLUDED(ledger_leave_keeps_answers, TEST_SIM_ONLY,
+              "maps the segment through POSIX shm_open and mmap")
+#endif
 
 
 /* Room for two pinned pages of every slot at once: the test is about
@@ -715,6 +775,7 @@ static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
 /* As many processes as the ledger has slots join and leave in a loop, two
  * of them (looping until then) killed on the way:
  * every join succeeds, and once all are gone the ledger goes too. */
+#ifndef _WIN32
 TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "churn");
@@ -749,11 +810,16 @@ TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   snprintf(ledger, sizeof ledger, "sim-%s", name);
   ASSERT_RC(vp_ledger_read(ledger, buf, sizeof buf, NULL), VP_ENODEV);
 }
+#else
+TEST_EXCLUDED(ledger_join_leave_many, TEST_SIM_ONLY,
+              "SIGKILLs forked joiners: Windows has no fork")
+#endif
 
 /* ------------------------------------------------------- the model API */
 
 /* Asking for more than every participant could free frees what can be
  * freed, once (no loop), and says how much that was. */
+#ifndef _WIN32
 TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "much");
@@ -797,10 +863,15 @@ TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   peer_quit(&p);
   ASSERT_OK(vp_device_close(dev));
 }
+#else
+TEST_EXCLUDED(ledger_free_memory_too_much, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* A keep list: the kept VBARs (ours, of two devices of this process) stay
  * whole; the others go least recently used first, the peer's too. Without
  * a ledger the keep list holds as well. */
+#ifndef _WIN32
 TEST(ledger_free_memory_keep, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "keep");
@@ -843,9 +914,14 @@ TEST(ledger_free_memory_keep, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_set_external_floor(alone, 1)); /* no ledger: kept nowhere */
   ASSERT_OK(vp_device_close(alone));
 }
+#else
+TEST_EXCLUDED(ledger_free_memory_keep, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* vp_acquire's misses that our own pages could not cover are taken to the
  * other processes after the call: the next acquire finds the room. */
+#ifndef _WIN32
 TEST(ledger_acquire_asks_after, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "acq");
@@ -888,9 +964,14 @@ TEST(ledger_acquire_asks_after, TEST_SIM_ONLY) {
   free(back);
   free(host);
 }
+#else
+TEST_EXCLUDED(ledger_acquire_asks_after, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* What `vpager top` reads: the list of ledgers, one by name (read only),
  * the reservation a framework published, and a device without a ledger. */
+#ifndef _WIN32
 TEST(ledger_views, TEST_SIM_ONLY) {
   char name[64], ledger[96];
   ledger_name(name, sizeof name, "view");
@@ -935,6 +1016,11 @@ TEST(ledger_views, TEST_SIM_ONLY) {
   ASSERT_EQ_U64(freed, 0);
   ASSERT_OK(vp_device_close(alone));
 }
+#else
+TEST_EXCLUDED(ledger_views, TEST_SIM_ONLY,
+              "lists the ledgers: Windows has no listing of named file "
+              "mappings (vp__os_shm_list gives ENOSYS)")
+#endif
 
 #ifndef _WIN32 /* forks a creator and SIGKILLs it */
 /* vp__os_shm_create's init for a creator killed while it makes the
@@ -988,4 +1074,8 @@ TEST(ledger_creator_killed_midway, TEST_SIM_ONLY) {
   free(s);
   ASSERT_OK(vp_device_close(dev));
 }
+#else
+TEST_EXCLUDED(ledger_creator_killed_midway, TEST_SIM_ONLY,
+              "SIGKILLs a forked creator midway: Windows has no fork (and "
+              "its segment goes with its last handle)")
 #endif

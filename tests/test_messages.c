@@ -3,9 +3,7 @@
  * step), and its vp_last_error() must start with "<entry>: ", whichever
  * layer wrote the rest. */
 #include "test.h"
-
-#include <fcntl.h>
-#include <unistd.h>
+#include "compat.h"
 
 typedef struct walk {
   int64_t nth;

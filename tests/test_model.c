@@ -93,8 +93,7 @@ static void model_dump(model_t *m) {
   }
 }
 
-__attribute__((format(printf, 2, 3))) static void hist(model_t *m,
-                                                       const char *fmt, ...) {
+VP__PRINTF(2, 3) static void hist(model_t *m, const char *fmt, ...) {
   va_list ap;
   m->op++;
   va_start(ap, fmt);

@@ -1,9 +1,7 @@
 /* Options: defaults, VPAGER_* environment variables, vp_parse_size, the
  * log level. */
 #include "test.h"
-
-#include <sys/wait.h>
-#include <unistd.h>
+#include "compat.h"
 
 #define KiB (1024ull)
 #define MiB (1024ull * 1024)
@@ -275,6 +273,26 @@ TEST(parse_size, TEST_SIM_ONLY) {
 }
 
 /* The initial log level of a fresh process with VPAGER_LOG=value. */
+#ifdef _WIN32
+/* No fork: the runner started through _popen, with the variable set here
+ * for it to inherit (this test's process ends with the test). */
+static int initial_level(const char *value) {
+  if (value) setenv("VPAGER_LOG", value, 1);
+  else unsetenv("VPAGER_LOG");
+  char cmd[4200]; /* cmd.exe /c drops the outer quotes */
+  snprintf(cmd, sizeof cmd, "\"\"%s\" --print-log-level\"",
+           test_self_path());
+  fflush(stdout);
+  fflush(stderr);
+  FILE *p = _popen(cmd, "r");
+  ASSERT_NOT_NULL(p);
+  char buf[32] = {0};
+  size_t got = fread(buf, 1, sizeof buf - 1, p);
+  ASSERT_EQ_INT(_pclose(p), 0);
+  ASSERT_GT_U64(got, 0);
+  return atoi(buf);
+}
+#else
 static int initial_level(const char *value) {
   int fds[2];
   ASSERT_EQ_INT(pipe(fds), 0);
@@ -305,6 +323,7 @@ static int initial_level(const char *value) {
   ASSERT_GT_U64(got, 0);
   return atoi(buf);
 }
+#endif
 
 TEST(log_level, TEST_SIM_ONLY) {
   ASSERT_EQ_INT(initial_level(NULL), VP_LOG_WARN);

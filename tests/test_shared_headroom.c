@@ -8,9 +8,9 @@
  * The peer (tests/peer.c) is forked before the test opens a device of its
  * own (a device with a ledger has a thread; see peer.h). */
 #include "test.h"
+#include "compat.h"
 
 #include <signal.h>
-#include <unistd.h>
 
 #include "ledger.h" /* LEDGER_HEADROOM_NS; internal.h */
 #include "peer.h"
@@ -43,6 +43,7 @@ static uint64_t fill(vp_vbar_t v, uint64_t ps, uint64_t pages) {
   return n;
 }
 
+#ifndef _WIN32 /* forked peers */
 /* A process with a desktop's default headroom (desktop: VP_SIM_SET_DESKTOP)
  * that fills up to `pages` pages, pinned or not (then others' release
  * requests may take them); 'N' answers how many it holds, 'Q' closes its
@@ -87,6 +88,7 @@ static void peer_kill(peer_t *p) {
   close(p->to);
   close(p->from);
 }
+#endif
 
 /* ------------------------------------------------------------ tests */
 
@@ -151,6 +153,7 @@ TEST(desktop_default_headroom, TEST_SIM_ONLY) {
 /* Two processes, no budget flags: the second keeps the first's default
  * headroom free although its own is 0, so the device ends with the default
  * free; when the first leaves (or dies), its headroom goes with it. */
+#ifndef _WIN32
 TEST(shared_headroom_two_processes, TEST_SIM_ONLY) {
   char name[64];
   shared_name(name, sizeof name, "two");
@@ -185,10 +188,15 @@ TEST(shared_headroom_two_processes, TEST_SIM_ONLY) {
   ASSERT_OK(vp_unpin(v, 0, CAP * ps, 0));
   ASSERT_OK(vp_device_close(dev));
 }
+#else
+TEST_EXCLUDED(shared_headroom_two_processes, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif
 
 /* A peer that dies holding its slot: its headroom is no longer kept, read
  * again within LEDGER_HEADROOM_NS while the survivor works. And a shared
  * headroom set apart from the headroom is what the other side keeps. */
+#ifndef _WIN32
 TEST(shared_headroom_dead_peer, TEST_SIM_ONLY) {
   char name[64];
   shared_name(name, sizeof name, "dead");
@@ -215,6 +223,10 @@ TEST(shared_headroom_dead_peer, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(dev));
   ASSERT_RC(vp_device_set_shared_headroom(dev, 0), VP_EHANDLE);
 }
+#else
+TEST_EXCLUDED(shared_headroom_dead_peer, TEST_SIM_ONLY,
+              "SIGKILLs a forked peer: Windows has no fork")
+#endif
 
 /* Without a ledger the shared headroom changes nothing but what info()
  * says. */
@@ -270,6 +282,7 @@ TEST(gpu_default_headroom_shared, TEST_GPU_ONLY) {
  * acquire: the ring's miss asks the other process, and vp_acquire tries
  * once more after asking (before: VP_EOOM, "no device memory for the
  * staging ring", the first forward of the second process failed). */
+#ifndef _WIN32
 TEST(shared_ring_after_a_full_peer, TEST_SIM_ONLY) {
   char name[64];
   shared_name(name, sizeof name, "ring");
@@ -302,3 +315,7 @@ TEST(shared_ring_after_a_full_peer, TEST_SIM_ONLY) {
   free(back);
   free(host);
 }
+#else
+TEST_EXCLUDED(shared_ring_after_a_full_peer, TEST_SIM_ONLY,
+              "forks peer processes: Windows has no fork")
+#endif

@@ -2,15 +2,15 @@
  * crashes (as on a GPU), launches, and the device-wide used-memory count
  * shared between processes. */
 #include "test.h"
+#include "compat.h"
 
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 /* ------------------------------------------------------- touch crashes */
 
+#ifndef _WIN32
 static void segv_handler(int sig) {
   (void)sig;
   _exit(77);
@@ -96,6 +96,11 @@ TEST(sim_touch_crashes, TEST_SIM_ONLY) {
   ASSERT_EQ_INT(touch(ctx, TOUCH_WORKER), 1);
   ASSERT_EQ_INT(touch(ctx, TOUCH_DESTROYED), 1);
 }
+#else
+TEST_EXCLUDED(sim_touch_crashes, TEST_SIM_ONLY,
+              "touches each page in a forked child that must crash: Windows "
+              "has no fork")
+#endif
 
 /* --------------------------------------------------------------- launch */
 
@@ -185,6 +190,7 @@ TEST(sim_shared_same_process, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(b));
 }
 
+#ifndef _WIN32
 static void write_byte(int fd, char c) {
   ASSERT_EQ_INT(write(fd, &c, 1), 1);
 }
@@ -286,3 +292,9 @@ TEST(sim_shared_dead_process, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(c));
   ASSERT_OK(vp_device_close(a));
 }
+#else
+TEST_EXCLUDED(sim_shared_processes, TEST_SIM_ONLY,
+              "shares the device with a forked process: Windows has no fork")
+TEST_EXCLUDED(sim_shared_dead_process, TEST_SIM_ONLY,
+              "a forked process dies holding memory: Windows has no fork")
+#endif

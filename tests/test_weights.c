@@ -1,8 +1,7 @@
 /* Weights: bad input, source NONE, interleaved weight groups, destroy and
  * close. */
 #include "stream_fixture.h"
-
-#include <sys/mman.h>
+#include "compat.h"
 
 /* ------------------------------------------------------------- bad input */
 
