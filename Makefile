@@ -159,6 +159,7 @@ WIN_OBJDUMP ?= x86_64-w64-mingw32-objdump
 WIN_NM     ?= x86_64-w64-mingw32-nm
 WIN_BUILD  ?= build-win
 WINE       ?= $(firstword $(wildcard /usr/lib/wine/wine64) wine64)
+WINESERVER ?= $(firstword $(wildcard /usr/lib/wine/wineserver) wineserver)
 # __USE_MINGW_ANSI_STDIO: mingw's own printf, with C99's %zu and %llu.
 WIN_CFLAGS  = -std=c11 -D__USE_MINGW_ANSI_STDIO=1 -Wall -Wextra -Werror -g \
               -O2 -DVPAGER_BUILD -Iinclude -Isrc -Isrc/backend
@@ -166,11 +167,9 @@ WIN_LIB_OBJ = $(patsubst src/%.c,$(WIN_BUILD)/obj/%.o,$(call platform_src,win32)
 WIN_TEST_OBJ = $(TEST_SRC:tests/%.c=$(WIN_BUILD)/tests/%.o)
 WIN_ENV     = WINEPREFIX=$(CURDIR)/$(WIN_BUILD)/wine WINEDEBUG=-all
 
-# -Wno-format until src/'s format attributes say gnu_printf: mingw's
-# "printf" is Microsoft's, which has no %zu (the Linux build checks them).
 $(WIN_BUILD)/obj/%.o: src/%.c $(wildcard src/*.h src/backend/*.h) include/vpager.h
 	@mkdir -p $(dir $@)
-	$(WIN_CC) $(WIN_CFLAGS) -Wno-format -c $< -o $@
+	$(WIN_CC) $(WIN_CFLAGS) -c $< -o $@
 
 # -Wno-unused-function: a test TEST_EXCLUDED here leaves its helpers unused.
 $(WIN_BUILD)/tests/%.o: tests/%.c $(wildcard tests/*.h src/*.h src/backend/*.h) include/vpager.h
@@ -199,11 +198,15 @@ $(WIN_BUILD)/wine/system.reg:
 	@mkdir -p $(WIN_BUILD)/wine
 	$(WIN_ENV) $(WINE) wineboot -i
 
+# WIN_TESTS: the runner's name filters (all tests when empty).
 check-windows: $(WIN_BUILD)/vpager.dll $(WIN_BUILD)/libvpager.a $(WIN_BUILD)/tests/runner.exe $(WIN_BUILD)/wine/system.reg
-	@bad=$$($(WIN_OBJDUMP) -p $(WIN_BUILD)/vpager.dll | awk '/^\[Ordinal\/Name Pointer\] Table/ {t = 1; next} t && NF == 0 {t = 0} t {print $$NF}' | grep -v '^vp_' || true); \
+	@names=$$($(WIN_OBJDUMP) -p $(WIN_BUILD)/vpager.dll | awk '/^\[Ordinal\/Name Pointer\] Table/ \
+	  {t = 1; next} t && NF == 0 {t = 0} t {print $$NF}'); \
+	bad=$$(echo "$$names" | grep -v '^vp_' || true); \
 	if [ -n "$$bad" ]; then echo "vpager.dll exports non-vp_ symbols: $$bad"; exit 1; fi; \
-	echo "vpager.dll exports: $$($(WIN_OBJDUMP) -p $(WIN_BUILD)/vpager.dll | awk '/^\[Ordinal\/Name Pointer\] Table/ {t = 1; next} t && NF == 0 {t = 0} t' | wc -l) vp_ symbols only"
-	$(WIN_ENV) $(WINE) $(WIN_BUILD)/tests/runner.exe $(WIN_TESTS)
+	echo "vpager.dll exports $$(echo "$$names" | wc -l) functions, only vp_ ones"
+	@$(WIN_ENV) $(WINE) $(WIN_BUILD)/tests/runner.exe $(WIN_TESTS); rc=$$?; \
+	  $(WIN_ENV) $(WINESERVER) -k 2>/dev/null; exit $$rc
 
 # libFuzzer harnesses (clang): make fuzz [FUZZ_SECONDS=60] (tests/fuzz/README.md)
 include tests/fuzz/fuzz.mk

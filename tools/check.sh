@@ -62,6 +62,7 @@ step notorch "$make" check-notorch
 step install "$make" check-install
 step asan "$make" test SAN=address,undefined OPT=-O1 DEBUG=1
 step tsan "$make" test SAN=thread OPT=-O1
+step windows "$make" check-windows
 step fuzz "$make" fuzz
 
 echo "check: $passed passed, $failed failed, $skipped skipped" \
