@@ -111,8 +111,8 @@ static bool pin_reserve(vp__device_t *dev, uint64_t size, bool quiet) {
   }
   if (quiet) return false;
   if (used == UINT64_MAX)
-    fallback(dev, size, "the machine's pin ledger could not be locked "
-             "(or this is a forked child's copy of the device)");
+    fallback(dev, size, "this is a forked child's copy of the device: "
+             "it pins nothing in the parent's name");
   else
     fallback(dev, size, "the %spin budget of %llu MiB is spent (%llu MiB "
              "pinned, %llu bytes more asked)", dev->pins ? "machine's " : "",

@@ -452,9 +452,10 @@ bool vp__release_may_help(vp__device_t *dev);
 
 /* pins.c: one pinned-host budget for the machine, counted in a host-wide
  * segment (NULL dev->pins: the device counts alone, against pin_budget).
- * open/close never fail; take (device lock held) reserves `size` bytes
- * within the machine's budget (false: over it, or its lock could not be
- * had; *budget and *used say why); put gives bytes back; releasable
+ * open/close never fail; take (device lock held; lock-free across
+ * processes) reserves `size` bytes within the machine's budget (false:
+ * over it, or a forked child's copy; *budget and *used say why); put
+ * gives bytes back; releasable
  * publishes a change of what this device could give back; ask (no device
  * lock held) has other participants give back pinned bytes until `size`
  * more would fit, through their `give` callback (called by their service

@@ -8,12 +8,15 @@
  *
  * The segment's layout is in pins.h.
  *
- * Counting: a participant takes bytes only under the lock, after summing
- * every live participant's count (the dead are reaped there: a process
- * that died holding pins gives them back at the next take), so the sum
- * never passes the budget; it gives bytes back without the lock (a count
- * only falls). A lock that cannot be had (a stopped holder, a hostile
- * word) means no pinning: the caller's memory stays pageable.
+ * Counting, without the lock (a take runs under the device lock: no
+ * cross-process wait may sit there): a participant first publishes the
+ * bytes it is taking, then sums every live participant's pinned and taking
+ * bytes, and counts them pinned only if that sum is within the budget. Of
+ * two takers at once at least one sees both, so what is pinned never
+ * passes the budget, not even for a moment (both may back off: pageable,
+ * tried again later). A process that died holding pins is left out of the
+ * sum (and reaped at the next join or leave, under the lock); bytes go
+ * back without the lock too (a count only falls).
  *
  * Asking: a participant short of budget posts a request to each other live
  * participant that publishes something to give back (the pinned chunks of
@@ -33,7 +36,6 @@
 #define GiB (1ull << 30)
 #define PINS_LOCK_MS 1000 /* the lock is held for microseconds */
 #define PINS_NS_PER_GIB 60000000ull /* unpinning: ~19 ms/GiB, and a sync */
-#define PINS_STUCK_NS 5000000000ull /* a lock that timed out: pin nothing */
 #define PINS_SKIP_NS 1000000000ull  /* a peer that did not answer: skipped */
 
 struct vp__pins {
@@ -49,9 +51,7 @@ struct vp__pins {
   vp__os_thread_t thread;
   bool thread_started;
   atomic_bool stop;
-  /* A stopped lock holder costs one timeout, then no pinning for a while;
-   * a silent peer one timeout, then it is not asked for a second. */
-  _Atomic uint64_t stuck_until;
+  /* A silent peer costs one timeout, then it is not asked for a second. */
   _Atomic uint64_t skip_serial[PINS_PARTS], skip_until[PINS_PARTS];
 };
 
@@ -76,6 +76,7 @@ uint64_t vp__pins_default_budget(void) {
 
 static void part_clear(pins_part_t *p) {
   atomic_store(&p->pinned, 0);
+  atomic_store(&p->taking, 0);
   atomic_store(&p->releasable, 0);
   atomic_store(&p->serial, 0);
   atomic_store(&p->pid, 0);
@@ -370,19 +371,25 @@ static uint64_t add_sat(uint64_t a, uint64_t b) {
   return a + b < a ? UINT64_MAX : a + b;
 }
 
-/* Every live participant's pinned bytes (lock-free; the dead are left out,
- * not reaped). */
-uint64_t vp__pins_machine(const vp__device_t *dev) {
-  const vp__pins_t *pn = dev->pins;
-  if (!pn) return dev->pinned_host;
+/* The live participants' pinned bytes (lock-free), and with `taking` the
+ * bytes their takes hold; those of processes that died are left out, not
+ * reaped, when `alive` (a look at each one's process: dearer, so a take
+ * looks only when the plain sum is over). */
+static uint64_t live_sum(const vp__pins_t *pn, bool alive, bool taking) {
   uint64_t sum = 0;
   for (int i = 0; i < PINS_PARTS; i++) {
     const pins_part_t *p = &pn->seg->part[i];
-    if (atomic_load(&p->state) == PART_LIVE &&
-        (i == pn->part || part_alive(p)))
-      sum = add_sat(sum, atomic_load(&p->pinned));
+    if (atomic_load(&p->state) != PART_LIVE ||
+        (alive && i != pn->part && !part_alive(p)))
+      continue;
+    sum = add_sat(sum, atomic_load(&p->pinned));
+    if (taking) sum = add_sat(sum, atomic_load(&p->taking));
   }
   return sum;
+}
+
+uint64_t vp__pins_machine(const vp__device_t *dev) {
+  return dev->pins ? live_sum(dev->pins, true, false) : dev->pinned_host;
 }
 
 /* A forked child's copy of a device is not the participant: it pins
@@ -394,28 +401,18 @@ static bool ours(const vp__pins_t *pn) {
 bool vp__pins_take(vp__device_t *dev, uint64_t size, uint64_t *budget,
                    uint64_t *used) {
   vp__pins_t *pn = dev->pins;
-  pins_seg_t *seg = pn->seg;
-  *budget = atomic_load(&seg->budget);
-  *used = UINT64_MAX; /* unknown: the lock could not be had */
-  uint64_t now = vp__os_now_ns();
-  if (!ours(pn) || now < atomic_load(&pn->stuck_until)) return false;
-  if (seg_lock(pn) != VP_OK) {
-    atomic_store(&pn->stuck_until, now + PINS_STUCK_NS);
-    vp__log(VP_LOG_WARN, dev->caps.name, "the pin ledger %s stayed locked "
-            "(a stopped process?): nothing more is pinned for %llu s",
-            pn->shm, ULL(PINS_STUCK_NS / 1000000000u));
-    return false;
-  }
-  reap(seg);
-  uint64_t sum = 0;
-  for (int i = 0; i < PINS_PARTS; i++)
-    if (atomic_load(&seg->part[i].state) == PART_LIVE)
-      sum = add_sat(sum, atomic_load(&seg->part[i].pinned));
-  *used = sum;
-  *budget = atomic_load(&seg->budget);
-  bool ok = sum <= *budget && size <= *budget - sum;
-  if (ok) atomic_fetch_add(&seg->part[pn->part].pinned, size);
-  seg_unlock(pn);
+  *budget = atomic_load(&pn->seg->budget);
+  *used = UINT64_MAX; /* unknown: a forked child's copy counts nothing */
+  if (!ours(pn)) return false;
+  pins_part_t *mine = &pn->seg->part[pn->part];
+  atomic_fetch_add(&mine->taking, size);
+  uint64_t sum = live_sum(pn, false, true);
+  *budget = atomic_load(&pn->seg->budget);
+  if (sum > *budget) sum = live_sum(pn, true, true);
+  bool ok = sum <= *budget;
+  if (ok) atomic_fetch_add(&mine->pinned, size); /* before taking falls */
+  atomic_fetch_sub(&mine->taking, size);
+  *used = sum - size; /* what the others and we held before this take */
   return ok;
 }
 
@@ -511,11 +508,10 @@ bool vp__pins_may_help(const vp__device_t *dev) {
 }
 
 /* The others, largest giver first, until `size` more bytes fit the budget
- * (no device lock held). Returns what they gave back. Nobody is asked
- * while the lock is known stuck: nothing could be taken after. */
+ * (no device lock held). Returns what they gave back. */
 uint64_t vp__pins_ask(vp__device_t *dev, uint64_t size) {
   vp__pins_t *pn = dev->pins;
-  if (!ours(pn) || vp__os_now_ns() < atomic_load(&pn->stuck_until)) return 0;
+  if (!ours(pn)) return 0;
   pins_seg_t *seg = pn->seg;
   bool asked[PINS_PARTS] = {false};
   uint64_t got = 0;

@@ -20,7 +20,7 @@
 #include "ledger.h"
 
 #define PINS_MAGIC 0x736e697072657076ull /* "vprepins" */
-#define PINS_VERSION 1u
+#define PINS_VERSION 2u
 #define PINS_PARTS 128
 #define PINS_REQS 64
 #define PINS_PREFIX "/vpager-pins-"
@@ -32,7 +32,8 @@ typedef struct pins_part {
   _Atomic uint32_t uid;
   lword_t start, pidns, serial;
   lword_t pinned;      /* bytes it page-locked: only it writes */
-  lword_t releasable;  /* of those, what it could give back */
+  lword_t taking;      /* bytes a take of its holds while it sums */
+  lword_t releasable;  /* of those pinned, what it could give back */
   lword_t served, released;
 } pins_part_t;
 
