@@ -21,22 +21,16 @@
 
 #include "os.h"
 
-_Static_assert(sizeof(pthread_mutex_t) <= sizeof(vp__os_mutex_t) &&
-                   _Alignof(pthread_mutex_t) <= _Alignof(vp__os_mutex_t),
-               "vp__os_mutex_t cannot hold a pthread_mutex_t");
-_Static_assert(sizeof(pthread_cond_t) <= sizeof(vp__os_cond_t) &&
-                   _Alignof(pthread_cond_t) <= _Alignof(vp__os_cond_t),
-               "vp__os_cond_t cannot hold a pthread_cond_t");
-_Static_assert(sizeof(pthread_t) <= sizeof(vp__os_thread_t) &&
-                   _Alignof(pthread_t) <= _Alignof(vp__os_thread_t),
-               "vp__os_thread_t cannot hold a pthread_t");
-_Static_assert(sizeof(pthread_once_t) <= sizeof(vp__os_once_t) &&
-                   _Alignof(pthread_once_t) <= _Alignof(vp__os_once_t),
-               "vp__os_once_t cannot hold a pthread_once_t");
-_Static_assert(sizeof(pthread_mutex_t) <= sizeof(vp__os_plock_shared_t) &&
-                   _Alignof(pthread_mutex_t) <=
-                       _Alignof(vp__os_plock_shared_t),
-               "vp__os_plock_shared_t cannot hold a pthread_mutex_t");
+/* Each opaque type of os.h holds the real one it stands for. */
+#define HOLDS(box, real)                                                       \
+  _Static_assert(sizeof(real) <= sizeof(box) &&                                \
+                     _Alignof(real) <= _Alignof(box),                          \
+                 #box " cannot hold a " #real)
+HOLDS(vp__os_mutex_t, pthread_mutex_t);
+HOLDS(vp__os_cond_t, pthread_cond_t);
+HOLDS(vp__os_thread_t, pthread_t);
+HOLDS(vp__os_once_t, pthread_once_t);
+HOLDS(vp__os_plock_shared_t, pthread_mutex_t);
 
 #define SHM_DIR "/dev/shm" /* where glibc's shm_open keeps its files */
 #define CREATOR_WAIT_MS 250 /* an older build's creator between open and
