@@ -7,11 +7,15 @@
 #define WIN32_LEAN_AND_MEAN
 #include <windows.h>
 
+#include <errno.h>
 #include <io.h>
+#include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
 #include "compat.h"
+#include "test.h"
 
 void test_self_exe(char *path, size_t len) {
   DWORD n = GetModuleFileNameA(NULL, path, (DWORD)len);
@@ -119,6 +123,141 @@ static LONG WINAPI crash_exit(EXCEPTION_POINTERS *e) {
 void test_child_guard(void) {
   SetErrorMode(SEM_FAILCRITICALERRORS | SEM_NOGPFAULTERRORBOX);
   SetUnhandledExceptionFilter(crash_exit);
+}
+
+/* ------------------------------------------------------------ peers */
+
+uintptr_t test_image_base(void) { return (uintptr_t)GetModuleHandleA(NULL); }
+
+/* The processes this one started, by pid: their handles keep their exit
+ * codes (and their pids from reuse) until waited for. */
+typedef struct proc {
+  int pid;
+  HANDLE handle;
+  bool stopped;
+} proc_t;
+static proc_t g_procs[64];
+
+static proc_t *proc_of(int pid) {
+  for (size_t i = 0; i < sizeof g_procs / sizeof *g_procs; i++)
+    if (g_procs[i].handle && g_procs[i].pid == pid) return &g_procs[i];
+  return NULL;
+}
+
+static proc_t *proc_add(int pid, HANDLE handle) {
+  for (size_t i = 0; i < sizeof g_procs / sizeof *g_procs; i++)
+    if (!g_procs[i].handle) {
+      g_procs[i] = (proc_t){pid, handle, false};
+      return &g_procs[i];
+    }
+  return NULL;
+}
+
+/* A pipe whose `theirs` end the peer inherits and whose other end stays
+ * here. */
+static bool peer_pipe(HANDLE *read, HANDLE *write, bool theirs_reads) {
+  SECURITY_ATTRIBUTES sa = {sizeof sa, NULL, TRUE};
+  if (!CreatePipe(read, write, &sa, 0)) return false;
+  SetHandleInformation(theirs_reads ? *write : *read, HANDLE_FLAG_INHERIT, 0);
+  return true;
+}
+
+int test_spawn_peer(const char *args, int *to, int *from, int *pid) {
+  HANDLE down_r, down_w, up_r, up_w;
+  if (!peer_pipe(&down_r, &down_w, true)) return -1;
+  if (!peer_pipe(&up_r, &up_w, false)) {
+    CloseHandle(down_r);
+    CloseHandle(down_w);
+    return -1;
+  }
+  const char *self = test_self_path();
+  char cmd[4096];
+  snprintf(cmd, sizeof cmd, "\"%s\" --peer %s %llu %llu", self, args,
+           (unsigned long long)(uintptr_t)down_r,
+           (unsigned long long)(uintptr_t)up_w);
+  STARTUPINFOA si;
+  memset(&si, 0, sizeof si);
+  si.cb = sizeof si;
+  si.dwFlags = STARTF_USESTDHANDLES; /* the test's output file */
+  si.hStdInput = GetStdHandle(STD_INPUT_HANDLE);
+  si.hStdOutput = GetStdHandle(STD_OUTPUT_HANDLE);
+  si.hStdError = GetStdHandle(STD_ERROR_HANDLE);
+  PROCESS_INFORMATION pi;
+  /* It joins this test's job: it dies with the test. */
+  BOOL ok = CreateProcessA(self, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si,
+                           &pi);
+  CloseHandle(down_r);
+  CloseHandle(up_w);
+  if (!ok || !proc_add((int)pi.dwProcessId, pi.hProcess)) {
+    if (ok) {
+      TerminateProcess(pi.hProcess, 1);
+      CloseHandle(pi.hProcess);
+      CloseHandle(pi.hThread);
+    }
+    CloseHandle(down_w);
+    CloseHandle(up_r);
+    return -1;
+  }
+  CloseHandle(pi.hThread);
+  *pid = (int)pi.dwProcessId;
+  *to = _open_osfhandle((intptr_t)down_w, _O_WRONLY | _O_BINARY);
+  *from = _open_osfhandle((intptr_t)up_r, _O_RDONLY | _O_BINARY);
+  return *to >= 0 && *from >= 0 ? 0 : -1;
+}
+
+/* ntdll's process-wide suspend and resume (every thread at once). */
+typedef LONG(NTAPI *nt_process_fn)(HANDLE);
+
+static bool nt_process(const char *name, HANDLE h) {
+  FARPROC f = GetProcAddress(GetModuleHandleA("ntdll.dll"), name);
+  if (!f) return false;
+  nt_process_fn fn;
+  memcpy(&fn, &f, sizeof fn);
+  return fn(h) >= 0;
+}
+
+/* The exit code a SIGKILLed process ends with: told apart from exit(n). */
+#define KILLED_CODE(sig) (0xDEAD0000u | (unsigned)(sig))
+
+int kill(int pid, int sig) {
+  proc_t *p = proc_of(pid);
+  if (!p) {
+    errno = ESRCH;
+    return -1;
+  }
+  bool ok = true;
+  if (sig == SIGKILL) ok = TerminateProcess(p->handle, KILLED_CODE(sig));
+  else if (sig == SIGSTOP) ok = p->stopped = nt_process("NtSuspendProcess",
+                                                         p->handle);
+  else if (sig == SIGCONT) {
+    ok = nt_process("NtResumeProcess", p->handle);
+    if (ok) p->stopped = false;
+  } else if (sig != 0) ok = false;
+  if (!ok) errno = EINVAL;
+  return ok ? 0 : -1;
+}
+
+int waitpid(int pid, int *status, int options) {
+  proc_t *p = proc_of(pid);
+  if (!p) {
+    errno = ECHILD;
+    return -1;
+  }
+  int st = 0;
+  if ((options & WUNTRACED) && p->stopped) {
+    st = 0x7f | (SIGSTOP << 8);
+  } else {
+    WaitForSingleObject(p->handle, INFINITE);
+    DWORD code = 1;
+    GetExitCodeProcess(p->handle, &code);
+    if ((code & 0xffff0000u) == KILLED_CODE(0)) st = (int)(code & 0x7f);
+    else if (code >= 0xC0000000u) st = SIGSEGV;
+    else st = (int)(code & 0xff) << 8;
+    CloseHandle(p->handle);
+    p->handle = NULL;
+  }
+  if (status) *status = st;
+  return pid;
 }
 
 #endif /* _WIN32 */

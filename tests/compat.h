@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -69,6 +70,28 @@ void test_self_exe(char *path, size_t len);
 FILE *test_child_run(const char *self, const char *full, unsigned timeout_s,
                      char *why, size_t len);
 void test_child_guard(void);
+
+/* Peers (peer.c): this program's image base, and `self --peer args IN
+ * OUT` started with two pipes, the peer's ends' handles in IN and OUT;
+ * to and from get ours, pid its process id: 0, else -1. */
+uintptr_t test_image_base(void);
+int test_spawn_peer(const char *args, int *to, int *from, int *pid);
+
+/* Processes as the tests treat them (child_win32.c): SIGKILL is
+ * TerminateProcess, SIGSTOP and SIGCONT suspend and resume every thread;
+ * waitpid's status is POSIX's (an exception reads as SIGSEGV), and with
+ * WUNTRACED a suspended process reads as stopped at once. */
+#define SIGKILL 9
+#define SIGCONT 18
+#define SIGSTOP 19
+#define WUNTRACED 2
+#define WIFEXITED(s) (((s) & 0x7f) == 0)
+#define WEXITSTATUS(s) (((s) >> 8) & 0xff)
+#define WIFSIGNALED(s) (((s) & 0x7f) != 0 && ((s) & 0x7f) != 0x7f)
+#define WTERMSIG(s) ((s) & 0x7f)
+#define WIFSTOPPED(s) (((s) & 0xff) == 0x7f)
+int kill(int pid, int sig);
+int waitpid(int pid, int *status, int options);
 
 /* C11's aligned_alloc, which msvcrt lacks; freed with its own call. */
 static inline void *test_aligned_alloc(size_t align, size_t size) {

@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "compat.h"
+#include "peer.h"
 
 extern char **environ;
 
@@ -391,7 +392,6 @@ void test_clear_vpager_env(void) {
   }
 }
 
-#ifndef _WIN32
 int test_wait(int pid) {
   int st = 0;
   while (waitpid(pid, &st, 0) < 0) {
@@ -399,7 +399,6 @@ int test_wait(int pid) {
   }
   return st;
 }
-#endif
 
 static char g_self[4096];
 
@@ -630,19 +629,49 @@ static int print_log_level(void) {
  * main's copy of the pointer may be gone from its stack). */
 static char **g_filters;
 
-/* The child mode of Windows' runner: run the test named `full`
- * ("backend/name") here; exits. */
-static int run_child(const backend_t *backends, int nb, const char *full) {
+#ifdef _WIN32
+/* The test named `full` ("backend/name") and its backend: false if none. */
+static bool find_test(const backend_t *backends, int nb, const char *full,
+                      const test_entry_t **t, const backend_t **b) {
   for (int bi = 0; bi < nb; bi++) {
     size_t n = strlen(backends[bi].name);
     if (strncmp(full, backends[bi].name, n) != 0 || full[n] != '/') continue;
-    for (size_t i = 0; i < g_ntests; i++)
-      if (g_tests[i].fn && strcmp(g_tests[i].name, full + n + 1) == 0)
-        child_run(&g_tests[i], &backends[bi]);
+    for (size_t i = 0; i < g_ntests; i++) {
+      if (g_tests[i].fn && strcmp(g_tests[i].name, full + n + 1) == 0) {
+        *t = &g_tests[i];
+        *b = &backends[bi];
+        return true;
+      }
+    }
   }
-  fprintf(stderr, "runner --child: no test %s\n", full);
+  fprintf(stderr, "runner: no test %s\n", full);
+  return false;
+}
+
+/* The modes of Windows' runner started again, in place of a fork: a test
+ * (--child backend/name), or a peer of one (--peer backend/name OFFSET
+ * IN OUT, peer.c). Neither returns on success. */
+static int run_child(const backend_t *backends, int nb, const char *full) {
+  const test_entry_t *t;
+  const backend_t *b;
+  if (find_test(backends, nb, full, &t, &b)) child_run(t, b);
   return 2;
 }
+
+static int run_peer(const backend_t *backends, int nb, char **argv) {
+  const test_entry_t *t;
+  const backend_t *b;
+  if (!find_test(backends, nb, argv[0], &t, &b)) return 2;
+  test_ctx_t ctx = {t->name, b->name, b->kind};
+  uintptr_t offset = (uintptr_t)strtoull(argv[1], NULL, 16);
+  int in = _open_osfhandle((intptr_t)strtoull(argv[2], NULL, 10),
+                           _O_RDONLY | _O_BINARY);
+  int out = _open_osfhandle((intptr_t)strtoull(argv[3], NULL, 10),
+                            _O_WRONLY | _O_BINARY);
+  if (in < 0 || out < 0) return 2;
+  peer_serve(&ctx, offset, in, out);
+}
+#endif
 
 int main(int argc, char **argv) {
   bool list = false, verbose = false;
@@ -665,14 +694,20 @@ int main(int argc, char **argv) {
       free(filters);
       return print_log_level();
     }
+#ifdef _WIN32
     if (strcmp(argv[i], "--child") == 0 && i + 1 < argc) {
       free(filters);
-#ifdef _WIN32
       test_child_guard();
-#endif
       setvbuf(stdout, NULL, _IOLBF, 0);
       return run_child(backends, 2, argv[i + 1]);
     }
+    if (strcmp(argv[i], "--peer") == 0 && i + 4 < argc) {
+      free(filters);
+      test_child_guard();
+      setvbuf(stdout, NULL, _IOLBF, 0);
+      return run_peer(backends, 2, argv + i + 1);
+    }
+#endif
     if (strcmp(argv[i], "-l") == 0) list = true;
     else if (strcmp(argv[i], "-v") == 0) verbose = true;
     else filters[nf++] = argv[i];

@@ -268,10 +268,8 @@ bool test_check_pattern(vp_device_t dev, uint64_t addr, uint64_t size,
 
 /* Remove every VPAGER_* variable from the environment. */
 void test_clear_vpager_env(void);
-#ifndef _WIN32
 /* Wait for a child process; returns its wait status. */
 int test_wait(int pid);
-#endif
 /* The path of the running test binary (for re-exec). */
 const char *test_self_path(void);
 

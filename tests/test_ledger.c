@@ -59,14 +59,23 @@ static int count_of(const char *s, const char *needle) {
 
 /* ---------------------------------------------------------------- peers */
 
+/* No pointers: a Windows peer gets a copy of these bytes. */
 typedef struct peer_cfg {
-  const char *name;   /* the shared device */
+  char name[64];      /* the shared device */
   uint64_t cap;       /* its capacity, pages */
   uint64_t pages;     /* the peer's model */
   uint64_t key;       /* its bytes' pattern */
-  const char *label;
+  char label[VP_LABEL_MAX]; /* "": none */
   int streams;        /* vp_sim_streams_t */
 } peer_cfg_t;
+
+static peer_cfg_t cfg(const char *name, uint64_t cap, uint64_t pages,
+                      uint64_t key, const char *label, int streams) {
+  peer_cfg_t c = {.cap = cap, .pages = pages, .key = key, .streams = streams};
+  snprintf(c.name, sizeof c.name, "%s", name);
+  snprintf(c.label, sizeof c.label, "%s", label ? label : "");
+  return c;
+}
 
 typedef struct model {
   vp_device_t dev;
@@ -111,7 +120,7 @@ static void model_open(test_ctx_t *ctx, const peer_cfg_t *c, model_t *m) {
   m->pages = c->pages;
   m->key = c->key;
   m->v = test_vbar(m->dev, c->pages * m->ps);
-  if (c->label) ASSERT_OK(vp_vbar_set_label(m->v, c->label));
+  if (c->label[0]) ASSERT_OK(vp_vbar_set_label(m->v, c->label));
 }
 
 static void sleep_fn(void *arg) {
@@ -131,7 +140,6 @@ static uint64_t slow_fence(model_t *m) {
   return 0;
 }
 
-#ifndef _WIN32 /* forked peers */
 /* Commands: R run a pass (prioritized first), T touch (a pass as it is),
  * P a pass keeping pages pinned, U unpin, C resident page count, W a slow
  * fence on the last page, Q quit. Each answers a number. */
@@ -163,7 +171,6 @@ static void peer_reap(peer_t *p) {
   close(p->to);
   close(p->from);
 }
-#endif
 
 /* ---------------------------------------------------------------- tests */
 
@@ -194,8 +201,8 @@ TEST_EXCLUDED(ledger_ours_needs_our_pid_namespace, TEST_SIM_ONLY,
 TEST(ledger_two_devices, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "two");
-  peer_cfg_t ca = {name, 8, 6, 100, "idle-model", VP_SIM_SYNC};
-  peer_cfg_t cb = {name, 8, 6, 200, "busy-model", VP_SIM_SYNC};
+  peer_cfg_t ca = cfg(name, 8, 6, 100, "idle-model", VP_SIM_SYNC);
+  peer_cfg_t cb = cfg(name, 8, 6, 200, "busy-model", VP_SIM_SYNC);
   model_t a, b;
   model_open(ctx, &ca, &a);
   model_open(ctx, &cb, &b);
@@ -224,16 +231,15 @@ TEST(ledger_two_devices, TEST_SIM_ONLY) {
 /* Three processes whose models together are twice the shared capacity (one
  * alone is larger than it) take turns: the one whose turn it is gets every
  * page the idle ones hold, and every byte is checked in every pass. */
-#ifndef _WIN32
 TEST(ledger_alternating_processes, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "alt");
   static const uint64_t sizes[3] = {8, 8, 16};
   peer_t p[3];
   for (int i = 0; i < 3; i++) {
-    peer_cfg_t c = {name, PAGES_CAP, sizes[i], 1000u * (i + 1), NULL,
-                    i == 1 ? VP_SIM_WORKER : VP_SIM_SYNC};
-    p[i] = peer_start(ctx, peer_main, &c);
+    peer_cfg_t c = cfg(name, PAGES_CAP, sizes[i], 1000u * (i + 1), NULL,
+                       i == 1 ? VP_SIM_WORKER : VP_SIM_SYNC);
+    p[i] = peer_start(ctx, peer_main, &c, sizeof c);
   }
   uint64_t rounds = test_scale(6);
   for (uint64_t r = 0; r < rounds; r++)
@@ -247,27 +253,22 @@ TEST(ledger_alternating_processes, TEST_SIM_ONLY) {
     }
   for (int i = 0; i < 3; i++) peer_quit(&p[i]);
 }
-#else
-TEST_EXCLUDED(ledger_alternating_processes, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* The order is least recently used first over every process: a model
  * loaded long ago in an idle process goes before a busy process's, and a
  * model with pinned pages is never a victim. */
-#ifndef _WIN32
 TEST(ledger_idle_before_active, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "lru");
-  peer_cfg_t ci = {name, PAGES_CAP, 4, 10, "idle", VP_SIM_SYNC};
-  peer_cfg_t cb = {name, PAGES_CAP, 4, 20, "busy", VP_SIM_SYNC};
-  peer_t idle = peer_start(ctx, peer_main, &ci);
-  peer_t busy = peer_start(ctx, peer_main, &cb);
+  peer_cfg_t ci = cfg(name, PAGES_CAP, 4, 10, "idle", VP_SIM_SYNC);
+  peer_cfg_t cb = cfg(name, PAGES_CAP, 4, 20, "busy", VP_SIM_SYNC);
+  peer_t idle = peer_start(ctx, peer_main, &ci, sizeof ci);
+  peer_t busy = peer_start(ctx, peer_main, &cb, sizeof cb);
   ASSERT_EQ_U64(peer_do(&idle, 'R'), 4);
   test_sleep_ms(20); /* coarse clocks: make "less recently" unambiguous */
   ASSERT_EQ_U64(peer_do(&busy, 'R'), 4);
   test_sleep_ms(20);
-  peer_cfg_t cr = {name, PAGES_CAP, 12, 30, "requester", VP_SIM_SYNC};
+  peer_cfg_t cr = cfg(name, PAGES_CAP, 12, 30, "requester", VP_SIM_SYNC);
   model_t m;
   model_open(ctx, &cr, &m);
   m.pages = 6; /* 4 free, 2 from the idle process */
@@ -291,21 +292,16 @@ TEST(ledger_idle_before_active, TEST_SIM_ONLY) {
   peer_quit(&busy);
   ASSERT_OK(vp_device_close(m.dev));
 }
-#else
-TEST_EXCLUDED(ledger_idle_before_active, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* Our own older VBAR goes before another process's newer one; theirs
  * older than ours goes first. */
-#ifndef _WIN32
 TEST(ledger_own_older_first, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "own");
-  peer_cfg_t cp = {name, 8, 4, 40, "peer", VP_SIM_SYNC};
+  peer_cfg_t cp = cfg(name, 8, 4, 40, "peer", VP_SIM_SYNC);
   /* forked before we have threads */
-  peer_t peer = peer_start(ctx, peer_main, &cp);
-  peer_cfg_t cr = {name, 8, 4, 30, "old-own", VP_SIM_SYNC};
+  peer_t peer = peer_start(ctx, peer_main, &cp, sizeof cp);
+  peer_cfg_t cr = cfg(name, 8, 4, 30, "old-own", VP_SIM_SYNC);
   model_t old;
   model_open(ctx, &cr, &old);
   ASSERT_EQ_U64(model_pass(&old, false), 4);
@@ -323,10 +319,6 @@ TEST(ledger_own_older_first, TEST_SIM_ONLY) {
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(old.dev));
 }
-#else
-TEST_EXCLUDED(ledger_own_older_first, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* ------------------------------------------------------------- faults */
 
@@ -348,7 +340,7 @@ TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
   char name[64], shm[128];
   ledger_name(name, sizeof name, "kill");
   shm_of(shm, sizeof shm, name);
-  peer_cfg_t ck = {name, 8, 3, 10, "doomed", VP_SIM_SYNC};
+  peer_cfg_t ck = cfg(name, 8, 3, 10, "doomed", VP_SIM_SYNC);
   int sync[2];
   ASSERT_EQ_INT(pipe(sync), 0);
   fflush(stdout);
@@ -400,12 +392,11 @@ TEST_EXCLUDED(ledger_sigkill_lock_holder, TEST_SIM_ONLY,
 /* A holder killed while it answers (its eviction waits for a fence): the
  * requester gives up after the timeout and goes on; the dead one's memory
  * and its place in the ledger come back. */
-#ifndef _WIN32
 TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "mid");
-  peer_cfg_t cp = {name, 8, 4, 10, "slow", VP_SIM_WORKER};
-  peer_t p = peer_start(ctx, peer_main, &cp);
+  peer_cfg_t cp = cfg(name, 8, 4, 10, "slow", VP_SIM_WORKER);
+  peer_t p = peer_start(ctx, peer_main, &cp, sizeof cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
   ASSERT_EQ_U64(peer_do(&p, 'W'), 0);
   vp_options_t o;
@@ -436,20 +427,15 @@ TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(other));
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(ledger_sigkill_while_answering, TEST_SIM_ONLY,
-              "SIGKILLs a forked peer: Windows has no fork")
-#endif
 
 /* A stopped holder: the request times out, the requester goes on (a miss)
  * and skips the holder for a second instead of waiting again; once it runs
  * again it answers. */
-#ifndef _WIN32
 TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "stop");
-  peer_cfg_t cp = {name, 8, 4, 10, "stopped", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, peer_main, &cp);
+  peer_cfg_t cp = cfg(name, 8, 4, 10, "stopped", VP_SIM_SYNC);
+  peer_t p = peer_start(ctx, peer_main, &cp, sizeof cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);
@@ -479,11 +465,6 @@ TEST(ledger_sigstop_peer, TEST_SIM_ONLY) {
   peer_quit(&p);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(ledger_sigstop_peer, TEST_SIM_ONLY,
-              "SIGSTOPs a forked peer: Windows has neither fork nor "
-              "SIGSTOP")
-#endif
 
 #ifndef _WIN32 /* POSIX shm */
 /* Write a segment by hand: `size` bytes, the header words given. */
@@ -819,12 +800,11 @@ TEST_EXCLUDED(ledger_join_leave_many, TEST_SIM_ONLY,
 
 /* Asking for more than every participant could free frees what can be
  * freed, once (no loop), and says how much that was. */
-#ifndef _WIN32
 TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "much");
-  peer_cfg_t cp = {name, 8, 4, 10, "peer", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, peer_main, &cp);
+  peer_cfg_t cp = cfg(name, 8, 4, 10, "peer", VP_SIM_SYNC);
+  peer_t p = peer_start(ctx, peer_main, &cp, sizeof cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 4);
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);
@@ -863,20 +843,15 @@ TEST(ledger_free_memory_too_much, TEST_SIM_ONLY) {
   peer_quit(&p);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(ledger_free_memory_too_much, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* A keep list: the kept VBARs (ours, of two devices of this process) stay
  * whole; the others go least recently used first, the peer's too. Without
  * a ledger the keep list holds as well. */
-#ifndef _WIN32
 TEST(ledger_free_memory_keep, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "keep");
-  peer_cfg_t cp = {name, 12, 3, 10, "peer", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, peer_main, &cp);
+  peer_cfg_t cp = cfg(name, 12, 3, 10, "peer", VP_SIM_SYNC);
+  peer_t p = peer_start(ctx, peer_main, &cp, sizeof cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 3);
   vp_options_t o;
   shared_opts(ctx, &o, name, 12);
@@ -914,19 +889,14 @@ TEST(ledger_free_memory_keep, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_set_external_floor(alone, 1)); /* no ledger: kept nowhere */
   ASSERT_OK(vp_device_close(alone));
 }
-#else
-TEST_EXCLUDED(ledger_free_memory_keep, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* vp_acquire's misses that our own pages could not cover are taken to the
  * other processes after the call: the next acquire finds the room. */
-#ifndef _WIN32
 TEST(ledger_acquire_asks_after, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "acq");
-  peer_cfg_t cp = {name, 8, 6, 10, "peer", VP_SIM_SYNC};
-  peer_t p = peer_start(ctx, peer_main, &cp);
+  peer_cfg_t cp = cfg(name, 8, 6, 10, "peer", VP_SIM_SYNC);
+  peer_t p = peer_start(ctx, peer_main, &cp, sizeof cp);
   ASSERT_EQ_U64(peer_do(&p, 'R'), 6);
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);
@@ -964,10 +934,6 @@ TEST(ledger_acquire_asks_after, TEST_SIM_ONLY) {
   free(back);
   free(host);
 }
-#else
-TEST_EXCLUDED(ledger_acquire_asks_after, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* What `vpager top` reads: the list of ledgers, one by name (read only),
  * the reservation a framework published, and a device without a ledger. */

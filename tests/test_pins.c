@@ -57,17 +57,13 @@ static uint64_t churn(vp_device_t dev) {
   return most;
 }
 
-#ifndef _WIN32 /* POSIX shm and forked peers */
-/* The pin ledger `name` mapped as it is (the test's own view of it). */
+/* The pin ledger `name` mapped as it is (the test's own view of it,
+ * through the platform layer: a named segment on either platform). */
 static pins_seg_t *seg_map(const char *name) {
   char shm[128];
   snprintf(shm, sizeof shm, PINS_PREFIX "%s", name);
-  int fd = shm_open(shm, O_RDWR, 0);
-  ASSERT_GE_INT(fd, 0);
-  void *p = mmap(NULL, sizeof(pins_seg_t), PROT_READ | PROT_WRITE,
-                 MAP_SHARED, fd, 0);
-  close(fd);
-  ASSERT_TRUE(p != MAP_FAILED);
+  void *p = NULL;
+  ASSERT_EQ_INT(vp__os_shm_open(shm, true, sizeof(pins_seg_t), &p, NULL), 0);
   return p;
 }
 
@@ -77,7 +73,7 @@ static pins_seg_t *seg_map(const char *name) {
  * lock and keep it, 'U' give it back, 'D' take it and die, 'F' free it,
  * 'Q' quit. */
 typedef struct pins_peer {
-  const char *name;
+  char name[64]; /* no pointers: a Windows peer gets a copy */
   uint64_t budget, size;
 } pins_peer_t;
 
@@ -125,7 +121,7 @@ static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
     if (cmd == 'U') {
       vp__os_plock_unlock(&held_lock);
       vp__os_plock_close(&held_lock);
-      munmap(held, sizeof *held);
+      vp__os_shm_unmap(held, sizeof *held);
     }
     if (cmd == 'F') ASSERT_OK(vp_hostbuf_free(hb));
     if (cmd == 'Q') break;
@@ -137,15 +133,14 @@ static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
 
 static peer_t pins_peer(test_ctx_t *ctx, const char *name, uint64_t budget,
                         uint64_t size) {
-  pins_peer_t c = {name, budget, size};
-  return peer_start(ctx, peer_main, &c);
+  pins_peer_t c = {"", budget, size};
+  snprintf(c.name, sizeof c.name, "%s", name);
+  return peer_start(ctx, peer_main, &c, sizeof c);
 }
-#endif
 
 /* ---------------------------------------------------------------- tests */
 
 /* Two processes' pinned bytes are one count, which each sees. */
-#ifndef _WIN32
 TEST(pins_count_across_processes, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "count");
@@ -167,14 +162,9 @@ TEST(pins_count_across_processes, TEST_SIM_ONLY) {
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_count_across_processes, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* Short of budget, a process asks: the other gives its host buffer's pins
  * back (its bytes intact, pageable), and the sum stays within the budget. */
-#ifndef _WIN32
 TEST(pins_other_process_gives_back, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "ask");
@@ -195,14 +185,9 @@ TEST(pins_other_process_gives_back, TEST_SIM_ONLY) {
   ASSERT_OK(vp_hostbuf_free(hb));
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_other_process_gives_back, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* Nothing is locked beyond the budget: what does not fit stays pageable
  * (a usable buffer, counted as a fallback), whoever holds the rest. */
-#ifndef _WIN32
 TEST(pins_never_beyond_budget, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "cap");
@@ -239,14 +224,9 @@ TEST(pins_never_beyond_budget, TEST_SIM_ONLY) {
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_never_beyond_budget, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* Both processes pin and free at once, asking each other: the machine's
  * total never passes the budget at any check, and ends at nothing. */
-#ifndef _WIN32
 TEST(pins_budget_holds_under_churn, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "churn");
@@ -263,14 +243,9 @@ TEST(pins_budget_holds_under_churn, TEST_SIM_ONLY) {
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_budget_holds_under_churn, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* A peer that does not answer (stopped) costs one timeout: what does not
  * fit stays pageable, and the peer is not asked again for a while. */
-#ifndef _WIN32
 TEST(pins_silent_peer_skipped, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "silent");
@@ -302,17 +277,11 @@ TEST(pins_silent_peer_skipped, TEST_SIM_ONLY) {
   peer_quit(&peer);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_silent_peer_skipped, TEST_SIM_ONLY,
-              "SIGSTOPs a forked peer: Windows has neither fork nor "
-              "SIGSTOP")
-#endif
 
 /* The pin ledger's lock held by a stopped process: pinning goes on at once
  * (a take needs no lock: the device lock never waits on another process);
  * a holder that dies with it: the next one to join recovers it and reaps
  * the dead. */
-#ifndef _WIN32
 TEST(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "lock");
@@ -351,14 +320,9 @@ TEST(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY) {
   ASSERT_OK(vp_hostbuf_free(a));
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_lock_stuck_or_owner_dead, TEST_SIM_ONLY,
-              "a forked peer dies holding the lock: Windows has no fork")
-#endif
 
 /* A device opened while the pin ledger's lock stays taken waits one lock
  * timeout, not one per join attempt, and counts its pinned memory alone. */
-#ifndef _WIN32
 TEST(pins_open_with_lock_stuck, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "stuckopen");
@@ -378,15 +342,10 @@ TEST(pins_open_with_lock_stuck, TEST_SIM_ONLY) {
   peer_do(&peer, 'U');
   peer_quit(&peer);
 }
-#else
-TEST_EXCLUDED(pins_open_with_lock_stuck, TEST_SIM_ONLY,
-              "a forked peer holds the lock: Windows has no fork")
-#endif
 
 /* The lock held by a stopped process while the budget is spent: the
  * others are still asked, give back, and the bytes are taken (asking and
  * taking need no lock), never past the budget. */
-#ifndef _WIN32
 TEST(pins_lock_stuck_others_still_give, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "stuckask");
@@ -410,13 +369,8 @@ TEST(pins_lock_stuck_others_still_give, TEST_SIM_ONLY) {
   peer_quit(&giver);
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_lock_stuck_others_still_give, TEST_SIM_ONLY,
-              "a forked peer holds the lock: Windows has no fork")
-#endif
 
 /* A process killed with pins held: its count goes with it. */
-#ifndef _WIN32
 TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "dead");
@@ -436,10 +390,6 @@ TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
   ASSERT_OK(vp_hostbuf_free(hb));
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(pins_dead_process_reaped, TEST_SIM_ONLY,
-              "SIGKILLs a forked peer: Windows has no fork")
-#endif
 
 /* The ledger off: the device counts alone, within its own budget. */
 TEST(pins_alone_without_ledger, TEST_SIM_ONLY) {

@@ -43,13 +43,12 @@ static uint64_t fill(vp_vbar_t v, uint64_t ps, uint64_t pages) {
   return n;
 }
 
-#ifndef _WIN32 /* forked peers */
 /* A process with a desktop's default headroom (desktop: VP_SIM_SET_DESKTOP)
  * that fills up to `pages` pages, pinned or not (then others' release
  * requests may take them); 'N' answers how many it holds, 'Q' closes its
  * device, and killed it dies holding it. */
 typedef struct headroom_peer {
-  const char *name;
+  char name[64]; /* no pointers: a Windows peer gets a copy */
   uint64_t desktop, pages;
   bool pinned;
 } headroom_peer_t;
@@ -73,8 +72,9 @@ static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
 static peer_t peer_start_pinned(test_ctx_t *ctx, const char *name,
                                 uint64_t desktop, uint64_t pages,
                                 bool pinned) {
-  headroom_peer_t c = {name, desktop, pages, pinned};
-  return peer_start(ctx, peer_main, &c);
+  headroom_peer_t c = {"", desktop, pages, pinned};
+  snprintf(c.name, sizeof c.name, "%s", name);
+  return peer_start(ctx, peer_main, &c, sizeof c);
 }
 
 static peer_t headroom_peer(test_ctx_t *ctx, const char *name,
@@ -88,7 +88,6 @@ static void peer_kill(peer_t *p) {
   close(p->to);
   close(p->from);
 }
-#endif
 
 /* ------------------------------------------------------------ tests */
 
@@ -153,7 +152,6 @@ TEST(desktop_default_headroom, TEST_SIM_ONLY) {
 /* Two processes, no budget flags: the second keeps the first's default
  * headroom free although its own is 0, so the device ends with the default
  * free; when the first leaves (or dies), its headroom goes with it. */
-#ifndef _WIN32
 TEST(shared_headroom_two_processes, TEST_SIM_ONLY) {
   char name[64];
   shared_name(name, sizeof name, "two");
@@ -188,15 +186,10 @@ TEST(shared_headroom_two_processes, TEST_SIM_ONLY) {
   ASSERT_OK(vp_unpin(v, 0, CAP * ps, 0));
   ASSERT_OK(vp_device_close(dev));
 }
-#else
-TEST_EXCLUDED(shared_headroom_two_processes, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
 
 /* A peer that dies holding its slot: its headroom is no longer kept, read
  * again within LEDGER_HEADROOM_NS while the survivor works. And a shared
  * headroom set apart from the headroom is what the other side keeps. */
-#ifndef _WIN32
 TEST(shared_headroom_dead_peer, TEST_SIM_ONLY) {
   char name[64];
   shared_name(name, sizeof name, "dead");
@@ -223,10 +216,6 @@ TEST(shared_headroom_dead_peer, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(dev));
   ASSERT_RC(vp_device_set_shared_headroom(dev, 0), VP_EHANDLE);
 }
-#else
-TEST_EXCLUDED(shared_headroom_dead_peer, TEST_SIM_ONLY,
-              "SIGKILLs a forked peer: Windows has no fork")
-#endif
 
 /* Without a ledger the shared headroom changes nothing but what info()
  * says. */
@@ -282,7 +271,6 @@ TEST(gpu_default_headroom_shared, TEST_GPU_ONLY) {
  * acquire: the ring's miss asks the other process, and vp_acquire tries
  * once more after asking (before: VP_EOOM, "no device memory for the
  * staging ring", the first forward of the second process failed). */
-#ifndef _WIN32
 TEST(shared_ring_after_a_full_peer, TEST_SIM_ONLY) {
   char name[64];
   shared_name(name, sizeof name, "ring");
@@ -315,7 +303,3 @@ TEST(shared_ring_after_a_full_peer, TEST_SIM_ONLY) {
   free(back);
   free(host);
 }
-#else
-TEST_EXCLUDED(shared_ring_after_a_full_peer, TEST_SIM_ONLY,
-              "forks peer processes: Windows has no fork")
-#endif
