@@ -90,6 +90,26 @@ check-abi:
 	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
 
+# The HIP backend against ROCm's headers (Debian's libamdhip64-dev: ROCm
+# 5.2; or /opt/rocm): it builds, and hip_abi.h matches
+# hip/hip_runtime_api.h, so a signature that drifts fails here. Unlike
+# check-abi it fails without the headers: CI installs them.
+HIP_INC ?= $(firstword $(patsubst %/hip/hip_runtime_api.h,%,$(wildcard \
+             /usr/include/hip/hip_runtime_api.h \
+             /opt/rocm/include/hip/hip_runtime_api.h)) /usr/include)
+check-hip: $(BUILD)/obj/backend/hip.o $(BUILD)/obj/backend/vmm.o
+	@if [ ! -f $(HIP_INC)/hip/hip_runtime_api.h ]; then \
+	  echo "check-hip: no $(HIP_INC)/hip/hip_runtime_api.h: install ROCm's" \
+	       "HIP headers (apt-get install libamdhip64-dev) or set HIP_INC"; \
+	  exit 1; fi
+	$(CC) -std=c11 -Wall -Wextra -Werror -Wincompatible-pointer-types \
+	  -D__HIP_PLATFORM_AMD__ $(filter-out -I/usr/include,-I$(HIP_INC)) \
+	  -Isrc -Isrc/backend -Iinclude -fsyntax-only tools/hip_abi_check.c
+	@v=$$(sed -n 's/^#define HIP_VERSION_M[AI][JN]OR //p' \
+	  $(HIP_INC)/hip/hip_version.h | paste -sd.); \
+	echo "check-hip: hip.c builds; hip_abi.h matches" \
+	  "$(HIP_INC)/hip/hip_runtime_api.h (HIP $$v)"
+
 # The Python tests on the simulated device: the binding (no torch needed)
 # and vpager.torch (skips without torch; CI installs Debian's python3-torch).
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
@@ -244,5 +264,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-windows check-abi check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
+.PHONY: all test check check-windows check-abi check-hip check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
 .SECONDARY:

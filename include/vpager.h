@@ -3,7 +3,8 @@
  * This header is the whole public C API and its only documentation.
  *
  * Glossary
- *   device   A GPU (CUDA backend) or the simulated device (host memory).
+ *   device   A GPU (CUDA or HIP backend) or the simulated device (host
+ *            memory).
  *   VBAR     A reserved range of device virtual addresses, as large as a
  *            model; it costs no device memory until pages are committed.
  *   page     The unit of commit and eviction (default 32 MiB, a power of two
@@ -31,7 +32,8 @@
  *   VP_EHANDLE, never a crash. Closing a device while another thread is
  *   still calling into it is the one misuse that is not detected.
  *   Addresses and sizes are bytes. Streams are backend stream values: a
- *   CUstream on CUDA, a value from vp_stream_create() on either backend;
+ *   CUstream on CUDA, a hipStream_t on HIP, a value from vp_stream_create()
+ *   on any backend;
  *   0 is the device's default stream.
  */
 #ifndef VPAGER_H
@@ -107,9 +109,11 @@ VP_API int vp_get_log_level(void);
 /* --------------------------------------------------------------- options */
 
 typedef enum vp_backend_kind {
-  VP_BACKEND_AUTO = 0, /* CUDA when a GPU is usable, else the simulated one */
+  VP_BACKEND_AUTO = 0, /* CUDA when a GPU is usable, else HIP, else the
+                          simulated device */
   VP_BACKEND_CUDA = 1,
-  VP_BACKEND_SIM = 2
+  VP_BACKEND_SIM = 2,
+  VP_BACKEND_HIP = 3 /* AMD GPUs through ROCm 5.3 or later (libamdhip64) */
 } vp_backend_kind_t;
 
 typedef enum vp_evict_order {
@@ -135,7 +139,8 @@ typedef enum vp_sim_streams {
  * VPAGER_* environment variables), then change fields as needed. */
 typedef struct vp_options {
   uint32_t size;           /* sizeof(vp_options_t); set by vp_options_init */
-  int backend;             /* vp_backend_kind_t; VPAGER_BACKEND=auto|cuda|sim */
+  int backend;             /* vp_backend_kind_t;
+                              VPAGER_BACKEND=auto|cuda|hip|sim */
   int device_index;        /* GPU ordinal; VPAGER_DEVICE */
   uint64_t page_size;      /* bytes; VPAGER_PAGE_SIZE (default 32M); a power
                               of two, a multiple of the granularity and at
@@ -210,7 +215,8 @@ VP_API int vp_device_open(const vp_options_t *opts, vp_device_t *out);
 /* Destroy every VBAR (waiting for the fences of its pages, pinned or not)
  * and close the device. A second close gives VP_EHANDLE. */
 VP_API int vp_device_close(vp_device_t dev);
-/* The backend's name: "cuda" or "sim". Static string, NULL on a bad handle. */
+/* The backend's name: "cuda", "hip" or "sim". Static string, NULL on a bad
+ * handle. */
 VP_API const char *vp_device_backend(vp_device_t dev);
 
 typedef struct vp_device_info {
@@ -233,8 +239,9 @@ typedef struct vp_device_info {
 VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);
 /* How many devices `backend` has, none opened: VP_BACKEND_CUDA, the GPUs
  * the driver sees (0 when libcuda.so.1 cannot be loaded or initialised;
- * the reason is logged at debug); VP_BACKEND_SIM, 1. For callers that
- * would otherwise ask the driver themselves. */
+ * the reason is logged at debug); VP_BACKEND_HIP, the same for ROCm's
+ * libamdhip64; VP_BACKEND_SIM, 1. For callers that would otherwise ask
+ * the driver themselves. */
 VP_API int vp_device_count(int backend, int *count);
 /* Drop a page-lock registration another library made on host memory at
  * ptr (cuMemHostRegister / cudaHostRegister: a client's own pinned
@@ -278,8 +285,9 @@ VP_API int vp_device_reset_limits(vp_device_t dev);
 
 /* --------------------------------------------------------------- streams */
 
-/* Streams and copies, with the same meaning on both backends. On CUDA a
- * vp_stream_t is a CUstream, and the caller's own streams may be passed. */
+/* Streams and copies, with the same meaning on every backend. On CUDA a
+ * vp_stream_t is a CUstream (on HIP a hipStream_t), and the caller's own
+ * streams may be passed. */
 VP_API int vp_stream_create(vp_device_t dev, vp_stream_t *out);
 VP_API int vp_stream_destroy(vp_device_t dev, vp_stream_t stream);
 VP_API int vp_stream_synchronize(vp_device_t dev, vp_stream_t stream);

@@ -475,9 +475,10 @@ int vp_device_count(int backend, int *count) {
   VP__ENTER();
   VP__NEED(count, "count is NULL");
   *count = 0;
-  if (backend != VP_BACKEND_CUDA && backend != VP_BACKEND_SIM)
-    return vp__err(VP_EINVAL, "backend %d is not VP_BACKEND_CUDA (1) or "
-                   "VP_BACKEND_SIM (2)", backend);
+  if (backend != VP_BACKEND_CUDA && backend != VP_BACKEND_SIM &&
+      backend != VP_BACKEND_HIP)
+    return vp__err(VP_EINVAL, "backend %d is not VP_BACKEND_CUDA (1), "
+                   "VP_BACKEND_SIM (2) or VP_BACKEND_HIP (3)", backend);
   int rc = vp__be_device_count(backend, count);
   if (rc) return vp__err(rc, "counting the devices failed");
   return VP_OK;

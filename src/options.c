@@ -109,8 +109,9 @@ static int parse_word(const char *t, int *f, const char *const *words, int n) {
 }
 
 static int parse_backend(const char *t, void *f) {
-  static const char *const w[] = {"auto", "cuda", "sim"};
-  return parse_word(t, f, w, 3);
+  /* In vp_backend_kind_t's order: a word's index is its value. */
+  static const char *const w[] = {"auto", "cuda", "sim", "hip"};
+  return parse_word(t, f, w, 4);
 }
 
 static int parse_order(const char *t, void *f) {
@@ -141,7 +142,7 @@ static const struct option_entry {
   const char *accepts;
 } option_table[] = {
     {"VPAGER_BACKEND", offsetof(vp_options_t, backend), parse_backend,
-     "auto, cuda or sim"},
+     "auto, cuda, hip or sim"},
     {"VPAGER_DEVICE", offsetof(vp_options_t, device_index), parse_int,
      "a device ordinal"},
     {"VPAGER_PAGE_SIZE", offsetof(vp_options_t, page_size), parse_pow2,
@@ -261,7 +262,7 @@ int vp__options_check(const vp_options_t *o) {
   if (o->size != sizeof(vp_options_t))
     return vp__err(VP_EINVAL, "options.size is %u, expected %zu (call "
                    "vp_options_init)", o->size, sizeof(vp_options_t));
-  if (o->backend < VP_BACKEND_AUTO || o->backend > VP_BACKEND_SIM)
+  if (o->backend < VP_BACKEND_AUTO || o->backend > VP_BACKEND_HIP)
     return vp__err(VP_EINVAL, "backend %d is unknown", o->backend);
   if (!is_pow2(o->page_size))
     return vp__err(VP_EINVAL, "page size %llu is not a power of two",

@@ -55,6 +55,7 @@ step() {
 }
 
 step abi "$make" check-abi
+step hip "$make" check-hip
 step test "$make" test
 step layers "$make" check-layers
 step python "$make" check-python

@@ -24,17 +24,7 @@
 #define VP_CU_SIG_ACCESS CUmemAccessDesc
 #include "cuda_abi.h"
 
-/* Values are compared as integers: our enums and cuda.h's are distinct. */
-#define SAME(a, b)                                                             \
-  _Static_assert((long long)(a) == (long long)(b), #a " != " #b)
-#define SAME_TYPE(a, b)                                                        \
-  _Static_assert(__builtin_types_compatible_p(a, b), #a " is not " #b)
-#define SAME_SIZE(a, b)                                                        \
-  SAME(sizeof(a), sizeof(b));                                                  \
-  SAME(alignof(a), alignof(b))
-#define SAME_MEMBER(a, am, b, bm)                                              \
-  SAME(offsetof(a, am), offsetof(b, bm));                                      \
-  SAME(sizeof(((a *)0)->am), sizeof(((b *)0)->bm))
+#include "abi_check.h" /* SAME, SAME_TYPE, SAME_SIZE, SAME_MEMBER */
 
 /* ------------------------------------------------------------- types */
 
@@ -50,34 +40,17 @@ SAME_SIZE(vp_cu_context_t, CUcontext);
 SAME_SIZE(vp_cu_stream_t, CUstream);
 SAME_SIZE(vp_cu_event_t, CUevent);
 
-SAME_SIZE(vp_cu_uuid_t, CUuuid);
-SAME_MEMBER(vp_cu_uuid_t, bytes, CUuuid, bytes);
-
-SAME_SIZE(vp_cu_mem_location_t, CUmemLocation);
-SAME_MEMBER(vp_cu_mem_location_t, type, CUmemLocation, type);
-SAME_MEMBER(vp_cu_mem_location_t, id, CUmemLocation, id);
+SAME_UUID(CUuuid);
+SAME_LOCATION(CUmemLocation);
 
 SAME_SIZE(vp_cu_mem_alloc_prop_t, CUmemAllocationProp);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, type, CUmemAllocationProp, type);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, requested_handle_types,
-            CUmemAllocationProp, requestedHandleTypes);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, location, CUmemAllocationProp, location);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, win32_handle_meta_data,
-            CUmemAllocationProp, win32HandleMetaData);
+SAME_ALLOC_PROP(CUmemAllocationProp, requestedHandleTypes);
 SAME_MEMBER(vp_cu_mem_alloc_prop_t, alloc_flags, CUmemAllocationProp,
             allocFlags);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, alloc_flags.compression_type,
-            CUmemAllocationProp, allocFlags.compressionType);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, alloc_flags.gpu_direct_rdma_capable,
-            CUmemAllocationProp, allocFlags.gpuDirectRDMACapable);
-SAME_MEMBER(vp_cu_mem_alloc_prop_t, alloc_flags.usage, CUmemAllocationProp,
-            allocFlags.usage);
 SAME_MEMBER(vp_cu_mem_alloc_prop_t, alloc_flags.reserved,
             CUmemAllocationProp, allocFlags.reserved);
 
-SAME_SIZE(vp_cu_mem_access_desc_t, CUmemAccessDesc);
-SAME_MEMBER(vp_cu_mem_access_desc_t, location, CUmemAccessDesc, location);
-SAME_MEMBER(vp_cu_mem_access_desc_t, flags, CUmemAccessDesc, flags);
+SAME_ACCESS_DESC(CUmemAccessDesc);
 
 /* --------------------------------------------------------- constants */
 

@@ -8,8 +8,27 @@
 #include "internal.h"
 
 /* The backends, in the order VP_BACKEND_AUTO tries them. */
-static const vp__backend_t *const backends[] = {&vp__backend_cuda,
-                                                &vp__backend_sim};
+static const vp__backend_t *const backends[] = {
+    &vp__backend_cuda, &vp__backend_hip, &vp__backend_sim};
+
+/* The backend of each vp_backend_kind_t but AUTO, and what messages call
+ * its devices. */
+static const struct kind {
+  int kind;
+  const vp__backend_t *be;
+  const char *what;
+} kinds[] = {{VP_BACKEND_CUDA, &vp__backend_cuda, "CUDA"},
+             {VP_BACKEND_HIP, &vp__backend_hip, "HIP"},
+             {VP_BACKEND_SIM, &vp__backend_sim, "simulated"}};
+
+static const struct kind *kind_of(int kind) {
+  for (size_t i = 0; i < sizeof kinds / sizeof *kinds; i++)
+    if (kinds[i].kind == kind) return &kinds[i];
+  return NULL; /* AUTO */
+}
+
+/* CUDA and HIP: vmm.c's operations under a driver of each. */
+static bool is_gpu(const vp__backend_t *be) { return be != &vp__backend_sim; }
 
 static int result(vp__device_t *dev, int rc, const char *op) {
   if (rc == VP_EDEVICE && !atomic_exchange(&dev->broken, true))
@@ -18,17 +37,16 @@ static int result(vp__device_t *dev, int rc, const char *op) {
 }
 
 static const char *open_reason(const vp__backend_t *be) {
-  return be == &vp__backend_cuda ? vp__vmm_open_reason() : "";
+  return is_gpu(be) ? vp__vmm_open_reason() : "";
 }
 
 int vp__be_open(vp__device_t *dev) {
   int kind = dev->opts.backend;
+  const struct kind *only = kind_of(kind);
   int rc = VP_ENODEV;
   for (size_t i = 0; i < sizeof backends / sizeof *backends; i++) {
     const vp__backend_t *be = backends[i];
-    if ((kind == VP_BACKEND_CUDA && be != &vp__backend_cuda) ||
-        (kind == VP_BACKEND_SIM && be != &vp__backend_sim))
-      continue;
+    if (only && be != only->be) continue;
     rc = be->open(&dev->opts, &dev->inject, &dev->ctx, &dev->caps);
     if (rc == VP_OK) {
       dev->be = be;
@@ -39,18 +57,18 @@ int vp__be_open(vp__device_t *dev) {
             open_reason(be));
     if (rc != VP_ENODEV || kind != VP_BACKEND_AUTO) break;
   }
-  const char *why = kind == VP_BACKEND_CUDA ? vp__vmm_open_reason() : "";
+  const char *why = only ? open_reason(only->be) : "";
   return vp__err(rc, "no %s device could be opened%s%s",
-                 kind == VP_BACKEND_CUDA ? "CUDA"
-                 : kind == VP_BACKEND_SIM ? "simulated" : "usable",
-                 *why ? ": " : "", why);
+                 only ? only->what : "usable", *why ? ": " : "", why);
 }
 
 int vp__be_device_count(int kind, int *count) {
-  if (kind == VP_BACKEND_CUDA) {
-    int rc = vp__cuda_device_count(count);
+  if (kind == VP_BACKEND_CUDA || kind == VP_BACKEND_HIP) {
+    int rc = kind == VP_BACKEND_CUDA ? vp__cuda_device_count(count)
+                                     : vp__hip_device_count(count);
     if (rc == VP_OK && *count == 0)
-      vp__log(VP_LOG_DEBUG, "cuda", "no device: %s", vp__vmm_open_reason());
+      vp__log(VP_LOG_DEBUG, kind_of(kind)->be->name, "no device: %s",
+              vp__vmm_open_reason());
     return rc;
   }
   *count = 1; /* the simulated device: one per open, always there */
@@ -60,7 +78,7 @@ int vp__be_device_count(int kind, int *count) {
 void vp__be_close(vp__device_t *dev) { dev->be->close(dev->ctx); }
 
 const char *vp__be_error_detail(vp__device_t *dev) {
-  return dev->be == &vp__backend_cuda ? vp__vmm_error_name(dev->ctx) : "";
+  return is_gpu(dev->be) ? vp__vmm_error_name(dev->ctx) : "";
 }
 
 int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
@@ -69,9 +87,12 @@ int vp__be_nvml_info(vp__device_t *dev, uint64_t *dev_used,
   return vp__cuda_nvml_info(dev->ctx, dev_used, dev_total, proc_used);
 }
 
+/* HIP has no NVML: no limit known. */
 int vp__be_soft_limit(vp__device_t *dev, uint64_t *bytes) {
-  return dev->be == &vp__backend_cuda ? vp__cuda_soft_limit(dev->ctx, bytes)
-                                      : vp__sim_soft_limit(dev->ctx, bytes);
+  if (dev->be == &vp__backend_cuda) return vp__cuda_soft_limit(dev->ctx, bytes);
+  if (dev->be == &vp__backend_sim) return vp__sim_soft_limit(dev->ctx, bytes);
+  *bytes = 0;
+  return VP_OK;
 }
 
 /* The ledger is per physical device: the GPU's UUID (not its ordinal,
@@ -79,7 +100,7 @@ int vp__be_soft_limit(vp__device_t *dev, uint64_t *bytes) {
  * name; an unshared simulated device is no one else's. */
 int vp__be_ledger_key(vp__device_t *dev, char *out, size_t len) {
   int n;
-  if (dev->be == &vp__backend_cuda) {
+  if (is_gpu(dev->be)) {
     char uuid[48];
     vp__vmm_uuid_text(dev->ctx, "GPU-", uuid);
     n = snprintf(out, len, "%s", uuid);

@@ -44,7 +44,7 @@ bool vp__inject_fail(vp__inject_t *inj);
 uint64_t vp__default_headroom(uint64_t total, bool wddm);
 
 typedef struct vp__caps {
-  const char *name;        /* "cuda" or "sim": shown in logs and stats */
+  const char *name;        /* "cuda", "hip" or "sim": in logs and stats */
   uint64_t granularity;    /* bytes; page sizes are multiples of it */
   uint64_t total_memory;   /* bytes of device memory */
   uint64_t default_headroom; /* headroom when the user gives none */
@@ -102,9 +102,10 @@ typedef struct vp__backend {
 
 /* The backends, in the order VP_BACKEND_AUTO tries them. */
 extern const vp__backend_t vp__backend_cuda;
+extern const vp__backend_t vp__backend_hip;
 extern const vp__backend_t vp__backend_sim;
 
-/* The GPU backends (vmm.c, the CUDA backend's operations): why the last
+/* The GPU backends (vmm.c: CUDA's and HIP's operations): why the last
  * open on this thread failed ("" if unknown); the driver's name for ctx's
  * last failing call; the device's UUID as text after prefix ("GPU-"; 48
  * bytes with the NUL). */
@@ -117,6 +118,11 @@ void vp__vmm_uuid_text(const void *ctx, const char *prefix, char out[48]);
  * never fails but for VP_ENOMEM. Device memory as NVML sees it and this
  * process's own use. */
 int vp__cuda_device_count(int *count);
+/* HIP devices the runtime sees (0 without one, and then
+ * vp__vmm_open_reason says why); never fails. Tests: load `name` instead
+ * of the runtime's file names (before the process's first load). */
+int vp__hip_device_count(int *count);
+void vp__hip_use_library(const char *name);
 int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
                        uint64_t *proc_used);
 /* The platform's soft memory limit for this process on the device (bytes,

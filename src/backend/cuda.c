@@ -77,7 +77,7 @@ static cuda_t *as_cuda(const vp__vmm_t *g) {
  * device: ILLEGAL_ADDRESS, LAUNCH_FAILED, ECC_UNCORRECTABLE, ASSERT,
  * CONTEXT_IS_DESTROYED, DEINITIALIZED, MPS client loss, UNKNOWN, codes
  * newer than us, ...). */
-#define ONE(code, rc) {code, code, rc}
+#define ONE VP_VMM_CODE
 static const vp__vmm_code_t cu_codes[] = {
     ONE(VP_CU_SUCCESS, VP_OK),
     ONE(VP_CU_ERROR_OUT_OF_MEMORY, VP_EOOM),
@@ -117,43 +117,32 @@ static const char *cu_error_name(const vp__vmm_t *g, vp_cu_result_t r) {
 /* --------------------------------------------------------- contexts */
 
 /* Make our context current on this thread for one driver call. */
-static vp_cu_result_t enter(vp__vmm_t *g) {
+static vp_cu_result_t push_context(vp__vmm_t *g) {
   cuda_t *c = as_cuda(g);
   return c->cu.ctx_push_current(c->pctx);
 }
 
-/* Undo enter(); keeps the call's result r unless only the pop failed. */
-static vp_cu_result_t leave(vp__vmm_t *g, vp_cu_result_t r) {
+/* Undo push_context(); keeps the call's result r unless only the pop
+ * failed. */
+static vp_cu_result_t pop_context(vp__vmm_t *g, vp_cu_result_t r) {
   vp_cu_context_t popped;
   vp_cu_result_t p = as_cuda(g)->cu.ctx_pop_current(&popped);
   return r != VP_CU_SUCCESS ? r : p;
 }
 
 static const vp__vmm_driver_t cu_driver = {
-    .name = "cuda",
-    .what = "CUDA",
-    .enter = enter,
-    .leave = leave,
-    .error_name = cu_error_name,
-    .codes = cu_codes,
-    .n_codes = sizeof cu_codes / sizeof *cu_codes,
-    .not_ready = VP_CU_ERROR_NOT_READY,
+    .name = "cuda", .what = "CUDA", .error_name = cu_error_name,
+    .enter = push_context, .leave = pop_context,
+    VP_VMM_CODES(cu_codes), .not_ready = VP_CU_ERROR_NOT_READY,
     .attr_vmm = VP_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
     .attr_integrated = VP_CU_DEVICE_ATTRIBUTE_INTEGRATED,
     .host_register_read_only = VP_CU_MEMHOSTREGISTER_READ_ONLY,
-    .init_call = "cuInit",
-    .count_call = "cuDeviceGetCount",
-    .get_call = "cuDeviceGet",
-    .attribute_call = "cuDeviceGetAttribute",
-    .vmm_calls = "cuMemCreate/cuMemMap",
-};
+    .calls = {"cuInit", "cuDeviceGetCount", "cuDeviceGet",
+              "cuDeviceGetAttribute", "cuMemCreate/cuMemMap"}};
 
 /* ------------------------------------------------------------- open */
 
-static const struct entry_point {
-  const char *name;
-  size_t offset;
-} entry_points[] = {
+static const vp__vmm_symbol_t entry_points[] = {
 #define VP__CU_ENTRY(field, symbol, version, params)                           \
   {#symbol, offsetof(cu_api_t, field)},
     VP_CU_ENTRY_POINTS(VP__CU_ENTRY)
@@ -166,7 +155,7 @@ static const struct entry_point {
  * --default-stream per-thread. */
 static int resolve(cuda_t *c, vp_cu_get_proc_address_fn gpa) {
   for (size_t i = 0; i < sizeof entry_points / sizeof *entry_points; i++) {
-    const struct entry_point *e = &entry_points[i];
+    const vp__vmm_symbol_t *e = &entry_points[i];
     void *fn = NULL;
     vp_cu_proc_query_result_t status = VP_CU_GET_PROC_ADDRESS_SUCCESS;
     vp_cu_result_t r = gpa(e->name, &fn, VP_CU_ABI_VERSION,
@@ -223,19 +212,12 @@ static int retain_context(cuda_t *c) {
                            c->vmm.ordinal, cu_error_name(&c->vmm, r));
 }
 
-/* Injected failures of open are VP_ENOMEM, never VP_ENODEV: AUTO would
- * fall back to the simulated device and hide the rung under test. */
 static int cuda_open(const vp_options_t *opts, vp__inject_t *inj, void **ctx,
                      vp__caps_t *caps) {
-  vp__vmm_open_reset();
-  if (!opts || !ctx || !caps)
-    return vp__vmm_open_fail(VP_EINVAL, "NULL argument");
-  if (vp__inject_fail(inj))
-    return vp__vmm_open_fail(VP_ENOMEM, "injected failure");
-  cuda_t *c = calloc(1, sizeof *c);
-  if (!c) return vp__vmm_open_fail(VP_ENOMEM, "out of host memory");
-  c->vmm.inj = inj;
-  int rc = load_driver(c);
+  int rc;
+  cuda_t *c = as_cuda(vp__vmm_open_begin(opts, inj, ctx, caps, sizeof *c, &rc));
+  if (!c) return rc;
+  rc = load_driver(c);
   if (rc != VP_OK) goto fail_free;
   rc = vp__vmm_find_device(&c->vmm, opts->device_index);
   if (rc != VP_OK) goto fail_unload;
@@ -412,9 +394,5 @@ int vp__cuda_device_count(int *count) {
   return VP_OK; /* no driver, or no device: 0, and the reason says why */
 }
 
-const vp__backend_t vp__backend_cuda = {
-    .name = "cuda",
-    .open = cuda_open,
-    .close = cuda_close,
-    VP_VMM_BACKEND_OPS,
-};
+const vp__backend_t vp__backend_cuda =
+    VP_VMM_BACKEND("cuda", cuda_open, cuda_close);

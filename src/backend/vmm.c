@@ -9,6 +9,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "os.h"
@@ -29,6 +30,28 @@ int vp__vmm_open_fail(int code, const char *fmt, ...) {
 const char *vp__vmm_open_reason(void) { return open_reason; }
 
 void vp__vmm_open_reset(void) { open_reason[0] = '\0'; }
+
+vp__vmm_t *vp__vmm_open_begin(const vp_options_t *opts, vp__inject_t *inj,
+                              void **ctx, vp__caps_t *caps, size_t size,
+                              int *rc) {
+  vp__vmm_open_reset();
+  if (!opts || !ctx || !caps) {
+    *rc = vp__vmm_open_fail(VP_EINVAL, "NULL argument");
+    return NULL;
+  }
+  if (vp__inject_fail(inj)) {
+    *rc = vp__vmm_open_fail(VP_ENOMEM, "injected failure");
+    return NULL;
+  }
+  vp__vmm_t *g = calloc(1, size);
+  if (!g) {
+    *rc = vp__vmm_open_fail(VP_ENOMEM, "out of host memory");
+    return NULL;
+  }
+  g->inj = inj;
+  *rc = VP_OK;
+  return g;
+}
 
 /* The one mapping from a driver result to VP_E*: the driver's table, and
  * VP_EDEVICE for the rest (sticky or unexplained errors, codes newer than
@@ -78,7 +101,7 @@ void vp__vmm_uuid_text(const void *ctx, const char *prefix, char out[48]) {
 #define ON_DEVICE(g, rc, call)                                                 \
   do {                                                                         \
     vp_cu_result_t r_ = (g)->drv->enter(g);                                    \
-    if (r_ == VP_CU_SUCCESS) r_ = (g)->drv->leave((g), (call));              \
+    if (r_ == VP_CU_SUCCESS) r_ = (g)->drv->leave((g), (call));                \
     (rc) = vp__vmm_result((g), r_);                                            \
   } while (0)
 
@@ -107,19 +130,19 @@ static int device_attribute(vp__vmm_t *g, unsigned int attr, int *value) {
   vp_cu_result_t r = g->api.device_get_attribute(value, attr, g->dev);
   if (r == VP_CU_SUCCESS) return VP_OK;
   return vp__vmm_open_fail(vp__vmm_result(g, r), "%s(%u): %s",
-                           g->drv->attribute_call, attr, error_name(g, r));
+                           g->drv->calls.attribute, attr, error_name(g, r));
 }
 
 int vp__vmm_count_devices(vp__vmm_t *g, int *n) {
   *n = 0;
   vp_cu_result_t r = g->api.init(0);
   if (r != VP_CU_SUCCESS)
-    return vp__vmm_open_fail(VP_ENODEV, "%s: %s", g->drv->init_call,
+    return vp__vmm_open_fail(VP_ENODEV, "%s: %s", g->drv->calls.init,
                              error_name(g, r));
   r = g->api.device_get_count(n);
   if (r == VP_CU_SUCCESS) return VP_OK;
   *n = 0;
-  return vp__vmm_open_fail(VP_ENODEV, "%s: %s", g->drv->count_call,
+  return vp__vmm_open_fail(VP_ENODEV, "%s: %s", g->drv->calls.count,
                            error_name(g, r));
 }
 
@@ -132,14 +155,14 @@ int vp__vmm_find_device(vp__vmm_t *g, int index) {
                              n == 1 ? "" : "s");
   vp_cu_result_t r = g->api.device_get(&g->dev, index);
   if (r != VP_CU_SUCCESS)
-    return vp__vmm_open_fail(VP_ENODEV, "%s(%d): %s", g->drv->get_call,
+    return vp__vmm_open_fail(VP_ENODEV, "%s(%d): %s", g->drv->calls.get,
                              index, error_name(g, r));
   g->ordinal = index;
   int vmm = 0, integrated = 0;
   int rc = device_attribute(g, g->drv->attr_vmm, &vmm);
   if (rc == VP_OK && !vmm)
     rc = vp__vmm_open_fail(VP_ENODEV, "device %d has no virtual memory "
-                           "management (%s)", index, g->drv->vmm_calls);
+                           "management (%s)", index, g->drv->calls.vmm);
   if (rc == VP_OK)
     rc = device_attribute(g, g->drv->attr_integrated, &integrated);
   g->integrated = integrated != 0;

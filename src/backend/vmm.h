@@ -49,6 +49,9 @@ typedef struct vp__vmm_code {
   unsigned int first, last;
   int rc;
 } vp__vmm_code_t;
+#define VP_VMM_CODE(code, rc) {(code), (code), (rc)}
+#define VP_VMM_CODES(table)                                                    \
+  .codes = (table), .n_codes = sizeof(table) / sizeof *(table)
 
 typedef struct vp__vmm vp__vmm_t;
 
@@ -61,7 +64,7 @@ typedef struct vp__vmm_driver {
   vp_cu_result_t (*leave)(vp__vmm_t *g, vp_cu_result_t r);
   /* The driver's name of a result ("unknown ..." when it has none). */
   const char *(*error_name)(const vp__vmm_t *g, vp_cu_result_t r);
-  const vp__vmm_code_t *codes;
+  const vp__vmm_code_t *codes; /* VP_VMM_CODES(table) */
   size_t n_codes;
   vp_cu_result_t not_ready;         /* an event query's "not yet" */
   unsigned int attr_vmm;            /* device attribute: VMM supported */
@@ -69,8 +72,9 @@ typedef struct vp__vmm_driver {
   unsigned int host_register_read_only; /* 0: the driver has no such flag */
   /* The driver's names of the calls open's messages name, and of its
    * virtual memory calls ("cuMemCreate/cuMemMap"). */
-  const char *init_call, *count_call, *get_call, *attribute_call;
-  const char *vmm_calls;
+  struct {
+    const char *init, *count, *get, *attribute, *vmm;
+  } calls;
 } vp__vmm_driver_t;
 
 struct vp__vmm {
@@ -88,11 +92,27 @@ struct vp__vmm {
   atomic_uint last_error; /* last failing result, for logs */
 };
 
+/* An entry point the adapter looks up by name, and where it goes in its
+ * table of function pointers. */
+typedef struct vp__vmm_symbol {
+  const char *name;
+  size_t offset;
+} vp__vmm_symbol_t;
+
 /* Why the last failed open on this thread failed (open sets no message;
  * vp__vmm_open_reason, backend.h, reads it): open_fail records it and
  * returns code; open_reset clears it. */
 int vp__vmm_open_fail(int code, const char *fmt, ...) VP__PRINTF(2, 3);
 void vp__vmm_open_reset(void);
+/* The start of every GPU backend's open: clears the reason, checks the
+ * arguments, takes open's first injected failure, and allocates the
+ * adapter's state (`size` zeroed bytes that start with a vp__vmm_t, its
+ * inj set). NULL and *rc on failure. Injected failures of open are
+ * VP_ENOMEM, never VP_ENODEV: AUTO would fall back to the simulated device
+ * and hide the rung under test. */
+vp__vmm_t *vp__vmm_open_begin(const vp_options_t *opts, vp__inject_t *inj,
+                              void **ctx, vp__caps_t *caps, size_t size,
+                              int *rc);
 
 /* Open's steps after the driver is loaded (each sets the open reason on
  * failure): the driver's init and its number of devices (*n: 0 on
@@ -107,50 +127,27 @@ int vp__vmm_query_caps(vp__vmm_t *g, vp__caps_t *caps);
  * (backend.h). */
 int vp__vmm_result(vp__vmm_t *g, vp_cu_result_t r);
 
-/* The backend operations (backend.h), for ctx = a vp__vmm_t. */
-int vp__vmm_mem_info(void *ctx, uint64_t *free_bytes, uint64_t *total_bytes);
-int vp__vmm_va_reserve(void *ctx, uint64_t size, uint64_t *va);
-int vp__vmm_va_free(void *ctx, uint64_t va, uint64_t size);
-int vp__vmm_phys_create(void *ctx, uint64_t size, vp__phys_t *phys);
-int vp__vmm_phys_release(void *ctx, vp__phys_t phys, uint64_t size);
-int vp__vmm_map(void *ctx, uint64_t va, uint64_t size, vp__phys_t phys);
-int vp__vmm_unmap(void *ctx, uint64_t va, uint64_t size);
-int vp__vmm_set_access(void *ctx, uint64_t va, uint64_t size);
-int vp__vmm_stream_create(void *ctx, vp_stream_t *stream);
-int vp__vmm_stream_destroy(void *ctx, vp_stream_t stream);
-int vp__vmm_stream_synchronize(void *ctx, vp_stream_t stream);
-int vp__vmm_synchronize(void *ctx);
-int vp__vmm_stream_wait_event(void *ctx, vp_stream_t stream, vp__event_t ev);
-int vp__vmm_event_create(void *ctx, vp__event_t *ev);
-int vp__vmm_event_destroy(void *ctx, vp__event_t ev);
-int vp__vmm_event_record(void *ctx, vp__event_t ev, vp_stream_t stream);
-int vp__vmm_event_query(void *ctx, vp__event_t ev);
-int vp__vmm_event_synchronize(void *ctx, vp__event_t ev);
-int vp__vmm_copy_htod(void *ctx, uint64_t dst, const void *src, uint64_t size,
-                      vp_stream_t stream);
-int vp__vmm_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
-                      vp_stream_t stream);
-int vp__vmm_host_register(void *ctx, void *ptr, uint64_t size);
-int vp__vmm_host_unregister(void *ctx, void *ptr);
+/* The backend operations vmm.c implements, for ctx = a vp__vmm_t: every
+ * member of vp__backend_t (backend.h) but open and close (the adapter's)
+ * and launch and inject (the simulated device's only). Each is
+ * vp__vmm_<op>, of the member's type. */
+#define VP_VMM_OPS(X)                                                          \
+  X(mem_info) X(va_reserve) X(va_free) X(phys_create) X(phys_release) X(map)   \
+  X(unmap) X(set_access) X(stream_create) X(stream_destroy)                    \
+  X(stream_synchronize) X(synchronize) X(stream_wait_event) X(event_create)    \
+  X(event_destroy) X(event_record) X(event_query) X(event_synchronize)         \
+  X(copy_htod) X(copy_dtoh) X(host_register) X(host_unregister)
 
-/* The operations above, as a backend's table: open and close are the
- * adapter's; launch and inject are the simulated device's only. */
-#define VP_VMM_BACKEND_OPS                                                     \
-  .mem_info = vp__vmm_mem_info, .va_reserve = vp__vmm_va_reserve,              \
-  .va_free = vp__vmm_va_free, .phys_create = vp__vmm_phys_create,              \
-  .phys_release = vp__vmm_phys_release, .map = vp__vmm_map,                    \
-  .unmap = vp__vmm_unmap, .set_access = vp__vmm_set_access,                    \
-  .stream_create = vp__vmm_stream_create,                                      \
-  .stream_destroy = vp__vmm_stream_destroy,                                    \
-  .stream_synchronize = vp__vmm_stream_synchronize,                            \
-  .synchronize = vp__vmm_synchronize,                                          \
-  .stream_wait_event = vp__vmm_stream_wait_event,                              \
-  .event_create = vp__vmm_event_create,                                        \
-  .event_destroy = vp__vmm_event_destroy,                                      \
-  .event_record = vp__vmm_event_record, .event_query = vp__vmm_event_query,    \
-  .event_synchronize = vp__vmm_event_synchronize,                              \
-  .copy_htod = vp__vmm_copy_htod, .copy_dtoh = vp__vmm_copy_dtoh,              \
-  .host_register = vp__vmm_host_register,                                      \
-  .host_unregister = vp__vmm_host_unregister, .launch = NULL, .inject = NULL
+#define VP__VMM_DECLARE(op)                                                    \
+  extern __typeof__(*((vp__backend_t *)0)->op) vp__vmm_##op;
+VP_VMM_OPS(VP__VMM_DECLARE)
+#undef VP__VMM_DECLARE
+
+/* A GPU backend's table: the adapter's name, open and close, and vmm.c's
+ * operations (vp__backend_cuda, vp__backend_hip). */
+#define VP__VMM_MEMBER_OP(op) .op = vp__vmm_##op,
+#define VP_VMM_BACKEND(name_, open_, close_)                                   \
+  {.name = (name_), .open = (open_), .close = (close_),                       \
+   VP_VMM_OPS(VP__VMM_MEMBER_OP).launch = NULL, .inject = NULL}
 
 #endif /* VPAGER_VMM_H */

@@ -108,7 +108,7 @@ static const struct var {
 static bool ref_apply(const struct var *v, const char *t, vp_options_t *o) {
   char *f = (char *)o + v->off;
   uint64_t x;
-  static const char *const backends[] = {"auto", "cuda", "sim"};
+  static const char *const backends[] = {"auto", "cuda", "sim", "hip"};
   static const char *const orders[] = {"tail", "interleaved"};
   static const char *const streams[] = {"sync", "worker"};
   switch (v->type) {
@@ -136,7 +136,7 @@ static bool ref_apply(const struct var *v, const char *t, vp_options_t *o) {
     int y = (int)l;
     return memcpy(f, &y, sizeof y), true;
   }
-  case T_BACKEND: return ref_word(t, backends, 3, (int *)f);
+  case T_BACKEND: return ref_word(t, backends, 4, (int *)f);
   case T_ORDER: return ref_word(t, orders, 2, (int *)f);
   case T_STREAMS: return ref_word(t, streams, 2, (int *)f);
   default: {
@@ -176,7 +176,7 @@ static bool ref_valid(const vp_options_t *o, bool generic, const char **why) {
   uint64_t hp = (uint64_t)sysconf(_SC_PAGESIZE);
 #define BAD(cond, text) if (cond) return *why = text, false
   BAD(o->size != sizeof *o, "size");
-  BAD(o->backend < 0 || o->backend > 2, "backend");
+  BAD(o->backend < 0 || o->backend > 3, "backend");
   BAD(!pow2(o->page_size) || o->page_size > (1ull << 40), "page size");
   BAD(o->evict_order != 0 && o->evict_order != 1, "order");
   BAD(o->sim_streams != 0 && o->sim_streams != 1, "streams");
@@ -226,20 +226,21 @@ static void check_sizes(const char *s, const char *end) {
 
 static void check_open(const vp_options_t *o) {
   const char *why;
-  bool valid = ref_valid(o, o->backend == VP_BACKEND_CUDA, &why);
+  bool gpu_only = o->backend == VP_BACKEND_CUDA || o->backend == VP_BACKEND_HIP;
+  bool valid = ref_valid(o, gpu_only, &why);
   vp_options_t use = *o;
   /* A shared name is this process's own, not another run's segment. */
   if (use.sim_shared[0] && memchr(o->sim_shared, 0, sizeof o->sim_shared))
     snprintf(use.sim_shared, sizeof use.sim_shared, "vpfuzz-%d", getpid());
-  bool cuda = valid && o->backend == VP_BACKEND_CUDA;
+  bool gpu = valid && gpu_only;
   if (valid && o->backend == VP_BACKEND_AUTO) use.backend = VP_BACKEND_SIM;
   vp_device_t dev;
   int rc = FZ_CALL(false, vp_device_open(&use, &dev), "page %llu gran %llu "
                    "cap %llu (%s)", (unsigned long long)o->page_size,
                    (unsigned long long)o->sim_granularity,
                    (unsigned long long)o->sim_capacity, why);
-  if (cuda) {
-    CHECK(rc == VP_OK || rc == VP_ENODEV, "cuda open: %s", fz_name(rc));
+  if (gpu) {
+    CHECK(rc == VP_OK || rc == VP_ENODEV, "GPU open: %s", fz_name(rc));
     if (rc == VP_OK) vp_device_close(dev);
     return;
   }

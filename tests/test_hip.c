@@ -1,0 +1,78 @@
+/* Choosing the HIP backend, and how it fails where it cannot run: no ROCm
+ * runtime, or a runtime and no AMD GPU (this machine's case: Debian's
+ * libamdhip64 without a GPU). On a machine with an AMD GPU the runner
+ * also runs every test on hip/ (tests/runner.c). */
+#include "test.h"
+
+#include "backend.h"
+
+/* Open backend `kind` with VPAGER_BACKEND=word as well: the word selects
+ * it as the field does. */
+static int open_kind(int kind, vp_device_t *dev) {
+  vp_options_t o;
+  ASSERT_OK(vp_options_init(&o));
+  o.backend = kind;
+  o.page_size = 2u << 20;
+  o.sim_capacity = 64u << 20;
+  return vp_device_open(&o, dev);
+}
+
+TEST(hip_without_runtime, TEST_SIM_ONLY) {
+  vp__hip_use_library("libamdhip64-vpager-test-absent.so");
+  vp_device_t dev;
+  ASSERT_RC(open_kind(VP_BACKEND_HIP, &dev), VP_ENODEV);
+  /* The reason names the backend and the library it looked for. */
+  ASSERT_STR_CONTAINS(vp_last_error(), "no HIP device could be opened");
+  ASSERT_STR_CONTAINS(vp_last_error(), "libamdhip64-vpager-test-absent.so");
+  int n = -1;
+  ASSERT_OK(vp_device_count(VP_BACKEND_HIP, &n));
+  ASSERT_EQ_INT(n, 0);
+  /* AUTO moves on past both GPU backends. */
+  ASSERT_OK(open_kind(VP_BACKEND_AUTO, &dev));
+  int cuda = 0;
+  ASSERT_OK(vp_device_count(VP_BACKEND_CUDA, &cuda));
+  if (cuda == 0) ASSERT_EQ_STR(vp_device_backend(dev), "sim");
+  ASSERT_OK(vp_device_close(dev));
+}
+
+/* Whatever this machine has: an AMD GPU opens and closes; a runtime
+ * without a GPU (hipInit fails) or no runtime is VP_ENODEV with the
+ * driver's reason, and nothing aborts. */
+TEST(hip_open_here, TEST_SIM_ONLY) {
+  vp_options_t o;
+  setenv("VPAGER_BACKEND", "HIP", 1);
+  ASSERT_OK(vp_options_init(&o));
+  ASSERT_EQ_INT(o.backend, VP_BACKEND_HIP);
+  setenv("VPAGER_BACKEND", "hip", 1);
+  ASSERT_OK(vp_options_init(&o));
+  unsetenv("VPAGER_BACKEND");
+  ASSERT_EQ_INT(o.backend, VP_BACKEND_HIP);
+  int n = -1;
+  ASSERT_OK(vp_device_count(VP_BACKEND_HIP, &n));
+  ASSERT_GE_INT(n, 0);
+  vp_device_t dev;
+  int rc = open_kind(VP_BACKEND_HIP, &dev);
+  if (rc == VP_OK) {
+    ASSERT_EQ_STR(vp_device_backend(dev), "hip");
+    ASSERT_OK(vp_device_close(dev));
+    return;
+  }
+  ASSERT_RC(rc, VP_ENODEV);
+  ASSERT_STR_CONTAINS(vp_last_error(), "no HIP device could be opened: ");
+  test_log("here: %s", vp_last_error());
+  /* A second open says the same (the runtime is loaded once). */
+  ASSERT_RC(open_kind(VP_BACKEND_HIP, &dev), VP_ENODEV);
+}
+
+/* Without any GPU, AUTO is the simulated device (with one, the GPU's). */
+TEST(auto_without_gpu_is_sim, TEST_SIM_ONLY) {
+  int cuda = 0, hip = 0;
+  ASSERT_OK(vp_device_count(VP_BACKEND_CUDA, &cuda));
+  ASSERT_OK(vp_device_count(VP_BACKEND_HIP, &hip));
+  vp_device_t dev;
+  ASSERT_OK(open_kind(VP_BACKEND_AUTO, &dev));
+  const char *name = vp_device_backend(dev);
+  if (cuda == 0 && hip == 0) ASSERT_EQ_STR(name, "sim");
+  else ASSERT_TRUE(strcmp(name, "sim") != 0);
+  ASSERT_OK(vp_device_close(dev));
+}
