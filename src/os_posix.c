@@ -443,45 +443,56 @@ static void shm_path(char *out, size_t len, const char *name) {
   snprintf(out, len, SHM_DIR "%s", name);
 }
 
-/* Sized with posix_fallocate, not ftruncate: a full /dev/shm fails here,
- * not with SIGBUS at a later touch. */
-static int shm_make(int fd, size_t size, int (*init)(void *, void *),
-                    void *arg, void **base) {
+/* Create `name` exclusively, sized (posix_fallocate, not ftruncate: a
+ * full /dev/shm fails here, not with SIGBUS at a later touch), mapped and
+ * initialised; removed again on failure. */
+static int shm_make(const char *name, size_t size,
+                    int (*init)(void *, void *), void *arg, void **base) {
+  int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return errno;
+  void *p = MAP_FAILED;
   int e = posix_fallocate(fd, 0, (off_t)size);
-  if (e) return e;
-  void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) return errno;
-  e = init ? init(p, arg) : 0;
+  if (!e) p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (!e && p == MAP_FAILED) e = errno;
+  close(fd);
+  if (!e && init) e = init(p, arg);
   if (e) {
-    munmap(p, size);
+    if (p != MAP_FAILED) munmap(p, size);
+    shm_unlink(name);
     return e;
   }
   *base = p;
   return 0;
 }
 
+#define TMP_TRIES 64 /* temporary names a killed creator left behind */
+
 /* Made whole under a name nobody opens, then linked to its name: link(2)
  * fails if the name exists, so creation stays exclusive, and the name never
  * shows a half-made segment (a creator killed midway leaves only its
- * temporary file, which nothing reads). */
+ * temporary file, which nothing reads). Where /dev/shm takes no hard
+ * links, it is made in place, as before. */
 int vp__os_shm_create(const char *name, size_t size,
                       int (*init)(void *base, void *arg), void *arg,
                       void **base) {
   static _Atomic unsigned serial;
   char tmp[64], from[96], to[320];
-  snprintf(tmp, sizeof tmp, "/.vpager-new-%d-%u", (int)getpid(),
-           atomic_fetch_add(&serial, 1));
-  int fd = shm_open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return errno;
   void *p = NULL;
-  int e = shm_make(fd, size, init, arg, &p);
-  close(fd);
+  int e = EEXIST;
+  for (int i = 0; e == EEXIST && i < TMP_TRIES; i++) {
+    snprintf(tmp, sizeof tmp, "/.vpager-new-%d-%u", (int)getpid(),
+             atomic_fetch_add(&serial, 1));
+    e = shm_make(tmp, size, init, arg, &p);
+  }
+  if (e) return e == EEXIST ? EAGAIN : e;
   shm_path(from, sizeof from, tmp);
   shm_path(to, sizeof to, name);
-  if (!e && link(from, to) != 0) e = errno;
+  e = link(from, to) ? errno : 0;
   shm_unlink(tmp);
-  if (e && p) munmap(p, size);
   if (!e) *base = p;
+  else munmap(p, size);
+  if (e == EPERM || e == EOPNOTSUPP || e == EXDEV || e == ENOSYS)
+    e = shm_make(name, size, init, arg, base);
   return e;
 }
 
