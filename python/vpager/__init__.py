@@ -22,6 +22,7 @@ VPAGER_LIBRARY, else inside this package (pip install .), else at
 """
 
 import ctypes
+import sys
 
 from . import _lib
 from ._buffer import BufferRef
@@ -70,6 +71,7 @@ LOG_TRACE = _lib.VP_LOG_TRACE
 BACKEND_AUTO = _lib.VP_BACKEND_AUTO
 BACKEND_CUDA = _lib.VP_BACKEND_CUDA
 BACKEND_SIM = _lib.VP_BACKEND_SIM
+BACKEND_HIP = _lib.VP_BACKEND_HIP
 ORDER_TAIL_FIRST = _lib.VP_ORDER_TAIL_FIRST
 ORDER_INTERLEAVED = _lib.VP_ORDER_INTERLEAVED
 ORDER_CUSTOM = _lib.VP_ORDER_CUSTOM
@@ -117,14 +119,24 @@ def get_log_level():
 
 
 def device_count(backend="cuda"):
-    """vp_device_count(): the devices of `backend` ("cuda" or "sim"), none
-    opened; for CUDA the GPUs the driver sees, 0 without a driver."""
-    if backend not in ("cuda", "sim"):
+    """vp_device_count(): the devices of `backend` ("cuda", "hip" or
+    "sim"), none opened; for a GPU backend the GPUs its driver sees, 0
+    without a driver."""
+    if backend not in ("cuda", "hip", "sim"):
         raise InvalidArgument(EINVAL, "VP_EINVAL", "backend %r is not "
-                              "'cuda' or 'sim'" % (backend,))
+                              "'cuda', 'hip' or 'sim'" % (backend,))
     n = ctypes.c_int(0)
     check(_lib.C.vp_device_count(_lib.BACKENDS[backend], ctypes.byref(n)))
     return n.value
+
+
+def gpu_backend():
+    """The vpager backend of torch's "cuda" devices: "hip" when torch is a
+    ROCm build (torch.version.hip is set), else "cuda". Torch is not
+    imported here: without it loaded, "cuda". The one place vpager.torch
+    and the comfy_aimdo layer choose a GPU backend."""
+    version = getattr(sys.modules.get("torch"), "version", None)
+    return "hip" if getattr(version, "hip", None) else "cuda"
 
 
 __all__ = [
@@ -136,4 +148,5 @@ __all__ = [
     "LibraryError", "check", "strerror", "err_name", "last_error",
     "library_path", "parse_size", "default_options", "OPTION_NAMES",
     "STAT_NAMES", "set_log_level", "get_log_level", "device_count",
+    "gpu_backend",
 ]

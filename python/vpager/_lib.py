@@ -51,8 +51,8 @@ VP_LOG_INFO, VP_LOG_DEBUG, VP_LOG_TRACE = 3, 4, 5
 LOG_LEVELS = {"none": 0, "error": 1, "warn": 2, "info": 3, "debug": 4,
               "trace": 5}
 
-VP_BACKEND_AUTO, VP_BACKEND_CUDA, VP_BACKEND_SIM = 0, 1, 2
-BACKENDS = {"auto": 0, "cuda": 1, "sim": 2}
+VP_BACKEND_AUTO, VP_BACKEND_CUDA, VP_BACKEND_SIM, VP_BACKEND_HIP = 0, 1, 2, 3
+BACKENDS = {"auto": 0, "cuda": 1, "sim": 2, "hip": 3}
 VP_ORDER_TAIL_FIRST, VP_ORDER_INTERLEAVED, VP_ORDER_CUSTOM = 0, 1, 2
 ORDERS = {"tail": 0, "interleaved": 1}
 VP_SIM_SYNC, VP_SIM_WORKER = 0, 1

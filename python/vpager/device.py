@@ -28,7 +28,7 @@ class Device(Handle):
     Device(backend="sim", sim_capacity="1G", page_size="2M", ...): every
     keyword is a vp_options_t field (see vpager.OPTION_NAMES), set after
     vp_options_init() (defaults, then VPAGER_* variables). Enum fields take
-    their names ("auto"/"cuda"/"sim", "tail"/"interleaved",
+    their names ("auto"/"cuda"/"hip"/"sim", "tail"/"interleaved",
     "sync"/"worker"); byte counts take ints or "32M"-style strings.
 
     Streams are plain ints (vp_stream_t; 0 is the default stream; on CUDA a
@@ -66,7 +66,7 @@ class Device(Handle):
     # ------------------------------------------------------------- device
     @property
     def backend(self):
-        """"cuda" or "sim"."""
+        """"cuda", "hip" or "sim"."""
         name = C.vp_device_backend(self._handle())
         if name is None:
             check(_lib.VP_EHANDLE)

@@ -32,8 +32,9 @@ _SIZE = "a size such as 32M (K/M/G/T: powers of 1024)"
 VARIABLES: Dict[str, Variable] = {
     # Read by the C library (vp_options_init); the Python layer asks only
     # whether a valid value was given (the user's choice wins over its own).
-    "VPAGER_BACKEND": Variable("word", "auto, cuda or sim: the backend a "
-                               "device opens with", ("auto", "cuda", "sim"),
+    "VPAGER_BACKEND": Variable("word", "auto, cuda, hip or sim: the backend "
+                               "a device opens with",
+                               ("auto", "cuda", "hip", "sim"),
                                by_c=True),
     "VPAGER_PAGE_SIZE": Variable("size", "page size (a power of two, at "
                                  "least 4K)", by_c=True),

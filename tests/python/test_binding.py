@@ -829,12 +829,41 @@ def test_file_read_to_address_and_driver_queries():
     assert vpager.device_count("sim") == 1
     assert vpager.device_count("cuda") >= 0
     raises(vpager.InvalidArgument, vpager.device_count, "auto")
+    assert vpager.device_count("hip") >= 0
     with sim() as dev:                  # the platform's soft limit
         assert dev.soft_limit() is None
         dev.sim_inject(vpager.SIM_SET_SOFT_LIMIT, 3 << 30)
         assert dev.soft_limit() == 3 << 30
         dev.sim_inject(vpager.SIM_SET_SOFT_LIMIT, 0)
         assert dev.soft_limit() is None
+
+
+def test_gpu_backend_follows_the_torch_build():
+    """vpager.gpu_backend(): "hip" under a ROCm build of torch
+    (torch.version.hip set), else "cuda", and "cuda" without torch loaded;
+    backend="hip" where no AMD GPU is usable is a NoDeviceError that
+    names HIP."""
+    import types
+    saved = sys.modules.get("torch")
+    fake = types.ModuleType("torch")
+    try:
+        sys.modules["torch"] = fake
+        fake.version = types.SimpleNamespace(hip="6.2.41133", cuda=None)
+        assert vpager.gpu_backend() == "hip"
+        fake.version = types.SimpleNamespace(hip=None, cuda="12.4")
+        assert vpager.gpu_backend() == "cuda"
+        del sys.modules["torch"]
+        assert vpager.gpu_backend() == "cuda"
+    finally:
+        if saved is not None:
+            sys.modules["torch"] = saved
+        else:
+            sys.modules.pop("torch", None)
+    assert vpager.BACKEND_HIP == 3
+    if vpager.device_count("hip") == 0:
+        e = raises(vpager.NoDeviceError, vpager.Device, backend="hip",
+                   page_size="2M")
+        assert "HIP" in str(e), str(e)
 
 
 # ------------------------------------------------------- handle lifetimes

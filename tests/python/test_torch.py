@@ -2403,6 +2403,26 @@ def test_sources_callable_and_place_by_use():
         os.unlink(path)
 
 
+def test_rocm_torch_pages_through_hip():
+    """A GPU target of a ROCm build of torch (torch.version.hip set: its
+    "cuda" devices are AMD GPUs) opens vpager's HIP backend; a CUDA build
+    its CUDA backend; an explicit backend= wins."""
+    from vpager.torch import devices
+    target = torch.device("cuda", 0)
+    saved = torch.version.hip
+    try:
+        torch.version.hip = "6.2.41133"
+        assert devices._options(target, None, None, {})["backend"] == "hip"
+        assert devices._options(target, None, None,
+                                {"backend": "cuda"})["backend"] == "cuda"
+        torch.version.hip = None
+        assert devices._options(target, None, None, {})["backend"] == "cuda"
+    finally:
+        torch.version.hip = saved
+    assert devices._options(torch.device("cpu"), None, None,
+                            {})["backend"] == "sim"
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(
         globals(), after_each=gc.collect,

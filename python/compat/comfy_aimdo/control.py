@@ -2,7 +2,8 @@
 
 Importing this module loads nothing (neither vpager's library nor torch);
 init() does. One vpager Device per device index, opened by init_device(s):
-the CUDA backend when a GPU is usable (vpager.device_count, not torch),
+the GPU backend when a GPU is usable (vpager.device_count, not torch;
+HIP under a ROCm build of torch: vpager.gpu_backend),
 else vpager's simulated device (capacity: VPAGER_SIM_CAPACITY, default 4G),
 so that CPU-only machines and CI run everything. VPAGER_BACKEND=sim forces
 the simulated device.
@@ -63,8 +64,8 @@ class _Lib:
 
 
 def _probe_cuda():
-    """Number of CUDA devices (vp_device_count asks the driver; 0 without
-    one, or with VPAGER_BACKEND=sim)."""
+    """Number of GPUs of vpager.gpu_backend() (vp_device_count asks the
+    driver; 0 without one, or with VPAGER_BACKEND=sim)."""
     global _cuda_count
     if _cuda_count is not None:
         return _cuda_count
@@ -73,7 +74,7 @@ def _probe_cuda():
     n = 0
     if env.word("VPAGER_BACKEND") != "sim":
         try:
-            n = vpager.device_count("cuda")
+            n = vpager.device_count(vpager.gpu_backend())
         except (vpager.Error, OSError):     # OSError: no libvpager
             n = 0
     _cuda_count = n
@@ -184,7 +185,8 @@ def init_device(index, extra_vram_headroom=0):
                 if ncuda:
                     if index < 0 or index >= ncuda:
                         return False
-                    opts.update(backend="cuda", device_index=index)
+                    opts.update(backend=vp.gpu_backend(),
+                                device_index=index)
                 else:
                     if index < 0:
                         return False

@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import torch
 
-from .. import BACKEND_SIM, env
+from .. import BACKEND_SIM, env, gpu_backend
 from ..device import Device
 from ..errors import BusyError, Error
 from ..governor import governor
@@ -320,7 +320,7 @@ def _options(target, budget, lookahead, options, scheduled=False):
     if page is not None:
         opts["page_size"] = page
     if target.type == "cuda":
-        opts.setdefault("backend", "cuda")
+        opts.setdefault("backend", gpu_backend())  # ROCm torch: "hip"
         opts.setdefault("device_index", cuda_index(target))
     else:
         opts.setdefault("backend", "sim")
