@@ -67,6 +67,10 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
     rc = vp__err(VP_ENOMEM, "cannot make the device lock");
     goto close_backend;
   }
+  if (vp__os_mutex_init(&dev->reader_lock)) {
+    rc = vp__err(VP_ENOMEM, "cannot make the file reader's lock");
+    goto destroy_device_lock;
+  }
   vp__budget_init(dev);
   vp__hostmem_init(dev);
   dev->lookahead = opts->lookahead;
@@ -94,6 +98,8 @@ static int device_create(const vp_options_t *opts, vp__device_t **out) {
   *out = dev;
   return VP_OK;
 destroy_lock:
+  vp__os_mutex_destroy(&dev->reader_lock);
+destroy_device_lock:
   vp__os_mutex_destroy(&dev->lock);
 close_backend:
   vp__be_close(dev);
@@ -124,6 +130,7 @@ static void device_destroy(vp__device_t *dev) {
   vp__hostmem_close(dev);
   vp__fence_pool_free(dev);
   vp__be_close(dev);
+  vp__os_mutex_destroy(&dev->reader_lock);
   vp__os_mutex_destroy(&dev->lock);
   free(dev);
 }

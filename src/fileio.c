@@ -1,10 +1,14 @@
-/* The file reader: file regions to device memory through a per-device ring
- * of bounce slots (opts.file_slots of opts.file_slot_size bytes, pinned
- * when the pin budget allows), each with an event. A region is read a slot
- * at a time: pread into the next slot, upload it on the caller's stream,
- * record the slot's event; a slot is overwritten only after its event, so
- * reading chunk k+1 overlaps the upload of chunk k. The ring is made on
- * first use and used with the device lock held. */
+/* The file reader: file regions to device memory through a ring of bounce
+ * slots (opts.file_slots of opts.file_slot_size bytes, pinned when the pin
+ * budget allows), each with an event. A region is read a slot at a time:
+ * pread into the next slot, upload it on the caller's stream, record the
+ * slot's event; a slot is overwritten only after its event, so reading
+ * chunk k+1 overlaps the upload of chunk k. A device has two rings, each
+ * made on first use: the pager's (fills from files, safetensors loads),
+ * used with the device lock held, and the public readers' (vp_file_read_
+ * to_*), used under the device's reader_lock, the device lock dropped
+ * while a slot is read and uploaded: a large read does not stall every
+ * other thread's faults on the device. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,8 +33,9 @@ struct vp__file_ring {
   ring_slot_t slots[];
 };
 
-static int ring_get(vp__device_t *dev, struct vp__file_ring **out) {
-  if (!dev->file_ring) {
+static int ring_get(vp__device_t *dev, struct vp__file_ring **ring,
+                    struct vp__file_ring **out) {
+  if (!*ring) {
     uint32_t n = dev->opts.file_slots;
     struct vp__file_ring *r = NULL;
     if (vp__inject_fail(&dev->inject) ||
@@ -39,9 +44,9 @@ static int ring_get(vp__device_t *dev, struct vp__file_ring **out) {
                      n);
     r->n = n;
     r->slot_size = dev->opts.file_slot_size;
-    dev->file_ring = r;
+    *ring = r;
   }
-  *out = dev->file_ring;
+  *out = *ring;
   return VP_OK;
 }
 
@@ -187,10 +192,14 @@ static vp__vbar_t *vbar_of(vp__device_t *dev, uint64_t addr) {
   return NULL;
 }
 
-/* vp__file_read with each slot read over `threads` threads. */
-static int file_read(vp__device_t *dev, int fd, uint64_t offset,
-                     uint64_t size, uint64_t dst, vp_stream_t stream,
-                     uint32_t threads, const char *what) {
+/* vp__file_read through *ring with each slot read over `threads` threads;
+ * unlocked: the device lock is dropped while a slot is read and uploaded
+ * (the caller holds reader_lock: the ring is its alone meanwhile). The
+ * device lock is held on return. */
+static int file_read(vp__device_t *dev, struct vp__file_ring **ring,
+                     bool unlocked, int fd, uint64_t offset, uint64_t size,
+                     uint64_t dst, vp_stream_t stream, uint32_t threads,
+                     const char *what) {
   if (size == 0) return VP_OK;
   vp__os_file_info_t sb;
   int e = vp__os_file_stat(fd, &sb);
@@ -204,21 +213,25 @@ static int file_read(vp__device_t *dev, int fd, uint64_t offset,
     return vp__err(VP_ERANGE, "%s: offset %llu + %llu is too large for a file",
                    what, ULL(offset), ULL(size));
   struct vp__file_ring *r = NULL;
-  int rc = ring_get(dev, &r);
+  int rc = ring_get(dev, ring, &r);
   if (rc) return rc;
-  vp__vbar_t *vb = vbar_of(dev, dst);
   for (uint64_t done = 0; done < size;) {
     ring_slot_t *s = &r->slots[r->next];
     r->next = (r->next + 1) % r->n;
     rc = slot_ready(dev, r, s, what);
     if (rc) return rc;
     uint64_t n = size - done < r->slot_size ? size - done : r->slot_size;
+    if (unlocked) vp__os_mutex_unlock(&dev->lock);
     rc = read_par(dev, fd, s->buf, n, offset + done, threads, what);
+    if (rc == VP_OK) { /* (a copy needs no device lock: backend.h) */
+      rc = vp__be_copy_htod(dev, dst + done, s->buf, n, stream);
+      if (rc)
+        rc = vp__err(rc, "%s: uploading %llu bytes to 0x%llx on stream "
+                     "0x%llx failed", what, ULL(n), ULL(dst + done),
+                     ULL(stream));
+    }
+    if (unlocked) vp__os_mutex_lock(&dev->lock);
     if (rc) return rc;
-    rc = vp__be_copy_htod(dev, dst + done, s->buf, n, stream);
-    if (rc)
-      return vp__err(rc, "%s: uploading %llu bytes to 0x%llx on stream 0x%llx "
-                     "failed", what, ULL(n), ULL(dst + done), ULL(stream));
     rc = vp__be_event_record(dev, s->ev, stream);
     if (rc) {
       /* Without the event the slot is safe again only once the stream has
@@ -230,6 +243,7 @@ static int file_read(vp__device_t *dev, int fd, uint64_t offset,
     s->in_flight = true;
     done += n;
     dev->stats.file_bytes_read += n;
+    vp__vbar_t *vb = vbar_of(dev, dst); /* (looked up under the lock) */
     if (vb) vb->stats.file_bytes_read += n;
   }
   return VP_OK;
@@ -237,11 +251,13 @@ static int file_read(vp__device_t *dev, int fd, uint64_t offset,
 
 int vp__file_read(vp__device_t *dev, int fd, uint64_t offset, uint64_t size,
                   uint64_t dst, vp_stream_t stream, const char *what) {
-  return file_read(dev, fd, offset, size, dst, stream, 1, what);
+  return file_read(dev, &dev->file_ring, false, fd, offset, size, dst, stream,
+                   1, what);
 }
 
-void vp__fileio_close(vp__device_t *dev) {
-  struct vp__file_ring *r = dev->file_ring;
+/* Wait for a ring's uploads, free it (device lock held). */
+static void ring_close(vp__device_t *dev, struct vp__file_ring **ring) {
+  struct vp__file_ring *r = *ring;
   if (!r) return;
   for (uint32_t i = 0; i < r->n; i++) {
     ring_slot_t *s = &r->slots[i];
@@ -250,7 +266,32 @@ void vp__fileio_close(vp__device_t *dev) {
     slot_free_buf(dev, r, s);
   }
   free(r);
-  dev->file_ring = NULL;
+  *ring = NULL;
+}
+
+void vp__fileio_close(vp__device_t *dev) {
+  ring_close(dev, &dev->file_ring);
+  ring_close(dev, &dev->reader_ring);
+}
+
+/* A public reader's entry: the device's reader_lock, then the device lock
+ * (in that order, as file_read takes the device lock back while holding
+ * the reader lock). */
+static int reader_enter(vp_device_t h, vp__device_t **out) {
+  vp__device_t *dev = vp__registry_get(h.id);
+  if (!dev || dev->id != h.id)
+    return vp__err(VP_EHANDLE, "device handle 0x%llx is not an open device",
+                   ULL(h.id));
+  vp__os_mutex_lock(&dev->reader_lock);
+  int rc = vp__dev_enter(h, out);
+  if (rc) vp__os_mutex_unlock(&dev->reader_lock);
+  return rc;
+}
+
+static int reader_leave(vp__device_t *dev, int rc) {
+  rc = vp__unlock(dev, rc);
+  vp__os_mutex_unlock(&dev->reader_lock);
+  return rc;
 }
 
 /* Arguments both public readers check the same way. */
@@ -270,15 +311,16 @@ int vp_file_read_to_device(vp_device_t h, int fd, uint64_t offset,
   int rc = check_read_args(fd, offset, size);
   if (rc) return rc;
   vp__device_t *dev = NULL;
-  rc = vp__dev_enter(h, &dev);
+  rc = reader_enter(h, &dev);
   if (rc) return rc;
   rc = vp__pinned_range(dev, dst_addr, size);
   if (rc == VP_OK) {
     char what[64];
     snprintf(what, sizeof what, "fd %d", fd);
-    rc = vp__file_read(dev, fd, offset, size, dst_addr, stream, what);
+    rc = file_read(dev, &dev->reader_ring, true, fd, offset, size, dst_addr,
+                   stream, 1, what);
   }
-  return vp__unlock(dev, rc);
+  return reader_leave(dev, rc);
 }
 
 int vp_file_read_to_address(vp_device_t h, int fd, uint64_t offset,
@@ -295,7 +337,7 @@ int vp_file_read_to_address(vp_device_t h, int fd, uint64_t offset,
     return vp__err(VP_EINVAL, "threads %u is not in 1..%d", threads,
                    VP_FILE_THREADS_MAX);
   vp__device_t *dev = NULL;
-  rc = vp__dev_enter(h, &dev);
+  rc = reader_enter(h, &dev);
   if (rc) return rc;
   /* Memory of a VBAR keeps vp_file_read_to_device's rules; any other
    * memory is the caller's, and vpager cannot check it. */
@@ -305,16 +347,17 @@ int vp_file_read_to_address(vp_device_t h, int fd, uint64_t offset,
   if (rc == VP_OK) {
     char what[64];
     snprintf(what, sizeof what, "fd %d", fd);
-    rc = file_read(dev, fd, offset, size, dst_addr, stream, threads, what);
+    rc = file_read(dev, &dev->reader_ring, true, fd, offset, size, dst_addr,
+                   stream, threads, what);
   }
-  return vp__unlock(dev, rc);
+  return reader_leave(dev, rc);
 }
 
 int vp_file_reader_release(vp_device_t h) {
   VP__ENTER();
   vp__device_t *dev = NULL;
-  int rc = vp__dev_enter(h, &dev);
+  int rc = reader_enter(h, &dev);
   if (rc) return rc;
   vp__fileio_close(dev);
-  return vp__unlock(dev, VP_OK);
+  return reader_leave(dev, VP_OK);
 }

@@ -209,7 +209,12 @@ struct vp__device {
   bool ring_over_said;     /* the ring went over the limit once: logged */
   uint64_t lookahead;
   /* fileio.c, safetensors.c */
-  struct vp__file_ring *file_ring;
+  struct vp__file_ring *file_ring;   /* the pager's reads (device lock) */
+  /* The public readers' own ring (vp_file_read_to_*): reader_lock held
+   * around it, the device lock only between preads (a read of a file must
+   * not stall the device's faults); taken before the device lock. */
+  struct vp__file_ring *reader_ring;
+  vp__os_mutex_t reader_lock;
   vp__table_t sts;
   /* ledger.c, release.c: the device's membership of its GPU's ledger
    * (NULL: none; ledger_why says why), the framework allocator's

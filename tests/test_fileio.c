@@ -432,3 +432,70 @@ TEST(fileio_to_address_errors, TEST_SIM_ONLY) {
   close(fd);
   test_rm_dir(dir);
 }
+
+/* A public read drops the device lock while it reads a slot and uploads
+ * it: another thread's calls on the device go on during a long read (they
+ * waited for the whole read before). The pester records the longest gap
+ * between its calls while the read runs. */
+typedef struct pester {
+  vp_device_t dev;
+  atomic_bool stop, reading;
+  atomic_int calls;
+  atomic_uint_fast64_t gap_ms; /* the longest, while reading */
+} pester_t;
+
+static void *pester_main(void *arg) {
+  pester_t *p = arg;
+  vp_device_info_t info;
+  uint64_t last = test_now_ms();
+  while (!atomic_load(&p->stop)) {
+    if (vp_device_info(p->dev, &info) != VP_OK) continue;
+    atomic_fetch_add(&p->calls, 1);
+    uint64_t now = test_now_ms();
+    if (atomic_load(&p->reading) && now - last > atomic_load(&p->gap_ms))
+      atomic_store(&p->gap_ms, now - last);
+    last = now;
+  }
+  return NULL;
+}
+
+TEST(fileio_read_leaves_the_device_free, TEST_SIM_ONLY) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_SYNC);
+  o.file_slot_size = KiB * KiB;
+  vp_device_t dev = test_open(ctx, &o);
+  char dir[64], path[128];
+  test_make_dir(dir, sizeof dir, "fileio");
+  snprintf(path, sizeof path, "%s/long.bin", dir);
+  const uint64_t fsize = 96 * KiB * KiB;
+  unsigned char *file = malloc(fsize), *out = malloc(fsize);
+  ASSERT_NOT_NULL(file);
+  ASSERT_NOT_NULL(out);
+  test_pattern(file, fsize, 5);
+  write_file(path, file, fsize);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  pester_t p = {.dev = dev};
+  pthread_t t;
+  ASSERT_EQ_INT(pthread_create(&t, NULL, pester_main, &p), 0);
+  while (atomic_load(&p.calls) == 0) sched_yield();
+  uint64_t t0 = test_now_ms();
+  atomic_store(&p.reading, true);
+  ASSERT_OK(vp_file_read_to_address(dev, fd, 0, fsize,
+                                    (uint64_t)(uintptr_t)out, 0, 1));
+  uint64_t took = test_now_ms() - t0;
+  atomic_store(&p.stop, true);
+  pthread_join(t, NULL);
+  ASSERT_MEM_EQ(out, file, fsize);
+  uint64_t gap = atomic_load(&p.gap_ms);
+  test_note("read of 96 slots %llu ms, longest wait of another thread %llu "
+            "ms", (unsigned long long)took, (unsigned long long)gap);
+  /* Held for the whole read, the gap would be about all of it. */
+  if (took >= 20) ASSERT_LT_U64(gap * 2, took);
+  ASSERT_OK(vp_file_reader_release(dev));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  free(file);
+  free(out);
+  test_rm_dir(dir);
+}
