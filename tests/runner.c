@@ -180,7 +180,7 @@ uint64_t test_rand_below(test_rng_t *r, uint64_t n) {
 }
 
 uint64_t test_page_size(test_ctx_t *ctx) {
-  return ctx->backend == VP_BACKEND_CUDA ? (2u << 20) : (64u << 10);
+  return ctx->backend == VP_BACKEND_SIM ? (64u << 10) : (2u << 20);
 }
 
 void test_options(test_ctx_t *ctx, vp_options_t *opts) {
@@ -413,13 +413,14 @@ typedef struct backend {
   char reason[512];
 } backend_t;
 
-/* Open and close a CUDA device: VP_OK, else the code and why in msg. */
-static int open_cuda(char *msg, size_t len) {
+/* Open and close a GPU of backend `kind`: VP_OK, else the code and why in
+ * msg. */
+static int open_gpu(int kind, char *msg, size_t len) {
   vp_options_t o;
   int rc = vp_options_init(&o);
   if (rc == VP_OK) {
     vp_device_t dev;
-    o.backend = VP_BACKEND_CUDA;
+    o.backend = kind;
     o.page_size = 2u << 20;
     rc = vp_device_open(&o, &dev);
     if (rc == VP_OK) rc = vp_device_close(dev);
@@ -441,20 +442,20 @@ static void probe_result(backend_t *b, int rc, const char *rest) {
 }
 
 #ifdef _WIN32
-/* Each test is a new process here: the runner may initialise CUDA. Quiet:
+/* Each test is a new process here: the runner may initialise the GPU. Quiet:
  * the skip line says why it failed. */
-static void probe_cuda(backend_t *b) {
+static void probe_gpu(backend_t *b) {
   char msg[512];
   int level = vp_get_log_level();
   vp_set_log_level(VP_LOG_NONE);
-  int rc = open_cuda(msg, sizeof msg);
+  int rc = open_gpu(b->kind, msg, sizeof msg);
   vp_set_log_level(level);
   probe_result(b, rc, msg);
 }
 #else
-/* Probe CUDA in a child: CUDA must not be initialised in the runner, or no
- * forked test could use it. */
-static void probe_cuda(backend_t *b) {
+/* Probe a GPU backend in a child: CUDA (or HIP) must not be initialised in
+ * the runner, or no forked test could use it. */
+static void probe_gpu(backend_t *b) {
   int fds[2];
   if (pipe(fds) != 0) {
     snprintf(b->reason, sizeof b->reason, "pipe: %s", strerror(errno));
@@ -467,7 +468,7 @@ static void probe_cuda(backend_t *b) {
     int devnull = open("/dev/null", O_WRONLY);
     if (devnull >= 0) dup2(devnull, STDERR_FILENO); /* the backend's log */
     char msg[512], why[480];
-    int rc = open_cuda(why, sizeof why);
+    int rc = open_gpu(b->kind, why, sizeof why);
     int n = snprintf(msg, sizeof msg, "%d %s", rc, why);
     if (n > 0 && write(fds[1], msg, (size_t)n) < 0) _exit(2);
     _exit(0);
@@ -687,8 +688,10 @@ int main(int argc, char **argv) {
   if (n > 0) g_self[n] = '\0';
   else snprintf(g_self, sizeof g_self, "%s", argv[0]);
 #endif
-  backend_t backends[2] = {{"sim", VP_BACKEND_SIM, true, ""},
-                           {"cuda", VP_BACKEND_CUDA, false, ""}};
+  backend_t backends[] = {{"sim", VP_BACKEND_SIM, true, ""},
+                          {"cuda", VP_BACKEND_CUDA, false, ""},
+                          {"hip", VP_BACKEND_HIP, false, ""}};
+  const int nb = (int)(sizeof backends / sizeof *backends);
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--print-log-level") == 0) {
       free(filters);
@@ -699,7 +702,7 @@ int main(int argc, char **argv) {
       free(filters);
       test_child_guard();
       setvbuf(stdout, NULL, _IOLBF, 0);
-      return run_child(backends, 2, argv[i + 1]);
+      return run_child(backends, nb, argv[i + 1]);
     }
     if (strcmp(argv[i], "--peer") == 0 && i + 4 < argc) {
       free(filters);
@@ -714,10 +717,10 @@ int main(int argc, char **argv) {
   }
   setvbuf(stdout, NULL, _IOLBF, 0);
   qsort(g_tests, g_ntests, sizeof *g_tests, entry_cmp);
-  probe_cuda(&backends[1]);
+  for (int bi = 1; bi < nb; bi++) probe_gpu(&backends[bi]);
 
   int passed = 0, failed = 0, skipped = 0, excluded = 0;
-  for (int bi = 0; bi < 2; bi++) {
+  for (int bi = 0; bi < nb; bi++) {
     backend_t *b = &backends[bi];
     int want = 0;
     for (size_t i = 0; i < g_ntests; i++) {

@@ -56,13 +56,13 @@
 enum {
   TEST_ALL_BACKENDS = 0x1, /* once per backend present */
   TEST_SIM_ONLY = 0x2,     /* the simulated device only */
-  TEST_GPU_ONLY = 0x4      /* the CUDA backend only */
+  TEST_GPU_ONLY = 0x4      /* the GPU backends only (CUDA, HIP) */
 };
 
 typedef struct test_ctx {
   const char *name;    /* the test's name, without backend */
-  const char *backend_name; /* "sim" or "cuda" */
-  int backend;         /* VP_BACKEND_SIM or VP_BACKEND_CUDA */
+  const char *backend_name; /* "sim", "cuda" or "hip" */
+  int backend;         /* VP_BACKEND_SIM, _CUDA or _HIP */
 } test_ctx_t;
 
 typedef void (*test_fn_t)(test_ctx_t *ctx);

@@ -394,7 +394,8 @@ TEST(open_bad_options, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_open(NULL, &dev));
   const char *name = vp_device_backend(dev);
   ASSERT_NOT_NULL(name);
-  ASSERT_TRUE(strcmp(name, "sim") == 0 || strcmp(name, "cuda") == 0);
+  ASSERT_TRUE(strcmp(name, "sim") == 0 || strcmp(name, "cuda") == 0 ||
+              strcmp(name, "hip") == 0);
   ASSERT_OK(vp_device_close(dev));
 }
 
