@@ -8,7 +8,8 @@
  *       that include an OS header), diagnostics (log, error), options,
  *       json, registry, inject, shm (named shared-memory segments and
  *       their robust lock: shm.h)
- *   L1  backend/: the sim and CUDA backends and backend.c, their one door
+ *   L1  backend/: the sim backend; vmm (the GPU operations) and its CUDA
+ *       and HIP drivers; backend.c, their one door
  *   L2  handles, fence, budget, page, pager, stats, invariants, entry
  *   L3  ledger, release, ledger_view (the per-GPU ledger shared by
  *       processes), pins (the machine's pinned-host budget shared by

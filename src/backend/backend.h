@@ -28,8 +28,11 @@
 
 #include "vpager.h"
 
-typedef uint64_t vp__phys_t;  /* a physical allocation (CUmemGenericAllocationHandle) */
-typedef uint64_t vp__event_t; /* a CUevent or the simulated equivalent */
+/* A physical allocation (CUmemGenericAllocationHandle; HIP's handle, a
+ * pointer, as an integer) and an event (CUevent, hipEvent_t, or the
+ * simulated equivalent). */
+typedef uint64_t vp__phys_t;
+typedef uint64_t vp__event_t;
 
 /* Counts down the calls that may fail under fault injection (tests walk
  * every failure rung of open this way). nth <= 0 disables it. Shared by the
