@@ -17,6 +17,19 @@ static void write_file(const char *path, const void *data, size_t size) {
   ASSERT_EQ_INT(close(fd), 0);
 }
 
+/* A file at path of `size` pattern bytes (seed), opened for reading; its
+ * bytes in *data (malloc'd). */
+static int pattern_file(const char *path, uint64_t size, int seed,
+                        unsigned char **data) {
+  *data = malloc(size);
+  ASSERT_NOT_NULL(*data);
+  test_pattern(*data, size, seed);
+  write_file(path, *data, size);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  return fd;
+}
+
 /* Options with a small ring (3 slots of 8 KiB) so reads wrap it. */
 static void ring_options(test_ctx_t *ctx, vp_options_t *o, int streams) {
   test_options(ctx, o);
@@ -335,13 +348,9 @@ TEST(fileio_to_address, TEST_SIM_ONLY) {
   test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/data.bin", dir);
   const uint64_t fsize = 11 * KiB * KiB + 4097;
-  unsigned char *file = malloc(fsize), *out = malloc(fsize + 64);
-  ASSERT_NOT_NULL(file);
+  unsigned char *file, *out = malloc(fsize + 64);
   ASSERT_NOT_NULL(out);
-  test_pattern(file, fsize, 77);
-  write_file(path, file, fsize);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ASSERT_GE_INT(fd, 0);
+  int fd = pattern_file(path, fsize, 77, &file);
   vp_stream_t s;
   ASSERT_OK(vp_stream_create(dev, &s));
   static const uint32_t threads[] = {1, 3, 8, VP_FILE_THREADS_MAX};
@@ -468,13 +477,9 @@ TEST(fileio_read_leaves_the_device_free, TEST_SIM_ONLY) {
   test_make_dir(dir, sizeof dir, "fileio");
   snprintf(path, sizeof path, "%s/long.bin", dir);
   const uint64_t fsize = 96 * KiB * KiB;
-  unsigned char *file = malloc(fsize), *out = malloc(fsize);
-  ASSERT_NOT_NULL(file);
+  unsigned char *file, *out = malloc(fsize);
   ASSERT_NOT_NULL(out);
-  test_pattern(file, fsize, 5);
-  write_file(path, file, fsize);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ASSERT_GE_INT(fd, 0);
+  int fd = pattern_file(path, fsize, 5, &file);
   pester_t p = {.dev = dev};
   pthread_t t;
   ASSERT_EQ_INT(pthread_create(&t, NULL, pester_main, &p), 0);
