@@ -728,6 +728,7 @@ int main(int argc, char **argv) {
       bool sim = b->kind == VP_BACKEND_SIM;
       if ((t->flags & TEST_SIM_ONLY) && !sim) continue;
       if ((t->flags & TEST_GPU_ONLY) && sim) continue;
+      if ((t->flags & TEST_CUDA_ONLY) && b->kind != VP_BACKEND_CUDA) continue;
       char full[256];
       snprintf(full, sizeof full, "%s/%s", b->name, t->name);
       if (!selected(full, nf, filters)) continue;

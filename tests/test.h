@@ -56,7 +56,8 @@
 enum {
   TEST_ALL_BACKENDS = 0x1, /* once per backend present */
   TEST_SIM_ONLY = 0x2,     /* the simulated device only */
-  TEST_GPU_ONLY = 0x4      /* the GPU backends only (CUDA, HIP) */
+  TEST_GPU_ONLY = 0x4,     /* the GPU backends only (CUDA, HIP) */
+  TEST_CUDA_ONLY = 0x8     /* the CUDA backend only: it calls the driver */
 };
 
 typedef struct test_ctx {

@@ -1,4 +1,5 @@
-/* GPU-only tests (TEST_GPU_ONLY): what only a real GPU can show.
+/* CUDA-only tests (TEST_CUDA_ONLY): what only a real GPU can show, with
+ * kernels and calls of our own to the CUDA driver (so not on HIP).
  *
  *   gpu_evict_waits_for_kernel    a kernel reads a page for ~200 ms; another
  *                                 thread evicts the page (vp_vbar_free_memory)
@@ -564,17 +565,17 @@ static void evict_under_kernel(test_ctx_t *ctx, bool pressure) {
   free(host);
 }
 
-TEST(gpu_evict_waits_for_kernel, TEST_GPU_ONLY) {
+TEST(gpu_evict_waits_for_kernel, TEST_CUDA_ONLY) {
   evict_under_kernel(ctx, false);
 }
 
-TEST(gpu_pressure_waits_for_kernel, TEST_GPU_ONLY) {
+TEST(gpu_pressure_waits_for_kernel, TEST_CUDA_ONLY) {
   evict_under_kernel(ctx, true);
 }
 
 /* ------------------------------------------------------- two devices */
 
-TEST(gpu_two_devices, TEST_GPU_ONLY) {
+TEST(gpu_two_devices, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   if (g->count < 2) {
     printf("skip: %d CUDA device%s; this test needs two\n", g->count,
@@ -702,7 +703,7 @@ static uint64_t use_vpager(test_ctx_t *ctx, gpu_t *g, int ordinal,
   return before > after ? before - after : 0;
 }
 
-TEST(gpu_foreign_context, TEST_GPU_ONLY) {
+TEST(gpu_foreign_context, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   vp_cu_device_t d0;
   CU_OK(g->device_get(&d0, 0));
@@ -754,7 +755,7 @@ TEST(gpu_foreign_context, TEST_GPU_ONLY) {
  * as torch's pin_memory makes one) is dropped by vp_host_unregister; a
  * second time the driver says it is gone (vpager's own is refused:
  * host_unregister in test_driver_queries.c). */
-TEST(gpu_host_unregister_client, TEST_GPU_ONLY) {
+TEST(gpu_host_unregister_client, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   vp_cu_context_t pc = gpu_primary(g, 0);
   vp_device_t dev = test_open(ctx, NULL);
@@ -786,7 +787,7 @@ static void commit_pages(vp_device_t dev, vp_vbar_t v, uint64_t n,
 
 #define MEM_TOLERANCE (2 * MiB)
 
-TEST(gpu_memory_released, TEST_GPU_ONLY) {
+TEST(gpu_memory_released, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   vp_cu_context_t pc = gpu_primary(g, 0); /* outlives vpager's retain */
   uint64_t before_open = gpu_free(g, pc);
@@ -838,7 +839,7 @@ TEST(gpu_memory_released, TEST_GPU_ONLY) {
 /* The budget still allows a commit (its poll is older than the memory
  * taken behind its back) but the driver refuses it: the fault is a miss,
  * the device is not broken, and the next check polls again. */
-TEST(gpu_oom_is_miss, TEST_GPU_ONLY) {
+TEST(gpu_oom_is_miss, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   vp_cu_context_t pc = gpu_primary(g, 0);
   vp_options_t o;
@@ -944,7 +945,7 @@ static bool gpu_reader_saw(refill_reader_t *r) {
   return out[1] >= SPIN_NS && out[0] == gr->want;
 }
 
-TEST(gpu_refill_waits_for_kernel, TEST_GPU_ONLY) {
+TEST(gpu_refill_waits_for_kernel, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   gpu_reader_t gr = {.g = g, .k = kernel_load(g, gpu_primary(g, 0))};
   refill_reader_t r = {gpu_reader_launch, gpu_reader_running, gpu_reader_saw,
@@ -964,7 +965,7 @@ TEST(gpu_refill_waits_for_kernel, TEST_GPU_ONLY) {
 
 /* vp_file_read_to_address into device memory vpager did not make (as a
  * torch tensor's), across slot edges, over one thread and four. */
-TEST(gpu_file_read_to_address, TEST_GPU_ONLY) {
+TEST(gpu_file_read_to_address, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   vp_cu_context_t pc = gpu_primary(g, 0);
   vp_options_t o;
@@ -1021,7 +1022,7 @@ TEST(gpu_file_read_to_address, TEST_GPU_ONLY) {
  * its host buffer's real registration back while a copy from it may still
  * be queued (its streams are waited for first). The first's bytes stay and
  * copy to the device correctly from pageable memory afterwards. */
-TEST(gpu_pins_give_back, TEST_GPU_ONLY) {
+TEST(gpu_pins_give_back, TEST_CUDA_ONLY) {
   gpu_t *g = gpu_get();
   (void)gpu_primary(g, 0);
   const uint64_t size = 64 * MiB;
