@@ -5,9 +5,10 @@
  * mutex for their robust lock (WAIT_ABANDONED is what a dead holder
  * leaves), and a named event per shared word for cross-process waits
  * (WaitOnAddress works only inside one process). Named objects live in the
- * session's "Local\" namespace and go with their last handle, so a
- * segment needs no unlink. Built only for _WIN32 (the Makefile's
- * check-windows cross-build); elsewhere this file is empty. */
+ * session's "Local\" namespace and go with their last handle; a
+ * segment's name stands for its current generation, which unlink moves
+ * on. Built only for _WIN32 (the Makefile's check-windows cross-build);
+ * elsewhere this file is empty. */
 #ifdef _WIN32
 
 #ifndef _WIN32_WINNT
@@ -309,11 +310,16 @@ bool vp__os_proc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
   return alive;
 }
 
+/* A process that has exited is gone here, even while handles keep its
+ * object (and pid): nobody reaps it as a parent reaps a zombie, and its
+ * memory is all given back already. */
 bool vp__os_pid_exists(int32_t pid) {
-  HANDLE h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, FALSE, (DWORD)pid);
+  HANDLE h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION | SYNCHRONIZE,
+                         FALSE, (DWORD)pid);
   if (!h) return GetLastError() != ERROR_INVALID_PARAMETER;
+  bool running = WaitForSingleObject(h, 0) == WAIT_TIMEOUT;
   CloseHandle(h);
-  return true;
+  return running;
 }
 
 void vp__os_proc_command(char *out, size_t len) {
@@ -546,8 +552,8 @@ void vp__os_dl_close(void *lib) {
 
 /* ------------------------------------------------ named shared memory */
 
-/* "/name" as the kernel object name "Local\name" plus a suffix (".lock",
- * ".w<offset>"): false when it does not fit. */
+/* "/name" as the kernel object name "Local\name" plus a suffix: false
+ * when it does not fit. */
 static bool object_name(const char *shm, const char *suffix, wchar_t *out,
                         size_t n) {
   char name[300];
@@ -557,29 +563,70 @@ static bool object_name(const char *shm, const char *suffix, wchar_t *out,
   return widen(name, out, (int)n);
 }
 
-enum { NAME_MAX_W = 320 };
+enum { NAME_MAX_W = 320, SEG_NAME_MAX = 280 };
 
-/* The section handle of each mapped segment, kept until its unmap: a view
- * alone does not keep a section's name (Wine drops it with the last
- * handle), and joiners open it by name. */
+/* Generations. POSIX unlinks a segment's name while processes keep it
+ * mapped, and the next creator makes a new segment; a Windows section
+ * keeps its name as long as anyone maps it. So the name "/x" stands for
+ * the section "x.<gen>", gen read from the name's generation section
+ * "x.gen" (made zero by its first user), and unlink bumps gen. Every view
+ * keeps the generation section mapped too: while any generation of the
+ * name is mapped, the count stays; once none is, every generation's
+ * section has gone and counting from 0 again is safe. The segment's lock
+ * and word events are named after its generation ("x.<gen>.lock"), as
+ * POSIX keeps them in the segment itself. */
+typedef struct gen_map {
+  HANDLE section;
+  _Atomic uint64_t *gen;
+} gen_map_t;
+
+static int gen_open(const char *shm, bool create, gen_map_t *g) {
+  wchar_t wname[NAME_MAX_W];
+  if (!object_name(shm, ".gen", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  g->section = create ? CreateFileMappingW(INVALID_HANDLE_VALUE, NULL,
+                                           PAGE_READWRITE, 0,
+                                           sizeof *g->gen, wname)
+                      : OpenFileMappingW(FILE_MAP_ALL_ACCESS, FALSE, wname);
+  if (!g->section) return last_errno();
+  g->gen = MapViewOfFile(g->section, FILE_MAP_ALL_ACCESS, 0, 0,
+                         sizeof *g->gen);
+  if (g->gen) return 0;
+  int rc = last_errno();
+  CloseHandle(g->section);
+  return rc;
+}
+
+static void gen_close(gen_map_t *g) {
+  UnmapViewOfFile((void *)g->gen);
+  CloseHandle(g->section);
+}
+
+/* The generation's name: "/x" and 3 as "x.3". */
+static void seg_name(const char *shm, uint64_t gen, char *out, size_t n) {
+  snprintf(out, n, "%s.%llu", shm[0] == '/' ? shm + 1 : shm,
+           (unsigned long long)gen);
+}
+
+/* What each mapped segment keeps until its unmap: its section handle (a
+ * view alone does not keep a section's name: Wine drops it with the last
+ * handle, and joiners open it by name), its generation's, and the name of
+ * its generation (for its lock and events). */
 typedef struct shm_view {
   void *base;
+  uint64_t size;
   HANDLE section;
+  gen_map_t gen;
+  char name[SEG_NAME_MAX];
   struct shm_view *next;
 } shm_view_t;
 static shm_view_t *g_views;
 static vp__os_mutex_t g_views_mu = VP__OS_MUTEX_INIT;
 
-static int view_keep(void *base, HANDLE section) {
-  shm_view_t *v = malloc(sizeof *v);
-  if (!v) return ENOMEM;
-  v->base = base;
-  v->section = section;
-  vp__os_mutex_lock(&g_views_mu);
-  v->next = g_views;
-  g_views = v;
-  vp__os_mutex_unlock(&g_views_mu);
-  return 0;
+/* A view's size as the memory manager keeps it: its pages. */
+static uint64_t view_size(const void *p) {
+  MEMORY_BASIC_INFORMATION mbi;
+  if (VirtualQuery(p, &mbi, sizeof mbi) != sizeof mbi) return 0;
+  return mbi.RegionSize;
 }
 
 static void view_drop(void *base) {
@@ -596,21 +643,46 @@ static void view_drop(void *base) {
   UnmapViewOfFile(base);
   if (v) {
     CloseHandle(v->section);
+    gen_close(&v->gen);
     free(v);
   }
 }
 
-/* Map a section whole and keep its handle with the view; the handle is
- * closed when it cannot be. */
-static int map_section(HANDLE m, DWORD access, size_t size, void **base) {
-  void *p = MapViewOfFile(m, access, 0, 0, size);
-  int rc = p ? 0 : last_errno();
-  if (rc == 0) rc = view_keep(p, m);
+/* The generation name of the segment mapped around `addr` (a lock or a
+ * word inside it): false when no segment of ours holds it. */
+static bool view_name(const void *addr, char *out, size_t n) {
+  bool found = false;
+  vp__os_mutex_lock(&g_views_mu);
+  for (shm_view_t *v = g_views; v && !found; v = v->next) {
+    uintptr_t at = (uintptr_t)addr, lo = (uintptr_t)v->base;
+    if (at >= lo && at - lo < v->size) {
+      snprintf(out, n, "%s", v->name);
+      found = true;
+    }
+  }
+  vp__os_mutex_unlock(&g_views_mu);
+  return found;
+}
+
+/* Map section `m` (of generation `name`) whole and keep it, with its
+ * generation's map, until unmapped; both are closed when that fails. */
+static int map_section(HANDLE m, gen_map_t *g, const char *name,
+                       DWORD access, size_t size, void **base) {
+  shm_view_t *v = malloc(sizeof *v);
+  void *p = v ? MapViewOfFile(m, access, 0, 0, size) : NULL;
+  int rc = !v ? ENOMEM : p ? 0 : last_errno();
   if (rc != 0) {
-    if (p) UnmapViewOfFile(p);
+    free(v);
     CloseHandle(m);
+    gen_close(g);
     return rc;
   }
+  *v = (shm_view_t){p, view_size(p), m, *g, "", NULL};
+  snprintf(v->name, sizeof v->name, "%s", name);
+  vp__os_mutex_lock(&g_views_mu);
+  v->next = g_views;
+  g_views = v;
+  vp__os_mutex_unlock(&g_views_mu);
   *base = p;
   return 0;
 }
@@ -619,21 +691,30 @@ int vp__os_shm_create(const char *name, size_t size,
                       int (*init)(void *base, void *arg), void *arg,
                       void **base) {
   *base = NULL;
+  gen_map_t g;
+  int rc = gen_open(name, true, &g);
+  if (rc != 0) return rc;
+  char seg[SEG_NAME_MAX];
   wchar_t wname[NAME_MAX_W];
-  if (!object_name(name, "", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  seg_name(name, atomic_load(g.gen), seg, sizeof seg);
+  if (!object_name(seg, "", wname, NAME_MAX_W)) {
+    gen_close(&g);
+    return ENAMETOOLONG;
+  }
   /* Backed by the paging file, committed whole now (SEC_COMMIT): no room
    * fails here, not at a later touch. */
   HANDLE m = CreateFileMappingW(INVALID_HANDLE_VALUE, NULL,
                                 PAGE_READWRITE | SEC_COMMIT,
                                 (DWORD)((uint64_t)size >> 32), (DWORD)size,
                                 wname);
-  if (!m) return last_errno();
-  if (GetLastError() == ERROR_ALREADY_EXISTS) {
-    CloseHandle(m);
-    return EEXIST;
+  rc = !m ? last_errno() : GetLastError() == ERROR_ALREADY_EXISTS ? EEXIST : 0;
+  if (rc != 0) {
+    if (m) CloseHandle(m);
+    gen_close(&g);
+    return rc;
   }
   void *p = NULL;
-  int rc = map_section(m, FILE_MAP_ALL_ACCESS, size, &p);
+  rc = map_section(m, &g, seg, FILE_MAP_ALL_ACCESS, size, &p);
   if (rc != 0) return rc;
   if (init) rc = init(p, arg); /* new sections are zeroed */
   if (rc != 0) {
@@ -644,24 +725,27 @@ int vp__os_shm_create(const char *name, size_t size,
   return 0;
 }
 
-/* A view's size as the memory manager keeps it: its pages. */
-static uint64_t view_size(const void *p) {
-  MEMORY_BASIC_INFORMATION mbi;
-  if (VirtualQuery(p, &mbi, sizeof mbi) != sizeof mbi) return 0;
-  return mbi.RegionSize;
-}
-
 int vp__os_shm_open(const char *name, bool writable, size_t size,
                     void **base, vp__os_shm_info_t *info) {
   *base = NULL;
   if (info) memset(info, 0, sizeof *info);
+  gen_map_t g;
+  int rc = gen_open(name, false, &g);
+  if (rc != 0) return rc; /* ENOENT: no generation, no segment */
+  char seg[SEG_NAME_MAX];
   wchar_t wname[NAME_MAX_W];
-  if (!object_name(name, "", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  seg_name(name, atomic_load(g.gen), seg, sizeof seg);
   DWORD access = writable ? FILE_MAP_ALL_ACCESS : FILE_MAP_READ;
-  HANDLE m = OpenFileMappingW(access, FALSE, wname);
-  if (!m) return last_errno();
+  HANDLE m = object_name(seg, "", wname, NAME_MAX_W)
+                 ? OpenFileMappingW(access, FALSE, wname)
+                 : NULL;
+  if (!m) {
+    rc = last_errno();
+    gen_close(&g);
+    return rc;
+  }
   void *p = NULL;
-  int rc = map_section(m, access, 0, &p);
+  rc = map_section(m, &g, seg, access, 0, &p);
   if (rc != 0) return rc;
   /* Sections have no size call; the view's pages stand for it, so sizes
    * compare rounded up to pages. */
@@ -681,7 +765,13 @@ void vp__os_shm_unmap(void *base, size_t size) {
   if (base) view_drop(base);
 }
 
-void vp__os_shm_unlink(const char *name) { (void)name; }
+/* The next create makes a new generation; who maps this one keeps it. */
+void vp__os_shm_unlink(const char *name) {
+  gen_map_t g;
+  if (gen_open(name, false, &g) != 0) return; /* nobody maps it */
+  atomic_fetch_add(g.gen, 1);
+  gen_close(&g);
+}
 
 /* The object namespace has no listing call short of ntdll's
  * NtQueryDirectoryObject. */
@@ -706,11 +796,12 @@ enum { SLICE_MS = 20 };
 
 static HANDLE word_event(const char *shm, const void *base,
                          _Atomic uint32_t *word, bool create) {
-  char suffix[32];
+  char suffix[32], seg[SEG_NAME_MAX];
   snprintf(suffix, sizeof suffix, ".w%llx",
            (unsigned long long)((uintptr_t)word - (uintptr_t)base));
+  if (!view_name(base, seg, sizeof seg)) snprintf(seg, sizeof seg, "%s", shm);
   wchar_t wname[NAME_MAX_W];
-  if (!object_name(shm, suffix, wname, NAME_MAX_W)) return NULL;
+  if (!object_name(seg, suffix, wname, NAME_MAX_W)) return NULL;
   if (create) return CreateEventW(NULL, TRUE, FALSE, wname);
   return OpenEventW(EVENT_MODIFY_STATE, FALSE, wname);
 }
@@ -758,7 +849,8 @@ void vp__os_word_wake(const char *shm, const void *base,
 /* ------------------------------- the lock of a shared segment, robust */
 
 /* The shared part only marks the segment's lock as made (a corrupt
- * segment's lock is refused); the lock is the named mutex "<shm>.lock". */
+ * segment's lock is refused); the lock is the named mutex "<gen>.lock" of
+ * the segment's generation. */
 static const char plock_magic[8] = "vpWin32M";
 
 int vp__os_plock_init(vp__os_plock_shared_t *s) {
@@ -771,8 +863,10 @@ int vp__os_plock_open(vp__os_plock_t *l, const char *shm,
                       vp__os_plock_shared_t *s) {
   l->shared = s;
   l->handle = NULL;
+  char seg[SEG_NAME_MAX];
+  if (!view_name(s, seg, sizeof seg)) snprintf(seg, sizeof seg, "%s", shm);
   wchar_t wname[NAME_MAX_W];
-  if (!object_name(shm, ".lock", wname, NAME_MAX_W)) return ENAMETOOLONG;
+  if (!object_name(seg, ".lock", wname, NAME_MAX_W)) return ENAMETOOLONG;
   HANDLE h = CreateMutexW(NULL, FALSE, wname);
   if (!h) return last_errno();
   l->handle = h;
