@@ -93,11 +93,13 @@ check-abi:
 # The HIP backend against ROCm's headers (Debian's libamdhip64-dev: ROCm
 # 5.2; or /opt/rocm): it builds, and hip_abi.h matches
 # hip/hip_runtime_api.h, so a signature that drifts fails here. Unlike
-# check-abi it fails without the headers: CI installs them.
+# check-abi it fails without the headers: CI installs them. Then the pager
+# suite runs through the backend on a stand-in runtime (hip/ tests).
 HIP_INC ?= $(firstword $(patsubst %/hip/hip_runtime_api.h,%,$(wildcard \
              /usr/include/hip/hip_runtime_api.h \
              /opt/rocm/include/hip/hip_runtime_api.h)) /usr/include)
-check-hip: $(BUILD)/obj/backend/hip.o $(BUILD)/obj/backend/vmm.o
+check-hip: $(BUILD)/obj/backend/hip.o $(BUILD)/obj/backend/vmm.o \
+           $(BUILD)/tests/runner $(BUILD)/tests/libfakehip.so
 	@if [ ! -f $(HIP_INC)/hip/hip_runtime_api.h ]; then \
 	  echo "check-hip: no $(HIP_INC)/hip/hip_runtime_api.h: install ROCm's" \
 	       "HIP headers (apt-get install libamdhip64-dev) or set HIP_INC"; \
@@ -109,6 +111,14 @@ check-hip: $(BUILD)/obj/backend/hip.o $(BUILD)/obj/backend/vmm.o
 	  $(HIP_INC)/hip/hip_version.h | paste -sd.); \
 	echo "check-hip: hip.c builds; hip_abi.h matches" \
 	  "$(HIP_INC)/hip/hip_runtime_api.h (HIP $$v)"
+	TEST_HIP_LIBRARY=$(CURDIR)/$(BUILD)/tests/libfakehip.so \
+	  $(BUILD)/tests/runner hip/
+
+# A stand-in HIP runtime over host memory: check-hip runs the pager suite
+# through the HIP backend on it (tests/fakehip/fake_hip.c).
+$(BUILD)/tests/libfakehip.so: tests/fakehip/fake_hip.c | $(BUILD)/tests
+	$(CC) -std=c11 -Wall -Wextra -Werror -O2 -fPIC -shared \
+	  -fvisibility=hidden -o $@ $< -pthread
 
 # The Python tests on the simulated device: the binding (no torch needed)
 # and vpager.torch (skips without torch; CI installs Debian's python3-torch).

@@ -28,6 +28,7 @@
 #include <stdarg.h>
 #include <time.h>
 
+#include "backend.h" /* vp__hip_use_library */
 #include "compat.h"
 #include "peer.h"
 
@@ -680,6 +681,10 @@ int main(int argc, char **argv) {
   g_filters = calloc((size_t)argc + 1, sizeof *g_filters);
   char **filters = g_filters;
   if (!filters) return 2;
+  /* A stand-in HIP runtime (make check-hip: tests/fakehip/), for the
+   * runner, its probe and every test it starts. */
+  const char *hip = getenv("TEST_HIP_LIBRARY");
+  if (hip && *hip) vp__hip_use_library(hip);
 #ifdef _WIN32
   _fmode = _O_BINARY; /* the tests' files hold bytes, not text */
   test_self_exe(g_self, sizeof g_self);

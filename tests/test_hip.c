@@ -4,6 +4,8 @@
  * also runs every test on hip/ (tests/runner.c). */
 #include "test.h"
 
+#include <dlfcn.h>
+
 #include "backend.h"
 
 /* Open backend `kind` with VPAGER_BACKEND=word as well: the word selects
@@ -75,4 +77,40 @@ TEST(auto_without_gpu_is_sim, TEST_SIM_ONLY) {
   if (cuda == 0 && hip == 0) ASSERT_EQ_STR(name, "sim");
   else ASSERT_TRUE(strcmp(name, "sim") != 0);
   ASSERT_OK(vp_device_close(dev));
+}
+
+/* The device each call needs is set for the call and the caller's given
+ * back (hip.c: hipSetDevice, not the deprecated hipCtx*). Runs on the
+ * stand-in runtime of make check-hip (TEST_HIP_LIBRARY, two devices: its
+ * allocations fail unless made with their device current); elsewhere it
+ * has nothing to look through. */
+TEST(hip_device_given_back, TEST_GPU_ONLY) {
+  const char *path = getenv("TEST_HIP_LIBRARY");
+  int n = 0;
+  ASSERT_OK(vp_device_count(VP_BACKEND_HIP, &n));
+  if (ctx->backend != VP_BACKEND_HIP || !path || !*path || n < 2) return;
+  void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NOT_NULL(lib);
+  int (*get)(int *), (*set)(int);
+  void *g = dlsym(lib, "hipGetDevice"), *s = dlsym(lib, "hipSetDevice");
+  ASSERT_TRUE(g && s);
+  memcpy(&get, &g, sizeof get);
+  memcpy(&set, &s, sizeof set);
+  ASSERT_EQ_INT(set(0), 0);
+  vp_options_t o;
+  test_options(ctx, &o);
+  o.device_index = 1;
+  vp_device_t dev = test_open(ctx, &o);
+  uint64_t ps = test_info(dev).page_size;
+  vp_vbar_t v = test_vbar(dev, 2 * ps);
+  ASSERT_OK(vp_fault(v, 0, 2 * ps, NULL, 0));
+  int now = -1;
+  ASSERT_EQ_INT(get(&now), 0);
+  ASSERT_EQ_INT(now, 0);
+  ASSERT_OK(vp_unpin(v, 0, 2 * ps, 0));
+  ASSERT_OK(vp_vbar_destroy(v));
+  ASSERT_OK(vp_device_close(dev));
+  ASSERT_EQ_INT(get(&now), 0);
+  ASSERT_EQ_INT(now, 0);
+  dlclose(lib);
 }
