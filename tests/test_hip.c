@@ -4,9 +4,8 @@
  * also runs every test on hip/ (tests/runner.c). */
 #include "test.h"
 
-#include <dlfcn.h>
-
 #include "backend.h"
+#include "compat.h" /* dlopen, on Windows too */
 
 /* Open backend `kind` with VPAGER_BACKEND=word as well: the word selects
  * it as the field does. */
@@ -112,5 +111,4 @@ TEST(hip_device_given_back, TEST_GPU_ONLY) {
   ASSERT_OK(vp_device_close(dev));
   ASSERT_EQ_INT(get(&now), 0);
   ASSERT_EQ_INT(now, 0);
-  dlclose(lib);
 }
