@@ -171,7 +171,7 @@ static vp_cu_result_t copy_dtoh(void *dst, vp_cu_deviceptr_t src, size_t size,
 #define VP__HIP_SAME_AS_CUDA(X)                                                \
   X(init) X(device_get_count) X(device_get) X(device_get_attribute)            \
   X(device_total_mem) X(device_get_uuid) X(mem_get_info)                       \
-  X(mem_get_allocation_granularity) X(stream_create) X(stream_destroy)        \
+  X(mem_get_allocation_granularity) X(stream_create) X(stream_destroy)         \
   X(stream_synchronize) X(stream_wait_event) X(event_create)                   \
   X(event_destroy) X(event_record) X(event_query) X(event_synchronize)         \
   X(mem_host_register) X(mem_host_unregister) X(synchronize)

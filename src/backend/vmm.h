@@ -34,7 +34,7 @@
   X(mem_set_access) X(stream_create) X(stream_destroy) X(stream_synchronize)   \
   X(stream_wait_event) X(event_create) X(event_destroy) X(event_record)        \
   X(event_query) X(event_synchronize) X(memcpy_htod_async)                     \
-  X(memcpy_dtoh_async) X(mem_host_register) X(mem_host_unregister)            \
+  X(memcpy_dtoh_async) X(mem_host_register) X(mem_host_unregister)             \
   X(synchronize)
 
 typedef struct vp__vmm_api {
@@ -147,7 +147,7 @@ VP_VMM_OPS(VP__VMM_DECLARE)
  * operations (vp__backend_cuda, vp__backend_hip). */
 #define VP__VMM_MEMBER_OP(op) .op = vp__vmm_##op,
 #define VP_VMM_BACKEND(name_, open_, close_)                                   \
-  {.name = (name_), .open = (open_), .close = (close_),                       \
-   VP_VMM_OPS(VP__VMM_MEMBER_OP).launch = NULL, .inject = NULL}
+  {.name = (name_), .open = (open_), .close = (close_),                        \
+   VP_VMM_OPS(VP__VMM_MEMBER_OP) .launch = NULL, .inject = NULL}
 
 #endif /* VPAGER_VMM_H */
