@@ -136,7 +136,7 @@ typedef struct proc {
   HANDLE handle;
   bool stopped;
 } proc_t;
-static proc_t g_procs[64];
+static proc_t g_procs[256]; /* ledger_join_leave_many: one a ledger slot */
 
 static proc_t *proc_of(int pid) {
   for (size_t i = 0; i < sizeof g_procs / sizeof *g_procs; i++)
@@ -164,8 +164,12 @@ static bool peer_pipe(HANDLE *read, HANDLE *write, bool theirs_reads) {
 
 int test_spawn_peer(const char *args, int *to, int *from, int *pid) {
   HANDLE down_r, down_w, up_r, up_w;
-  if (!peer_pipe(&down_r, &down_w, true)) return -1;
+  if (!peer_pipe(&down_r, &down_w, true)) {
+    fprintf(stderr, "CreatePipe: Win32 error %lu\n", GetLastError());
+    return -1;
+  }
   if (!peer_pipe(&up_r, &up_w, false)) {
+    fprintf(stderr, "CreatePipe: Win32 error %lu\n", GetLastError());
     CloseHandle(down_r);
     CloseHandle(down_w);
     return -1;
@@ -183,12 +187,24 @@ int test_spawn_peer(const char *args, int *to, int *from, int *pid) {
   si.hStdOutput = GetStdHandle(STD_OUTPUT_HANDLE);
   si.hStdError = GetStdHandle(STD_ERROR_HANDLE);
   PROCESS_INFORMATION pi;
-  /* It joins this test's job: it dies with the test. */
-  BOOL ok = CreateProcessA(self, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si,
-                           &pi);
+  /* It joins this test's job: it dies with the test. Wine has been seen
+   * to refuse one start now and then under load: a few tries. */
+  BOOL ok = FALSE;
+  DWORD err = 0;
+  for (int tries = 0; tries < 3 && !ok; tries++) {
+    if (tries) Sleep(100);
+    ok = CreateProcessA(self, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si, &pi);
+    if (!ok) err = GetLastError();
+  }
   CloseHandle(down_r);
   CloseHandle(up_w);
-  if (!ok || !proc_add((int)pi.dwProcessId, pi.hProcess)) {
+  proc_t *slot = ok ? proc_add((int)pi.dwProcessId, pi.hProcess) : NULL;
+  if (!ok)
+    fprintf(stderr, "CreateProcess(%s): Win32 error %lu\n", cmd,
+            (unsigned long)err);
+  else if (!slot)
+    fprintf(stderr, "more than %zu peers\n", sizeof g_procs / sizeof *g_procs);
+  if (!slot) {
     if (ok) {
       TerminateProcess(pi.hProcess, 1);
       CloseHandle(pi.hProcess);
@@ -202,6 +218,7 @@ int test_spawn_peer(const char *args, int *to, int *from, int *pid) {
   *pid = (int)pi.dwProcessId;
   *to = _open_osfhandle((intptr_t)down_w, _O_WRONLY | _O_BINARY);
   *from = _open_osfhandle((intptr_t)up_r, _O_RDONLY | _O_BINARY);
+  if (*to < 0 || *from < 0) fprintf(stderr, "no descriptor for a pipe\n");
   return *to >= 0 && *from >= 0 ? 0 : -1;
 }
 

@@ -82,6 +82,7 @@ int test_spawn_peer(const char *args, int *to, int *from, int *pid);
  * waitpid's status is POSIX's (an exception reads as SIGSEGV), and with
  * WUNTRACED a suspended process reads as stopped at once. */
 #define SIGKILL 9
+#define SIGBUS 7 /* never: an access violation reads as SIGSEGV */
 #define SIGCONT 18
 #define SIGSTOP 19
 #define WUNTRACED 2

@@ -332,35 +332,37 @@ static int count_pid(const char *snap, pid_t pid) {
   return count_of(snap, key);
 }
 
+/* A peer that loads its model, takes the ledger's lock and waits to be
+ * killed holding it (ready: it holds the lock). */
+static void lock_holder(test_ctx_t *ctx, const void *arg, int in, int out) {
+  const peer_cfg_t *c = arg;
+  char shm[128];
+  shm_of(shm, sizeof shm, c->name);
+  model_t m;
+  model_open(ctx, c, &m);
+  ASSERT_EQ_U64(model_pass(&m, false), 3);
+  ledger_seg_t *seg = NULL;
+  char why[192];
+  ASSERT_OK(vp__lseg_map(shm, true, &seg, why, sizeof why));
+  vp__ledger_t l = {.seg = seg};
+  ASSERT_EQ_INT(vp__os_plock_open(&l.lock, shm, &seg->lock), 0);
+  ASSERT_OK(vp__lseg_lock(&l));
+  put_u64(out, 0);
+  char cmd;
+  while (read(in, &cmd, 1) == 1) {
+  }
+  _exit(0);
+}
+
 /* A process killed while it holds the ledger's lock: the next one to take
  * it recovers it (EOWNERDEAD) and reaps the dead at once; the memory the
  * dead held comes back as the driver frees it (the sim: within 100 ms). */
-#ifndef _WIN32
 TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
-  char name[64], shm[128];
+  char name[64];
   ledger_name(name, sizeof name, "kill");
-  shm_of(shm, sizeof shm, name);
   peer_cfg_t ck = cfg(name, 8, 3, 10, "doomed", VP_SIM_SYNC);
-  int sync[2];
-  ASSERT_EQ_INT(pipe(sync), 0);
-  fflush(stdout);
-  pid_t k = fork();
-  ASSERT_GE_INT(k, 0);
-  if (k == 0) {
-    model_t m;
-    model_open(ctx, &ck, &m);
-    ASSERT_EQ_U64(model_pass(&m, false), 3);
-    ledger_seg_t *seg = NULL;
-    char why[192];
-    ASSERT_OK(vp__lseg_map(shm, true, &seg, why, sizeof why));
-    vp__ledger_t l = {.seg = seg};
-    ASSERT_EQ_INT(vp__os_plock_open(&l.lock, shm, &seg->lock), 0);
-    ASSERT_OK(vp__lseg_lock(&l));
-    put_u64(sync[1], 1);
-    pause();
-    _exit(0);
-  }
-  ASSERT_EQ_U64(get_u64(sync[0]), 1);
+  peer_t p = peer_start(ctx, lock_holder, &ck, sizeof ck);
+  pid_t k = p.pid;
   ASSERT_EQ_INT(kill(k, SIGKILL), 0);
   test_wait(k);
   uint64_t t0 = test_now_ms();
@@ -381,13 +383,9 @@ TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
   vp_vbar_t v = test_vbar(dev, 8 * o.page_size);
   test_load_pages(v, 0, 8);
   ASSERT_OK(vp_device_close(dev));
-  close(sync[0]);
-  close(sync[1]);
+  close(p.to);
+  close(p.from);
 }
-#else
-TEST_EXCLUDED(ledger_sigkill_lock_holder, TEST_SIM_ONLY,
-              "SIGKILLs a forked lock holder: Windows has no fork")
-#endif
 
 /* A holder killed while it answers (its eviction waits for a fence): the
  * requester gives up after the timeout and goes on; the dead one's memory
@@ -736,10 +734,20 @@ TEST_EXCLUDED(ledger_leave_keeps_answers, TEST_SIM_ONLY,
  * load, and a join's pages missed). */
 #define CHURN_PAGES (2 * LEDGER_PARTS)
 
-static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
-                        int seed) {
+typedef struct churn_cfg {
+  char name[64];
+  uint64_t loops;
+  int seed;
+} churn_cfg_t;
+
+static void churn_child(test_ctx_t *ctx, const void *arg, int in, int out) {
+  (void)in;
+  const churn_cfg_t *c = arg;
+  uint64_t loops = c->loops;
+  int seed = c->seed;
+  put_u64(out, 0);
   vp_options_t o;
-  shared_opts(ctx, &o, name, CHURN_PAGES);
+  shared_opts(ctx, &o, c->name, CHURN_PAGES);
   for (uint64_t i = 0; i < loops; i++) {
     vp_device_t dev = test_open(ctx, &o);
     vp_vbar_t v = test_vbar(dev, 2 * o.page_size);
@@ -756,26 +764,25 @@ static void churn_child(test_ctx_t *ctx, const char *name, uint64_t loops,
 /* As many processes as the ledger has slots join and leave in a loop, two
  * of them (looping until then) killed on the way:
  * every join succeeds, and once all are gone the ledger goes too. */
-#ifndef _WIN32
 TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   char name[64];
   ledger_name(name, sizeof name, "churn");
   enum { N = LEDGER_PARTS }; /* every slot, in and out */
   uint64_t loops = test_scale(12);
-  pid_t pids[N];
-  fflush(stdout);
-  fflush(stderr);
+  peer_t peers[N];
   for (int i = 0; i < N; i++) {
-    pids[i] = fork();
-    ASSERT_GE_INT(pids[i], 0);
-    if (pids[i] == 0) churn_child(ctx, name, i < 2 ? UINT64_MAX : loops, i);
+    churn_cfg_t c = {"", i < 2 ? UINT64_MAX : loops, i};
+    snprintf(c.name, sizeof c.name, "%s", name);
+    peers[i] = peer_start(ctx, churn_child, &c, sizeof c);
   }
   test_sleep_ms(5);
-  kill(pids[0], SIGKILL);
-  kill(pids[1], SIGKILL);
+  kill(peers[0].pid, SIGKILL);
+  kill(peers[1].pid, SIGKILL);
   for (int i = 0; i < N; i++) {
-    int st = test_wait(pids[i]);
+    int st = test_wait(peers[i].pid);
     if (i >= 2) ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    close(peers[i].to);
+    close(peers[i].from);
   }
   /* A last one reaps whoever was killed inside and removes the name. */
   vp_options_t o;
@@ -791,10 +798,6 @@ TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   snprintf(ledger, sizeof ledger, "sim-%s", name);
   ASSERT_RC(vp_ledger_read(ledger, buf, sizeof buf, NULL), VP_ENODEV);
 }
-#else
-TEST_EXCLUDED(ledger_join_leave_many, TEST_SIM_ONLY,
-              "SIGKILLs forked joiners: Windows has no fork")
-#endif
 
 /* ------------------------------------------------------- the model API */
 

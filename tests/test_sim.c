@@ -1,8 +1,9 @@
 /* The simulated device itself: touching an evicted or never-committed page
  * crashes (as on a GPU), launches, and the device-wide used-memory count
- * shared between processes. */
+ * shared between processes. The other processes are peers (peer.h). */
 #include "test.h"
 #include "compat.h"
+#include "peer.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -11,6 +12,8 @@
 /* ------------------------------------------------------- touch crashes */
 
 #ifndef _WIN32
+/* Windows ends the peer with the access violation's code instead, which
+ * test_wait reads as SIGSEGV. */
 static void segv_handler(int sig) {
   (void)sig;
   _exit(77);
@@ -24,6 +27,7 @@ static void catch_segv(void) {
   sigaction(SIGSEGV, &sa, NULL);
   sigaction(SIGBUS, &sa, NULL);
 }
+#endif
 
 static void read_byte_fn(void *arg) {
   volatile const unsigned char *p = arg;
@@ -34,10 +38,15 @@ static void read_byte_fn(void *arg) {
 enum { TOUCH_EVICTED, TOUCH_NEVER, TOUCH_LAUNCH, TOUCH_WORKER, TOUCH_DESTROYED,
        TOUCH_RESIDENT };
 
-/* In a child: set up a page per `how` and touch it. Exit 77 = it faulted,
- * 0 = the touch went through. */
-static void touch_child(test_ctx_t *ctx, int how) {
+/* In a peer: set up a page per `how` (the arg) and touch it. Exit 77 = it
+ * faulted, 0 = the touch went through. */
+static void touch_child(test_ctx_t *ctx, const void *arg, int in, int out) {
+  (void)in;
+  int how = *(const int *)arg;
+  put_u64(out, 0); /* ready: what follows ends it */
+#ifndef _WIN32
   catch_segv();
+#endif
   vp_options_t opts;
   test_options(ctx, &opts);
   if (how == TOUCH_WORKER) opts.sim_streams = VP_SIM_WORKER;
@@ -74,12 +83,10 @@ static void touch_child(test_ctx_t *ctx, int how) {
 }
 
 static int touch(test_ctx_t *ctx, int how) {
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE_INT(pid, 0);
-  if (pid == 0) touch_child(ctx, how);
-  int st = test_wait(pid);
+  peer_t p = peer_start(ctx, touch_child, &how, sizeof how);
+  int st = test_wait(p.pid);
+  close(p.to);
+  close(p.from);
   if (WIFEXITED(st) && WEXITSTATUS(st) == 77) return 1;
   if (WIFSIGNALED(st) &&
       (WTERMSIG(st) == SIGSEGV || WTERMSIG(st) == SIGBUS))
@@ -96,11 +103,6 @@ TEST(sim_touch_crashes, TEST_SIM_ONLY) {
   ASSERT_EQ_INT(touch(ctx, TOUCH_WORKER), 1);
   ASSERT_EQ_INT(touch(ctx, TOUCH_DESTROYED), 1);
 }
-#else
-TEST_EXCLUDED(sim_touch_crashes, TEST_SIM_ONLY,
-              "touches each page in a forked child that must crash: Windows "
-              "has no fork")
-#endif
 
 /* --------------------------------------------------------------- launch */
 
@@ -190,7 +192,6 @@ TEST(sim_shared_same_process, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(b));
 }
 
-#ifndef _WIN32
 static void write_byte(int fd, char c) {
   ASSERT_EQ_INT(write(fd, &c, 1), 1);
 }
@@ -201,58 +202,66 @@ static char read_byte(int fd) {
   return c;
 }
 
+/* B of sim_shared_processes (the arg: the options): opens after A holds 6
+ * pages ('a'), takes the 2 left ('b'); once A closed ('c'), all 8. */
+static void shared_b(test_ctx_t *ctx, const void *arg, int in, int out) {
+  vp_options_t opts = *(const vp_options_t *)arg;
+  uint64_t ps = opts.page_size;
+  put_u64(out, 0);
+  ASSERT_EQ_INT(read_byte(in), 'a');
+  vp_device_t b = test_open(ctx, &opts);
+  vp_vbar_t v = test_vbar(b, 8 * ps);
+  ASSERT_EQ_U64(test_info(b).free_memory, 2 * ps);
+  ASSERT_OK(vp_fault(v, 0, 2 * ps, NULL, 0));
+  ASSERT_RC(test_fault_page(v, 2, NULL), VP_MISS);
+  write_byte(out, 'b');
+  /* A closes; its memory comes back. */
+  ASSERT_EQ_INT(read_byte(in), 'c');
+  ASSERT_OK(vp_fault(v, 2 * ps, 6 * ps, NULL, 0));
+  ASSERT_EQ_U64(test_info(b).free_memory, 0);
+  ASSERT_OK(vp_unpin(v, 0, 8 * ps, 0));
+  ASSERT_OK(vp_device_close(b));
+  fflush(stdout);
+  exit(0);
+}
+
 TEST(sim_shared_processes, TEST_SIM_ONLY) {
   vp_options_t opts;
   test_options(ctx, &opts);
   uint64_t ps = opts.page_size;
   opts.sim_capacity = 8 * ps;
   shared_name(opts.sim_shared, sizeof opts.sim_shared, "procs");
-  int to_child[2], to_parent[2];
-  ASSERT_EQ_INT(pipe(to_child), 0);
-  ASSERT_EQ_INT(pipe(to_parent), 0);
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE_INT(pid, 0);
-  if (pid == 0) {
-    /* B: opens after A holds 6 pages. */
-    close(to_child[1]);
-    close(to_parent[0]);
-    ASSERT_EQ_INT(read_byte(to_child[0]), 'a');
-    vp_device_t b = test_open(ctx, &opts);
-    vp_vbar_t v = test_vbar(b, 8 * ps);
-    ASSERT_EQ_U64(test_info(b).free_memory, 2 * ps);
-    ASSERT_OK(vp_fault(v, 0, 2 * ps, NULL, 0));
-    ASSERT_RC(test_fault_page(v, 2, NULL), VP_MISS);
-    write_byte(to_parent[1], 'b');
-    /* A closes; its memory comes back. */
-    ASSERT_EQ_INT(read_byte(to_child[0]), 'c');
-    ASSERT_OK(vp_fault(v, 2 * ps, 6 * ps, NULL, 0));
-    ASSERT_EQ_U64(test_info(b).free_memory, 0);
-    ASSERT_OK(vp_unpin(v, 0, 8 * ps, 0));
-    ASSERT_OK(vp_device_close(b));
-    fflush(stdout);
-    exit(0);
-  }
-  close(to_child[0]);
-  close(to_parent[1]);
+  peer_t b = peer_start(ctx, shared_b, &opts, sizeof opts);
   vp_device_t a = test_open(ctx, &opts);
   vp_vbar_t v = test_vbar(a, 8 * ps);
   ASSERT_OK(vp_fault(v, 0, 6 * ps, NULL, 0));
-  write_byte(to_child[1], 'a');
-  ASSERT_EQ_INT(read_byte(to_parent[0]), 'b');
+  write_byte(b.to, 'a');
+  ASSERT_EQ_INT(read_byte(b.from), 'b');
   /* A sees B's two pages. */
   vp_device_info_t ia = test_info(a);
   ASSERT_EQ_U64(ia.free_memory, 0);
   ASSERT_EQ_U64(ia.committed, 6 * ps);
   ASSERT_RC(test_fault_page(v, 6, NULL), VP_MISS);
   ASSERT_OK(vp_device_close(a));
-  write_byte(to_child[1], 'c');
-  int st = test_wait(pid);
+  write_byte(b.to, 'c');
+  int st = test_wait(b.pid);
   ASSERT_TRUE(WIFEXITED(st));
   ASSERT_EQ_INT(WEXITSTATUS(st), 0);
-  close(to_child[1]);
-  close(to_parent[0]);
+  close(b.to);
+  close(b.from);
+}
+
+/* A process that opens the shared device, faults 5 pages and exits without
+ * closing it. */
+static void dying_b(test_ctx_t *ctx, const void *arg, int in, int out) {
+  (void)in;
+  vp_options_t opts = *(const vp_options_t *)arg;
+  put_u64(out, 0);
+  vp_device_t b = test_open(ctx, &opts);
+  vp_vbar_t v = test_vbar(b, 8 * opts.page_size);
+  ASSERT_OK(vp_fault(v, 0, 5 * opts.page_size, NULL, 0));
+  write_byte(out, 'x');
+  _exit(0); /* no close */
 }
 
 TEST(sim_shared_dead_process, TEST_SIM_ONLY) {
@@ -266,24 +275,11 @@ TEST(sim_shared_dead_process, TEST_SIM_ONLY) {
    * threaded process, whose child TSan does not let start threads. */
   snprintf(opts.ledger, sizeof opts.ledger, "off");
   vp_device_t a = test_open(ctx, &opts);
-  int sync[2];
-  ASSERT_EQ_INT(pipe(sync), 0);
-  fflush(stdout);
-  fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE_INT(pid, 0);
-  if (pid == 0) {
-    close(sync[0]);
-    vp_device_t b = test_open(ctx, &opts);
-    vp_vbar_t v = test_vbar(b, 8 * ps);
-    ASSERT_OK(vp_fault(v, 0, 5 * ps, NULL, 0));
-    write_byte(sync[1], 'x');
-    _exit(0); /* no close */
-  }
-  close(sync[1]);
-  ASSERT_EQ_INT(read_byte(sync[0]), 'x');
-  close(sync[0]);
-  test_wait(pid);
+  peer_t b = peer_start(ctx, dying_b, &opts, sizeof opts);
+  ASSERT_EQ_INT(read_byte(b.from), 'x');
+  test_wait(b.pid);
+  close(b.to);
+  close(b.from);
   vp_vbar_t v = test_vbar(a, 8 * ps);
   /* The next open of the name reclaims what dead openers held. */
   vp_device_t c = test_open(ctx, &opts);
@@ -292,9 +288,3 @@ TEST(sim_shared_dead_process, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(c));
   ASSERT_OK(vp_device_close(a));
 }
-#else
-TEST_EXCLUDED(sim_shared_processes, TEST_SIM_ONLY,
-              "shares the device with a forked process: Windows has no fork")
-TEST_EXCLUDED(sim_shared_dead_process, TEST_SIM_ONLY,
-              "a forked process dies holding memory: Windows has no fork")
-#endif
