@@ -37,9 +37,11 @@ typedef struct hip_api {
 
 /* ------------------------------------------------------ the runtime */
 
-/* The runtime's file names, newest first: a process that already has one
- * loaded (torch's ROCm build) gets that one back by its soname. The bare
- * name is the development link (/opt/rocm/lib, Debian's libamdhip64-dev). */
+/* The runtime's file names, newest first; the bare name is the
+ * development link (/opt/rocm/lib, Debian's libamdhip64-dev). The loader
+ * finds a runtime already loaded (torch's ROCm build) by its soname, so
+ * the process's own is taken, unless a newer soname of this list is
+ * installed as well: then two runtimes would meet (not guarded against). */
 #ifdef _WIN32
 static const char *const libraries[] = {"amdhip64_7.dll", "amdhip64_6.dll",
                                         "amdhip64.dll"};
@@ -94,7 +96,8 @@ static void load_runtime(void) {
     void *fn = vp__os_dl_sym(lib, entry_points[i].name);
     if (!fn) {
       snprintf(load_error, sizeof load_error, "the HIP runtime has no %s "
-               "(ROCm older than 5.3?)", entry_points[i].name);
+               "(ROCm before 5.1 had no virtual memory API)",
+               entry_points[i].name);
       vp__os_dl_close(lib);
       return;
     }
