@@ -16,6 +16,7 @@
 #endif
 #define WIN32_LEAN_AND_MEAN
 #include <windows.h>
+#include <winternl.h>
 
 #include <errno.h>
 #include <io.h>
@@ -25,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <wchar.h>
 
 #include "os.h"
 
@@ -773,14 +775,72 @@ void vp__os_shm_unlink(const char *name) {
   gen_close(&g);
 }
 
-/* The object namespace has no listing call short of ntdll's
- * NtQueryDirectoryObject. */
+/* The session's object folder (where "Local\\" names live), listed with
+ * ntdll's directory calls (Windows documents no other way); a name
+ * counts while its generation section exists, as POSIX's does until its
+ * unlink. */
+typedef LONG(NTAPI *nt_open_dir_fn)(HANDLE *, ACCESS_MASK, OBJECT_ATTRIBUTES *);
+typedef LONG(NTAPI *nt_query_dir_fn)(HANDLE, void *, ULONG, BOOLEAN, BOOLEAN,
+                                     ULONG *, ULONG *);
+typedef struct object_dir_info {
+  UNICODE_STRING name, type;
+} object_dir_info_t;
+
+/* ntdll's function `name` into *fn (a function pointer of its type). */
+static bool ntdll_fn(const char *name, void *fn, size_t size) {
+  FARPROC f = GetProcAddress(GetModuleHandleW(L"ntdll.dll"), name);
+  if (!f || size != sizeof f) return false;
+  memcpy(fn, &f, sizeof f);
+  return true;
+}
+
+static HANDLE session_objects(void) {
+  nt_open_dir_fn open_dir;
+  DWORD session = 0;
+  if (!ntdll_fn("NtOpenDirectoryObject", &open_dir, sizeof open_dir) ||
+      !ProcessIdToSessionId(GetCurrentProcessId(), &session))
+    return NULL;
+  wchar_t path[64];
+  swprintf(path, sizeof path / sizeof *path,
+           L"\\Sessions\\%lu\\BaseNamedObjects", (unsigned long)session);
+  UNICODE_STRING u = {(USHORT)(wcslen(path) * sizeof *path),
+                      (USHORT)(sizeof path), path};
+  OBJECT_ATTRIBUTES oa;
+  InitializeObjectAttributes(&oa, &u, 0, NULL, NULL);
+  HANDLE dir = NULL;
+  return open_dir(&dir, 0x0001 /* DIRECTORY_QUERY */, &oa) >= 0 ? dir : NULL;
+}
+
 int vp__os_shm_list(const char *prefix,
                     void (*each)(const char *name, void *arg), void *arg) {
-  (void)prefix;
-  (void)each;
-  (void)arg;
-  return ENOSYS;
+  nt_query_dir_fn query;
+  if (!ntdll_fn("NtQueryDirectoryObject", &query, sizeof query)) return ENOSYS;
+  HANDLE dir = session_objects();
+  if (!dir) return ENOSYS;
+  union {
+    object_dir_info_t info;
+    unsigned char bytes[2048];
+  } buf;
+  ULONG ctx = 0, got = 0;
+  size_t plen = strlen(prefix);
+  while (query(dir, &buf, sizeof buf, TRUE, ctx == 0, &ctx, &got) >= 0) {
+    const object_dir_info_t *e = &buf.info;
+    if (e->type.Length != 7 * sizeof(wchar_t) ||
+        wcsncmp(e->type.Buffer, L"Section", 7) != 0)
+      continue;
+    char name[SEG_NAME_MAX];
+    int n = WideCharToMultiByte(CP_UTF8, 0, e->name.Buffer,
+                                e->name.Length / (int)sizeof(wchar_t), name,
+                                sizeof name - 1, NULL, NULL);
+    if (n <= 4) continue;
+    name[n] = '\0';
+    if (strcmp(name + n - 4, ".gen") != 0 || strncmp(name, prefix, plen) != 0)
+      continue;
+    name[n - 4] = '\0'; /* the name, not its generation count */
+    each(name, arg);
+  }
+  CloseHandle(dir);
+  return 0;
 }
 
 /* ----------------------------------- waits on a word of shared memory */
