@@ -79,12 +79,17 @@ uint64_t peer_do(peer_t *p, char cmd) {
   return get_u64(p->from);
 }
 
+int peer_wait(peer_t *p) {
+  int st = test_wait(p->pid);
+  close(p->to);
+  close(p->from);
+  return st;
+}
+
 void peer_quit(peer_t *p) {
   char q = 'Q';
   ASSERT_EQ_INT(write(p->to, &q, 1), 1);
-  int st = test_wait(p->pid);
+  int st = peer_wait(p);
   ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  close(p->to);
-  close(p->from);
 }
 

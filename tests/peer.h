@@ -30,6 +30,9 @@ peer_t peer_start(test_ctx_t *ctx, peer_main_t run, const void *arg,
                   size_t size);
 /* Sends a command; returns its answer. */
 uint64_t peer_do(peer_t *p, char cmd);
+/* Waits until it has ended (quit, exited or killed) and closes our ends
+ * of its pipes; returns its wait status. */
+int peer_wait(peer_t *p);
 /* Tells it to quit ('Q') and checks that it exited with 0. */
 void peer_quit(peer_t *p);
 

@@ -58,10 +58,7 @@ static void corrupt_child(test_ctx_t *ctx, const void *arg, int in,
 
 static int corrupt_and_call(test_ctx_t *ctx, int which) {
   peer_t p = peer_start(ctx, corrupt_child, &which, sizeof which);
-  int st = test_wait(p.pid);
-  close(p.to);
-  close(p.from);
-  return st;
+  return peer_wait(&p);
 }
 
 TEST(invariants_abort_on_mismatch, TEST_SIM_ONLY) {

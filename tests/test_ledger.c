@@ -165,13 +165,6 @@ static void peer_main(test_ctx_t *ctx, const void *arg, int in, int out) {
   exit(0);
 }
 
-/* A peer that is gone (killed): reap it. */
-static void peer_reap(peer_t *p) {
-  test_wait(p->pid);
-  close(p->to);
-  close(p->from);
-}
-
 /* ---------------------------------------------------------------- tests */
 
 /* A keep list names this process's VBARs: a participant with our pid in
@@ -364,7 +357,7 @@ TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
   peer_t p = peer_start(ctx, lock_holder, &ck, sizeof ck);
   pid_t k = p.pid;
   ASSERT_EQ_INT(kill(k, SIGKILL), 0);
-  test_wait(k);
+  peer_wait(&p);
   uint64_t t0 = test_now_ms();
   vp_options_t o;
   shared_opts(ctx, &o, name, 8);
@@ -383,8 +376,6 @@ TEST(ledger_sigkill_lock_holder, TEST_SIM_ONLY) {
   vp_vbar_t v = test_vbar(dev, 8 * o.page_size);
   test_load_pages(v, 0, 8);
   ASSERT_OK(vp_device_close(dev));
-  close(p.to);
-  close(p.from);
 }
 
 /* A holder killed while it answers (its eviction waits for a fence): the
@@ -409,7 +400,7 @@ TEST(ledger_sigkill_while_answering, TEST_SIM_ONLY) {
   ASSERT_GE_U64(waited, 150);
   ASSERT_LT_U64(waited, 1000);
   ASSERT_EQ_INT(kill(p.pid, SIGKILL), 0);
-  peer_reap(&p);
+  peer_wait(&p); /* killed: reap it */
   t0 = test_now_ms();
   while (test_fault_page(v, 4, NULL) != VP_OK) {
     ASSERT_LT_U64(test_now_ms() - t0, 1000);
@@ -771,10 +762,8 @@ TEST(ledger_join_leave_many, TEST_SIM_ONLY) {
   kill(peers[0].pid, SIGKILL);
   kill(peers[1].pid, SIGKILL);
   for (int i = 0; i < N; i++) {
-    int st = test_wait(peers[i].pid);
+    int st = peer_wait(&peers[i]);
     if (i >= 2) ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-    close(peers[i].to);
-    close(peers[i].from);
   }
   /* A last one reaps whoever was killed inside and removes the name. */
   vp_options_t o;

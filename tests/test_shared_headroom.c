@@ -84,9 +84,7 @@ static peer_t headroom_peer(test_ctx_t *ctx, const char *name,
 
 static void peer_kill(peer_t *p) {
   ASSERT_EQ_INT(kill(p->pid, SIGKILL), 0);
-  test_wait(p->pid);
-  close(p->to);
-  close(p->from);
+  peer_wait(p);
 }
 
 /* ------------------------------------------------------------ tests */

@@ -84,9 +84,7 @@ static void touch_child(test_ctx_t *ctx, const void *arg, int in, int out) {
 
 static int touch(test_ctx_t *ctx, int how) {
   peer_t p = peer_start(ctx, touch_child, &how, sizeof how);
-  int st = test_wait(p.pid);
-  close(p.to);
-  close(p.from);
+  int st = peer_wait(&p);
   if (WIFEXITED(st) && WEXITSTATUS(st) == 77) return 1;
   if (WIFSIGNALED(st) &&
       (WTERMSIG(st) == SIGSEGV || WTERMSIG(st) == SIGBUS))
@@ -244,11 +242,9 @@ TEST(sim_shared_processes, TEST_SIM_ONLY) {
   ASSERT_RC(test_fault_page(v, 6, NULL), VP_MISS);
   ASSERT_OK(vp_device_close(a));
   write_byte(b.to, 'c');
-  int st = test_wait(b.pid);
+  int st = peer_wait(&b);
   ASSERT_TRUE(WIFEXITED(st));
   ASSERT_EQ_INT(WEXITSTATUS(st), 0);
-  close(b.to);
-  close(b.from);
 }
 
 /* A process that opens the shared device, faults 5 pages and exits without
@@ -277,9 +273,7 @@ TEST(sim_shared_dead_process, TEST_SIM_ONLY) {
   vp_device_t a = test_open(ctx, &opts);
   peer_t b = peer_start(ctx, dying_b, &opts, sizeof opts);
   ASSERT_EQ_INT(read_byte(b.from), 'x');
-  test_wait(b.pid);
-  close(b.to);
-  close(b.from);
+  peer_wait(&b);
   vp_vbar_t v = test_vbar(a, 8 * ps);
   /* The next open of the name reclaims what dead openers held. */
   vp_device_t c = test_open(ctx, &opts);
