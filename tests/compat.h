@@ -52,10 +52,6 @@ void *dlopen(const char *name, int flags);
 void *dlsym(void *lib, const char *symbol);
 const char *dlerror(void);
 
-/* How many handles this process has open (what /proc/self/fd counts on
- * Linux), or -1. */
-int test_handle_count(void);
-
 /* The temporary folder ("C:\...\Temp"), without its trailing separator. */
 const char *test_tmp_dir(void);
 
@@ -110,5 +106,13 @@ static inline void *test_aligned_alloc(size_t align, size_t size) {
 }
 static inline void test_aligned_free(void *p) { free(p); }
 #endif
+
+/* How many descriptors (Windows: handles) and threads this process has,
+ * or -1: what a leak check compares before and after. */
+int test_fd_count(void);
+int test_thread_count(void);
+/* The bytes of address space this process has reserved or mapped (Linux:
+ * VmSize), or 0. */
+uint64_t test_vm_size(void);
 
 #endif /* VP_TEST_COMPAT_H */

@@ -3,6 +3,7 @@
 
 #define WIN32_LEAN_AND_MEAN
 #include <windows.h>
+#include <tlhelp32.h>
 
 #include <errno.h>
 #include <stdint.h>
@@ -123,9 +124,34 @@ void *dlsym(void *lib, const char *symbol) {
 
 const char *dlerror(void) { return g_dlerror; }
 
-int test_handle_count(void) {
+int test_fd_count(void) {
   DWORD n = 0;
   return GetProcessHandleCount(GetCurrentProcess(), &n) ? (int)n : -1;
+}
+
+/* Every region that is not free, reserved or committed. */
+uint64_t test_vm_size(void) {
+  uint64_t n = 0;
+  MEMORY_BASIC_INFORMATION mbi;
+  for (char *p = NULL; VirtualQuery(p, &mbi, sizeof mbi) == sizeof mbi;
+       p = (char *)mbi.BaseAddress + mbi.RegionSize) {
+    if (mbi.State != MEM_FREE) n += mbi.RegionSize;
+    if ((uintptr_t)mbi.BaseAddress + mbi.RegionSize < (uintptr_t)p) break;
+  }
+  return n;
+}
+
+int test_thread_count(void) {
+  HANDLE snap = CreateToolhelp32Snapshot(TH32CS_SNAPTHREAD, 0);
+  if (snap == INVALID_HANDLE_VALUE) return -1;
+  THREADENTRY32 te;
+  te.dwSize = sizeof te;
+  int n = 0;
+  DWORD me = GetCurrentProcessId();
+  for (BOOL ok = Thread32First(snap, &te); ok; ok = Thread32Next(snap, &te))
+    n += te.th32OwnerProcessID == me;
+  CloseHandle(snap);
+  return n;
 }
 
 const char *test_tmp_dir(void) {

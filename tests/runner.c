@@ -687,6 +687,8 @@ int main(int argc, char **argv) {
   if (hip && *hip) vp__hip_use_library(hip);
 #ifdef _WIN32
   _fmode = _O_BINARY; /* the tests' files hold bytes, not text */
+  _setmode(_fileno(stdout), _O_BINARY); /* "\n" lines, as make check reads */
+  _setmode(_fileno(stderr), _O_BINARY);
   test_self_exe(g_self, sizeof g_self);
 #else
   ssize_t n = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
@@ -763,6 +765,34 @@ int main(int argc, char **argv) {
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
+
+#ifndef _WIN32
+/* The entries of a /proc folder (its own DIR's descriptor among them:
+ * counts compare, they are not values). */
+static int count_dir(const char *path) {
+  DIR *d = opendir(path);
+  if (!d) return -1;
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d));)
+    if (e->d_name[0] != '.') n++;
+  closedir(d);
+  return n;
+}
+
+int test_fd_count(void) { return count_dir("/proc/self/fd"); }
+int test_thread_count(void) { return count_dir("/proc/self/task"); }
+
+uint64_t test_vm_size(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  uint64_t kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "VmSize: %" SCNu64, &kb) == 1) break;
+  fclose(f);
+  return kb * 1024;
+}
+#endif
 
 void test_make_dir(char *dir, size_t len, const char *tag) {
   snprintf(dir, len, "%s/vpager-%s-XXXXXX", test_tmp_dir(), tag);

@@ -399,17 +399,11 @@ TEST(hostbuf_close_frees, TEST_ALL_BACKENDS) {
   free(mem);
 }
 
-/* VmSize in bytes: an unmapped reservation would show here. */
+/* The address space in use: an unmapped reservation would show here. */
 static uint64_t vm_size(void) {
-  FILE *f = fopen("/proc/self/status", "r");
-  ASSERT_NOT_NULL(f);
-  char line[256];
-  uint64_t kb = 0;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "VmSize: %" SCNu64, &kb) == 1) break;
-  fclose(f);
-  ASSERT_GT_U64(kb, 0);
-  return kb * 1024;
+  uint64_t n = test_vm_size();
+  ASSERT_GT_U64(n, 0);
+  return n;
 }
 
 /* One rung: open, alloc, grow, register, free, close with the nth failable
