@@ -533,8 +533,8 @@ TEST_EXCLUDED(ledger_bad_segment, TEST_SIM_ONLY,
 /* A segment whose lock word is of another kind (here a priority protocol
  * with a ceiling past any priority: glibc aborts in pthread_mutex_trylock
  * on it) is not locked: a device opened on it runs alone and says why;
- * one that had joined leaves without the lock. glibc's layout only. */
-#ifndef _WIN32
+ * one that had joined leaves without the lock. glibc's layout, or on
+ * Windows the mark of os_win32.c's lock (a named mutex) overwritten. */
 TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
 #ifdef __GLIBC__
   char name[64], shm[128];
@@ -568,15 +568,36 @@ TEST(ledger_bad_lock_kind, TEST_SIM_ONLY) {
   m->__data.__kind = kind;
   munmap(seg, sizeof *seg);
   ASSERT_EQ_INT(shm_unlink(shm), 0); /* left without the lock: not removed */
+#elif defined(_WIN32)
+  /* os_win32.c's lock: the named mutex, marked made in seg->lock */
+  char name[64], shm[128];
+  ledger_name(name, sizeof name, "lockkind");
+  snprintf(shm, sizeof shm, LEDGER_PREFIX "%s", name);
+  vp_options_t o;
+  test_options(ctx, &o);
+  snprintf(o.ledger, sizeof o.ledger, "%s", name);
+  vp_device_t joined = test_open(ctx, &o);
+  void *p = NULL;
+  ASSERT_EQ_INT(vp__os_shm_open(shm, true, sizeof(ledger_seg_t), &p, NULL), 0);
+  ledger_seg_t *seg = p;
+  unsigned char mark[8];
+  memcpy(mark, &seg->lock, sizeof mark);
+  memset(&seg->lock, 0xa5, sizeof mark);
+  vp_device_t alone = test_open(ctx, &o);
+  char *s = snapshot(alone);
+  ASSERT_STR_CONTAINS(s, "\"joined\":false");
+  ASSERT_STR_CONTAINS(s, "cannot be used");
+  free(s);
+  vp_vbar_t v = test_vbar(alone, 4 * o.page_size); /* alone, it works */
+  test_load_pages(v, 0, 4);
+  ASSERT_OK(vp_device_close(alone));
+  ASSERT_OK(vp_device_close(joined));
+  memcpy(&seg->lock, mark, sizeof mark);
+  vp__os_shm_unmap(seg, sizeof *seg);
 #else
   (void)ctx;
 #endif
 }
-#else
-TEST_EXCLUDED(ledger_bad_lock_kind, TEST_SIM_ONLY,
-              "writes a glibc mutex of another kind through POSIX "
-              "shm_open: the Win32 lock is a named mutex")
-#endif
 
 /* A segment another user made (0600, theirs) is not joined: the device
  * runs alone and says whose it is; the owner's ledger is left alone. As
