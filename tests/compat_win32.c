@@ -158,7 +158,8 @@ const char *test_tmp_dir(void) {
   static char dir[MAX_PATH + 1];
   if (!dir[0]) {
     DWORD n = GetTempPathA(sizeof dir, dir);
-    if (n == 0 || n >= sizeof dir) snprintf(dir, sizeof dir, "C:\\Windows\\Temp");
+    if (n == 0 || n >= sizeof dir)
+      snprintf(dir, sizeof dir, "C:\\Windows\\Temp");
     else if (dir[n - 1] == '\\' || dir[n - 1] == '/') dir[n - 1] = '\0';
   }
   return dir;
