@@ -49,6 +49,20 @@ static HANDLE kill_on_close_job(void) {
   return job;
 }
 
+/* CreateProcess with a few tries: Wine has been seen to refuse a start
+ * now and then under load (ERROR_INTERNAL_ERROR). 0, else its error. */
+static DWORD start_process(const char *self, char *cmd, DWORD flags,
+                           STARTUPINFOA *si, PROCESS_INFORMATION *pi) {
+  DWORD err = 0;
+  for (int tries = 0; tries < 3; tries++) {
+    if (tries) Sleep(200);
+    if (CreateProcessA(self, cmd, NULL, NULL, TRUE, flags, NULL, NULL, si, pi))
+      return 0;
+    err = GetLastError();
+  }
+  return err;
+}
+
 /* The child's end: "" for exit 0, else why. */
 static void exit_words(HANDLE proc, char *why, size_t len) {
   DWORD code = 1;
@@ -79,10 +93,9 @@ FILE *test_child_run(const char *self, const char *full, unsigned timeout_s,
   PROCESS_INFORMATION pi;
   HANDLE job = kill_on_close_job();
   /* Suspended until it is in the job: none of its children escapes. */
-  if (!CreateProcessA(self, cmd, NULL, NULL, TRUE, CREATE_SUSPENDED, NULL,
-                      NULL, &si, &pi)) {
-    snprintf(why, len, "CreateProcess: Win32 error %lu",
-             (unsigned long)GetLastError());
+  DWORD err = start_process(self, cmd, CREATE_SUSPENDED, &si, &pi);
+  if (err) {
+    snprintf(why, len, "CreateProcess: Win32 error %lu", (unsigned long)err);
     CloseHandle(out);
     if (job) CloseHandle(job);
     return NULL;
@@ -187,15 +200,9 @@ int test_spawn_peer(const char *args, int *to, int *from, int *pid) {
   si.hStdOutput = GetStdHandle(STD_OUTPUT_HANDLE);
   si.hStdError = GetStdHandle(STD_ERROR_HANDLE);
   PROCESS_INFORMATION pi;
-  /* It joins this test's job: it dies with the test. Wine has been seen
-   * to refuse one start now and then under load: a few tries. */
-  BOOL ok = FALSE;
-  DWORD err = 0;
-  for (int tries = 0; tries < 3 && !ok; tries++) {
-    if (tries) Sleep(100);
-    ok = CreateProcessA(self, cmd, NULL, NULL, TRUE, 0, NULL, NULL, &si, &pi);
-    if (!ok) err = GetLastError();
-  }
+  /* It joins this test's job: it dies with the test. */
+  DWORD err = start_process(self, cmd, 0, &si, &pi);
+  bool ok = err == 0;
   CloseHandle(down_r);
   CloseHandle(up_w);
   proc_t *slot = ok ? proc_add((int)pi.dwProcessId, pi.hProcess) : NULL;
