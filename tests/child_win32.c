@@ -244,6 +244,8 @@ static bool nt_process(const char *name, HANDLE h) {
 #define KILLED_CODE(sig) (0xDEAD0000u | (unsigned)(sig))
 
 int kill(int pid, int sig) {
+  if (pid == (int)GetCurrentProcessId() && sig == SIGKILL)
+    TerminateProcess(GetCurrentProcess(), KILLED_CODE(sig)); /* no return */
   proc_t *p = proc_of(pid);
   if (!p) {
     errno = ESRCH;
