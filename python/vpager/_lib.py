@@ -467,12 +467,20 @@ def unchecked(name):
     vp_release). Every argument must be a ctypes object of the declared
     type: a Structure for a handle (passed by value), c_size_t, c_uint64,
     an array for a pointer. For the hot path only."""
-    if PROTOTYPES[name][0] is not c_int:
-        raise ValueError("vpager: %s does not return int" % name)
-    lib = load()
-    fn = lib._FuncPtr((name, lib))
-    fn.restype = c_int
+    fn = _UNCHECKED.get(name)
+    if fn is None:
+        if PROTOTYPES[name][0] is not c_int:
+            raise ValueError("vpager: %s does not return int" % name)
+        lib = load()
+        fn = lib._FuncPtr((name, lib))
+        fn.restype = c_int
+        # One per name: a placement makes a WeightBatch per unit (800 for
+        # an SDXL UNet), each asking for three.
+        _UNCHECKED[name] = fn
     return fn
+
+
+_UNCHECKED = {}
 
 
 class _Functions:
