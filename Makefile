@@ -115,10 +115,32 @@ check-hip: $(BUILD)/obj/backend/hip.o $(BUILD)/obj/backend/vmm.o \
 	  $(BUILD)/tests/runner hip/
 
 # A stand-in HIP runtime over host memory: check-hip runs the pager suite
-# through the HIP backend on it (tests/fakehip/fake_hip.c).
-$(BUILD)/tests/libfakehip.so: tests/fakehip/fake_hip.c | $(BUILD)/tests
-	$(CC) -std=c11 -Wall -Wextra -Werror -O2 -fPIC -shared \
-	  -fvisibility=hidden -o $@ $< -pthread
+# through the HIP backend on it (tests/fakehip/fake_hip.c; the device
+# memory both stand-ins share: tests/fakegpu/).
+FAKE_VMM = tests/fakegpu/fake_vmm.c tests/fakegpu/fake_vmm.h
+FAKE_CC = $(CC) -std=c11 -Wall -Wextra -Werror -O2 -fPIC -shared \
+	  -fvisibility=hidden -Itests/fakegpu
+$(BUILD)/tests/libfakehip.so: tests/fakehip/fake_hip.c $(FAKE_VMM) | $(BUILD)/tests
+	$(FAKE_CC) -o $@ $(filter %.c,$^) -pthread
+
+# The CUDA backend on a stand-in driver (tests/fakecuda/fake_cuda.c),
+# found by its usual name first on LD_LIBRARY_PATH: the cuda/ tests
+# through cuda.c and vmm.c without a GPU. The runner skips, saying why,
+# the tests that load PTX and call the driver themselves (test_gpu.c); a
+# backend that does not open at all (a "skip cuda/*" line) fails here.
+check-cuda-fake: $(BUILD)/tests/runner $(BUILD)/fakecuda/libcuda.so.1
+	@LD_LIBRARY_PATH=$(CURDIR)/$(BUILD)/fakecuda$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} \
+	  $(BUILD)/tests/runner cuda/ >$(BUILD)/fakecuda/runner.log 2>&1; \
+	rc=$$?; cat $(BUILD)/fakecuda/runner.log; \
+	if grep -q '^skip cuda/\*' $(BUILD)/fakecuda/runner.log; then \
+	  echo "check-cuda-fake: the CUDA backend did not open on the stand-in"; \
+	  exit 1; fi; exit $$rc
+
+$(BUILD)/fakecuda/libcuda.so.1: tests/fakecuda/fake_cuda.c $(FAKE_VMM) \
+                                src/backend/cuda_abi.h
+	@mkdir -p $(@D)
+	$(FAKE_CC) -Isrc/backend -Wl,-soname,libcuda.so.1 -o $@ \
+	  $(filter %.c,$^) -pthread
 
 # The Python tests on the simulated device: the binding (no torch needed)
 # and vpager.torch (skips without torch; CI installs Debian's python3-torch).
@@ -274,5 +296,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-windows check-abi check-hip check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
+.PHONY: all test check check-windows check-abi check-hip check-cuda-fake check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
 .SECONDARY:

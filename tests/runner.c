@@ -6,7 +6,8 @@
  *     filter   run only tests whose "backend/name" contains one of these
  *
  * One line per test ("ok   sim/fault_basic", "FAIL sim/x (signal 11)"),
- * one "skip" line per missing backend, then "N skipped" and last
+ * one "skip" line per missing backend (and per test_gpu.c test on the
+ * stand-in CUDA driver of make check-cuda-fake), then "N skipped" and last
  * "N passed, N failed". Exit status 1 if any test failed.
  *
  * A child gets its own process group (so a test's own children die with
@@ -411,8 +412,14 @@ typedef struct backend {
   const char *name;
   int kind;
   bool present;
+  bool stand_in; /* CUDA's driver is tests/fakecuda's */
   char reason[512];
 } backend_t;
+
+/* Why a TEST_CUDA_ONLY test does not run on the stand-in driver. */
+#define STAND_IN_SKIP                                                          \
+  "the CUDA driver is the stand-in of tests/fakecuda (no PTX, no driver "     \
+  "calls of the test's own)"
 
 /* Open and close a GPU of backend `kind`: VP_OK, else the code and why in
  * msg. */
@@ -470,7 +477,12 @@ static void probe_gpu(backend_t *b) {
     if (devnull >= 0) dup2(devnull, STDERR_FILENO); /* the backend's log */
     char msg[512], why[480];
     int rc = open_gpu(b->kind, why, sizeof why);
-    int n = snprintf(msg, sizeof msg, "%d %s", rc, why);
+    /* The stand-in driver (make check-cuda-fake) says what it is. */
+    void *cuda = b->kind == VP_BACKEND_CUDA && rc == VP_OK
+                     ? dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD)
+                     : NULL;
+    int stand_in = cuda && dlsym(cuda, "vp_fake_cuda_driver");
+    int n = snprintf(msg, sizeof msg, "%d %d %s", rc, stand_in, why);
     if (n > 0 && write(fds[1], msg, (size_t)n) < 0) _exit(2);
     _exit(0);
   }
@@ -493,6 +505,7 @@ static void probe_gpu(backend_t *b) {
   int rc = VP_ENODEV;
   char *rest = buf;
   if (got > 0) rc = (int)strtol(buf, &rest, 10);
+  b->stand_in = strtol(rest, &rest, 10) != 0;
   while (*rest == ' ') rest++;
   if (pid < 0 || got == 0)
     snprintf(b->reason, sizeof b->reason, "probe process failed");
@@ -695,9 +708,9 @@ int main(int argc, char **argv) {
   if (n > 0) g_self[n] = '\0';
   else snprintf(g_self, sizeof g_self, "%s", argv[0]);
 #endif
-  backend_t backends[] = {{"sim", VP_BACKEND_SIM, true, ""},
-                          {"cuda", VP_BACKEND_CUDA, false, ""},
-                          {"hip", VP_BACKEND_HIP, false, ""}};
+  backend_t backends[] = {{"sim", VP_BACKEND_SIM, true, false, ""},
+                          {"cuda", VP_BACKEND_CUDA, false, false, ""},
+                          {"hip", VP_BACKEND_HIP, false, false, ""}};
   const int nb = (int)(sizeof backends / sizeof *backends);
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--print-log-level") == 0) {
@@ -744,6 +757,11 @@ int main(int argc, char **argv) {
       if (t->excluded) {
         if (!list) printf("excluded %s: %s\n", full, t->excluded);
         excluded++;
+        continue;
+      }
+      if ((t->flags & TEST_CUDA_ONLY) && b->stand_in) {
+        if (!list) printf("skip %s (%s)\n", full, STAND_IN_SKIP);
+        skipped++;
         continue;
       }
       if (list) {

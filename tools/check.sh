@@ -56,6 +56,7 @@ step() {
 
 step abi "$make" check-abi
 step hip "$make" check-hip
+step cuda-fake "$make" check-cuda-fake
 step test "$make" test
 step layers "$make" check-layers
 step python "$make" check-python
