@@ -12,6 +12,8 @@ safetensors file once; each kind runs in a fresh child process:
             sources (the C file reader's bounce slots)
   copy      the tensors read into anonymous memory (RSS before offload
             includes them): vpager's pinned copy, which replaces them
+  auto      the mapping, the policy told nothing: it reads RAM and the
+            cgroup's room itself (with --cgroup-gib: the cap's)
 Per kind: RSS and MemAvailable before offload (the mapping's pages already
 read in), after offload, after the steps; offload's seconds (in place:
 registering the mapping); the steady step (median of steps 2..n);
@@ -20,6 +22,8 @@ host_by_kind and the policy's line; vpager's pinned bytes.
     python3 bench/bench_hostmem.py --device cuda --gib 8 --budget-gib 2
     python3 bench/bench_hostmem.py --device sim --gib 0.25 --width 1024 \
         --budget-gib 0.03           # fp32 on the simulated device
+    ... --cgroup-gib 2 --kinds auto,copy   # each child in a 2 GiB memory
+                                # cgroup (bench/memcap.py): OOM kills said
 """
 
 import argparse
@@ -35,6 +39,7 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+sys.path.insert(0, HERE)          # memcap
 GiB = 1 << 30
 
 
@@ -105,14 +110,19 @@ def child(a):
         del flat
         mm.close()
     else:
-        int(flat.sum())             # the mapping's pages read in
+        # The mapping's pages read in: a byte of each page (a sum of the
+        # whole would make an int64 copy, 8x the model, first).
+        int(flat[::4096].sum())
     dev = "cuda" if a.device == "cuda" else "cpu"
     x = torch.randn(16, a.width, dtype=dtype, device=dev)
     before = host_memory()
-    ram = 1 << 50 if a.kind != "file" else 1 << 20
     t0 = time.perf_counter()
-    with hostpolicy.override(ram_available=ram):
+    if a.kind == "auto":            # the policy reads RAM and the cgroup
         h = vt.offload(m, device=dev, budget=int(a.budget_gib * GiB))
+    else:
+        ram = 1 << 50 if a.kind != "file" else 1 << 20
+        with hostpolicy.override(ram_available=ram):
+            h = vt.offload(m, device=dev, budget=int(a.budget_gib * GiB))
     offload_s = time.perf_counter() - t0
     after_offload = host_memory()
     steps = []
@@ -137,6 +147,24 @@ def child(a):
     h.close()
 
 
+def run_child(cmd, cap_gib):
+    """(CompletedProcess, the cgroup's report or None): cmd run, in a
+    memory cgroup of cap_gib GiB when given."""
+    if cap_gib is None:
+        return subprocess.run(cmd, capture_output=True, text=True), None
+    import memcap
+    try:
+        cap = memcap.open_cap(int(cap_gib * GiB), "vp-hostmem")
+    except memcap.CapError as e:
+        raise SystemExit("--cgroup-gib %g: %s" % (cap_gib, e))
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True,
+                             preexec_fn=cap.enter)
+        return out, cap.report()
+    finally:
+        cap.close()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "sim"], default="cuda")
@@ -145,6 +173,9 @@ def main():
     p.add_argument("--budget-gib", type=float, default=2.0)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--kinds", default="in_place,file,copy")
+    p.add_argument("--cgroup-gib", type=float, default=None,
+                   help="run each child in a memory cgroup of this many "
+                        "GiB (bench/memcap.py)")
     p.add_argument("--dir", default=None, help="where to write the file")
     p.add_argument("--child", dest="kind", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
@@ -167,9 +198,14 @@ def main():
                    str(start), "--width", str(a.width), "--budget-gib",
                    str(a.budget_gib), "--steps", str(a.steps), "--device",
                    a.device]
-            out = subprocess.run(cmd, capture_output=True, text=True)
+            out, capped = run_child(cmd, a.cgroup_gib)
             res = [ln[7:] for ln in out.stdout.splitlines()
                    if ln.startswith("RESULT ")]
+            if capped is not None:
+                print("%-8s in a %.2f GiB cgroup (v%d): peak %s, OOM kills %d"
+                      % (kind, capped["limit"] / GiB, capped["version"],
+                         "%.2f GiB" % (capped["peak"] / GiB)
+                         if capped["peak"] else "n/a", capped["oom_kills"]))
             if out.returncode or not res:
                 print("%s: FAILED (rc %d)\n%s" % (kind, out.returncode,
                                                   out.stderr[-2000:]))
