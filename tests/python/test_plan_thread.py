@@ -28,18 +28,11 @@ import _runner  # noqa: E402
 
 _runner.add_paths("python")
 
-try:
-    import torch
-except ImportError:         # pragma: no cover - depends on the machine
-    torch = None
-    if __name__ != "__main__":
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
+torch = _runner.require_torch(__name__)
 
-if torch is not None:
-    from vpager.torch import planproc, schedule, tuner  # noqa: E402
-    from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
-    from _runner import raises  # noqa: E402
+from vpager.torch import planproc, schedule, tuner  # noqa: E402
+from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
+from _runner import raises  # noqa: E402
 
 WAIT = 60.0                 # seconds: only a hung planner reaches it
 PLAN_COST = 1.0             # fake seconds a plan charges its thread
@@ -295,5 +288,4 @@ def test_ten_prompts_cost_the_same():
 
 
 if __name__ == "__main__":
-    sys.exit(_runner.main(globals(), unavailable=None if torch else
-                          "torch is not importable"))
+    sys.exit(_runner.main(globals()))

@@ -14,18 +14,11 @@ import _runner  # noqa: E402
 
 _runner.add_paths("python")
 
-try:
-    import torch
-except ImportError:         # pragma: no cover - depends on the machine
-    torch = None
-    if __name__ != "__main__":
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
+torch = _runner.require_torch(__name__)
 
-if torch is not None:
-    from vpager.errors import OutOfMemory  # noqa: E402
-    from vpager.torch import tuner  # noqa: E402
-    from test_torch import _scheduled_mlp, no_pins  # noqa: E402
+from vpager.errors import OutOfMemory  # noqa: E402
+from vpager.torch import tuner  # noqa: E402
+from test_torch import _scheduled_mlp, no_pins  # noqa: E402
 
 
 def test_replan_failure_keeps_the_ring():
@@ -62,5 +55,4 @@ def test_replan_failure_keeps_the_ring():
 
 
 if __name__ == "__main__":
-    sys.exit(_runner.main(globals(), unavailable=None if torch else
-                          "torch is not importable"))
+    sys.exit(_runner.main(globals()))

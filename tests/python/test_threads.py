@@ -16,17 +16,10 @@ import _runner  # noqa: E402
 
 _runner.add_paths("python")
 
-try:
-    import torch
-    from torch import nn
-except ImportError:         # pragma: no cover - depends on the machine
-    torch = None
-    if __name__ != "__main__":
-        import pytest
-        pytest.skip("torch is not importable", allow_module_level=True)
+torch = _runner.require_torch(__name__)
+from torch import nn  # noqa: E402
 
-if torch is not None:
-    import vpager.torch as vt  # noqa: E402
+import vpager.torch as vt  # noqa: E402
 
 THREADS = 4
 CALLS = 50          # forwards a thread
@@ -170,6 +163,4 @@ def test_handle_changes_between_forwards_of_other_threads():
 
 
 if __name__ == "__main__":
-    sys.exit(_runner.main(
-        globals(), timing=True,
-        unavailable=None if torch is not None else "torch is not importable"))
+    sys.exit(_runner.main(globals(), timing=True))
