@@ -26,23 +26,11 @@ from torch import nn  # noqa: E402
 
 import vpager.torch as vt  # noqa: E402
 from vpager.torch import hostpolicy  # noqa: E402
+from test_torch import offload_sim  # noqa: E402
 
 K, M = 1 << 10, 1 << 20
 GiB = 1 << 30
 _ST = {torch.float32: "F32", torch.float16: "F16"}
-
-
-def sim_opts(**kw):
-    """A small simulated device of its own: 64 KiB pages, no prefetch."""
-    opts = dict(page_size=64 * K, sim_granularity=64 * K, lookahead=0,
-                sim_shared="", sim_streams="sync")
-    opts.update(kw)
-    return opts
-
-
-def offload_sim(model, budget, staging, **kw):
-    return vt.offload(model, device="cpu", budget=budget,
-                      staging_size=staging, **sim_opts(**kw))
 
 
 def write_safetensors(path, tensors):
