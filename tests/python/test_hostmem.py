@@ -5,13 +5,10 @@ source kind, and what offload() adds to the process's RSS.
     make && PYTHONPATH=python python3 tests/python/test_hostmem.py
 Needs torch (Debian's python3-torch 1.13); skipped without it."""
 import contextlib
-import ctypes
 import gc
-import json
 import logging
 import mmap
 import os
-import struct
 import sys
 import tempfile
 import warnings
@@ -26,31 +23,10 @@ from torch import nn  # noqa: E402
 
 import vpager.torch as vt  # noqa: E402
 from vpager.torch import hostpolicy  # noqa: E402
-from test_torch import offload_sim  # noqa: E402
+from test_torch import offload_sim, write_safetensors  # noqa: E402
 
 K, M = 1 << 10, 1 << 20
 GiB = 1 << 30
-_ST = {torch.float32: "F32", torch.float16: "F16"}
-
-
-def write_safetensors(path, tensors):
-    """A tiny safetensors writer; returns {name: absolute data offset}."""
-    header, blobs, off, where = {}, [], 0, {}
-    for name, t in tensors.items():
-        t = t.detach().contiguous()
-        data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
-        header[name] = {"dtype": _ST[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [off, off + len(data)]}
-        where[name] = off
-        blobs.append(data)
-        off += len(data)
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.writelines(blobs)
-    return {k: 8 + len(raw) + v for k, v in where.items()}
 
 
 def mlp(width=256, depth=6, seed=0):

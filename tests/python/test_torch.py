@@ -187,13 +187,16 @@ _ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 def write_safetensors(path, tensors):
     """A tiny safetensors writer: an 8-byte little-endian header length,
-    the JSON header (padded to 8 bytes), then the data."""
+    the JSON header (padded to 8 bytes), then the data. Returns {name: the
+    file offset of its data}."""
     header, blobs, off = {"__metadata__": {"format": "pt"}}, [], 0
+    where = {}
     for name, t in tensors.items():
         t = t.detach().cpu().contiguous()
         data = ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
         header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [off, off + len(data)]}
+        where[name] = off
         blobs.append(data)
         off += len(data)
     raw = json.dumps(header).encode()
@@ -202,6 +205,7 @@ def write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         f.writelines(blobs)
+    return {k: 8 + len(raw) + v for k, v in where.items()}
 
 
 def weight_bytes(model):
