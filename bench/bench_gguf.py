@@ -24,10 +24,11 @@ GGUFModelPatcher.clone) and sampled:
 
 Prints per qtype and LoRA setting each run's steady step, latents against
 resident's (prompt by prompt), steady / L under the budget (bench_node's
-compare), and the node's log lines about the model: today it recognises
-ComfyUI-GGUF's model and leaves it on ComfyUI-GGUF's path (one line), so
-nodehalf measures ComfyUI-GGUF's own path. Exit 0; 1 when a run failed;
-2 when latents differ.
+compare), and the node's log lines about the model: the node adopts
+ComfyUI-GGUF's patcher and pages the GGMLTensor bytes ("... on vpager:
+N weights ..."), or says in one line why the model stays on
+ComfyUI-GGUF's path ("uses ComfyUI's own loading: ..."), when nodehalf
+measures that path. Exit 0; 1 when a run failed; 2 when latents differ.
 """
 
 import copy

@@ -17,6 +17,7 @@ log = logging.getLogger("vpager.comfyui")
 
 try:
     from . import patcher as _patcher
+    from . import gguf_patcher as _gguf_patcher
 except Exception as e:      # vpager or torch not importable
     _patcher = None
     _IMPORT_ERROR = e
@@ -79,6 +80,9 @@ def install(comfy=None):
         log.warning("vpager: the ComfyUI node is off: libvpager: %s", e)
         return None
     cls = _patcher.make_class(comfy, base)
+    # ComfyUI-GGUF's models, whose loader clones them into its own
+    # patcher class: that clone hands back the node's subclass of it.
+    cls._adopt = _gguf_patcher.Adopter(comfy)
     mp.CoreModelPatcher = cls
     INSTALLED[0] = cls
     r = getattr(comfy.args, "reserve_vram", None)

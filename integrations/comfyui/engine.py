@@ -191,7 +191,7 @@ class Entry:
         self.pname = pname
         self.param = param
         self.dtype = param.dtype
-        self.shape = tuple(param.shape)
+        self.shape = tuple(param.size())    # of its bytes (units.Entry)
         self.split = split              # quantized.Split, or None
         self.size = split.size if split is not None else nbytes(param)
         self.file = None                # (fd, offset) when file-sourced
@@ -436,6 +436,12 @@ class Pager:
         e.patch = patch
         self.refills += 1
         return True
+
+    def carry_patch(self, key, patch):
+        """Weight `key` holds its own bytes for the patch set `patch`: its
+        op applies the patches at each use (ComfyUI-GGUF's quantized
+        weights carry them on the tensor), so nothing refills."""
+        self.by_key[key].patch = patch
 
     def patched_keys(self):
         return [e.key for e in self.entries if e.patch is not None]

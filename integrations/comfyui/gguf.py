@@ -1,23 +1,29 @@
-"""ComfyUI-GGUF's models (city96/ComfyUI-GGUF): how the node knows them.
+"""ComfyUI-GGUF's models (city96/ComfyUI-GGUF): how the node knows them,
+and how their patcher becomes the node's.
 
 Its loaders put GGMLTensor weights (torch.Tensor subclasses whose bytes
 are the file's quantized blocks, with the attributes tensor_type, the
 GGML quantization type, and tensor_shape, the weight's logical shape) in
 GGMLOps layers that dequantize them at each use (applying LoRA patches
 carried on the tensor), and wrap the model in GGUFModelPatcher, a
-ModelPatcher subclass of its own: ComfyUI's legacy loading, not its
-dynamic VRAM. The node pages neither kind of weight: such a model stays
-on ComfyUI-GGUF's own path, and the node says so in one log line, when
-ComfyUI-GGUF's loader makes its patcher (a clone of the node's) or when
-a GGUF model reaches the node's patcher."""
+ModelPatcher subclass of its own (ComfyUI's legacy loading, not its
+dynamic VRAM), by a clone that hands back that class whatever it cloned.
+When the node is on, that clone hands back the node's subclass of it
+instead (wrap_clone; the class: gguf_patcher), which pages the weights
+through vpager and falls back to ComfyUI-GGUF's own path. Where the node
+cannot adopt the patcher (a ComfyUI-GGUF without the functions it calls),
+the model stays on ComfyUI-GGUF's path with one log line, as does a GGUF
+model that reaches the node's plain patcher."""
 
-from typing import Dict, Optional
+import sys
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 PATCHER = "GGUFModelPatcher"    # ComfyUI-GGUF's ModelPatcher subclass
 WHAT = ("the node does not page GGUF weights: they stay on ComfyUI-GGUF's "
         "path")
+ADOPTED = "_vpager_adopted"     # on ComfyUI-GGUF's class: the node's subclass
 
 
 def is_ggml(t: object) -> bool:
@@ -72,3 +78,55 @@ def clone_refusal(patcher: object) -> Optional[str]:
     held = " (GGMLTensor weights: %s)" % _types(counts) if counts else ""
     return "ComfyUI-GGUF's %s loads it%s; %s" % (
         type(patcher).__name__, held, WHAT)
+
+
+def refuse(key: str, p: torch.Tensor) -> Optional[str]:
+    """Why GGMLTensor `key` cannot be paged as its stored bytes, or None."""
+    if p.device.type == "meta":
+        return "%s is on the meta device" % key
+    if p.device.type != "cpu":
+        return "%s is on %s, not in host memory" % (key, p.device)
+    if p.layout != torch.strided or not p.is_contiguous():
+        return "%s (a GGMLTensor) is not a dense contiguous tensor" % key
+    return None
+
+
+def loader_patchers(model_patcher: type) -> List[type]:
+    """ComfyUI-GGUF's patcher classes among the imported modules: classes
+    named GGUFModelPatcher, defined where found, subclassing ComfyUI's
+    ModelPatcher and defining their own clone."""
+    found = []
+    for name, mod in list(sys.modules.items()):
+        cls = (getattr(mod, "__dict__", None) or {}).get(PATCHER)
+        if isinstance(cls, type) and cls.__module__ == name and \
+                issubclass(cls, model_patcher) and "clone" in cls.__dict__:
+            found.append(cls)
+    return found
+
+
+def adopted(cls: type) -> bool:
+    """True for a ComfyUI-GGUF patcher class whose clones the node adopts."""
+    return ADOPTED in cls.__dict__
+
+
+def wrap_clone(cls: type, make: Callable[[type], type]) -> None:
+    """ComfyUI-GGUF's cls.clone() hands back make(cls) (made at its first
+    clone; a subclass of cls) where it handed back cls itself. Once per
+    class."""
+    if adopted(cls):
+        return
+    clone = cls.__dict__["clone"]
+    made: List[type] = []
+
+    def adopting_clone(self, *args, **kwargs):
+        n = clone(self, *args, **kwargs)
+        if type(n) is cls:
+            if not made:
+                made.append(make(cls))
+            n.__class__ = made[0]
+        return n
+
+    adopting_clone.__doc__ = clone.__doc__
+    adopting_clone.__wrapped__ = clone
+    cls.clone = adopting_clone
+    setattr(cls, ADOPTED, made)

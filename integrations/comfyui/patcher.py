@@ -153,16 +153,20 @@ class Plan:
         self.why = None
 
 
-def plan_model(model, comfy):
+def plan_model(model, comfy, ggml=None):
     """Unit collection: every ComfyUI op (a module with comfy_cast_weights)
     above SMALL bytes whose parameters are all its own is a unit of its
     weight and bias; other parameters (tiny ops, a parent's own
-    parameters, an op's extra ones) are loaded ComfyUI's way. Returns a
-    Plan; plan.why is set for what vpager cannot take."""
+    parameters, an op's extra ones) are loaded ComfyUI's way. ggml:
+    ComfyUI-GGUF's is_quantized(tensor) for its models (gguf_patcher),
+    whose GGMLTensor weights are paged as their stored bytes; None: a
+    GGUF model is refused. Returns a Plan; plan.why is set for what
+    vpager cannot take."""
     plan = Plan()
-    plan.why = gguf.refusal(model)
-    if plan.why is not None:
-        return plan
+    if ggml is None:
+        plan.why = gguf.refusal(model)
+        if plan.why is not None:
+            return plan
     for n, m in model.named_modules():
         own = [(k, p) for k, p in m._parameters.items() if p is not None
                and not k.startswith(quantized.PART)]
@@ -172,14 +176,21 @@ def plan_model(model, comfy):
         is_op = hasattr(m, "comfy_cast_weights")
         size = sum(engine.nbytes(p) for _, p in own)
         # A quantized op of any size is a unit: ComfyUI's way (force_cast)
-        # would requantize its weight, other bytes than it stores.
-        quant = any(quantized.is_quantized(p) for _, p in own)
+        # would requantize its weight, other bytes than it stores (and a
+        # GGUF one carries its patches: gguf_patcher).
+        quant = any(quantized.is_quantized(p) or (
+            ggml is not None and gguf.is_ggml(p) and ggml(p))
+            for _, p in own)
         params = []
         for k, p in own:
             key = "%s.%s" % (n, k) if n else k
             if is_op and leaf and k in ("weight", "bias") and (
                     size > SMALL or quant):
-                if quantized.is_quantized(p):
+                if ggml is not None and gguf.is_ggml(p):
+                    # Paged as its stored bytes, whatever its op declares.
+                    want = p.dtype
+                    why = gguf.refuse(key, p)
+                elif quantized.is_quantized(p):
                     # Paged as its stored parts (quantized.Split).
                     want = p.dtype
                     why = quantized.refuse(key, m, p)
@@ -274,9 +285,15 @@ class VpagerPatcher:
 
     _comfy = None
     _base = None
+    _adopt = None           # (): makes ComfyUI-GGUF's clones the node's
+    _ggml = None            # ComfyUI-GGUF's is_quantized, for its models
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # ComfyUI-GGUF's loader, which calls this before it clones the
+        # model into its own patcher class, is imported by now.
+        if self._adopt is not None:
+            self._adopt()
         # A clone of another class (ComfyUI-GGUF's loader turns the
         # node's patcher into its GGUFModelPatcher) never reaches the
         # node: it says so when the clone is made.
@@ -324,7 +341,7 @@ class VpagerPatcher:
     def _vp_plan(self):
         plan = getattr(self.model, "_vpager_plan", None)
         if plan is None:
-            plan = plan_model(self.model, self._comfy)
+            plan = plan_model(self.model, self._comfy, self._ggml)
             self.model._vpager_plan = plan
         return plan
 
@@ -389,11 +406,12 @@ class VpagerPatcher:
                 log.warning("vpager: freeing %s's comfy_aimdo pages: %s",
                             type(self.model).__name__, e)
 
-    def load(self, device_to=None, lowvram_model_memory=0,
-             force_patch_weights=False, full_load=False, dirty=False):
+    def load(self, *args, **kwargs):
+        # (passed on as given: ComfyUI-GGUF's load takes them so, and the
+        # legacy ModelPatcher's has no `dirty`)
         if getattr(self, "_vp_mode", None) != "vpager":
-            return super().load(device_to, lowvram_model_memory,
-                                force_patch_weights, full_load, dirty)
+            return super().load(*args, **kwargs)
+        device_to = args[0] if args else kwargs.get("device_to")
         with self.use_ejected():
             self._vp_load(device_to)
 
@@ -492,14 +510,7 @@ class VpagerPatcher:
             patches = self.patches.get(e.key) or None
             if engine.same_patch(e.patch, patches):
                 continue
-            key = e.key
-            pager.set_patched(
-                key, list(patches) if patches else None,
-                # a QuantizedTensor's parts: the patched weight where
-                # ComfyUI computed it, copied to host sources
-                lambda key=key: self.patch_weight_to_device(
-                    key, device_to=device_to, return_weight=True),
-                fill=self._vp_fill(e, device_to) if patches else None)
+            self._vp_patch(pager, e, patches, device_to)
             refilled += 1
             computed += bool(e.host_patched)
         if computed and device_to.type == "cuda":
@@ -516,8 +527,7 @@ class VpagerPatcher:
         for key, m, k in plan.forced:
             if m._parameters.get(k) is None:
                 continue
-            self.patch_weight_to_device(key, device_to=device_to,
-                                        force_cast=True)
+            self._vp_force(key, device_to)
             w = m._parameters[k]
             want = getattr(m, k + "_comfy_model_dtype", None)
             if not hasattr(m, "comfy_cast_weights") and \
@@ -551,6 +561,31 @@ class VpagerPatcher:
                  (time.perf_counter() - t0) * 1e3)
         self._vp_loaded_callbacks(device_to)
 
+    def _vp_patch(self, pager, e, patches, device_to):
+        """Weight e (an engine.Entry) is to hold its patch set `patches`
+        (None: its own bytes), which differs from the one it holds."""
+        key = e.key
+        pager.set_patched(
+            key, list(patches) if patches else None,
+            # a QuantizedTensor's parts: the patched weight where
+            # ComfyUI computed it, copied to host sources
+            lambda: self.patch_weight_to_device(
+                key, device_to=device_to, return_weight=True),
+            fill=self._vp_fill(e, device_to) if patches else None)
+
+    def _vp_patched(self, key, device_to):
+        """The patched weight `key`, computed on device_to from the
+        parameter's tensor (ComfyUI's own patch_weight_to_device); None
+        when it was written into that tensor in place."""
+        return self.patch_weight_to_device(key, device_to=device_to,
+                                           return_weight=True)
+
+    def _vp_force(self, key, device_to):
+        """A parameter outside the units straight to device_to, patched,
+        ComfyUI's way (its backup restored at the next load)."""
+        self.patch_weight_to_device(key, device_to=device_to,
+                                    force_cast=True)
+
     def _vp_fill(self, e, device_to):
         """Weight e (an engine.Entry) patched at fill: fill(view) computes
         the patched weight on the device from its own bytes in `view`
@@ -574,12 +609,12 @@ class VpagerPatcher:
                 if swap:
                     param.data = view
                 try:
-                    out = self.patch_weight_to_device(
-                        key, device_to=device_to, return_weight=True)
+                    out = self._vp_patched(key, device_to)
                 finally:
                     if swap:
                         param.data = old
-                view.copy_(out)
+                if out is not None:
+                    view.copy_(out)
 
         return fill
 
@@ -661,8 +696,9 @@ class VpagerPatcher:
 
 def _cloned(_src, clone):
     """ComfyUI's ON_CLONE callback: a clone of another class (ComfyUI-GGUF's
-    loader's) never reaches the node; say so."""
-    if isinstance(clone, VpagerPatcher):
+    loader's, when the node could not adopt it: gguf_patcher) never
+    reaches the node; say so."""
+    if isinstance(clone, VpagerPatcher) or gguf.adopted(type(clone)):
         return
     why = gguf.clone_refusal(clone)
     if why is not None:

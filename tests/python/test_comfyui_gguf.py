@@ -17,6 +17,7 @@ GGUF file (Q8_0, Q4_0, F32) written and read by it: the stand-in's
 Q8_0 blocks are the file's, and the node recognises the reader's tensors.
 """
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from torch import nn  # noqa: E402
 import test_comfyui_node as t  # noqa: E402  (the ComfyUI stand-ins)
 from _runner import raises  # noqa: E402
 from comfyui import gguf as node_gguf, patcher as glue  # noqa: E402
+from comfyui import gguf_patcher  # noqa: E402
 
 CPU = t.CPU
 PYDEPS = os.path.join(REPO, "build-clients", "pydeps")
@@ -52,8 +54,11 @@ BLOCK = 32                  # Q8_0: 32 weights a block, an fp16 scale first
 
 
 class GGMLTensor(torch.Tensor):
-    """ComfyUI-GGUF's GGMLTensor: the file's bytes, with tensor_type and
-    tensor_shape."""
+    """ComfyUI-GGUF's GGMLTensor as its ops and patcher use it: the file's
+    bytes, with tensor_type, tensor_shape (what .shape says: the weight's
+    logical shape, not its bytes') and patches; .to() keeps them;
+    detach() and clone() are the tensor itself (so a Parameter of it is
+    it)."""
 
     @staticmethod
     def __new__(cls, data, tensor_type, tensor_shape):
@@ -62,6 +67,25 @@ class GGMLTensor(torch.Tensor):
         t.tensor_shape = torch.Size(tensor_shape)
         t.patches = []
         return t
+
+    def to(self, *args, **kwargs):
+        new = super().to(*args, **kwargs)
+        new.tensor_type = getattr(self, "tensor_type", None)
+        new.tensor_shape = getattr(self, "tensor_shape", new.size())
+        new.patches = list(getattr(self, "patches", []))
+        return new
+
+    def detach(self, *args, **kwargs):
+        return self
+
+    def clone(self, *args, **kwargs):
+        return self
+
+    @property
+    def shape(self):
+        if not hasattr(self, "tensor_shape"):
+            self.tensor_shape = self.size()
+        return self.tensor_shape
 
 
 def quantize_q8_0(w):
@@ -86,36 +110,60 @@ def dequantize_q8_0(raw, shape):
     return (d * x).reshape(shape)
 
 
+def ggml_quantized(t):
+    """ComfyUI-GGUF's is_quantized: not a torch-compatible type."""
+    return getattr(t, "tensor_type", None) not in (None, F32)
+
+
+def move_patches(item, device):
+    """ComfyUI-GGUF's move_patch_to_device."""
+    if isinstance(item, torch.Tensor):
+        return item.to(device)
+    if isinstance(item, (tuple, list)):
+        return type(item)(move_patches(x, device) for x in item)
+    return item
+
+
 def dequantize(tensor, dtype):
     raw = tensor.as_subclass(torch.Tensor)
-    if tensor.tensor_type is Q8_0:
+    if getattr(tensor, "tensor_type", None) is Q8_0:
         return dequantize_q8_0(raw, tensor.tensor_shape).to(dtype)
     return raw.to(dtype)
 
 
 class GGMLLinear(t.Linear):
-    """GGMLOps.Linear: comfy_cast_weights; dequantizes its GGMLTensor
-    weight and bias at each use, on the input's device."""
+    """GGMLOps.Linear: comfy_cast_weights; when its weight or bias is
+    quantized, dequantizes both at each use on the input's device and
+    applies the patches they carry (in the compute dtype)."""
 
     comfy_cast_weights = True
 
+    def weight_of(self, tensor, dtype):
+        patches = [p for ps, _key in getattr(tensor, "patches", [])
+                   for p in move_patches(ps, tensor.device)]
+        w = dequantize(tensor, dtype)
+        return t.calculate_weight(patches, w, None) if patches else w
+
     def forward(self, x):
-        if not node_gguf.is_ggml(self.weight):
+        if not (ggml_quantized(self.weight) or ggml_quantized(self.bias)):
             return super().forward(x)
-        w = dequantize(self.weight.to(x.device), x.dtype)
-        b = dequantize(self.bias.to(x.device), x.dtype)
+        w = self.weight_of(self.weight.to(x.device), x.dtype)
+        b = self.weight_of(self.bias.to(x.device), x.dtype)
         return torch.nn.functional.linear(x, w, b)
 
 
 def ggufed(model):
     """The model as ComfyUI-GGUF's loader leaves it: its ops' weights Q8_0
-    GGMLTensors, their biases F32 ones (1-D tensors are not quantized)."""
+    GGMLTensors, their biases F32 ones (1-D tensors are not quantized),
+    each its op's Parameter (a Parameter of a GGMLTensor is the tensor)."""
     for m in model.modules():
         if not isinstance(m, GGMLLinear):
             continue
         w, b = m.weight.detach(), m.bias.detach()
-        m._parameters["weight"] = GGMLTensor(quantize_q8_0(w), Q8_0, w.shape)
-        m._parameters["bias"] = GGMLTensor(b.clone(), F32, b.shape)
+        m.weight = nn.Parameter(GGMLTensor(quantize_q8_0(w), Q8_0, w.shape),
+                                requires_grad=False)
+        m.bias = nn.Parameter(GGMLTensor(b.clone(), F32, b.shape),
+                              requires_grad=False)
     return model
 
 
@@ -152,6 +200,12 @@ class ModelPatcher(t.ModelPatcher):
             callback(self, n)
         return n
 
+    def partially_load(self, device_to, extra_memory=0,
+                       force_patch_weights=False):
+        """ComfyUI's legacy partial load: load() within a budget."""
+        self.load(device_to, extra_memory, force_patch_weights)
+        return 0
+
 
 class ModelPatcherDynamic(ModelPatcher, t.ModelPatcherDynamic):
     pass
@@ -177,14 +231,108 @@ class GGUFModelPatcher(ModelPatcher):
                      force_patch_weights, full_load)
 
 
-def gguf_env(**kw):
-    """test_comfyui_node's env with the keyed-callback stand-ins."""
+def copy_to_param(obj, attr, value):
+    o, n = t.resolve_attr(obj, attr)
+    getattr(o, n).data.copy_(value)
+
+
+class GGUFLegacy(ModelPatcher):
+    """ComfyUI-GGUF's GGUFModelPatcher but its clone (gguf_module): a
+    quantized weight carries its patches (moved to the load device with
+    patch_on_device, else the offload device) on a .to() of it; another
+    is patched in float32, rounded to its dtype (backed up first); load()
+    patches every patched weight (its legacy path: no paging)."""
+
+    patch_on_device = False
+
+    def patch_weight_to_device(self, key, device_to=None,
+                               inplace_update=False):
+        if key not in self.patches:
+            return
+        o, n = t.resolve_attr(self.model, key)
+        weight = getattr(o, n)
+        patches = self.patches[key]
+        if ggml_quantized(weight):
+            out = weight.to(device_to)
+            out.patches = [(move_patches(
+                patches, self.load_device if self.patch_on_device
+                else self.offload_device), key)]
+        else:
+            inplace_update = self.weight_inplace_update or inplace_update
+            if key not in self.backup:
+                self.backup[key] = t.Backup(weight.to(
+                    device=self.offload_device, copy=inplace_update),
+                    inplace_update)
+            temp = weight.to(torch.float32, copy=True)
+            out = t.calculate_weight(patches, temp, key).to(weight.dtype)
+        if inplace_update:
+            copy_to_param(self.model, key, out)
+        else:
+            t.set_attr_param(self.model, key, out)
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights:
+            for p in self.model.parameters():
+                if ggml_quantized(p):
+                    p.patches = []
+        return super().unpatch_model(device_to, unpatch_weights)
+
+    def load(self, device_to=None, lowvram_model_memory=0,
+             force_patch_weights=False, full_load=False):
+        self.model.gguf_loaded = getattr(self.model, "gguf_loaded", 0) + 1
+        for key in list(self.patches):
+            self.patch_weight_to_device(key, device_to)
+        for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
+            callback(self, device_to, lowvram_model_memory,
+                     force_patch_weights, full_load)
+
+
+MODULES = [0]
+
+
+@contextlib.contextmanager
+def gguf_module():
+    """A fresh ComfyUI-GGUF nodes module as the node finds it in
+    sys.modules: GGUFModelPatcher (GGUFLegacy with ComfyUI-GGUF's clone,
+    which runs as its class and hands back its class), is_quantized and
+    move_patch_to_device; removed at the end."""
+    MODULES[0] += 1
+    name = "stand_in_comfyui_gguf_%d.nodes" % MODULES[0]
+    mod = types.ModuleType(name)
+
+    def clone(self):
+        src = self.__class__
+        self.__class__ = cls
+        n = ModelPatcher.clone(self)
+        n.__class__ = cls
+        self.__class__ = src
+        n.patch_on_device = getattr(self, "patch_on_device", False)
+        return n
+
+    cls = type("GGUFModelPatcher", (GGUFLegacy,),
+               {"__module__": name, "clone": clone})
+    mod.GGUFModelPatcher = cls
+    mod.is_quantized = ggml_quantized
+    mod.move_patch_to_device = move_patches
+    sys.modules[name] = mod
+    try:
+        yield mod
+    finally:
+        del sys.modules[name]
+
+
+def gguf_env(adopt=False, **kw):
+    """test_comfyui_node's env with the keyed-callback stand-ins; adopt:
+    the node's patcher adopts ComfyUI-GGUF's (as install() sets it)."""
     e = t.env(**kw)
     inner = e.__enter__()
     inner.comfy.model_patcher = types.SimpleNamespace(
         ModelPatcher=ModelPatcher, ModelPatcherDynamic=ModelPatcherDynamic,
         CoreModelPatcher=ModelPatcherDynamic, CallbacksMP=CallbacksMP)
+    inner.comfy.utils.copy_to_param = copy_to_param
     inner.cls = glue.make_class(inner.comfy, ModelPatcherDynamic)
+    if adopt:
+        inner.cls._adopt = gguf_patcher.Adopter(inner.comfy)
     return e, inner
 
 
@@ -268,6 +416,209 @@ def test_gguf_model_on_the_node_patcher_falls_back():
         assert torch.equal(t.run(m), t.run(ref))
 
 
+OPS = ["diffusion_model.blocks.%d.%s" % (i, n)
+       for i in range(6) for n in ("up", "down")]
+
+
+def legacy_run(mod, patches=None, seed=0, patch_on_device=False):
+    """ComfyUI-GGUF's own (legacy) load of a fresh model with `patches`
+    ({key: [patch tuples]}), and its outputs: the reference."""
+    ref = gguf_dit(seed)
+    lp = mod.GGUFModelPatcher(ref, CPU, CPU)
+    lp.patch_on_device = patch_on_device
+    lp.patches = {k: list(v) for k, v in (patches or {}).items()}
+    lp.load(CPU)
+    return t.run(ref)
+
+
+def diffs(seed=5):
+    """LoRA-like diffs: every op weight (quantized: carried on the
+    tensor) and two biases (F32: patched over their bytes)."""
+    ref = dict(t.DiT(seed=0).named_parameters())
+    g = torch.Generator().manual_seed(seed)
+    keys = [o + ".weight" for o in OPS] + \
+        [OPS[0] + ".bias", OPS[7] + ".bias"]
+    return {k: torch.randn(*ref[k].shape, generator=g) * 0.01 for k in keys}
+
+
+def test_gguf_model_paged_bitwise():
+    """Issue 26 point 4: ComfyUI-GGUF's loader clones the node's patcher
+    into its own class and gets the node's subclass of it; vpager pages
+    the GGMLTensor weights as their stored bytes (the parameter objects
+    kept, with their GGML type and shape), ComfyUI-GGUF's ops dequantize
+    them: outputs bitwise equal to ComfyUI-GGUF's own load, with some
+    weights streamed, prompt after prompt; a LoRA (carried by quantized
+    weights, computed over an F32 bias's bytes at fill), a strength
+    change and its removal too; no host copy per patched weight."""
+    with GGUFEnv(adopt=True, capacity=192 * t.K, staging=128 * t.K) as e, \
+            gguf_module() as mod:
+        m = gguf_dit()
+        params = {k: p for k, p in m.named_parameters()}
+        with t.logs() as lines:
+            core = e.patcher(m)     # ComfyUI's loader's (adopts first)
+            model = mod.GGUFModelPatcher.clone(core)
+            again = model.clone()
+        assert type(model).__name__ == "VpagerGGUFModelPatcher", type(model)
+        assert isinstance(model, mod.GGUFModelPatcher) and \
+            isinstance(model, glue.VpagerPatcher)
+        assert type(again) is type(model) and lines == [], lines
+        model.partially_load(CPU)
+        assert model.vpager_active() and not getattr(m, "gguf_loaded", 0)
+        want0 = legacy_run(mod)
+        for _ in range(3):
+            assert torch.equal(t.run(m), want0)
+        pager = m._vpager_pager
+        s = pager.stats()
+        assert s["model"]["weights"] == 24, s["model"]
+        assert s["model"]["weight_bytes"] == sum(
+            p.numel() * p.element_size() for p in params.values()
+            if node_gguf.is_ggml(p))
+        assert s["model"]["host_patched_weights"] == 0
+        # The same parameter objects, their GGML attributes kept, their
+        # bytes on the host between forwards.
+        for k, p in m.named_parameters():
+            assert p is params[k] or not node_gguf.is_ggml(p), k
+        op = m.diffusion_model.blocks[2].up
+        assert op.weight.tensor_type is Q8_0 and \
+            tuple(op.weight.shape) == (256, 64) and \
+            op.weight.device.type == "cpu"
+        assert s["model"]["weight_staged"] > 0, s["model"]   # some stream
+        host0 = pager.host_bytes()
+        # A LoRA, then its strength changed, then removed.
+        d = diffs()
+        f0 = s["model"]["patch_fills"]
+        for strength in (1.0, 0.5):
+            q = model.clone()
+            q.add_patches({k: ("diff", (v,)) for k, v in d.items()},
+                          strength)
+            q.partially_load(CPU)
+            assert q.vpager_active()
+            want = legacy_run(mod, q.patches)
+            assert not torch.equal(want, want0)
+            for _ in range(3):
+                assert torch.equal(t.run(m), want)
+            w = op.weight
+            assert len(w.patches) == 1 and w.patches[0][1] == \
+                OPS[4] + ".weight", w.patches
+            assert pager.host_bytes() == host0
+            # (the fill's backup of a patched bias is its source: none)
+            assert not set(q.backup) & set(d), set(q.backup) & set(d)
+        fills = pager.stats()["model"]["patch_fills"] - f0
+        assert fills >= 2, fills      # the biases, over their bytes
+        model.partially_load(CPU)
+        assert pager.patched_keys() == [] and op.weight.patches == []
+        for _ in range(2):
+            assert torch.equal(t.run(m), want0)
+
+
+def mapped(model, path):
+    """Every GGMLTensor's bytes written to `path` and its data made a
+    read-only mapping of them, as ComfyUI-GGUF's loader leaves them (the
+    gguf reader's numpy memmap, torch.from_numpy)."""
+    import warnings
+    import numpy as np
+    ps = [p for p in model.parameters() if node_gguf.is_ggml(p)]
+    with open(path, "wb") as f:
+        for p in ps:
+            f.write(p.data.as_subclass(torch.Tensor).contiguous()
+                    .view(torch.uint8).numpy().tobytes())
+    mm = np.memmap(path, mode="r")
+    at = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # a read-only array
+        for p in ps:
+            n = p.numel() * p.element_size()
+            raw = torch.from_numpy(mm[at:at + n]).view(p.dtype)
+            p.data = raw.view(tuple(p.size()))
+            at += n
+    return model
+
+
+def test_gguf_mapped_bytes_stay_in_the_file():
+    """Issue 28 for GGUF: weights whose bytes are the mapped GGUF file
+    get no pinned copy (vpager.torch's host policy keeps them in the
+    mapping or reads the file); outputs as ComfyUI-GGUF's own."""
+    with GGUFEnv(adopt=True) as e, gguf_module() as mod, \
+            tempfile.TemporaryDirectory() as d:
+        m = mapped(gguf_dit(), os.path.join(d, "model.gguf"))
+        core = e.patcher(m)
+        model = mod.GGUFModelPatcher.clone(core)
+        model.partially_load(CPU)
+        assert model.vpager_active()
+        kinds = m._vpager_pager.stats()["model"]["host_by_kind"]
+        assert kinds["pinned copy"] == 0 and \
+            kinds["in place"] + kinds["file"] > 0, kinds
+        for _ in range(2):
+            assert torch.equal(t.run(m), legacy_run(mod))
+        del model, core, m
+
+
+def test_gguf_patches_on_device():
+    """ComfyUI-GGUF's patch_on_device: the node moves a quantized weight's
+    patches where it says, as ComfyUI-GGUF's own load does."""
+    with GGUFEnv(adopt=True) as e, gguf_module() as mod:
+        m = gguf_dit()
+        core = e.patcher(m)
+        model = mod.GGUFModelPatcher.clone(core)
+        model.patch_on_device = True
+        moved = []
+        real = mod.move_patch_to_device
+        mod.move_patch_to_device = lambda x, dev: (moved.append(dev),
+                                                   real(x, dev))[1]
+        try:
+            model.add_patches({k: ("diff", (v,)) for k, v in diffs().items()
+                               if k.endswith("weight")})
+            model.partially_load(CPU)
+        finally:
+            mod.move_patch_to_device = real
+        assert model.vpager_active()
+        assert torch.equal(t.run(m), legacy_run(mod, model.patches,
+                                                patch_on_device=True))
+        # (the class was made with the module's function at adoption)
+        assert model._gguf_move is real or moved
+
+
+def test_gguf_fallbacks_are_comfyui_ggufs():
+    """A GGUF model the node does not page goes ComfyUI-GGUF's own legacy
+    way, with one log line: turned off for it (VpagerSettings), and a
+    patch on a quantized weight outside the ops. A ComfyUI-GGUF module
+    without the functions the node calls is not adopted: its patcher
+    stays its own (one log line at the clone)."""
+    with GGUFEnv(adopt=True) as e, gguf_module() as mod:
+        m = gguf_dit()
+        core = e.patcher(m)
+        model = mod.GGUFModelPatcher.clone(core)
+        model.model_options[glue.OPTION] = False
+        with t.logs() as lines:
+            model.partially_load(CPU)
+        assert not model.vpager_active() and m.gguf_loaded == 1
+        assert any("turned off for this model" in x for x in lines), lines
+        assert torch.equal(t.run(m), legacy_run(mod))
+        # A quantized GGMLTensor on no ComfyUI op, patched.
+        m2 = gguf_dit()
+        dm = m2.diffusion_model
+        dm.extra = nn.Parameter(GGMLTensor(
+            quantize_q8_0(torch.ones(2, 32)), Q8_0, (2, 32)),
+            requires_grad=False)
+        core = e.patcher(m2)
+        p2 = mod.GGUFModelPatcher.clone(core)
+        p2.add_patches({"diffusion_model.extra": ("diff", (
+            torch.zeros(2, 32),))})
+        with t.logs() as lines:
+            p2.partially_load(CPU)
+        assert not p2.vpager_active() and m2.gguf_loaded == 1
+        assert any("diffusion_model.extra, a quantized GGUF weight" in x
+                   for x in lines), lines
+    with GGUFEnv(adopt=True) as e:
+        # The test module's GGUFModelPatcher: no is_quantized beside it.
+        m = gguf_dit()
+        with t.logs() as lines:
+            core = e.patcher(m)
+            model = GGUFModelPatcher.clone(core)
+        assert type(model) is GGUFModelPatcher
+        assert len(lines) == 1 and "does not page GGUF" in lines[0], lines
+
+
 def import_gguf():
     """The `gguf` package from build-clients/pydeps (prepare.py --gguf),
     or None. Its tokenizer and progress-bar imports (sentencepiece, tqdm)
@@ -329,7 +680,7 @@ def test_real_gguf_file():
                 ours = dequantize_q8_0(data, shape)
                 assert torch.equal(ours, torch.from_numpy(ref)), rt.name
     assert torch.equal(
-        read["up.weight"], quantize_q8_0(up).reshape(read["up.weight"].shape))
+        read["up.weight"], quantize_q8_0(up).reshape(read["up.weight"].size()))
     holder = nn.Module()
     holder.up, holder.down = nn.Module(), nn.Module()
     holder.up._parameters["weight"] = read["up.weight"]

@@ -69,10 +69,10 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
             layout.set_source(e, e.src)     # its own bytes, unrewritten
         e.fill = None
         return
-    if tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+    if tensor.dtype != e.dtype or tuple(tensor.size()) != e.shape:
         raise ValueError("vpager.torch: set_source(%r): a %s %s tensor, "
                          "the weight is %s %s"
-                         % (e.name, tensor.dtype, tuple(tensor.shape),
+                         % (e.name, tensor.dtype, tuple(tensor.size()),
                             e.dtype, e.shape))
     # Filled, then page-locked (as offload()'s host copy): a weight
     # patched on the GPU is copied straight in.

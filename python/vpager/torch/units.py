@@ -41,7 +41,9 @@ class Entry:
         self.tensor = tensor              # the Parameter / buffer object
         self.is_param = is_param
         self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
+        # size(), not .shape: the shape of its bytes (a subclass may say
+        # another: ComfyUI-GGUF's GGMLTensor gives its weight's logical one)
+        self.shape = tuple(tensor.size())
         self.size = nbytes(tensor.dtype, self.shape)
         self.offset = 0
         self.src_device = tensor.device
