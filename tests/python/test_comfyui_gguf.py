@@ -1,20 +1,26 @@
-"""ComfyUI-GGUF's models (city96/ComfyUI-GGUF) and the ComfyUI node, without
-ComfyUI or ComfyUI-GGUF: stand-ins of its GGMLTensor (a torch.Tensor
-subclass holding the file's quantized blocks, with tensor_type and
-tensor_shape), its GGMLOps layer (dequantizing at each use) and its
-GGUFModelPatcher (a ModelPatcher subclass its loader makes by cloning the
-patcher ComfyUI gave the model), over test_comfyui_node's stand-ins of
-ComfyUI, on vpager's simulated device.
+"""ComfyUI-GGUF's models (city96/ComfyUI-GGUF) and the ComfyUI node on
+vpager's simulated device: stand-ins of its GGMLTensor (a torch.Tensor
+subclass holding the file's quantized blocks, with tensor_type,
+tensor_shape and patches), its GGMLOps layer (dequantizing at each use,
+applying the patches a weight carries) and its GGUFModelPatcher (a
+legacy ModelPatcher subclass its loader makes by cloning the patcher
+ComfyUI gave the model), over test_comfyui_node's stand-ins of ComfyUI;
+and, when build-clients/ holds ComfyUI-GGUF and the `gguf` package
+(bench/clients/prepare.py --gguf), ComfyUI-GGUF's own code over the
+ComfyUI stand-ins.
 
     make && PYTHONPATH=python:integrations python3 tests/python/test_comfyui_gguf.py
 
-Checked: such a model stays on ComfyUI-GGUF's path (the node's patcher
-never takes it), with one log line naming GGUF, when ComfyUI-GGUF's loader
-makes its patcher or when a GGUF model reaches the node's patcher; its
-outputs are ComfyUI-GGUF's. With the `gguf` package laid out
-(bench/clients/prepare.py --gguf: build-clients/pydeps/gguf), a tiny real
-GGUF file (Q8_0, Q4_0, F32) written and read by it: the stand-in's
-Q8_0 blocks are the file's, and the node recognises the reader's tensors.
+Checked: the loader's clone hands back the node's subclass of its patcher,
+which pages the GGMLTensor bytes: outputs bitwise equal to ComfyUI-GGUF's
+own load, with some weights streamed, without and with a LoRA, a changed
+strength and its removal; mapped file bytes get no host copy; the
+fallbacks (the node off for the model, a patched quantized weight outside
+the ops, a ComfyUI-GGUF the node cannot adopt, a GGUF model on the node's
+plain patcher) go ComfyUI-GGUF's way with one log line. With gguf laid
+out, a tiny real GGUF file written and read by it (the stand-in's Q8_0
+blocks are the file's) and bench_gguf's files; with ComfyUI-GGUF too,
+the node over its GGMLOps, loader and GGUFModelPatcher, bitwise.
 """
 
 import contextlib
@@ -688,6 +694,208 @@ def test_real_gguf_file():
     holder.down._parameters["bias"] = read["down.bias"]
     assert node_gguf.qtypes(holder) == {"Q8_0": 1, "Q4_0": 1, "F32": 1}
     assert read["down.weight"].tensor_shape == (64, 256)
+
+
+# ------------------------------- ComfyUI-GGUF's own code, ComfyUI stand-ins
+
+GGUF_DIR = os.path.join(REPO, "build-clients", "ComfyUI-GGUF")
+
+
+class LegacyModelPatcher(ModelPatcher):
+    """ComfyUI's legacy ModelPatcher.load, as far as ComfyUI-GGUF's patcher
+    needs it here: every patched weight patched, ON_LOAD called."""
+
+    def load(self, device_to=None, lowvram_model_memory=0,
+             force_patch_weights=False, full_load=False):
+        for key in list(self.patches):
+            self.patch_weight_to_device(key, device_to)
+        for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
+            callback(self, device_to, lowvram_model_memory,
+                     force_patch_weights, full_load)
+
+    def pin_weight_to_device(self, key):
+        pass
+
+
+def comfy_stand_in_modules():
+    """The ComfyUI modules ComfyUI-GGUF imports, as stand-ins over
+    test_comfyui_node's (its patcher's ModelPatcher: LegacyModelPatcher):
+    {module name: module}."""
+    F = torch.nn.functional
+
+    def cast_to(w, dtype=None, device=None, non_blocking=False, copy=False):
+        return w.to(device=device, dtype=dtype, copy=copy)
+
+    class CastLinear(nn.Linear):
+        comfy_cast_weights = True
+
+        def forward(self, x):
+            return self.forward_comfy_cast_weights(x)
+
+        def forward_comfy_cast_weights(self, x):
+            b = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.to(x.dtype), b)
+
+    manual_cast = type("manual_cast", (), {
+        "Linear": CastLinear, "Conv2d": nn.Conv2d,
+        "Embedding": nn.Embedding, "LayerNorm": nn.LayerNorm,
+        "GroupNorm": nn.GroupNorm})
+
+    def mod(name, **attrs):
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        return m
+
+    def get_attr(obj, attr):
+        o, n = t.resolve_attr(obj, attr)
+        return getattr(o, n)
+
+    utils = mod("comfy.utils", get_attr=get_attr, copy_to_param=copy_to_param,
+                set_attr_param=t.set_attr_param)
+    mods = {
+        "comfy": mod("comfy"),
+        "comfy.ops": mod("comfy.ops", manual_cast=manual_cast,
+                         cast_to=cast_to),
+        "comfy.lora": mod("comfy.lora", calculate_weight=t.calculate_weight),
+        "comfy.model_management": mod(
+            "comfy.model_management",
+            device_supports_non_blocking=lambda device: False,
+            cast_to_device=lambda w, device, dtype, copy=False: cast_to(
+                w, dtype, device, copy=copy)),
+        "comfy.float": mod("comfy.float",
+                           stochastic_rounding=lambda v, dtype, seed=0:
+                           v.to(dtype)),
+        "comfy.utils": utils,
+        "comfy.sd": mod("comfy.sd"),
+        "comfy.model_patcher": mod("comfy.model_patcher",
+                                   ModelPatcher=LegacyModelPatcher),
+        "nodes": mod("nodes"),
+        "folder_paths": mod("folder_paths", folder_names_and_paths={}),
+        "packaging": mod("packaging"),
+        "packaging.version": mod("packaging.version"),
+    }
+    for name, m in mods.items():
+        if "." in name:
+            parent, child = name.rsplit(".", 1)
+            setattr(mods[parent], child, m)
+    return mods
+
+
+@contextlib.contextmanager
+def real_comfyui_gguf():
+    """ComfyUI-GGUF's own package (build-clients/ComfyUI-GGUF, its gguf
+    from build-clients/pydeps) imported as ComfyUI_GGUF over the
+    stand-ins; they and it are gone again at the end. Skips the test
+    when either is not laid out (bench/clients/prepare.py --gguf)."""
+    import importlib.util
+    gguf = import_gguf()
+    if gguf is None or not os.path.isfile(os.path.join(GGUF_DIR,
+                                                       "nodes.py")):
+        _runner.skip("ComfyUI-GGUF and gguf are not laid out "
+                     "(bench/clients/prepare.py --gguf)")
+    stubs = {k: v for k, v in comfy_stand_in_modules().items()
+             if k not in sys.modules}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "ComfyUI_GGUF", os.path.join(GGUF_DIR, "__init__.py"),
+            submodule_search_locations=[GGUF_DIR])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["ComfyUI_GGUF"] = pkg
+        spec.loader.exec_module(pkg)
+        yield types.SimpleNamespace(
+            gguf=gguf, nodes=sys.modules["ComfyUI_GGUF.nodes"],
+            loader=sys.modules["ComfyUI_GGUF.loader"])
+    finally:
+        for name in list(sys.modules):
+            if name in stubs or name.split(".")[0] == "ComfyUI_GGUF":
+                del sys.modules[name]
+
+
+def write_gguf_dit(gguf, path, seed=0):
+    """test_comfyui_node's DiT's op weights as a GGUF file (Q8_0 by gguf's
+    quantizer; biases F32), as ComfyUI-GGUF's loader reads them."""
+    Q = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(path, "flux")
+    for k, v in t.DiT(seed=seed).diffusion_model.state_dict().items():
+        if k.startswith("blocks.") and (".up." in k or ".down." in k):
+            if v.dim() == 2:
+                w.add_tensor(k, gguf.quants.quantize(v.numpy(), Q.Q8_0),
+                             raw_dtype=Q.Q8_0)
+            else:
+                w.add_tensor(k, v.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def load_gguf_dit(real, path, seed=0):
+    """A DiT with ComfyUI-GGUF's GGMLOps.Linear ops whose weights its
+    loader read from `path` (each op loading its own keys, as torch 2's
+    load_state_dict hands them)."""
+    ops = real.nodes.GGMLOps()
+    ops.Linear.dequant_dtype = None
+    ops.Linear.patch_dtype = None
+    m = t.DiT(op=ops.Linear, seed=seed)
+    sd = real.loader.gguf_sd_loader(path, handle_prefix=None)
+    for name, op in m.diffusion_model.named_modules():
+        if isinstance(op, ops.Linear):
+            prefix = name + "."
+            op._load_from_state_dict(
+                {k: v for k, v in sd.items() if k.startswith(prefix)},
+                prefix, {}, True, [], [], [])
+    return m
+
+
+def test_real_comfyui_gguf_paged_bitwise():
+    """The node over ComfyUI-GGUF's own code (its GGMLTensor, GGMLOps,
+    loader from a real GGUF file, GGUFModelPatcher and its clone; ComfyUI
+    stand-ins below it): its loader's clone hands back the node's class,
+    vpager pages the mapped Q8_0 blocks with some streamed, and outputs
+    are bitwise ComfyUI-GGUF's own load's, without and with a LoRA (on
+    the quantized weights and an F32 bias) and after its removal."""
+    with real_comfyui_gguf() as real, \
+            GGUFEnv(adopt=True, capacity=192 * t.K, staging=128 * t.K) as e, \
+            tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "dit.gguf")
+        write_gguf_dit(real.gguf, path)
+        GGUF = real.nodes.GGUFModelPatcher
+
+        def reference(patches=None):
+            ref = load_gguf_dit(real, path)
+            lp = GGUF(ref, CPU, CPU)
+            lp.patches = {k: list(v) for k, v in (patches or {}).items()}
+            lp.load(CPU)
+            return t.run(ref)
+
+        m = load_gguf_dit(real, path)
+        up = m.diffusion_model.blocks[0].up
+        assert type(up.weight).__name__ == "GGMLTensor" and \
+            up.weight.tensor_type == real.gguf.GGMLQuantizationType.Q8_0
+        core = e.patcher(m)
+        model = GGUF.clone(core)
+        model.patch_on_device = None
+        assert type(model).__name__ == "VpagerGGUFModelPatcher"
+        model.partially_load(CPU)
+        assert model.vpager_active()
+        s = m._vpager_pager.stats()["model"]
+        assert s["weights"] == 24 and s["host_by_kind"]["pinned copy"] \
+            == 0, s
+        want0 = reference()
+        for _ in range(2):
+            assert torch.equal(t.run(m), want0)
+        assert m._vpager_pager.stats()["model"]["weight_staged"] > 0
+        q = model.clone()
+        q.add_patches({k: ("diff", (v,)) for k, v in diffs().items()}, 0.7)
+        q.partially_load(CPU)
+        want1 = reference(q.patches)
+        assert not torch.equal(want1, want0)
+        for _ in range(2):
+            assert torch.equal(t.run(m), want1)
+        model.partially_load(CPU)
+        assert torch.equal(t.run(m), want0)
+        del model, q, core, m
 
 
 def test_bench_gguf_files():
