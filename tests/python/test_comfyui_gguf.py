@@ -625,6 +625,15 @@ def test_gguf_fallbacks_are_comfyui_ggufs():
         assert len(lines) == 1 and "does not page GGUF" in lines[0], lines
 
 
+def bench_gguf():
+    """bench/bench_gguf.py as a module."""
+    bench = os.path.join(REPO, "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import bench_gguf as b
+    return b
+
+
 def import_gguf():
     """The `gguf` package from build-clients/pydeps (prepare.py --gguf),
     or None. Its tokenizer and progress-bar imports (sentencepiece, tqdm)
@@ -787,7 +796,6 @@ def real_comfyui_gguf():
     from build-clients/pydeps) imported as ComfyUI_GGUF over the
     stand-ins; they and it are gone again at the end. Skips the test
     when either is not laid out (bench/clients/prepare.py --gguf)."""
-    import importlib.util
     gguf = import_gguf()
     if gguf is None or not os.path.isfile(os.path.join(GGUF_DIR,
                                                        "nodes.py")):
@@ -797,12 +805,7 @@ def real_comfyui_gguf():
              if k not in sys.modules}
     sys.modules.update(stubs)
     try:
-        spec = importlib.util.spec_from_file_location(
-            "ComfyUI_GGUF", os.path.join(GGUF_DIR, "__init__.py"),
-            submodule_search_locations=[GGUF_DIR])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["ComfyUI_GGUF"] = pkg
-        spec.loader.exec_module(pkg)
+        bench_gguf().comfyui_gguf(GGUF_DIR)     # as the bench imports it
         yield types.SimpleNamespace(
             gguf=gguf, nodes=sys.modules["ComfyUI_GGUF.nodes"],
             loader=sys.modules["ComfyUI_GGUF.loader"])
@@ -908,8 +911,6 @@ def test_bench_gguf_files():
         _runner.skip("the gguf package is not laid out "
                      "(bench/clients/prepare.py --gguf)")
     import numpy as np
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    import bench_gguf
     g = torch.Generator().manual_seed(5)
     tensors = {"blocks.0.up.weight": torch.randn(64, 256, generator=g),
                "blocks.0.up.bias": torch.randn(64, generator=g),
@@ -918,7 +919,7 @@ def test_bench_gguf_files():
     with tempfile.TemporaryDirectory() as d:
         for q, block in (("Q8_0", 32), ("Q4_K", 256)):
             path = os.path.join(d, q + ".gguf")
-            info = bench_gguf.write_gguf(tensors, path, q)
+            info = bench_gguf().write_gguf(tensors, path, q)
             assert info["types"] == {q: 1, "F32": 2}, info
             r = gguf.GGUFReader(path)
             got = {rt.name: rt for rt in r.tensors}
@@ -935,7 +936,7 @@ def test_bench_gguf_files():
             assert got["img_in.weight"].tensor_type.name == "F32"
             assert info["bytes"] == sum(int(rt.n_bytes)
                                         for rt in r.tensors), info
-        e = raises(SystemExit, bench_gguf.write_gguf, tensors,
+        e = raises(SystemExit, bench_gguf().write_gguf, tensors,
                    os.path.join(d, "x.gguf"), "IQ9")
         assert "--qtypes" in str(e), e
     # The node's lines picked from a child's log.
@@ -944,12 +945,12 @@ def test_bench_gguf_files():
                 "ComfyUI-GGUF's GGUFModelPatcher loads it\n"
                 "2026 INFO something else\n")
     try:
-        assert bench_gguf.node_lines(f.name) == [
+        assert bench_gguf().node_lines(f.name) == [
             "Flux uses ComfyUI's own loading: ComfyUI-GGUF's "
             "GGUFModelPatcher loads it"]
     finally:
         os.unlink(f.name)
-    ours, rest = bench_gguf.split_args(
+    ours, rest = bench_gguf().split_args(
         ["--qtypes", "Q4_0", "--gguf-lora", "off", "--steps", "3"])
     assert ours["qtypes"] == "Q4_0" and ours["lora"] == "off"
     assert rest == ["--steps", "3"]
