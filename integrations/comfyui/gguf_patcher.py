@@ -31,6 +31,7 @@ class GGUFPaging:
     """What differs for ComfyUI-GGUF's models (see the module)."""
 
     _gguf = None            # ComfyUI-GGUF's GGUFModelPatcher
+    _vp_declared = False    # the rest as stored, as its legacy path
     _gguf_move = None       # its move_patch_to_device(patches, device)
 
     def _vp_why_not(self):

@@ -287,6 +287,9 @@ class VpagerPatcher:
     _base = None
     _adopt = None           # (): makes ComfyUI-GGUF's clones the node's
     _ggml = None            # ComfyUI-GGUF's is_quantized, for its models
+    # What is not paged goes to the device in the dtype the model declares
+    # for it (ComfyUI's dynamic path), or as stored (its legacy one).
+    _vp_declared = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -529,7 +532,8 @@ class VpagerPatcher:
                 continue
             self._vp_force(key, device_to)
             w = m._parameters[k]
-            want = getattr(m, k + "_comfy_model_dtype", None)
+            want = getattr(m, k + "_comfy_model_dtype", None) \
+                if self._vp_declared else None
             if not hasattr(m, "comfy_cast_weights") and \
                     want is not None and w.dtype != want:
                 self._comfy.utils.set_attr_param(self.model, key, w.to(want))
@@ -539,7 +543,8 @@ class VpagerPatcher:
             if key not in self.backup_buffers:
                 self.backup_buffers[key] = buf
             module, name = self._comfy.utils.resolve_attr(self.model, key)
-            dtype = getattr(module, name + "_comfy_model_dtype", None)
+            dtype = getattr(module, name + "_comfy_model_dtype", None) \
+                if self._vp_declared else None
             moved = buf.to(dtype=dtype, device=device_to)
             self._comfy.utils.set_attr_buffer(self.model, key, moved)
             self.model.model_loaded_weight_memory += engine.nbytes(moved)

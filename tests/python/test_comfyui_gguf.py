@@ -459,6 +459,9 @@ def test_gguf_model_paged_bitwise():
     with GGUFEnv(adopt=True, capacity=192 * t.K, staging=128 * t.K) as e, \
             gguf_module() as mod:
         m = gguf_dit()
+        # Declared another dtype at the model's creation (ComfyUI's
+        # archive_model_dtypes): ComfyUI-GGUF's path leaves it as stored.
+        m.diffusion_model.pos_comfy_model_dtype = torch.float16
         params = {k: p for k, p in m.named_parameters()}
         with t.logs() as lines:
             core = e.patcher(m)     # ComfyUI's loader's (adopts first)
@@ -470,6 +473,7 @@ def test_gguf_model_paged_bitwise():
         assert type(again) is type(model) and lines == [], lines
         model.partially_load(CPU)
         assert model.vpager_active() and not getattr(m, "gguf_loaded", 0)
+        assert m.diffusion_model.pos.dtype == torch.float32
         want0 = legacy_run(mod)
         for _ in range(3):
             assert torch.equal(t.run(m), want0)
