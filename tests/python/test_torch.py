@@ -276,6 +276,53 @@ def test_mlp_bitwise_and_counters():
     h.unload()
 
 
+class Packed(torch.Tensor):
+    """A tensor subclass whose .shape is not its bytes' (ComfyUI-GGUF's
+    GGMLTensor says its weight's logical shape), with an attribute."""
+
+    @property
+    def shape(self):
+        return torch.Size((3, 5))
+
+
+class PackedLinear(nn.Module):
+    """Its weight a Packed of d*d floats stored flat."""
+
+    def __init__(self, d, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        w = torch.Tensor._make_subclass(
+            Packed, torch.randn(d * d, generator=g) * 0.05, False)
+        w.tag = "packed %d" % seed
+        self._parameters["weight"] = w
+        self.d = d
+
+    def forward(self, x):
+        w = self.weight.as_subclass(torch.Tensor).view(self.d, self.d)
+        return x @ w
+
+
+def test_subclass_shape_is_not_its_bytes():
+    """A weight is sized and viewed by its bytes (size()), not by what a
+    subclass's .shape says; the parameter object stays, attributes and
+    all; outputs bitwise, streamed."""
+    d = 128
+    m = nn.Sequential(*[PackedLinear(d, i) for i in range(8)])
+    x = torch.randn(4, d)
+    want = m(x)
+    ws = [layer.weight for layer in m]
+    h = offload_sim(m, budget=256 * K, staging=128 * K)
+    assert h.weight_bytes == 8 * d * d * 4
+    for _ in range(3):
+        assert torch.equal(m(x), want)
+    assert h.stats()["model"]["weight_staged"] > 0
+    for i, layer in enumerate(m):
+        assert layer.weight is ws[i] and layer.weight.tag == "packed %d" % i
+        assert type(layer.weight) is Packed
+    h.unload()
+    assert torch.equal(m(x), want)
+
+
 def test_staged_views_shared_across_weights():
     # Many small weights through a small ring: 47 of 4 KiB, 16 slots, so
     # each pass gives a weight another slot. Views are cached by slot
