@@ -30,7 +30,6 @@ Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
 class GGUFPaging:
     """What differs for ComfyUI-GGUF's models (see the module)."""
 
-    _gguf = None            # ComfyUI-GGUF's GGUFModelPatcher
     _vp_declared = False    # the rest as stored, as its legacy path
     _gguf_move = None       # its move_patch_to_device(patches, device)
 
@@ -97,7 +96,7 @@ def make_class(comfy, loader_cls):
     dynamic = comfy.model_patcher.ModelPatcherDynamic
     return type("VpagerGGUFModelPatcher",
                 (GGUFPaging, VpagerPatcher, loader_cls),
-                {"_comfy": comfy, "_base": loader_cls, "_gguf": loader_cls,
+                {"_comfy": comfy, "_base": loader_cls,
                  "_ggml": staticmethod(ggml),
                  "_gguf_move": staticmethod(move),
                  # ComfyUI's, for the backups of a vpager load (the
