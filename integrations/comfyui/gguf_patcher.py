@@ -19,6 +19,7 @@ loading it, it frees room for the whole model from other models."""
 
 import collections
 import sys
+from typing import Any, Callable, Optional, Tuple
 
 from . import gguf
 from .patcher import VpagerPatcher
@@ -79,7 +80,7 @@ class GGUFPaging:
         self._comfy.utils.set_attr_param(self.model, key, w.to(device_to))
 
 
-def functions(loader_cls):
+def functions(loader_cls: type) -> Optional[Tuple[Callable, Callable]]:
     """(is_quantized, move_patch_to_device): what the node calls of
     ComfyUI-GGUF, from the module that defines loader_cls; None when it
     lacks them."""
@@ -89,7 +90,7 @@ def functions(loader_cls):
     return (ggml, move) if callable(ggml) and callable(move) else None
 
 
-def make_class(comfy, loader_cls):
+def make_class(comfy: Any, loader_cls: type) -> type:
     """VpagerGGUFModelPatcher over ComfyUI-GGUF's class loader_cls (whose
     module has functions())."""
     ggml, move = functions(loader_cls)
@@ -112,11 +113,11 @@ class Adopter:
     adopted (gguf.wrap_clone) with make_class. Looks again only when
     modules were imported since its last look."""
 
-    def __init__(self, comfy):
+    def __init__(self, comfy: Any):
         self.comfy = comfy
         self.seen = 0
 
-    def __call__(self):
+    def __call__(self) -> None:
         if len(sys.modules) == self.seen:
             return
         self.seen = len(sys.modules)
