@@ -139,9 +139,20 @@ unsigned vp__os_cpu_count(void) {
 
 /* A small file read whole (a /proc or /sys one), NUL-terminated: its
  * length, or -1. */
+/* The file's first len - 1 bytes, NUL-terminated; reads until its end
+ * (a /proc file may come in pieces). The bytes read, or -1. */
 static ssize_t read_small(const char *path, char *buf, size_t len) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ssize_t n = fd < 0 ? -1 : read(fd, buf, len - 1);
+  ssize_t n = fd < 0 ? -1 : 0;
+  while (fd >= 0 && (size_t)n < len - 1) {
+    ssize_t got = read(fd, buf + n, len - 1 - (size_t)n);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      if (got < 0 && n == 0) n = -1;
+      break;
+    }
+    n += got;
+  }
   if (fd >= 0) close(fd);
   buf[n > 0 ? n : 0] = '\0';
   return n;
@@ -192,8 +203,12 @@ static uint64_t cgroup_walk(const char *mount, char *path, const char *file) {
 /* From /proc/self/cgroup: v2 ("0::<path>", memory.max) and v1 (a "memory"
  * controller line, memory.limit_in_bytes, which says a huge number for
  * "none"). */
+/* /proc/self/cgroup: a v1 host lists a line per controller, each with the
+ * container's path (~150 bytes under Kubernetes). */
+#define CGROUP_FILE_BYTES 16384
+
 uint64_t vp__os_memory_limit(void) {
-  char buf[2048];
+  char buf[CGROUP_FILE_BYTES];
   ssize_t n = read_small("/proc/self/cgroup", buf, sizeof buf);
   uint64_t low = 0;
   for (char *line = n > 0 ? buf : NULL, *next; line && *line; line = next) {
@@ -215,7 +230,7 @@ uint64_t vp__os_memory_limit(void) {
 }
 
 bool vp__os_cgroup_path(char *out, size_t len) {
-  char buf[2048];
+  char buf[CGROUP_FILE_BYTES];
   ssize_t n = read_small("/proc/self/cgroup", buf, sizeof buf);
   for (char *line = n > 0 ? buf : NULL, *next; line && *line; line = next) {
     next = strchr(line, '\n');

@@ -181,7 +181,7 @@ static int resolve(cuda_t *c, vp_cu_get_proc_address_fn gpa) {
  * cuInit and must never be unmapped under them: vp__os_dl_open's library
  * is never unloaded for good. */
 static int load_driver(cuda_t *c) {
-  char why[160];
+  char why[192];
   c->lib = vp__os_dl_open(CUDA_LIBRARY, why, sizeof why);
   if (!c->lib) return vp__vmm_open_fail(VP_ENODEV, "%s", why);
   void *sym = vp__os_dl_sym(c->lib, "cuGetProcAddress_v2");
