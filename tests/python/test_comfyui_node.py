@@ -971,6 +971,36 @@ def test_set_fill():
         p.detach()
 
 
+def test_fill_after_a_failed_acquire():
+    """An acquire that fails part way (here: the whole model held at once,
+    more than the device and ring hold) may leave bytes it copied in
+    resident without their fill: they are filled anew at the next
+    acquire, so every later forward computes on the rewritten weight."""
+    for name in ("diffusion_model.blocks.0.up.weight",
+                 "diffusion_model.blocks.2.down.weight"):
+        with env() as e:
+            m = DiT()
+            base = frozen(m)
+            p = e.patcher(m)
+            p.partially_load(CPU)
+            h = m._vpager_pager.h
+            for _ in range(3):
+                run(m)
+            ref = frozen(base)
+            o, n = resolve_attr(ref, name)
+            getattr(o, n).data *= 2
+            want = run(ref)
+            h.set_fill(name, lambda v: v.mul_(2))
+
+            def hold_all():
+                with h.acquired():
+                    pass
+            raises(vpager.LimitError, hold_all)
+            for _ in range(2):
+                assert torch.equal(run(m), want), name
+            p.detach()
+
+
 def test_set_source_refused_keeps_the_fill():
     """set_source() refusing its tensor (another dtype) leaves a weight's
     fill in place: the bytes refilled after an eviction are rewritten as

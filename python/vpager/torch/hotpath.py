@@ -236,12 +236,18 @@ class HotPath:
         stream = self.stream()
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
-        if tuner.on:
-            tuner.before(unit)
-            ptrs = batch.acquire(stream)
-            tuner.after()
-        else:
-            ptrs = batch.acquire(stream)
+        try:
+            if tuner.on:
+                tuner.before(unit)
+                ptrs = batch.acquire(stream)
+                tuner.after()
+            else:
+                ptrs = batch.acquire(stream)
+        except BaseException:
+            # A failed acquire may leave bytes it copied in resident,
+            # not rewritten by their fill: filled anew next time.
+            refill(self.layout, entries)
+            raise
         # What leave() restores: None for placeholders everywhere.
         prev = [(e.cur, e.curv) for e in entries] if held else None
         try:
@@ -452,19 +458,22 @@ class HotPath:
         try:
             ptrs = batch.acquire(stream)    # no prefetch (_held_batch)
         except Error:           # e.g. misses the ring cannot hold at once
+            refill(self.layout, self._held_entries)     # as enter()
             self.set_held(())
             return False        # the per-unit path meets it, if it stays
         flags = batch.flags
-        if fills:
-            try:
+        try:
+            if ds.sync:         # the bytes landed before a fill reads them
+                self.device.synchronize(stream)
+            if fills:
                 for i, e in enumerate(self._held_entries):
                     if e.fill is not None and flags[i] & _COPIED:
                         self.fill(e, view(ptrs[i], e.dtype, e.shape,
                                           self.target))
-            except BaseException:
-                batch.release(stream)
-                refill(self.layout, self._held_entries)
-                raise
+        except BaseException:
+            batch.release(stream)
+            refill(self.layout, self._held_entries)
+            raise
         if not all(flags[i] & _RESIDENT for i in range(batch.n)):
             batch.release(stream)
             self.set_held(())
@@ -478,8 +487,6 @@ class HotPath:
                 e.cur = p       # acquired; e.tensor keeps its placeholder
             for d, key, t, e in flat:
                 d[key] = e.hparam
-            if ds.sync:
-                self.device.synchronize(stream)
             # Bare, unless something else sits in the module's forward
             # (the root's own wrapper, when the root is a held unit).
             bared = self._bared
