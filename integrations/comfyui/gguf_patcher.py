@@ -60,11 +60,19 @@ class GGUFPaging:
 
     def _vp_patched(self, key, device_to):
         # ComfyUI-GGUF's own math (float32, then its rounding), written
-        # into the parameter's bytes (its tensor is the VRAM view now);
-        # the backup it keeps is the fill's source already.
-        self.patch_weight_to_device(key, device_to=device_to,
-                                    inplace_update=True)
-        self.backup.pop(key, None)
+        # into the parameter's bytes (its tensor is the VRAM view now).
+        # A backup in place while it runs: it would copy the weight to
+        # the host at every fill (a blocking copy), and the fill's source
+        # is the backup already.
+        had = key in self.backup
+        if not had:
+            self.backup[key] = Backup(None, True)
+        try:
+            self.patch_weight_to_device(key, device_to=device_to,
+                                        inplace_update=True)
+        finally:
+            if not had:
+                self.backup.pop(key, None)
         return None
 
     def _vp_force(self, key, device_to):

@@ -266,6 +266,8 @@ class GGUFLegacy(ModelPatcher):
         else:
             inplace_update = self.weight_inplace_update or inplace_update
             if key not in self.backup:
+                self.model.gguf_backups = getattr(
+                    self.model, "gguf_backups", 0) + 1
                 self.backup[key] = t.Backup(weight.to(
                     device=self.offload_device, copy=inplace_update),
                     inplace_update)
@@ -515,6 +517,8 @@ def test_gguf_model_paged_bitwise():
             assert not set(q.backup) & set(d), set(q.backup) & set(d)
         fills = pager.stats()["model"]["patch_fills"] - f0
         assert fills >= 2, fills      # the biases, over their bytes
+        # ... with no copy of them to the host (ComfyUI-GGUF's backup)
+        assert not getattr(m, "gguf_backups", 0), m.gguf_backups
         model.partially_load(CPU)
         assert pager.patched_keys() == [] and op.weight.patches == []
         for _ in range(2):
