@@ -116,6 +116,9 @@ def measure_link(index):
         host = torch.empty(n, dtype=torch.uint8)
     dev = torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", index))
     s = torch.cuda.Stream(device=index)
+    # dev's block may be one the forward's kernels, still queued on the
+    # current stream, freed: the side stream writes it after them.
+    s.wait_stream(torch.cuda.current_stream(index))
     best = float("inf")
     with torch.cuda.stream(s):
         for _ in range(5):
