@@ -160,9 +160,12 @@ static void *read_piece_run(void *arg) {
 /* read_full over up to `threads` threads, each reading one contiguous
  * piece (page-aligned in the buffer): a single pread stream does not keep
  * a fast NVMe drive (or the page cache's copy) busy. A thread that cannot
- * be started reads its piece on the calling thread. */
-static int read_par(vp__device_t *dev, int fd, void *buf, uint64_t n,
-                    uint64_t off, uint32_t threads, const char *what) {
+ * be started reads its piece on the calling thread. locked: the device
+ * lock is held (fault injection's countdown is the pager's: touched only
+ * under it). */
+static int read_par(vp__device_t *dev, bool locked, int fd, void *buf,
+                    uint64_t n, uint64_t off, uint32_t threads,
+                    const char *what) {
   uint64_t k = threads < n / PIECE_MIN ? threads : n / PIECE_MIN;
   if (k <= 1) return read_full(fd, buf, n, off, what);
   read_piece_t p[VP_FILE_THREADS_MAX];
@@ -173,7 +176,7 @@ static int read_par(vp__device_t *dev, int fd, void *buf, uint64_t n,
     p[m] = (read_piece_t){.fd = fd, .buf = (char *)buf + at,
                           .n = n - at < step ? n - at : step, .off = off + at};
   for (uint64_t i = 1; i < m; i++)
-    started[i] = !vp__inject_fail(&dev->inject) &&
+    started[i] = !(locked && vp__inject_fail(&dev->inject)) &&
                  vp__os_thread_start(&t[i], read_piece_run, &p[i], 0) == 0;
   read_piece_run(&p[0]);
   for (uint64_t i = 1; i < m; i++) {
@@ -218,11 +221,23 @@ static int file_read(vp__device_t *dev, struct vp__file_ring **ring,
   for (uint64_t done = 0; done < size;) {
     ring_slot_t *s = &r->slots[r->next];
     r->next = (r->next + 1) % r->n;
+    if (unlocked && s->in_flight) {
+      /* Its last upload may sit behind all the caller's stream holds (a
+       * busy GPU): wait for it without the device lock. */
+      vp__os_mutex_unlock(&dev->lock);
+      rc = vp__be_event_synchronize(dev, s->ev);
+      vp__os_mutex_lock(&dev->lock);
+      if (rc)
+        return vp__err(rc, "%s: waiting for an upload of the file reader "
+                       "failed", what);
+      s->in_flight = false;
+    }
     rc = slot_ready(dev, r, s, what);
     if (rc) return rc;
     uint64_t n = size - done < r->slot_size ? size - done : r->slot_size;
     if (unlocked) vp__os_mutex_unlock(&dev->lock);
-    rc = read_par(dev, fd, s->buf, n, offset + done, threads, what);
+    rc = read_par(dev, !unlocked, fd, s->buf, n, offset + done, threads,
+                  what);
     if (rc == VP_OK) { /* (a copy needs no device lock: backend.h) */
       rc = vp__be_copy_htod(dev, dst + done, s->buf, n, stream);
       if (rc)

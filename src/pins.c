@@ -382,8 +382,13 @@ static uint64_t live_sum(const vp__pins_t *pn, bool alive, bool taking) {
     if (atomic_load(&p->state) != PART_LIVE ||
         (alive && i != pn->part && !part_alive(p)))
       continue;
-    sum = add_sat(sum, atomic_load(&p->pinned));
-    if (taking) sum = add_sat(sum, atomic_load(&p->taking));
+    /* taking before pinned: a take moves its bytes from one to the other
+     * in the other order (pinned += size, then taking -= size), so one
+     * that moves between these loads is seen in one of them (seq_cst);
+     * read the other way round a take could be in neither, and two
+     * concurrent takes each miss the other's bytes. */
+    uint64_t t = taking ? atomic_load(&p->taking) : 0;
+    sum = add_sat(add_sat(sum, atomic_load(&p->pinned)), t);
   }
   return sum;
 }

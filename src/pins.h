@@ -8,10 +8,11 @@
  *   req[]   release requests: ledger.h's request state machine
  *   part[]  participants, one per device handle
  *
- * Who writes what: a participant's counts, only that participant (an
- * increase of `pinned` only under the lock, after summing every live
- * participant's); state and identity, only under the lock (join, leave,
- * reap); requests, by compare-and-swap on their state; the budget, any
+ * Who writes what: a participant's counts, only that participant,
+ * without the lock (a take publishes its bytes in `taking`, sums every
+ * live participant's pinned and taking, then moves them to `pinned` if
+ * they fit: pins.c vp__pins_take); state and identity, only under the
+ * lock (join, leave, reap); requests, by compare-and-swap on their state; the budget, any
  * participant (vp_device_set_pin_budget). Every field is atomic and every
  * index read from the segment is bounded before use. */
 #ifndef VPAGER_PINS_H

@@ -504,3 +504,70 @@ TEST(fileio_read_leaves_the_device_free, TEST_SIM_ONLY) {
   free(out);
   test_rm_dir(dir);
 }
+
+/* A kernel queued ahead of a public read's uploads waits for another
+ * thread's call on the device: the read, which from its fourth slot on
+ * waits for a slot's last upload (behind that kernel), must wait without
+ * the device lock, or the two wait for each other (here until the
+ * kernel's watchdog gives up). */
+typedef struct gate {
+  vp_device_t dev;
+  atomic_bool open, gave_up, reading;
+} gate_t;
+
+static void gate_fn(void *arg) {
+  gate_t *g = arg;
+  uint64_t t0 = test_now_ms();
+  while (!atomic_load(&g->open)) {
+    if (test_now_ms() - t0 > 20000) {
+      atomic_store(&g->gave_up, true);
+      return;
+    }
+    sched_yield();
+  }
+}
+
+static void *opener_main(void *arg) {
+  gate_t *g = arg;
+  while (!atomic_load(&g->reading)) sched_yield();
+  /* (Late enough that the read waits for a slot; earlier, the test shows
+   * nothing but still passes.) */
+  test_sleep_ms(100);
+  vp_device_info_t info;
+  if (vp_device_info(g->dev, &info) == VP_OK) atomic_store(&g->open, true);
+  return NULL;
+}
+
+TEST(fileio_read_waits_for_a_slot_without_the_device_lock, TEST_SIM_ONLY) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_WORKER);
+  vp_device_t dev = test_open(ctx, &o);
+  char dir[64], path[128];
+  test_make_dir(dir, sizeof dir, "fileio");
+  snprintf(path, sizeof path, "%s/gated.bin", dir);
+  const uint64_t fsize = 8 * SLOT;
+  unsigned char *file, *out = malloc(fsize);
+  ASSERT_NOT_NULL(out);
+  int fd = pattern_file(path, fsize, 7, &file);
+  vp_stream_t s;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  gate_t g = {.dev = dev};
+  ASSERT_OK(vp_sim_launch(dev, s, gate_fn, &g));
+  pthread_t t;
+  ASSERT_EQ_INT(pthread_create(&t, NULL, opener_main, &g), 0);
+  atomic_store(&g.reading, true);
+  ASSERT_OK(vp_file_read_to_address(dev, fd, 0, fsize,
+                                    (uint64_t)(uintptr_t)out, s, 1));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  pthread_join(t, NULL);
+  ASSERT_TRUE(!atomic_load(&g.gave_up));
+  ASSERT_TRUE(atomic_load(&g.open));
+  ASSERT_MEM_EQ(out, file, fsize);
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_file_reader_release(dev));
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  free(file);
+  free(out);
+  test_rm_dir(dir);
+}
