@@ -1,6 +1,6 @@
 /* One pinned-host budget for the machine: the host bytes vpager page-locks,
  * across every vpager process and GPU on the host, stay under one budget,
- * counted in a host-wide shared-memory segment (/dev/shm/vpager-pins-<name>:
+ * counted in a host-wide shared-memory segment (/dev/shm/vpager-pins-v2-<name>:
  * "host" on CUDA, the simulated device's shared name on a shared simulated
  * device, the ledger option's name when one is given; none when the ledger
  * is "off" or the simulated device is not shared: then the device counts

@@ -24,7 +24,10 @@
 #define PINS_VERSION 2u
 #define PINS_PARTS 128
 #define PINS_REQS 64
-#define PINS_PREFIX "/vpager-pins-"
+/* The layout's version is in the name: a build of another layout on the
+ * host keeps a ledger of its own (refused at a name they shared, every
+ * device of this build would count alone against a budget of its own). */
+#define PINS_PREFIX "/vpager-pins-v2-"
 
 typedef struct pins_part {
   _Atomic uint32_t state; /* PART_FREE / PART_LIVE, under the lock */

@@ -392,6 +392,31 @@ TEST(pins_dead_process_reaped, TEST_SIM_ONLY) {
 }
 
 /* The ledger off: the device counts alone, within its own budget. */
+/* A build of the earlier layout (version 1, its segment under the name
+ * without the version) on the host: this build's devices still share one
+ * ledger and one budget among themselves. */
+TEST(pins_older_layout_beside, TEST_SIM_ONLY) {
+  char name[64], old[128];
+  pins_name(name, sizeof name, "old");
+  snprintf(old, sizeof old, "/vpager-pins-%s", name);
+  void *seg = NULL;
+  ASSERT_EQ_INT(vp__os_shm_create(old, 4096, NULL, NULL, &seg), 0);
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 8 * MiB);
+  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
+  vp_hostbuf_t ha, hb;
+  ASSERT_OK(vp_hostbuf_alloc(a, 6 * MiB, 6 * MiB, &ha));
+  ASSERT_OK(vp_hostbuf_alloc(b, 6 * MiB, 6 * MiB, &hb));
+  ASSERT_LE_U64(hb_pinned(ha) + hb_pinned(hb), 8 * MiB);
+  ASSERT_EQ_U64(machine_pinned(a), hb_pinned(ha) + hb_pinned(hb));
+  ASSERT_OK(vp_hostbuf_free(ha));
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(a));
+  ASSERT_OK(vp_device_close(b));
+  vp__os_shm_unmap(seg, 4096);
+  vp__os_shm_unlink(old);
+}
+
 TEST(pins_alone_without_ledger, TEST_SIM_ONLY) {
   vp_options_t o;
   pins_opts(ctx, &o, "off", 8 * MiB);

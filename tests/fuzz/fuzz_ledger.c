@@ -13,7 +13,7 @@
  *   bit 1  a fresh robust mutex; else its bytes come from the input too
  *   bit 2  a simulated device with worker streams
  *   bit 3  the patches build the machine's pin ledger of that name
- *          (/dev/shm/vpager-pins-fzl-<pid>, pins.h: header, request k or
+ *          (/dev/shm/vpager-pins-v2-fzl-<pid>, pins.h: header, request k or
  *          participant k) instead; the GPU ledger is left as written
  *   bits 4-5  the segment's length: exact, truncated, one page more, empty
  * A patch: a region byte (header, request k, participant k, or entry j of
