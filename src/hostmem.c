@@ -355,11 +355,15 @@ static void pin_chunk(vp__device_t *dev, hostbuf_t *hb, uint32_t i,
  * device lock, after all work queued on the device finished (on CUDA the
  * context's: torch's streams too, which copy from a drop-in HostBuffer):
  * no copy of ours reads a chunk while it is unregistered (stream.c copies
- * under the lock). */
+ * under the lock; a public copy enqueued without it, vp_copy_to_device,
+ * counts itself in copies_unlocked from choosing its piece to having
+ * enqueued it: then nothing is given back, as that copy could come after
+ * the synchronize and read a chunk being unregistered). */
 static uint64_t give_back(vp__device_t *dev, uint64_t bytes) {
   uint64_t freed = 0;
   bool synced = false;
   vp__os_mutex_lock(&dev->lock);
+  if (dev->copies_unlocked) bytes = 0;
   for (uint32_t s = 0; s < dev->hostbufs.n && freed < bytes; s++) {
     hostbuf_t *hb = dev->hostbufs.slots[s];
     if (!hb || hb->busy || dev->broken) continue;
@@ -447,11 +451,19 @@ static int copy_pieces(vp__device_t *dev, bool htod, uint64_t addr,
                        uint8_t *host, uint64_t size, vp_stream_t stream,
                        bool locked) {
   while (size) {
-    if (!locked) vp__os_mutex_lock(&dev->lock);
+    if (!locked) {
+      vp__os_mutex_lock(&dev->lock);
+      dev->copies_unlocked++; /* give_back waits: see there */
+    }
     uint64_t n = vp__host_piece(dev, host, size);
     if (!locked) vp__os_mutex_unlock(&dev->lock);
     int rc = htod ? vp__be_copy_htod(dev, addr, host, n, stream)
                   : vp__be_copy_dtoh(dev, host, addr, n, stream);
+    if (!locked) {
+      vp__os_mutex_lock(&dev->lock);
+      dev->copies_unlocked--;
+      vp__os_mutex_unlock(&dev->lock);
+    }
     if (rc) return rc;
     addr += n;
     host += n;

@@ -200,6 +200,8 @@ struct vp__device {
   uint64_t pin_budget;   /* host bytes we may page-lock */
   uint64_t pinned_host;  /* host bytes we have page-locked */
   vp__table_t hostbufs;
+  uint32_t copies_unlocked; /* public copies being enqueued without the
+                               device lock: no chunk is unpinned then */
   struct vp__pins *pins; /* pins.c: the machine's pin ledger (NULL: none) */
   /* weights.c, staging.c, stream.c */
   vp_stream_t copy_stream; /* 0 until first needed */

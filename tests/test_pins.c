@@ -11,6 +11,7 @@
 
 #include <signal.h>
 
+#include "internal.h" /* copies_unlocked */
 #include "peer.h"
 #include "pins.h"
 
@@ -415,6 +416,42 @@ TEST(pins_older_layout_beside, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(b));
   vp__os_shm_unmap(seg, 4096);
   vp__os_shm_unlink(old);
+}
+
+/* A public copy being enqueued without the device lock (counted in
+ * copies_unlocked from choosing its piece to having enqueued it) holds off
+ * a give-back: it could read a chunk while the chunk is unregistered. Once
+ * it is enqueued, the next ask gets the chunks. */
+static void copies_unlocked(vp_device_t dev, int by) {
+  vp__device_t *d = vp__registry_get(dev.id);
+  ASSERT_NOT_NULL(d);
+  vp__os_mutex_lock(&d->lock);
+  d->copies_unlocked += (uint32_t)by;
+  vp__os_mutex_unlock(&d->lock);
+}
+
+TEST(pins_no_give_back_under_an_unlocked_copy, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "copy");
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 8 * MiB);
+  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
+  vp_hostbuf_t ha, hb, hc;
+  ASSERT_OK(vp_hostbuf_alloc(a, 6 * MiB, 6 * MiB, &ha));
+  ASSERT_EQ_U64(hb_pinned(ha), 6 * MiB);
+  copies_unlocked(a, 1);
+  ASSERT_OK(vp_hostbuf_alloc(b, 6 * MiB, 6 * MiB, &hb));
+  ASSERT_EQ_U64(hb_pinned(ha), 6 * MiB);
+  ASSERT_LE_U64(hb_pinned(hb), 2 * MiB);
+  copies_unlocked(a, -1);
+  ASSERT_OK(vp_hostbuf_alloc(b, 4 * MiB, 4 * MiB, &hc));
+  ASSERT_LT_U64(hb_pinned(ha), 6 * MiB);
+  ASSERT_LE_U64(machine_pinned(a), 8 * MiB);
+  ASSERT_OK(vp_hostbuf_free(hc));
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_hostbuf_free(ha));
+  ASSERT_OK(vp_device_close(b));
+  ASSERT_OK(vp_device_close(a));
 }
 
 TEST(pins_alone_without_ledger, TEST_SIM_ONLY) {
