@@ -498,7 +498,14 @@ static uint64_t ask_one(vp__pins_t *pn, uint32_t to, uint64_t bytes) {
     }
     return freed;
   }
-  return 0; /* every request slot is in use */
+  /* Every request slot is in use: some may be requests of processes that
+   * died, which only a join, a leave or the lock's dead holder reaps;
+   * reap them now (the lock, bounded): the next ask finds them free. */
+  if (seg_lock(pn) == VP_OK) {
+    reap(seg);
+    seg_unlock(pn);
+  }
+  return 0;
 }
 
 bool vp__pins_may_help(const vp__device_t *dev) {

@@ -454,6 +454,34 @@ TEST(pins_no_give_back_under_an_unlocked_copy, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(a));
 }
 
+/* Every request slot held by requests of processes that died (answered,
+ * never freed): an ask that finds no slot reaps them, and the next ask
+ * gets memory given back. */
+TEST(pins_dead_requests_reaped_by_an_ask, TEST_SIM_ONLY) {
+  char name[64];
+  pins_name(name, sizeof name, "reqs");
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 8 * MiB);
+  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
+  vp_hostbuf_t ha, hb, hc;
+  ASSERT_OK(vp_hostbuf_alloc(a, 6 * MiB, 6 * MiB, &ha));
+  pins_seg_t *seg = seg_map(name);
+  for (int i = 0; i < PINS_REQS; i++) {
+    atomic_store(&seg->req[i].from, PINS_PARTS - 1); /* no one there */
+    atomic_store(&seg->req[i].state, REQ_DONE);
+  }
+  ASSERT_OK(vp_hostbuf_alloc(b, 6 * MiB, 6 * MiB, &hb));
+  ASSERT_OK(vp_hostbuf_alloc(b, 4 * MiB, 4 * MiB, &hc));
+  ASSERT_LT_U64(hb_pinned(ha), 6 * MiB);
+  ASSERT_LE_U64(machine_pinned(a), 8 * MiB);
+  vp__os_shm_unmap(seg, sizeof *seg);
+  ASSERT_OK(vp_hostbuf_free(hc));
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_hostbuf_free(ha));
+  ASSERT_OK(vp_device_close(b));
+  ASSERT_OK(vp_device_close(a));
+}
+
 TEST(pins_alone_without_ledger, TEST_SIM_ONLY) {
   vp_options_t o;
   pins_opts(ctx, &o, "off", 8 * MiB);
