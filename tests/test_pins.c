@@ -418,6 +418,37 @@ TEST(pins_older_layout_beside, TEST_SIM_ONLY) {
   vp__os_shm_unlink(old);
 }
 
+/* Two devices of this process on one pin ledger (budget 8 MiB), the
+ * first holding a 6 MiB pinned host buffer. */
+typedef struct pins_pair {
+  vp_device_t a, b;
+  vp_hostbuf_t ha, hb, hc;
+} pins_pair_t;
+
+static pins_pair_t pair_open(test_ctx_t *ctx, const char *name) {
+  pins_pair_t p;
+  vp_options_t o;
+  pins_opts(ctx, &o, name, 8 * MiB);
+  p.a = test_open(ctx, &o);
+  p.b = test_open(ctx, &o);
+  ASSERT_OK(vp_hostbuf_alloc(p.a, 6 * MiB, 6 * MiB, &p.ha));
+  ASSERT_EQ_U64(hb_pinned(p.ha), 6 * MiB);
+  return p;
+}
+
+/* The second, after a 6 MiB buffer of its own (hb), asks for 4 MiB more:
+ * the first gives pinned memory back; then everything is closed. */
+static void pair_ask_and_close(pins_pair_t *p) {
+  ASSERT_OK(vp_hostbuf_alloc(p->b, 4 * MiB, 4 * MiB, &p->hc));
+  ASSERT_LT_U64(hb_pinned(p->ha), 6 * MiB);
+  ASSERT_LE_U64(machine_pinned(p->a), 8 * MiB);
+  ASSERT_OK(vp_hostbuf_free(p->hc));
+  ASSERT_OK(vp_hostbuf_free(p->hb));
+  ASSERT_OK(vp_hostbuf_free(p->ha));
+  ASSERT_OK(vp_device_close(p->b));
+  ASSERT_OK(vp_device_close(p->a));
+}
+
 /* A public copy being enqueued without the device lock (counted in
  * copies_unlocked from choosing its piece to having enqueued it) holds off
  * a give-back: it could read a chunk while the chunk is unregistered. Once
@@ -433,25 +464,13 @@ static void copies_unlocked(vp_device_t dev, int by) {
 TEST(pins_no_give_back_under_an_unlocked_copy, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "copy");
-  vp_options_t o;
-  pins_opts(ctx, &o, name, 8 * MiB);
-  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
-  vp_hostbuf_t ha, hb, hc;
-  ASSERT_OK(vp_hostbuf_alloc(a, 6 * MiB, 6 * MiB, &ha));
-  ASSERT_EQ_U64(hb_pinned(ha), 6 * MiB);
-  copies_unlocked(a, 1);
-  ASSERT_OK(vp_hostbuf_alloc(b, 6 * MiB, 6 * MiB, &hb));
-  ASSERT_EQ_U64(hb_pinned(ha), 6 * MiB);
-  ASSERT_LE_U64(hb_pinned(hb), 2 * MiB);
-  copies_unlocked(a, -1);
-  ASSERT_OK(vp_hostbuf_alloc(b, 4 * MiB, 4 * MiB, &hc));
-  ASSERT_LT_U64(hb_pinned(ha), 6 * MiB);
-  ASSERT_LE_U64(machine_pinned(a), 8 * MiB);
-  ASSERT_OK(vp_hostbuf_free(hc));
-  ASSERT_OK(vp_hostbuf_free(hb));
-  ASSERT_OK(vp_hostbuf_free(ha));
-  ASSERT_OK(vp_device_close(b));
-  ASSERT_OK(vp_device_close(a));
+  pins_pair_t p = pair_open(ctx, name);
+  copies_unlocked(p.a, 1);
+  ASSERT_OK(vp_hostbuf_alloc(p.b, 6 * MiB, 6 * MiB, &p.hb));
+  ASSERT_EQ_U64(hb_pinned(p.ha), 6 * MiB);
+  ASSERT_LE_U64(hb_pinned(p.hb), 2 * MiB);
+  copies_unlocked(p.a, -1);
+  pair_ask_and_close(&p);
 }
 
 /* Every request slot held by requests of processes that died (answered,
@@ -460,26 +479,15 @@ TEST(pins_no_give_back_under_an_unlocked_copy, TEST_SIM_ONLY) {
 TEST(pins_dead_requests_reaped_by_an_ask, TEST_SIM_ONLY) {
   char name[64];
   pins_name(name, sizeof name, "reqs");
-  vp_options_t o;
-  pins_opts(ctx, &o, name, 8 * MiB);
-  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
-  vp_hostbuf_t ha, hb, hc;
-  ASSERT_OK(vp_hostbuf_alloc(a, 6 * MiB, 6 * MiB, &ha));
+  pins_pair_t p = pair_open(ctx, name);
   pins_seg_t *seg = seg_map(name);
   for (int i = 0; i < PINS_REQS; i++) {
     atomic_store(&seg->req[i].from, PINS_PARTS - 1); /* no one there */
     atomic_store(&seg->req[i].state, REQ_DONE);
   }
-  ASSERT_OK(vp_hostbuf_alloc(b, 6 * MiB, 6 * MiB, &hb));
-  ASSERT_OK(vp_hostbuf_alloc(b, 4 * MiB, 4 * MiB, &hc));
-  ASSERT_LT_U64(hb_pinned(ha), 6 * MiB);
-  ASSERT_LE_U64(machine_pinned(a), 8 * MiB);
   vp__os_shm_unmap(seg, sizeof *seg);
-  ASSERT_OK(vp_hostbuf_free(hc));
-  ASSERT_OK(vp_hostbuf_free(hb));
-  ASSERT_OK(vp_hostbuf_free(ha));
-  ASSERT_OK(vp_device_close(b));
-  ASSERT_OK(vp_device_close(a));
+  ASSERT_OK(vp_hostbuf_alloc(p.b, 6 * MiB, 6 * MiB, &p.hb));
+  pair_ask_and_close(&p);
 }
 
 TEST(pins_alone_without_ledger, TEST_SIM_ONLY) {

@@ -894,16 +894,22 @@ def test_patch_at_fill():
                                base.diffusion_model.blocks[1].up.weight)
 
 
+def loaded_dit(e):
+    """A DiT loaded on the node in env e: (model, its frozen copy, the
+    patcher, vpager.torch's handle)."""
+    m = DiT()
+    base = frozen(m)
+    p = e.patcher(m)
+    p.partially_load(CPU)
+    return m, base, p, m._vpager_pager.h
+
+
 def test_set_fill():
     """vpager.torch's set_fill: fill(view) rewrites a weight's bytes each
     time they come from its source, on the device; None: its own bytes;
     set_source drops it; not while acquired."""
     with env() as e:
-        m = DiT()
-        base = frozen(m)
-        p = e.patcher(m)
-        p.partially_load(CPU)
-        h = m._vpager_pager.h
+        m, base, p, h = loaded_dit(e)
         name = "diffusion_model.blocks.2.up.weight"
         seen = []
 
@@ -979,11 +985,7 @@ def test_fill_after_a_failed_acquire():
     for name in ("diffusion_model.blocks.0.up.weight",
                  "diffusion_model.blocks.2.down.weight"):
         with env() as e:
-            m = DiT()
-            base = frozen(m)
-            p = e.patcher(m)
-            p.partially_load(CPU)
-            h = m._vpager_pager.h
+            m, base, p, h = loaded_dit(e)
             for _ in range(3):
                 run(m)
             ref = frozen(base)
@@ -1007,11 +1009,7 @@ def test_set_source_refused_keeps_the_fill():
     the resident ones were (dropping it there mixed patched and unpatched
     bytes by residency)."""
     with env() as e:
-        m = DiT()
-        base = frozen(m)
-        p = e.patcher(m)
-        p.partially_load(CPU)
-        h = m._vpager_pager.h
+        m, base, p, h = loaded_dit(e)
         name = "diffusion_model.blocks.2.up.weight"
 
         def fill(view):
