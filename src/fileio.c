@@ -222,8 +222,9 @@ static int file_read(vp__device_t *dev, struct vp__file_ring **ring,
     ring_slot_t *s = &r->slots[r->next];
     r->next = (r->next + 1) % r->n;
     if (unlocked && s->in_flight) {
-      /* Its last upload may sit behind all the caller's stream holds (a
-       * busy GPU): wait for it without the device lock. */
+      /* Its last upload may sit behind all the work queued on the
+       * caller's stream (a busy GPU): wait for it without the device
+       * lock. */
       vp__os_mutex_unlock(&dev->lock);
       rc = vp__be_event_synchronize(dev, s->ev);
       vp__os_mutex_lock(&dev->lock);

@@ -137,10 +137,9 @@ unsigned vp__os_cpu_count(void) {
   return n > 0 ? (unsigned)n : 1;
 }
 
-/* A small file read whole (a /proc or /sys one), NUL-terminated: its
- * length, or -1. */
-/* The file's first len - 1 bytes, NUL-terminated; reads until its end
- * (a /proc file may come in pieces). The bytes read, or -1. */
+/* A small file (a /proc or /sys one): its first len - 1 bytes,
+ * NUL-terminated, read until its end (a /proc file may come in pieces).
+ * The bytes read, or -1. */
 static ssize_t read_small(const char *path, char *buf, size_t len) {
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   ssize_t n = fd < 0 ? -1 : 0;
@@ -200,13 +199,13 @@ static uint64_t cgroup_walk(const char *mount, char *path, const char *file) {
   return low;
 }
 
+/* /proc/self/cgroup's room: a v1 host lists a line per controller, each
+ * with the container's path (~150 bytes under Kubernetes). */
+#define CGROUP_FILE_BYTES 16384
+
 /* From /proc/self/cgroup: v2 ("0::<path>", memory.max) and v1 (a "memory"
  * controller line, memory.limit_in_bytes, which says a huge number for
  * "none"). */
-/* /proc/self/cgroup: a v1 host lists a line per controller, each with the
- * container's path (~150 bytes under Kubernetes). */
-#define CGROUP_FILE_BYTES 16384
-
 uint64_t vp__os_memory_limit(void) {
   char buf[CGROUP_FILE_BYTES];
   ssize_t n = read_small("/proc/self/cgroup", buf, sizeof buf);

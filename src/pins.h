@@ -12,8 +12,8 @@
  * without the lock (a take publishes its bytes in `taking`, sums every
  * live participant's pinned and taking, then moves them to `pinned` if
  * they fit: pins.c vp__pins_take); state and identity, only under the
- * lock (join, leave, reap); requests, by compare-and-swap on their state; the budget, any
- * participant (vp_device_set_pin_budget). Every field is atomic and every
+ * lock (join, leave, reap); requests, by compare-and-swap on their
+ * state; the budget, any participant (vp_device_set_pin_budget). Every field is atomic and every
  * index read from the segment is bounded before use. */
 #ifndef VPAGER_PINS_H
 #define VPAGER_PINS_H
