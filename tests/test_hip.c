@@ -112,3 +112,22 @@ TEST(hip_device_given_back, TEST_GPU_ONLY) {
   ASSERT_EQ_INT(get(&now), 0);
   ASSERT_EQ_INT(now, 0);
 }
+
+/* A runtime whose virtual memory API does not page (before ROCm 6.3:
+ * hip_abi.h) is refused at open, saying which is needed. On the stand-in
+ * runtime of make check-hip (TEST_HIP_LIBRARY, FAKEHIP_VERSION). */
+TEST(hip_runtime_too_old_refused, TEST_GPU_ONLY) {
+  const char *path = getenv("TEST_HIP_LIBRARY");
+  if (ctx->backend != VP_BACKEND_HIP || !path || !*path) return;
+  const char *old[] = {"60200000", "60100000", "50300000"};
+  for (size_t i = 0; i < sizeof old / sizeof *old; i++) {
+    setenv("FAKEHIP_VERSION", old[i], 1);
+    vp_device_t dev;
+    ASSERT_RC(open_kind(VP_BACKEND_HIP, &dev), VP_ENODEV);
+    ASSERT_STR_CONTAINS(vp_last_error(), "ROCm 6.3 or later is needed");
+  }
+  unsetenv("FAKEHIP_VERSION");
+  vp_device_t dev;
+  ASSERT_OK(open_kind(VP_BACKEND_HIP, &dev));
+  ASSERT_OK(vp_device_close(dev));
+}

@@ -266,18 +266,20 @@ static int load(vp__vmm_t *g) {
   return VP_OK;
 }
 
-/* ROCm 5.2 and older lay hipMemAllocationProp out otherwise (hip_abi.h).
- * Asked after the devices are counted, so a machine without a GPU says
- * that first. */
+/* ROCm 5.2 and older lay hipMemAllocationProp out otherwise, and before
+ * 6.3 the virtual memory API does not page (hip_abi.h). Asked after the
+ * devices are counted, so a machine without a GPU says that first. */
 static int check_version(void) {
   int v = 0;
   vp_cu_result_t r = hip.runtime_get_version(&v);
   if (r != VP_CU_SUCCESS)
     return vp__vmm_open_fail(VP_ENODEV, "hipRuntimeGetVersion: %s",
                              hip_error_name(NULL, r));
-  if (v < VP_HIP_MIN_VERSION)
+  if (v < VP_HIP_PAGING_VERSION)
     return vp__vmm_open_fail(VP_ENODEV, "HIP runtime %d.%d is older than "
-                             "5.3 (ROCm 5.3 or later is needed)",
+                             "6.3 (ROCm 6.3 or later is needed: before it "
+                             "hipMemMap maps whole reservations or "
+                             "hipMemRelease frees nothing)",
                              v / 10000000, v / 100000 % 100);
   return VP_OK;
 }

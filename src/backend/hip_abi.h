@@ -32,6 +32,12 @@
  * vp_cu_mem_alloc_prop_t is. ROCm 5.2 put compressionType first and the
  * rest in another order: hip.c refuses runtimes older than this. */
 #define VP_HIP_MIN_VERSION 50300000
+/* The first runtime whose virtual memory API pages as vmm.c does (read in
+ * ROCm's sources, never run here): 5.3-6.0 say no to it on Linux
+ * (hipDeviceAttributeVirtualMemoryManagementSupported 0); 6.1's hipMemMap
+ * maps the whole reservation, not the page asked for; 6.2's hipMemRelease
+ * never frees the physical memory (an eviction gives nothing back). */
+#define VP_HIP_PAGING_VERSION 60300000
 
 typedef vp_cu_result_t vp_hip_result_t;         /* hipError_t */
 typedef struct vp_hip_mem_handle_st *vp_hip_mem_handle_t;

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fake_vmm.h"
@@ -60,7 +61,12 @@ static err_t from_fv(fv_status_t st) {
 }
 
 EXPORT err_t hipInit(unsigned flags) { return flags ? INVALID_VALUE : OK; }
-EXPORT err_t hipRuntimeGetVersion(int *v) { return *v = 60200000, OK; }
+/* FAKEHIP_VERSION: another HIP_VERSION (a test of the refusal). */
+EXPORT err_t hipRuntimeGetVersion(int *v) {
+  const char *e = getenv("FAKEHIP_VERSION");
+  *v = e ? atoi(e) : 60300000;
+  return OK;
+}
 EXPORT err_t hipGetDeviceCount(int *n) { return *n = DEVICES, OK; }
 EXPORT err_t hipDeviceGet(int *dev, int ordinal) {
   if (ordinal < 0 || ordinal >= DEVICES) return INVALID_DEVICE;
