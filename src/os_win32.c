@@ -459,8 +459,44 @@ int vp__os_file_stat(int fd, vp__os_file_info_t *info) {
   return 0;
 }
 
-/* ReadFile with the offset in its OVERLAPPED: threads that read one
- * handle at different offsets do not race on a file pointer. */
+/* A read of h at `off` through a handle of its own opened for overlapped
+ * I/O: on a synchronous handle (every C runtime fd's) Windows runs reads
+ * one at a time whatever their OVERLAPPED says, and moves the handle's
+ * file pointer, which pread does not. False when h cannot be reopened so
+ * (*rc unset): the caller reads h itself. */
+static bool read_reopened(HANDLE h, void *buf, DWORD want, uint64_t off,
+                          DWORD *read, int *rc) {
+  HANDLE r = ReOpenFile(h, GENERIC_READ,
+                        FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+                        FILE_FLAG_OVERLAPPED);
+  if (r == INVALID_HANDLE_VALUE) return false;
+  HANDLE ev = CreateEventW(NULL, TRUE, FALSE, NULL);
+  if (!ev) {
+    CloseHandle(r);
+    return false;
+  }
+  OVERLAPPED ov;
+  memset(&ov, 0, sizeof ov);
+  ov.Offset = (DWORD)off;
+  ov.OffsetHigh = (DWORD)(off >> 32);
+  ov.hEvent = ev;
+  *rc = 0;
+  *read = 0;
+  if ((ReadFile(r, buf, want, NULL, &ov) ||
+       GetLastError() == ERROR_IO_PENDING) &&
+      GetOverlappedResult(r, &ov, read, TRUE)) {
+    /* read */
+  } else if (GetLastError() != ERROR_HANDLE_EOF) {
+    *rc = errno_of(GetLastError());
+  }
+  CloseHandle(ev);
+  CloseHandle(r);
+  return true;
+}
+
+/* ReadFile with the offset in its OVERLAPPED (through read_reopened where
+ * it can): threads that read one handle at different offsets do not race
+ * on a file pointer, nor run one at a time, nor move the caller's. */
 int vp__os_file_read_at(int fd, void *buf, size_t n, uint64_t off,
                         size_t *got) {
   *got = 0;
@@ -468,11 +504,16 @@ int vp__os_file_read_at(int fd, void *buf, size_t n, uint64_t off,
   if (h == INVALID_HANDLE_VALUE) return EBADF;
   /* A pipe has no offsets (pread's ESPIPE); ReadFile would wait on it. */
   if (GetFileType(h) != FILE_TYPE_DISK) return ESPIPE;
+  DWORD want = n > (1u << 30) ? (1u << 30) : (DWORD)n, read = 0;
+  int rc = 0;
+  if (read_reopened(h, buf, want, off, &read, &rc)) {
+    *got = rc ? 0 : read;
+    return rc;
+  }
   OVERLAPPED ov;
   memset(&ov, 0, sizeof ov);
   ov.Offset = (DWORD)off;
   ov.OffsetHigh = (DWORD)(off >> 32);
-  DWORD want = n > (1u << 30) ? (1u << 30) : (DWORD)n, read = 0;
   if (!ReadFile(h, buf, want, &read, &ov)) {
     DWORD e = GetLastError();
     if (e == ERROR_HANDLE_EOF) return 0;

@@ -434,9 +434,13 @@ TEST(fileio_to_address_errors, TEST_SIM_ONLY) {
   ASSERT_RC(vp_file_read_to_address(dev, fd, 4990, 11, dst, 0, 4), VP_ERANGE);
   ASSERT_NOT_NULL(strstr(vp_last_error(), "vp_file_read_to_address"));
   ASSERT_EQ_INT(out[0], 0);
+  /* The caller's file position is the caller's (pread's rule; on Windows
+   * a read through the fd's own handle would move it). */
+  ASSERT_EQ_INT(lseek(fd, 123, SEEK_SET), 123);
   ASSERT_OK(vp_file_read_to_address(dev, fd, 0, 5000, dst, 0, 4));
   ASSERT_OK(vp_stream_synchronize(dev, 0));
   ASSERT_MEM_EQ(out, data, 5000);
+  ASSERT_EQ_INT(lseek(fd, 0, SEEK_CUR), 123);
   ASSERT_OK(vp_device_close(dev));
   close(fd);
   test_rm_dir(dir);
