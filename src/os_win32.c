@@ -898,8 +898,11 @@ int vp__os_shm_list(const char *prefix,
  * wake between the compare and the wait is not lost. A set event stays
  * set: a waiter that finds it set but the word unchanged resets it, and a
  * waiter whose wake that reset took sleeps no longer than SLICE_MS (its
- * caller rereads the word anyway). The event goes with its last handle. */
-enum { SLICE_MS = 20 };
+ * caller rereads the word anyway). A wait with no deadline (a service
+ * thread's, its word's one waiter: no other resets its wake) sleeps
+ * IDLE_SLICE_MS at a time, so idle threads do not wake 50 times a second.
+ * The event goes with its last handle. */
+enum { SLICE_MS = 20, IDLE_SLICE_MS = 1000 };
 
 static HANDLE word_event(const char *shm, const void *base,
                          _Atomic uint32_t *word, bool create) {
@@ -935,6 +938,7 @@ int vp__os_word_wait(const char *shm, const void *base,
       Sleep(ms);
       continue;
     }
+    if (deadline == VP__OS_FOREVER) ms = IDLE_SLICE_MS;
     DWORD w = WaitForSingleObject(ev, ms);
     if (w == WAIT_TIMEOUT) continue; /* a slice's end: reread the word */
     if (w != WAIT_OBJECT_0) break;

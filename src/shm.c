@@ -98,8 +98,11 @@ int vp__shm_join(const char *shm, const vp__shm_kind_t *k, bool writable,
   if (e) return open_fail(why, len, shm, e, &info, k->size);
   /* A creator that could not hide its segment until done (an older build,
    * or an OS without link) may not have published it yet. */
-  for (int i = 0; i < CREATOR_WAIT_MS; i++, vp__os_sleep_ns(1000000))
-    if (atomic_load_explicit(magic_of(p), memory_order_acquire)) break;
+  /* (By the clock: a 1 ms sleep may last a 15.6 ms timer tick.) */
+  uint64_t until = vp__os_now_ns() + CREATOR_WAIT_MS * 1000000ull;
+  while (!atomic_load_explicit(magic_of(p), memory_order_acquire) &&
+         vp__os_now_ns() < until)
+    vp__os_sleep_ns(1000000);
   int rc = k->check(p, shm, why, len);
   if (rc) vp__os_shm_unmap(p, k->size);
   else *out = p;

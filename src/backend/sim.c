@@ -340,16 +340,18 @@ static bool pid_dead(int32_t pid) {
 }
 
 /* The attach lock: a pid in the segment; a dead holder's lock is taken
- * over. Held for microseconds, so give up after about 5 s. */
+ * over. Held for microseconds, so give up after 5 s (by the clock: a nap
+ * may last a timer tick, 15.6 ms on Windows). */
 static bool shm_lock(sim_shm_t *m) {
   int32_t me = vp__os_pid();
-  for (int i = 0; i < 100000; i++) {
+  uint64_t until = vp__os_now_ns() + 5000000000ull;
+  for (;;) {
     int32_t cur = 0;
     if (atomic_compare_exchange_strong(&m->lock, &cur, me)) return true;
     if (pid_dead(cur)) atomic_compare_exchange_strong(&m->lock, &cur, 0);
+    else if (vp__os_now_ns() > until) return false;
     else sim_nap();
   }
-  return false;
 }
 
 static void shm_unlock(sim_shm_t *m) { atomic_store(&m->lock, 0); }
