@@ -303,13 +303,36 @@ void vp__os_proc_self(uint64_t *start, uint64_t *pidns) {
   *pidns = 1; /* one pid space per machine */
 }
 
-bool vp__os_proc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
-  if (pidns != 0 && pidns != 1) return true;
+/* A handle to process `pid` to ask whether it runs: with SYNCHRONIZE, else
+ * (a process that grants less, as another user's or a service's may: the
+ * pid given again to one) with the query right alone, *wait false then.
+ * NULL with ERROR_INVALID_PARAMETER: no such pid. */
+static HANDLE open_process(int32_t pid, bool *wait) {
+  *wait = true;
   HANDLE h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION | SYNCHRONIZE,
                          FALSE, (DWORD)pid);
-  if (!h) return GetLastError() != ERROR_INVALID_PARAMETER; /* no such pid */
-  /* An exited process whose handles others still hold is a zombie. */
-  bool alive = WaitForSingleObject(h, 0) == WAIT_TIMEOUT;
+  if (h || GetLastError() != ERROR_ACCESS_DENIED) return h;
+  *wait = false;
+  h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, FALSE, (DWORD)pid);
+  if (!h) SetLastError(ERROR_ACCESS_DENIED);
+  return h;
+}
+
+/* Whether the process of handle h runs (an exited one whose handles
+ * others still hold is a zombie). */
+static bool running(HANDLE h, bool wait) {
+  if (wait) return WaitForSingleObject(h, 0) == WAIT_TIMEOUT;
+  DWORD code = 0;
+  return GetExitCodeProcess(h, &code) && code == STILL_ACTIVE;
+}
+
+bool vp__os_proc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
+  if (pidns != 0 && pidns != 1) return true;
+  bool wait;
+  HANDLE h = open_process(pid, &wait);
+  /* No such pid: gone. Not even queryable: alive, as far as we know. */
+  if (!h) return GetLastError() != ERROR_INVALID_PARAMETER;
+  bool alive = running(h, wait);
   if (alive && start != 0) {
     uint64_t t = creation_time(h);
     if (t != 0 && t != start) alive = false; /* the pid was given again */
@@ -322,12 +345,12 @@ bool vp__os_proc_alive(int32_t pid, uint64_t start, uint64_t pidns) {
  * object (and pid): nobody reaps it as a parent reaps a zombie, and its
  * memory is all given back already. */
 bool vp__os_pid_exists(int32_t pid) {
-  HANDLE h = OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION | SYNCHRONIZE,
-                         FALSE, (DWORD)pid);
+  bool wait;
+  HANDLE h = open_process(pid, &wait);
   if (!h) return GetLastError() != ERROR_INVALID_PARAMETER;
-  bool running = WaitForSingleObject(h, 0) == WAIT_TIMEOUT;
+  bool is = running(h, wait);
   CloseHandle(h);
-  return running;
+  return is;
 }
 
 void vp__os_proc_command(char *out, size_t len) {
