@@ -527,7 +527,9 @@ int vp__os_file_read_at(int fd, void *buf, size_t n, uint64_t off,
   if (h == INVALID_HANDLE_VALUE) return EBADF;
   /* A pipe has no offsets (pread's ESPIPE); ReadFile would wait on it. */
   if (GetFileType(h) != FILE_TYPE_DISK) return ESPIPE;
-  DWORD want = n > (1u << 30) ? (1u << 30) : (DWORD)n, read = 0;
+  /* At most 64 MiB a call: SMB shares and some filter drivers fail larger
+   * reads (ERROR_NO_SYSTEM_RESOURCES); the caller loops. */
+  DWORD want = n > (64u << 20) ? (64u << 20) : (DWORD)n, read = 0;
   int rc = 0;
   if (read_reopened(h, buf, want, off, &read, &rc)) {
     *got = rc ? 0 : read;
