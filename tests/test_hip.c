@@ -5,6 +5,7 @@
 #include "test.h"
 
 #include "backend.h"
+#include "internal.h" /* vp__be_ledger_key */
 #include "compat.h" /* dlopen, on Windows too */
 
 /* Open backend `kind` with VPAGER_BACKEND=word as well: the word selects
@@ -130,4 +131,30 @@ TEST(hip_runtime_too_old_refused, TEST_GPU_ONLY) {
   vp_device_t dev;
   ASSERT_OK(open_kind(VP_BACKEND_HIP, &dev));
   ASSERT_OK(vp_device_close(dev));
+}
+
+/* A GPU whose runtime has no UUID for it ("XX", then zeros: consumer
+ * Radeons) is keyed by its PCI bus id instead: two such GPUs get two
+ * ledgers, not one. On the stand-in runtime of make check-hip (two
+ * devices; FAKEHIP_NO_UUID). */
+TEST(hip_gpus_without_uuid_keep_their_own_ledgers, TEST_GPU_ONLY) {
+  const char *path = getenv("TEST_HIP_LIBRARY");
+  int n = 0;
+  ASSERT_OK(vp_device_count(VP_BACKEND_HIP, &n));
+  if (ctx->backend != VP_BACKEND_HIP || !path || !*path || n < 2) return;
+  setenv("FAKEHIP_NO_UUID", "1", 1);
+  char key[2][80];
+  for (int i = 0; i < 2; i++) {
+    vp_options_t o;
+    test_options(ctx, &o);
+    o.device_index = i;
+    vp_device_t dev = test_open(ctx, &o);
+    vp__device_t *d = vp__registry_get(dev.id);
+    ASSERT_NOT_NULL(d);
+    ASSERT_OK(vp__be_ledger_key(d, key[i], sizeof key[i]));
+    ASSERT_TRUE(strncmp(key[i], "GPU-", 4) == 0);
+    ASSERT_OK(vp_device_close(dev));
+  }
+  unsetenv("FAKEHIP_NO_UUID");
+  ASSERT_TRUE(strcmp(key[0], key[1]) != 0);
 }

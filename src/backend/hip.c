@@ -169,11 +169,38 @@ static vp_cu_result_t copy_dtoh(void *dst, vp_cu_deviceptr_t src, size_t size,
   return hip.memcpy_dtoh_async(dst, as_ptr(src), size, stream);
 }
 
+/* hipDeviceGetUuid gives the bytes of the ASCII UUID the HSA runtime
+ * reports after its "GPU-", and "XX" (then zeros) for a GPU that has none
+ * (consumer Radeons): every such GPU the same, so their processes would
+ * share one ledger. Those get bytes of their PCI bus id's instead (two
+ * FNV-1a hashes of it), which no other GPU in the machine has. */
+static bool uuid_unknown(const vp_cu_uuid_t *u) {
+  const unsigned char *b = (const unsigned char *)u->bytes;
+  int from = b[0] == 'X' && b[1] == 'X' ? 2 : 0;
+  for (int i = from; i < 16; i++)
+    if (b[i]) return false;
+  return true;
+}
+
+static vp_cu_result_t uuid(vp_cu_uuid_t *u, vp_cu_device_t dev) {
+  vp_cu_result_t r = hip.device_get_uuid(u, dev);
+  if (r != VP_CU_SUCCESS || !uuid_unknown(u)) return r;
+  char bus[64] = "";
+  r = hip.device_get_pci_bus_id(bus, (int)sizeof bus, (int)dev);
+  if (r != VP_CU_SUCCESS) return r;
+  uint64_t h[2] = {0xcbf29ce484222325ull, 0x84222325cbf29ce4ull};
+  for (int k = 0; k < 2; k++)
+    for (const char *c = bus; *c; c++)
+      h[k] = (h[k] ^ (unsigned char)*c) * 0x100000001b3ull;
+  memcpy(u->bytes, h, sizeof h);
+  return VP_CU_SUCCESS;
+}
+
 /* The entry points whose types are CUDA's already (a mismatch here is a
  * compile error). */
 #define VP__HIP_SAME_AS_CUDA(X)                                                \
   X(init) X(device_get_count) X(device_get) X(device_get_attribute)            \
-  X(device_total_mem) X(device_get_uuid) X(mem_get_info)                       \
+  X(device_total_mem) X(mem_get_info)                                          \
   X(mem_get_allocation_granularity) X(stream_create) X(stream_destroy)         \
   X(stream_synchronize) X(stream_wait_event) X(event_create)                   \
   X(event_destroy) X(event_record) X(event_query) X(event_synchronize)         \
@@ -183,6 +210,7 @@ static void fill_api(vp__vmm_api_t *api) {
 #define VP__HIP_SAME(field) api->field = hip.field;
   VP__HIP_SAME_AS_CUDA(VP__HIP_SAME)
 #undef VP__HIP_SAME
+  api->device_get_uuid = uuid;
   api->mem_address_reserve = reserve;
   api->mem_address_free = address_free;
   api->mem_create = create;

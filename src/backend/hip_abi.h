@@ -84,6 +84,8 @@ enum { /* hipDeviceAttribute_t */
   X(device_total_mem, hipDeviceTotalMem, (size_t *bytes, vp_cu_device_t dev))  \
   X(device_get_uuid, hipDeviceGetUuid,                                         \
     (VP_HIP_T(vp_cu_uuid_t, hipUUID) *uuid, vp_cu_device_t dev))               \
+  X(device_get_pci_bus_id, hipDeviceGetPCIBusId,                               \
+    (char *bus_id, int len, int device))                                       \
   X(get_device, hipGetDevice, (int *device))                                   \
   X(set_device, hipSetDevice, (int device))                                    \
   X(mem_get_info, hipMemGetInfo, (size_t *free_bytes, size_t *total))          \

@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -88,9 +89,20 @@ EXPORT err_t hipDeviceTotalMem(size_t *bytes, int dev) {
   if (dev < 0 || dev >= DEVICES) return INVALID_DEVICE;
   return *bytes = FV_MEMORY, OK;
 }
+/* FAKEHIP_NO_UUID: as a GPU without one ("XX", then zeros). */
 EXPORT err_t hipDeviceGetUuid(uuid_t_ *u, int dev) {
   if (dev < 0 || dev >= DEVICES) return INVALID_DEVICE;
   memset(u->bytes, 0xf0 + dev, sizeof u->bytes);
+  if (getenv("FAKEHIP_NO_UUID")) {
+    memset(u->bytes, 0, sizeof u->bytes);
+    u->bytes[0] = u->bytes[1] = 'X';
+  }
+  return OK;
+}
+EXPORT err_t hipDeviceGetPCIBusId(char *bus, int len, int dev) {
+  if (dev < 0 || dev >= DEVICES) return INVALID_DEVICE;
+  if (!bus || len < 13) return INVALID_VALUE;
+  snprintf(bus, (size_t)len, "0000:%02x:00.0", 0x41 + dev);
   return OK;
 }
 EXPORT err_t hipMemGetInfo(size_t *free_bytes, size_t *total) {
