@@ -15,6 +15,16 @@
  * own device back afterwards (hipGetDevice before, hipSetDevice after):
  * hipSetDevice binds the thread to the device's primary context, the same
  * one the framework's HIP calls use.
+ *
+ * Read in ROCm's sources, not yet met on a GPU (the closing notes of issue
+ * 30 list them): hipMemMap and hipMemUnmap queue their work on the
+ * device's null stream and wait for it, so a commit or an eviction waits
+ * for the compute queued there (PyTorch's default stream) where CUDA's
+ * does not; hipMemMap reports success when its mapping failed, and
+ * hipMemUnmap of a range nothing maps dereferences a null pointer; some
+ * releases (6.4.0-6.4.1, and on consumer GPUs under Linux 7.x) give a
+ * released allocation's memory back only when its whole reservation is
+ * freed.
  */
 #include <stdio.h>
 #include <stdlib.h>
