@@ -503,15 +503,13 @@ static bool read_reopened(HANDLE h, void *buf, DWORD want, uint64_t off,
   ov.Offset = (DWORD)off;
   ov.OffsetHigh = (DWORD)(off >> 32);
   ov.hEvent = ev;
-  *rc = 0;
   *read = 0;
-  if ((ReadFile(r, buf, want, NULL, &ov) ||
-       GetLastError() == ERROR_IO_PENDING) &&
-      GetOverlappedResult(r, &ov, read, TRUE)) {
-    /* read */
-  } else if (GetLastError() != ERROR_HANDLE_EOF) {
-    *rc = errno_of(GetLastError());
-  }
+  bool ok = (ReadFile(r, buf, want, NULL, &ov) ||
+             GetLastError() == ERROR_IO_PENDING) &&
+            GetOverlappedResult(r, &ov, read, TRUE);
+  /* (past the end: nothing read, no error, as pread) */
+  *rc = ok || GetLastError() == ERROR_HANDLE_EOF ? 0
+                                                 : errno_of(GetLastError());
   CloseHandle(ev);
   CloseHandle(r);
   return true;

@@ -340,11 +340,12 @@ static bool pid_dead(int32_t pid) {
 }
 
 /* The attach lock: a pid in the segment; a dead holder's lock is taken
- * over. Held for microseconds, so give up after 5 s (by the clock: a nap
- * may last a timer tick, 15.6 ms on Windows). */
+ * over. Held for microseconds, but its holder may be preempted among many
+ * processes on few cores: give up after 30 s (by the clock: a nap may
+ * last a timer tick, 15.6 ms on Windows). */
 static bool shm_lock(sim_shm_t *m) {
   int32_t me = vp__os_pid();
-  uint64_t until = vp__os_now_ns() + 5000000000ull;
+  uint64_t until = vp__os_now_ns() + 30000000000ull;
   for (;;) {
     int32_t cur = 0;
     if (atomic_compare_exchange_strong(&m->lock, &cur, me)) return true;
