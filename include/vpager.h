@@ -604,6 +604,16 @@ VP_API int vp_file_read_to_address(vp_device_t dev, int fd, uint64_t offset,
 /* Free the file reader's bounce slots, waiting for their uploads; the next
  * read makes them again. */
 VP_API int vp_file_reader_release(vp_device_t dev);
+/* A file descriptor of vpager's own C runtime for an OS file handle. The
+ * calls that take an fd (above; file sources) take one of vpager's
+ * runtime, and on Windows a process holds several runtimes, each with its
+ * own table of fds (Python's are not vpager.dll's): pass the fd's HANDLE
+ * (_get_osfhandle; in Python msvcrt.get_osfhandle) and use the fd this
+ * gives. The handle is duplicated: the caller keeps and closes its own,
+ * vp_file_descriptor_close this one. Elsewhere os_handle is an fd, and
+ * the result its duplicate (close-on-exec). */
+VP_API int vp_file_descriptor(intptr_t os_handle, int *fd);
+VP_API int vp_file_descriptor_close(int fd);
 
 /* safetensors files: an 8-byte little-endian header length, a JSON header
  * {"name": {"dtype": "F16", "shape": [..], "data_offsets": [begin, end]},

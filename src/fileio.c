@@ -369,6 +369,24 @@ int vp_file_read_to_address(vp_device_t h, int fd, uint64_t offset,
   return reader_leave(dev, rc);
 }
 
+int vp_file_descriptor(intptr_t os_handle, int *fd) {
+  VP__ENTER();
+  VP__NEED(fd, "fd is NULL");
+  *fd = -1;
+  int e = vp__os_file_dup(os_handle, fd);
+  if (e)
+    return vp__err(VP_EINVAL, "os_handle %lld is no open file: %s",
+                   (long long)os_handle, strerror(e));
+  return VP_OK;
+}
+
+int vp_file_descriptor_close(int fd) {
+  VP__ENTER();
+  if (fd < 0) return vp__err(VP_EINVAL, "fd %d is no file descriptor", fd);
+  vp__os_file_close(fd);
+  return VP_OK;
+}
+
 int vp_file_reader_release(vp_device_t h) {
   VP__ENTER();
   vp__device_t *dev = NULL;

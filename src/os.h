@@ -172,6 +172,9 @@ void vp__os_vm_populate(void *p, size_t size);
 
 int vp__os_file_open_read(const char *path, int *fd); /* close-on-exec */
 void vp__os_file_close(int fd);
+/* A new fd of this runtime for an OS file handle (an fd on POSIX, a
+ * HANDLE on Windows), duplicated: 0 or an errno. */
+int vp__os_file_dup(intptr_t os_handle, int *fd);
 typedef struct vp__os_file_info {
   uint64_t size;
   uint64_t mtime_ns; /* last modified, ns since 1970: a change check */

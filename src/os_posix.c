@@ -387,6 +387,15 @@ int vp__os_file_open_read(const char *path, int *fd) {
   return 0;
 }
 
+int vp__os_file_dup(intptr_t os_handle, int *fd) {
+  *fd = -1;
+  if (os_handle < 0 || os_handle > INT_MAX) return EBADF;
+  int f = fcntl((int)os_handle, F_DUPFD_CLOEXEC, 0);
+  if (f < 0) return errno;
+  *fd = f;
+  return 0;
+}
+
 void vp__os_file_close(int fd) { close(fd); }
 
 int vp__os_file_stat(int fd, vp__os_file_info_t *info) {

@@ -464,6 +464,27 @@ int vp__os_file_open_read(const char *path, int *fd) {
   return 0;
 }
 
+int vp__os_file_dup(intptr_t os_handle, int *fd) {
+  *fd = -1;
+  /* A file's handle only ((HANDLE)-1 is this process's, say). */
+  DWORD type = GetFileType((HANDLE)os_handle);
+  if (type != FILE_TYPE_DISK && type != FILE_TYPE_PIPE &&
+      type != FILE_TYPE_CHAR)
+    return EBADF;
+  HANDLE d = NULL;
+  if (!DuplicateHandle(GetCurrentProcess(), (HANDLE)os_handle,
+                       GetCurrentProcess(), &d, 0, FALSE,
+                       DUPLICATE_SAME_ACCESS))
+    return GetLastError() == ERROR_INVALID_HANDLE ? EBADF : last_errno();
+  int f = _open_osfhandle((intptr_t)d, _O_RDONLY | _O_BINARY);
+  if (f < 0) {
+    CloseHandle(d);
+    return EMFILE;
+  }
+  *fd = f;
+  return 0;
+}
+
 void vp__os_file_close(int fd) {
   if (fd >= 0) _close(fd);
 }

@@ -446,6 +446,50 @@ TEST(fileio_to_address_errors, TEST_SIM_ONLY) {
   test_rm_dir(dir);
 }
 
+/* vp_file_descriptor: an fd of vpager's own C runtime for an OS handle
+ * (an fd here; on Windows the fd's HANDLE: the runtimes' fd tables
+ * differ), its own: reads through it see the file, and closing it leaves
+ * the caller's fd open. */
+TEST(fileio_descriptor_of_a_handle, TEST_SIM_ONLY) {
+  vp_options_t o;
+  ring_options(ctx, &o, VP_SIM_SYNC);
+  vp_device_t dev = test_open(ctx, &o);
+  char dir[64], path[128];
+  test_make_dir(dir, sizeof dir, "fileio");
+  snprintf(path, sizeof path, "%s/handle.bin", dir);
+  unsigned char data[3000], out[3000];
+  test_pattern(data, sizeof data, 9);
+  write_file(path, data, sizeof data);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+#ifdef _WIN32
+  intptr_t h = _get_osfhandle(fd);
+#else
+  intptr_t h = fd;
+#endif
+  int ours = -1;
+  ASSERT_OK(vp_file_descriptor(h, &ours));
+  ASSERT_TRUE(ours >= 0 && ours != fd);
+  uint64_t dst = (uint64_t)(uintptr_t)out;
+  memset(out, 0, sizeof out);
+  ASSERT_OK(vp_file_read_to_address(dev, ours, 0, sizeof out, dst, 0, 1));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(out, data, sizeof out);
+  ASSERT_OK(vp_file_descriptor_close(ours));
+  memset(out, 0, sizeof out);
+  ASSERT_OK(vp_file_read_to_address(dev, fd, 0, sizeof out, dst, 0, 1));
+  ASSERT_OK(vp_stream_synchronize(dev, 0));
+  ASSERT_MEM_EQ(out, data, sizeof out);
+  ASSERT_RC(vp_file_descriptor(h, NULL), VP_EINVAL);
+  ASSERT_RC(vp_file_descriptor(-1, &ours), VP_EINVAL);
+  ASSERT_EQ_INT(ours, -1);
+  ASSERT_STR_CONTAINS(vp_last_error(), "vp_file_descriptor");
+  ASSERT_RC(vp_file_descriptor_close(-1), VP_EINVAL);
+  ASSERT_OK(vp_device_close(dev));
+  close(fd);
+  test_rm_dir(dir);
+}
+
 /* A public read drops the device lock while it reads a slot and uploads
  * it: another thread's calls on the device go on during a long read (they
  * waited for the whole read before). The pester records the longest gap

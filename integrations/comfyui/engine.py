@@ -37,7 +37,6 @@ import vpager.torch
 import vpager.torch.ledger as _ledger
 from vpager.governor import governor
 from vpager.torch.devices import learn_headroom
-from vpager import SOURCE_FILE
 from vpager.weights import Source
 
 from . import quantized
@@ -329,15 +328,14 @@ class Pager:
                         fs = file_slice(p.data)
                         if fs is not None:
                             e.file = fs
-                            files[n] = Source(SOURCE_FILE, fd=fs[0],
-                                              file_offset=fs[1], keep=p.data)
+                            files[n] = Source.from_file(fs[0], fs[1],
+                                                        keep=p.data)
                     continue
                 fs = file_slice(e.param.data)
                 if fs is not None:
                     e.file = fs
-                    files[e.key] = Source(SOURCE_FILE, fd=fs[0],
-                                          file_offset=fs[1],
-                                          keep=e.param.data)
+                    files[e.key] = Source.from_file(fs[0], fs[1],
+                                                    keep=e.param.data)
 
         def source(name, t):
             return files.get(name)      # name: a first key (vt_name)

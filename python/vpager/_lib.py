@@ -331,6 +331,8 @@ PROTOTYPES = {
     "vp_file_read_to_address": (_i, [_dev, _i, _u64, _u64, _u64, _s,
                                      c_uint32]),
     "vp_file_reader_release": (_i, [_dev]),
+    "vp_file_descriptor": (_i, [ctypes.c_ssize_t, P(c_int)]),
+    "vp_file_descriptor_close": (_i, [_i]),
     # what callers would otherwise ask the driver
     "vp_device_count": (_i, [_i, P(c_int)]),
     "vp_host_unregister": (_i, [_dev, c_void_p]),

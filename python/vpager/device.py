@@ -6,6 +6,7 @@ import json as _json
 
 from . import _lib
 from ._buffer import as_buffer
+from ._fds import NativeFd
 from ._handle import Handle
 from ._lib import C, vp_device_info_t, vp_device_t, vp_stream_t
 from .errors import InvalidArgument, check
@@ -217,8 +218,9 @@ class Device(Handle):
 
     def file_read_to_device(self, fd, offset, size, dst_addr, stream=0):
         """vp_file_read_to_device(): fd is an int or has fileno()."""
-        check(C.vp_file_read_to_device(self._handle(), _fileno(fd), offset,
-                                       size, dst_addr, stream))
+        with NativeFd(_fileno(fd)) as n:
+            check(C.vp_file_read_to_device(self._handle(), n.fd, offset,
+                                           size, dst_addr, stream))
 
     def file_read_to_address(self, fd, offset, size, dst_addr, stream=0,
                              threads=1):
@@ -226,8 +228,9 @@ class Device(Handle):
         this device (pinned VBAR memory, or memory another allocator made:
         a torch tensor; on the simulated device, host memory), through the
         file reader's slots, each read over `threads` threads (1..64)."""
-        check(C.vp_file_read_to_address(self._handle(), _fileno(fd), offset,
-                                        size, dst_addr, stream, threads))
+        with NativeFd(_fileno(fd)) as n:
+            check(C.vp_file_read_to_address(self._handle(), n.fd, offset,
+                                            size, dst_addr, stream, threads))
 
     def soft_limit(self):
         """vp_device_soft_limit(): the platform's soft memory limit for

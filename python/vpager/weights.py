@@ -6,6 +6,7 @@ import operator
 
 from . import _lib
 from ._buffer import BufferRef, as_buffer
+from ._fds import NativeFd
 from ._handle import Handle
 from ._lib import C, vp_source_t, vp_weight_t
 from .errors import InvalidArgument, check, closed_error
@@ -63,11 +64,20 @@ class Source:
         return cls(_lib.VP_SOURCE_HOST, host=as_buffer(buffer, False, size))
 
     @classmethod
-    def from_file(cls, fd, offset=0):
-        keep = None
+    def from_file(cls, fd, offset=0, keep=None):
+        """keep: more to hold as long as the source (say, the tensor whose
+        file region it is)."""
+        held = [] if keep is None else [keep]
         if not isinstance(fd, int):
-            keep, fd = fd, fd.fileno()
-        return cls(_lib.VP_SOURCE_FILE, fd=fd, file_offset=offset, keep=keep)
+            held.append(fd)
+            fd = fd.fileno()
+        # The library's fd for it (another on Windows: _fds), held too.
+        native = NativeFd(fd)
+        if native.fd != fd:
+            held.append(native)
+        keep = held[0] if len(held) == 1 else tuple(held) or None
+        return cls(_lib.VP_SOURCE_FILE, fd=native.fd, file_offset=offset,
+                   keep=keep)
 
     @property
     def host_address(self):

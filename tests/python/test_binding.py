@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -27,7 +28,7 @@ REPO = _runner.add_paths("python")
 import vpager  # noqa: E402
 from vpager import _lib  # noqa: E402
 
-from _runner import raises  # noqa: E402,F401
+from _runner import raises, skip  # noqa: E402,F401
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -798,6 +799,52 @@ def test_file_read_to_device():
             assert dev.read(vb.base + 1, len(data) - 5) == data[5:]
             vb.unpin(0, 4 * PAGE)
     finally:
+        shutil.rmtree(d)
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_fds_of_the_librarys_own_runtime():
+    """On Windows the library takes fds of its own C runtime, not Python's
+    (vpager._fds). With that translation on (here over a stand-in msvcrt
+    whose handles are the fds themselves, as vp_file_descriptor takes them
+    on POSIX), a read goes through an fd of the library's own, closed when
+    the read is done, and a file source holds one for as long as it
+    lives; bytes as read through Python's fd."""
+    from vpager import _fds
+    from vpager.weights import Source
+    if not os.path.isdir("/proc/self/fd"):
+        skip("no /proc/self/fd to count open files")
+    d = tempfile.mkdtemp()
+    old = sys.modules.get("msvcrt")
+    sys.modules["msvcrt"] = types.SimpleNamespace(get_osfhandle=lambda fd: fd)
+    _fds.TRANSLATE[0] = True
+    try:
+        path = os.path.join(d, "blob")
+        data = pattern(MiB + 5, 6)
+        with open(path, "wb") as f:
+            f.write(data)
+        with sim() as dev, open(path, "rb") as f:
+            out = ctypes.create_string_buffer(len(data))
+            n0 = open_fds()
+            dev.file_read_to_address(f, 0, len(data), ctypes.addressof(out))
+            dev.synchronize()
+            assert out.raw == data and open_fds() == n0
+            src = Source.from_file(f, 5)
+            assert src.fd != f.fileno() and open_fds() == n0 + 1
+            assert os.pread(src.fd, 8, 5) == data[5:13]
+            assert f in src.keep
+            del src
+            gc.collect()
+            assert open_fds() == n0
+    finally:
+        _fds.TRANSLATE[0] = sys.platform == "win32"
+        if old is None:
+            sys.modules.pop("msvcrt", None)
+        else:
+            sys.modules["msvcrt"] = old
         shutil.rmtree(d)
 
 
