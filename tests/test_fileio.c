@@ -403,18 +403,27 @@ TEST(fileio_to_address, TEST_SIM_ONLY) {
   test_rm_dir(dir);
 }
 
+/* A new folder (its name in dir) with a file of `size` pattern bytes
+ * (seed), which are also put in data; the file opened for reading. */
+static int small_file(char *dir, size_t dirlen, unsigned char *data,
+                      size_t size, int seed) {
+  char path[128];
+  test_make_dir(dir, dirlen, "fileio");
+  snprintf(path, sizeof path, "%s/small.bin", dir);
+  test_pattern(data, size, seed);
+  write_file(path, data, size);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  return fd;
+}
+
 TEST(fileio_to_address_errors, TEST_SIM_ONLY) {
   vp_options_t o;
   ring_options(ctx, &o, VP_SIM_SYNC);
   vp_device_t dev = test_open(ctx, &o);
-  char dir[64], path[128];
-  test_make_dir(dir, sizeof dir, "fileio");
-  snprintf(path, sizeof path, "%s/short.bin", dir);
+  char dir[64];
   unsigned char data[5000], out[5000];
-  test_pattern(data, sizeof data, 8);
-  write_file(path, data, sizeof data);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ASSERT_GE_INT(fd, 0);
+  int fd = small_file(dir, sizeof dir, data, sizeof data, 8);
   uint64_t dst = (uint64_t)(uintptr_t)out;
   ASSERT_RC(vp_file_read_to_address(dev, -1, 0, 1, dst, 0, 1), VP_EINVAL);
   ASSERT_RC(vp_file_read_to_address(dev, fd, 0, 0, dst, 0, 1), VP_EINVAL);
@@ -454,14 +463,9 @@ TEST(fileio_descriptor_of_a_handle, TEST_SIM_ONLY) {
   vp_options_t o;
   ring_options(ctx, &o, VP_SIM_SYNC);
   vp_device_t dev = test_open(ctx, &o);
-  char dir[64], path[128];
-  test_make_dir(dir, sizeof dir, "fileio");
-  snprintf(path, sizeof path, "%s/handle.bin", dir);
+  char dir[64];
   unsigned char data[3000], out[3000];
-  test_pattern(data, sizeof data, 9);
-  write_file(path, data, sizeof data);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  ASSERT_GE_INT(fd, 0);
+  int fd = small_file(dir, sizeof dir, data, sizeof data, 9);
 #ifdef _WIN32
   intptr_t h = _get_osfhandle(fd);
 #else
