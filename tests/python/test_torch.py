@@ -2405,6 +2405,73 @@ def test_set_source_refills_one_weight():
     assert torch.equal(m[2].weight, ref[2].weight)
 
 
+def test_fill_on_another_stream_is_waited_for():
+    """A fill (set_fill) runs as torch kernels on the acquiring stream; the
+    C library orders its own copies across streams, not those kernels.
+    So a stream that acquires a weight resident after another stream
+    filled it waits for an event recorded after that fill (until it
+    completes); the filling stream needs no wait. Stand-in events on the
+    simulated device (whose fills run on the CPU and mark nothing); real
+    streams on a GPU."""
+    from vpager.torch import hotpath
+
+    class Event:
+        def __init__(self):
+            self.done, self.waits = False, 0
+
+        def query(self):
+            return self.done
+
+        def wait(self):
+            self.waits += 1
+
+    m = mlp(depth=2)
+    h = offload_sim(m, 4 << 20, 320 * K)
+    with torch.no_grad():
+        m(torch.randn(2, 64))
+    hot = h.hot_path
+    assert hot.fill_marks == {}             # CPU fills mark nothing
+    a, b = hot.layout.entries[:2]
+    ev = Event()
+    hot.fill_marks[a] = (7, ev)
+    hot._after_fills([a, b], 7)             # the stream that filled
+    assert ev.waits == 0 and a in hot.fill_marks
+    hot._after_fills([a, b], 8)             # another stream waits
+    assert ev.waits == 1 and a in hot.fill_marks
+    ev.done = True
+    hot._after_fills([b, a], 8)             # completed: dropped, no wait
+    assert ev.waits == 1 and hot.fill_marks == {}
+    h.close()
+    if not torch.cuda.is_available():
+        return
+    # On the GPU: a fill delayed on stream 1 (a sleep kernel before it),
+    # then the weight, still resident, read on stream 2 at once.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)).cuda()
+    ref = frozen_copy(m)
+    ref[1].weight.data *= 2
+    x = torch.randn(8, 256, device="cuda")
+    h = vt.offload(m, device="cuda", budget=64 << 20)
+
+    def fill(v):
+        torch.cuda._sleep(50_000_000)       # ~25 ms on the stream
+        v.mul_(2)
+    with torch.no_grad():
+        want = ref(x)
+        s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        for _ in range(3):
+            h.set_fill("1.weight", fill)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(s1):
+                m(x)
+            with torch.cuda.stream(s2):
+                got = m(x)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)
+    assert h.hot_path.fills >= 3
+    h.unload()
+
+
 def test_outside_host_close():
     """close() with outside="host": the host copy is freed, the tensors get
     CPU placeholders (not dangling memory)."""

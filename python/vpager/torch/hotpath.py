@@ -103,6 +103,12 @@ class HotPath:
         self._held_ptrs = None      # the addresses hparams were made for
         self.fills = 0              # fills run (set_fill), and their bytes
         self.fill_bytes = 0
+        # Weights a fill rewrote on a GPU stream, with an event recorded
+        # after it, until it completes: the C library orders its copies
+        # across streams, not torch's kernels, so another stream that
+        # acquires such a weight resident waits for the event.
+        self.fill_marks = {}        # Entry -> (stream, torch.cuda.Event)
+        self._filled = []           # Entries filled by this acquire
         self.blocks = 0             # acquired() blocks open
         self._check_open = check_open
         self._is_open = is_open
@@ -251,6 +257,8 @@ class HotPath:
         # What leave() restores: None for placeholders everywhere.
         prev = [(e.cur, e.curv) for e in entries] if held else None
         try:
+            if self.fill_marks:
+                self._after_fills(entries, stream)
             if ds.sync:
                 self.device.synchronize(stream)
             flags = batch.flags
@@ -275,7 +283,10 @@ class HotPath:
                 # (patches.set_fill: a patch computed at fill).
                 if e.fill is not None and flags[i] & _COPIED:
                     self.fill(e, v)
+            if self._filled:
+                self._mark_fills(stream)
         except BaseException:
+            del self._filled[:]
             self.leave(unit, stream, prev, False)
             refill(self.layout, entries)
             raise
@@ -290,12 +301,36 @@ class HotPath:
         self.fill_bytes += e.size
         try:
             e.fill(v)
-            return
         except Exception as x:
             if not is_oom(x):
                 raise
-        self._make_room()
-        e.fill(v)
+            self._make_room()
+            e.fill(v)
+        if v.is_cuda:
+            self._filled.append(e)
+
+    def _mark_fills(self, stream):
+        """An event after the fills this acquire ran on `stream`, kept for
+        each weight they rewrote (fill_marks)."""
+        ev = torch.cuda.Event()
+        ev.record()
+        for e in self._filled:
+            self.fill_marks[e] = (stream, ev)
+        del self._filled[:]
+
+    def _after_fills(self, entries, stream):
+        """The current stream (`stream`) waits for the fills other streams
+        ran on these weights and that may not have completed; marks of
+        completed fills are dropped."""
+        marks = self.fill_marks
+        for e in entries:
+            m = marks.get(e)
+            if m is None:
+                continue
+            if m[1].query():
+                del marks[e]
+            elif m[0] != stream:
+                m[1].wait()
 
     @staticmethod
     def leave(unit, stream, prev, raise_errors):
@@ -463,6 +498,8 @@ class HotPath:
             return False        # the per-unit path meets it, if it stays
         flags = batch.flags
         try:
+            if self.fill_marks:
+                self._after_fills(self._held_entries, stream)
             if ds.sync:         # the bytes landed before a fill reads them
                 self.device.synchronize(stream)
             if fills:
@@ -470,7 +507,10 @@ class HotPath:
                     if e.fill is not None and flags[i] & _COPIED:
                         self.fill(e, view(ptrs[i], e.dtype, e.shape,
                                           self.target))
+                if self._filled:
+                    self._mark_fills(stream)
         except BaseException:
+            del self._filled[:]
             batch.release(stream)
             refill(self.layout, self._held_entries)
             raise
