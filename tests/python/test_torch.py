@@ -1640,7 +1640,9 @@ def test_execution_order_placement():
                 for _ in range(5):
                     assert torch.equal(m(x), want), kw
             s = h.stats()["model"]
-            assert s["acquires"] == acq + 5 * 16    # counters carry on
+            # Counters carry on (not reset by the re-placement); held
+            # units, once a plan holds them, take one acquire for all.
+            assert acq + 5 <= s["acquires"] <= acq + 5 * 16, (s, acq)
             assert s["hits"] > 0 and s["misses"] > 0
             assert no_pins(h)
             h.unload()

@@ -218,10 +218,12 @@ def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
 
 
 def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-        registered: Optional[Tuple[int, int]]) -> str:
+        registered: Optional[Tuple[int, int]],
+        slow: Optional[Tuple[float, int]] = None) -> str:
     """The one line a model's offload() logs (logger "vpager");
     registered: (bytes pinned, bytes registered) of the mappings used in
-    place, None if none was."""
+    place, None if none was; slow: (bytes/s, bytes registered) when
+    registering stopped for its speed (sources.register_span)."""
     parts = []
     if by_kind.get(IN_PLACE):
         how = "pageable"
@@ -240,7 +242,11 @@ def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
     line = "vpager: %s: %s" % (model, "; ".join(parts) or "no host bytes")
     if choice is not None:
         line += ": " + choice.reason
-        if choice.kind == IN_PLACE and by_kind.get(FILE):
+        if slow is not None:
+            line += ("; registering the mapping ran at %d MiB/s, so after "
+                     "%s the rest is read from the file"
+                     % (slow[0] / (1 << 20), gib(slow[1])))
+        elif choice.kind == IN_PLACE and by_kind.get(FILE):
             line += ("; in place was chosen, but the device pinned none of "
                      "the file's mapping (the pin budget spent, or a "
                      "writable private mapping on CUDA, which pinning "
@@ -249,8 +255,9 @@ def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
 
 
 def report(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-           registered: Optional[Tuple[int, int]]) -> str:
+           registered: Optional[Tuple[int, int]],
+           slow: Optional[Tuple[float, int]] = None) -> str:
     """say()'s line, logged at info; returns it."""
-    line = say(model, by_kind, choice, registered)
+    line = say(model, by_kind, choice, registered, slow)
     log.info("%s", line)
     return line

@@ -36,6 +36,8 @@ class HostBytes:
         self.kinds = {}
         self.line = ""
         self.span = self.pinned = 0     # bytes registered, pinned of them
+        self.slow = None                # (bytes/s, bytes) when registering
+        #                                 stopped, too slow (register_span)
         self.maps = []                  # read-only mappings of our own
         self.fd_of = {}                 # inode -> fd (FILE sources)
 
@@ -92,6 +94,16 @@ def _page_span(lo, hi, bound_lo, bound_hi):
     return lo, hi - lo
 
 
+# Registering a file mapping pins its page-cache pages one by one, and
+# how fast depends on the driver and the machine: on the H200 VM it ran
+# for minutes for 9.4 GiB (so does a cold disk). It goes in pieces, the
+# first a small probe, each timed: once one runs slower than
+# REGISTER_MIN_RATE the rest of the span is read from the file instead.
+REGISTER_PROBE = 64 << 20
+REGISTER_PIECE = 512 << 20
+REGISTER_MIN_RATE = 1 << 30     # bytes/s
+
+
 def _register(dev, lo, size, hb_out):
     """A HostBuf registering [lo, lo+size) in place, or None where the
     device pinned none of it (budget spent, or refused)."""
@@ -106,6 +118,30 @@ def _register(dev, lo, size, hb_out):
     hb_out.span += size
     hb_out.pinned += hb.pinned_bytes
     return hb
+
+
+def register_span(dev, lo, size, hb_out, clock=time.perf_counter):
+    """Register [lo, lo+size) in pieces (page multiples) while each is
+    pinned whole and at REGISTER_MIN_RATE or faster; returns the bytes
+    from lo registered (0: none). A piece pinned only in part (the pin
+    budget) ends it too; a slow one stays registered, and hb_out.slow says
+    its rate."""
+    done, piece = 0, REGISTER_PROBE
+    while done < size:
+        n = min(piece, size - done)
+        t0 = clock()
+        hb = _register(dev, lo + done, n, hb_out)
+        dt = clock() - t0
+        if hb is None:
+            break
+        done += n
+        if hb.pinned_bytes < n:
+            break
+        if done < size and n < dt * REGISTER_MIN_RATE:
+            hb_out.slow = (n / max(dt, 1e-9), done)
+            break
+        piece = REGISTER_PIECE
+    return done
 
 
 def _open_same(m, hbytes):
@@ -207,13 +243,17 @@ def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
                 in_place = False
             else:
                 shift, bound = own[0], own[1:]
-        if in_place and _register(dev, *_page_span(lo + shift, hi + shift,
-                                                   *bound),
-                                  hb_out=hbytes) is None:
-            in_place = False
+        covered = (0, 0)    # [lo, hi) registered, in the caller's addresses
+        if in_place:
+            span_lo, span = _page_span(lo + shift, hi + shift, *bound)
+            done = register_span(dev, span_lo, span, hbytes)
+            if done == 0:
+                in_place = False
+            covered = (span_lo - shift, span_lo - shift + done)
         for i, addr, mp in group:
             e = entries[i]
-            if in_place:
+            if in_place and covered[0] <= addr and \
+                    addr + e.size <= covered[1]:
                 src = Source.from_host(addr + shift)
                 hbytes.kinds[e] = hostpolicy.IN_PLACE
             elif mp is None:
@@ -380,7 +420,8 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
         hbytes.kinds[entries[i]] = hostpolicy.PINNED_COPY
     hbytes.line = hostpolicy.report(
         model, hbytes.by_kind(entries), choice,
-        (hbytes.pinned, hbytes.span) if hbytes.registered else None)
+        (hbytes.pinned, hbytes.span) if hbytes.registered else None,
+        hbytes.slow)
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
