@@ -214,6 +214,25 @@ TEST(hostbuf_register, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_device_close(dev));
 }
 
+/* Memory that cannot be written (a read-only file mapping used in place)
+ * is registered as it is, pageable on a GPU: the driver's read-only flag
+ * is never asked for (on the H200 VM it did not return), and copies from
+ * the memory still work. The simulated device pins anything. */
+TEST(hostbuf_register_read_only_stays_pageable, TEST_ALL_BACKENDS) {
+  vp_device_t dev = test_open(ctx, NULL);
+  const size_t len = 4 * host_page();
+  void *p = mmap(NULL, len, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_TRUE(p != MAP_FAILED);
+  bool gpu = strcmp(vp_device_backend(dev), "sim") != 0;
+  vp_hostbuf_t hb;
+  ASSERT_OK(vp_hostbuf_register(dev, p, len, &hb));
+  ASSERT_EQ_U64(hb_info(hb).pinned_bytes, gpu ? 0 : len);
+  roundtrip(dev, p, len < test_page_size(ctx) ? len : test_page_size(ctx));
+  ASSERT_OK(vp_hostbuf_free(hb));
+  ASSERT_OK(vp_device_close(dev));
+  munmap(p, len);
+}
+
 TEST(hostbuf_pin_budget_fallback, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   const uint64_t size = 64 * KiB + 3;

@@ -136,7 +136,6 @@ static const vp__vmm_driver_t cu_driver = {
     VP_VMM_CODES(cu_codes), .not_ready = VP_CU_ERROR_NOT_READY,
     .attr_vmm = VP_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
     .attr_integrated = VP_CU_DEVICE_ATTRIBUTE_INTEGRATED,
-    .host_register_read_only = VP_CU_MEMHOSTREGISTER_READ_ONLY,
     .calls = {"cuInit", "cuDeviceGetCount", "cuDeviceGet",
               "cuDeviceGetAttribute", "cuMemCreate/cuMemMap"}};
 

@@ -281,15 +281,14 @@ static vp_cu_result_t give_device_back(vp__vmm_t *g, vp_cu_result_t r) {
   return r != VP_CU_SUCCESS ? r : s;
 }
 
-/* HIP has no read-only registration we can rely on: before ROCm 6 its
- * flag 8 was hipExtHostRegisterCoarseGrained. Read-only memory (a file
- * mapping) stays pageable: vmm.c's VP_EUNSUPPORTED, which is correct. */
+/* Read-only memory (a file mapping) stays pageable, as on CUDA (vmm.c
+ * says why); HIP's flag 8 was hipExtHostRegisterCoarseGrained before
+ * ROCm 6 besides. */
 static const vp__vmm_driver_t hip_driver = {
     .name = "hip", .what = "HIP", VP_VMM_CODES(hip_codes),
     .not_ready = VP_CU_ERROR_NOT_READY, .error_name = hip_error_name,
     .enter = set_device, .leave = give_device_back,
     .attr_vmm = VP_HIP_ATTR_VMM, .attr_integrated = VP_HIP_ATTR_INTEGRATED,
-    .host_register_read_only = 0, /* above */
     .calls = {"hipInit", "hipGetDeviceCount", "hipDeviceGet",
               "hipDeviceGetAttribute", "hipMemCreate/hipMemMap"}};
 

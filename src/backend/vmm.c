@@ -408,24 +408,20 @@ int vp__vmm_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
 /* PORTABLE: one registration serves every context, so a host copy of the
  * weights can feed several devices. Memory that cannot be pinned for
  * writing (a read-only file mapping: a safetensors file used in place) is
- * pinned read-only where the driver has that flag (CUDA 11.1+): the device
- * only reads host sources. Pinning is only an optimisation: any refusal
- * short of a broken device (already registered by someone else,
- * RLIMIT_MEMLOCK, memory that cannot be pinned) is VP_EUNSUPPORTED, and the
- * memory stays as it was, which is still correct. The caller must not
- * unregister what it did not register. */
+ * refused at once and stays pageable: CUDA's READ_ONLY flag would pin it,
+ * but on the H200 VM (driver 580) that call did not return for a 64 MiB
+ * piece of a file mapping in page cache (bench/RESULTS.md, 2026-12-05),
+ * and a load that hangs is worse than file reads. Pinning is only an
+ * optimisation: any refusal short of a broken device (already registered
+ * by someone else, RLIMIT_MEMLOCK, memory that cannot be pinned) is
+ * VP_EUNSUPPORTED, and the memory stays as it was, which is still correct.
+ * The caller must not unregister what it did not register. */
 int vp__vmm_host_register(void *ctx, void *ptr, uint64_t size) {
   vp__vmm_t *g = ctx;
   INJECT(g, VP_EDEVICE);
-  unsigned int read_only = g->drv->host_register_read_only;
   int rc;
   ON_DEVICE(g, rc, g->api.mem_host_register(ptr, size,
                                             VP_CU_MEMHOSTREGISTER_PORTABLE));
-  if (rc != VP_OK && rc != VP_EDEVICE && read_only)
-    ON_DEVICE(g, rc,
-              g->api.mem_host_register(ptr, size,
-                                       VP_CU_MEMHOSTREGISTER_PORTABLE |
-                                           read_only));
   if (rc != VP_OK && rc != VP_EDEVICE) rc = VP_EUNSUPPORTED;
   return rc;
 }

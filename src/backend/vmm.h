@@ -69,7 +69,6 @@ typedef struct vp__vmm_driver {
   vp_cu_result_t not_ready;         /* an event query's "not yet" */
   unsigned int attr_vmm;            /* device attribute: VMM supported */
   unsigned int attr_integrated;     /* device attribute: shares host memory */
-  unsigned int host_register_read_only; /* 0: the driver has no such flag */
   /* The driver's names of the calls open's messages name, and of its
    * virtual memory calls ("cuMemCreate/cuMemMap"). */
   struct {

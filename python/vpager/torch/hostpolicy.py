@@ -13,8 +13,10 @@ place later; the copy replaces it, so there is still one copy).
 
 The choice between "in place" and "file" weighs RAM available (the
 cgroup's room where lower), the file system's read speed (measured once
-per file system) and the bytes the schedule streams each step. Its
-inputs can be fixed for tests (override())."""
+per file system) and the bytes the schedule streams each step. A GPU
+pins no read-only file mapping (src/backend/vmm.c: CUDA's read-only
+registration did not return on the H200 VM), so there "in place" becomes
+a pinned copy. Its inputs can be fixed for tests (override())."""
 
 import contextlib
 import logging
@@ -191,12 +193,17 @@ def gib(n: float) -> str:
     return "%d MiB" % round(n / (1 << 20))
 
 
-def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
+def choose(nbytes: int, streamed: int, path: Optional[str],
+           pins_mappings: bool = True) -> Choice:
     """Where `nbytes` of file-backed weights stay (IN_PLACE or FILE) when
     the schedule streams `streamed` bytes a step, the file at `path`: in
     place when they fit in FIT of the RAM available, except when they take
     over ROOMY of it and either the disk feeds the steps itself (FAST_DISK)
-    or nothing streams (they fit the budget: read once); else the file."""
+    or nothing streams (they fit the budget: read once); else the file.
+    On a device that pins no read-only file mapping (pins_mappings False:
+    a GPU) what would stay in place gets a PINNED_COPY instead: in place
+    its copies would be pageable, and the file reader's one thread reads
+    the page cache at ~5 GB/s against a link of 55."""
     ram = ram_available()
     disk = disk_speed(path)
     said = "RAM available %s" % gib(ram)
@@ -214,16 +221,18 @@ def choose(nbytes: int, streamed: int, path: Optional[str]) -> Choice:
         if streamed == 0:
             return Choice(FILE, "RAM is tight and they fit the device's "
                           "budget: read once, nothing to keep (%s)" % said)
+    if not pins_mappings:
+        return Choice(PINNED_COPY, "they fit in RAM (%s), and the device "
+                      "pins no read-only file mapping: copied into pinned "
+                      "memory" % said)
     return Choice(IN_PLACE, "they fit in RAM (%s)" % said)
 
 
 def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-        registered: Optional[Tuple[int, int]],
-        slow: Optional[Tuple[float, int]] = None) -> str:
+        registered: Optional[Tuple[int, int]]) -> str:
     """The one line a model's offload() logs (logger "vpager");
     registered: (bytes pinned, bytes registered) of the mappings used in
-    place, None if none was; slow: (bytes/s, bytes registered) when
-    registering stopped for its speed (sources.register_span)."""
+    place, None if none was."""
     parts = []
     if by_kind.get(IN_PLACE):
         how = "pageable"
@@ -237,27 +246,22 @@ def say(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
     if by_kind.get(FILE):
         parts.append("%s are read from the file" % gib(by_kind[FILE]))
     if by_kind.get(PINNED_COPY):
-        parts.append("%s are in a pinned copy (not file-backed)"
-                     % gib(by_kind[PINNED_COPY]))
+        copied = choice is not None and choice.kind == PINNED_COPY
+        parts.append("%s are in a pinned copy%s" % (
+            gib(by_kind[PINNED_COPY]), "" if copied else " (not file-backed)"))
     line = "vpager: %s: %s" % (model, "; ".join(parts) or "no host bytes")
     if choice is not None:
         line += ": " + choice.reason
-        if slow is not None:
-            line += ("; registering the mapping ran at %d MiB/s, so after "
-                     "%s the rest is read from the file"
-                     % (slow[0] / (1 << 20), gib(slow[1])))
-        elif choice.kind == IN_PLACE and by_kind.get(FILE):
+        if choice.kind == IN_PLACE and by_kind.get(FILE):
             line += ("; in place was chosen, but the device pinned none of "
-                     "the file's mapping (the pin budget spent, or a "
-                     "writable private mapping on CUDA, which pinning "
-                     "would copy): read from the file instead")
+                     "the file's mapping (the pin budget spent): read "
+                     "from the file instead")
     return line
 
 
 def report(model: str, by_kind: Dict[str, int], choice: Optional[Choice],
-           registered: Optional[Tuple[int, int]],
-           slow: Optional[Tuple[float, int]] = None) -> str:
+           registered: Optional[Tuple[int, int]]) -> str:
     """say()'s line, logged at info; returns it."""
-    line = say(model, by_kind, choice, registered, slow)
+    line = say(model, by_kind, choice, registered)
     log.info("%s", line)
     return line

@@ -36,8 +36,6 @@ class HostBytes:
         self.kinds = {}
         self.line = ""
         self.span = self.pinned = 0     # bytes registered, pinned of them
-        self.slow = None                # (bytes/s, bytes) when registering
-        #                                 stopped, too slow (register_span)
         self.maps = []                  # read-only mappings of our own
         self.fd_of = {}                 # inode -> fd (FILE sources)
 
@@ -94,14 +92,11 @@ def _page_span(lo, hi, bound_lo, bound_hi):
     return lo, hi - lo
 
 
-# Registering a file mapping pins its page-cache pages one by one, and
-# how fast depends on the driver and the machine: on the H200 VM it ran
-# for minutes for 9.4 GiB (so does a cold disk). It goes in pieces, the
-# first a small probe, each timed: once one runs slower than
-# REGISTER_MIN_RATE the rest of the span is read from the file instead.
-REGISTER_PROBE = 64 << 20
-REGISTER_PIECE = 512 << 20
-REGISTER_MIN_RATE = 1 << 30     # bytes/s
+def pins_mappings(dev):
+    """Whether the device pins a read-only file mapping in place: the
+    simulated device pins anything; the GPUs refuse read-only memory
+    (src/backend/vmm.c says why)."""
+    return dev.backend == "sim"
 
 
 def _register(dev, lo, size, hb_out):
@@ -118,30 +113,6 @@ def _register(dev, lo, size, hb_out):
     hb_out.span += size
     hb_out.pinned += hb.pinned_bytes
     return hb
-
-
-def register_span(dev, lo, size, hb_out, clock=time.perf_counter):
-    """Register [lo, lo+size) in pieces (page multiples) while each is
-    pinned whole and at REGISTER_MIN_RATE or faster; returns the bytes
-    from lo registered (0: none). A piece pinned only in part (the pin
-    budget) ends it too; a slow one stays registered, and hb_out.slow says
-    its rate."""
-    done, piece = 0, REGISTER_PROBE
-    while done < size:
-        n = min(piece, size - done)
-        t0 = clock()
-        hb = _register(dev, lo + done, n, hb_out)
-        dt = clock() - t0
-        if hb is None:
-            break
-        done += n
-        if hb.pinned_bytes < n:
-            break
-        if done < size and n < dt * REGISTER_MIN_RATE:
-            hb_out.slow = (n / max(dt, 1e-9), done)
-            break
-        piece = REGISTER_PIECE
-    return done
 
 
 def _open_same(m, hbytes):
@@ -222,15 +193,16 @@ def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
         return slots, hosted, None
     path = st.path if st is not None else backed[0][2].path
     choice = hostpolicy.choose(sum(entries[i].size for i, _, _ in backed),
-                               streamed, path)
+                               streamed, path, pins_mappings(dev))
     groups = {}
     for i, addr, m in backed:
         groups.setdefault(None if m is None else m.start, []).append(
             (i, addr, m))
     for group in groups.values():
         m = group[0][2]
-        if m is not None and m.writable_private and maps.modified(m):
-            hosted.extend(i for i, _, _ in group)   # not the file's bytes
+        if choice.kind == hostpolicy.PINNED_COPY or (
+                m is not None and m.writable_private and maps.modified(m)):
+            hosted.extend(i for i, _, _ in group)   # (or not the file's)
             continue
         lo = min(a for _, a, _ in group)
         hi = max(a + entries[i].size for i, a, _ in group)
@@ -243,17 +215,13 @@ def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
                 in_place = False
             else:
                 shift, bound = own[0], own[1:]
-        covered = (0, 0)    # [lo, hi) registered, in the caller's addresses
-        if in_place:
-            span_lo, span = _page_span(lo + shift, hi + shift, *bound)
-            done = register_span(dev, span_lo, span, hbytes)
-            if done == 0:
-                in_place = False
-            covered = (span_lo - shift, span_lo - shift + done)
+        if in_place and _register(dev, *_page_span(lo + shift, hi + shift,
+                                                   *bound),
+                                  hb_out=hbytes) is None:
+            in_place = False
         for i, addr, mp in group:
             e = entries[i]
-            if in_place and covered[0] <= addr and \
-                    addr + e.size <= covered[1]:
+            if in_place:
                 src = Source.from_host(addr + shift)
                 hbytes.kinds[e] = hostpolicy.IN_PLACE
             elif mp is None:
@@ -420,8 +388,7 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
         hbytes.kinds[entries[i]] = hostpolicy.PINNED_COPY
     hbytes.line = hostpolicy.report(
         model, hbytes.by_kind(entries), choice,
-        (hbytes.pinned, hbytes.span) if hbytes.registered else None,
-        hbytes.slow)
+        (hbytes.pinned, hbytes.span) if hbytes.registered else None)
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
