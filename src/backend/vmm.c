@@ -411,7 +411,7 @@ int vp__vmm_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
  * refused at once and stays pageable: CUDA's READ_ONLY flag would pin it,
  * but on the H200 VM (driver 580) that call did not return for a 64 MiB
  * piece of a file mapping in page cache (bench/RESULTS.md, 2026-12-05),
- * and a load that hangs is worse than file reads. Pinning is only an
+ * and a load that hangs is worse than a copy. Pinning is only an
  * optimisation: any refusal short of a broken device (already registered
  * by someone else, RLIMIT_MEMLOCK, memory that cannot be pinned) is
  * VP_EUNSUPPORTED, and the memory stays as it was, which is still correct.
