@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["ram_available", "cgroup_room", "ram_total", "read_text"]
+__all__ = ["ram_available", "cgroup_room", "ram_total", "read_text",
+           "drop_resident"]
 
 
 def _linux() -> bool:
@@ -88,3 +89,31 @@ def ram_total() -> Optional[int]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+_MADV_DONTNEED = 4      # Linux's
+_PAGE = 4096
+
+
+def drop_resident(addr: int, size: int) -> int:
+    """The whole pages inside [addr, addr+size) of a read-only file mapping
+    leave this process's resident set (madvise MADV_DONTNEED: the page
+    cache keeps them; a later touch maps them again from the file, the
+    same bytes). Only for memory nobody wrote: a written private page
+    would lose its writes. Linux only; never raises. Returns the bytes
+    dropped (0 where nothing was done)."""
+    if not _linux() or size <= 0:
+        return 0
+    lo = (addr + _PAGE - 1) // _PAGE * _PAGE
+    hi = (addr + size) // _PAGE * _PAGE
+    if hi <= lo:
+        return 0
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
+                        _MADV_DONTNEED) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return hi - lo

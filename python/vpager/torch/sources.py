@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from .. import _sysmem
 from ..errors import Error
 from ..weights import Source
 from . import hostpolicy
@@ -37,6 +38,8 @@ class HostBytes:
         self.line = ""
         self.span = self.pinned = 0     # bytes registered, pinned of them
         self.maps = []                  # read-only mappings of our own
+        self.copied_from = set()        # Entries copied out of read-only
+        #                                 mappings (dropped from RSS after)
         self.fd_of = {}                 # inode -> fd (FILE sources)
 
     def by_kind(self, entries):
@@ -200,9 +203,13 @@ def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
             (i, addr, m))
     for group in groups.values():
         m = group[0][2]
-        if choice.kind == hostpolicy.PINNED_COPY or (
-                m is not None and m.writable_private and maps.modified(m)):
-            hosted.extend(i for i, _, _ in group)   # (or not the file's)
+        if m is not None and m.writable_private and maps.modified(m):
+            hosted.extend(i for i, _, _ in group)   # not the file's bytes
+            continue
+        if choice.kind == hostpolicy.PINNED_COPY:
+            hosted.extend(i for i, _, _ in group)
+            if m is None or "w" not in m.perms:     # nobody wrote to it
+                hbytes.copied_from.update(entries[i] for i, _, _ in group)
             continue
         lo = min(a for _, a, _ in group)
         hi = max(a + entries[i].size for i, a, _ in group)
@@ -306,12 +313,14 @@ def host_memory(total):
 
 
 def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
-               progress):
+               progress, drop=()):
     """Copy the hosted entries' bytes into `host` (a uint8 CPU tensor; from
     the file, or from their tensors: copy_all, a batch of up to 1 GiB at a
     time) and fill their slots; CPU tensors are pointed at their host copy
     after each batch (appended to `moved`); progress.advance() as bytes
-    are copied."""
+    are copied. Entries in `drop` were copied out of a read-only file
+    mapping: its pages they touched leave the process's RSS once copied
+    (_sysmem.drop_resident), so the copy is the one copy RSS counts."""
     base = st.mmap()[0] if st is not None else 0
     ptr = host.data_ptr()
     batch, size = [], 0
@@ -320,6 +329,8 @@ def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
         copy_all([(h, e.tensor.detach()) for e, h in batch],
                  progress.advance)
         for e, h in batch:
+            if e in drop:
+                _sysmem.drop_resident(e.tensor.data_ptr(), e.size)
             if e.src_device.type == "cpu":
                 # The host copy serves until the placeholders go in: the
                 # old storage can go now (peak host memory = one model
@@ -333,6 +344,8 @@ def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
         h = host[off:off + e.size].view(e.dtype).view(e.shape)
         if st is not None:
             ctypes.memmove(h.data_ptr(), base + plan[e].offset, e.size)
+            if e in drop:
+                _sysmem.drop_resident(base + plan[e].offset, e.size)
             progress.advance(e.size)
         else:
             batch.append((e, h))
@@ -392,6 +405,7 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
     if not hosted:
         return None, slots
     offsets, total = place([entries[i] for i in hosted], align)
+    drop = hbytes.copied_from
     t0 = time.perf_counter()
     host, buf = host_memory(total)
     moved = []
@@ -400,7 +414,7 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
     try:
         with torch.no_grad(), torch.inference_mode(False):
             _fill_host(host, entries, hosted, offsets, slots, st, plan,
-                       moved, progress)
+                       moved, progress, drop)
         t1 = time.perf_counter()
         hb = dev.register_hostbuf(buf, total)
         if times is not None:
