@@ -11,7 +11,7 @@ forward's start). Phases on the planner's thread are not counted.
 
     make && PYTHONPATH=python python3 bench/first_prompt_sim.py
     ... --units 800 --forwards 10 --plan-thread 0     # the old way
-    ... --device cuda --width 1024 --units 800        # on a GPU
+    ... --device cuda --units 800                     # on a GPU (width 1024)
 
 Prints one line per forward (ms, phases), then the worst forward after
 the first over the median of the last half (the issue's target: <= 1.1).
@@ -40,7 +40,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--units", type=int, default=800)
-    ap.add_argument("--width", type=int, default=96)
+    ap.add_argument("--width", type=int, default=None,
+                    help="units' width (default 96; on cuda 1024: the "
+                    "staging ring's 32 MiB pages want a budget that holds "
+                    "them)")
     ap.add_argument("--forwards", type=int, default=10)
     ap.add_argument("--budget-share", type=float, default=0.6,
                     help="budget as a share of the weights (0.6)")
@@ -57,6 +60,8 @@ def main():
 
     torch.manual_seed(0)
     cuda = a.device == "cuda"
+    if a.width is None:
+        a.width = 1024 if cuda else 96
     m = nn.Sequential(*[nn.Linear(a.width, a.width)
                         for _ in range(a.units)]).eval()
     x = torch.randn(4, a.width, device="cuda" if cuda else "cpu")
