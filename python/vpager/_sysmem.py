@@ -1,5 +1,6 @@
 """The host's memory as the operating system tells it: RAM available, the
-room left under this process's cgroup memory limit, and RAM in all.
+room left under this process's cgroup memory limit, and RAM in all; and
+one thing asked of it: pages of a file mapping out of the resident set.
 
 The one Python reader of /proc/meminfo and /proc/self/cgroup (the C
 library has its own, behind src/os.h). Those exist on Linux only:
@@ -8,6 +9,7 @@ elsewhere (Windows, macOS) nothing is read and every answer is
 callers do then. No torch, no library: importable anywhere, at any time.
 """
 
+import mmap
 import os
 import sys
 from typing import Optional
@@ -91,8 +93,7 @@ def ram_total() -> Optional[int]:
         return None
 
 
-_MADV_DONTNEED = 4      # Linux's
-_PAGE = 4096
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)     # Linux's
 
 
 def drop_resident(addr: int, size: int) -> int:
@@ -104,8 +105,9 @@ def drop_resident(addr: int, size: int) -> int:
     dropped (0 where nothing was done)."""
     if not _linux() or size <= 0:
         return 0
-    lo = (addr + _PAGE - 1) // _PAGE * _PAGE
-    hi = (addr + size) // _PAGE * _PAGE
+    page = mmap.PAGESIZE
+    lo = (addr + page - 1) // page * page
+    hi = (addr + size) // page * page
     if hi <= lo:
         return 0
     try:
