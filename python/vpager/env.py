@@ -50,11 +50,11 @@ VARIABLES: Dict[str, Variable] = {
     "VPAGER_LIBRARY": Variable("text", "path of the libvpager.so (vpager.dll) to load"),
     "VPAGER_SCHEDULE": Variable("flag", "0: offload() does not schedule "
                                 "the copies (default 1)"),
-    "VPAGER_PLAN_THREAD": Variable("flag", "1: a schedule is planned on "
-                                   "a worker thread and applied at a "
-                                   "forward's start (default 0: on the "
-                                   "forward's thread, at the measured "
-                                   "forward's end)"),
+    "VPAGER_PLAN_THREAD": Variable("flag", "0: a schedule is planned on "
+                                   "the forward's thread, at the measured "
+                                   "forward's end (default 1: on a worker "
+                                   "thread, applied at a forward's "
+                                   "start)"),
     "VPAGER_HOLD": Variable("flag", "0: a schedule holds no units for the "
                             "whole forward (default 1)"),
     "VPAGER_SCHEDULE_LOG": Variable("flag", "1: print each schedule made "

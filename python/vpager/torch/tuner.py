@@ -87,11 +87,11 @@ _LINKS = {}                 # CUDA device index -> measured bytes/s
 # the start of the first forward after it is ready (before any unit).
 # SDXL's 794 units cost ~1 s of host time a plan; on the simulated
 # device an 800-unit stack took 232 ms to plan against a 45 ms forward
-# (bench/first_prompt_sim.py). Off until measured on a GPU (it spawns a
-# child Python and the forward taking a placement still cost 2-2.7x a
-# steady one on the simulated device): VPAGER_PLAN_THREAD=1 turns it on;
-# by default plans are made at the forward's end, on its thread, as
-# before (and the tests' schedules land at a known forward).
+# (bench/first_prompt_sim.py). On by default since measured on the H200
+# (800 units: worst forward after the first 3.4x a steady one, 9.1x with
+# plans on the forward's thread); VPAGER_PLAN_THREAD=0 makes plans at the
+# measured forward's end, on its thread (the tests' setting: their
+# schedules land at a known forward).
 PLAN_THREAD = "VPAGER_PLAN_THREAD"
 # A placement applied at a forward's start fills its resident set during
 # that forward (no warm() stop): each unit's window grows by the resident
@@ -228,7 +228,7 @@ class Tuner:
         self.watch_at = 0.0
         self.watching = False       # the room watched, once done
         # Plans made off the forward's thread (PLAN_THREAD), else None.
-        self.planner = _Planner() if env.flag(PLAN_THREAD, False) else None
+        self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
         self.filling = None         # (planned windows, held units) to restore
 
     def install(self):
