@@ -2,6 +2,8 @@
 take (torch grew into the room between the plan and its placement: the
 node's LoRA patches did, on the H200) keeps the forwards running on the
 ring they had, with one warning; it never fails every later forward.
+Weights given a fill (a LoRA patch computed on the device) are planned
+again at once, resident.
     make && PYTHONPATH=python python3 tests/python/test_replan.py
 """
 import os
@@ -19,6 +21,8 @@ torch = _runner.require_torch(__name__)
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
 from test_torch import _scheduled_mlp, no_pins  # noqa: E402
+import vpager.torch as vt  # noqa: E402
+from test_torch import K, PAGE, frozen_copy, mlp, sim_opts  # noqa: E402
 
 
 def test_replan_failure_keeps_the_ring():
@@ -50,6 +54,58 @@ def test_replan_failure_keeps_the_ring():
     finally:
         tuner.WATCH_EVERY, tuner.Tuner.warm = old_every, old_warm
     assert torch.equal(m(x), want)
+    assert no_pins(h)
+    h.unload()
+
+
+def _planned(h):
+    """{weight name: resident in the schedule applied}."""
+    t = h.tuner
+    flat = t._costs({})[3]
+    return {e.name: r for e, r in zip(flat, t.schedule.resident)}
+
+
+def test_a_weight_given_a_fill_is_planned_resident():
+    """A weight the schedule streams is given a fill (the node's LoRA
+    patch, computed on the device at every fill: on the H200 +28% a
+    step): the next forward's start plans again keeping it resident, so
+    its fill runs once, not every forward; outputs stay those of the
+    patched model. Rid of the fill, the plan is made again without it.
+    A fill on a resident weight changes nothing but the plan's input."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    ref = frozen_copy(m)
+    want = ref(x)
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                   **opts)
+    for _ in range(5):
+        assert torch.equal(m(x), want)
+    t = h.tuner
+    assert t.done and t.schedule is not None
+    planned = _planned(h)
+    streamed = [n for n, r in planned.items() if not r]
+    assert streamed, planned
+    name = streamed[0]
+    h.set_fill(name, lambda v: v.mul_(2))
+    patched = frozen_copy(ref)
+    patched.get_parameter(name).data.mul_(2)
+    want2 = patched(x)
+    replans = t.replans
+    assert torch.equal(m(x), want2)
+    assert t.replans == replans + 1 and _planned(h)[name], _planned(h)
+    fills = h.hot_path.fills
+    for _ in range(3):
+        assert torch.equal(m(x), want2)
+    assert h.hot_path.fills == fills, (h.hot_path.fills, fills)
+    # The same fill set again: no new plan.
+    h.set_fill(name, lambda v: v.mul_(2))
+    assert torch.equal(m(x), want2) and t.replans == replans + 1
+    h.set_fill(name, None)
+    assert torch.equal(m(x), want) and t.replans == replans + 2
+    for _ in range(2):
+        assert torch.equal(m(x), want)
     assert no_pins(h)
     h.unload()
 

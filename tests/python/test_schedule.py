@@ -127,6 +127,27 @@ def test_stream_what_compute_hides():
     assert t > sch.predicted * 1.2, (t, sch.predicted)
 
 
+def test_kept_weights_stay_resident_if_a_plan_fits():
+    # Weights with a fill (a patch computed at every fill) are kept
+    # resident: of the modulation weights the plan above streams, the
+    # first three are kept and others stream in their place, within the
+    # same room. Kept weights that cannot all be resident: plan as if
+    # none were kept.
+    work, sizes, kinds = _dit(8)
+    total = sum(s for ss in sizes for s in ss)
+    room, ring = total // 2 + 4 * PAGE, 150 * MB
+    free = S.plan(work, sizes, room, PAGE, LINK, ring)
+    mods = [i for i, r in enumerate(free.resident) if not r][:3]
+    keep = [i in mods for i in range(len(kinds))]
+    sch = S.plan(work, sizes, room, PAGE, LINK, ring, keep=keep)
+    assert all(sch.resident[i] for i in mods), flags(sch)
+    assert sch.resident_bytes <= room
+    assert sch.streamed >= free.streamed
+    every = S.plan(work, sizes, room, PAGE, LINK, ring,
+                   keep=[True] * len(kinds))
+    assert every.resident == free.resident
+
+
 def test_tiny_weights_stay_resident():
     # Each heavy unit carries a bias and a norm of a few KB beside its
     # 100 MB weight: streaming those would free nothing and cost a copy

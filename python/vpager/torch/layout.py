@@ -32,6 +32,7 @@ class Layout:
         self.vbar = self.weights = self.hb = self.st = None
         self.hbytes = None      # sources.HostBytes: in place, FILE fds
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
+        self.fill_changes = 0   # weights given or rid of a fill (patches)
 
     @classmethod
     def build(cls, dev, plan):

@@ -22,6 +22,15 @@ def drop_alt(e: Any) -> None:
         e.alt = None
 
 
+def _set_fill_of(layout: Layout, e: Any,
+                 fill: Optional[Callable[[torch.Tensor], None]]) -> None:
+    """e.fill = fill, counting a weight's fill coming or going in
+    layout.fill_changes (the tuner keeps weights with a fill resident)."""
+    if (fill is None) != (e.fill is None):
+        layout.fill_changes += 1
+    e.fill = fill
+
+
 def _repoint(e: Any, t: torch.Tensor) -> None:
     e.ph = t
     e.ph_ptr = t.data_ptr()
@@ -67,7 +76,7 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
             drop_alt(e)
         elif e.fill is not None:
             layout.set_source(e, e.src)     # its own bytes, unrewritten
-        e.fill = None
+        _set_fill_of(layout, e, None)
         return
     if tensor.dtype != e.dtype or tuple(tensor.size()) != e.shape:
         raise ValueError("vpager.torch: set_source(%r): a %s %s tensor, "
@@ -88,7 +97,7 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
         hb.close()
         raise
     e.own = own
-    e.fill = None           # other bytes: the fill is not theirs
+    _set_fill_of(layout, e, None)   # other bytes: the fill is not theirs
     drop_alt(e)
     e.alt = hb
 
@@ -123,7 +132,7 @@ def set_fill(layout: Layout, name: str,
         return
     else:
         layout.set_source(e, e.src)     # the same source: filled anew
-    e.fill = fill
+    _set_fill_of(layout, e, fill)
 
 
 def refill(layout: Layout, entries: Iterable[Any]) -> None:
@@ -145,7 +154,7 @@ def load_file(layout: Layout, module: torch.nn.Module, path: str,
     layout.reload(module, path, swap)
     for e in layout.entries:
         e.own = None
-        e.fill = None
+        _set_fill_of(layout, e, None)
         drop_alt(e)
         if outside_mode == "host":
             _repoint(e, outside(e))

@@ -223,18 +223,18 @@ def _positions(work, sizes, mix):
 TINY = 1024
 
 
-def _pick(sizes, pos, ring, scale, head, least=0):
+def _pick(sizes, pos, ring, scale, head, least=0, keep=None):
     """Stream weights of `least` bytes or more, in order, while the bytes
     streamed so far stay within scale * position + head bytes (and each
-    unit's streamed weights fit in the ring); returns the resident
-    flags."""
+    unit's streamed weights fit in the ring), none that `keep` flags;
+    returns the resident flags."""
     out = []
     streamed = i = 0
     for ss in sizes:
         unit_staged = 0
         for s in ss:
             slot = _round(s, SLOT_ALIGN)
-            take = (s >= least
+            take = (s >= least and not (keep and keep[i])
                     and streamed + s / 2 <= scale * pos[i] + head
                     and unit_staged + slot <= ring)
             if take:
@@ -252,7 +252,7 @@ def _streamed(sizes, resident):
 MIXES = (1.0, 0.75, 0.5, 0.0)   # compute-weighted ... byte-weighted
 
 
-def _fit(sizes, pos, room, page, ring, head, align, least):
+def _fit(sizes, pos, room, page, ring, head, align, least, keep=None):
     """The fewest streamed bytes at this head start whose resident pages
     fit in room: bisection on the streaming rate; None if none fits."""
     T = max(pos) if pos else 0.0
@@ -262,7 +262,7 @@ def _fit(sizes, pos, room, page, ring, head, align, least):
     lo, hi = 0.0, None
     scale = max(total - room, 1) / T
     for _ in range(40):
-        res = _pick(sizes, pos, ring, scale, head, least)
+        res = _pick(sizes, pos, ring, scale, head, least, keep)
         if resident_pages(sizes, res, page, align) <= room:
             hi = scale
             break
@@ -274,15 +274,16 @@ def _fit(sizes, pos, room, page, ring, head, align, least):
         if hi - lo <= hi * 2e-3:
             break
         mid = (lo + hi) / 2
-        res = _pick(sizes, pos, ring, mid, head, least)
+        res = _pick(sizes, pos, ring, mid, head, least, keep)
         if resident_pages(sizes, res, page, align) <= room:
             hi = mid
         else:
             lo = mid
-    return _pick(sizes, pos, ring, hi, head, least)
+    return _pick(sizes, pos, ring, hi, head, least, keep)
 
 
-def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
+def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
+           keep=None):
     """The resident flags (one per weight, in order) whose resident pages
     fit in `room` bytes, chosen to hide the streamed bytes under compute.
     Candidates: streaming that follows the compute before each weight
@@ -291,16 +292,33 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
     the first weights run under the previous forward's last units) and
     the fewest streamed bytes that fit; the one simulate() predicts
     fastest (then: fewest bytes streamed) wins. Tiny weights (TINY) stay
-    resident."""
+    resident, and so do those `keep` flags (a weight whose fill computes
+    a patch on the device pays it at every fill: streamed, every
+    forward) unless no plan fits with them all resident."""
     n = len(flat(sizes))
     if resident_pages(sizes, [True] * n, page, align) <= room:
         return [True] * n
     least = max(s for ss in sizes for s in ss) // TINY
+    if keep is not None and any(keep):
+        res = _best(work, sizes, room, page, link, ring, per_copy, align,
+                    least, keep)
+        if res is not None:
+            return res
+    res = _best(work, sizes, room, page, link, ring, per_copy, align, least)
+    if res is None:         # nothing fits: stream all the ring allows
+        return _pick(sizes, [1.0] * n, ring, float("inf"), 0, least)
+    return res
+
+
+def _best(work, sizes, room, page, link, ring, per_copy, align, least,
+          keep=None):
+    """choose()'s fastest candidate, None if none fits."""
     best = None
     for mix in MIXES:
         pos = _positions(work, sizes, mix)
         for head in (0, ring // 4, ring // 2):
-            res = _fit(sizes, pos, room, page, ring, head, align, least)
+            res = _fit(sizes, pos, room, page, ring, head, align, least,
+                       keep)
             if res is None:
                 continue
             t = simulate(work, sizes, res, link, int(ring * FRAGMENTATION),
@@ -308,9 +326,7 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512):
             key = (round(t, 7), _streamed(sizes, res), -mix, head)
             if best is None or key < best[0]:
                 best = (key, res)
-    if best is None:        # nothing fits: stream all the ring allows
-        return _pick(sizes, [1.0] * n, ring, float("inf"), 0, least)
-    return best[1]
+    return None if best is None else best[1]
 
 
 def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
@@ -355,14 +371,15 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
 
 
 def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
-         margin=5e-4):
+         margin=5e-4, keep=None):
     """The Schedule for measured costs: work (seconds per unit, in
     execution order), sizes (bytes of each unit's weights, placement
     order, a shared weight under its first unit), room (VRAM bytes for
     resident weights), page (page size), link (bytes per second),
     per_copy (seconds each copy costs beyond its bytes), ring (staging
-    ring bytes)."""
-    res = choose(work, sizes, room, page, link, ring, per_copy, align)
+    ring bytes), keep (per weight: kept resident if a plan fits so;
+    choose())."""
+    res = choose(work, sizes, room, page, link, ring, per_copy, align, keep)
     eff = int(ring * FRAGMENTATION)
     win = windows(work, sizes, res, link, eff, per_copy, margin)
     t = simulate(work, sizes, res, link, eff, per_copy)
@@ -372,7 +389,7 @@ def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
 
 
 def plan_rings(work, sizes, total, rings, page, link, align, spare_pages,
-               per_copy=0.0, margin=5e-4):
+               per_copy=0.0, margin=5e-4, keep=None):
     """[(ring, Schedule)]: plan() for each ring size in `rings`, in the
     room a device budget of `total` bytes leaves beside the ring (whole
     pages) and `spare_pages` pages."""
@@ -380,7 +397,7 @@ def plan_rings(work, sizes, total, rings, page, link, align, spare_pages,
     for ring in rings:
         room = total - _round(max(ring, page), page) - spare_pages * page
         out.append((ring, plan(work, sizes, room, page, link, ring,
-                               per_copy, align, margin)))
+                               per_copy, align, margin, keep)))
     return out
 
 
@@ -397,15 +414,16 @@ def merged_windows(window, works, sizes, resident, link, ring,
 
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
-             spare_pages, per_copy, margin, old_resident, old_ring):
+             spare_pages, per_copy, margin, old_resident, old_ring,
+             keep=None):
     """All the arithmetic of a plan's application, as plain data (the
     planner's process returns it): "cands", plan_rings' [(ring, Schedule
     fields)]; "pick", the index pick_ring chooses and its windows merged
     over `works` (merged_windows); "old", when old_resident is given and
     the pick keeps old_ring: (predicted seconds, windows, merged windows)
-    of the old resident set under `work`."""
+    of the old resident set under `work`. keep: plan()'s."""
     cands = plan_rings(work, sizes, total, rings, page, link, align,
-                       spare_pages, per_copy, margin)
+                       spare_pages, per_copy, margin, keep)
     ring, sch = pick_ring(cands)
     i = [c for _, c in cands].index(sch)
     win = merged_windows(sch.window, works, sizes, sch.resident, link,
