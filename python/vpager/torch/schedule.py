@@ -294,17 +294,33 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
     fastest (then: fewest bytes streamed) wins. Tiny weights (TINY) stay
     resident, and so do those `keep` flags (a weight whose fill computes
     a patch on the device pays it at every fill: streamed, every
-    forward) unless no plan fits with them all resident."""
+    forward); if no plan fits with them all resident, as many of them
+    as fit, first in order (bisection on how many)."""
     n = len(flat(sizes))
     if resident_pages(sizes, [True] * n, page, align) <= room:
         return [True] * n
     least = max(s for ss in sizes for s in ss) // TINY
-    if keep is not None and any(keep):
+    kept = [i for i, k in enumerate(keep or ()) if k]
+
+    def keeping(k):             # the plan keeping the first k kept
+        some = [False] * n
+        for i in kept[:k]:
+            some[i] = True
+        return _best(work, sizes, room, page, link, ring, per_copy, align,
+                     least, some)
+    res = keeping(len(kept)) if kept else None
+    if kept and res is None:
+        lo, hi = 0, len(kept)   # hi kept do not fit; lo do (or none)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = keeping(mid)
+            if got is None:
+                hi = mid
+            else:
+                lo, res = mid, got
+    if res is None:
         res = _best(work, sizes, room, page, link, ring, per_copy, align,
-                    least, keep)
-        if res is not None:
-            return res
-    res = _best(work, sizes, room, page, link, ring, per_copy, align, least)
+                    least)
     if res is None:         # nothing fits: stream all the ring allows
         return _pick(sizes, [1.0] * n, ring, float("inf"), 0, least)
     return res
