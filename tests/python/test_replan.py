@@ -20,9 +20,8 @@ torch = _runner.require_torch(__name__)
 
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
-from test_torch import _scheduled_mlp, no_pins  # noqa: E402
-import vpager.torch as vt  # noqa: E402
-from test_torch import K, PAGE, frozen_copy, mlp, sim_opts  # noqa: E402
+from test_torch import _scheduled_mlp, _scheduled_offload, frozen_copy, \
+    mlp, no_pins  # noqa: E402
 
 
 def test_replan_failure_keeps_the_ring():
@@ -70,16 +69,12 @@ def test_a_weight_given_a_fill_is_planned_resident():
     patch, computed on the device at every fill: on the H200 +28% a
     step): the next forward's start plans again keeping it resident, so
     its fill runs once, not every forward; outputs stay those of the
-    patched model. Rid of the fill, the plan is made again without it.
-    A fill on a resident weight changes nothing but the plan's input."""
+    patched model. Rid of the fill, the plan is made again without it."""
     m = mlp(depth=8)
     x = torch.randn(8, 64)
     ref = frozen_copy(m)
     want = ref(x)
-    opts = dict(sim_opts(), page_size=PAGE)
-    del opts["lookahead"]
-    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
-                   **opts)
+    h = _scheduled_offload(m)
     for _ in range(5):
         assert torch.equal(m(x), want)
     t = h.tuner

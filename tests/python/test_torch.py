@@ -421,11 +421,15 @@ def _scheduled_mlp():
     m = mlp(depth=8)
     x = torch.randn(8, 64)
     want = frozen_copy(m)(x)
+    return m, x, want, _scheduled_offload(m)
+
+
+def _scheduled_offload(m):
+    """_scheduled_mlp()'s offload of m (budget 900 KiB, ring 320 KiB)."""
     opts = dict(sim_opts(), page_size=PAGE)
     del opts["lookahead"]
-    h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
-                   **opts)
-    return m, x, want, h
+    return vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                      **opts)
 
 
 def _steady(m, x, want, h):
