@@ -20,8 +20,8 @@ torch = _runner.require_torch(__name__)
 
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
-from test_torch import _scheduled_mlp, _scheduled_offload, frozen_copy, \
-    mlp, no_pins  # noqa: E402
+from test_torch import (  # noqa: E402
+    _scheduled_mlp, _scheduled_offload, frozen_copy, mlp, no_pins)
 
 
 def test_replan_failure_keeps_the_ring():
