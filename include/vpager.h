@@ -356,8 +356,10 @@ VP_API int vp_vbar_set_order(vp_vbar_t vbar, int order);
  * rank r (pages[0] is evicted last), a permutation of all n pages of the
  * VBAR (n = its page count). The watermark works on these ranks as on any
  * order, so a squeezed VBAR keeps the pages ranked first. It stays until
- * vp_vbar_set_order() (new weights do not change it). VP_EBUSY unless no
- * page is resident; VP_EINVAL if pages is not such a permutation. */
+ * vp_vbar_set_order() (new weights do not change it). Resident pages stay
+ * resident (a re-placement keeps what it keeps in place); from now on they
+ * are evicted in the new order. VP_EINVAL if pages is not such a
+ * permutation. */
 VP_API int vp_vbar_set_ranks(vp_vbar_t vbar, const uint32_t *pages, size_t n);
 
 /* The watermark in ranks (pages): non-resident pages ranked at or above
@@ -506,6 +508,19 @@ VP_API int vp_weights_create(vp_vbar_t vbar, size_t n, const uint64_t *offsets,
                              vp_weight_t *out);
 /* VP_EBUSY while acquired. Destroying a VBAR destroys its weights. */
 VP_API int vp_weight_destroy(vp_weight_t w);
+/* Re-place n weights of one VBAR: w[i] moves to offsets[i]. A weight whose
+ * offset changes loses its fill (its bytes are not moved: it is filled
+ * anew at its next acquire; a staged copy is dropped, copies into it are
+ * waited for); one whose offset stays keeps its fill, so resident weights
+ * left in place cost no copy. Prefetch then looks ahead through the listed
+ * weights in the order given, then the VBAR's others in their order so
+ * far. The new places may not overlap each other or the weights not
+ * listed (the listed ones' old places are free). Pages are neither
+ * committed nor evicted. All or nothing: VP_EBUSY while a listed weight is
+ * acquired, VP_EINVAL for one listed twice, of another VBAR, or places
+ * that overlap, VP_ERANGE for a place outside the VBAR. */
+VP_API int vp_weights_move(vp_vbar_t vbar, size_t n, const vp_weight_t *w,
+                           const uint64_t *offsets);
 /* Weight w takes its bytes from src from now on (the rules of
  * vp_weights_create; copies from the old source are waited for, so it may
  * be freed after this returns): its resident pages are filled anew at its

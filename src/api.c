@@ -274,9 +274,6 @@ int vp_vbar_set_ranks(vp_vbar_t h, const uint32_t *pages, size_t n) {
   if (!pages || !n) return vp__err(VP_EINVAL, "pages is NULL or n is 0");
   vp__vbar_t *vb = NULL;
   VP__VBAR_ENTER(h, vb);
-  if (vb->resident)
-    return vp__unlock(vb->dev, vp__err(VP_EBUSY, "%u pages are resident; free "
-                                       "them first", vb->resident));
   return vp__unlock(vb->dev, vp__vbar_set_ranks(vb, pages, n));
 }
 

@@ -242,6 +242,145 @@ int vp_weights_create(vp_vbar_t h, size_t n, const uint64_t *offsets,
   return vp__unlock(dev, rc);
 }
 
+/* vp_weights_move: the places the VBAR's weights will have, sorted, with
+ * no two overlapping. */
+typedef struct {
+  uint64_t offset, size;
+} place_t;
+
+static int place_cmp(const void *a, const void *b) {
+  const place_t *x = a, *y = b;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+static int by_offset(const void *a, const void *b) {
+  const vp__weight_t *x = *(vp__weight_t *const *)a;
+  const vp__weight_t *y = *(vp__weight_t *const *)b;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* Checks for vp_weights_move, before anything changes: every weight of vb,
+ * listed once, not acquired, and the new places inside the VBAR and apart
+ * from each other and from the weights that stay. moved[i]: ws[i] changes
+ * its offset. */
+static int move_check(vp__vbar_t *vb, size_t n, vp__weight_t **ws,
+                      const uint64_t *offsets, bool *moved) {
+  uint32_t nw = vb->nweights;
+  uint8_t *listed = calloc(nw ? nw : 1, 1);
+  place_t *pl = malloc((nw ? nw : 1) * sizeof *pl);
+  int rc = VP_OK;
+  if (vp__inject_fail(&vb->dev->inject) || !listed || !pl) {
+    rc = vp__err(VP_ENOMEM, "no memory to check the places");
+    goto out;
+  }
+  for (size_t i = 0; i < n && rc == VP_OK; i++) {
+    vp__weight_t *w = ws[i];
+    if (w->vb != vb)
+      rc = vp__err(VP_EINVAL, "weights[%zu] belongs to another VBAR", i);
+    else if (listed[w->index]++)
+      rc = vp__err(VP_EINVAL, "weights[%zu] is listed twice", i);
+    else if (w->acq_resident || w->acq_staged)
+      rc = vp__err(VP_EBUSY, "weights[%zu] is acquired; release it first", i);
+    else if (offsets[i] >= vb->size || w->size > vb->size - offsets[i])
+      rc = vp__err(VP_ERANGE, "weights[%zu] at %llu (+%llu) is outside the "
+                   "VBAR of %llu bytes", i, (unsigned long long)offsets[i],
+                   (unsigned long long)w->size,
+                   (unsigned long long)vb->size);
+    else
+      moved[i] = offsets[i] != w->offset;
+  }
+  if (rc) goto out;
+  for (uint32_t j = 0; j < nw; j++)
+    pl[j] = (place_t){vb->weights[j]->offset, vb->weights[j]->size};
+  for (size_t i = 0; i < n; i++) pl[ws[i]->index].offset = offsets[i];
+  qsort(pl, nw, sizeof *pl, place_cmp);
+  for (uint32_t j = 1; j < nw && rc == VP_OK; j++)
+    if (pl[j - 1].offset + pl[j - 1].size > pl[j].offset)
+      rc = vp__err(VP_EINVAL, "the new places overlap at offset %llu",
+                   (unsigned long long)pl[j].offset);
+out:
+  free(listed);
+  free(pl);
+  return rc;
+}
+
+int vp_weights_move(vp_vbar_t h, size_t n, const vp_weight_t *w,
+                    const uint64_t *offsets) {
+  VP__ENTER();
+  if (!n || !w || !offsets)
+    return vp__err(VP_EINVAL, "n is 0 or an array is NULL");
+  vp__vbar_t *vb = NULL;
+  int rc = vp__vbar_enter(h, &vb);
+  if (rc) return rc;
+  vp__device_t *dev = vb->dev;
+  if (n > vb->nweights)
+    return vp__unlock(dev, vp__err(VP_EINVAL, "%zu weights listed, the VBAR "
+                                   "has %u", n, vb->nweights));
+  int shift = dev->page_shift;
+  vp__weight_t **ws = calloc(n, sizeof *ws), **use = NULL;
+  uint32_t **gens = calloc(n, sizeof *gens);
+  bool *moved = calloc(n, sizeof *moved);
+  if (vp__inject_fail(&dev->inject) || !ws || !gens || !moved ||
+      !(use = malloc(vb->nweights * sizeof *use))) {
+    rc = vp__err(VP_ENOMEM, "no memory to move %zu weights", n);
+    goto out;
+  }
+  if ((rc = vp__weights_find(dev, w, n, ws)) ||
+      (rc = move_check(vb, n, ws, offsets, moved)))
+    goto out;
+  for (size_t i = 0; i < n; i++) { /* the new pages' generations */
+    if (!moved[i]) continue;
+    uint64_t p0 = offsets[i] >> shift;
+    uint64_t p1 = ((offsets[i] + ws[i]->size - 1) >> shift) + 1;
+    if (!(gens[i] = calloc(p1 - p0, sizeof **gens))) {
+      rc = vp__err(VP_ENOMEM, "no memory to move %zu weights", n);
+      goto out;
+    }
+  }
+  /* Nothing fails from here on. */
+  vp__weight_t *last = vb->acq_index < vb->nweights ? vb->use[vb->acq_index]
+                                                    : NULL;
+  for (size_t i = 0; i < n; i++) {
+    vp__weight_t *x = ws[i];
+    if (!moved[i]) continue;
+    /* Its bytes stay where they were: filled anew at its new place. */
+    weight_drop_bytes(dev, x);
+    if (x->prefetched) {
+      VP__COUNT(vb, prefetch_dropped_bytes, x->size);
+      x->prefetched = false;
+    }
+    free(x->gens);
+    x->gens = gens[i];
+    gens[i] = NULL;
+    x->offset = offsets[i];
+    x->p0 = (uint32_t)(x->offset >> shift);
+    x->p1 = (uint32_t)(((x->offset + x->size - 1) >> shift) + 1);
+  }
+  /* Prefetch order: the listed weights as given, then the others. */
+  uint32_t k = 0;
+  for (size_t i = 0; i < n; i++) ws[i]->listed = 1;
+  for (size_t i = 0; i < n; i++) use[k++] = ws[i];
+  for (uint32_t j = 0; j < vb->nweights; j++)
+    if (!vb->use[j]->listed) use[k++] = vb->use[j];
+  for (size_t i = 0; i < n; i++) ws[i]->listed = 0;
+  memcpy(vb->use, use, k * sizeof *use);
+  for (uint32_t j = 0; j < k; j++) vb->use[j]->use_index = j;
+  qsort(vb->weights, vb->nweights, sizeof *vb->weights, by_offset);
+  for (uint32_t j = 0; j < vb->nweights; j++) vb->weights[j]->index = j;
+  if (last) vb->acq_index = last->use_index;
+  vb->skip_ok = vb->win_ok = vb->prefetch_idle = false;
+  if (vb->order_kind == VP_ORDER_INTERLEAVED && !vb->resident)
+    vp__weights_set_order(vb, VP_ORDER_INTERLEAVED);
+out:
+  if (gens)
+    for (size_t i = 0; i < n; i++) free(gens[i]);
+  free(gens);
+  free(moved);
+  free(use);
+  free(ws);
+  return vp__unlock(dev, rc);
+}
+
 /* mark[p] for each page of vb that a weight touches: GROUP_START, or
  * GROUP_JOINED when a weight spans it and the page before. */
 static void mark_pages(const vp__vbar_t *vb, uint8_t *mark) {

@@ -428,3 +428,88 @@ TEST(stream_destroy_then_free_source, TEST_SIM_ONLY) {
   munmap(src[0], ps);
   munmap(src[1], ps);
 }
+
+/* ------------------------------------------------------------------ move */
+
+/* vp_weights_move: weights left in place keep their fill (no copy), moved
+ * ones are filled anew at their new place, two may swap places in one
+ * call; bad calls change nothing. */
+TEST(weights_move, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  vp_vbar_t v = test_vbar(dev, 8 * ps), other = test_vbar(dev, 2 * ps);
+  uint64_t base = test_vbar_base(v);
+  unsigned char *src = malloc(4 * ps);
+  ASSERT_NOT_NULL(src);
+  test_pattern(src, 4 * ps, 31);
+  uint64_t off[4] = {0, ps, 2 * ps, 3 * ps}, sz[4] = {ps, ps, ps, ps / 2};
+  vp_source_t srcs[4];
+  for (int i = 0; i < 4; i++)
+    srcs[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = src + i * ps};
+  vp_weight_t w[4], x;
+  ASSERT_OK(vp_weights_create(v, 4, off, sz, srcs, w));
+  uint64_t xoff = 0;
+  ASSERT_OK(vp_weights_create(other, 1, &xoff, sz, srcs, &x));
+  uint64_t ptrs[4];
+  uint8_t fl[4];
+  ASSERT_OK(vp_acquire(dev, w, 4, 0, ptrs, fl));
+  ASSERT_OK(vp_release(dev, w, 4, 0));
+  uint64_t fills = dstats(dev).weight_fills;
+
+  /* Bad calls: nothing moves. */
+  uint64_t to[4] = {0, 5 * ps, 4 * ps, 3 * ps};
+  vp_weight_t twice[2] = {w[1], w[1]}, foreign[2] = {w[1], x};
+  ASSERT_RC(vp_weights_move(v, 0, w, to), VP_EINVAL);
+  ASSERT_RC(vp_weights_move(v, 1, NULL, to), VP_EINVAL);
+  ASSERT_RC(vp_weights_move(v, 1, w, NULL), VP_EINVAL);
+  ASSERT_RC(vp_weights_move((vp_vbar_t){0}, 1, w, to), VP_EHANDLE);
+  ASSERT_RC(vp_weights_move(v, 2, twice, &to[1]), VP_EINVAL);
+  ASSERT_RC(vp_weights_move(v, 2, foreign, &to[1]), VP_EINVAL);
+  uint64_t onto[1] = {3 * ps + 8}; /* over w[3], which is not listed */
+  ASSERT_RC(vp_weights_move(v, 1, &w[1], onto), VP_EINVAL);
+  uint64_t past[1] = {7 * ps + 1};
+  ASSERT_RC(vp_weights_move(v, 1, &w[1], past), VP_ERANGE);
+  ASSERT_OK(vp_acquire(dev, &w[2], 1, 0, ptrs, fl));
+  ASSERT_RC(vp_weights_move(v, 4, w, to), VP_EBUSY);
+  ASSERT_OK(vp_release(dev, &w[2], 1, 0));
+  ASSERT_OK(vp_acquire(dev, w, 4, 0, ptrs, fl));
+  for (int i = 0; i < 4; i++) {
+    ASSERT_EQ_INT(fl[i], VP_ACQUIRED_RESIDENT);
+    ASSERT_EQ_U64(ptrs[i], base + off[i]);
+  }
+  ASSERT_OK(vp_release(dev, w, 4, 0));
+  ASSERT_EQ_U64(dstats(dev).weight_fills, fills);
+
+  /* w[0], w[3] stay; w[1] and w[2] move past them; then w[1] and w[2]
+   * swap places in one call. */
+  for (int round = 0; round < 2; round++) {
+    if (round == 1) {
+      to[1] = 4 * ps;
+      to[2] = 5 * ps;
+    }
+    vp_weight_t order[4] = {w[3], w[0], w[2], w[1]};
+    uint64_t oto[4] = {to[3], to[0], to[2], to[1]};
+    ASSERT_OK(vp_weights_move(v, 4, order, oto));
+    ASSERT_OK(vp_acquire(dev, w, 4, 0, ptrs, fl));
+    for (int i = 0; i < 4; i++) {
+      bool moved = i == 1 || i == 2;
+      ASSERT_EQ_U64(ptrs[i], base + to[i]);
+      ASSERT_EQ_INT(fl[i] & VP_ACQUIRED_COPIED, moved ? VP_ACQUIRED_COPIED
+                                                      : 0);
+      verify_resident(dev, 0, ptrs[i], src + i * ps, sz[i]);
+    }
+    ASSERT_OK(vp_release(dev, w, 4, 0));
+    fills += 2;
+    ASSERT_EQ_U64(dstats(dev).weight_fills, fills);
+  }
+  /* Moved onto resident pages of its own, the fill still is anew. */
+  ASSERT_OK(vp_weights_move(v, 1, &w[1], &off[1]));
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, ptrs, fl));
+  ASSERT_EQ_INT(fl[0], VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED);
+  verify_resident(dev, 0, ptrs[0], src + ps, ps);
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  ASSERT_OK(vp_device_close(dev));
+  free(src);
+}

@@ -315,6 +315,7 @@ PROTOTYPES = {
     "vp_weights_create": (_i, [_vb, _sz, P(c_uint64), P(c_uint64),
                                P(vp_source_t), P(vp_weight_t)]),
     "vp_weight_destroy": (_i, [_w]),
+    "vp_weights_move": (_i, [_vb, _sz, P(vp_weight_t), P(c_uint64)]),
     "vp_weight_set_source": (_i, [_w, P(vp_source_t)]),
     "vp_weight_set_lookahead": (_i, [_w, _u64]),
     "vp_weight_get_lookahead": (_i, [_w, P(c_uint64)]),

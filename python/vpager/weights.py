@@ -119,8 +119,9 @@ class Weights(Handle):
     vp_source_t, or a bytes-like object (a HOST source, held while the
     weight exists; it must hold at least sizes[i] bytes). close() destroys
     every weight still there (BusyError while one is acquired); destroy(i)
-    one of them; set_source(i, source) gives weight i another source. w[i] is a Weight (for WeightBatch); .handles is the ctypes
-    array of vp_weight_t."""
+    one of them; set_source(i, source) gives weight i another source;
+    move(indices, offsets) places some anew. w[i] is a Weight (for
+    WeightBatch); .handles is the ctypes array of vp_weight_t."""
 
     _kind = "weights"
 
@@ -225,6 +226,30 @@ class Weights(Handle):
         if not self._keep:
             self._keep = [None] * len(self._alive)
         self._keep[i] = src
+
+    def move(self, indices, offsets):
+        """vp_weights_move(): weight indices[k] goes to VBAR offset
+        offsets[k]. One whose offset changes is filled anew at its next
+        acquire; one left where it is keeps its fill (a resident weight
+        costs no copy). Prefetch then follows `indices` in that order,
+        then the others. All or nothing (BusyError while one is
+        acquired)."""
+        indices, offsets = list(indices), list(offsets)
+        n = len(indices)
+        if len(offsets) != n:
+            raise _einval("vp_weights_move: %d weights but %d offsets"
+                          % (n, len(offsets)))
+        hs = self._handle()
+        for i in indices:
+            if not self._alive[i]:
+                raise closed_error("weight %d of this vpager.Weights" % i)
+        check(C.vp_weights_move(self.vbar._handle(), n,
+                                (vp_weight_t * n)(*[hs[i] for i in indices]),
+                                (_c_u64 * n)(*offsets)))
+        new = list(self.offsets)
+        for i, off in zip(indices, offsets):
+            new[i] = off
+        self.offsets = tuple(new)
 
     def set_window(self, i, nbytes):
         """vp_weight_set_lookahead() of weight i: the prefetch after an

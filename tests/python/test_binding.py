@@ -615,6 +615,33 @@ def test_weight_set_source():
         raises(vpager.Error, ws.set_source, 0, a)
 
 
+def test_weights_move():
+    """Weights.move: a weight left in place keeps its fill, a moved one is
+    filled anew at its new place (its offset reads back); a held weight
+    and unequal lists are errors."""
+    with sim() as dev:
+        vb = dev.create_vbar(6 * PAGE)
+        a, b = pattern(PAGE, 4), pattern(PAGE, 5)
+        ws = vb.create_weights([0, PAGE], [PAGE, PAGE], [a, b])
+        batch = ws.batch()
+        batch.acquire()
+        batch.release()
+        fills = dev.stats()["weight_fills"]
+        raises(vpager.InvalidArgument, ws.move, [1], [])
+        ws.move([1, 0], [4 * PAGE, 0])
+        assert ws.offsets == (0, 4 * PAGE) and ws[1].offset == 4 * PAGE
+        ptrs = batch.acquire()
+        assert dev.stats()["weight_fills"] == fills + 1     # only weight 1
+        assert ptrs[1] == vb.base + 4 * PAGE
+        out = bytearray(PAGE)
+        dev.copy_to_host(out, ptrs[1], PAGE)
+        dev.synchronize(0)
+        assert bytes(out) == bytes(b)
+        raises(vpager.BusyError, ws.move, [1], [2 * PAGE])
+        batch.release()
+        assert ws.offsets == (0, 4 * PAGE)
+
+
 def test_weight_batch_streams():
     # WeightBatch calls C without argtypes: the stream is converted (and
     # checked) by the batch, the last one kept for the next call.
