@@ -96,6 +96,7 @@ def main():
     timed(tuner.Tuner, "_take", "take")
     timed(schedule, "simulate", "simulate")
     timed(layout.Layout, "swap", "swap")
+    timed(layout.Layout, "move", "move")
     times = []
     with torch.inference_mode():
         for i in range(a.forwards):
@@ -116,7 +117,8 @@ def main():
               a.units, "off" if h.tuner is None or h.tuner.planner is None
               else "on", steady * 1e3, worst * 1e3, worst / steady,
               {k: v for k, v in (h.schedule() or {}).items()
-               if k in ("measured", "resident_weights", "staging")}))
+               if k in ("measured", "resident_weights", "resident_bytes",
+                        "kept_bytes", "staging")}))
     h.unload()
     return 0
 

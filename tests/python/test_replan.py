@@ -3,7 +3,8 @@ take (torch grew into the room between the plan and its placement: the
 node's LoRA patches did, on the H200) keeps the forwards running on the
 ring they had, with one warning; it never fails every later forward.
 Weights given a fill (a LoRA patch computed on the device) are planned
-again at once, resident.
+again at once, resident. A placement leaves the weights it keeps
+resident where they lie: only the moved ones are copied again.
     make && PYTHONPATH=python python3 tests/python/test_replan.py
 """
 import os
@@ -21,7 +22,7 @@ torch = _runner.require_torch(__name__)
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
 from test_torch import (  # noqa: E402
-    _scheduled_mlp, _scheduled_offload, frozen_copy, mlp, no_pins)
+    K, _scheduled_mlp, _scheduled_offload, delta, frozen_copy, mlp, no_pins)
 
 
 def test_replan_failure_keeps_the_ring():
@@ -101,6 +102,85 @@ def test_a_weight_given_a_fill_is_planned_resident():
     assert torch.equal(m(x), want) and t.replans == replans + 2
     for _ in range(2):
         assert torch.equal(m(x), want)
+    assert no_pins(h)
+    h.unload()
+
+
+class _E:
+    def __init__(self, size):
+        self.size = size
+
+
+def test_kept_weights_stay_and_the_rest_fill_the_gaps():
+    """placement.place_kept: kept weights keep their offsets, the other
+    resident ones fill the gaps before and between them (next fit, at
+    the alignment) or go after them, the streamed ones start at the page
+    boundary after all of those; no two overlap. With none kept it is
+    place_resident_first's compact placement."""
+    from vpager.torch.placement import (pages_touched, place_kept,
+                                        place_resident_first)
+    page = 64 * K
+    es = [_E(n * K) for n in (10, 20, 30, 80, 50, 60, 5, 3)]
+    cur = [0, 10 * K, 30 * K, 64 * K, 104 * K, 154 * K, 214 * K, 300 * K]
+    resident = [True, True, False, True, True, False, True, True]
+    kept = [False, True, False, False, True, False, False, False]
+    offs, end = place_kept(es, resident, kept, cur, 512, page)
+    assert offs[1] == 10 * K and offs[4] == 104 * K, offs  # kept
+    assert offs[0] == 0, offs                   # the first gap
+    assert offs[3] == 154 * K, offs             # no gap holds 80K: after
+    assert offs[6] == 30 * K and offs[7] == 35 * K, offs   # the second
+    assert offs[2] == 256 * K and offs[5] == 286 * K and end == 346 * K
+    spans = sorted((o, o + e.size) for o, e in zip(offs, es))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    assert pages_touched(es, offs, resident, page) == {0, 1, 2, 3}
+    none = [False] * len(es)
+    assert place_kept(es, resident, none, cur, 512, page) == \
+        place_resident_first(es, 512, page, resident)
+
+
+def _copied(d):
+    return d["fill_bytes"] + d["prefetch_bytes"] + d["staged_bytes"] - \
+        d["prefetch_dropped_bytes"]
+
+
+def test_a_new_plan_copies_only_what_moved():
+    """The schedule is placed after the first forward, then made again
+    for a smaller and a larger room: each time the weights resident
+    before and after stay where they lie (kept_bytes), and the placing
+    forward copies no more than a steady one plus the resident weights
+    that moved; no pages are committed or evicted once steady again.
+    Outputs bitwise."""
+    m, x, want, h = _scheduled_mlp()
+    old = tuner.WATCH_EVERY
+    tuner.WATCH_EVERY = 0.0
+    keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
+            "prefetch_dropped_bytes", "pages_committed", "pages_evicted")
+    try:
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        assert 0 < h.schedule()["kept_bytes"] <= \
+            h.schedule()["resident_bytes"], h.schedule()
+        for limit in (600 * K, 900 * K):
+            lay = h.vbar_layout
+            was = {e.name: e.offset for e in lay.entries}
+            s0 = h.stats()["device"]
+            h.device.set_limit(limit)
+            assert torch.equal(m(x), want)
+            s1 = h.stats()["device"]
+            assert torch.equal(m(x), want)
+            steady = delta(h.stats()["device"], s1, *keys)
+            placing = delta(s1, s0, *keys)
+            sch = h.schedule()
+            planned = _planned(h)
+            stayed = sum(e.size for e in lay.entries if planned[e.name]
+                         and was[e.name] == e.offset)
+            assert 0 < sch["kept_bytes"] <= stayed, (sch, stayed)
+            assert _copied(placing) <= _copied(steady) + \
+                sch["resident_bytes"] - sch["kept_bytes"], (placing, steady)
+            assert steady["pages_committed"] == 0, steady
+            assert steady["pages_evicted"] == 0, steady
+    finally:
+        tuner.WATCH_EVERY = old
     assert no_pins(h)
     h.unload()
 

@@ -16,7 +16,8 @@ class ModelAccess:
     """busy(): a unit's forward or an acquired() block runs;
     may_replace(): the weights may move now (open, its device open, not
     busy); swap(entries, offsets, sources): the weights made again at new
-    offsets (Layout.swap; the model back on top of the device); scheduled():
+    offsets (Layout.swap; sources None: moved, Layout.move; the model back
+    on top of the device); scheduled():
     the VBAR's eviction order became the schedule's; hold(units): the units
     the root forward holds from now on, returns those it took (HotPath.
     set_held); held(): those units; stream(): the compute stream's handle;

@@ -68,7 +68,7 @@ class Offloaded:
     def _may_replace(self) -> bool:
         return self._is_open() and not self.hot_path.busy()
 
-    def _swap(self, entries: list, offsets: List[int], sources: list
+    def _swap(self, entries: list, offsets: List[int], sources: Optional[list]
               ) -> None:
         """Layout.swap(), then this model on top again (eviction lowered
         its watermark); if the old weights cannot be made again either,

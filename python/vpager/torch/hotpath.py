@@ -94,7 +94,7 @@ class HotPath:
         self.held = None            # WeightBatch of the held units' weights
         self.held_units = ()        # the units whose weights hold() takes
         self.holding = None         # the stream, while they are held
-        self._held_of = None        # the layout's weights `held` was made of
+        self._held_of = None        # the placement `held` was made for
         self._held_pages = []       # the VBAR pages the held weights lie in
         self._bared = []            # held units running bare, while held
         self._held_span = (0, 0)    # [lowest, highest) held address
@@ -416,9 +416,10 @@ class HotPath:
 
     def _held_batch(self):
         """The held weights' WeightBatch, made again whenever the layout
-        re-created the weights (Layout.swap: their handles changed)."""
+        re-created or moved the weights (Layout.swap, Layout.move: their
+        handles or pages changed)."""
         lay = self.layout
-        if self._held_of is not lay.weights:
+        if self._held_of is not lay.placed:
             entries = [e for u in self.held_units for e in u.entries]
             # Its own prefetch would start after the last held weight:
             # none; the acquire before each run of held units covers theirs.
@@ -436,7 +437,7 @@ class HotPath:
                 p for e in entries if e.size
                 for p in range(e.offset // page,
                                (e.offset + e.size - 1) // page + 1)})
-            self._held_of = lay.weights
+            self._held_of = lay.placed
         return self.held
 
     def _held_evicted(self):

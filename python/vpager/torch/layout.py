@@ -33,6 +33,7 @@ class Layout:
         self.hbytes = None      # sources.HostBytes: in place, FILE fds
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
         self.fill_changes = 0   # weights given or rid of a fill (patches)
+        self.placed = object()  # a new token whenever the weights move
 
     @classmethod
     def build(cls, dev, plan):
@@ -120,7 +121,10 @@ class Layout:
         for the work that may still read them), so every weight is filled
         anew when next acquired. All or nothing: on failure the old
         weights are made again (or, if even that fails, on_lost() is
-        called) and the error raised."""
+        called) and the error raised. srcs None: move() instead (nothing
+        evicted, the weights left where they lie keep their bytes)."""
+        if srcs is None:
+            return self.move(entries, offsets)
         vb = self.vbar
         old = [(e, e.offset, e.src) for e in self.entries]
         vb.free_memory(ALL)
@@ -141,7 +145,23 @@ class Layout:
             e.rview = e.hparam = None
         self.entries = entries
         self.weights = ws
+        self.placed = object()
         self.batches()
+
+    def move(self, entries, offsets):
+        """Place the weights anew without making them again
+        (vp_weights_move): entries (all of them, in the order prefetch is
+        to follow) at offsets[i]. A weight left where it lies keeps its
+        bytes if its pages are resident; a moved one is filled at its next
+        acquire. Pages are neither committed nor evicted here; the
+        weights, their batches and windows stay. All or nothing."""
+        self.weights.move([e.index for e in entries], offsets)
+        for e, off in zip(entries, offsets):
+            if e.offset != off:
+                e.offset = off
+                e.rview = e.hparam = None
+        self.entries = entries
+        self.placed = object()
 
     def reload(self, module, path, swap):
         """The weights' sources become the safetensors file at `path`

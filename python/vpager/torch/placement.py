@@ -99,12 +99,14 @@ def first_placement(entries, align, grouping, page, scheduled):
     """(offsets, VBAR bytes) of offload()'s placement: the entries in
     module order (grouped for the interleaved order), and a VBAR with room
     for any order of them (re-placement keeps the VBAR), for a schedule
-    also for its page boundary after the resident ones."""
+    also for its page boundary after the resident ones and for all the
+    weights streamed after resident ones left where they lie (place_kept:
+    address space only, no VRAM)."""
     offsets, _ = place(entries, align, grouping)
     size = vbar_bytes(entries, align)
     room = group_room(grouping, size)
     if scheduled:
-        room = max(room, 2 * page)
+        room = max(room, 2 * page) + size
     return offsets, size + room
 
 
@@ -130,6 +132,64 @@ def place_resident_first(entries, align, page, resident):
             offsets[i] = off
             off += e.size
     return offsets, off
+
+
+def place_kept(entries, resident, kept, offsets, align, page):
+    """Offsets for a scheduled layout placed anew with the least copying:
+    the entries with kept[i] (resident now, resident in the schedule) stay
+    at offsets[i], so their bytes need no copy; the other resident ones
+    go, in this order, into the gaps before and between those (next fit,
+    each at an `align` boundary) or after them; the streamed ones from the
+    next page boundary after all of those, in this order (so no page holds
+    a resident and a streamed weight). Returns (offsets, end)."""
+    out = [0] * len(entries)
+    spans = sorted((offsets[i], offsets[i] + e.size)
+                   for i, e in enumerate(entries) if kept[i])
+    gaps, top = [], 0
+    for a, b in spans:
+        if a > top:
+            gaps.append((top, a))
+        top = max(top, b)
+    most = [0] * (len(gaps) + 1)    # the largest gap from each one on
+    for g in range(len(gaps) - 1, -1, -1):
+        most[g] = max(most[g + 1], gaps[g][1] - gaps[g][0])
+    gi, pos = 0, gaps[0][0] if gaps else 0
+    for i, e in enumerate(entries):
+        if kept[i]:
+            out[i] = offsets[i]
+        elif resident[i]:
+            at = None
+            if e.size <= most[gi]:      # else no gap left can hold it
+                g, p = gi, pos
+                while g < len(gaps):
+                    a = round_up(p, align)
+                    if a + e.size <= gaps[g][1]:
+                        gi, at = g, a
+                        break
+                    g += 1
+                    p = gaps[g][0] if g < len(gaps) else 0
+            if at is not None:
+                out[i] = at
+                pos = at + e.size
+            else:
+                out[i] = round_up(top, align)
+                top = out[i] + e.size
+    off = round_up(top, page)
+    for i, e in enumerate(entries):
+        if not resident[i]:
+            off = round_up(off, align)
+            out[i] = off
+            off += e.size
+    return out, off
+
+
+def pages_touched(entries, offsets, chosen, page):
+    """The set of pages the chosen entries (chosen[i] True) touch."""
+    pages = set()
+    for e, off, c in zip(entries, offsets, chosen):
+        if c and e.size:
+            pages.update(range(off // page, (off + e.size - 1) // page + 1))
+    return pages
 
 
 def _bitrev_order(n):

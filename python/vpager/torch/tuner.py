@@ -31,13 +31,13 @@ import warnings
 
 import torch
 
-from .. import env
+from .. import PAGE_RESIDENT, env
 from ..errors import BusyError
 from ..weights import WeightBatch
 from . import planproc, schedule
 from .devices import ring_pages
-from .placement import (place_resident_first, scheduled_ranks,
-                        staging_need)
+from .placement import (pages_touched, place_kept, place_resident_first,
+                        scheduled_ranks, staging_need)
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
 SLACK = 1.5                 # a window up to this much larger is kept
@@ -231,6 +231,7 @@ class Tuner:
         # Plans made off the forward's thread (PLAN_THREAD), else None.
         self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
         self.filling = None         # (planned windows, held units) to restore
+        self.kept_bytes = 0         # resident bytes the last placement kept
 
     def install(self):
         """Measure from the next root forward on."""
@@ -246,7 +247,8 @@ class Tuner:
         (forwards measured: two, or more until their work settles),
         windows (lookahead bytes per unit, placement order, or None),
         held_units (units acquired once per inference forward:
-        HotPath.hold), rings (the ring sizes the last plan tried:
+        HotPath.hold), kept_bytes (resident bytes the last placement left
+        where they lay, not copied again), rings (the ring sizes the last plan tried:
         staging, predicted_ms, streamed_bytes)."""
         sch = self.schedule
         if sch is None:
@@ -257,6 +259,7 @@ class Tuner:
                 "resident_bytes": sch.resident_bytes,
                 "resident_weights": sum(sch.resident),
                 "held_units": len(self.model.held()),
+                "kept_bytes": self.kept_bytes,
                 "staging": self.ring, "link": self.link,
                 "planned_for": self.planned_for, "replans": self.replans,
                 "measured": self.rounds,
@@ -682,16 +685,31 @@ class Tuner:
                merged=None):
         """Place the weights for schedule `sch` with a ring of `ring`
         bytes, and fill the resident set (merged: _windows')."""
-        offsets, end = place_resident_first(flat, lay.align, dev.page_size,
-                                            sch.resident)
+        page = dev.page_size
+        offsets, end, kept = self._placement(lay, flat, sch.resident, ring)
         if end > lay.vbar.size:
             raise _NoRoom("no room in the VBAR to place the schedule")
         self.ring = ring
-        self.model.swap(flat, offsets, [e.src for e in flat])
+        npages = lay.vbar.size // page
+        runs = pages_touched(flat, offsets, sch.resident, page)
+        if kept:
+            # Weights left where they lie keep their bytes: only the pages
+            # outside the new resident runs go (ranked last, so evicted
+            # first), and only the moved weights are filled again.
+            self.model.swap(flat, offsets, None)     # Layout.move
+            lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
+                                               page, npages))
+            flags = lay.vbar.residency()
+            extra = sum(1 for p in range(npages)
+                        if flags[p] & PAGE_RESIDENT and p not in runs)
+            if extra:
+                lay.vbar.free_memory(extra * page)
+        else:
+            self.model.swap(flat, offsets, [e.src for e in flat])
+            lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
+                                               page, npages))
+        self.kept_bytes = kept
         lay.groups = None
-        lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
-                                           dev.page_size,
-                                           lay.vbar.size // dev.page_size))
         self.model.scheduled()
         self.schedule = sch
         self._windows(units, sizes, sch, ring, merged)
@@ -701,13 +719,59 @@ class Tuner:
             self._fill_ahead(units, flat, sch.resident)
         # The streamed weights miss at once (no commit tried, so nothing
         # evicted for them): the watermark just above the resident runs.
-        page = dev.page_size
-        runs = set()
-        for e, off, r in zip(flat, offsets, sch.resident):
-            if r:
-                runs.update(range(off // page, (off + e.size - 1) // page + 1))
         lay.vbar.set_watermark(len(runs) * page)
         self._log(sch, ring, units, w)
+
+    def _placement(self, lay, flat, resident, ring):
+        """(offsets, end, bytes kept in place) for a schedule's resident
+        set: the resident weights whose pages are all resident now stay
+        where they lie (placement.place_kept) if the pages the resident
+        set then takes fit the room the plan had (or the compact
+        placement's, when that is more: weights kept for their fills);
+        else the fewest of those lying last move too, down to none
+        (place_resident_first: every resident weight filled anew)."""
+        dev = lay.device
+        page = dev.page_size
+        compact = place_resident_first(flat, lay.align, page, resident)
+        if self.schedule is None and not lay.vbar.loaded_size():
+            return compact + (0,)
+        flags = lay.vbar.residency()
+        cur = [e.offset for e in flat]
+        now = [r and e.size > 0 and all(
+            flags[p] & PAGE_RESIDENT
+            for p in range(e.offset // page, (e.offset + e.size - 1) // page
+                           + 1)) for e, r in zip(flat, resident)]
+        if not any(now):
+            return compact + (0,)
+        room = (self.planned_for - ring_pages(ring, page)
+                - SPARE_PAGES * page) // page
+        room = max(room, len(pages_touched(flat, compact[0], resident,
+                                           page)))
+        last = sorted((i for i, k in enumerate(now) if k),
+                      key=lambda i: cur[i], reverse=True)
+
+        def layout(k):          # the k kept weights lying last move too
+            kept = list(now)
+            for i in last[:k]:
+                kept[i] = False
+            offs, end = place_kept(flat, resident, kept, cur, lay.align,
+                                   page)
+            fits = len(pages_touched(flat, offs, resident, page)) <= room
+            return fits, offs, end, kept
+        got = layout(0)
+        if not got[0]:
+            lo, hi = 0, len(last)       # layout(hi) is the compact one
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if layout(mid)[0]:
+                    hi = mid
+                else:
+                    lo = mid
+            got = layout(hi)
+            if not got[0]:
+                return compact + (0,)
+        _, offs, end, kept = got
+        return offs, end, sum(e.size for e, k in zip(flat, kept) if k)
 
     def _fill_ahead(self, units, flat, resident):
         """The forward after a placement fills its resident set as it runs
