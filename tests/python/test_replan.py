@@ -116,9 +116,11 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     resident ones fill the gaps before and between them (next fit, at
     the alignment) or go after them, the streamed ones start at the page
     boundary after all of those; no two overlap. With none kept it is
-    place_resident_first's compact placement."""
+    place_resident_first's compact placement. runs_smallest_first: the
+    order kept weights are given up in when they take too many pages."""
     from vpager.torch.placement import (pages_touched, place_kept,
-                                        place_resident_first)
+                                        place_resident_first,
+                                        runs_smallest_first)
     page = 64 * K
     es = [_E(n * K) for n in (10, 20, 30, 80, 50, 60, 5, 3)]
     cur = [0, 10 * K, 30 * K, 64 * K, 104 * K, 154 * K, 214 * K, 300 * K]
@@ -136,6 +138,12 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     none = [False] * len(es)
     assert place_kept(es, resident, none, cur, 512, page) == \
         place_resident_first(es, 512, page, resident)
+    # Kept weights are given up run by run, the smallest run first: e0
+    # and e1 (30K, no whole page between them), then e4 (50K), then e3
+    # (80K; more than a page from either).
+    kept = [True, True, False, True, True, False, False, False]
+    cur = [0, 10 * K, 30 * K, 200 * K, 400 * K, 0, 0, 0]
+    assert runs_smallest_first(es, cur, kept, page) == [0, 1, 4, 3]
 
 
 def _copied(d):

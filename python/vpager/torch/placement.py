@@ -183,6 +183,23 @@ def place_kept(entries, resident, kept, offsets, align, page):
     return out, off
 
 
+def runs_smallest_first(entries, offsets, chosen, page):
+    """Indices of the chosen entries, run by run, the smallest runs first:
+    a run is chosen entries that lie together (no whole page between two
+    of them). Moving a small run frees its gap's edge pages for a few
+    bytes copied: the order to give up kept weights in (place_kept)."""
+    idx = sorted((i for i, c in enumerate(chosen) if c),
+                 key=lambda i: offsets[i])
+    runs, end = [], None
+    for i in idx:
+        if end is None or offsets[i] - end >= page:
+            runs.append([])
+        runs[-1].append(i)
+        end = offsets[i] + entries[i].size
+    runs.sort(key=lambda r: sum(entries[i].size for i in r))
+    return [i for r in runs for i in r]
+
+
 def pages_touched(entries, offsets, chosen, page):
     """The set of pages the chosen entries (chosen[i] True) touch."""
     pages = set()

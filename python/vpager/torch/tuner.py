@@ -37,7 +37,7 @@ from ..weights import WeightBatch
 from . import planproc, schedule
 from .devices import ring_pages
 from .placement import (pages_touched, place_kept, place_resident_first,
-                        scheduled_ranks, staging_need)
+                        runs_smallest_first, scheduled_ranks, staging_need)
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
 SLACK = 1.5                 # a window up to this much larger is kept
@@ -747,10 +747,9 @@ class Tuner:
                 - SPARE_PAGES * page) // page
         room = max(room, len(pages_touched(flat, compact[0], resident,
                                            page)))
-        last = sorted((i for i, k in enumerate(now) if k),
-                      key=lambda i: cur[i], reverse=True)
+        last = runs_smallest_first(flat, cur, now, page)
 
-        def layout(k):          # the k kept weights lying last move too
+        def layout(k):          # the first k of those move too
             kept = list(now)
             for i in last[:k]:
                 kept[i] = False
