@@ -333,9 +333,16 @@ static uint64_t acquired_window(const vp__device_t *dev,
                            : window_of(dev, vb->use[vb->acq_index]);
 }
 
-/* The chunk of the lookahead acquires may use up before a scan tops the
- * window up: an eighth, so at least 7/8 of it stays queued ahead. */
-#define WINDOW_CHUNK(lookahead) ((lookahead) / 8)
+/* The chunk of the window acquires may use up before a scan tops it up:
+ * an eighth, so at least 7/8 of it stays queued ahead. Of what the ring
+ * holds, when the lookahead is more: a window the ring cuts short is
+ * topped up as its slots come free (a chunk of an unreachable lookahead
+ * never came free: every window's next weight missed, staged at its
+ * acquire). */
+static uint64_t window_chunk(const vp__device_t *dev, uint64_t lookahead) {
+  uint64_t ring = dev->staging ? dev->staging->size : 0;
+  return (ring && ring < lookahead ? ring : lookahead) / 8;
+}
 
 /* Weights handles of one call, on the stack when few. */
 #define FEW 64
@@ -551,7 +558,7 @@ static void refill_after_release(vp__device_t *dev, vp__vbar_t *vb) {
       vb->win_epoch != vb->epoch || vb->acq_index >= vb->nweights)
     return;
   uint64_t lookahead = acquired_window(dev, vb);
-  if (!lookahead || vb->win_freed < WINDOW_CHUNK(lookahead)) return;
+  if (!lookahead || vb->win_freed < window_chunk(dev, lookahead)) return;
   vb->win_ok = false; /* scan, whatever the window says */
   prefetch(dev, vb->use[vb->acq_index], lookahead);
 }
@@ -676,7 +683,7 @@ static const uint32_t *skip_index(vp__vbar_t *vb) {
  * chunk. */
 static bool window_holds(const vp__vbar_t *vb, const vp__weight_t *last,
                          uint64_t lookahead) {
-  uint64_t chunk = WINDOW_CHUNK(lookahead);
+  uint64_t chunk = window_chunk(vb->dev, lookahead);
   if (!vb->win_ok || vb->win_epoch != vb->epoch || vb->win_used >= chunk)
     return false;
   if (vb->win_all) return true;

@@ -265,3 +265,39 @@ TEST(lookahead_errors, TEST_ALL_BACKENDS) {
   ASSERT_RC(vp_weight_set_lookahead(m.w[0], ps), VP_EHANDLE);
   model_free(&m);
 }
+
+/* A lookahead past what the ring holds: the window the ring cuts short is
+ * topped up as its slots come free, so every streamed weight after the
+ * first is staged by prefetch ahead of its acquire, none at its acquire.
+ * (Its chunk was an eighth of the lookahead, which never came free: the
+ * window's next weight missed, every time.) */
+TEST(lookahead_past_the_ring, TEST_ALL_BACKENDS) {
+  int modes[2];
+  for (int k = 0, nk = stream_modes(ctx, modes); k < nk; k++) {
+    test_note("sim streams %s", modes[k] == VP_SIM_WORKER ? "worker" : "sync");
+    uint64_t ps;
+    vp_device_t dev = open_dev(ctx, modes[k], 64, &ps); /* a 4-page ring */
+    model_t m;
+    model_uniform(&m, dev, 2 * NW * ps, 2 * NW, ps, SRC_SCATTER, 90);
+    ASSERT_OK(vp_vbar_set_watermark(m.v, 0)); /* every weight streamed */
+    vp_stats_t st0 = {.size = sizeof st0}, st1 = {.size = sizeof st1};
+    for (int pass = 0; pass < 2; pass++)
+      for (size_t i = 0; i < 2 * NW; i++) {
+        uint64_t p = 0;
+        uint8_t f = 0;
+        if (pass == 0 && i == 1) ASSERT_OK(vp_vbar_stats(m.v, &st0));
+        ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p, &f));
+        ASSERT_TRUE(f & VP_ACQUIRED_STAGED);
+        verify_acquired(ctx, dev, 0, p, f, m.srcs[i].host, ps);
+        ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+      }
+    ASSERT_OK(vp_vbar_stats(m.v, &st1));
+    test_log("staged at acquire %" PRIu64 ", by prefetch %" PRIu64,
+             st1.staged_bytes - st0.staged_bytes,
+             st1.prefetch_bytes - st0.prefetch_bytes);
+    ASSERT_EQ_U64(st1.staged_bytes - st0.staged_bytes, 0);
+    ASSERT_OK(vp_stream_synchronize(dev, 0));
+    ASSERT_OK(vp_device_close(dev));
+    model_free(&m);
+  }
+}
