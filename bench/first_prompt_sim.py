@@ -3,8 +3,10 @@
 small units (SDXL's UNet has 794, host-bound) offloaded under a budget,
 forwards timed on the host one by one, and per forward the host time
 spent on the forward's own thread in the tuner's phases: plan (schedule.
-plan over the ring sizes; simulate inside it), place (Layout.swap: every
-weight to a new VBAR offset, its pages evicted; ranks), windows
+plan over the ring sizes; simulate inside it), place (the weights
+placed anew: Layout.move, those resident before and after left where
+they lie, or Layout.swap, every one made again, its pages evicted;
+ranks), windows
 (schedule.windows per measured forward), warm (the resident set filled
 in one stop), take (a plan from the planner's thread applied at a
 forward's start). Phases on the planner's thread are not counted.

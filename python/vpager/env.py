@@ -57,6 +57,9 @@ VARIABLES: Dict[str, Variable] = {
                                    "start)"),
     "VPAGER_HOLD": Variable("flag", "0: a schedule holds no units for the "
                             "whole forward (default 1)"),
+    "VPAGER_PLACE_EARLY": Variable("flag", "0: no placement for a schedule "
+                                   "guessed from the weights' sizes before "
+                                   "the first forward (default 1)"),
     "VPAGER_SCHEDULE_LOG": Variable("flag", "1: print each schedule made "
                                     "(default 0)"),
     "VPAGER_PROGRESS": Variable("flag", "0: no progress bar or log line "

@@ -152,9 +152,10 @@ def _copied(d):
 
 
 def test_a_new_plan_copies_only_what_moved():
-    """The schedule is placed after the first forward, then made again
-    for a smaller and a larger room: each time the weights resident
-    before and after stay where they lie (kept_bytes), and the placing
+    """The schedule is placed (before the first forward, guessed; after
+    it, measured), then made again for a smaller and a larger room: each
+    time the weights resident before and after stay where they lie
+    (kept_bytes), and the placing
     forward copies no more than a steady one plus the resident weights
     that moved; no pages are committed or evicted once steady again.
     Outputs bitwise."""
@@ -166,7 +167,7 @@ def test_a_new_plan_copies_only_what_moved():
     try:
         for _ in range(3):
             assert torch.equal(m(x), want)
-        assert 0 < h.schedule()["kept_bytes"] <= \
+        assert h.schedule()["kept_bytes"] <= \
             h.schedule()["resident_bytes"], h.schedule()
         for limit in (600 * K, 900 * K):
             lay = h.vbar_layout

@@ -229,6 +229,25 @@ def test_resident_pages_counted():
 
 
 
+def test_guess_spreads_the_streamed_bytes_evenly():
+    # Before any forward (no compute measured): the fewest streamed bytes
+    # whose resident pages fit, spread evenly over the weights' bytes;
+    # tiny weights resident; all resident when all fit.
+    sizes = [[10 * MB, 1000]] * 20
+    room = 100 * MB
+    res = S.guess(sizes, room, PAGE, 64 << 20)
+    assert S.resident_pages(sizes, res, PAGE) <= room
+    assert all(res[1::2])                               # the tiny ones
+    big = res[0::2]
+    assert 9 <= big.count(False) <= 11, flags_of(big)
+    assert all(not all(big[i:i + 3]) for i in range(0, 18)), flags_of(big)
+    assert S.guess(sizes, 1 << 30, PAGE, 64 << 20) == [True] * 40
+
+
+def flags_of(res):
+    return "".join("R" if r else "s" for r in res)
+
+
 def test_decisions_are_stable():
     # The same costs give the same schedule (the order stays across
     # forwards: it is decided once, and deterministically).

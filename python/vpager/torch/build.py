@@ -151,7 +151,8 @@ def _parts(plan: Any, lay: Layout, ds: Any, owned: bool,
     # The submodule whose forward is one step (offload(root=)): the
     # hooks that learn, record and measure go there.
     hooks = RootHooks(s.root or plan.module)
-    recorder = Recorder(lay, life.may_replace, life.swap, hooks)
+    recorder = Recorder(lay, life.may_replace, life.swap, hooks,
+                        keep_offsets=s.scheduled)
     hot = HotPath(life.owner, lay, ds, plan.target, recorder,
                   life.check_open, life.is_open)
     tune = None
@@ -184,3 +185,4 @@ def _install(parts: Parts, plan: Any) -> None:
         parts.recorder.install()
     if parts.tuner is not None:
         parts.tuner.install()
+        parts.tuner.guess()

@@ -4,7 +4,9 @@ uses them. offload() places them in module order; the module's first
 complete forward records the order in which its units run, and if that
 differs the weights are placed anew once, right after that forward (the
 VBAR, its counters and the host copy stay; the weights are made again at
-the new offsets with the same sources, so the next forward fills them)."""
+the new offsets with the same sources, so the next forward fills them).
+A scheduled model's weights are placed by its schedule (tuner.py): for
+it only the order of use changes here, nothing moves."""
 
 from .placement import place
 from .units import refuse_copy
@@ -38,15 +40,19 @@ class Recorder:
     being recorded: the units' wrappers call record() then. Recording
     starts at install(), so finish() can re-place by the order units ran
     in outside the module's forward (models whose root forward never
-    runs); replaced counts the re-placements (0 or 1)."""
+    runs); replaced counts the re-placements (0 or 1). keep_offsets: a
+    schedule places the weights (tuner.py): only the order prefetch
+    follows and the units' order change, the weights stay where they lie
+    with their bytes (Layout.move)."""
 
     __reduce_ex__ = refuse_copy   # reached from the module's hooks
 
-    def __init__(self, layout, ready, swap, hooks):
+    def __init__(self, layout, ready, swap, hooks, keep_offsets=False):
         self.layout = layout
         self.ready = ready
         self.swap = swap
         self.root_hooks = hooks
+        self.keep_offsets = keep_offsets
         self.rec = None
         self.seen = set()
         self.recording = False
@@ -94,7 +100,10 @@ class Recorder:
         lay = self.layout
         units, entries = new_order(first, lay.units, lay.entries)
         moved = [id(e) for e in entries] != [id(e) for e in lay.entries]
-        if moved:
+        if moved and self.keep_offsets:
+            self.swap(entries, [e.offset for e in entries], None)
+            self.replaced += 1
+        elif moved:
             offsets, _ = place(entries, lay.align, lay.groups)
             self.swap(entries, offsets, [e.src for e in entries])
             self.replaced += 1

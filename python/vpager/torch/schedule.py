@@ -326,6 +326,19 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
     return res
 
 
+def guess(sizes, room, page, ring, align=512):
+    """Resident flags before any forward, with no compute measured: the
+    streamed bytes spread evenly over the weights' bytes (choose()'s
+    candidate of mix 0, no head start), the fewest whose resident pages
+    fit in `room`; tiny weights resident. None if none fits."""
+    n = len(flat(sizes))
+    if resident_pages(sizes, [True] * n, page, align) <= room:
+        return [True] * n
+    least = max(s for ss in sizes for s in ss) // TINY
+    pos = _positions([1.0] * len(sizes), sizes, 0.0)
+    return _fit(sizes, pos, room, page, ring, 0, align, least)
+
+
 def _best(work, sizes, room, page, link, ring, per_copy, align, least,
           keep=None):
     """choose()'s fastest candidate, None if none fits."""

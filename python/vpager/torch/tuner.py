@@ -1,5 +1,10 @@
 """The measured forward and the schedule applied (schedule.py decides).
 
+Before any forward, when the weights do not all fit, offload() places
+them for a schedule guessed from their sizes (guess(): the measured one
+keeps that placement unless it predicts a clear gain, and a placement
+anew leaves the weights both keep resident where they lie, _placement).
+
 The module's first complete forward (not inside acquired(), not one that
 raised) is measured: a mark before and after each unit's acquire (CUDA:
 timing events on the compute stream, so the acquire's wait for copies
@@ -100,6 +105,12 @@ PLAN_THREAD = "VPAGER_PLAN_THREAD"
 # streamed ones; the planned windows (and the held units, whose batch
 # would fill at the forward's start) come back at the next forward's.
 FILL_UNITS = 2
+# Before the first forward, when the weights do not all fit, a schedule
+# planned from a model of the costs places them (Tuner.guess): each unit
+# computes GUESS times as long as its weights take to copy (H200: a
+# Flux-class DiT step ~0.5, an SDXL UNet at 1024^2 ~2; decoding far less).
+GUESS = 1.0
+PLACE_EARLY = "VPAGER_PLACE_EARLY"      # =0: no placement before a forward
 
 
 def measure_link(index):
@@ -232,10 +243,98 @@ class Tuner:
         self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
         self.filling = None         # (planned windows, held units) to restore
         self.kept_bytes = 0         # resident bytes the last placement kept
+        self.guessed = False        # self.schedule is guess()'s
+        self.guess_order = []       # id() of its weights, in its order
 
     def install(self):
         """Measure from the next root forward on."""
         self.root_hooks.set("measure", pre=self._begin, post=self._end)
+
+    def guess(self):
+        """Before any forward, when the weights do not all fit the room:
+        the placement of a schedule from a model of the costs (streaming
+        spread evenly over the bytes, schedule.guess; windows for units
+        that compute GUESS times their copy time), made as a measured
+        one's is (the resident set together at the VBAR's start, ranked
+        first, the watermark above it, each unit's window), no units
+        held. The first forwards (the cold measured one, those run while
+        the planner works) then fill a resident set and keep it, instead
+        of paging the whole model through the interleaved order, and the
+        measured schedule's placement leaves what the two share where it
+        lies (place_kept). schedule() stays None until a measured one.
+        True if it placed; a failure leaves offload()'s placement
+        (warned). VPAGER_PLACE_EARLY=0 turns it off."""
+        if not env.flag(PLACE_EARLY, True):
+            return False
+        try:
+            return self._guess()
+        except Exception as e:      # noqa: BLE001 (outputs stay right)
+            warnings.warn("vpager.torch: no placement before the first "
+                          "forward (%s: %s); the measured schedule's comes "
+                          "after it" % (type(e).__name__, e), RuntimeWarning)
+            return False
+
+    def _guess(self):
+        lay = self.layout
+        dev = lay.device
+        page = dev.page_size
+        self._measure_link()
+        units, _, sizes, flat = self._costs({})
+        total = dev.info()["budget"]
+        ring = dev.options["staging_size"]
+        every = schedule.resident_pages(sizes, [True] * len(flat), page,
+                                        lay.align)
+        if not flat or every + ring_pages(ring, page) <= total:
+            return False        # all fit: the measured plan keeps them all
+        room = total - ring_pages(ring, page) - SPARE_PAGES * page
+        resident = schedule.guess(sizes, room, page, ring, lay.align)
+        if resident is None or not any(resident):
+            return False
+        offsets, end = place_resident_first(flat, lay.align, page, resident)
+        if end > lay.vbar.size:
+            return False
+        self.model.swap(flat, offsets, None)    # nothing resident yet
+        lay.groups = None
+        lay.vbar.set_ranks(scheduled_ranks(flat, offsets, resident, page,
+                                           lay.vbar.size // page))
+        lay.vbar.set_watermark(
+            len(pages_touched(flat, offsets, resident, page)) * page)
+        work = [GUESS * sum(ss) / self.link for ss in sizes]
+        eff = int(ring * schedule.FRAGMENTATION)
+        wins = schedule.windows(work, sizes, resident, self.link, eff,
+                                PER_COPY, MARGIN)
+        if self.windows:        # as _windows sets them
+            for u, win in zip(units, smooth(wins)):
+                if u is not None:
+                    u.window = win
+            lay.set_windows(units)
+        self.model.scheduled()
+        # The schedule in place: the first measured plan keeps its
+        # resident set unless it predicts a clear gain (apply()).
+        self.schedule = schedule.Schedule(
+            resident, wins,
+            schedule.simulate(work, sizes, resident, self.link, eff,
+                              PER_COPY),
+            sum(e.size for e, r in zip(flat, resident) if not r),
+            schedule.resident_pages(sizes, resident, page, lay.align),
+            float(sum(work)))
+        self.ring, self.planned_for, self.guessed = ring, total, True
+        self.guess_order = [id(e) for e in flat]
+        return True
+
+    def _old(self):
+        """self.schedule, its resident flags in the weights' order now:
+        guess()'s were in offload()'s order, which the re-placement in
+        the order of use (replace.py) may have changed since."""
+        sch = self.schedule
+        if sch is None or not self.guessed:
+            return sch
+        was = dict(zip(self.guess_order, sch.resident))
+        res = [was.get(id(e), False) for e in self._costs({})[3]]
+        if res == sch.resident:
+            return sch
+        return schedule.Schedule(res, sch.window, sch.predicted, sch.streamed,
+                                 sch.resident_bytes, sch.all_resident)
 
     def describe(self):
         """Offloaded.schedule(): None before the first schedule, else
@@ -251,7 +350,7 @@ class Tuner:
         where they lay, not copied again), rings (the ring sizes the last plan tried:
         staging, predicted_ms, streamed_bytes)."""
         sch = self.schedule
-        if sch is None:
+        if sch is None or self.guessed:
             return None
         return {"predicted_ms": sch.predicted * 1e3,
                 "all_resident_ms": sch.all_resident * 1e3,
@@ -480,7 +579,7 @@ class Tuner:
         self._measure_link()
         units, _, sizes, flat = self._costs({})
         need = max(staging_need(u.entries) for u in lay.units)
-        old = self.schedule
+        old = self._old()
         self.fills_planned = lay.fill_changes
         return {"units": units, "sizes": sizes, "keep": _keep(flat),
                 "total": dev.info()["budget"],
@@ -627,7 +726,7 @@ class Tuner:
         sch, ring = self.plan(w, sizes, need, planned=planned,
                               keep=_keep(flat))
         merged = planned.merged(sch) if planned is not None else None
-        old = self.schedule
+        old = self._old()
         if room_changed and old is not None and ring == self.ring and \
                 sch.resident == old.resident:
             return                  # the same plan: nothing to move
@@ -654,7 +753,7 @@ class Tuner:
                 sch = schedule.Schedule(
                     old.resident, base, t_old, old.streamed,
                     old.resident_bytes, float(sum(w)))
-                self.schedule = sch
+                self.schedule, self.guessed = sch, False
                 self._windows(units, sizes, sch, self.ring, merged)
                 self._log(sch, self.ring, units, w)
                 return
@@ -711,7 +810,7 @@ class Tuner:
         self.kept_bytes = kept
         lay.groups = None
         self.model.scheduled()
-        self.schedule = sch
+        self.schedule, self.guessed = sch, False
         self._windows(units, sizes, sch, ring, merged)
         if self.planner is None:
             self.warm(flat, sch.resident, ring, max(sch.window or [0]))
