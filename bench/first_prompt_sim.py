@@ -14,6 +14,7 @@ forward's start). Phases on the planner's thread are not counted.
     make && PYTHONPATH=python python3 bench/first_prompt_sim.py
     ... --units 800 --forwards 10 --plan-thread 0     # the old way
     ... --device cuda --units 800                     # on a GPU (width 1024)
+    ... --place-early 0          # no placement before the first forward
 
 Prints one line per forward (ms, phases), then the worst forward after
 the first over the median of the last half (the issue's target: <= 1.1).
@@ -51,10 +52,14 @@ def main():
                     help="budget as a share of the weights (0.6)")
     ap.add_argument("--plan-thread", choices=("0", "1"), default=None,
                     help="VPAGER_PLAN_THREAD (default: as set, else 1)")
+    ap.add_argument("--place-early", choices=("0", "1"), default=None,
+                    help="VPAGER_PLACE_EARLY (default: as set, else 1)")
     ap.add_argument("--device", default="sim", help="sim or cuda")
     a = ap.parse_args()
     if a.plan_thread is not None:
         os.environ["VPAGER_PLAN_THREAD"] = a.plan_thread
+    if a.place_early is not None:
+        os.environ["VPAGER_PLACE_EARLY"] = a.place_early
     import torch
     from torch import nn
     import vpager.torch as vt
@@ -99,25 +104,38 @@ def main():
     timed(schedule, "simulate", "simulate")
     timed(layout.Layout, "swap", "swap")
     timed(layout.Layout, "move", "move")
-    times = []
+    times, copies = [], []
+
+    def copied():       # bytes copied to the device so far
+        d = h.stats()["device"]
+        return (d["fill_bytes"] + d["prefetch_bytes"] + d["staged_bytes"]
+                - d["prefetch_dropped_bytes"])
     with torch.inference_mode():
         for i in range(a.forwards):
             spent.clear()
+            c = copied()
             t = time.perf_counter()
             m(x)
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t
             times.append(dt)
-            print("forward %d: %.1f ms  %s" % (i + 1, dt * 1e3, "  ".join(
-                "%s %.1f" % (k, v * 1e3) for k, v in sorted(
-                    spent.items(), key=lambda kv: -kv[1]))), flush=True)
+            copies.append(copied() - c)
+            print("forward %d: %.1f ms, %.2f MB copied  %s" % (
+                i + 1, dt * 1e3, copies[-1] / 1e6, "  ".join(
+                    "%s %.1f" % (k, v * 1e3) for k, v in sorted(
+                        spent.items(), key=lambda kv: -kv[1]))), flush=True)
     steady = statistics.median(times[len(times) // 2:])
     worst = max(times[1:])
-    print("units %d, planner thread %s: steady %.1f ms, worst after the "
-          "first %.1f ms = %.2f x (target <= 1.1); schedule %s" % (
+    print("most copied by a forward after the first %.2f MB = %.2f x the "
+          "last one's" % (max(copies[1:]) / 1e6,
+                          max(copies[1:]) / max(copies[-1], 1)))
+    print("units %d, planner thread %s, placed early %s: steady %.1f ms, "
+          "worst after the first %.1f ms = %.2f x (target <= 1.1); "
+          "schedule %s" % (
               a.units, "off" if h.tuner is None or h.tuner.planner is None
-              else "on", steady * 1e3, worst * 1e3, worst / steady,
+              else "on", os.environ.get("VPAGER_PLACE_EARLY", "1"),
+              steady * 1e3, worst * 1e3, worst / steady,
               {k: v for k, v in (h.schedule() or {}).items()
                if k in ("measured", "resident_weights", "resident_bytes",
                         "kept_bytes", "staging")}))

@@ -120,7 +120,7 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     order kept weights are given up in when they take too many pages."""
     from vpager.torch.placement import (pages_touched, place_kept,
                                         place_resident_first,
-                                        runs_smallest_first)
+                                        runs_smallest_first, scheduled_ranks)
     page = 64 * K
     es = [_E(n * K) for n in (10, 20, 30, 80, 50, 60, 5, 3)]
     cur = [0, 10 * K, 30 * K, 64 * K, 104 * K, 154 * K, 214 * K, 300 * K]
@@ -135,6 +135,10 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     spans = sorted((o, o + e.size) for o, e in zip(offs, es))
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
     assert pages_touched(es, offs, resident, page) == {0, 1, 2, 3}
+    # The ranks: every page a resident weight touches under the
+    # watermark (the pages they take), wherever in its run it lies.
+    ranks = scheduled_ranks(es, offs, resident, page, end // page + 1)
+    assert set(ranks[:4]) == {0, 1, 2, 3}, ranks
     none = [False] * len(es)
     assert place_kept(es, resident, none, cur, 512, page) == \
         place_resident_first(es, 512, page, resident)
@@ -186,6 +190,9 @@ def test_a_new_plan_copies_only_what_moved():
             assert 0 < sch["kept_bytes"] <= stayed, (sch, stayed)
             assert _copied(placing) <= _copied(steady) + \
                 sch["resident_bytes"] - sch["kept_bytes"], (placing, steady)
+            # Steady: only the streamed weights are copied (a resident
+            # one ranked past the watermark would be staged every time).
+            assert _copied(steady) <= sch["streamed_bytes"], (steady, sch)
             assert steady["pages_committed"] == 0, steady
             assert steady["pages_evicted"] == 0, steady
     finally:

@@ -223,18 +223,19 @@ def _bitrev_order(n):
 
 def scheduled_ranks(entries, offsets, resident, page, npages):
     """vp_vbar_set_ranks' pages for a scheduled layout: the pages of the
-    resident runs (consecutive resident entries) first, whole runs, the
-    runs in bit-reversed order so that a budget that shrinks takes
-    resident weights evenly from the whole model; then the streamed
+    resident runs (consecutive resident entries, in order) first, whole
+    runs, the runs in bit-reversed order so that a budget that shrinks
+    takes resident weights evenly from the whole model; then the streamed
     weights' pages in order, then the pages no weight touches. A page
-    shared by two runs goes with the one ranked first."""
+    shared by two runs goes with the one ranked first. A run's entries
+    need not lie together (place_kept): each one's own pages count."""
     runs, cur = [], None
     for e, off, r in zip(entries, offsets, resident):
         if r:
             if cur is None:
-                cur = [off // page, (off + e.size - 1) // page]
+                cur = []
                 runs.append(cur)
-            cur[1] = (off + e.size - 1) // page
+            cur.append((off // page, (off + e.size - 1) // page))
         else:
             cur = None
     order, seen = [], bytearray(npages)
@@ -245,7 +246,8 @@ def scheduled_ranks(entries, offsets, resident, page, npages):
                 seen[p] = 1
                 order.append(p)
     for i in _bitrev_order(len(runs)):
-        take(*runs[i])
+        for p0, p1 in runs[i]:
+            take(p0, p1)
     for e, off, r in zip(entries, offsets, resident):
         if not r:
             take(off // page, (off + e.size - 1) // page)
