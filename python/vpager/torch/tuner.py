@@ -702,14 +702,17 @@ class Tuner:
         ring, sch = schedule.pick_ring(self.rings)
         return sch, ring
 
-    def _fits(self, sch, sizes):
-        """True if sch's resident set fits the budget planned for now,
-        beside the ring it has (as plan() counts room)."""
+    def _fits(self, sch):
+        """True if sch's resident set, where it lies now (placed for it),
+        fits the budget planned for now beside the ring it has (as plan()
+        counts room; a placement that kept weights in place may take more
+        pages than the compact one plan() counts)."""
         page = self.layout.device.page_size
         room = (self.planned_for - ring_pages(self.ring, page)
                 - SPARE_PAGES * page)
-        return schedule.resident_pages(sizes, sch.resident, page,
-                                       self.layout.align) <= room
+        flat = self._costs({})[3]
+        return len(pages_touched(flat, [e.offset for e in flat],
+                                 sch.resident, page)) * page <= room
 
     def apply(self, work, room_changed=False, planned=None):
         """Plan from the per-unit work (planned: the planner's candidates
@@ -728,10 +731,10 @@ class Tuner:
         merged = planned.merged(sch) if planned is not None else None
         old = self._old()
         if room_changed and old is not None and ring == self.ring and \
-                sch.resident == old.resident:
+                sch.resident == old.resident and self._fits(old):
             return                  # the same plan: nothing to move
         if old is not None and not room_changed and ring == self.ring \
-                and self._fits(old, sizes):
+                and self._fits(old):
             # Measured again, the same ring: place anew only for a clear
             # gain (2%), else keep the placement (if it still fits the
             # budget: torch's activations may have taken some since) and
