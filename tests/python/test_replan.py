@@ -4,7 +4,8 @@ node's LoRA patches did, on the H200) keeps the forwards running on the
 ring they had, with one warning; it never fails every later forward.
 Weights given a fill (a LoRA patch computed on the device) are planned
 again at once, resident. A placement leaves the weights it keeps
-resident where they lie: only the moved ones are copied again.
+resident where they lie: only the moved ones are copied again. A model
+back on top of a shared device keeps its schedule's watermark.
     make && PYTHONPATH=python python3 tests/python/test_replan.py
 """
 import os
@@ -22,7 +23,9 @@ torch = _runner.require_torch(__name__)
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
 from test_torch import (  # noqa: E402
-    K, _scheduled_mlp, _scheduled_offload, delta, frozen_copy, mlp, no_pins)
+    K, PAGE, _scheduled_mlp, _scheduled_offload, delta, frozen_copy, mlp,
+    no_pins, sim_opts)
+import vpager.torch as vt  # noqa: E402
 
 
 def test_replan_failure_keeps_the_ring():
@@ -199,6 +202,47 @@ def test_a_new_plan_copies_only_what_moved():
         tuner.WATCH_EVERY = old
     assert no_pins(h)
     h.unload()
+
+
+def test_two_scheduled_models_take_turns_within_their_schedules():
+    """Two scheduled models on one device that holds neither whole run in
+    turns: each one's forward puts it back on top of the device, its
+    watermark lifted only to its schedule's resident runs (Layout.on_top),
+    so its streamed weights still go through the ring: a forward commits
+    no more pages than its resident set takes and copies each weight at
+    most once (the whole VBAR's watermark had it commit pages for its
+    streamed weights too, evicting its own: 23 pages and 2.71 MB a
+    forward for this 2.19 MB model). Outputs bitwise."""
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    dev = vt.open_device("sim", budget=1400 * K, staging_size=320 * K,
+                         **opts)
+    keys = ("pages_committed", "fill_bytes", "prefetch_bytes",
+            "staged_bytes", "prefetch_dropped_bytes")
+    try:
+        a, b = mlp(depth=8, seed=1), mlp(depth=8, seed=2)
+        x = torch.randn(8, 64)
+        wa, wb = frozen_copy(a)(x), frozen_copy(b)(x)
+        ha = vt.offload(a, dev=dev, schedule=True)
+        hb = vt.offload(b, dev=dev, schedule=True)
+        with torch.no_grad():
+            for i in range(5):
+                for h, m, want in ((ha, a, wa), (hb, b, wb)):
+                    s0 = h.stats()["device"]
+                    assert torch.equal(m(x), want)
+                    d = delta(h.stats()["device"], s0, *keys)
+                    sch = h.schedule()
+                    if i < 2 or sch is None:
+                        continue        # measured, placed
+                    assert h.vbar.get_watermark() * PAGE <= \
+                        h.vbar_layout.watermark, i
+                    assert d["pages_committed"] * PAGE <= \
+                        sch["resident_bytes"], (i, d, sch)
+                    assert _copied(d) <= h.weight_bytes, (i, d)
+        ha.unload()
+        hb.unload()
+    finally:
+        dev.close()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ class Offloaded:
         its watermark); if the old weights cannot be made again either,
         the handle is closed."""
         self.vbar_layout.swap(entries, offsets, sources, self.close)
-        self.vbar.prioritize()
+        self.vbar_layout.on_top()
         self._ds.top = self
 
     def _scheduled(self) -> None:
@@ -208,7 +208,7 @@ class Offloaded:
         """Move this model's VBAR to the top of the device's priority list
         (done automatically when its forward starts after another model's)."""
         self._check_open()
-        self.vbar.prioritize()
+        self.vbar_layout.on_top()
         self._ds.top = self
 
     @contextlib.contextmanager

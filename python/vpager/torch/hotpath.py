@@ -237,7 +237,7 @@ class HotPath:
                     "module, then offload again" % e.name)
         ds = self.ds
         if ds.top is not self.owner:
-            self.vbar.prioritize()
+            self.layout.on_top()
             ds.top = self.owner
         stream = self.stream()
         batch = unit.batch      # its prefetch: its weights' window (tuner)
@@ -487,7 +487,7 @@ class HotPath:
             return False
         ds = self.ds
         if ds.top is not self.owner:    # as enter() does
-            self.vbar.prioritize()
+            self.layout.on_top()
             ds.top = self.owner
         stream = self.stream()
         fills = any(e.fill is not None for e in self._held_entries)

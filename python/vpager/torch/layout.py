@@ -34,6 +34,7 @@ class Layout:
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
         self.fill_changes = 0   # weights given or rid of a fill (patches)
         self.placed = object()  # a new token whenever the weights move
+        self.watermark = None   # bytes: a schedule's (on_top keeps it)
 
     @classmethod
     def build(cls, dev, plan):
@@ -106,6 +107,16 @@ class Layout:
             if u is not None:
                 for e in u.entries:
                     ws.set_window(e.index, u.window)
+
+    def on_top(self):
+        """The VBAR to the top of the device's priority list
+        (vp_vbar_prioritize), its watermark lifted to the schedule's
+        (self.watermark: the resident runs, so the streamed weights still
+        miss at once, staged through the ring, and take no other model's
+        pages) or, unscheduled, to the whole VBAR."""
+        self.vbar.prioritize()
+        if self.watermark is not None:
+            self.vbar.set_watermark(self.watermark)
 
     def set_source(self, e, src):
         """Entry e's weight takes its bytes from `src` from now on

@@ -297,8 +297,9 @@ class Tuner:
         lay.groups = None
         lay.vbar.set_ranks(scheduled_ranks(flat, offsets, resident, page,
                                            lay.vbar.size // page))
-        lay.vbar.set_watermark(
-            len(pages_touched(flat, offsets, resident, page)) * page)
+        lay.watermark = len(pages_touched(flat, offsets, resident,
+                                          page)) * page
+        lay.vbar.set_watermark(lay.watermark)
         work = [GUESS * sum(ss) / self.link for ss in sizes]
         eff = int(ring * schedule.FRAGMENTATION)
         wins = schedule.windows(work, sizes, resident, self.link, eff,
@@ -811,6 +812,11 @@ class Tuner:
             lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
                                                page, npages))
         self.kept_bytes = kept
+        # The streamed weights miss at once (no commit tried, so nothing
+        # evicted for them): the watermark just above the resident runs,
+        # before the resident set is filled (warm, _fill_ahead).
+        lay.watermark = len(runs) * page
+        lay.vbar.set_watermark(lay.watermark)
         lay.groups = None
         self.model.scheduled()
         self.schedule, self.guessed = sch, False
@@ -819,9 +825,6 @@ class Tuner:
             self.warm(flat, sch.resident, ring, max(sch.window or [0]))
         else:
             self._fill_ahead(units, flat, sch.resident)
-        # The streamed weights miss at once (no commit tried, so nothing
-        # evicted for them): the watermark just above the resident runs.
-        lay.vbar.set_watermark(len(runs) * page)
         self._log(sch, ring, units, w)
 
     def _placement(self, lay, flat, resident, ring):
