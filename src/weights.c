@@ -313,15 +313,12 @@ int vp_weights_move(vp_vbar_t h, size_t n, const vp_weight_t *w,
   int rc = vp__vbar_enter(h, &vb);
   if (rc) return rc;
   vp__device_t *dev = vb->dev;
-  if (n > vb->nweights)
-    return vp__unlock(dev, vp__err(VP_EINVAL, "%zu weights listed, the VBAR "
-                                   "has %u", n, vb->nweights));
   int shift = dev->page_shift;
   vp__weight_t **ws = calloc(n, sizeof *ws), **use = NULL;
   uint32_t **gens = calloc(n, sizeof *gens);
   bool *moved = calloc(n, sizeof *moved);
   if (vp__inject_fail(&dev->inject) || !ws || !gens || !moved ||
-      !(use = malloc(vb->nweights * sizeof *use))) {
+      !(use = malloc((vb->nweights ? vb->nweights : 1) * sizeof *use))) {
     rc = vp__err(VP_ENOMEM, "no memory to move %zu weights", n);
     goto out;
   }

@@ -557,7 +557,7 @@ enum {
    * (OP_SET_SOURCE + (byte - 31) % their count). Every other byte decodes
    * as it always did (byte % OP_COUNT), so older inputs, the findings'
    * among them, replay as they did. */
-  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_SET_WINDOW, OP_ALL
+  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_SET_WINDOW, OP_MOVE, OP_ALL
 };
 #define OP_EXT_SPAN 8
 
@@ -1595,6 +1595,51 @@ static void s_recreate(fz_reader_t *r) {
   acquire_after(k, var, g.nW - 1);
 }
 
+/* vp_weights_move of one weight (pick_target) to, by var >> 5: 0 its own
+ * offset (it keeps its fill), 1 past its VBAR (VP_ERANGE), else an offset
+ * below the VBAR's scratch tail from a (VP_EINVAL where another live
+ * weight lies). VP_EBUSY while held, VP_EHANDLE once it (or its VBAR) is
+ * destroyed: nothing changes then. Moved, its next acquire copies
+ * (COPIED; a NONE weight's bytes there were never written: EMPTY), as
+ * after a new source. var bit 4: acquire_after. */
+static void s_move(fz_reader_t *r) {
+  uint8_t k = fz_u8(r), var = fz_u8(r);
+  uint16_t a = fz_u16(r);
+  int wi = pick_target(k, var);
+  if (wi < 0 || skip_set_source) return;
+  fweight_t *w = &g.W[wi];
+  fvbar_t *b = &g.V[w->v];
+  uint64_t off = w->off;
+  if (var >> 5 == 1) {
+    off = b->size + a % 64;
+  } else if (var >> 5) {
+    if (w->size > b->wlimit) return;
+    off = ((uint64_t)a * 16) % (b->wlimit - w->size + 1);
+  }
+  bool overlap = false;
+  for (int i = 0; i < g.nW; i++) {
+    const fweight_t *o = &g.W[i];
+    if (i != wi && o->live && o->v == w->v && o->off < off + w->size &&
+        off < o->off + o->size)
+      overlap = true;
+  }
+  int want = !b->live || !w->live ? VP_EHANDLE
+             : holds_total(w) ? VP_EBUSY
+             : off >= b->size || w->size > b->size - off ? VP_ERANGE
+             : overlap ? VP_EINVAL : VP_OK;
+  int rc = FZ_CALL(false, vp_weights_move(b->h, 1, &w->h, &off),
+                   "v%d, w%d to %llu", w->v, wi, (unsigned long long)off);
+  if (!expect_rc("vp_weights_move", rc, want) || rc) return;
+  if (off != w->off) {
+    w->off = off;
+    pages_of(w->off, w->size, &w->p0, &w->p1);
+    source_changed(w, w->kind, w->aoff);
+    if (b->cursor < off + w->size) /* new weights go after it */
+      b->cursor = off + w->size;
+  }
+  acquire_after(k, var, wi);
+}
+
 static void s_vbar_destroy(fz_reader_t *r) {
   int v = pick_vbar(r);
   if (v < 0) return;
@@ -1857,6 +1902,7 @@ static void run_strict(fz_reader_t *r) {
     case OP_SET_SOURCE: s_set_source(r); break;
     case OP_RECREATE: s_recreate(r); break;
     case OP_SET_WINDOW: s_set_window(r); break;
+    case OP_MOVE: s_move(r); break;
     }
     if (!g.maybe_broken) check_all();
   }
