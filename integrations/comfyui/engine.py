@@ -6,10 +6,12 @@ vpager.torch does the paging: its units (here: the ComfyUI ops the
 patcher chose, through offload(tensors=)), the wrapped forwards (one
 vp_acquire per op, the op's parameters views of the returned addresses,
 ComfyUI's op computing on them, casting on the GPU when the stored dtype
-is not the compute dtype), the placement (interleaved, then in execution
-order after the first forward of the diffusion model: offload(root=)),
-the copy schedule (measured unit times: the resident set, the prefetch
-windows; offload(schedule=True) on the shared device), the OOM retry
+is not the compute dtype), the placement (for a schedule guessed from
+the weights' sizes when they do not fit, before the first forward; the
+order of use recorded in the first forward of the diffusion model:
+offload(root=)), the copy schedule (measured unit times: the resident
+set, the prefetch windows; offload(schedule=True) on the shared device),
+the OOM retry
 and the ledger. With offload(outside="host") a parameter holds a CPU
 tensor with its (unpatched) bytes outside its op's forward, as under
 ComfyUI's own dynamic loading.
