@@ -348,8 +348,8 @@ class Tuner:
         windows (lookahead bytes per unit, placement order, or None),
         held_units (units acquired once per inference forward:
         HotPath.hold), kept_bytes (resident bytes the last placement left
-        where they lay, not copied again), rings (the ring sizes the last plan tried:
-        staging, predicted_ms, streamed_bytes)."""
+        where they lay, not copied again), rings (the ring sizes the last
+        plan tried: staging, predicted_ms, streamed_bytes)."""
         sch = self.schedule
         if sch is None or self.guessed:
             return None
@@ -833,8 +833,9 @@ class Tuner:
         where they lie (placement.place_kept) if the pages the resident
         set then takes fit the room the plan had (or the compact
         placement's, when that is more: weights kept for their fills);
-        else the fewest of those lying last move too, down to none
-        (place_resident_first: every resident weight filled anew)."""
+        else the fewest of them move too, run by run, the smallest runs
+        first (runs_smallest_first), down to none (place_resident_first:
+        every resident weight filled anew)."""
         dev = lay.device
         page = dev.page_size
         compact = place_resident_first(flat, lay.align, page, resident)
