@@ -2305,6 +2305,19 @@ static void w_vbar_misc(fz_reader_t *r) {
     break;
   case 14: W(false, vp_vbar_destroy(v), "0x%llx", X(v.id)); break;
   default: {
+    if (b & 0x80) { /* vp_weights_move: any handles, offsets, NULLs */
+      static vp_weight_t ws[72];
+      static uint64_t offs[72];
+      size_t n = pick_n(r);
+      for (size_t i = 0; i < n; i++) {
+        ws[i].id = pick_id(r, &wl.w);
+        offs[i] = pick_size(r);
+      }
+      W(false, vp_weights_move(v, n, (b & 0x20) ? NULL : ws,
+                               (b & 0x40) ? NULL : offs),
+        "0x%llx, %zu", X(v.id), n);
+      break;
+    }
     vp_weight_t w = {pick_id(r, &wl.w)};
     if (!(b & 0x10)) {
       if (b & 0x40)
