@@ -70,6 +70,36 @@ def test_switch_option():
         cr.inputs_line(a)
 
 
+def test_a_late_node_run():
+    """A run named node<budget>late: the node's child under that budget
+    with VPAGER_PLACE_EARLY=0 (the first prompt placed after the first
+    forward, beside the default in one run)."""
+    ns, _ = _bench()
+    gen = {"bytes": 8 * GiB}
+    assert ns["budget_of"]("node8late", gen) == ns["budget_of"]("node8", gen)
+    assert ns["budget_of"]("node8late", gen) == ("8", 8 * GiB)
+    seen = {}
+
+    class _Cr:
+        def common_args(self, a):
+            return []
+
+        def child_env(self, a, more=()):
+            return {"X": "1"}
+
+        def spawn(self, cmd, env, log, timeout, run, cgroup):
+            seen[run] = (cmd, env)
+            return {}
+
+    class _A:
+        cgroup_gib = None
+    for run in ("node8", "node8late"):
+        ns["run_node_child"](_Cr(), _A(), run, "8", "ck", "log", 1)
+    assert seen["node8late"][1].get("VPAGER_PLACE_EARLY") == "0"
+    assert "VPAGER_PLACE_EARLY" not in seen["node8"][1]
+    assert seen["node8late"][0][-4:] == ["--tag", "node8late", "--ckpt", "ck"]
+
+
 def test_switch_prompts_alternate():
     """Two patchers: first0, second0, first1, second1 (--reps of each)."""
     _, cr = _bench()
