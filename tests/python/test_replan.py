@@ -204,6 +204,55 @@ def test_a_new_plan_copies_only_what_moved():
     h.unload()
 
 
+def test_fills_planned_again_move_only_the_patched_weights():
+    """300 layers of weights smaller than a page, a schedule in place;
+    20 streamed weights are given a fill (a LoRA): the plan made again
+    keeps them resident and is the resident set nearest the one in place
+    (Tuner._nearest), so its placement leaves nearly all of that where it
+    lies (it refilled all of it: every patched weight's fill computed
+    again) and the placing forward copies little more than a steady one
+    plus the patched weights. Outputs those of the patched model."""
+    from torch import nn
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(96, 96) for _ in range(300)]).eval()
+    x = torch.randn(4, 96)
+    ref = frozen_copy(m)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    h = vt.offload(m, device="cpu", budget=int(total * 0.6),
+                   staging_size=512 * K, **dict(sim_opts(), lookahead=None))
+    keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
+            "prefetch_dropped_bytes")
+
+    def forward(want):
+        s0 = h.stats()["device"]
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+        return _copied(delta(h.stats()["device"], s0, *keys))
+    with torch.no_grad():
+        want = ref(x)
+    for _ in range(4):
+        forward(want)
+    t = h.tuner
+    flat = t._costs({})[3]
+    streamed = [e for e, r in zip(flat, t.schedule.resident)
+                if not r and e.size > 4096]
+    patched = streamed[::len(streamed) // 20][:20]
+    for e in patched:
+        h.set_fill(e.name, lambda v: v.mul_(2))
+        ref.get_parameter(e.name).data.mul_(2)
+    with torch.no_grad():
+        want = ref(x)
+    placing = forward(want)             # planned again at its start
+    steady = forward(want)
+    sch = h.schedule()
+    assert sch["replans"] == 1 and all(_planned(h)[e.name] for e in patched)
+    assert sch["kept_bytes"] >= 0.8 * sch["resident_bytes"], sch
+    assert placing <= steady + 2 * sum(e.size for e in patched), (
+        placing, steady)
+    assert no_pins(h)
+    h.unload()
+
+
 def test_two_scheduled_models_take_turns_within_their_schedules():
     """Two scheduled models on one device that holds neither whole run in
     turns: each one's forward puts it back on top of the device, its

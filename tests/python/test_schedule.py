@@ -244,6 +244,29 @@ def test_guess_spreads_the_streamed_bytes_evenly():
     assert S.guess(sizes, 1 << 30, PAGE, 64 << 20) == [True] * 40
 
 
+def test_nearest_moves_few_weights():
+    # A plan made again: the resident set nearest the old one that fits,
+    # kept weights (a LoRA's fills) resident, the best plan's streamed
+    # weights dropped first (largest first), or its resident ones added
+    # while there is room; None when the kept ones alone do not fit.
+    sizes = [[4 * PAGE]] * 10
+    old = [True] * 5 + [False] * 5
+    best = [False, True, True, True, True, True, False, False, False, False]
+    keep = [False] * 9 + [True]
+    room = 5 * 4 * PAGE + PAGE
+    near = S.nearest(old, best, sizes, room, PAGE, keep=keep)
+    assert near[9] and not near[0], flags_of(near)          # kept; dropped
+    assert near[1:5] == [True] * 4 and sum(near) == 5, flags_of(near)
+    # More room: the best plan's resident weights join, no others.
+    near = S.nearest(old, best, sizes, room + 8 * PAGE, PAGE, keep=keep)
+    assert near[:6] == [True] * 6 and sum(near) == 7, flags_of(near)
+    assert S.resident_pages(sizes, near, PAGE) <= room + 8 * PAGE
+    # Less room: dropped down to what fits, the kept weight stays.
+    near = S.nearest(old, best, sizes, 2 * 4 * PAGE + PAGE, PAGE, keep=keep)
+    assert near[9] and sum(near) == 2, flags_of(near)
+    assert S.nearest(old, best, sizes, 2 * PAGE, PAGE, keep=keep) is None
+
+
 def flags_of(res):
     return "".join("R" if r else "s" for r in res)
 

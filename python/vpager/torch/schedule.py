@@ -339,6 +339,41 @@ def guess(sizes, room, page, ring, align=512):
     return _fit(sizes, pos, room, page, ring, 0, align, least)
 
 
+def nearest(old, best, sizes, room, page, align=512, keep=None):
+    """The resident flags closest to `old` that fit in `room`: old with
+    `keep`'s weights resident, then, largest first, the weights `best`
+    streams dropped until they fit (and if that is not enough, any not
+    kept, last first), or, when there is room, those `best` keeps added
+    while they fit. A plan made again (another budget, a LoRA's fills)
+    that is about as fast this way moves few weights. None if nothing
+    fits."""
+    sz = [s for _, s in flat(sizes)]
+    res = [bool(o) or bool(keep and keep[i]) for i, o in enumerate(old)]
+    kept = keep or [False] * len(sz)
+    used = sum(_round(s, align) for s, r in zip(sz, res) if r)
+    limit = room - page         # resident_pages rounds the sum up
+    if used > limit:
+        drop = sorted((i for i, r in enumerate(res)
+                       if r and not best[i] and not kept[i]),
+                      key=lambda i: -sz[i])
+        drop += [i for i in range(len(sz) - 1, -1, -1)
+                 if res[i] and best[i] and not kept[i]]
+        for i in drop:
+            if used <= limit:
+                break
+            res[i] = False
+            used -= _round(sz[i], align)
+    else:
+        for i in sorted((i for i, b in enumerate(best) if b and not res[i]),
+                        key=lambda i: -sz[i]):
+            if used + _round(sz[i], align) <= limit:
+                res[i] = True
+                used += _round(sz[i], align)
+    if resident_pages(sizes, res, page, align) > room:
+        return None
+    return res
+
+
 def _best(work, sizes, room, page, link, ring, per_copy, align, least,
           keep=None):
     """choose()'s fastest candidate, None if none fits."""

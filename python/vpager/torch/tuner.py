@@ -111,6 +111,11 @@ FILL_UNITS = 2
 # Flux-class DiT step ~0.5, an SDXL UNet at 1024^2 ~2; decoding far less).
 GUESS = 1.0
 PLACE_EARLY = "VPAGER_PLACE_EARLY"      # =0: no placement before a forward
+# A plan made again takes the resident set nearest the one in place when
+# that is predicted at most NEAR slower (_nearest): its placement then
+# copies only the weights that changed (the same 2% a measured plan needs
+# to place anew at all).
+NEAR = 0.02
 
 
 def measure_link(index):
@@ -727,10 +732,13 @@ class Tuner:
         need = max(staging_need(u.entries) for u in lay.units)
         if planned is None:
             self.fills_planned = lay.fill_changes
-        sch, ring = self.plan(w, sizes, need, planned=planned,
-                              keep=_keep(flat))
-        merged = planned.merged(sch) if planned is not None else None
+        keep = _keep(flat)
+        sch, ring = self.plan(w, sizes, need, planned=planned, keep=keep)
         old = self._old()
+        if old is not None and ring == self.ring and \
+                sch.resident != old.resident:
+            sch = self._nearest(old, sch, w, sizes, ring, keep)
+        merged = planned.merged(sch) if planned is not None else None
         if room_changed and old is not None and ring == self.ring and \
                 sch.resident == old.resident and self._fits(old):
             return                  # the same plan: nothing to move
@@ -783,6 +791,31 @@ class Tuner:
                 dev.set_staging_size(cur)
                 self.ring = cur
             raise
+
+    def _nearest(self, old, sch, w, sizes, ring, keep):
+        """sch, or the resident set nearest old's that fits the room
+        (schedule.nearest) where that is predicted within NEAR of sch: a
+        plan made again (another budget, a LoRA's fills, a later measured
+        forward) then moves few weights, and the placement keeps the rest
+        where they lie."""
+        lay = self.layout
+        page = lay.device.page_size
+        room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
+        near = schedule.nearest(old.resident, sch.resident, sizes, room, page,
+                                lay.align, keep)
+        if near is None or near == sch.resident:
+            return sch
+        eff = int(ring * schedule.FRAGMENTATION)
+        t = schedule.simulate(w, sizes, near, self.link, eff, PER_COPY)
+        if t > sch.predicted * (1 + NEAR):
+            return sch
+        streamed = sum(s for s, r in zip((s for ss in sizes for s in ss),
+                                         near) if not r)
+        return schedule.Schedule(
+            near, schedule.windows(w, sizes, near, self.link, eff, PER_COPY,
+                                   MARGIN), t, streamed,
+            schedule.resident_pages(sizes, near, page, lay.align),
+            float(sum(w)))
 
     def _place(self, lay, dev, flat, units, w, sizes, sch, ring,
                merged=None):
