@@ -343,10 +343,10 @@ def nearest(old, best, sizes, room, page, align=512, keep=None):
     """The resident flags closest to `old` that fit in `room`: old with
     `keep`'s weights resident, then, largest first, the weights `best`
     streams dropped until they fit (and if that is not enough, any not
-    kept, last first), or, when there is room, those `best` keeps added
-    while they fit. A plan made again (another budget, a LoRA's fills)
-    that is about as fast this way moves few weights. None if nothing
-    fits."""
+    kept and not tiny, last first), or, when there is room, those `best`
+    keeps added while they fit. A plan made again (another budget, a
+    LoRA's fills) that is about as fast this way moves few weights. None
+    if nothing fits."""
     sz = [s for _, s in flat(sizes)]
     res = [bool(o) or bool(keep and keep[i]) for i, o in enumerate(old)]
     kept = keep or [False] * len(sz)
@@ -356,8 +356,9 @@ def nearest(old, best, sizes, room, page, align=512, keep=None):
         drop = sorted((i for i, r in enumerate(res)
                        if r and not best[i] and not kept[i]),
                       key=lambda i: -sz[i])
+        least = max(sz) // TINY     # (tiny weights stay, as choose's)
         drop += [i for i in range(len(sz) - 1, -1, -1)
-                 if res[i] and best[i] and not kept[i]]
+                 if res[i] and best[i] and not kept[i] and sz[i] >= least]
         for i in drop:
             if used <= limit:
                 break
