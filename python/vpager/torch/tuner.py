@@ -822,7 +822,8 @@ class Tuner:
         """Place the weights for schedule `sch` with a ring of `ring`
         bytes, and fill the resident set (merged: _windows')."""
         page = dev.page_size
-        offsets, end, kept = self._placement(lay, flat, sch.resident, ring)
+        offsets, end, stay = self._placement(lay, flat, sch.resident, ring)
+        kept = sum(e.size for e, k in zip(flat, stay) if k)
         if end > lay.vbar.size:
             raise _NoRoom("no room in the VBAR to place the schedule")
         self.ring = ring
@@ -857,23 +858,24 @@ class Tuner:
         if self.planner is None:
             self.warm(flat, sch.resident, ring, max(sch.window or [0]))
         else:
-            self._fill_ahead(units, flat, sch.resident)
+            self._fill_ahead(units, flat, sch.resident, stay)
         self._log(sch, ring, units, w)
 
     def _placement(self, lay, flat, resident, ring):
-        """(offsets, end, bytes kept in place) for a schedule's resident
-        set: the resident weights whose pages are all resident now stay
-        where they lie (placement.place_kept) if the pages the resident
-        set then takes fit the room the plan had (or the compact
-        placement's, when that is more: weights kept for their fills);
-        else the fewest of them move too, run by run, the smallest runs
-        first (runs_smallest_first), down to none (place_resident_first:
-        every resident weight filled anew)."""
+        """(offsets, end, kept: per entry, left in place with its bytes)
+        for a schedule's resident set: the resident weights whose pages
+        are all resident now stay where they lie (placement.place_kept)
+        if the pages the resident set then takes fit the room the plan
+        had (or the compact placement's, when that is more: weights kept
+        for their fills); else the fewest of them move too, run by run,
+        the smallest runs first (runs_smallest_first), down to none
+        (place_resident_first: every resident weight filled anew)."""
         dev = lay.device
         page = dev.page_size
         compact = place_resident_first(flat, lay.align, page, resident)
+        none = [False] * len(flat)
         if self.schedule is None and not lay.vbar.loaded_size():
-            return compact + (0,)
+            return compact + (none,)
         flags = lay.vbar.residency()
         cur = [e.offset for e in flat]
         now = [r and e.size > 0 and all(
@@ -881,7 +883,7 @@ class Tuner:
             for p in range(e.offset // page, (e.offset + e.size - 1) // page
                            + 1)) for e, r in zip(flat, resident)]
         if not any(now):
-            return compact + (0,)
+            return compact + (none,)
         room = (self.planned_for - ring_pages(ring, page)
                 - SPARE_PAGES * page) // page
         room = max(room, len(pages_touched(flat, compact[0], resident,
@@ -907,16 +909,18 @@ class Tuner:
                     lo = mid
             got = layout(hi)
             if not got[0]:
-                return compact + (0,)
-        _, offs, end, kept = got
-        return offs, end, sum(e.size for e, k in zip(flat, kept) if k)
+                return compact + (none,)
+        return got[1:]
 
-    def _fill_ahead(self, units, flat, resident):
+    def _fill_ahead(self, units, flat, resident, stay):
         """The forward after a placement fills its resident set as it runs
-        (FILL_UNITS): windows grown, no units held; _filled() undoes it."""
-        if not self.windows:
-            return              # the device's lookahead: nothing to grow
-        res = {id(e): r for e, r in zip(flat, resident)}
+        (FILL_UNITS): windows grown by the resident weights it moved (not
+        those it left in place, `stay`), no units held; _filled() undoes
+        it. Nothing moved: nothing to fill, the plan's windows and held
+        units at once."""
+        res = {id(e): r and not k for e, r, k in zip(flat, resident, stay)}
+        if not self.windows or not any(res.values()):
+            return              # the device's lookahead, or all in place
         mine = [0 if u is None else sum(e.size for e in u.entries
                                         if res.get(id(e)))
                 for u in units]
