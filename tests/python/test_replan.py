@@ -120,8 +120,10 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     the alignment) or go after them, the streamed ones start at the page
     boundary after all of those; no two overlap. With none kept it is
     place_resident_first's compact placement. runs_smallest_first: the
-    order kept weights are given up in when they take too many pages."""
+    order kept weights are given up in when they take too many pages
+    (place_moving_least)."""
     from vpager.torch.placement import (pages_touched, place_kept,
+                                        place_moving_least,
                                         place_resident_first,
                                         runs_smallest_first, scheduled_ranks)
     page = 64 * K
@@ -145,6 +147,16 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     none = [False] * len(es)
     assert place_kept(es, resident, none, cur, 512, page) == \
         place_resident_first(es, 512, page, resident)
+    # place_moving_least: the kept placement where its 4 pages fit the
+    # room; in the 3 the compact one takes, kept weights given up until
+    # it fits (here all of them: the compact placement).
+    assert place_moving_least(es, resident, kept, cur, 512, page, 4) == \
+        (offs, end, kept)
+    offs3, end3, kept3 = place_moving_least(es, resident, kept, cur, 512,
+                                            page, 3)
+    assert len(pages_touched(es, offs3, resident, page)) <= 3
+    assert (offs3, end3) == place_resident_first(es, 512, page, resident)
+    assert kept3 == none
     # Kept weights are given up run by run, the smallest run first: e0
     # and e1 (30K, no whole page between them), then e4 (50K), then e3
     # (80K; more than a page from either).

@@ -183,6 +183,45 @@ def place_kept(entries, resident, kept, offsets, align, page):
     return out, off
 
 
+def place_moving_least(entries, resident, now, offsets, align, page,
+                       room):
+    """(offsets, end, kept) of a scheduled layout placed anew: the
+    resident entries with now[i] (their bytes resident at offsets[i])
+    stay there (kept[i]) if the pages the resident set then takes are
+    at most `room` (or the compact placement's, when that is more);
+    else the fewest of them move too, run by run, the smallest runs
+    first (runs_smallest_first), down to none (place_resident_first:
+    every resident entry filled anew)."""
+    compact = place_resident_first(entries, align, page, resident)
+    none = [False] * len(entries)
+    if not any(now):
+        return compact + (none,)
+    room = max(room, len(pages_touched(entries, compact[0], resident,
+                                       page)))
+    order = runs_smallest_first(entries, offsets, now, page)
+
+    def layout(k):          # the first k of `order` move too
+        kept = list(now)
+        for i in order[:k]:
+            kept[i] = False
+        offs, end = place_kept(entries, resident, kept, offsets, align, page)
+        fits = len(pages_touched(entries, offs, resident, page)) <= room
+        return fits, offs, end, kept
+    got = layout(0)
+    if not got[0]:
+        lo, hi = 0, len(order)      # layout(hi) is the compact one
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if layout(mid)[0]:
+                hi = mid
+            else:
+                lo = mid
+        got = layout(hi)
+        if not got[0]:
+            return compact + (none,)
+    return got[1:]
+
+
 def runs_smallest_first(entries, offsets, chosen, page):
     """Indices of the chosen entries, run by run, the smallest runs first:
     a run is chosen entries that lie together (no whole page between two

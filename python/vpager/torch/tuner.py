@@ -41,8 +41,8 @@ from ..errors import BusyError
 from ..weights import WeightBatch
 from . import planproc, schedule
 from .devices import ring_pages
-from .placement import (pages_touched, place_kept, place_resident_first,
-                        runs_smallest_first, scheduled_ranks, staging_need)
+from .placement import (pages_touched, place_moving_least,
+                        place_resident_first, scheduled_ranks, staging_need)
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
 SLACK = 1.5                 # a window up to this much larger is kept
@@ -863,54 +863,25 @@ class Tuner:
 
     def _placement(self, lay, flat, resident, ring):
         """(offsets, end, kept: per entry, left in place with its bytes)
-        for a schedule's resident set: the resident weights whose pages
-        are all resident now stay where they lie (placement.place_kept)
-        if the pages the resident set then takes fit the room the plan
-        had (or the compact placement's, when that is more: weights kept
-        for their fills); else the fewest of them move too, run by run,
-        the smallest runs first (runs_smallest_first), down to none
-        (place_resident_first: every resident weight filled anew)."""
-        dev = lay.device
-        page = dev.page_size
-        compact = place_resident_first(flat, lay.align, page, resident)
-        none = [False] * len(flat)
+        for a schedule's resident set (placement.place_moving_least): the
+        resident weights whose pages are all resident now may stay where
+        they lie, within the room the plan had (or the compact
+        placement's, when that is more: weights kept for their fills)."""
+        page = lay.device.page_size
         if self.schedule is None and not lay.vbar.loaded_size():
-            return compact + (none,)
+            offsets, end = place_resident_first(flat, lay.align, page,
+                                                resident)
+            return offsets, end, [False] * len(flat)
         flags = lay.vbar.residency()
-        cur = [e.offset for e in flat]
         now = [r and e.size > 0 and all(
             flags[p] & PAGE_RESIDENT
             for p in range(e.offset // page, (e.offset + e.size - 1) // page
                            + 1)) for e, r in zip(flat, resident)]
-        if not any(now):
-            return compact + (none,)
         room = (self.planned_for - ring_pages(ring, page)
                 - SPARE_PAGES * page) // page
-        room = max(room, len(pages_touched(flat, compact[0], resident,
-                                           page)))
-        last = runs_smallest_first(flat, cur, now, page)
-
-        def layout(k):          # the first k of those move too
-            kept = list(now)
-            for i in last[:k]:
-                kept[i] = False
-            offs, end = place_kept(flat, resident, kept, cur, lay.align,
-                                   page)
-            fits = len(pages_touched(flat, offs, resident, page)) <= room
-            return fits, offs, end, kept
-        got = layout(0)
-        if not got[0]:
-            lo, hi = 0, len(last)       # layout(hi) is the compact one
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if layout(mid)[0]:
-                    hi = mid
-                else:
-                    lo = mid
-            got = layout(hi)
-            if not got[0]:
-                return compact + (none,)
-        return got[1:]
+        return place_moving_least(flat, resident, now,
+                                  [e.offset for e in flat], lay.align, page,
+                                  room)
 
     def _fill_ahead(self, units, flat, resident, stay):
         """The forward after a placement fills its resident set as it runs
