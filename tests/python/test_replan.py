@@ -150,13 +150,19 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     # place_moving_least: the kept placement where its 4 pages fit the
     # room; in the 3 the compact one takes, kept weights given up until
     # it fits (here all of them: the compact placement).
-    assert place_moving_least(es, resident, kept, cur, 512, page, 4) == \
-        (offs, end, kept)
+    big = 1 << 30
+    assert place_moving_least(es, resident, kept, cur, 512, page, 4,
+                              big) == (offs, end, kept)
     offs3, end3, kept3 = place_moving_least(es, resident, kept, cur, 512,
-                                            page, 3)
+                                            page, 3, big)
     assert len(pages_touched(es, offs3, resident, page)) <= 3
     assert (offs3, end3) == place_resident_first(es, 512, page, resident)
     assert kept3 == none
+    # Nor past the VBAR: the kept placement ends at 346K (so does the one
+    # keeping e4 alone), the compact one at 282K.
+    offs4, end4, kept4 = place_moving_least(es, resident, kept, cur, 512,
+                                            page, 4, 300 * K)
+    assert end4 <= 300 * K and not kept4[4], (end4, kept4)
     # Kept weights are given up run by run, the smallest run first: e0
     # and e1 (30K, no whole page between them), then e4 (50K), then e3
     # (80K; more than a page from either).

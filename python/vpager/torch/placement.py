@@ -184,14 +184,16 @@ def place_kept(entries, resident, kept, offsets, align, page):
 
 
 def place_moving_least(entries, resident, now, offsets, align, page,
-                       room):
+                       room, size):
     """(offsets, end, kept) of a scheduled layout placed anew: the
     resident entries with now[i] (their bytes resident at offsets[i])
     stay there (kept[i]) if the pages the resident set then takes are
-    at most `room` (or the compact placement's, when that is more);
-    else the fewest of them move too, run by run, the smallest runs
-    first (runs_smallest_first), down to none (place_resident_first:
-    every resident entry filled anew)."""
+    at most `room` (or the compact placement's, when that is more) and
+    it ends within `size` bytes (the VBAR: weights moved past the kept
+    ones at each re-plan must not creep out of it); else the fewest of
+    them move too, run by run, the smallest runs first
+    (runs_smallest_first), down to none (place_resident_first: every
+    resident entry filled anew)."""
     compact = place_resident_first(entries, align, page, resident)
     none = [False] * len(entries)
     if not any(now):
@@ -205,7 +207,8 @@ def place_moving_least(entries, resident, now, offsets, align, page,
         for i in order[:k]:
             kept[i] = False
         offs, end = place_kept(entries, resident, kept, offsets, align, page)
-        fits = len(pages_touched(entries, offs, resident, page)) <= room
+        fits = end <= size and \
+            len(pages_touched(entries, offs, resident, page)) <= room
         return fits, offs, end, kept
     got = layout(0)
     if not got[0]:

@@ -881,7 +881,7 @@ class Tuner:
                 - SPARE_PAGES * page) // page
         return place_moving_least(flat, resident, now,
                                   [e.offset for e in flat], lay.align, page,
-                                  room)
+                                  room, lay.vbar.size)
 
     def _fill_ahead(self, units, flat, resident, stay):
         """The forward after a placement fills its resident set as it runs
