@@ -24,7 +24,7 @@ from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
 from test_torch import (  # noqa: E402
     K, PAGE, _scheduled_mlp, _scheduled_offload, delta, frozen_copy, mlp,
-    no_pins, sim_opts)
+    no_pins, sim_opts, watching_every_forward)
 import vpager.torch as vt  # noqa: E402
 
 
@@ -185,11 +185,9 @@ def test_a_new_plan_copies_only_what_moved():
     that moved; no pages are committed or evicted once steady again.
     Outputs bitwise."""
     m, x, want, h = _scheduled_mlp()
-    old = tuner.WATCH_EVERY
-    tuner.WATCH_EVERY = 0.0
     keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
             "prefetch_dropped_bytes", "pages_committed", "pages_evicted")
-    try:
+    with watching_every_forward():
         for _ in range(3):
             assert torch.equal(m(x), want)
         assert h.schedule()["kept_bytes"] <= \
@@ -216,8 +214,6 @@ def test_a_new_plan_copies_only_what_moved():
             assert _copied(steady) <= sch["streamed_bytes"], (steady, sch)
             assert steady["pages_committed"] == 0, steady
             assert steady["pages_evicted"] == 0, steady
-    finally:
-        tuner.WATCH_EVERY = old
     assert no_pins(h)
     h.unload()
 
@@ -228,9 +224,7 @@ def test_a_budget_back_and_forth_is_planned_every_time():
     never creep past the VBAR, where a plan would be dropped), outputs
     bitwise, no pins left."""
     m, x, want, h = _scheduled_mlp()
-    old = tuner.WATCH_EVERY
-    tuner.WATCH_EVERY = 0.0
-    try:
+    with watching_every_forward():
         for _ in range(3):
             assert torch.equal(m(x), want)
         got = []
@@ -247,8 +241,6 @@ def test_a_budget_back_and_forth_is_planned_every_time():
                        for e in h.vbar_layout.entries) <= h.vbar.size
         # (the larger room holds more: the measured plans may differ)
         assert all(a < b for a, b in zip(got[0::2], got[1::2])), got
-    finally:
-        tuner.WATCH_EVERY = old
     assert no_pins(h)
     h.unload()
 

@@ -75,6 +75,18 @@ def delta(after, before, *keys):
 
 
 @contextlib.contextmanager
+def watching_every_forward():
+    """tuner.WATCH_EVERY 0 (the room read at every root forward's start,
+    not once a second), restored after."""
+    old = tuner.WATCH_EVERY
+    tuner.WATCH_EVERY = 0.0
+    try:
+        yield
+    finally:
+        tuner.WATCH_EVERY = old
+
+
+@contextlib.contextmanager
 def environ(**env):
     """os.environ with `env` set, restored after."""
     old = {k: os.environ.get(k) for k in env}
@@ -450,9 +462,7 @@ def test_schedule_made_again_when_the_budget_moves():
     set fits it and steady state has no commits or evictions again; the
     budget coming back gives a larger resident set. Outputs bitwise."""
     m, x, want, h = _scheduled_mlp()
-    old = tuner.WATCH_EVERY
-    tuner.WATCH_EVERY = 0.0
-    try:
+    with watching_every_forward():
         for _ in range(3):
             assert torch.equal(m(x), want)
         first = h.schedule()
@@ -474,8 +484,6 @@ def test_schedule_made_again_when_the_budget_moves():
         assert low["resident_bytes"] < back["resident_bytes"] <= \
             900 * K - 320 * K, back
         assert torch.equal(m(x), want)
-    finally:
-        tuner.WATCH_EVERY = old
     assert no_pins(h)
     h.unload()
 
