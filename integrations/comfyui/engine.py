@@ -184,7 +184,8 @@ class Entry:
     for."""
 
     __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
-                 "file", "patch", "split", "host_patched")
+                 "file", "patch", "split", "host_patched",
+                 "host_patched_bytes")
 
     def __init__(self, key, module, pname, param, split=None):
         self.key = key
@@ -198,6 +199,8 @@ class Entry:
         self.file = None                # (fd, offset) when file-sourced
         self.patch = None               # the patch set it was filled with
         self.host_patched = False       # its patched bytes: a host copy
+        self.host_patched_bytes = 0     # (of a QuantizedTensor's parts,
+        #                                 all but a payload patched at fill)
 
 
 class Pager:
@@ -408,8 +411,11 @@ class Pager:
         tensor) into the patched ones, on the device, each time they are
         filled from their source (patch at fill, vpager.torch's
         set_fill: no host copy); make(): the patched weight (a tensor of
-        its dtype and shape), copied to a host source of its own: a
-        QuantizedTensor's parts, or without fill. Changes the weight
+        its dtype and shape), copied to a host source of its own without
+        fill. A QuantizedTensor's (split) parts: make() is the patched
+        QuantizedTensor, its parts but the payload host copies, the
+        payload patched by fill (it must compute what make() did), or
+        without fill a host copy too. Changes the weight
         only when the patch set changed; returns True if it did (the
         weight refills at its next acquire)."""
         e = self.by_key[key]
@@ -417,22 +423,34 @@ class Pager:
             return False
         if e.split is not None:
             # ComfyUI's patching requantizes (the op's set_weight): each
-            # part's source is the patched weight's part.
+            # part's source is the patched weight's part; with a fill the
+            # payload's is its own bytes, patched at fill (fill computes
+            # what make() did, from the same bytes on the same device).
             srcs = e.split.sources(None if patch is None else make())
             # Set one by one: until all are, the parts are of no patch set
             # (an error between two leaves them mixed: the next load, of
             # any patch set, sets them all again).
             e.patch = _MIXED
-            for name, src in zip(e.split.names, srcs):
-                self.h.set_source(name, src)
-            e.host_patched = patch is not None
+            at_fill = e.split.payload if patch is not None and \
+                fill is not None else -1
+            for i, (name, src) in enumerate(zip(e.split.names, srcs)):
+                if i == at_fill:
+                    self.h.set_fill(name, fill)
+                else:
+                    self.h.set_source(name, src)
+            e.host_patched = patch is not None and at_fill < 0
+            e.host_patched_bytes = 0 if patch is None else sum(
+                quantized.nbytes(p) for i, (_n, p, _a)
+                in enumerate(e.split.parts) if i != at_fill)
         elif fill is not None or patch is None:
             self.h.set_fill(self.vt_name[key],
                             None if patch is None else fill)
             e.host_patched = False
+            e.host_patched_bytes = 0
         else:
             self.h.set_source(self.vt_name[key], make())
             e.host_patched = True
+            e.host_patched_bytes = e.size
         e.patch = patch
         self.refills += 1
         return True
@@ -468,15 +486,17 @@ class Pager:
         if self.closed:
             return 0
         s = self.h.stats()["model"]
-        return s["host_bytes"] + sum(e.size for e in self.entries
-                                     if e.host_patched)
+        return s["host_bytes"] + sum(e.host_patched_bytes
+                                     for e in self.entries)
 
     def stats(self):
         """vpager.torch's stats() shape (python/README.md, "stats()"),
         the node's own figures in "model": its weights as ComfyUI holds
         them, converted_weights, quantized_weights, convert_ms,
-        patched_weights, host_patched_weights, refills, patch_fills,
-        patch_fill_bytes."""
+        patched_weights, host_patched_weights (patched weights with a
+        host copy), host_patched_bytes (those copies' bytes: of a
+        QuantizedTensor patched at fill its small parts only), refills,
+        patch_fills, patch_fill_bytes."""
         s = self.h.stats()
         m = s["model"]
         m["weights"] = len(self.entries)
@@ -489,6 +509,8 @@ class Pager:
         m["patched_weights"] = len(self.patched_keys())
         m["host_patched_weights"] = sum(e.host_patched
                                         for e in self.entries)
+        m["host_patched_bytes"] = sum(e.host_patched_bytes
+                                      for e in self.entries)
         # Patches computed at fill (on the device) since offload, and the
         # bytes they rewrote: a streamed patched weight's at each fill.
         m["patch_fills"] = self.h.hot_path.fills

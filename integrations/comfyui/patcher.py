@@ -515,7 +515,7 @@ class VpagerPatcher:
                 continue
             self._vp_patch(pager, e, patches, device_to)
             refilled += 1
-            computed += bool(e.host_patched)
+            computed += e.split is not None and patches is not None
         if computed and device_to.type == "cuda":
             # ComfyUI computed patched QuantizedTensors on the device here:
             # torch's cache would keep those blocks reserved, room the
@@ -570,13 +570,17 @@ class VpagerPatcher:
         """Weight e (an engine.Entry) is to hold its patch set `patches`
         (None: its own bytes), which differs from the one it holds."""
         key = e.key
-        pager.set_patched(
-            key, list(patches) if patches else None,
-            # a QuantizedTensor's parts: the patched weight where
-            # ComfyUI computed it, copied to host sources
-            lambda: self.patch_weight_to_device(
-                key, device_to=device_to, return_weight=True),
-            fill=self._vp_fill(e, device_to) if patches else None)
+        if e.split is None:
+            make = lambda: self._vp_patched(key, device_to)  # noqa: E731
+            fill = self._vp_fill(e, device_to) if patches else None
+        else:
+            # A QuantizedTensor: its small parts (scales) host copies of
+            # the patched weight's, its payload patched at fill from its
+            # own bytes the same way.
+            make = lambda: self._vp_split_patched(e, device_to)  # noqa
+            fill = self._vp_split_fill(e, device_to) if patches else None
+        pager.set_patched(key, list(patches) if patches else None, make,
+                          fill=fill)
 
     def _vp_patched(self, key, device_to):
         """The patched weight `key`, computed on device_to from the
@@ -584,6 +588,43 @@ class VpagerPatcher:
         when it was written into that tensor in place."""
         return self.patch_weight_to_device(key, device_to=device_to,
                                            return_weight=True)
+
+    def _vp_split_patched(self, e, device_to, payload=None):
+        """QuantizedTensor weight e patched, computed on device_to from
+        its own parts there (payload: its payload's own bytes already on
+        the device, a fill's view; else every part copied there, as
+        ComfyUI's legacy load copies the weight before patching it):
+        the op's parameter is its own QuantizedTensor over them while
+        ComfyUI's patch_weight_to_device runs (dequantize, patch,
+        requantize with the key's seed)."""
+        qt = e.split.own_on(device_to, payload)
+        d = e.module._parameters
+        own = d[e.pname]
+        d[e.pname] = qt
+        try:
+            return self._vp_patched(e.key, device_to)
+        finally:
+            d[e.pname] = own
+
+    def _vp_split_fill(self, e, device_to):
+        """QuantizedTensor weight e's payload patched at fill: fill(view)
+        computes the patched weight over the payload's own bytes in
+        `view` (_vp_split_patched, as its make() did from a copy of the
+        same bytes, so the small parts' host copies match) and writes the
+        patched payload back into `view`."""
+        key, split = e.key, e.split
+
+        def fill(view):
+            if not engine.same_patch(self.patches.get(key) or None,
+                                     e.patch):
+                raise RuntimeError(
+                    "vpager ComfyUI node: %s's patches changed after its "
+                    "load; load the model again" % key)
+            with torch.no_grad(), torch.inference_mode(False):
+                out = self._vp_split_patched(e, device_to, view)
+                view.copy_(split.sources(out)[split.payload])
+
+        return fill
 
     def _vp_force(self, key, device_to):
         """A parameter outside the units straight to device_to, patched,

@@ -236,6 +236,32 @@ class Split:
             qt._is_param = True
         return qt
 
+    @property
+    def payload(self) -> int:
+        """The index of the payload part (`_qdata`; else the largest):
+        the one patched at fill, the others taking host copies."""
+        for i, (_n, _p, attr) in enumerate(self.parts):
+            if attr == "_qdata":
+                return i
+        sizes = [nbytes(p) for _n, p, _a in self.parts]
+        return sizes.index(max(sizes))
+
+    def own_on(self, device: torch.device,
+               payload: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The op's own QuantizedTensor (as loaded) over its parts on
+        `device`: `payload` in the payload's place (the payload's own
+        bytes already there: a fill's view), the others copied."""
+        inner, _ctx = _inner(self.weight)
+        want = self.parts[self.payload][2]
+        got = {}
+        with torch.no_grad(), torch.inference_mode(False):
+            for attr, x in inner:
+                if attr == want and payload is not None:
+                    got[attr] = payload.detach()
+                else:
+                    got[attr] = x.detach().to(device, copy=True)
+        return self._build(got)
+
     def sources(self, qt: Optional[torch.Tensor]
                 ) -> List[Optional[torch.Tensor]]:
         """[tensor or None] per part: the parts of `qt` (the op's weight

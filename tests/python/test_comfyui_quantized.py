@@ -324,10 +324,64 @@ def test_quantized_lora_as_comfyui_bakes_it():
         assert torch.equal(run(m), want0)
 
 
+def _legacy(patches):
+    """The outputs of ComfyUI's legacy bake of `patches` into a fresh
+    quantized model."""
+    ref = qmodel()
+    lp = QPatcher(ref, CPU, CPU)
+    lp.patches = {k: v[:] for k, v in patches.items()}
+    for k in lp.patches:
+        lp.patch_weight_to_device(k, device_to=CPU)
+    return run(ref)
+
+
+def test_quantized_lora_patched_at_fill():
+    """A LoRA on every quantized weight, on a device that stages some of
+    them: the payload is patched at each fill from its own bytes (no
+    host copy of it; only the requantized scales are host copies), and
+    the outputs equal the legacy bake on every forward, at two strengths
+    and after the removal."""
+    with env(capacity=256 * K, staging=128 * K) as e:
+        m = qmodel()
+        want0 = run(qmodel())
+        p = QEnv(e).patcher(m)
+        p.partially_load(CPU)
+        pager = p._vp()
+        host0 = pager.host_bytes()
+        g = torch.Generator().manual_seed(11)
+        diffs = {"diffusion_model.blocks.%d.%s.weight" % (i, n):
+                 torch.randn(*getattr(blk, n).weight.shape, generator=g)
+                 * 0.02 for i, blk in enumerate(m.diffusion_model.blocks)
+                 for n in ("up", "down")}
+        for strength in (1.0, 0.6):
+            q = p.clone()
+            q.add_patches({k: ("diff", (d,)) for k, d in diffs.items()},
+                          strength)
+            q.partially_load(CPU)
+            assert q._vp_refilled == 12
+            s = pager.stats()["model"]
+            assert s["host_patched_weights"] == 0, s
+            assert s["host_patched_bytes"] == 12 * 4, s     # the scales
+            assert pager.host_bytes() == host0 + 12 * 4
+            want = _legacy(q.patches)
+            assert not torch.equal(want, want0)
+            f0 = pager.stats()["model"]["patch_fills"]
+            for _ in range(3):
+                assert torch.equal(run(m), want)
+            fills = pager.stats()["model"]["patch_fills"] - f0
+            # Every payload once, the staged ones at each forward.
+            assert fills > 12, fills
+        p.partially_load(CPU)
+        assert p._vp_refilled == 12
+        assert pager.host_bytes() == host0
+        assert torch.equal(run(m), want0)
+
+
 def test_quantized_patch_failing_between_parts():
-    """A patch whose second part cannot be set (set_source raising):
-    the parts are left mixed, so the next load, even of the patch set
-    they had before (none), sets them all again: the base outputs."""
+    """A patch whose second part cannot be set (its set_source or
+    set_fill raising): the parts are left mixed, so the next load, even
+    of the patch set they had before (none), sets them all again: the
+    base outputs."""
     with env(capacity=256 * K, staging=128 * K) as e:
         m = qmodel()
         want0 = run(qmodel())
@@ -338,22 +392,25 @@ def test_quantized_patch_failing_between_parts():
         q = p.clone()
         q.add_patches({k: ("diff", (d * 0.05,))})
         h = p._vp().h
-        real, calls = h.set_source, []
+        calls = []
 
-        def second_fails(name, tensor=None):
-            calls.append(name)
-            if len(calls) == 2:
-                raise RuntimeError("no host memory for the second part")
-            return real(name, tensor)
+        def second_fails(real):
+            def call(name, tensor=None):
+                calls.append(name)
+                if len(calls) == 2:
+                    raise RuntimeError("no memory for the second part")
+                return real(name, tensor)
+            return call
 
-        h.set_source = second_fails
+        h.set_source = second_fails(h.set_source)
+        h.set_fill = second_fails(h.set_fill)
         try:
             q.partially_load(CPU)
             assert False, "the failing part did not raise"
         except RuntimeError as err:
             assert "second part" in str(err), err
         finally:
-            del h.set_source
+            del h.set_source, h.set_fill
         assert len(calls) == 2
         p.partially_load(CPU)
         assert torch.equal(run(m), want0)
