@@ -174,7 +174,8 @@ def child(cr, a):
                 "weight_staged", "fill_bytes", "staged_bytes",
                 "prefetch_bytes", "file_weights", "converted_weights",
                 "convert_ms", "patched_weights", "quantized_weights",
-                "refills", "host_patched_weights", "patch_fills",
+                "refills", "host_patched_weights", "host_patched_bytes",
+                "patch_fills",
                 "patch_fill_bytes", "set_sources",
                 "replaced", "schedule", "host_by_kind", "host_policy")
                 if k in s}
