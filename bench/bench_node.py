@@ -50,7 +50,9 @@ host_policy among its counters); then each run's latents
 against the resident run's (sha256 of the float32 bytes, prompt by
 prompt); for runs under a budget the limit L = max(resident, (W - B +
 2 w_max) / link) (B: the budget less torch's peak reservation in that run,
-link: measured in the checkpoint's process) and steady / L; with --lora,
+link: measured in the checkpoint's process) and steady / L, and for node
+runs the budget use (weights resident after the last prompt / (budget -
+torch's peak - the staging ring), target >= 0.95); with --lora,
 per prompt the weights whose patch set changed against what the node
 refilled (its refills counter, bytes copied); with --vae, the second
 prompt's first step over the first prompt's steady step (no thrash: <= 1.1).
@@ -347,6 +349,8 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
                 "ms (last prompt) = %.3f x L" % (run, bb / GiB, peak / GiB,
                                                  B / GiB, res_ms, link_ms,
                                                  lim, st, st / lim))
+        if bs is not None:
+            budget_row(run, reps, bb, row)
         if a.vae:
             # Prompt i after prompt i - 1 of the same weights (no patch
             # change between them): its first step holds the reload of
@@ -397,10 +401,33 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
     return rc
 
 
+def budget_row(run, reps, budget, row):
+    """Issue 29's whole budget, for a node run (vpager's counters in its
+    prompts): the weights resident after the last prompt over what the
+    budget leaves them, budget - torch's peak reservation - the staging
+    ring (target >= BUDGET_USE_TARGET)."""
+    vp = reps[-1].get("vpager") if reps else None
+    sch = (vp or {}).get("schedule") or {}
+    if vp is None or vp.get("resident_bytes") is None or \
+            sch.get("staging") is None:
+        return
+    peak = max(x.get("torch_peak_reserved", 0) for x in reps)
+    room = budget - peak - sch["staging"]
+    use = vp["resident_bytes"] / room if room > 0 else float("nan")
+    row.update(resident_bytes=vp["resident_bytes"], weights_room=room,
+               budget_use=use)
+    say("%s: budget use: %.2f GiB of weights resident of %.2f GiB (budget "
+        "%.2f - torch peak %.2f - ring %.2f) = %.3f (target >= %.2f)"
+        % (run, vp["resident_bytes"] / GiB, room / GiB, budget / GiB,
+           peak / GiB, sch["staging"] / GiB, use, BUDGET_USE_TARGET))
+
+
 # Issue 29's model switch target (node / ComfyUI's dynamic path) and issue
 # 28's host RSS target (node / ComfyUI's dynamic path; and at most the
 # model files + RSS_OVER_FILES).
 SWITCH_TARGET, RSS_TARGET, RSS_OVER_FILES = 0.8, 1.05, 1.5 * GiB
+# Issue 29's whole budget: weights resident / (budget - torch's peak - ring).
+BUDGET_USE_TARGET = 0.95
 
 
 def host_row(run, r, row, summary):

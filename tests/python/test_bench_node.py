@@ -174,6 +174,34 @@ def test_host_rows_and_versus():
         g["say"] = saved
 
 
+def test_budget_use_row():
+    """A node run's weights resident over budget - torch's peak - the
+    ring (issue 29's whole budget); nothing for a run without vpager's
+    counters (ComfyUI's own path)."""
+    ns, _cr = _bench()
+    lines = []
+    g = ns["budget_row"].__globals__
+    saved = g["say"]
+    g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
+    try:
+        reps = [{"torch_peak_reserved": GiB // 2},
+                {"torch_peak_reserved": GiB,
+                 "vpager": {"resident_bytes": 4 * GiB,
+                            "schedule": {"staging": GiB // 2}}}]
+        row = {}
+        ns["budget_row"]("node6", reps, 6 * GiB, row)
+        assert row["weights_room"] == 4.5 * GiB, row
+        assert abs(row["budget_use"] - 4 / 4.5) < 1e-9, row
+        assert any("node6: budget use: 4.00 GiB of weights resident of "
+                   "4.50 GiB" in x and "= 0.889 (target >= 0.95)" in x
+                   for x in lines), lines
+        row = {}
+        ns["budget_row"]("6", [{"torch_peak_reserved": GiB}], 6 * GiB, row)
+        assert row == {}
+    finally:
+        g["say"] = saved
+
+
 def _cap_or_skip(limit):
     try:
         return memcap.open_cap(limit, "vp-test")
