@@ -60,6 +60,11 @@ VARIABLES: Dict[str, Variable] = {
     "VPAGER_PLACE_EARLY": Variable("flag", "0: no placement for a schedule "
                                    "guessed from the weights' sizes before "
                                    "the first forward (default 1)"),
+    "VPAGER_COPY_BEHIND": Variable("flag", "0: offload() makes a large "
+                                   "model's pinned host copy before it "
+                                   "returns (default 1: filled behind it, "
+                                   "each unit of the first forward waiting "
+                                   "for its own weights)"),
     "VPAGER_SCHEDULE_LOG": Variable("flag", "1: print each schedule made "
                                     "(default 0)"),
     "VPAGER_PROGRESS": Variable("flag", "0: no progress bar or log line "

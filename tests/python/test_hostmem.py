@@ -23,7 +23,8 @@ from torch import nn  # noqa: E402
 
 import vpager.torch as vt  # noqa: E402
 from vpager.torch import hostpolicy  # noqa: E402
-from test_torch import offload_sim, write_safetensors  # noqa: E402
+from test_torch import (frozen_copy, offload_sim,  # noqa: E402
+                        write_safetensors)
 
 K, M = 1 << 10, 1 << 20
 GiB = 1 << 30
@@ -343,6 +344,173 @@ def test_a_copy_out_of_a_mapping_is_the_one_copy_in_rss():
     assert grown <= budget + size // 10, \
         "RSS grew by %.1f MiB (budget %d MiB, model %d MiB)" % (
             grown / M, budget // M, size // M)
+
+
+# ------------------------------------------- the host copy behind offload()
+
+@contextlib.contextmanager
+def copying_behind(gate=None, fail=None):
+    """Every pinned copy filled behind offload() (hostload.py), however
+    small, in batches of one weight: the copier waits for `gate` (a
+    threading.Event) before its first batch and raises `fail` at its
+    third, when given."""
+    from vpager.torch import hostload, sources
+    saved = sources.BEHIND_MIN, hostload.BATCH, sources.copy_jobs
+    batches = []
+
+    def copy(jobs, drop, advance, moved=None):
+        if gate is not None:
+            gate.wait(30)
+        batches.append(len(jobs))
+        if fail is not None and len(batches) == 3:
+            raise fail
+        return saved[2](jobs, drop, advance, moved)
+
+    sources.BEHIND_MIN, hostload.BATCH, sources.copy_jobs = 0, 1, copy
+    try:
+        yield batches
+    finally:
+        sources.BEHIND_MIN, hostload.BATCH, sources.copy_jobs = saved
+
+
+def _behind_model():
+    m = mlp(width=256, depth=8)
+    return m, m.state_dict(), torch.randn(4, 256)
+
+
+def test_copy_behind_the_first_forward_bitwise():
+    """offload() returns before the host copy is filled; the first
+    forward's units wait for their own weights, no weight prefetches
+    while the copy runs (windows 0), outputs are bitwise the resident
+    model's on every forward, and once the copy is whole it is the
+    layout's HostBuf (page-locked, its times kept) and the windows are
+    the units' again."""
+    import threading
+    gate = threading.Event()
+    m, _sd, x = _behind_model()
+    ref = frozen_copy(m)
+    with torch.no_grad():
+        want = ref(x)
+    with copying_behind(gate) as batches:
+        # (a device lookahead: the weights would prefetch but for the copy)
+        h = offload_sim(m, budget=1024 * K, staging=512 * K,
+                        lookahead=128 * K)
+        lay = h._parts.layout
+        assert lay.loading is not None and lay.hb is None
+        assert batches == []                # offload() did not wait
+        assert h.stats()["model"]["host_bytes"] == h.weight_bytes
+        ws = lay.weights
+        assert all(ws.window(e.index) == 0 for e in lay.entries)
+        gate.set()
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(m(x), want)
+        assert lay.loading is None and lay.hb is not None
+        assert len(batches) == len(lay.entries)
+        assert lay.load_times["host_fill_s"] > 0
+        assert all(ws.window(e.index) == u.window for u in lay.units
+                   for e in u.entries)
+        assert h.stats()["model"]["host_bytes"] == h.weight_bytes
+        h.close()
+
+
+def test_copy_behind_readers_wait_for_it():
+    """state_dict() and unload() while the copy is still filling read the
+    whole copy (they wait for it): the model's own values."""
+    import threading
+    for what in ("state_dict", "unload"):
+        gate = threading.Event()
+        m, sd, x = _behind_model()
+        with copying_behind(gate):
+            h = offload_sim(m, budget=1024 * K, staging=512 * K)
+            threading.Timer(0.2, gate.set).start()
+            if what == "state_dict":
+                got = m.state_dict()
+                assert all(torch.equal(got[k], v) for k, v in sd.items())
+                h.close()
+            else:
+                h.unload()
+                assert all(torch.equal(p, sd[k])
+                           for k, p in m.state_dict().items())
+
+
+def test_copy_behind_closed_before_it_ends():
+    """close() while the copier still waits to copy stops it first (its
+    memory is freed after): nothing crashes, the model refuses to run."""
+    import threading
+    gate = threading.Event()
+    m, _sd, x = _behind_model()
+    with copying_behind(gate) as batches:
+        h = offload_sim(m, budget=1024 * K, staging=512 * K)
+        lay = h._parts.layout
+        threading.Timer(0.2, gate.set).start()
+        h.close()
+        assert lay.loading is None
+        assert len(batches) <= 1            # stopped after one batch
+        with torch.no_grad():
+            _runner.raises(RuntimeError, m, x)
+
+
+def test_copy_behind_failing_says_so():
+    """A copy that fails behind offload() fails the forward that waits for
+    it with an error naming the host copy, every time; close() works."""
+    m, _sd, x = _behind_model()
+    with copying_behind(fail=MemoryError("no room for the copy")):
+        h = offload_sim(m, budget=1024 * K, staging=512 * K)
+        for _ in range(2):
+            with torch.no_grad():
+                err = _runner.raises(RuntimeError, m, x)
+            assert "host copy" in str(err) and \
+                "no room for the copy" in str(err), err
+        h.close()
+
+
+def test_copy_behind_threads_share_the_first_forwards():
+    """Four threads running the model while its copy fills: every output
+    is the resident model's."""
+    import threading
+    m, _sd, x = _behind_model()
+    ref = frozen_copy(m)
+    with torch.no_grad():
+        want = ref(x)
+    gate = threading.Event()
+    with copying_behind(gate):
+        h = offload_sim(m, budget=1024 * K, staging=512 * K)
+        bad = []
+
+        def run():
+            with torch.no_grad():
+                for _ in range(5):
+                    if not torch.equal(m(x), want):
+                        bad.append(1)
+        ts = [threading.Thread(target=run) for _ in range(4)]
+        for t in ts:
+            t.start()
+        gate.set()
+        for t in ts:
+            t.join()
+        assert not bad, "%d outputs differ" % len(bad)
+        h.close()
+
+
+def test_copy_behind_off_and_outside_host():
+    """VPAGER_COPY_BEHIND=0, and outside="host" (the module's tensors are
+    the copy), make the copy before offload() returns."""
+    with copying_behind():
+        for kw, env in (({}, "0"), ({"outside": "host"}, None)):
+            m, _sd, _x = _behind_model()
+            old = os.environ.pop("VPAGER_COPY_BEHIND", None)
+            if env is not None:
+                os.environ["VPAGER_COPY_BEHIND"] = env
+            try:
+                h = offload_sim(m, budget=1024 * K, staging=512 * K, **kw)
+            finally:
+                os.environ.pop("VPAGER_COPY_BEHIND", None)
+                if old is not None:
+                    os.environ["VPAGER_COPY_BEHIND"] = old
+            lay = h._parts.layout
+            assert lay.loading is None and lay.hb is not None, kw
+            h.close()
 
 
 if __name__ == "__main__":

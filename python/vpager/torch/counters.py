@@ -56,7 +56,7 @@ def handle_stats(handle, layout, gov) -> Dict[str, Any]:
         weights=len(entries), weight_bytes=handle.weight_bytes,
         vbar_bytes=handle.vbar.size,
         resident_bytes=handle.vbar.loaded_size(), units=len(layout.units),
-        host_bytes=layout.hb.size if layout.hb is not None else 0,
+        host_bytes=layout.host_bytes,
         file_weights=sum(e.host is None for e in entries),
         replaced=handle.replaced,
         set_sources=sum(e.own is not None for e in entries),

@@ -226,6 +226,8 @@ class HotPath:
                     "its weights are vpager's: unload() before changing "
                     "parameters, then offload again" % (qual, unit.name))
         entries = unit.entries
+        if self.layout.loading is not None:     # its bytes may be on the way
+            self.layout.wait_loaded(entries)
         held = False            # an outer unit holds one of them (shared)
         for e in entries:
             if e.cur:
@@ -478,6 +480,7 @@ class HotPath:
         says how); until the next schedule if the acquire fails or stages
         one (the budget shrank since the schedule)."""
         self._check_open()
+        self.layout.wait_loaded()       # the whole host copy (hostload.py)
         batch = self._held_batch()
         flat = self._held_slots
         for d, key, t, e in flat:

@@ -153,6 +153,7 @@ class Installation:
         """The tensors' bytes back on their original devices (unload()).
         All or nothing: every tensor is made before any is put back, so
         a failure (no room on the GPU, a file's read) changes nothing."""
+        self.layout.wait_loaded()       # the bytes are the host copy's
         with torch.no_grad(), torch.inference_mode(False):
             back = [(e, self._original(e)) for e in self.layout.entries]
             for e, data in back:
@@ -195,6 +196,7 @@ class Installation:
     def _state_dict_hook(self, items, module, state_dict, prefix,
                          local_metadata):
         self.check_open()
+        self.layout.wait_loaded()       # the bytes are the host copy's
         with torch.no_grad(), torch.inference_mode(False):
             for name, e in items:
                 key = prefix + name

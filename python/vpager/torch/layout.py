@@ -4,16 +4,20 @@ copies, or a safetensors file), the vpager weights made over them and one
 WeightBatch per unit. Built all or nothing; re-created in place when the
 weights move (re-placement) or change source (load_safetensors)."""
 
+from .. import env
 from ..errors import Error
 from ..governor import NO_LIMIT, governor
 from ..weights import WeightBatch
 from .files import load_unmanaged, match_file
+from .hostload import HostLoad
 from .hostpolicy import FILE, IN_PLACE
 from .placement import first_placement, groups
 from .sources import release_host, sources
 from .units import refuse_copy
 
 ALL = 1 << 62           # "evict everything unpinned"
+COPY_BEHIND = "VPAGER_COPY_BEHIND"      # =0: the host copy before offload()
+#                                         returns (hostload.py)
 
 
 class Layout:
@@ -31,6 +35,7 @@ class Layout:
         self.groups = None
         self.vbar = self.weights = self.hb = self.st = None
         self.hbytes = None      # sources.HostBytes: in place, FILE fds
+        self.loading = None     # HostLoad: the host copy filling behind
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
         self.fill_changes = 0   # weights given or rid of a fill (patches)
         self.placed = object()  # a new token whenever the weights move
@@ -72,10 +77,16 @@ class Layout:
                 if src is not None:
                     e.keep = e.tensor.data
                 custom.append(src)
-        self.hb, slots, self.hbytes = sources(
+        # (With outside="host" the module's tensors are the copy.)
+        hb, slots, self.hbytes = sources(
             dev, entries, self.align, self.st, match, custom,
             self.load_times, _streamed(plan, dev),
-            type(plan.module).__name__)
+            type(plan.module).__name__,
+            behind=s.outside != "host" and env.flag(COPY_BEHIND, True))
+        if isinstance(hb, HostLoad):
+            self.loading = hb
+        else:
+            self.hb = hb
         for e, (host, addr, src) in zip(entries, slots):
             e.host, e.file_addr, e.src = host, addr, src
         self.weights = self.vbar.create_weights(
@@ -95,18 +106,46 @@ class Layout:
         for u in units:
             u.batch = WeightBatch(dev, [weight(e) for e in u.entries])
         # New weights use the device's lookahead: the windows again.
-        self.set_windows([u for u in units if u.window is not None])
+        self.set_windows(units if self.loading is not None else
+                         [u for u in units if u.window is not None])
 
     def set_windows(self, units):
         """Each unit's weights prefetch its window (unit.window; None: the
         device's lookahead) after their acquire (vp_weight_set_lookahead):
         set when the windows or the weights change, never per forward,
-        and the device's setting is left alone."""
+        and the device's setting is left alone. While the host copy fills
+        behind offload() every window is 0 (no weight is copied before its
+        own unit waited for it) and unit.window waits for its end."""
         ws = self.weights
+        closed = self.loading is not None
         for u in units:
             if u is not None:
                 for e in u.entries:
-                    ws.set_window(e.index, u.window)
+                    ws.set_window(e.index, 0 if closed else u.window)
+
+    def wait_loaded(self, entries=None):
+        """Until the host copy filling behind offload() holds the bytes of
+        `entries` (None: all of them, and page-locked: any reader but a
+        unit's acquire); once it is whole it becomes the layout's HostBuf
+        and the windows open. RuntimeError if the copy failed. On the
+        thread that runs the model's calls (under its lock)."""
+        lo = self.loading
+        if lo is None:
+            return
+        lo.wait(entries)
+        if lo.finished:
+            self.loading = None
+            self.hb = lo.hb
+            self.load_times.update(host_fill_s=lo.fill_s,
+                                   host_alloc_s=lo.lock_s)
+            self.set_windows(self.units)
+
+    @property
+    def host_bytes(self):
+        """Bytes of the pinned host copy (filled or filling)."""
+        if self.loading is not None:
+            return self.loading.total
+        return self.hb.size if self.hb is not None else 0
 
     def on_top(self):
         """The VBAR to the top of the device's priority list
@@ -179,6 +218,7 @@ class Layout:
         (load_safetensors()), swap(entries, offsets, sources) re-creating
         them; ValueError, nothing changed, if the file does not match the
         module."""
+        self.wait_loaded()
         dev, entries = self.device, self.entries
         st = dev.open_safetensors(path)
         hb = hbytes = None
@@ -215,6 +255,9 @@ class Layout:
         """Close the VBAR (its weights with it), the HostBuf and the file;
         returns the errors met (each object is closed regardless)."""
         errors = []
+        if self.loading is not None:    # its memory goes with it
+            self.loading.cancel()
+            self.hb, self.loading = self.loading.hb, None
         for obj in (self.vbar, self.hb, self.st):
             if obj is None:
                 continue

@@ -18,6 +18,7 @@ from .. import _sysmem
 from ..errors import Error
 from ..weights import Source
 from . import hostpolicy
+from .hostload import HostLoad
 from .placement import place
 from .progress import Progress
 from .views import placeholder, view
@@ -312,54 +313,71 @@ def host_memory(total):
     return torch.frombuffer(buf, dtype=torch.uint8)[:total], buf
 
 
-def _fill_host(host, entries, hosted, offsets, slots, st, plan, moved,
-               progress, drop=()):
-    """Copy the hosted entries' bytes into `host` (a uint8 CPU tensor; from
-    the file, or from their tensors: copy_all, a batch of up to 1 GiB at a
-    time) and fill their slots; CPU tensors are pointed at their host copy
-    after each batch (appended to `moved`); progress.advance() as bytes
-    are copied. Entries in `drop` were copied out of a read-only file
-    mapping: its pages they touched leave the process's RSS once copied
-    (_sysmem.drop_resident), so the copy is the one copy RSS counts."""
+def _copy_jobs(host, entries, hosted, offsets, slots, st, plan):
+    """[(entry, (its slot in `host`, its bytes: a file address or a
+    tensor))] in `host`'s order; each hosted entry's slot filled (its
+    host view and a HOST source over it; the bytes not copied yet)."""
     base = st.mmap()[0] if st is not None else 0
     ptr = host.data_ptr()
-    batch, size = [], 0
-
-    def flush():
-        copy_all([(h, e.tensor.detach()) for e, h in batch],
-                 progress.advance)
-        for e, h in batch:
-            if e in drop:
-                _sysmem.drop_resident(e.tensor.data_ptr(), e.size)
-            if e.src_device.type == "cpu":
-                # The host copy serves until the placeholders go in: the
-                # old storage can go now (peak host memory = one model
-                # and a batch, not two models).
-                e.tensor.data = h
-                moved.append(e)
-        batch[:] = []
-
+    jobs = []
     for i, off in zip(hosted, offsets):
         e = entries[i]
         h = host[off:off + e.size].view(e.dtype).view(e.shape)
-        if st is not None:
-            ctypes.memmove(h.data_ptr(), base + plan[e].offset, e.size)
-            if e in drop:
-                _sysmem.drop_resident(base + plan[e].offset, e.size)
-            progress.advance(e.size)
-        else:
-            batch.append((e, h))
-            size += e.size
-            if size >= _COPY_BATCH:
-                flush()
-                size = 0
+        jobs.append((e, (h, base + plan[e].offset if st is not None
+                         else e.tensor.detach())))
         slots[i] = (h, None, Source.from_host(ptr + off))
+    return jobs
+
+
+def copy_jobs(jobs, drop, advance, moved=None):
+    """Copy a batch of _copy_jobs' jobs: a file's bytes by memmove, tensors
+    over copy_all's threads; advance(bytes) as they land. Entries in
+    `drop` were copied out of a read-only file mapping: its pages they
+    touched leave the process's RSS once copied (_sysmem.drop_resident),
+    so the copy is the one copy RSS counts. moved (a list, or None): CPU
+    tensors are pointed at their copy, appended to it (offload()'s own
+    copy: their old storage can go now, peak host memory one model and a
+    batch, not two models)."""
+    pairs = []
+    for e, (h, src) in jobs:
+        if isinstance(src, int):
+            ctypes.memmove(h.data_ptr(), src, e.size)
+            if e in drop:
+                _sysmem.drop_resident(src, e.size)
+            advance(e.size)
+        else:
+            pairs.append((e, h, src))
+    if not pairs:
+        return
+    copy_all([(h, src) for _e, h, src in pairs], advance)
+    for e, h, src in pairs:
+        if e in drop:
+            _sysmem.drop_resident(src.data_ptr(), e.size)
+        if moved is not None and e.src_device.type == "cpu":
+            e.tensor.data = h
+            moved.append(e)
+
+
+def _fill_host(jobs, drop, advance, moved):
+    """The jobs copied now, a batch of up to _COPY_BATCH at a time."""
+    batch, size = [], 0
+    for job in jobs:
+        batch.append(job)
+        size += job[0].size
+        if size >= _COPY_BATCH:
+            copy_jobs(batch, drop, advance, moved)
+            batch, size = [], 0
     if batch:
-        flush()
+        copy_jobs(batch, drop, advance, moved)
+
+
+# A host copy at least this large is filled behind offload() (hostload.py)
+# when it may be: smaller ones take less than a forward's first units.
+BEHIND_MIN = 256 << 20
 
 
 def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
-            streamed=0, model="model"):
+            streamed=0, model="model", behind=False):
     """Where each entry's bytes live: ([(host, file_addr, Source)], the
     HostBuf holding the host copies (None if no entry has one), HostBytes).
     A weight's host bytes live in one place (hostpolicy.py):
@@ -382,19 +400,36 @@ def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
 
     One line says what was chosen and why (logger "vpager"; HostBytes.line).
     times (a dict, or None): gets host_fill_s (mapping the memory and
-    copying the bytes in) and host_alloc_s (page-locking it)."""
+    copying the bytes in) and host_alloc_s (page-locking it). behind: a
+    pinned copy of at least BEHIND_MIN bytes from CPU tensors or a file is
+    filled behind the caller (a hostload.HostLoad in the HostBuf's place:
+    the slots' bytes are not there until it says so)."""
     hbytes = HostBytes()
     try:
         hb, slots = _sources(dev, entries, align, st, plan, custom, times,
-                             streamed, model, hbytes)
+                             streamed, model, hbytes, behind)
     except BaseException:
         hbytes.close()
         raise
     return hb, slots, hbytes
 
 
+def _behind(dev, jobs, drop, buf, total):
+    """A HostLoad filling the copy in `buf` from `jobs` on a thread of its
+    own, page-locking it when full."""
+    progress = Progress(total, "vpager.torch.offload: copying the weights "
+                        "to pinned host memory (behind the first forward)")
+
+    def copy(batch):
+        with torch.no_grad(), torch.inference_mode(False):
+            copy_jobs(batch, drop, progress.advance)
+
+    return HostLoad(jobs, copy, lambda: dev.register_hostbuf(buf, total),
+                    total, done=progress.close)
+
+
 def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
-             hbytes):
+             hbytes, behind):
     slots, hosted, choice = _file_slots(dev, entries, st, plan, custom,
                                         streamed, hbytes)
     for i in hosted:
@@ -409,12 +444,16 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
     t0 = time.perf_counter()
     host, buf = host_memory(total)
     moved = []
+    jobs = _copy_jobs(host, entries, hosted, offsets, slots, st, plan)
+    if behind and total >= BEHIND_MIN and all(
+            e.src_device.type == "cpu" for e, _j in jobs):
+        return _behind(dev, jobs, drop, buf, total), slots
     progress = Progress(total, "vpager.torch.offload: copying the weights "
                         "to pinned host memory")
     try:
         with torch.no_grad(), torch.inference_mode(False):
-            _fill_host(host, entries, hosted, offsets, slots, st, plan,
-                       moved, progress, drop)
+            _fill_host(jobs, drop, progress.advance, moved)
+        del jobs
         t1 = time.perf_counter()
         hb = dev.register_hostbuf(buf, total)
         if times is not None:

@@ -978,6 +978,7 @@ class Tuner:
         the last weight, whose prefetch (`window` bytes) wraps to the
         first streamed weights, as the end of every forward does."""
         lay = self.layout
+        lay.wait_loaded()       # it copies from the whole host copy
         stream = self.model.stream()
         # (A weight with a fill, patches.set_fill, fills at its forward's
         # acquire: this one would not rewrite its bytes.)

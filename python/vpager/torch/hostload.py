@@ -1,0 +1,123 @@
+"""A model's host copy filled behind offload(): a thread copies the
+weights into the pinned copy's memory in its order (the VBAR's first
+placement, close to the order of use) while offload() returns and the
+first forward runs, and page-locks it once it is full.
+
+A first load used to be two waits one after the other: the whole copy
+(a 22 GiB model: 1.7 s on the H200, page-locking included), then the
+first forward (1.3 s, every weight crossing the link). Behind, the
+forward's units wait only for their own weights, so the two overlap: the
+first forward ends about when the copy does.
+
+What keeps it correct (Layout and HotPath ask; the copier owns nothing
+else): no byte of the copy is read before it is written. A unit's acquire
+waits for its weights (wait(entries)); while the copy runs no weight of
+the model prefetches (Layout.set_windows gives them windows of 0, so no
+acquire copies another unit's weights ahead), and every other reader of
+the host copy (held units, the tuner's warm fill, restoring the module's
+tensors, a new file) waits for the whole copy. The copier never touches
+the module's tensors (offload() puts placeholders in them meanwhile); it
+holds the source tensors until their bytes are copied, then drops them,
+so a model in anonymous memory leaves it as the copy advances. Until it
+is page-locked the copy is pageable memory: the C library copies from it
+correctly, at pageable speed (src/hostmem.c)."""
+
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+# Bytes copied (on copy_all's threads) between two publications of
+# progress: a unit waits at most about this much after its weights land.
+BATCH = 256 << 20
+
+
+class HostLoad:
+    """The fill of one host copy on a thread of its own. jobs: [(entry,
+    what to copy)] in the copy's order; batch_copy(jobs) copies a batch of
+    them (sources.copy_jobs: at memory speed); register() page-locks the
+    full copy and returns its HostBuf; done(): after it (the progress
+    bar's end). Entries not in jobs are always ready."""
+
+    def __init__(self, jobs: Sequence[Tuple[Any, Any]],
+                 batch_copy: Callable[[List[Tuple[Any, Any]]], None],
+                 register: Callable[[], Any], total: int,
+                 done: Callable[[], None] = lambda: None) -> None:
+        self.total = total
+        self._pos = {id(e): i for i, (e, _c) in enumerate(jobs)}
+        self._jobs: Optional[List] = list(jobs)
+        self._batch_copy = batch_copy
+        self._register = register
+        self._done = done
+        self.copied = 0             # jobs copied, in order
+        self.hb: Any = None         # the page-locked copy, once full
+        self.error: Optional[BaseException] = None
+        self.finished = False       # copied and page-locked, or failed
+        self.fill_s = self.lock_s = 0.0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="vpager-host-copy")
+        self._thread.start()
+
+    # ------------------------------------------------ the copier's thread
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            jobs = self._jobs
+            i = 0
+            while i < len(jobs):
+                j, size = i, 0
+                while j < len(jobs) and (j == i or size < BATCH):
+                    size += jobs[j][0].size
+                    j += 1
+                if self._stop:
+                    return
+                self._batch_copy(jobs[i:j])
+                for k in range(i, j):       # the sources may go now
+                    jobs[k] = (jobs[k][0], None)
+                with self._cond:
+                    self.copied = j
+                    self._cond.notify_all()
+                i = j
+            t1 = time.perf_counter()
+            self.fill_s = t1 - t0
+            hb = self._register()
+            self.lock_s = time.perf_counter() - t1
+            with self._cond:
+                self.hb = hb
+            self._done()
+        except BaseException as e:      # noqa: BLE001 (the waiters raise it)
+            with self._cond:
+                self.error = e
+        finally:
+            with self._cond:
+                self._jobs = None
+                self.finished = True
+                self._cond.notify_all()
+
+    # ------------------------------------------------------- the readers
+    def ready(self, entries: Sequence[Any]) -> bool:
+        """Whether every one of `entries` has its bytes in the copy."""
+        pos, copied = self._pos, self.copied
+        return all(pos.get(id(e), -1) < copied for e in entries)
+
+    def wait(self, entries: Optional[Sequence[Any]] = None) -> None:
+        """Until `entries` (None: all) have their bytes in the copy (all:
+        and it is page-locked); the copier's error, if it failed first."""
+        with self._cond:
+            while not (self.finished if entries is None
+                       else self.finished or self.ready(entries)):
+                self._cond.wait()
+            if self.error is not None:
+                raise RuntimeError(
+                    "vpager.torch: the host copy of the model failed while "
+                    "the first forwards ran (%s: %s); offload() the model "
+                    "again" % (type(self.error).__name__, self.error)
+                ) from self.error
+
+    def cancel(self) -> None:
+        """Stop copying (after the batch in flight) and wait for the
+        thread: the copy's memory may be freed then. A copy already
+        page-locked is left to the caller (hb)."""
+        self._stop = True
+        self._thread.join()
