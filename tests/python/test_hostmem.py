@@ -401,10 +401,18 @@ def test_copy_behind_the_first_forward_bitwise():
         assert h.stats()["model"]["host_bytes"] == h.weight_bytes
         ws = lay.weights
         assert all(ws.window(e.index) == 0 for e in lay.entries)
-        gate.set()
+        tuner = h._parts.tuner
+        assert tuner is not None
+        load = lay.loading
+        threading.Timer(0.1, gate.set).start()
         with torch.no_grad():
-            for _ in range(4):
+            assert torch.equal(m(x), want)      # waits for the copy
+            # (that forward's units waited: not measured for the schedule)
+            assert tuner.rounds == 0, tuner.rounds
+            load._thread.join(10)               # page-locked now
+            for _ in range(3):
                 assert torch.equal(m(x), want)
+        assert tuner.rounds >= 1
         assert lay.loading is None and lay.hb is not None
         assert len(batches) == len(lay.entries)
         assert lay.load_times["host_fill_s"] > 0

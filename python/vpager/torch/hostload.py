@@ -49,6 +49,7 @@ class HostLoad:
         self._register = register
         self._done = done
         self.copied = 0             # jobs copied, in order
+        self.filled = False         # every job copied
         self.hb: Any = None         # the page-locked copy, once full
         self.error: Optional[BaseException] = None
         self.finished = False       # copied and page-locked, or failed
@@ -77,6 +78,7 @@ class HostLoad:
                     jobs[k] = (jobs[k][0], None)
                 with self._cond:
                     self.copied = j
+                    self.filled = j == len(jobs)
                     self._cond.notify_all()
                 i = j
             t1 = time.perf_counter()
@@ -102,11 +104,12 @@ class HostLoad:
         return all(pos.get(id(e), -1) < copied for e in entries)
 
     def wait(self, entries: Optional[Sequence[Any]] = None) -> None:
-        """Until `entries` (None: all) have their bytes in the copy (all:
-        and it is page-locked); the copier's error, if it failed first."""
+        """Until `entries` (None: all) have their bytes in the copy (the
+        page-locking may still run); the copier's error, if it failed
+        first."""
         with self._cond:
-            while not (self.finished if entries is None
-                       else self.finished or self.ready(entries)):
+            while not (self.finished or self.filled or (
+                    entries is not None and self.ready(entries))):
                 self._cond.wait()
             if self.error is not None:
                 raise RuntimeError(

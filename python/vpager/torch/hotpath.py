@@ -227,7 +227,7 @@ class HotPath:
                     "parameters, then offload again" % (qual, unit.name))
         entries = unit.entries
         if self.layout.loading is not None:     # its bytes may be on the way
-            self.layout.wait_loaded(entries)
+            self.layout.wait_loaded(entries)        # (hostload.py)
         held = False            # an outer unit holds one of them (shared)
         for e in entries:
             if e.cur:

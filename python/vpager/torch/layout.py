@@ -36,6 +36,7 @@ class Layout:
         self.vbar = self.weights = self.hb = self.st = None
         self.hbytes = None      # sources.HostBytes: in place, FILE fds
         self.loading = None     # HostLoad: the host copy filling behind
+        self._filled = False    # its bytes all there (the windows open)
         self.load_times = {}    # seconds: host_alloc_s, host_fill_s
         self.fill_changes = 0   # weights given or rid of a fill (patches)
         self.placed = object()  # a new token whenever the weights move
@@ -106,7 +107,7 @@ class Layout:
         for u in units:
             u.batch = WeightBatch(dev, [weight(e) for e in u.entries])
         # New weights use the device's lookahead: the windows again.
-        self.set_windows(units if self.loading is not None else
+        self.set_windows(units if self.copying else
                          [u for u in units if u.window is not None])
 
     def set_windows(self, units):
@@ -117,28 +118,35 @@ class Layout:
         behind offload() every window is 0 (no weight is copied before its
         own unit waited for it) and unit.window waits for its end."""
         ws = self.weights
-        closed = self.loading is not None
+        closed = self.copying
         for u in units:
             if u is not None:
                 for e in u.entries:
                     ws.set_window(e.index, 0 if closed else u.window)
 
+    @property
+    def copying(self):
+        """Whether the host copy filling behind offload() lacks bytes."""
+        return self.loading is not None and not self._filled
+
     def wait_loaded(self, entries=None):
         """Until the host copy filling behind offload() holds the bytes of
-        `entries` (None: all of them, and page-locked: any reader but a
-        unit's acquire); once it is whole it becomes the layout's HostBuf
-        and the windows open. RuntimeError if the copy failed. On the
-        thread that runs the model's calls (under its lock)."""
+        `entries` (None: all of them: any reader but a unit's acquire).
+        Once every byte is there the windows open; once it is page-locked
+        too it becomes the layout's HostBuf. RuntimeError if the copy
+        failed. On the thread that runs the model's calls (its lock)."""
         lo = self.loading
         if lo is None:
             return
         lo.wait(entries)
+        if lo.filled and not self._filled:
+            self._filled = True
+            self.set_windows(self.units)
         if lo.finished:
             self.loading = None
             self.hb = lo.hb
             self.load_times.update(host_fill_s=lo.fill_s,
                                    host_alloc_s=lo.lock_s)
-            self.set_windows(self.units)
 
     @property
     def host_bytes(self):
