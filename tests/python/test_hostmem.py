@@ -501,6 +501,62 @@ def test_copy_behind_threads_share_the_first_forwards():
         h.close()
 
 
+def test_copy_behind_a_mapped_model():
+    """ComfyUI's case: a model over a read-only file mapping on a device
+    that pins none (a GPU) gets its pinned copy behind offload(), copied
+    out of the mapping: bitwise, and the mapping's pages it was copied
+    from dropped as each batch lands (not all at the end)."""
+    import threading
+    from vpager.torch import sources
+    saved = sources.pins_mappings
+    sources.pins_mappings = lambda dev: False       # as on a GPU
+    gate = threading.Event()
+    try:
+        with copying_behind(gate), mapped_model() as m:
+            ref = frozen_copy(m)
+            x = torch.randn(4, 256)
+            with torch.no_grad():
+                want = ref(x)
+            h = offload_sim(m, budget=1024 * K, staging=512 * K)
+            assert h._parts.layout.loading is not None
+            gate.set()
+            with torch.no_grad():
+                for _ in range(3):
+                    assert torch.equal(m(x), want)
+            s = h.stats()["model"]
+            assert s["host_by_kind"][hostpolicy.PINNED_COPY] == \
+                h.weight_bytes, s
+            h.unload()
+            with torch.no_grad():
+                assert torch.equal(m(x), want)
+    finally:
+        sources.pins_mappings = saved
+
+
+def test_copy_behind_on_cuda():
+    """The same on a GPU (skipped without one): the first forwards read
+    the copy while it fills, pageable until it is page-locked."""
+    import threading
+    if not torch.cuda.is_available():
+        _runner.skip("no CUDA")
+    gate = threading.Event()
+    m = mlp(width=512, depth=8)         # 8.4 MiB in a 6 MiB budget
+    x = torch.randn(16, 512)
+    ref = frozen_copy(m).cuda()
+    xc = x.cuda()
+    with torch.no_grad():
+        want = ref(xc)
+    with copying_behind(gate):
+        h = vt.offload(m, device="cuda", budget=6 * M, staging_size=2 * M,
+                       page_size=2 * M)
+        assert h._parts.layout.loading is not None
+        threading.Timer(0.1, gate.set).start()
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(m(xc), want)
+        h.close()
+
+
 def test_copy_behind_off_and_outside_host():
     """VPAGER_COPY_BEHIND=0, and outside="host" (the module's tensors are
     the copy), make the copy before offload() returns."""
