@@ -54,8 +54,14 @@ def main():
                     help="VPAGER_PLAN_THREAD (default: as set, else 1)")
     ap.add_argument("--place-early", choices=("0", "1"), default=None,
                     help="VPAGER_PLACE_EARLY (default: as set, else 1)")
+    ap.add_argument("--copy-behind", choices=("0", "1"), default=None,
+                    help="VPAGER_COPY_BEHIND (default: as set, else 1): "
+                    "a host copy of 256 MiB or more filled behind "
+                    "offload(), overlapping the first forward")
     ap.add_argument("--device", default="sim", help="sim or cuda")
     a = ap.parse_args()
+    if a.copy_behind is not None:
+        os.environ["VPAGER_COPY_BEHIND"] = a.copy_behind
     if a.plan_thread is not None:
         os.environ["VPAGER_PLAN_THREAD"] = a.plan_thread
     if a.place_early is not None:
@@ -74,13 +80,18 @@ def main():
     x = torch.randn(4, a.width, device="cuda" if cuda else "cpu")
     total = sum(p.numel() * p.element_size() for p in m.parameters())
     budget = int(total * a.budget_share)
+    t_offload = time.perf_counter()
     if cuda:
         h = vt.offload(m, device="cuda", budget=budget)
     else:
         page = 64 << 10
-        h = vt.offload(m, device="cpu", budget=budget, staging_size=512 << 10,
+        unit = (a.width + 1) * a.width * 4
+        ring = max(512 << 10, -(-2 * unit // page) * page)
+        h = vt.offload(m, device="cpu", budget=budget, staging_size=ring,
                        page_size=page, sim_granularity=page, sim_shared="",
                        sim_streams="sync")
+    t_offload = time.perf_counter() - t_offload
+    behind = h.vbar_layout.loading is not None  # the copy after offload()
     spent = collections.Counter()
     main_thread = __import__("threading").get_ident()
 
@@ -125,6 +136,10 @@ def main():
                 i + 1, dt * 1e3, copies[-1] / 1e6, "  ".join(
                     "%s %.1f" % (k, v * 1e3) for k, v in sorted(
                         spent.items(), key=lambda kv: -kv[1]))), flush=True)
+    print("offload %.1f ms (host copy %s), offload + first forward %.1f ms "
+          "(%.0f MB of weights)" % (
+              t_offload * 1e3, "behind it" if behind else "in it",
+              (t_offload + times[0]) * 1e3, total / 1e6))
     steady = statistics.median(times[len(times) // 2:])
     worst = max(times[1:])
     print("most copied by a forward after the first %.2f MB = %.2f x the "

@@ -422,6 +422,33 @@ def test_copy_behind_the_first_forward_bitwise():
         h.close()
 
 
+def test_copy_behind_pins_piece_by_piece():
+    """Each batch's pages are page-locked as the copy reaches them (so the
+    first forward copies from pinned memory), in pieces that meet at 2
+    MiB edges and cover the whole mapping; outputs stay bitwise."""
+    from vpager.torch import hostload
+    m = mlp(width=512, depth=8)         # 8.4 MiB: edges inside it
+    x = torch.randn(4, 512)
+    ref = frozen_copy(m)
+    with torch.no_grad():
+        want = ref(x)
+    with copying_behind():
+        h = offload_sim(m, budget=4 * M, staging=2 * M)
+        lay = h._parts.layout
+        load = lay.loading
+        load._thread.join(10)
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+        assert lay.hb is load and lay.loading is None
+        ptrs = [(hb.ptr, hb.size) for hb in load.hbs]
+        assert len(ptrs) >= 3, ptrs
+        for (p, n), (q, _k) in zip(ptrs, ptrs[1:]):
+            assert p + n == q and q % hostload.PIN_ALIGN == 0, ptrs
+        assert sum(n for _p, n in ptrs) >= h.weight_bytes
+        h.close()
+        assert load.hbs == []
+
+
 def test_copy_behind_readers_wait_for_it():
     """state_dict() and unload() while the copy is still filling read the
     whole copy (they wait for it): the model's own values."""

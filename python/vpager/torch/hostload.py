@@ -1,7 +1,7 @@
 """A model's host copy filled behind offload(): a thread copies the
 weights into the pinned copy's memory in its order (the VBAR's first
 placement, close to the order of use) while offload() returns and the
-first forward runs, and page-locks it once it is full.
+first forward runs, page-locking it piece by piece as it fills.
 
 A first load used to be two waits one after the other: the whole copy
 (a 22 GiB model: 1.7 s on the H200, page-locking included), then the
@@ -18,9 +18,11 @@ the host copy (held units, the tuner's warm fill, restoring the module's
 tensors, a new file) waits for the whole copy. The copier never touches
 the module's tensors (offload() puts placeholders in them meanwhile); it
 holds the source tensors until their bytes are copied, then drops them,
-so a model in anonymous memory leaves it as the copy advances. Until it
-is page-locked the copy is pageable memory: the C library copies from it
-correctly, at pageable speed (src/hostmem.c)."""
+so a model in anonymous memory leaves it as the copy advances. Each
+batch's pages are page-locked (a HostBuf of their own, registering
+touched memory: cheap) before its weights are said to be there, so the
+first forward copies them at pinned speed; the C library splits a copy
+at the pieces' edges (src/hostmem.c)."""
 
 import threading
 import time
@@ -29,28 +31,39 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 # Bytes copied (on copy_all's threads) between two publications of
 # progress: a unit waits at most about this much after its weights land.
 BATCH = 256 << 20
+# Edges of the page-locked pieces (a huge page: a multiple of any host
+# page size): two registrations never share a page.
+PIN_ALIGN = 2 << 20
 
 
 class HostLoad:
-    """The fill of one host copy on a thread of its own. jobs: [(entry,
-    what to copy)] in the copy's order; batch_copy(jobs) copies a batch of
-    them (sources.copy_jobs: at memory speed); register() page-locks the
-    full copy and returns its HostBuf; done(): after it (the progress
-    bar's end). Entries not in jobs are always ready."""
+    """The fill of one host copy on a thread of its own, and then the copy
+    itself (size, close(): the layout's HostBuf in effect). jobs: [(entry,
+    what to copy)] in the copy's order, ends[i] the offset in the copy
+    where job i's bytes end; batch_copy(jobs) copies a batch of them
+    (sources.copy_jobs: at memory speed); register(lo, hi) page-locks
+    bytes [lo, hi) of the copy (lo, hi: PIN_ALIGN-aligned addresses' offsets;
+    the last hi the mapping's end) and returns their HostBuf: each batch's
+    pages as they are filled, so that the first forward copies from
+    pinned memory too; done(): after the last (the progress bar's end).
+    Entries not in jobs are always ready."""
 
-    def __init__(self, jobs: Sequence[Tuple[Any, Any]],
+    def __init__(self, jobs: Sequence[Tuple[Any, Any]], ends: Sequence[int],
                  batch_copy: Callable[[List[Tuple[Any, Any]]], None],
-                 register: Callable[[], Any], total: int,
+                 register: Callable[[int, int], Any], total: int,
+                 base: int, mapped: int,
                  done: Callable[[], None] = lambda: None) -> None:
-        self.total = total
+        self.total = total          # bytes of the copy
         self._pos = {id(e): i for i, (e, _c) in enumerate(jobs)}
         self._jobs: Optional[List] = list(jobs)
+        self._ends = list(ends)
         self._batch_copy = batch_copy
         self._register = register
+        self._base, self._mapped = base, mapped
         self._done = done
-        self.copied = 0             # jobs copied, in order
+        self.copied = 0             # jobs copied (and their pages locked)
         self.filled = False         # every job copied
-        self.hb: Any = None         # the page-locked copy, once full
+        self.hbs: List[Any] = []    # HostBufs page-locking the copy
         self.error: Optional[BaseException] = None
         self.finished = False       # copied and page-locked, or failed
         self.fill_s = self.lock_s = 0.0
@@ -60,9 +73,36 @@ class HostLoad:
                                         name="vpager-host-copy")
         self._thread.start()
 
+    @property
+    def size(self) -> int:
+        return self.total
+
+    def close(self) -> None:
+        """Stop the copier (cancel()), then the copy's HostBufs closed."""
+        self.cancel()
+        hbs, self.hbs = self.hbs, []
+        for hb in hbs:
+            hb.close()
+
     # ------------------------------------------------ the copier's thread
+    def _lock_upto(self, end: int, last: bool) -> None:
+        """Page-lock the copy's bytes from where the last call stopped up
+        to `end` (down to a PIN_ALIGN edge; the last: the mapping's end)."""
+        lo = self._locked if self.hbs else 0
+        if last:
+            hi = self._mapped
+        else:
+            hi = (self._base + end) // PIN_ALIGN * PIN_ALIGN - self._base
+        if hi <= lo:
+            return
+        t = time.perf_counter()
+        self.hbs.append(self._register(lo, hi))
+        self._locked = hi
+        self.lock_s += time.perf_counter() - t
+
     def _run(self) -> None:
         t0 = time.perf_counter()
+        self._locked = 0
         try:
             jobs = self._jobs
             i = 0
@@ -76,17 +116,13 @@ class HostLoad:
                 self._batch_copy(jobs[i:j])
                 for k in range(i, j):       # the sources may go now
                     jobs[k] = (jobs[k][0], None)
+                self._lock_upto(self._ends[j - 1], j == len(jobs))
                 with self._cond:
                     self.copied = j
                     self.filled = j == len(jobs)
                     self._cond.notify_all()
                 i = j
-            t1 = time.perf_counter()
-            self.fill_s = t1 - t0
-            hb = self._register()
-            self.lock_s = time.perf_counter() - t1
-            with self._cond:
-                self.hb = hb
+            self.fill_s = time.perf_counter() - t0 - self.lock_s
             self._done()
         except BaseException as e:      # noqa: BLE001 (the waiters raise it)
             with self._cond:
@@ -120,7 +156,6 @@ class HostLoad:
 
     def cancel(self) -> None:
         """Stop copying (after the batch in flight) and wait for the
-        thread: the copy's memory may be freed then. A copy already
-        page-locked is left to the caller (hb)."""
+        thread: the copy's memory may be freed once hbs are closed."""
         self._stop = True
         self._thread.join()

@@ -21,7 +21,8 @@ COPY_BEHIND = "VPAGER_COPY_BEHIND"      # =0: the host copy before offload()
 
 
 class Layout:
-    """vbar, weights (vpager.Weights), hb (the HostBuf, or None), st (the
+    """vbar, weights (vpager.Weights), hb (the HostBuf, or the HostLoad
+    that filled the copy behind offload(), or None), st (the
     SafeTensors file, or None), entries in VBAR order, units in placement
     order, align, groups (placement.groups(), None for tail-first)."""
 
@@ -142,9 +143,9 @@ class Layout:
         if lo.filled and not self._filled:
             self._filled = True
             self.set_windows(self.units)
-        if lo.finished:
+        if lo.finished:         # it is the host copy now (its HostBufs)
             self.loading = None
-            self.hb = lo.hb
+            self.hb = lo
             self.load_times.update(host_fill_s=lo.fill_s,
                                    host_alloc_s=lo.lock_s)
 
@@ -263,9 +264,8 @@ class Layout:
         """Close the VBAR (its weights with it), the HostBuf and the file;
         returns the errors met (each object is closed regardless)."""
         errors = []
-        if self.loading is not None:    # its memory goes with it
-            self.loading.cancel()
-            self.hb, self.loading = self.loading.hb, None
+        if self.loading is not None:    # the copier stopped, then closed
+            self.hb, self.loading = self.loading, None
         for obj in (self.vbar, self.hb, self.st):
             if obj is None:
                 continue

@@ -414,18 +414,25 @@ def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
     return hb, slots, hbytes
 
 
-def _behind(dev, jobs, drop, buf, total):
-    """A HostLoad filling the copy in `buf` from `jobs` on a thread of its
-    own, page-locking it when full."""
+def _behind(dev, jobs, ends, drop, host, buf, total):
+    """A HostLoad filling the copy (`host` over the mapping `buf`) from
+    `jobs` on a thread of its own, page-locking it piece by piece."""
     progress = Progress(total, "vpager.torch.offload: copying the weights "
                         "to pinned host memory (behind the first forward)")
+    base = host.data_ptr()
 
     def copy(batch):
         with torch.no_grad(), torch.inference_mode(False):
             copy_jobs(batch, drop, progress.advance)
 
-    return HostLoad(jobs, copy, lambda: dev.register_hostbuf(buf, total),
-                    total, done=progress.close)
+    def register(lo, hi):
+        # (buf: the mapping stays alive as long as a piece of it does)
+        hb = dev.register_hostbuf(base + lo, hi - lo)
+        hb.mapping = buf
+        return hb
+
+    return HostLoad(jobs, ends, copy, register, total, base, len(buf),
+                    done=progress.close)
 
 
 def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
@@ -447,7 +454,8 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
     jobs = _copy_jobs(host, entries, hosted, offsets, slots, st, plan)
     if behind and total >= BEHIND_MIN and all(
             e.src_device.type == "cpu" for e, _j in jobs):
-        return _behind(dev, jobs, drop, buf, total), slots
+        ends = [off + entries[i].size for i, off in zip(hosted, offsets)]
+        return _behind(dev, jobs, ends, drop, host, buf, total), slots
     progress = Progress(total, "vpager.torch.offload: copying the weights "
                         "to pinned host memory")
     try:
