@@ -41,6 +41,7 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
         --runs resident,node8,8                  # memory pressure survived
     ... --lora --runs legacy,node6,6             # LoRA change
     ... --runs resident,node8,node8late,8   # first prompt: placed early or not
+    ... --runs resident,node8,node8sync,8   # host copy behind offload() or not
 
 Prints per run: patcher class, steady step (median of steps 2..n) and first
 step per repetition (prompt), vpager's counters, the host's memory
@@ -189,22 +190,33 @@ def child(cr, a):
     return cr.child_sample(a)
 
 
-LATE = "late"       # a node run named node<budget>late: VPAGER_PLACE_EARLY=0
+# A node run named node<budget><suffix> runs with these variables: "late"
+# places the weights after the first forward, not before it; "sync" makes
+# the host copy before offload() returns, not behind it (the first prompt
+# with and without each, beside the default in one run).
+SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
+            "sync": {"VPAGER_COPY_BEHIND": "0"}}
+
+
+def _suffix(run):
+    """The SUFFIXES key a node run's name ends with, or None."""
+    for k in SUFFIXES:
+        if run.startswith("node") and run.endswith(k):
+            return k
+    return None
 
 
 def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
     """The node's child for run `run` ("node...") under `budget` GiB (a
-    string; None: no budget, as resident). A run named "node...late"
-    places the weights after the first forward, not before it
-    (VPAGER_PLACE_EARLY=0): the first prompt with and without the early
-    placement in one run."""
+    string; None: no budget, as resident), with its suffix's variables
+    (SUFFIXES)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--node",
            "--child", "sample"] + cr.common_args(a) + \
         ["--run", budget if budget is not None else "resident",
          "--tag", run, "--ckpt", ckpt]
     env = cr.child_env(a, [os.path.join(ROOT, "integrations")])
-    if run.endswith(LATE):
-        env = dict(env, VPAGER_PLACE_EARLY="0")
+    if _suffix(run) is not None:
+        env = dict(env, **SUFFIXES[_suffix(run)])
     return cr.spawn(cmd, env, log_path, timeout, run, a.cgroup_gib)
 
 
@@ -213,8 +225,8 @@ def budget_of(run, gen, weight_dtype="default"):
     None) for resident, "node" and legacy. "half": half the weights as
     held with weight_dtype (bench/comfyui_run.py's held())."""
     b = run[4:] if run.startswith("node") else run
-    if run.startswith("node") and b.endswith(LATE):
-        b = b[:-len(LATE)]
+    if _suffix(run) is not None:
+        b = b[:-len(_suffix(run))]
     if b in ("", "resident", "legacy"):
         return None, None
     if b == "half":
