@@ -486,6 +486,32 @@ def test_copy_behind_closed_before_it_ends():
             _runner.raises(RuntimeError, m, x)
 
 
+def test_copy_behind_an_offload_that_fails():
+    """offload() failing after its layout (the host copy made but not yet
+    started) leaves the module as it was and no copier behind."""
+    import threading
+    from vpager.torch import install
+    m, sd, x = _behind_model()
+    ref = frozen_copy(m)
+    with torch.no_grad():
+        want = ref(x)
+    saved = install.Installation.install
+
+    def fails(self, wrap):
+        raise RuntimeError("installing failed")
+    install.Installation.install = fails
+    try:
+        with copying_behind() as batches:
+            before = threading.active_count()
+            _runner.raises(RuntimeError, offload_sim, m, budget=1024 * K,
+                           staging=512 * K)
+            assert batches == [] and threading.active_count() == before
+    finally:
+        install.Installation.install = saved
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+
+
 def test_copy_behind_failing_says_so():
     """A copy that fails behind offload() fails the forward that waits for
     it with an error naming the host copy, every time; close() works."""

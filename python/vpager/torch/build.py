@@ -125,7 +125,8 @@ def assemble(plan: Any, lay: Layout, ds: Any, owned: bool,
     (the ledger's). All or nothing: when a step fails, what was installed
     is undone (Parts.undo()), tensors over their host copy get their own
     (as when Layout.build() fails), the layout is freed and the device
-    left by life.owner (free()), and the step's error raised."""
+    left by life.owner (free()), and the step's error raised. A host copy
+    filled behind offload() (hostload.py) starts at the end."""
     parts = None
     try:
         parts = _parts(plan, lay, ds, owned, life)
@@ -141,6 +142,8 @@ def assemble(plan: Any, lay: Layout, ds: Any, owned: bool,
             pass                # the step's error is the one to see
         raise
     parts.install.commit()
+    if lay.loading is not None:     # the host copy behind offload(), now
+        lay.loading.start()         # (after the guess measured the link)
     return parts
 
 

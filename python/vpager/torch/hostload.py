@@ -71,6 +71,15 @@ class HostLoad:
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="vpager-host-copy")
+        self._started = False
+
+    def start(self) -> None:
+        """The copier on its way (once; offload() starts it at its end,
+        after the link is measured beside no copy; a wait starts it)."""
+        with self._cond:
+            if self._started:
+                return
+            self._started = True
         self._thread.start()
 
     @property
@@ -143,6 +152,7 @@ class HostLoad:
         """Until `entries` (None: all) have their bytes in the copy (the
         page-locking may still run); the copier's error, if it failed
         first."""
+        self.start()
         with self._cond:
             while not (self.finished or self.filled or (
                     entries is not None and self.ready(entries))):
@@ -158,4 +168,7 @@ class HostLoad:
         """Stop copying (after the batch in flight) and wait for the
         thread: the copy's memory may be freed once hbs are closed."""
         self._stop = True
-        self._thread.join()
+        with self._cond:
+            started, self._started = self._started, True   # none from now
+        if started:
+            self._thread.join()
