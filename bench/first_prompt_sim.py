@@ -55,9 +55,10 @@ def main():
     ap.add_argument("--place-early", choices=("0", "1"), default=None,
                     help="VPAGER_PLACE_EARLY (default: as set, else 1)")
     ap.add_argument("--copy-behind", choices=("0", "1"), default=None,
-                    help="VPAGER_COPY_BEHIND (default: as set, else 1): "
-                    "a host copy of 256 MiB or more filled behind "
-                    "offload(), overlapping the first forward")
+                    help="VPAGER_COPY_BEHIND (default: as set, else 1 "
+                    "on a GPU, 0 on the simulated device): a host copy of "
+                    "256 MiB or more filled behind offload(), overlapping "
+                    "the first forward")
     ap.add_argument("--device", default="sim", help="sim or cuda")
     a = ap.parse_args()
     if a.copy_behind is not None:

@@ -62,9 +62,10 @@ VARIABLES: Dict[str, Variable] = {
                                    "the first forward (default 1)"),
     "VPAGER_COPY_BEHIND": Variable("flag", "0: offload() makes a large "
                                    "model's pinned host copy before it "
-                                   "returns (default 1: filled behind it, "
-                                   "each unit of the first forward waiting "
-                                   "for its own weights)"),
+                                   "returns; 1: behind it, each unit of "
+                                   "the first forward waiting for its own "
+                                   "weights (default: 1 on a GPU, 0 on "
+                                   "the simulated device)"),
     "VPAGER_SCHEDULE_LOG": Variable("flag", "1: print each schedule made "
                                     "(default 0)"),
     "VPAGER_PROGRESS": Variable("flag", "0: no progress bar or log line "

@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 # Bytes copied (on copy_all's threads) between two publications of
 # progress: a unit waits at most about this much after its weights land.
-BATCH = 256 << 20
+BATCH = 64 << 20
 # Edges of the page-locked pieces (a huge page: a multiple of any host
 # page size): two registrations never share a page.
 PIN_ALIGN = 2 << 20
@@ -45,14 +45,15 @@ class HostLoad:
     bytes [lo, hi) of the copy (lo, hi: PIN_ALIGN-aligned addresses' offsets;
     the last hi the mapping's end) and returns their HostBuf: each batch's
     pages as they are filled, so that the first forward copies from
-    pinned memory too; done(): after the last (the progress bar's end).
+    pinned memory too; end(): when it stops (its threads, the progress
+    bar).
     Entries not in jobs are always ready."""
 
     def __init__(self, jobs: Sequence[Tuple[Any, Any]], ends: Sequence[int],
                  batch_copy: Callable[[List[Tuple[Any, Any]]], None],
                  register: Callable[[int, int], Any], total: int,
                  base: int, mapped: int,
-                 done: Callable[[], None] = lambda: None) -> None:
+                 end: Callable[[], None] = lambda: None) -> None:
         self.total = total          # bytes of the copy
         self._pos = {id(e): i for i, (e, _c) in enumerate(jobs)}
         self._jobs: Optional[List] = list(jobs)
@@ -60,7 +61,7 @@ class HostLoad:
         self._batch_copy = batch_copy
         self._register = register
         self._base, self._mapped = base, mapped
-        self._done = done
+        self._end = end
         self.copied = 0             # jobs copied (and their pages locked)
         self.filled = False         # every job copied
         self.hbs: List[Any] = []    # HostBufs page-locking the copy
@@ -132,11 +133,14 @@ class HostLoad:
                     self._cond.notify_all()
                 i = j
             self.fill_s = time.perf_counter() - t0 - self.lock_s
-            self._done()
         except BaseException as e:      # noqa: BLE001 (the waiters raise it)
             with self._cond:
                 self.error = e
         finally:
+            try:
+                self._end()
+            except Exception:   # noqa: BLE001 (a progress bar's end)
+                pass
             with self._cond:
                 self._jobs = None
                 self.finished = True

@@ -79,12 +79,15 @@ class Layout:
                 if src is not None:
                     e.keep = e.tensor.data
                 custom.append(src)
-        # (With outside="host" the module's tensors are the copy.)
+        # Behind offload() by default where the link is the device's DMA
+        # (the simulated device's is this CPU's memcpy: no overlap to win);
+        # never with outside="host" (the module's tensors are the copy).
         hb, slots, self.hbytes = sources(
             dev, entries, self.align, self.st, match, custom,
             self.load_times, _streamed(plan, dev),
             type(plan.module).__name__,
-            behind=s.outside != "host" and env.flag(COPY_BEHIND, True))
+            behind=s.outside != "host" and env.flag(
+                COPY_BEHIND, dev.backend != "sim"))
         if isinstance(hb, HostLoad):
             self.loading = hb
         else:

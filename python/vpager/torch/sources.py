@@ -256,17 +256,18 @@ COPY_CHUNK = 64 << 20       # bytes a thread copies at a time
 _COPY_BATCH = 1 << 30       # bytes copied before old storage is let go
 
 
-def copy_all(pairs, advance=None):
+def copy_all(pairs, advance=None, pool=None, chunk=COPY_CHUNK):
     """dst.copy_(src) for each (dst, src) of CPU tensors, over a few
-    threads in chunks (torch's copies release the GIL): a model read out
-    of a file mapping (ComfyUI's safetensors loader) or RAM is copied at
-    memory speed, not one core's. advance(bytes) after each chunk."""
+    threads in chunks of `chunk` bytes (torch's copies release the GIL): a
+    model read out of a file mapping (ComfyUI's safetensors loader) or RAM
+    is copied at memory speed, not one core's. advance(bytes) after each
+    chunk. pool: an executor of the caller's (else one for this call)."""
     jobs = []
     for dst, src in pairs:
         n = dst.numel()
         if n == 0:
             continue
-        step = max(COPY_CHUNK // max(dst.element_size(), 1), 1)
+        step = max(chunk // max(dst.element_size(), 1), 1)
         d, s = dst.view(-1), src.reshape(-1)
         for i in range(0, n, step):
             jobs.append((d[i:i + step], s[i:i + step]))
@@ -283,6 +284,9 @@ def copy_all(pairs, advance=None):
             job[0].copy_(job[1])
         if advance is not None:
             advance(job[0].numel() * job[0].element_size())
+    if pool is not None:
+        list(pool.map(one, jobs))
+        return
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, jobs))
 
@@ -329,7 +333,8 @@ def _copy_jobs(host, entries, hosted, offsets, slots, st, plan):
     return jobs
 
 
-def copy_jobs(jobs, drop, advance, moved=None):
+def copy_jobs(jobs, drop, advance, moved=None, pool=None,
+              chunk=COPY_CHUNK):
     """Copy a batch of _copy_jobs' jobs: a file's bytes by memmove, tensors
     over copy_all's threads; advance(bytes) as they land. Entries in
     `drop` were copied out of a read-only file mapping: its pages they
@@ -337,7 +342,7 @@ def copy_jobs(jobs, drop, advance, moved=None):
     so the copy is the one copy RSS counts. moved (a list, or None): CPU
     tensors are pointed at their copy, appended to it (offload()'s own
     copy: their old storage can go now, peak host memory one model and a
-    batch, not two models)."""
+    batch, not two models). pool, chunk: copy_all's."""
     pairs = []
     for e, (h, src) in jobs:
         if isinstance(src, int):
@@ -349,7 +354,7 @@ def copy_jobs(jobs, drop, advance, moved=None):
             pairs.append((e, h, src))
     if not pairs:
         return
-    copy_all([(h, src) for _e, h, src in pairs], advance)
+    copy_all([(h, src) for _e, h, src in pairs], advance, pool, chunk)
     for e, h, src in pairs:
         if e in drop:
             _sysmem.drop_resident(src.data_ptr(), e.size)
@@ -374,6 +379,7 @@ def _fill_host(jobs, drop, advance, moved):
 # A host copy at least this large is filled behind offload() (hostload.py)
 # when it may be: smaller ones take less than a forward's first units.
 BEHIND_MIN = 256 << 20
+BEHIND_CHUNK = 8 << 20      # bytes a copier thread copies at a time
 
 
 def sources(dev, entries, align, st=None, plan=None, custom=None, times=None,
@@ -420,10 +426,20 @@ def _behind(dev, jobs, ends, drop, host, buf, total):
     progress = Progress(total, "vpager.torch.offload: copying the weights "
                         "to pinned host memory (behind the first forward)")
     base = host.data_ptr()
+    # Small batches (a unit waits for its weights' batch), so their copies
+    # in small chunks on threads kept for the whole copy.
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max(min(COPY_THREADS, os.cpu_count() or 1), 1),
+        thread_name_prefix="vpager-host-copy")
 
     def copy(batch):
         with torch.no_grad(), torch.inference_mode(False):
-            copy_jobs(batch, drop, progress.advance)
+            copy_jobs(batch, drop, progress.advance, pool=pool,
+                      chunk=BEHIND_CHUNK)
+
+    def end():
+        pool.shutdown(wait=True)
+        progress.close()
 
     def register(lo, hi):
         # (buf: the mapping stays alive as long as a piece of it does)
@@ -432,7 +448,7 @@ def _behind(dev, jobs, ends, drop, host, buf, total):
         return hb
 
     return HostLoad(jobs, ends, copy, register, total, base, len(buf),
-                    done=progress.close)
+                    end=end)
 
 
 def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
