@@ -606,20 +606,24 @@ class VpagerPatcher:
         finally:
             d[e.pname] = own
 
+    def _vp_same_patch(self, e):
+        """A fill's check: weight e's patch set now is the one it was last
+        loaded with (e.patch); RuntimeError if not."""
+        if not engine.same_patch(self.patches.get(e.key) or None, e.patch):
+            raise RuntimeError(
+                "vpager ComfyUI node: %s's patches changed after its "
+                "load; load the model again" % e.key)
+
     def _vp_split_fill(self, e, device_to):
         """QuantizedTensor weight e's payload patched at fill: fill(view)
         computes the patched weight over the payload's own bytes in
         `view` (_vp_split_patched, as its make() did from a copy of the
         same bytes, so the small parts' host copies match) and writes the
         patched payload back into `view`."""
-        key, split = e.key, e.split
+        split = e.split
 
         def fill(view):
-            if not engine.same_patch(self.patches.get(key) or None,
-                                     e.patch):
-                raise RuntimeError(
-                    "vpager ComfyUI node: %s's patches changed after its "
-                    "load; load the model again" % key)
+            self._vp_same_patch(e)
             with torch.no_grad(), torch.inference_mode(False):
                 out = self._vp_split_patched(e, device_to, view)
                 view.copy_(split.sources(out)[split.payload])
@@ -643,12 +647,7 @@ class VpagerPatcher:
         key, param = e.key, e.param
 
         def fill(view):
-            # (e.patch: the patch set the weight was last loaded with)
-            if not engine.same_patch(self.patches.get(key) or None,
-                                     e.patch):
-                raise RuntimeError(
-                    "vpager ComfyUI node: %s's patches changed after its "
-                    "load; load the model again" % key)
+            self._vp_same_patch(e)
             with torch.no_grad(), torch.inference_mode(False):
                 old = param.data
                 swap = old.data_ptr() != view.data_ptr()

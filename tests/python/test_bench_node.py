@@ -10,6 +10,7 @@ The cgroup tests make real cgroups (v2, else v1) and skip, saying why,
 where this process may not.
 """
 
+import contextlib
 import json
 import os
 import runpy
@@ -32,6 +33,19 @@ def _bench():
     ns = runpy.run_path(os.path.join(REPO, "bench", "bench_node.py"),
                         run_name="bench_node")
     return ns, ns["harness"]()
+
+
+@contextlib.contextmanager
+def _said(fn):
+    """The lines bench_node's say() prints while in the block (fn: a
+    function of its module)."""
+    g = fn.__globals__
+    saved, lines = g["say"], []
+    g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
+    try:
+        yield lines
+    finally:
+        g["say"] = saved
 
 
 class _Quiet:
@@ -139,11 +153,7 @@ def test_host_rows_and_versus():
     cgroup's verdict, and each node run over ComfyUI's run of the same
     budget (RSS, model switch)."""
     ns, cr = _bench()
-    lines = []
-    g = ns["host_row"].__globals__
-    saved = g["say"]
-    g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
-    try:
+    with _said(ns["host_row"]) as lines:
         summary = {"checkpoint": {"file_bytes": 10 * GiB},
                    "checkpoint2": {"file_bytes": 20 * GiB}}
         table = {}
@@ -174,8 +184,6 @@ def test_host_rows_and_versus():
         row = {}
         ns["host_row"]("node4", {"reps": [{}]}, row, summary)
         assert row == {}
-    finally:
-        g["say"] = saved
 
 
 def test_budget_use_row():
@@ -183,11 +191,7 @@ def test_budget_use_row():
     ring (issue 29's whole budget); nothing for a run without vpager's
     counters (ComfyUI's own path)."""
     ns, _cr = _bench()
-    lines = []
-    g = ns["budget_row"].__globals__
-    saved = g["say"]
-    g["say"] = lambda *x: lines.append(" ".join(map(str, x)))
-    try:
+    with _said(ns["budget_row"]) as lines:
         reps = [{"torch_peak_reserved": GiB // 2},
                 {"torch_peak_reserved": GiB,
                  "vpager": {"resident_bytes": 4 * GiB,
@@ -202,8 +206,6 @@ def test_budget_use_row():
         row = {}
         ns["budget_row"]("6", [{"torch_peak_reserved": GiB}], 6 * GiB, row)
         assert row == {}
-    finally:
-        g["say"] = saved
 
 
 def _cap_or_skip(limit):
