@@ -45,6 +45,7 @@ LAYOUTS = frozenset((
     "TensorCoreConvRotW4A4Layout", "AsymW4A8Int8Layout"))
 
 _CACHED = 16                # rebuilt wrappers kept per op (by addresses)
+OWN_KEPT = 1 << 20          # own_on(): parts kept on the device, at most
 
 
 def is_quantized(t: Any) -> bool:
@@ -129,6 +130,8 @@ class Split:
             self.names.append(prefix + name)
         self.size = sum(nbytes(p) for _n, p, _a in self.parts)
         self.cache: Dict[Tuple[int, ...], torch.Tensor] = {}
+        # (device, attribute) -> the op's own small part there (own_on)
+        self.own_kept: Dict[Tuple[str, str], torch.Tensor] = {}
         # The wrapper over the part Parameters themselves (current()),
         # made at the first forward, on the device the parts are acquired
         # on; keeps_parts: whether the layout's wrapper holds the tensors
@@ -167,6 +170,7 @@ class Split:
         else:
             self.module.__dict__.pop("forward", None)
         self.cache.clear()
+        self.own_kept.clear()
         self.live = self.live_device = None
 
     def _wrap(self, fwd: Callable[..., Any]) -> Callable[..., Any]:
@@ -250,7 +254,11 @@ class Split:
                payload: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The op's own QuantizedTensor (as loaded) over its parts on
         `device`: `payload` in the payload's place (the payload's own
-        bytes already there: a fill's view), the others copied."""
+        bytes already there: a fill's view), the others copied there. A
+        part of at most OWN_KEPT bytes is copied there once and kept, each
+        call taking a copy on the device (scales: a fill at each step
+        would otherwise copy from pageable memory, which waits for the
+        stream's queued work)."""
         inner, _ctx = _inner(self.weight)
         want = self.parts[self.payload][2]
         got = {}
@@ -258,8 +266,16 @@ class Split:
             for attr, x in inner:
                 if attr == want and payload is not None:
                     got[attr] = payload.detach()
-                else:
-                    got[attr] = x.detach().to(device, copy=True)
+                    continue
+                k = (str(device), attr)
+                t = self.own_kept.get(k)
+                if t is not None:       # a copy of its own (a layout may
+                    got[attr] = t.clone()   # write its inputs in place)
+                    continue
+                t = x.detach().to(device, copy=True)
+                if attr != want and nbytes(t) <= OWN_KEPT:
+                    self.own_kept[k] = t.clone()
+                got[attr] = t
         return self._build(got)
 
     def sources(self, qt: Optional[torch.Tensor]

@@ -371,6 +371,11 @@ def test_quantized_lora_patched_at_fill():
             fills = pager.stats()["model"]["patch_fills"] - f0
             # Every payload once, the staged ones at each forward.
             assert fills > 12, fills
+            # The op's own scale copied to the device once, kept there.
+            split = pager.by_key[
+                "diffusion_model.blocks.0.up.weight"].split
+            assert list(split.own_kept) == [("cpu", "_param_scale")], \
+                split.own_kept
         p.partially_load(CPU)
         assert p._vp_refilled == 12
         assert pager.host_bytes() == host0
