@@ -596,6 +596,36 @@ def test_copy_behind_a_mapped_model():
         sources.pins_mappings = saved
 
 
+def test_copy_behind_weights_from_a_file():
+    """offload(weights_from=) on a device that pins no file mapping (a
+    GPU): the pinned copy is read out of the file behind offload(),
+    bitwise the file's model."""
+    import threading
+    from vpager.torch import sources
+    saved = sources.pins_mappings
+    sources.pins_mappings = lambda dev: False       # as on a GPU
+    gate = threading.Event()
+    try:
+        with copying_behind(gate), tempfile.TemporaryDirectory() as tmp:
+            ref = mlp()
+            path = os.path.join(tmp, "m.safetensors")
+            write_safetensors(path, ref.state_dict())
+            x = torch.randn(4, 256)
+            with torch.no_grad():
+                want = ref(x)
+            m = mlp(seed=5)         # its own values: the file's win
+            h = offload_sim(m, budget=1024 * K, staging=512 * K,
+                            weights_from=path)
+            assert h._parts.layout.loading is not None
+            gate.set()
+            with torch.no_grad():
+                for _ in range(3):
+                    assert torch.equal(m(x), want)
+            h.close()
+    finally:
+        sources.pins_mappings = saved
+
+
 def test_copy_behind_on_cuda():
     """The same on a GPU (skipped without one): the first forwards read
     the copy while it fills, pageable until it is page-locked."""

@@ -468,8 +468,10 @@ def _sources(dev, entries, align, st, plan, custom, times, streamed, model,
     host, buf = host_memory(total)
     moved = []
     jobs = _copy_jobs(host, entries, hosted, offsets, slots, st, plan)
+    # (a file's bytes or a CPU tensor's: a GPU model's copy frees VRAM)
     if behind and total >= BEHIND_MIN and all(
-            e.src_device.type == "cpu" for e, _j in jobs):
+            isinstance(src, int) or e.src_device.type == "cpu"
+            for e, (_h, src) in jobs):
         ends = [off + entries[i].size for i, off in zip(hosted, offsets)]
         return _behind(dev, jobs, ends, drop, host, buf, total), slots
     progress = Progress(total, "vpager.torch.offload: copying the weights "
