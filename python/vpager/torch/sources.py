@@ -364,16 +364,20 @@ def copy_jobs(jobs, drop, advance, moved=None, pool=None,
 
 
 def _fill_host(jobs, drop, advance, moved):
-    """The jobs copied now, a batch of up to _COPY_BATCH at a time."""
-    batch, size = [], 0
-    for job in jobs:
-        batch.append(job)
-        size += job[0].size
-        if size >= _COPY_BATCH:
-            copy_jobs(batch, drop, advance, moved)
-            batch, size = [], 0
-    if batch:
-        copy_jobs(batch, drop, advance, moved)
+    """The jobs copied now, a batch of up to _COPY_BATCH at a time, each
+    job's source let go once copied (jobs[k] becomes (entry, None)): with
+    the tensors pointed at their copy, peak host memory is one model and
+    a batch."""
+    i = 0
+    while i < len(jobs):
+        j, size = i, 0
+        while j < len(jobs) and (j == i or size < _COPY_BATCH):
+            size += jobs[j][0].size
+            j += 1
+        copy_jobs(jobs[i:j], drop, advance, moved)
+        for k in range(i, j):
+            jobs[k] = (jobs[k][0], None)
+        i = j
 
 
 # A host copy at least this large is filled behind offload() (hostload.py)
