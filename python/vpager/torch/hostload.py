@@ -77,11 +77,11 @@ class HostLoad:
     def start(self) -> None:
         """The copier on its way (once; offload() starts it at its end,
         after the link is measured beside no copy; a wait starts it)."""
-        with self._cond:
+        with self._cond:            # (cancel() sees it started or not)
             if self._started:
                 return
             self._started = True
-        self._thread.start()
+            self._thread.start()
 
     @property
     def size(self) -> int:
@@ -173,6 +173,6 @@ class HostLoad:
         thread: the copy's memory may be freed once hbs are closed."""
         self._stop = True
         with self._cond:
-            started, self._started = self._started, True   # none from now
-        if started:
+            self._started = True        # never started from now on
+        if self._thread.ident is not None:      # it was
             self._thread.join()

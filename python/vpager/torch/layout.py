@@ -131,7 +131,15 @@ class Layout:
     @property
     def copying(self):
         """Whether the host copy filling behind offload() lacks bytes."""
-        return self.loading is not None and not self._filled
+        return self.loading is not None and not self.loading.filled
+
+    def _adopt_copy(self):
+        """The host copy filling behind offload(), stopped (or its last
+        page-locking waited for), becomes the layout's HostBuf."""
+        lo, self.loading = self.loading, None
+        if lo is not None:
+            lo.cancel()
+            self.hb = lo
 
     def wait_loaded(self, entries=None):
         """Until the host copy filling behind offload() holds the bytes of
@@ -231,6 +239,7 @@ class Layout:
         them; ValueError, nothing changed, if the file does not match the
         module."""
         self.wait_loaded()
+        self._adopt_copy()      # (closed with the old sources below)
         dev, entries = self.device, self.entries
         st = dev.open_safetensors(path)
         hb = hbytes = None
@@ -267,8 +276,7 @@ class Layout:
         """Close the VBAR (its weights with it), the HostBuf and the file;
         returns the errors met (each object is closed regardless)."""
         errors = []
-        if self.loading is not None:    # the copier stopped, then closed
-            self.hb, self.loading = self.loading, None
+        self._adopt_copy()      # the copier stopped, then closed
         for obj in (self.vbar, self.hb, self.st):
             if obj is None:
                 continue
