@@ -521,6 +521,32 @@ def test_copy_behind_readers_wait_for_it():
                            for k, p in m.state_dict().items())
 
 
+def test_copy_behind_then_a_new_file():
+    """load_safetensors() while the copy is still filling waits for it,
+    then the new file's bytes replace it (the copy freed): the file's
+    model, bitwise."""
+    import threading
+    gate = threading.Event()
+    with copying_behind(gate), tempfile.TemporaryDirectory() as tmp:
+        other = mlp(seed=3)
+        path = os.path.join(tmp, "other.safetensors")
+        write_safetensors(path, other.state_dict())
+        x = torch.randn(4, 256)
+        with torch.no_grad():
+            want = frozen_copy(other)(x)
+        m = mlp(seed=5)
+        h = offload_sim(m, budget=1024 * K, staging=512 * K)
+        lay = h._parts.layout
+        assert lay.loading is not None
+        threading.Timer(0.2, gate.set).start()
+        h.load_safetensors(path)
+        assert lay.loading is None
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(m(x), want)
+        h.close()
+
+
 def test_copy_behind_closed_before_it_ends():
     """close() while the copier still waits to copy stops it first (its
     memory is freed after): nothing crashes, the model refuses to run."""
