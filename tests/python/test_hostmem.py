@@ -430,6 +430,63 @@ def _behind_model():
     return m, m.state_dict(), torch.randn(4, 256)
 
 
+def test_hostload_on_its_own():
+    """HostLoad with stand-in jobs: batches in order, each published after
+    its pages are locked (PIN_ALIGN edges, the last piece to the mapping's
+    end); a wait for the first entries returns before the last batch; a
+    stopped copy never lets a wait through; a failed one says why."""
+    import threading
+    import types
+    from vpager.torch import hostload
+    saved = hostload.BATCH
+    hostload.BATCH = 1
+    try:
+        es = [types.SimpleNamespace(size=3 * M) for _ in range(4)]
+        ends = [3 * M * (i + 1) for i in range(4)]
+        gate, copied, locked = threading.Event(), [], []
+
+        class Piece:
+            def __init__(self, lo, hi):
+                self.span = (lo, hi)
+                locked.append(self.span)
+
+            def close(self):
+                locked.remove(self.span)
+
+        def copy(batch):
+            if len(copied) == 2:
+                gate.wait(30)
+            copied.extend(e for e, _w in batch)
+        load = hostload.HostLoad([(e, None) for e in es], ends, copy, Piece,
+                                 12 * M, 0, 14 * M)
+        load.start()
+        load.wait(es[:2])               # the third batch still waits
+        assert copied == es[:2] and not load.filled
+        assert locked == [(0, 2 * M), (2 * M, 6 * M)], locked
+        gate.set()
+        load.wait()
+        assert load.filled and copied == es
+        load.close()
+        assert locked == [] and load.finished
+        # Stopped before it started: a wait raises, it does not pass.
+        load = hostload.HostLoad([(e, None) for e in es], ends, copy, Piece,
+                                 12 * M, 0, 14 * M)
+        load.cancel()
+        e = _runner.raises(RuntimeError, load.wait, es[:1])
+        assert "stopped" in str(e), e
+        # A copy that fails: every wait says so.
+        def boom(batch):
+            raise OSError("disk gone")
+        load = hostload.HostLoad([(e, None) for e in es], ends, boom, Piece,
+                                 12 * M, 0, 14 * M)
+        for _ in range(2):
+            e = _runner.raises(RuntimeError, load.wait, es[:1])
+            assert "disk gone" in str(e), e
+        load.close()
+    finally:
+        hostload.BATCH = saved
+
+
 def test_copy_behind_the_first_forward_bitwise():
     """offload() returns before the host copy is filled; the first
     forward's units wait for their own weights, no weight prefetches

@@ -66,8 +66,9 @@ class HostLoad:
         self.filled = False         # every job copied
         self.hbs: List[Any] = []    # HostBufs page-locking the copy
         self.error: Optional[BaseException] = None
-        self.finished = False       # copied and page-locked, or failed
+        self.finished = False       # copied and locked, failed or stopped
         self.fill_s = self.lock_s = 0.0
+        self._locked = 0            # bytes page-locked, from the start
         self._stop = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True,
@@ -98,7 +99,7 @@ class HostLoad:
     def _lock_upto(self, end: int, last: bool) -> None:
         """Page-lock the copy's bytes from where the last call stopped up
         to `end` (down to a PIN_ALIGN edge; the last: the mapping's end)."""
-        lo = self._locked if self.hbs else 0
+        lo = self._locked
         if last:
             hi = self._mapped
         else:
@@ -112,7 +113,6 @@ class HostLoad:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
-        self._locked = 0
         try:
             jobs = self._jobs
             i = 0
@@ -167,6 +167,10 @@ class HostLoad:
                     "the first forwards ran (%s: %s); offload() the model "
                     "again" % (type(self.error).__name__, self.error)
                 ) from self.error
+            if not (self.filled or (entries is not None
+                                    and self.ready(entries))):
+                raise RuntimeError("vpager.torch: the host copy of the "
+                                   "model was stopped (the model closed)")
 
     def cancel(self) -> None:
         """Stop copying (after the batch in flight) and wait for the
@@ -174,5 +178,8 @@ class HostLoad:
         self._stop = True
         with self._cond:
             self._started = True        # never started from now on
-        if self._thread.ident is not None:      # it was
+            if self._thread.ident is None:      # nor was it: done
+                self.finished = True
+                self._cond.notify_all()
+        if self._thread.ident is not None:
             self._thread.join()
