@@ -59,10 +59,11 @@ def map_into(model, path, writable=False):
     return mm
 
 
-def rss():
+def rss(key="VmRSS:"):
+    """The process's RSS (key "VmHWM:": its peak), bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key):
                 return int(line.split()[1]) * K
     return 0
 
@@ -266,14 +267,20 @@ def test_no_pin_budget_reads_the_file_bitwise():
         h.close()
 
 
+def _model_file(tmp, seed=0):
+    """(path, x, want): mlp(seed)'s weights in a safetensors file in tmp,
+    an input and the model's output for it."""
+    ref = mlp(seed=seed)
+    path = os.path.join(tmp, "m%d.safetensors" % seed)
+    write_safetensors(path, ref.state_dict())
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        return path, x, frozen_copy(ref)(x)
+
+
 def test_weights_from_in_place_and_file():
     with tempfile.TemporaryDirectory() as tmp:
-        ref = mlp()
-        path = os.path.join(tmp, "w.safetensors")
-        write_safetensors(path, ref.state_dict())
-        x = torch.randn(8, 256)
-        with torch.no_grad():
-            want = ref(x)
+        path, x, want = _model_file(tmp)
         for ram, kind in ((64 * GiB, hostpolicy.IN_PLACE),
                           (1 * M, hostpolicy.FILE)):
             with hostpolicy.override(ram_available=ram):
@@ -328,11 +335,7 @@ def test_mapped_model_grows_rss_by_the_budget_only():
 
 
 def _peak_rss():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * K
-    return 0
+    return rss("VmHWM:")
 
 
 def test_a_copy_of_anonymous_tensors_peaks_at_one_model_and_a_batch():
@@ -585,12 +588,7 @@ def test_copy_behind_then_a_new_file():
     import threading
     gate = threading.Event()
     with copying_behind(gate), tempfile.TemporaryDirectory() as tmp:
-        other = mlp(seed=3)
-        path = os.path.join(tmp, "other.safetensors")
-        write_safetensors(path, other.state_dict())
-        x = torch.randn(4, 256)
-        with torch.no_grad():
-            want = frozen_copy(other)(x)
+        path, x, want = _model_file(tmp, seed=3)
         m = mlp(seed=5)
         h = offload_sim(m, budget=1024 * K, staging=512 * K)
         lay = h._parts.layout
@@ -735,12 +733,7 @@ def test_copy_behind_weights_from_a_file():
     gate = threading.Event()
     try:
         with copying_behind(gate), tempfile.TemporaryDirectory() as tmp:
-            ref = mlp()
-            path = os.path.join(tmp, "m.safetensors")
-            write_safetensors(path, ref.state_dict())
-            x = torch.randn(4, 256)
-            with torch.no_grad():
-                want = ref(x)
+            path, x, want = _model_file(tmp)
             m = mlp(seed=5)         # its own values: the file's win
             h = offload_sim(m, budget=1024 * K, staging=512 * K,
                             weights_from=path)

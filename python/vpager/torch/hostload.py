@@ -36,6 +36,20 @@ BATCH = 64 << 20
 PIN_ALIGN = 2 << 20
 
 
+def batches(jobs: Sequence[Tuple[Any, Any]], limit: int):
+    """(i, j) ranges of jobs[i:j] in order, each at least one job and
+    under `limit` bytes where it can be (jobs: (entry, ...) with
+    entry.size)."""
+    i = 0
+    while i < len(jobs):
+        j, size = i, 0
+        while j < len(jobs) and (j == i or size < limit):
+            size += jobs[j][0].size
+            j += 1
+        yield i, j
+        i = j
+
+
 class HostLoad:
     """The fill of one host copy on a thread of its own, and then the copy
     itself (size, close(): the layout's HostBuf in effect). jobs: [(entry,
@@ -115,12 +129,7 @@ class HostLoad:
         t0 = time.perf_counter()
         try:
             jobs = self._jobs
-            i = 0
-            while i < len(jobs):
-                j, size = i, 0
-                while j < len(jobs) and (j == i or size < BATCH):
-                    size += jobs[j][0].size
-                    j += 1
+            for i, j in batches(jobs, BATCH):
                 if self._stop:
                     return
                 self._batch_copy(jobs[i:j])
@@ -131,7 +140,6 @@ class HostLoad:
                     self.copied = j
                     self.filled = j == len(jobs)
                     self._cond.notify_all()
-                i = j
             self.fill_s = time.perf_counter() - t0 - self.lock_s
         except BaseException as e:      # noqa: BLE001 (the waiters raise it)
             with self._cond:

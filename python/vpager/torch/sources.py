@@ -18,7 +18,7 @@ from .. import _sysmem
 from ..errors import Error
 from ..weights import Source
 from . import hostpolicy
-from .hostload import HostLoad
+from .hostload import HostLoad, batches
 from .placement import place
 from .progress import Progress
 from .views import placeholder, view
@@ -368,16 +368,10 @@ def _fill_host(jobs, drop, advance, moved):
     job's source let go once copied (jobs[k] becomes (entry, None)): with
     the tensors pointed at their copy, peak host memory is one model and
     a batch."""
-    i = 0
-    while i < len(jobs):
-        j, size = i, 0
-        while j < len(jobs) and (j == i or size < _COPY_BATCH):
-            size += jobs[j][0].size
-            j += 1
+    for i, j in batches(jobs, _COPY_BATCH):
         copy_jobs(jobs[i:j], drop, advance, moved)
         for k in range(i, j):
             jobs[k] = (jobs[k][0], None)
-        i = j
 
 
 # A host copy at least this large is filled behind offload() (hostload.py)
