@@ -15,6 +15,8 @@ forward's start). Phases on the planner's thread are not counted.
     ... --units 800 --forwards 10 --plan-thread 0     # the old way
     ... --device cuda --units 800                     # on a GPU (width 1024)
     ... --place-early 0          # no placement before the first forward
+    ... --device cuda --width 4096 --units 160 --copy-behind 0   # the host
+                                 # copy before offload() returns (1: behind)
 
 Prints one line per forward (ms, phases), then the worst forward after
 the first over the median of the last half (the issue's target: <= 1.1).
