@@ -42,6 +42,7 @@ from vpager.torch.devices import learn_headroom
 from vpager.weights import Source
 
 from . import quantized
+from .patch_stage import PatchStage
 
 ALL = 1 << 62               # "evict everything unpinned"
 
@@ -185,7 +186,7 @@ class Entry:
 
     __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
                  "file", "patch", "split", "host_patched",
-                 "host_patched_bytes")
+                 "host_patched_bytes", "stage")
 
     def __init__(self, key, module, pname, param, split=None):
         self.key = key
@@ -201,6 +202,7 @@ class Entry:
         self.host_patched = False       # its patched bytes: a host copy
         self.host_patched_bytes = 0     # (of a QuantizedTensor's parts,
         #                                 all but a payload patched at fill)
+        self.stage = None               # patched at fill: its PatchStage
 
 
 class Pager:
@@ -452,6 +454,10 @@ class Pager:
             e.host_patched = True
             e.host_patched_bytes = e.size
         e.patch = patch
+        # The patch set its fills compute from, staged on the device once
+        # the weight streams (patch_stage); a new set starts on the host.
+        e.stage = PatchStage() if patch is not None and fill is not None \
+            else None
         self.refills += 1
         return True
 
@@ -478,7 +484,21 @@ class Pager:
         has them; returns the bytes freed."""
         if self.closed or nbytes <= 0:
             return 0
-        return self.h.free_memory(nbytes)
+        freed = self.h.free_memory(nbytes)
+        if freed < nbytes:
+            freed += self.drop_stages()
+        return freed
+
+    def drop_stages(self):
+        """The patch sets staged on the device (patch_stage) let go: the
+        fills compute from ComfyUI's again until a weight's next two;
+        returns their bytes (torch's cache holds them until emptied)."""
+        n = 0
+        for e in self.entries:
+            if e.stage is not None and e.stage.bytes:
+                n += e.stage.bytes
+                e.stage = PatchStage()
+        return n
 
     def host_bytes(self):
         """Host memory held for sources: the host copy and the patched
@@ -495,8 +515,10 @@ class Pager:
         them, converted_weights, quantized_weights, convert_ms,
         patched_weights, host_patched_weights (patched weights with a
         host copy), host_patched_bytes (those copies' bytes: of a
-        QuantizedTensor patched at fill its small parts only), refills,
-        patch_fills, patch_fill_bytes."""
+        QuantizedTensor patched at fill its small parts only),
+        patch_staged_bytes (patch sets copied to the device for the fills
+        of streamed weights: patch_stage), refills, patch_fills,
+        patch_fill_bytes."""
         s = self.h.stats()
         m = s["model"]
         m["weights"] = len(self.entries)
@@ -515,6 +537,8 @@ class Pager:
         # bytes they rewrote: a streamed patched weight's at each fill.
         m["patch_fills"] = self.h.hot_path.fills
         m["patch_fill_bytes"] = self.h.hot_path.fill_bytes
+        m["patch_staged_bytes"] = sum(e.stage.bytes for e in self.entries
+                                      if e.stage is not None)
         m["refills"] = self.refills
         return s
 
@@ -529,6 +553,7 @@ class Pager:
         if self.h.busy:
             raise RuntimeError("vpager ComfyUI node: close() inside a forward")
         self.closed = True
+        self.drop_stages()
         try:
             if self.dev.closed or self.h.closed:
                 # The device closed first (process exit, tests): the host

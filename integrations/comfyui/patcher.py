@@ -9,6 +9,7 @@ Everything ComfyUI is reached through the `comfy` namespace passed to
 make_class() (the real one, or the tests' stand-ins), so this module
 imports nothing of ComfyUI itself."""
 
+import contextlib
 import logging
 import time
 import weakref
@@ -606,13 +607,26 @@ class VpagerPatcher:
         finally:
             d[e.pname] = own
 
-    def _vp_same_patch(self, e):
-        """A fill's check: weight e's patch set now is the one it was last
-        loaded with (e.patch); RuntimeError if not."""
-        if not engine.same_patch(self.patches.get(e.key) or None, e.patch):
+    @contextlib.contextmanager
+    def _vp_fill_patches(self, e, device):
+        """A fill's patch set: weight e's now must be the one it was last
+        loaded with (e.patch; RuntimeError if not); while the fill runs,
+        ComfyUI's patches[key] is its copy on `device` once the weight
+        streams (e.stage: patch_stage)."""
+        own = self.patches.get(e.key) or None
+        if not engine.same_patch(own, e.patch):
             raise RuntimeError(
                 "vpager ComfyUI node: %s's patches changed after its "
                 "load; load the model again" % e.key)
+        use = own if e.stage is None else e.stage.patches(own, device)
+        if use is own:
+            yield
+            return
+        self.patches[e.key] = use
+        try:
+            yield
+        finally:
+            self.patches[e.key] = own
 
     def _vp_split_fill(self, e, device_to):
         """QuantizedTensor weight e's payload patched at fill: fill(view)
@@ -623,8 +637,8 @@ class VpagerPatcher:
         split = e.split
 
         def fill(view):
-            self._vp_same_patch(e)
-            with torch.no_grad(), torch.inference_mode(False):
+            with self._vp_fill_patches(e, view.device), torch.no_grad(), \
+                    torch.inference_mode(False):
                 out = self._vp_split_patched(e, device_to, view)
                 view.copy_(split.sources(out)[split.payload])
 
@@ -647,8 +661,8 @@ class VpagerPatcher:
         key, param = e.key, e.param
 
         def fill(view):
-            self._vp_same_patch(e)
-            with torch.no_grad(), torch.inference_mode(False):
+            with self._vp_fill_patches(e, view.device), torch.no_grad(), \
+                    torch.inference_mode(False):
                 old = param.data
                 swap = old.data_ptr() != view.data_ptr()
                 if swap:

@@ -42,7 +42,7 @@ if torch is not None:
     import vpager  # noqa: E402
     import vpager.torch as vt  # noqa: E402
     import comfyui as node  # noqa: E402  (integrations/comfyui)
-    from comfyui import engine, patcher as glue  # noqa: E402
+    from comfyui import engine, patch_stage, patcher as glue  # noqa: E402
     from vpager.torch import tuner  # noqa: E402
     # Measuring stops at the second forward: these tests count forwards,
     # and whether a later one's work settled is the host clock's call
@@ -892,6 +892,140 @@ def test_patch_at_fill():
             assert pager.patched_keys() == []
             assert torch.equal(m.diffusion_model.blocks[1].up.weight,
                                base.diffusion_model.blocks[1].up.weight)
+
+
+def test_streamed_patches_staged_on_device():
+    """A streamed weight's patch set is copied to the device at its second
+    fill (patch_stage: ComfyUI's math would otherwise copy each LoRA
+    tensor from the host at every fill, the host waiting for the stream)
+    and its later fills compute from the copy, bitwise the same; a
+    weight that stays resident fills once and never has one; ComfyUI's patches are its own again after
+    each fill; free_memory beyond the pages and a new patch set drop the
+    copies. The simulated device is the host: the copy here is a clone,
+    as a copy to the GPU would be."""
+    copies = []
+
+    def cloning(value, device):
+        if isinstance(value, torch.Tensor):
+            c = value.clone()
+            copies.append(c)
+            return c, c.numel() * c.element_size()
+        if isinstance(value, (tuple, list)):
+            out = [cloning(v, device) for v in value]
+            items = [c for c, _n in out]
+            return (tuple(items) if isinstance(value, tuple) else items,
+                    sum(n for _c, n in out))
+        return value, 0
+
+    real = patch_stage.on_device
+    patch_stage.on_device = cloning
+    try:
+        with env(capacity=320 * K, staging=128 * K) as e:
+            m = DiT(op=CastLinear, dtype=torch.bfloat16)
+            base = frozen(m)
+            p = e.patcher(m)
+            p.partially_load(CPU)
+            pager = m._vpager_pager
+            keys = ["diffusion_model.blocks.%d.%s.weight" % (i, n)
+                    for i in range(6) for n in ("up", "down")]
+            g = torch.Generator().manual_seed(7)
+            diffs = {k: torch.randn(*dict(base.named_parameters())[k].shape,
+                                    generator=g) * 0.01 for k in keys}
+            q = p.clone()
+            q.add_patches({k: ("diff", (d,)) for k, d in diffs.items()},
+                          0.8)
+            own = {k: q.patches[k] for k in keys}
+            seen = collections.defaultdict(list)
+            real_ptd = q.patch_weight_to_device
+
+            def watched(key, *a, **k):
+                if key in keys:
+                    seen[key].append(q.patches[key][0][1][1][0])
+                return real_ptd(key, *a, **k)
+
+            q.patch_weight_to_device = watched
+            q.partially_load(CPU)
+            want = run(lora_ref(base, q.patches))
+            for _ in range(4):
+                assert torch.equal(run(m), want)
+            streamed = {k for k, v in seen.items() if len(v) > 1}
+            assert streamed and streamed != set(keys), seen.keys()
+            for k, used in seen.items():
+                # The first fill: ComfyUI's tensor; from the third on
+                # the copy made at the second.
+                assert used[0] is diffs[k], k
+                assert all(u is not diffs[k] for u in used[2:]), k
+                assert len({id(u) for u in used[2:]}) <= 1, k
+            # ComfyUI's patches untouched outside the fills.
+            assert all(q.patches[k] is own[k] for k in keys)
+            s = pager.stats()["model"]
+            staged = sum(diffs[k].numel() * 4 for k in streamed)
+            assert s["patch_staged_bytes"] == staged, (s, staged)
+            # Asked for more than its pages: the copies go too.
+            freed = pager.free_memory(1 << 40)
+            assert freed >= staged
+            assert pager.stats()["model"]["patch_staged_bytes"] == 0
+            for _ in range(3):
+                assert torch.equal(run(m), want)
+            # Staged again: the streamed ones, and those evicted that
+            # came back (a second fill of their patch set too).
+            assert pager.stats()["model"]["patch_staged_bytes"] >= staged
+            # A new patch set starts from ComfyUI's tensors again.
+            q2 = p.clone()
+            q2.add_patches({k: ("diff", (d,)) for k, d in diffs.items()},
+                           0.5)
+            q2.partially_load(CPU)
+            assert pager.stats()["model"]["patch_staged_bytes"] == 0
+            want2 = run(lora_ref(base, q2.patches))
+            for _ in range(3):
+                assert torch.equal(run(m), want2)
+    finally:
+        patch_stage.on_device = real
+
+
+def test_patch_stage_copies():
+    """patch_stage.on_device: a patch set's tensors to the device (here
+    torch's meta device), tuples, lists and weight adapters rebuilt, the
+    rest kept, the bytes counted; PatchStage: the host's set for the first
+    fill, the copy from the second, the host's for good (said once) when
+    the copy fails."""
+    class Adapter:                          # ComfyUI's WeightAdapterBase
+        def __init__(self, loaded_keys, weights):
+            self.loaded_keys, self.weights = loaded_keys, weights
+
+    up, down = torch.ones(4, 2), torch.ones(2, 3, dtype=torch.bfloat16)
+    a = Adapter({"k"}, (up, down, 0.5, None))
+    ps = [(1.0, a, 1.0, None, None), (0.5, ("diff", (up,)), 1.0, None, None)]
+    meta = torch.device("meta")
+    out, n = patch_stage.on_device(ps, meta)
+    assert n == 2 * 32 + 12 and isinstance(out, list) and len(out) == 2
+    b = out[0][1]
+    assert type(b) is Adapter and b.loaded_keys is a.loaded_keys
+    assert b.weights[0].device == meta and b.weights[1].dtype == \
+        torch.bfloat16 and b.weights[2:] == (0.5, None)
+    assert out[1][1][0] == "diff" and out[1][1][1][0].device == meta
+    assert a.weights[0] is up               # the host's set untouched
+    kept, n0 = patch_stage.on_device(ps, torch.device("cpu"))
+    assert n0 == 0 and kept[0][1] is a and kept[1][1][1][0] is up
+    st = patch_stage.PatchStage()
+    assert st.patches(ps, meta) is ps and st.bytes == 0
+    second = st.patches(ps, meta)
+    assert second is not ps and st.bytes == n
+    assert st.patches(ps, meta) is second
+
+    class Stubborn(Adapter):
+        def __init__(self, loaded_keys, weights):
+            if weights[0].device.type == "meta":
+                raise TypeError("no")
+            super().__init__(loaded_keys, weights)
+
+    bad = [(1.0, Stubborn({"k"}, (up,)), 1.0, None, None)]
+    st = patch_stage.PatchStage()
+    with logs() as said:
+        for _ in range(4):
+            assert st.patches(bad, meta) is bad
+    assert st.failed and st.bytes == 0
+    assert len([x for x in said if "stays on the host" in x]) == 1
 
 
 def loaded_dit(e):
