@@ -178,7 +178,7 @@ def child(cr, a):
                 "prefetch_bytes", "file_weights", "converted_weights",
                 "convert_ms", "patched_weights", "quantized_weights",
                 "refills", "host_patched_weights", "host_patched_bytes",
-                "patch_fills",
+                "patch_fills", "patch_staged_bytes",
                 "patch_fill_bytes", "set_sources",
                 "replaced", "schedule", "host_by_kind", "host_policy")
                 if k in s}
@@ -491,8 +491,9 @@ def lora_change(cr, run, reps, row):
     LoRA prompt's sample() time (its load included) less that of
     lora_b_again (the LoRA loaded, nothing to change): first application
     (lora_a), strength change (lora_a@0.5), another LoRA (lora_b), removed;
-    and the steady step with a LoRA over the one without (lora_b_again's
-    over removed's)."""
+    the steady step with a LoRA over the one without (lora_b_again's over
+    removed's); the node's patch fills a step and the patch sets it
+    staged on the device for them (patch_stage)."""
     by = {x.get("label"): x for x in reps}
     same = by.get("lora_b_again")
     if same is None or "sample_s" not in same:
@@ -516,18 +517,21 @@ def lora_change(cr, run, reps, row):
         fill_mib = (now["patch_fill_bytes"] - was.get("patch_fill_bytes", 0)
                     ) / len(same["steps_ms"]) / 2**20
         row["lora_fill_mib_per_step"] = fill_mib
+    staged = now.get("patch_staged_bytes")
 
     def fmt(k):
         return "%.2f s" % cost[k] if k in cost else "n/a"
     say("%s: LoRA change (a prompt's time less lora_b_again's): first "
         "application %s (target <= %.1f), strength change %s (target <= "
         "%.1f), another LoRA %s, removed %s; step with LoRA / without %s "
-        "(target <= %.2f)%s" % (
+        "(target <= %.2f)%s%s" % (
             run, fmt("lora_a"), LORA_FIRST_S, fmt("lora_a@0.5"),
             LORA_STRENGTH_S, fmt("lora_b"), fmt("removed"),
             "%.3f" % step if step else "n/a", LORA_STEP,
             "; patched at fill %.0f MiB a step" % fill_mib
-            if fill_mib is not None else ""))
+            if fill_mib is not None else "",
+            ", its patches staged on the device %.1f MiB" % (staged / 2**20)
+            if staged is not None else ""))
 
 
 def run_set(cr, a, ours, runs, out, gen, summary, judged=None):

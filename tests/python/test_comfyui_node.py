@@ -612,7 +612,8 @@ def test_bench_step_stats():
 def test_bench_lora_change():
     """bench_node.py --lora's line for issue 29's "LoRA change" rows: each
     LoRA prompt's time less lora_b_again's, the step with the LoRA over
-    the one without, and the targets."""
+    the one without, the targets, the node's patch fills a step and the
+    patch sets it staged."""
     bn = bench_module("bench_node")
     cr = types.SimpleNamespace(steady=lambda ms: sorted(ms[1:])[
         len(ms[1:]) // 2])
@@ -624,7 +625,8 @@ def test_bench_lora_change():
             rep("lora_a@0.5", 1.6, 104), rep("lora_b", 2.3, 104),
             rep("lora_b_again", 1.5, 103), rep("removed", 1.8, 100)]
     reps[3]["vpager"] = {"patch_fill_bytes": 10 << 20}
-    reps[4]["vpager"] = {"patch_fill_bytes": 40 << 20}   # 30 MiB, 3 steps
+    reps[4]["vpager"] = {"patch_fill_bytes": 40 << 20,   # 30 MiB, 3 steps
+                         "patch_staged_bytes": 3 << 19}
     lines, row = [], {}
     real = bn.say
     bn.say = lines.append
@@ -638,7 +640,8 @@ def test_bench_lora_change():
     assert len(lines) == 1 and "first application 0.90 s (target <= 1.0)" \
         in lines[0] and "strength change 0.10 s (target <= 0.3)" in \
         lines[0] and "step with LoRA / without 1.030" in lines[0] and \
-        "patched at fill 10 MiB a step" in lines[0], lines
+        "patched at fill 10 MiB a step, its patches staged on the device " \
+        "1.5 MiB" in lines[0], lines
 
 
 def test_bench_step_timeline():
