@@ -24,6 +24,7 @@ the node over its GGMLOps, loader and GGUFModelPatcher, bitwise.
 """
 
 import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -788,14 +789,30 @@ def comfy_stand_in_modules():
                                    ModelPatcher=LegacyModelPatcher),
         "nodes": mod("nodes"),
         "folder_paths": mod("folder_paths", folder_names_and_paths={}),
-        "packaging": mod("packaging"),
-        "packaging.version": mod("packaging.version"),
     }
+    try:            # ComfyUI-GGUF compares torch's version with it
+        import packaging.version  # noqa: F401
+    except ImportError:
+        mods["packaging"] = mod("packaging")
+        mods["packaging.version"] = mod("packaging.version",
+                                        parse=_version_key)
     for name, m in mods.items():
         if "." in name:
             parent, child = name.rsplit(".", 1)
             setattr(mods[parent], child, m)
     return mods
+
+
+def _version_key(text):
+    """packaging.version.parse's stand-in: a version's leading numbers as
+    a tuple ("2.11.0+cu130" -> (2, 11, 0)), comparable with another's."""
+    out = []
+    for part in text.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
 
 
 @contextlib.contextmanager

@@ -1819,7 +1819,10 @@ def test_host_buffer_read_file_to_device_staged():
             hb.read_file_to_device(fd, 33, 3 * MiB, 0, t.data_ptr(), 0)
             dev.synchronize()
             assert t.cpu().numpy().tobytes() == data[33:33 + 3 * MiB]
-        ctypes.memset(a[1], 0, 4096)
+        # (a device address on a GPU: zeroed by a copy, not the host's
+        # memset, which segfaulted there)
+        dev.copy_to_device(a[1], bytes(4096))
+        dev.synchronize()
         raises(OSError, hb.read_file_to_device, fd, len(data) - 100, 200, 0,
                a[1], 0)
         dev.synchronize()

@@ -242,7 +242,9 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
     first, ranked first, the watermark above it, and schedule() is None;
     the first forward fills it, and every later one (while the planner
     works, the one that takes its plan, those after) copies what the
-    last one does and commits or evicts no page. VPAGER_PLACE_EARLY=0
+    last one does and commits or evicts no page (on the simulated
+    device exactly; on a GPU, whose plan comes from measured times, within
+    1.1 x). VPAGER_PLACE_EARLY=0
     places after the first forward: the forward that takes the plan
     copies more. Outputs bitwise."""
     m, x, want, h = _threaded_mlp()
@@ -258,7 +260,14 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
         min(e.offset for e in placed[False])
     got = _copies(m, x, want, h, 8)
     steady = got[-1][0]
-    assert all(c == steady and moved == 0 for c, moved in got[1:]), got
+    if h.device.backend == "sim":
+        assert all(c == steady and moved == 0 for c, moved in got[1:]), got
+    else:
+        # On a GPU the plan comes from measured times, which may move a
+        # weight or two from where the sizes guessed (the H100: 1.04 x
+        # the steady copies for two forwards, one page moved): within
+        # issue 29's 1.1 x a steady step.
+        assert all(c <= 1.1 * steady for c, _ in got[1:]), got
     assert h.schedule() is not None
     h.unload()
     with environ(VPAGER_PLACE_EARLY="0"):
