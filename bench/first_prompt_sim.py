@@ -15,8 +15,8 @@ forward's start). Phases on the planner's thread are not counted.
     ... --units 800 --forwards 10 --plan-thread 0     # the old way
     ... --device cuda --units 800                     # on a GPU (width 1024)
     ... --place-early 0          # no placement before the first forward
-    ... --device cuda --width 4096 --units 160 --copy-behind 0   # the host
-                                 # copy before offload() returns (1: behind)
+    ... --device cuda --width 4096 --units 160 --copy-behind 1   # the host
+                                 # copy behind offload() (0, default: in it)
 
 Prints one line per forward (ms, phases), then the worst forward after
 the first over the median of the last half (the issue's target: <= 1.1).
@@ -57,8 +57,8 @@ def main():
     ap.add_argument("--place-early", choices=("0", "1"), default=None,
                     help="VPAGER_PLACE_EARLY (default: as set, else 1)")
     ap.add_argument("--copy-behind", choices=("0", "1"), default=None,
-                    help="VPAGER_COPY_BEHIND (default: as set, else 1 "
-                    "on a GPU, 0 on the simulated device): a host copy of "
+                    help="VPAGER_COPY_BEHIND (default: as set, else 0): "
+                    "1: a host copy of "
                     "256 MiB or more filled behind offload(), overlapping "
                     "the first forward")
     ap.add_argument("--device", default="sim", help="sim or cuda")

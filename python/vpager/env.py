@@ -64,8 +64,8 @@ VARIABLES: Dict[str, Variable] = {
                                    "model's pinned host copy before it "
                                    "returns; 1: behind it, each unit of "
                                    "the first forward waiting for its own "
-                                   "weights (default: 1 on a GPU, 0 on "
-                                   "the simulated device)"),
+                                   "weights (default 0: slower on the "
+                                   "H100 measured)"),
     "VPAGER_SCHEDULE_LOG": Variable("flag", "1: print each schedule made "
                                     "(default 0)"),
     "VPAGER_PROGRESS": Variable("flag", "0: no progress bar or log line "

@@ -417,7 +417,7 @@ def copying_behind(gate=None, fail=None):
 
     sources.BEHIND_MIN, hostload.BATCH, sources.copy_jobs = 0, 1, copy
     old = os.environ.get("VPAGER_COPY_BEHIND")
-    os.environ["VPAGER_COPY_BEHIND"] = "1"      # (on the simulated device)
+    os.environ["VPAGER_COPY_BEHIND"] = "1"      # (off by default)
     try:
         yield batches
     finally:
@@ -772,9 +772,9 @@ def test_copy_behind_on_cuda():
 
 
 def test_copy_behind_off_and_outside_host():
-    """VPAGER_COPY_BEHIND=0, unset on the simulated device (its link is the
-    CPU's memcpy), and outside="host" (the module's tensors are the copy)
-    make the copy before offload() returns."""
+    """VPAGER_COPY_BEHIND=0, unset (the default: slower on the H100), and
+    outside="host" (the module's tensors are the copy) make the copy
+    before offload() returns."""
     with copying_behind():
         for kw, env in (({}, "0"), ({}, None), ({"outside": "host"}, "1")):
             m, _sd, _x = _behind_model()

@@ -79,15 +79,15 @@ class Layout:
                 if src is not None:
                     e.keep = e.tensor.data
                 custom.append(src)
-        # Behind offload() by default where the link is the device's DMA
-        # (the simulated device's is this CPU's memcpy: no overlap to win);
-        # never with outside="host" (the module's tensors are the copy).
+        # Behind offload() only when asked: on the H100 the copy behind
+        # ran at 5.6 GiB/s against 7.5 made before, so offload and first
+        # forward took 1.80 s against 1.61 (bench/RESULTS.md, twentieth
+        # session); never with outside="host" (the tensors are the copy).
         hb, slots, self.hbytes = sources(
             dev, entries, self.align, self.st, match, custom,
             self.load_times, _streamed(plan, dev),
             type(plan.module).__name__,
-            behind=s.outside != "host" and env.flag(
-                COPY_BEHIND, dev.backend != "sim"))
+            behind=s.outside != "host" and env.flag(COPY_BEHIND, False))
         if isinstance(hb, HostLoad):
             self.loading = hb
         else:
