@@ -828,6 +828,15 @@ class Tuner:
         page = dev.page_size
         offsets, end, stay = self._placement(lay, flat, sch.resident, ring)
         kept = sum(e.size for e, k in zip(flat, stay) if k)
+        if env.flag("VPAGER_SCHEDULE_LOG", False):
+            sys.stderr.write(
+                "vpager.torch placement (forward %d): %d of %d resident "
+                "bytes kept in place, %d loaded before; planned for %d, "
+                "end %d, ring %d, pages loaded %d\n" % (
+                    self.rounds, kept, sum(e.size for e, r in zip(
+                        flat, sch.resident) if r), lay.vbar.loaded_size(),
+                    self.planned_for, end, ring,
+                    lay.vbar.loaded_size() // page))
         if end > lay.vbar.size:
             raise _NoRoom("no room in the VBAR to place the schedule")
         self.ring = ring
