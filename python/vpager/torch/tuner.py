@@ -832,10 +832,10 @@ class Tuner:
             sys.stderr.write(
                 "vpager.torch placement (forward %d): %d of %d resident "
                 "bytes kept in place, %d loaded before; planned for %d, "
-                "end %d, ring %d, pages loaded %d\n" % (
+                "end %d of %d, ring %d, pages loaded %d\n" % (
                     self.rounds, kept, sum(e.size for e, r in zip(
                         flat, sch.resident) if r), lay.vbar.loaded_size(),
-                    self.planned_for, end, ring,
+                    self.planned_for, end, lay.vbar.size, ring,
                     lay.vbar.loaded_size() // page))
         if end > lay.vbar.size:
             raise _NoRoom("no room in the VBAR to place the schedule")
