@@ -375,6 +375,44 @@ def nearest(old, best, sizes, room, page, align=512, keep=None):
     return res
 
 
+def toward(old, best, sizes, room, page, align=512, keep=None, limit=0):
+    """The resident flags one step from `old` toward `best` that fit in
+    `room`: a forward that takes a placement copies again every weight that
+    leaves the resident set (the weights that join it it copied anyway, as
+    streamed ones), so a step drops at most `limit` bytes of the weights
+    best streams, largest first (more while the flags do not fit; at least
+    one), then adds the weights best keeps, largest first, while they fit.
+    best itself when what leaves is within limit. None if nothing fits."""
+    sz = [s for _, s in flat(sizes)]
+    kept = keep or [False] * len(sz)
+    res = [bool(o) or bool(kept[i]) for i, o in enumerate(old)]
+    gone = sorted((i for i, r in enumerate(res)
+                   if r and not best[i] and not kept[i]),
+                  key=lambda i: -sz[i])
+    if sum(sz[i] for i in gone) <= limit:
+        return (list(best) if resident_pages(sizes, best, page, align)
+                <= room else None)
+    # (resident_pages rounds the sum up: one page; the holes the dropped
+    # weights leave, which the added ones fill only in part: another)
+    lim = room - 2 * page
+    used = sum(_round(s, align) for s, r in zip(sz, res) if r)
+    dropped = 0
+    for i in gone:
+        if used <= lim and dropped and dropped + sz[i] > limit:
+            continue
+        res[i] = False
+        used -= _round(sz[i], align)
+        dropped += sz[i]
+    for i in sorted((i for i, b in enumerate(best) if b and not res[i]),
+                    key=lambda i: -sz[i]):
+        if used + _round(sz[i], align) <= lim:
+            res[i] = True
+            used += _round(sz[i], align)
+    if resident_pages(sizes, res, page, align) > room:
+        return None
+    return res
+
+
 def _best(work, sizes, room, page, link, ring, per_copy, align, least,
           keep=None):
     """choose()'s fastest candidate, None if none fits."""

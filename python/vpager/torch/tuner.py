@@ -116,6 +116,11 @@ PLACE_EARLY = "VPAGER_PLACE_EARLY"      # =0: no placement before a forward
 # copies only the weights that changed (the same 2% a measured plan needs
 # to place anew at all).
 NEAR = 0.02
+# A placement moves toward its schedule in steps (schedule.toward): each
+# forward that takes one copies again what leaves the resident set, at
+# most this share of a steady forward's copies (issue 29: no step of the
+# first prompt after the first above 1.1 x a steady one).
+STEP = 0.1
 
 
 def measure_link(index):
@@ -250,6 +255,7 @@ class Tuner:
         self.kept_bytes = 0         # resident bytes the last placement kept
         self.guessed = False        # self.schedule is guess()'s
         self.guess_order = []       # id() of its weights, in its order
+        self.heading = None         # (Schedule, ring) placed step by step
 
     def install(self):
         """Measure from the next root forward on."""
@@ -401,6 +407,9 @@ class Tuner:
         if self.planner is not None and self.planner.pending:
             self._take()            # a plan for the new room, once ready
             return
+        if self.heading is not None:
+            self._next_step()
+            return
         if self.schedule is None or self.planned_for is None:
             return
         # Weights given a fill (a LoRA) or rid of one since the plan:
@@ -478,6 +487,10 @@ class Tuner:
             # takes the plan too (its placement fills as it runs).
             self._take()
             return
+        if self.heading is not None:
+            # A step toward the schedule placed (this forward fills it;
+            # measured all the same: each unit's least work is kept).
+            self._next_step()
         if self.done:
             return
         if self.layout.copying:
@@ -781,6 +794,9 @@ class Tuner:
                 sch, ring = self.plan(w, sizes, need, [cur],
                                       keep=_keep(flat))
                 merged = None
+        step = self._step(old, sch, w, sizes, ring, keep)
+        if step is not sch:
+            sch, merged = step, None
         try:
             self._place(lay, dev, flat, units, w, sizes, sch, ring, merged)
         except _NoRoom:
@@ -813,13 +829,65 @@ class Tuner:
         t = schedule.simulate(w, sizes, near, self.link, eff, PER_COPY)
         if t > sch.predicted * (1 + NEAR):
             return sch
+        return self._schedule_for(near, w, sizes, ring, t)
+
+    def _step(self, old, sch, w, sizes, ring, keep):
+        """sch, or a schedule one step toward it (schedule.toward: at most
+        STEP of sch's streamed bytes leave the resident set in place, all
+        of which the forward that takes it would copy again), sch kept in
+        self.heading for the next forwards' steps (_next_step)."""
+        self.heading = None
+        lay = self.layout
+        if old is None or not lay.vbar.loaded_size():
+            return sch              # nothing resident to keep
+        page = lay.device.page_size
+        room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
+        res = schedule.toward(old.resident, sch.resident, sizes, room, page,
+                              lay.align, keep, int(STEP * sch.streamed))
+        if res is None or res == sch.resident:
+            return sch
+        self.heading = (sch, ring)
+        return self._schedule_for(res, w, sizes, ring)
+
+    def _schedule_for(self, res, w, sizes, ring, t=None):
+        """A Schedule of resident flags `res` (windows; t: its predicted
+        time, simulated if None)."""
+        lay = self.layout
+        eff = int(ring * schedule.FRAGMENTATION)
+        if t is None:
+            t = schedule.simulate(w, sizes, res, self.link, eff, PER_COPY)
         streamed = sum(s for s, r in zip((s for ss in sizes for s in ss),
-                                         near) if not r)
+                                         res) if not r)
         return schedule.Schedule(
-            near, schedule.windows(w, sizes, near, self.link, eff, PER_COPY,
-                                   MARGIN), t, streamed,
-            schedule.resident_pages(sizes, near, page, lay.align),
+            res, schedule.windows(w, sizes, res, self.link, eff, PER_COPY,
+                                  MARGIN), t, streamed,
+            schedule.resident_pages(sizes, res, lay.device.page_size,
+                                    lay.align),
             float(sum(w)))
+
+    def _next_step(self):
+        """At a forward's start: the next step toward self.heading placed
+        (the last one is the schedule itself); given up if the ring or
+        the room changed since (the next plan starts again)."""
+        sch, ring = self.heading
+        lay = self.layout
+        dev = lay.device
+        if ring != self.ring or dev.options["staging_size"] != ring or \
+                self._room_moved() or not self.model.may_replace():
+            self.heading = None
+            return
+        units, w, sizes, flat = self._costs(self.work or {})
+        nxt = self._step(self.schedule, sch, w, sizes, ring, _keep(flat))
+        try:
+            self._place(lay, dev, flat, units, w, sizes, nxt, ring)
+        except _NoRoom:
+            self.heading = None
+        except Exception as e:      # noqa: BLE001 (outputs stay right)
+            self.heading = None
+            warnings.warn("vpager.torch: a step of the copy schedule's "
+                          "placement failed (%s: %s); the model runs on "
+                          "with the placement it has"
+                          % (type(e).__name__, e), RuntimeWarning)
 
     def _place(self, lay, dev, flat, units, w, sizes, sch, ring,
                merged=None):
