@@ -85,10 +85,10 @@ def test_switch_option():
 
 
 def test_a_late_node_run():
-    """A run named node<budget>late (sync): the node's child under that
-    budget with VPAGER_PLACE_EARLY=0 (VPAGER_COPY_BEHIND=0): the first
-    prompt placed after the first forward (its host copy made before
-    offload() returns), beside the default in one run."""
+    """A run named node<budget>late (onestep): the node's child under that
+    budget with VPAGER_PLACE_EARLY=0 (VPAGER_PLACE_STEPS=0): the first
+    prompt placed after the first forward (a placement taken in one
+    forward), beside the default in one run."""
     ns, _ = _bench()
     gen = {"bytes": 8 * GiB}
     assert ns["budget_of"]("node8late", gen) == ns["budget_of"]("node8", gen)
@@ -108,13 +108,13 @@ def test_a_late_node_run():
 
     class _A:
         cgroup_gib = None
-    for run in ("node8", "node8late", "node8sync"):
+    for run in ("node8", "node8late", "node8onestep"):
         ns["run_node_child"](_Cr(), _A(), run, "8", "ck", "log", 1)
     assert seen["node8late"][1].get("VPAGER_PLACE_EARLY") == "0"
-    assert seen["node8sync"][1].get("VPAGER_COPY_BEHIND") == "0"
-    assert ns["budget_of"]("node8sync", gen) == ("8", 8 * GiB)
+    assert seen["node8onestep"][1].get("VPAGER_PLACE_STEPS") == "0"
+    assert ns["budget_of"]("node8onestep", gen) == ("8", 8 * GiB)
     assert "VPAGER_PLACE_EARLY" not in seen["node8"][1]
-    assert "VPAGER_COPY_BEHIND" not in seen["node8"][1]
+    assert "VPAGER_PLACE_STEPS" not in seen["node8"][1]
     assert seen["node8late"][0][-4:] == ["--tag", "node8late", "--ckpt", "ck"]
 
 

@@ -121,6 +121,7 @@ NEAR = 0.02
 # most this share of a steady forward's copies (issue 29: no step of the
 # first prompt after the first above 1.1 x a steady one).
 STEP = 0.1
+PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =0: a placement in one forward
 
 
 def measure_link(index):
@@ -838,7 +839,8 @@ class Tuner:
         self.heading for the next forwards' steps (_next_step)."""
         self.heading = None
         lay = self.layout
-        if old is None or not lay.vbar.loaded_size():
+        if old is None or not lay.vbar.loaded_size() or \
+                not env.flag(PLACE_STEPS, True):
             return sch              # nothing resident to keep
         page = lay.device.page_size
         room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
