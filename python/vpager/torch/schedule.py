@@ -365,14 +365,18 @@ def nearest(old, best, sizes, room, page, align=512, keep=None):
             res[i] = False
             used -= _round(sz[i], align)
     else:
-        for i in sorted((i for i, b in enumerate(best) if b and not res[i]),
-                        key=lambda i: -sz[i]):
-            if used + _round(sz[i], align) <= limit:
-                res[i] = True
-                used += _round(sz[i], align)
-    if resident_pages(sizes, res, page, align) > room:
-        return None
-    return res
+        _add(res, best, sz, used, limit, align)
+    return res if resident_pages(sizes, res, page, align) <= room else None
+
+
+def _add(res, best, sz, used, limit, align):
+    """The weights `best` keeps added to res, largest first, while the
+    resident bytes (`used` now, each rounded to align) stay within limit."""
+    for i in sorted((i for i, b in enumerate(best) if b and not res[i]),
+                    key=lambda i: -sz[i]):
+        if used + _round(sz[i], align) <= limit:
+            res[i] = True
+            used += _round(sz[i], align)
 
 
 def toward(old, best, sizes, room, page, align=512, keep=None, limit=0):
@@ -403,14 +407,8 @@ def toward(old, best, sizes, room, page, align=512, keep=None, limit=0):
         res[i] = False
         used -= _round(sz[i], align)
         dropped += sz[i]
-    for i in sorted((i for i, b in enumerate(best) if b and not res[i]),
-                    key=lambda i: -sz[i]):
-        if used + _round(sz[i], align) <= lim:
-            res[i] = True
-            used += _round(sz[i], align)
-    if resident_pages(sizes, res, page, align) > room:
-        return None
-    return res
+    _add(res, best, sz, used, lim, align)
+    return res if resident_pages(sizes, res, page, align) <= room else None
 
 
 def _best(work, sizes, room, page, link, ring, per_copy, align, least,
