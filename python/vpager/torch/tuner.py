@@ -900,13 +900,13 @@ class Tuner:
         kept = sum(e.size for e, k in zip(flat, stay) if k)
         if env.flag("VPAGER_SCHEDULE_LOG", False):
             sys.stderr.write(
-                "vpager.torch placement (forward %d): %d of %d resident "
-                "bytes kept in place, %d loaded before; planned for %d, "
-                "end %d of %d, ring %d, pages loaded %d\n" % (
+                "vpager.torch placement (%d forwards measured): %d of %d "
+                "resident bytes kept in place, %d loaded before; planned "
+                "for %d, end %d of the VBAR's %d, ring %d%s\n" % (
                     self.rounds, kept, sum(e.size for e, r in zip(
                         flat, sch.resident) if r), lay.vbar.loaded_size(),
                     self.planned_for, end, lay.vbar.size, ring,
-                    lay.vbar.loaded_size() // page))
+                    "; a step" if self.heading is not None else ""))
         if end > lay.vbar.size:
             raise _NoRoom("no room in the VBAR to place the schedule")
         self.ring = ring
