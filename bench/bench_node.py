@@ -296,14 +296,17 @@ def copied(d):
 
 def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
     """Latents (and images) against resident's, prompt by prompt; L for
-    budget runs; --lora's refill check, --vae's thrash ratio. Returns the
+    budget runs (resident's step, or legacy's where resident did not run);
+    --lora's refill check, --vae's thrash ratio. Returns the
     exit code's part (2: the latents of a run judged(run) equal neither
     reference)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import benchlib
     rc = 0
     runs = summary["runs"]
-    base = runs.get("resident")
+    # L's resident step: the resident run's last prompt, else legacy's
+    # (--lora: its last prompt is the model resident, its LoRA removed).
+    base = runs.get("resident") or runs.get("legacy")
     link = gen.get("link_GBps")
     W, w_max = cr.held(gen, a.weight_dtype)
     say("W %.2f GiB (%.2f GB%s), w_max %.1f MiB, link %.2f GB/s (pinned "

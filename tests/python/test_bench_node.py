@@ -208,6 +208,30 @@ def test_budget_use_row():
         assert row == {}
 
 
+def test_l_row_from_legacy():
+    """--lora runs no resident child: L's resident step is legacy's last
+    prompt (the model resident, its LoRA removed), so a budget run's
+    line against L is printed there too (issue 29's Flux 9.4 GiB at
+    6 GiB against L)."""
+    import types
+    ns, cr = _bench()
+    a = types.SimpleNamespace(weight_dtype="default", vae=False, lora=True,
+                              switch_shape=None)
+    gen = {"bytes": 10 * GiB, "w_max": 126 << 20, "link_GBps": 55.0}
+
+    def rep(label, step):
+        return {"label": label, "steps_ms": [500.0, step, step, step],
+                "latent_sha256": label * 8, "torch_peak_reserved": GiB}
+    summary = {"runs": {
+        "legacy": {"reps": [rep("base", 80.0), rep("removed", 81.0)]},
+        "node6": {"reps": [rep("base", 103.0), rep("removed", 103.0)]}}}
+    with _said(ns["compare"]) as lines:
+        assert ns["compare"](cr, a, gen, summary) == 0
+    row = [x for x in lines if x.startswith("node6: budget")]
+    assert len(row) == 1 and "max(resident 81.0, link term" in row[0] \
+        and "x L" in row[0], lines
+
+
 def _cap_or_skip(limit):
     try:
         return memcap.open_cap(limit, "vp-test")
