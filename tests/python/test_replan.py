@@ -23,8 +23,8 @@ torch = _runner.require_torch(__name__)
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
 from test_torch import (  # noqa: E402
-    K, PAGE, _scheduled_mlp, _scheduled_offload, delta, frozen_copy, mlp,
-    no_pins, sim_opts, watching_every_forward)
+    K, PAGE, _scheduled_mlp, _scheduled_offload, delta, environ,
+    frozen_copy, mlp, no_pins, sim_opts, watching_every_forward)
 import vpager.torch as vt  # noqa: E402
 
 
@@ -292,20 +292,21 @@ def test_a_placement_far_from_the_one_in_place_moves_in_steps():
     old_plan, old_near = tuner.Tuner.plan, tuner.Tuner._nearest
     tuner.Tuner.plan = lambda self, *a, **kw: (target, self.ring)
     tuner.Tuner._nearest = lambda self, old, sch, *a: sch
-    try:
-        t.apply(t.work, room_changed=True)
-    finally:
-        tuner.Tuner.plan, tuner.Tuner._nearest = old_plan, old_near
-    assert t.heading is not None and t.heading[0] is target
-    assert t.kept_bytes > 0
-    steps = 1
-    while t.heading is not None:
-        steps += 1
-        got = forward()
-        assert got <= before + tuner.STEP * target.streamed + PAGE, \
-            (steps, got, before)
-        assert steps < 40
-        before = got
+    with environ(VPAGER_PLACE_STEPS="1"):   # (_runner turns steps off)
+        try:
+            t.apply(t.work, room_changed=True)
+        finally:
+            tuner.Tuner.plan, tuner.Tuner._nearest = old_plan, old_near
+        assert t.heading is not None and t.heading[0] is target
+        assert t.kept_bytes > 0
+        steps = 1
+        while t.heading is not None:
+            steps += 1
+            got = forward()
+            assert got <= before + tuner.STEP * target.streamed + PAGE, \
+                (steps, got, before)
+            assert steps < 40
+            before = got
     assert steps > 3
     assert t.schedule.resident == target.resident or \
         list(t.schedule.resident) == list(target.resident)
