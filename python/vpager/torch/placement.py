@@ -191,18 +191,20 @@ def place_moving_least(entries, resident, now, offsets, align, page,
     at most `room` (or the compact placement's, when that is more) and
     it ends within `size` bytes (the VBAR: weights moved past the kept
     ones at each re-plan must not creep out of it); else the fewest of
-    them move too, run by run, the smallest runs first
-    (runs_smallest_first), down to none (place_resident_first: every
-    resident entry filled anew)."""
+    them move too, in whichever of two orders keeps more bytes: run by
+    run, the smallest runs first (runs_smallest_first: holes between
+    runs), or from the top address down (highest_first: a resident set
+    that lies in one run, whose holes only a lower top can make up for);
+    down to none (place_resident_first: every resident entry filled
+    anew)."""
     compact = place_resident_first(entries, align, page, resident)
     none = [False] * len(entries)
     if not any(now):
         return compact + (none,)
     room = max(room, len(pages_touched(entries, compact[0], resident,
                                        page)))
-    order = runs_smallest_first(entries, offsets, now, page)
 
-    def layout(k):          # the first k of `order` move too
+    def layout(order, k):   # the first k of `order` move too
         kept = list(now)
         for i in order[:k]:
             kept[i] = False
@@ -210,19 +212,45 @@ def place_moving_least(entries, resident, now, offsets, align, page,
         fits = end <= size and \
             len(pages_touched(entries, offs, resident, page)) <= room
         return fits, offs, end, kept
-    got = layout(0)
-    if not got[0]:
-        lo, hi = 0, len(order)      # layout(hi) is the compact one
+
+    def fewest(order):      # the fitting layout moving fewest of `order`
+        got = layout(order, 0)
+        if got[0]:
+            return got
+        lo, hi = 0, len(order)      # layout(order, hi) is the compact one
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if layout(mid)[0]:
+            if layout(order, mid)[0]:
                 hi = mid
             else:
                 lo = mid
-        got = layout(hi)
-        if not got[0]:
-            return compact + (none,)
-    return got[1:]
+        return layout(order, hi)
+
+    best = None
+    for order in (runs_smallest_first(entries, offsets, now, page),
+                  highest_first(offsets, now)):
+        got = fewest(order)
+        if got[0] and (best is None or _bytes(entries, got[3]) >
+                       _bytes(entries, best[3])):
+            best = got
+        if best is not None and best[3] == list(now):
+            break                   # nothing moves: no order keeps more
+    if best is None:
+        return compact + (none,)
+    return best[1:]
+
+
+def _bytes(entries, chosen):
+    return sum(e.size for e, c in zip(entries, chosen) if c)
+
+
+def highest_first(offsets, chosen):
+    """Indices of the chosen entries, the highest offset first: giving up
+    kept weights from the top lowers where the resident weights that
+    found no hole go (place_kept), the order for a resident set that lies
+    in one run (runs_smallest_first has one run to give up: all)."""
+    return sorted((i for i, c in enumerate(chosen) if c),
+                  key=lambda i: -offsets[i])
 
 
 def runs_smallest_first(entries, offsets, chosen, page):
