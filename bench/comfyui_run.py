@@ -1116,11 +1116,16 @@ def memory(patcher, torch):
 
 
 def host_memory():
-    """The process's RSS, its peak (VmHWM) and the machine's MemAvailable,
-    bytes (issue 28: one copy of a model in RAM)."""
+    """The process's RSS, its peak (VmHWM), its parts (anonymous, mapped
+    files: model files and libraries' code, shared memory) and the
+    machine's MemAvailable, bytes (issue 28: one copy of a model in
+    RAM; the parts say where RSS grew)."""
     out = {}
     for path, key, name in (("/proc/self/status", "VmRSS:", "rss"),
                             ("/proc/self/status", "VmHWM:", "rss_peak"),
+                            ("/proc/self/status", "RssAnon:", "rss_anon"),
+                            ("/proc/self/status", "RssFile:", "rss_file"),
+                            ("/proc/self/status", "RssShmem:", "rss_shmem"),
                             ("/proc/meminfo", "MemAvailable:",
                              "mem_available")):
         try:
