@@ -149,21 +149,22 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
         place_resident_first(es, 512, page, resident)
     # place_moving_least: the kept placement where its 4 pages fit the
     # room; in the 3 the compact one takes, kept weights given up until
-    # it fits: run by run both go (the compact placement), from the top
-    # down e4 alone (e1 stays, e3 and e4 go after it): kept bytes win.
+    # it fits: run by run e1 goes and e4 (50K) stays, e3 taking e1's
+    # place in the first gap (best fit, largest first); from the top down
+    # e4 would go and e1 (20K) stay: the order keeping more bytes wins.
     big = 1 << 30
     assert place_moving_least(es, resident, kept, cur, 512, page, 4,
                               big) == (offs, end, kept)
     offs3, end3, kept3 = place_moving_least(es, resident, kept, cur, 512,
                                             page, 3, big)
     assert len(pages_touched(es, offs3, resident, page)) <= 3
-    assert kept3 == [i == 1 for i in range(8)], kept3
-    assert offs3[1] == 10 * K and offs3[3] == 30 * K, offs3
-    # Nor past the VBAR: the kept placement ends at 346K (so does the one
-    # keeping e4 alone), the compact one at 282K.
+    assert kept3 == [i == 4 for i in range(8)], kept3
+    assert offs3[4] == 104 * K and offs3[3] == 0, offs3
+    # Nor past the VBAR: the kept placement ends at 346K (e3 after e4),
+    # the one keeping e4 alone at 282K (e3 in the first gap).
     offs4, end4, kept4 = place_moving_least(es, resident, kept, cur, 512,
                                             page, 4, 300 * K)
-    assert end4 <= 300 * K and not kept4[4], (end4, kept4)
+    assert end4 <= 300 * K and kept4 == kept3, (end4, kept4)
     # Kept weights are given up run by run, the smallest run first: e0
     # and e1 (30K, no whole page between them), then e4 (50K), then e3
     # (80K; more than a page from either).

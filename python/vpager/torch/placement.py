@@ -3,6 +3,8 @@ and for the interleaved eviction order in page-aligned groups, so that
 evicting one group leaves its neighbours whole. Pure arithmetic on
 entries (objects with a .size); layout.py applies it."""
 
+import bisect
+
 from .. import ORDER_INTERLEAVED
 from ..vbar import _order
 
@@ -138,42 +140,46 @@ def place_kept(entries, resident, kept, offsets, align, page):
     """Offsets for a scheduled layout placed anew with the least copying:
     the entries with kept[i] (resident now, resident in the schedule) stay
     at offsets[i], so their bytes need no copy; the other resident ones
-    go, in this order, into the gaps before and between those (next fit,
-    each at an `align` boundary) or after them; the streamed ones from the
-    next page boundary after all of those, in this order (so no page holds
-    a resident and a streamed weight). Returns (offsets, end)."""
+    go, largest first, each into the gap before or between those that it
+    fills best (the least room left over, at an `align` boundary: small
+    holes take small weights, whole free pages stay whole and cost no
+    VRAM), or after them in this order; the streamed ones from the next page boundary
+    after all of those, in this order (so no page holds a resident and a
+    streamed weight). Returns (offsets, end)."""
     out = [0] * len(entries)
     spans = sorted((offsets[i], offsets[i] + e.size)
                    for i, e in enumerate(entries) if kept[i])
-    gaps, top = [], 0
+    gaps, top = [], 0               # (room, start): bisect finds best fits
     for a, b in spans:
         if a > top:
-            gaps.append((top, a))
+            gaps.append((a - top, top))
         top = max(top, b)
-    most = [0] * (len(gaps) + 1)    # the largest gap from each one on
-    for g in range(len(gaps) - 1, -1, -1):
-        most[g] = max(most[g + 1], gaps[g][1] - gaps[g][0])
-    gi, pos = 0, gaps[0][0] if gaps else 0
+    gaps.sort()
+    joining = sorted((i for i, e in enumerate(entries)
+                      if resident[i] and not kept[i]),
+                     key=lambda i: -entries[i].size)
     for i, e in enumerate(entries):
         if kept[i]:
             out[i] = offsets[i]
-        elif resident[i]:
-            at = None
-            if e.size <= most[gi]:      # else no gap left can hold it
-                g, p = gi, pos
-                while g < len(gaps):
-                    a = round_up(p, align)
-                    if a + e.size <= gaps[g][1]:
-                        gi, at = g, a
-                        break
-                    g += 1
-                    p = gaps[g][0] if g < len(gaps) else 0
-            if at is not None:
+    after = []
+    for i in joining:
+        size = entries[i].size
+        g = bisect.bisect_left(gaps, (size, -1))
+        while g < len(gaps):
+            room, a = gaps[g]
+            at = round_up(a, align)
+            if at + size <= a + room:
+                del gaps[g]
+                if a + room > at + size:
+                    bisect.insort(gaps, (a + room - at - size, at + size))
                 out[i] = at
-                pos = at + e.size
-            else:
-                out[i] = round_up(top, align)
-                top = out[i] + e.size
+                break
+            g += 1
+        else:
+            after.append(i)
+    for i in sorted(after):         # in this order, as when none is kept
+        out[i] = round_up(top, align)
+        top = out[i] + entries[i].size
     off = round_up(top, page)
     for i, e in enumerate(entries):
         if not resident[i]:
