@@ -516,13 +516,17 @@ def merged_windows(window, works, sizes, resident, link, ring,
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
              spare_pages, per_copy, margin, old_resident, old_ring,
-             keep=None):
+             keep=None, near_within=None):
     """All the arithmetic of a plan's application, as plain data (the
     planner's process returns it): "cands", plan_rings' [(ring, Schedule
     fields)]; "pick", the index pick_ring chooses and its windows merged
     over `works` (merged_windows); "old", when old_resident is given and
     the pick keeps old_ring: (predicted seconds, windows, merged windows)
-    of the old resident set under `work`. keep: plan()'s."""
+    of the old resident set under `work`; "near", then too, when the pick
+    keeps another resident set and near_within is given: (resident flags,
+    predicted seconds, windows, merged windows) of the set nearest the old
+    one (nearest) if it is predicted within near_within of the pick, else
+    None. keep: plan()'s."""
     cands = plan_rings(work, sizes, total, rings, page, link, align,
                        spare_pages, per_copy, margin, keep)
     ring, sch = pick_ring(cands)
@@ -537,6 +541,19 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
                        margin)
         old = (t, base, merged_windows(base, works, sizes, old_resident,
                                        link, eff, per_copy, margin))
+    near = None
+    if old is not None and near_within is not None and \
+            list(sch.resident) != list(old_resident):
+        room = total - _round(max(ring, page), page) - spare_pages * page
+        eff = int(ring * FRAGMENTATION)
+        res = nearest(old_resident, sch.resident, sizes, room, page, align,
+                      keep)
+        if res is not None and res != list(sch.resident):
+            t = simulate(work, sizes, res, link, eff, per_copy)
+            if t <= sch.predicted * (1 + near_within):
+                base = windows(work, sizes, res, link, eff, per_copy, margin)
+                near = (res, t, base, merged_windows(
+                    base, works, sizes, res, link, eff, per_copy, margin))
     return {"cands": [(r, [getattr(c, f) for f in Schedule.__slots__])
                       for r, c in cands],
-            "pick": (i, win), "old": old}
+            "pick": (i, win), "old": old, "near": near}

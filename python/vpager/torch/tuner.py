@@ -755,7 +755,7 @@ class Tuner:
         old = self._old()
         if old is not None and ring == self.ring and \
                 sch.resident != old.resident:
-            sch = self._nearest(old, sch, w, sizes, ring, keep)
+            sch = self._nearest(old, sch, w, sizes, ring, keep, planned)
         merged = planned.merged(sch) if planned is not None else None
         if room_changed and old is not None and ring == self.ring and \
                 sch.resident == old.resident and self._fits(old):
@@ -813,12 +813,20 @@ class Tuner:
                 self.ring = cur
             raise
 
-    def _nearest(self, old, sch, w, sizes, ring, keep):
+    def _nearest(self, old, sch, w, sizes, ring, keep, planned=None):
         """sch, or the resident set nearest old's that fits the room
         (schedule.nearest) where that is predicted within NEAR of sch: a
         plan made again (another budget, a LoRA's fills, a later measured
         forward) then moves few weights, and the placement keeps the rest
-        where they lie."""
+        where they lie. planned: the planner's, which computed it off this
+        thread (Planned.near) when it could."""
+        got = planned.near(old.resident, sch, keep) if planned is not None \
+            else False
+        if got is not False:
+            if got is None:
+                return sch
+            res, t, window, _merged = got
+            return self._schedule_for(res, w, sizes, ring, t, window)
         lay = self.layout
         page = lay.device.page_size
         room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
@@ -851,18 +859,20 @@ class Tuner:
         self.heading = (sch, ring)
         return self._schedule_for(res, w, sizes, ring)
 
-    def _schedule_for(self, res, w, sizes, ring, t=None):
-        """A Schedule of resident flags `res` (windows; t: its predicted
-        time, simulated if None)."""
+    def _schedule_for(self, res, w, sizes, ring, t=None, window=None):
+        """A Schedule of resident flags `res` (t: its predicted time,
+        simulated if None; window: its windows, computed if None)."""
         lay = self.layout
         eff = int(ring * schedule.FRAGMENTATION)
         if t is None:
             t = schedule.simulate(w, sizes, res, self.link, eff, PER_COPY)
+        if window is None:
+            window = schedule.windows(w, sizes, res, self.link, eff,
+                                      PER_COPY, MARGIN)
         streamed = sum(s for s, r in zip((s for ss in sizes for s in ss),
                                          res) if not r)
         return schedule.Schedule(
-            res, schedule.windows(w, sizes, res, self.link, eff, PER_COPY,
-                                  MARGIN), t, streamed,
+            res, window, t, streamed,
             schedule.resident_pages(sizes, res, lay.device.page_size,
                                     lay.align),
             float(sum(w)))
@@ -1110,22 +1120,37 @@ class Planned:
     Schedule)]; merged(sch), the pick's windows merged over the measured
     forwards if sch is the pick; kept(resident, ring), (predicted,
     windows, merged windows) of the placement kept, if it was computed
-    for that resident set and ring."""
+    for that resident set and ring; near(old, sch), (resident, predicted,
+    windows, merged windows) of the set nearest old (Tuner._nearest) if
+    it was computed for old, sch the pick and keep, or None; False if it
+    was not computed (merged() gives the near set's merged windows too)."""
 
-    def __init__(self, total, out, old_resident, old_ring):
+    def __init__(self, total, out, old_resident, old_ring, keep=None):
         self.total = total
         self.cands = [(r, schedule.Schedule(*f)) for r, f in out["cands"]]
         self._pick, self._merged = out["pick"]
         self._old = out["old"]
+        self._near = out.get("near")
         self._old_key = (old_resident, old_ring)
+        self._keep = keep
 
     def merged(self, sch):
-        return self._merged if sch is self.cands[self._pick][1] else None
+        if sch is self.cands[self._pick][1]:
+            return self._merged
+        if self._near is not None and sch.resident == self._near[0]:
+            return self._near[3]
+        return None
 
     def kept(self, resident, ring):
         if self._old is None or self._old_key != (list(resident), ring):
             return None
         return self._old
+
+    def near(self, old, sch, keep):
+        if self._old is None or self._old_key[0] != list(old) or \
+                sch is not self.cands[self._pick][1] or keep != self._keep:
+            return False
+        return self._near
 
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
@@ -1135,10 +1160,10 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     pure-Python seconds take no GIL from the forward's thread), computed
     here if that process cannot be had."""
     args = (work, works, sizes, total, rings, page, link, align, SPARE_PAGES,
-            PER_COPY, MARGIN, old_resident, old_ring, keep)
+            PER_COPY, MARGIN, old_resident, old_ring, keep, NEAR)
     got = planproc.call("plan_job", *args) if remote else None
     out = got[0] if got is not None else schedule.plan_job(*args)
-    return Planned(total, out, old_resident, old_ring)
+    return Planned(total, out, old_resident, old_ring, keep)
 
 
 def carried(units, window, held):
