@@ -2254,6 +2254,29 @@ def test_budget_strings_decimal_and_binary():
 
 # ------------------------------------------------------------------ CUDA
 
+def test_the_link_measured_from_vpagers_pinned_memory():
+    """tuner.measure_link copies from a vpager HostBuf, closed after (its
+    pinned bytes back to what they were): torch's pinned allocator would
+    keep its 64 MiB in the process for good (host RSS, issue 28)."""
+    if not torch.cuda.is_available():
+        skip("no CUDA")
+    M = 1 << 20
+    m = mlp(width=512, depth=4)
+    h = vt.offload(m, device="cuda", budget=16 * M, staging_size=2 * M,
+                   page_size=2 * M, lookahead=0)
+    dev = h.tuner.layout.device if h.tuner is not None else None
+    if dev is None:
+        h.unload()
+        skip("no schedule, no link to measure")
+    before = h.stats()["device"]["host_pinned_bytes"]
+    index = torch.cuda.current_device()
+    tuner._LINKS.pop(index, None)
+    link = tuner.measure_link(index, dev)
+    assert link > 1e9, link                 # bytes/s: any PCIe link
+    assert h.stats()["device"]["host_pinned_bytes"] == before
+    h.unload()
+
+
 def test_cuda():
     """The same paths on a GPU (VMM memory, CUDA tensor views, the current
     stream), when torch has CUDA: a GPU model, a CPU model offloaded onto

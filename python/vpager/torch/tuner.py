@@ -37,9 +37,10 @@ import warnings
 import torch
 
 from .. import PAGE_RESIDENT, env
-from ..errors import BusyError
+from ..errors import BusyError, Error
+from ..hostbuf import HostBuf
 from ..weights import WeightBatch
-from . import planproc, schedule
+from . import planproc, schedule, views
 from .devices import ring_pages
 from .placement import (pages_touched, place_moving_least,
                         place_resident_first, scheduled_ranks, staging_need)
@@ -124,19 +125,38 @@ STEP = 0.1
 PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =0: a placement in one forward
 
 
-def measure_link(index):
+def measure_link(index, device):
     """Pinned host-to-device bytes per second on CUDA device `index`: the
-    best of five 64 MiB copies on a side stream; once per process."""
+    best of five 64 MiB copies on a side stream; once per process. The
+    host side is a vpager HostBuf of `device` (vpager's Device), freed
+    after: torch's pinned allocator would keep its 64 MiB for the
+    process's life (host RSS, issue 28)."""
     link = _LINKS.get(index)
     if link is not None:
         return link
     n = 64 << 20
     try:
-        host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:
+        buf = HostBuf(device, n)
+    except Error:
         # No pinned memory to be had: vpager's copies are pageable too.
-        host = torch.empty(n, dtype=torch.uint8)
-    dev = torch.empty(n, dtype=torch.uint8, device=torch.device("cuda", index))
+        buf, host = None, torch.empty(n, dtype=torch.uint8)
+    else:
+        host = views.view(buf.ptr, torch.uint8, (n,), "cpu")
+    try:
+        best = _best_copy(host, index)
+    finally:
+        del host
+        if buf is not None:
+            buf.close()
+    link = _LINKS[index] = n / max(best, 1e-9)
+    return link
+
+
+def _best_copy(host, index):
+    """Seconds of the fastest of five copies of `host` to CUDA device
+    `index`, on a side stream."""
+    dev = torch.empty(host.numel(), dtype=torch.uint8,
+                      device=torch.device("cuda", index))
     s = torch.cuda.Stream(device=index)
     # dev's block may be one the forward's kernels, still queued on the
     # current stream, freed: the side stream writes it after them.
@@ -151,9 +171,7 @@ def measure_link(index):
             b.record(s)
             b.synchronize()
             best = min(best, a.elapsed_time(b) / 1e3)
-    del dev, host
-    link = _LINKS[index] = n / max(best, 1e-9)
-    return link
+    return best
 
 
 def enabled(settings, dev_given):
@@ -588,7 +606,8 @@ class Tuner:
         """self.link: the host-to-device copy speed (bytes/s), measured
         at the first plan (SIM_LINK on the simulated device)."""
         if self.link is None:
-            self.link = (measure_link(self.model.cuda_index) if self.cuda
+            self.link = (measure_link(self.model.cuda_index,
+                                      self.layout.device) if self.cuda
                          else SIM_LINK)
 
     def _inputs(self):
