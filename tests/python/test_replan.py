@@ -173,6 +173,23 @@ def test_kept_weights_stay_and_the_rest_fill_the_gaps():
     assert runs_smallest_first(es, cur, kept, page) == [0, 1, 4, 3]
 
 
+def test_a_joining_weight_goes_where_it_touches_no_new_page():
+    """place_kept puts a joining weight at a gap's start or its end,
+    wherever it touches the fewest pages no weight touches yet: 20K at
+    this gap's start (120K) would cross into page 2; at its end (230K) it
+    shares page 3 with the kept weight after it: 3 pages, not 4."""
+    from vpager.torch.placement import pages_touched, place_kept
+    page = 64 * K
+    es = [_E(120 * K), _E(20 * K), _E(6 * K), _E(40 * K)]
+    cur = [0, 400 * K, 250 * K, 300 * K]
+    resident = [True, True, True, False]
+    kept = [True, False, True, False]
+    offs, end = place_kept(es, resident, kept, cur, 512, page)
+    assert offs[1] == 230 * K, offs
+    assert pages_touched(es, offs, resident, page) == {0, 1, 3}
+    assert offs[3] == 256 * K and end == 296 * K, (offs, end)   # streamed
+
+
 def test_a_resident_set_in_one_run_keeps_most_of_it():
     """The GPU's case (a Flux prompt's fourth step kept 283 MB of an 8 GB
     resident set): the resident set lies in one run, two of its weights

@@ -140,20 +140,23 @@ def place_kept(entries, resident, kept, offsets, align, page):
     """Offsets for a scheduled layout placed anew with the least copying:
     the entries with kept[i] (resident now, resident in the schedule) stay
     at offsets[i], so their bytes need no copy; the other resident ones
-    go, largest first, each into the gap before or between those that it
-    fills best (the least room left over, at an `align` boundary: small
-    holes take small weights, whole free pages stay whole and cost no
-    VRAM), or after them in this order; the streamed ones from the next page boundary
-    after all of those, in this order (so no page holds a resident and a
-    streamed weight). Returns (offsets, end)."""
+    go, largest first, into a gap before or between those (_fit: at its
+    start or its end, where it touches the fewest pages no weight touches
+    yet, then the least room left over), or after them in this order; the
+    streamed ones from the next page boundary after all of those, in this
+    order (so no page holds a resident and a streamed weight). Returns
+    (offsets, end)."""
     out = [0] * len(entries)
     spans = sorted((offsets[i], offsets[i] + e.size)
                    for i, e in enumerate(entries) if kept[i])
-    gaps, top = [], 0               # (room, start): bisect finds best fits
+    gaps, top = [], 0               # (room, start): bisect finds fits
+    touched = set()                 # pages a resident weight touches
     for a, b in spans:
         if a > top:
             gaps.append((a - top, top))
         top = max(top, b)
+        if b > a:
+            touched.update(range(a // page, (b - 1) // page + 1))
     gaps.sort()
     joining = sorted((i for i, e in enumerate(entries)
                       if resident[i] and not kept[i]),
@@ -164,19 +167,18 @@ def place_kept(entries, resident, kept, offsets, align, page):
     after = []
     for i in joining:
         size = entries[i].size
-        g = bisect.bisect_left(gaps, (size, -1))
-        while g < len(gaps):
-            room, a = gaps[g]
-            at = round_up(a, align)
-            if at + size <= a + room:
-                del gaps[g]
-                if a + room > at + size:
-                    bisect.insort(gaps, (a + room - at - size, at + size))
-                out[i] = at
-                break
-            g += 1
-        else:
+        got = _fit(gaps, size, align, page, touched)
+        if got is None:
             after.append(i)
+            continue
+        g, at = got
+        room, a = gaps.pop(g)
+        for lo, hi in ((a, at), (at + size, a + room)):
+            if hi > lo:
+                bisect.insort(gaps, (hi - lo, lo))
+        if size:
+            touched.update(range(at // page, (at + size - 1) // page + 1))
+        out[i] = at
     for i in sorted(after):         # in this order, as when none is kept
         out[i] = round_up(top, align)
         top = out[i] + entries[i].size
@@ -187,6 +189,32 @@ def place_kept(entries, resident, kept, offsets, align, page):
             out[i] = off
             off += e.size
     return out, off
+
+
+FIT_LOOK = 8       # gaps _fit weighs past the smallest that holds a weight
+
+
+def _fit(gaps, size, align, page, touched):
+    """(index in gaps, offset) of the place for `size` bytes: of the gaps
+    that hold it (the FIT_LOOK smallest), at a gap's start or its end,
+    the place touching the fewest pages none touches yet (a weight
+    beside a kept one shares its page), then the least room left over;
+    None if no gap holds it."""
+    best, g0 = None, bisect.bisect_left(gaps, (size, -1))
+    for g in range(g0, min(len(gaps), g0 + FIT_LOOK)):
+        room, a = gaps[g]
+        for at in (round_up(a, align), (a + room - size) // align * align):
+            if at < a or at + size > a + room:
+                continue
+            p0, p1 = at // page, (at + size - 1) // page if size else -1
+            new = max(p1 - p0 + 1, 0) - (p0 in touched) - \
+                (p1 != p0 and p1 in touched)
+            key = (new, room - size)
+            if best is None or key < best[0]:
+                best = (key, g, at)
+        if best is not None and best[0][0] == 0:
+            break
+    return None if best is None else best[1:]
 
 
 def place_moving_least(entries, resident, now, offsets, align, page,
