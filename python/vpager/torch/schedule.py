@@ -514,6 +514,20 @@ def merged_windows(window, works, sizes, resident, link, ring,
     return out
 
 
+def nearest_within(work, sizes, old, sch, total, ring, page, align,
+                   spare_pages, link, per_copy, within, keep=None):
+    """(resident flags, predicted seconds) of the set nearest `old` that
+    fits the room a ring of `ring` bytes leaves of `total` (nearest), if
+    it is not sch's own and is predicted within `within` of sch (a plan
+    made again then moves few weights); else None."""
+    room = total - _round(max(ring, page), page) - spare_pages * page
+    res = nearest(old, sch.resident, sizes, room, page, align, keep)
+    if res is None or res == list(sch.resident):
+        return None
+    t = simulate(work, sizes, res, link, int(ring * FRAGMENTATION), per_copy)
+    return (res, t) if t <= sch.predicted * (1 + within) else None
+
+
 def plan_job(work, works, sizes, total, rings, page, link, align,
              spare_pages, per_copy, margin, old_resident, old_ring,
              keep=None, near_within=None):
@@ -544,16 +558,15 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     near = None
     if old is not None and near_within is not None and \
             list(sch.resident) != list(old_resident):
-        room = total - _round(max(ring, page), page) - spare_pages * page
-        eff = int(ring * FRAGMENTATION)
-        res = nearest(old_resident, sch.resident, sizes, room, page, align,
-                      keep)
-        if res is not None and res != list(sch.resident):
-            t = simulate(work, sizes, res, link, eff, per_copy)
-            if t <= sch.predicted * (1 + near_within):
-                base = windows(work, sizes, res, link, eff, per_copy, margin)
-                near = (res, t, base, merged_windows(
-                    base, works, sizes, res, link, eff, per_copy, margin))
+        got = nearest_within(work, sizes, old_resident, sch, total, ring,
+                             page, align, spare_pages, link, per_copy,
+                             near_within, keep)
+        if got is not None:
+            res, t = got
+            eff = int(ring * FRAGMENTATION)
+            base = windows(work, sizes, res, link, eff, per_copy, margin)
+            near = (res, t, base, merged_windows(
+                base, works, sizes, res, link, eff, per_copy, margin))
     return {"cands": [(r, [getattr(c, f) for f in Schedule.__slots__])
                       for r, c in cands],
             "pick": (i, win), "old": old, "near": near}

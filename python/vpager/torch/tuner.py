@@ -847,17 +847,13 @@ class Tuner:
             res, t, window, _merged = got
             return self._schedule_for(res, w, sizes, ring, t, window)
         lay = self.layout
-        page = lay.device.page_size
-        room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
-        near = schedule.nearest(old.resident, sch.resident, sizes, room, page,
-                                lay.align, keep)
-        if near is None or near == sch.resident:
+        got = schedule.nearest_within(
+            w, sizes, old.resident, sch, self.planned_for, ring,
+            lay.device.page_size, lay.align, SPARE_PAGES, self.link,
+            PER_COPY, NEAR, keep)
+        if got is None:
             return sch
-        eff = int(ring * schedule.FRAGMENTATION)
-        t = schedule.simulate(w, sizes, near, self.link, eff, PER_COPY)
-        if t > sch.predicted * (1 + NEAR):
-            return sch
-        return self._schedule_for(near, w, sizes, ring, t)
+        return self._schedule_for(got[0], w, sizes, ring, got[1])
 
     def _step(self, old, sch, w, sizes, ring, keep):
         """sch, or a schedule one step toward it (schedule.toward: at most
