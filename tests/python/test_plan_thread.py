@@ -273,9 +273,9 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
     first, ranked first, the watermark above it, and schedule() is None;
     the first forward fills it, and every later one (while the planner
     works, the one that takes its plan, those after) copies what the
-    last one does and commits or evicts no page (on the simulated
-    device exactly; on a GPU, whose plan comes from measured times, within
-    1.1 x). VPAGER_PLACE_EARLY=0
+    last one does and commits or evicts no page (exactly where the
+    measured plan is the guessed one; else within 1.1 x).
+    VPAGER_PLACE_EARLY=0
     places after the first forward: the forward that takes the plan
     copies more. Outputs bitwise."""
     m, x, want, h = _threaded_mlp()
@@ -289,15 +289,17 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
     wm = h.vbar.get_watermark() * h.device.page_size
     assert max(e.offset + e.size for e in placed[True]) <= wm <= \
         min(e.offset for e in placed[False])
+    guessed = list(t.schedule.resident)
     got = _copies(m, x, want, h, 8)
     steady = got[-1][0]
-    if h.device.backend == "sim":
+    if list(t.schedule.resident) == guessed:
         assert all(c == steady and moved == 0 for c, moved in got[1:]), got
     else:
-        # On a GPU the plan comes from measured times, which may move a
-        # weight or two from where the sizes guessed (the H100: 1.04 x
-        # the steady copies for two forwards, one page moved): within
-        # issue 29's 1.1 x a steady step.
+        # The plan comes from measured times (the simulated device's too:
+        # its compute is the host's), which may move a weight or two from
+        # where the sizes guessed (the H100, and the simulated device on
+        # the H100's 16-core host: 1.04 x the steady copies for two
+        # forwards, one page moved): within issue 29's 1.1 x a steady step.
         assert all(c <= 1.1 * steady for c, _ in got[1:]), got
     assert h.schedule() is not None
     h.unload()
