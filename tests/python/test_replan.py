@@ -479,5 +479,19 @@ def test_two_scheduled_models_take_turns_within_their_schedules():
         dev.close()
 
 
+
+def test_placement_kept_bench_runs():
+    """bench/placement_kept.py (the placement figures in bench/RESULTS.md)
+    runs as written: a row per page size, case and seed."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "bench", "placement_kept.py"),
+         "--seeds", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [r for r in out.stdout.splitlines() if r.startswith(("2M", "32M"))]
+    assert len(rows) == 8, out.stdout
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))
