@@ -258,8 +258,16 @@ class Split:
         part of at most OWN_KEPT bytes is copied there once and kept, each
         call taking a copy on the device (scales: a fill at each step
         would otherwise copy from pageable memory, which waits for the
-        stream's queued work)."""
-        inner, _ctx = _inner(self.weight)
+        stream's queued work). Without `payload` (outside the forward)
+        each part is read from its Parameter: vpager's host copy of its
+        own bytes (outside="host"); inside a fill the Parameters hold the
+        patched parts, so those come from the op's own QuantizedTensor,
+        whose parts may lie in the checkpoint's mapping: reading the
+        payload there would fault the file's pages into the process."""
+        if payload is None:
+            inner = [(attr, p.data) for _n, p, attr in self.parts]
+        else:
+            inner, _ctx = _inner(self.weight)
         want = self.parts[self.payload][2]
         got = {}
         with torch.no_grad(), torch.inference_mode(False):
