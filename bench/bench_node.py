@@ -448,6 +448,19 @@ SWITCH_TARGET, RSS_TARGET, RSS_OVER_FILES = 0.8, 1.05, 1.5 * GiB
 BUDGET_USE_TARGET = 0.95
 
 
+def model_files(summary):
+    """Bytes of the files a sampling child loads: the checkpoints, and
+    the LoRAs and the VAE it was given (each as written to disk)."""
+    files = 0
+    for k in ("checkpoint", "checkpoint2"):
+        ck = summary.get(k) or {}
+        files += ck.get("file_bytes", 0)
+        files += sum(x.get("bytes", 0) for x in
+                     (ck.get("lora") or {}).values())
+        files += (ck.get("vae") or {}).get("file_bytes", 0)
+    return files
+
+
 def host_row(run, r, row, summary):
     """The run's host memory: the largest RSS after a prompt and its peak
     (VmHWM), against the model files it loaded (issue 28: <= files +
@@ -456,8 +469,7 @@ def host_row(run, r, row, summary):
     rss = [x["rss"] for x in reps if "rss" in x]
     if not rss:
         return
-    files = sum((summary.get(k) or {}).get("file_bytes", 0)
-                for k in ("checkpoint", "checkpoint2"))
+    files = model_files(summary)
     peak = max(x.get("rss_peak", 0) for x in reps)
     row.update(rss_max=max(rss), rss_peak=peak, model_files=files)
     cap = r.get("memcap")

@@ -734,7 +734,8 @@ def vae_file(a, torch, g):
     sd, nbytes = random_state(vae, g, torch, torch.bfloat16)
     path = os.path.join(a.workdir, "flux_vae_random.safetensors")
     save_file(sd, path)
-    return {"path": path, "bytes": nbytes, "tensors": len(sd)}
+    return {"path": path, "bytes": nbytes, "tensors": len(sd),
+            "file_bytes": os.path.getsize(path)}
 
 
 def child_gen(a):

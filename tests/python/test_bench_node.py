@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import memcap  # noqa: E402
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 def _bench():
@@ -154,7 +155,10 @@ def test_host_rows_and_versus():
     budget (RSS, model switch)."""
     ns, cr = _bench()
     with _said(ns["host_row"]) as lines:
-        summary = {"checkpoint": {"file_bytes": 10 * GiB},
+        summary = {"checkpoint": {"file_bytes": 10 * GiB - 3 * MiB,
+                                  "lora": {"a": {"bytes": MiB},
+                                           "b": {"bytes": MiB}},
+                                  "vae": {"file_bytes": MiB}},
                    "checkpoint2": {"file_bytes": 20 * GiB}}
         table = {}
         for run, rss in (("node12", 31 * GiB), ("12", 33 * GiB)):
