@@ -667,8 +667,9 @@ def _accepts(model, name):
         return False
 
 
-def run_decoder(ctx, cfg, model, ids, label, stats=None):
-    """Warm-up (prefill + a few tokens), then timed prefills and a timed
+def run_decoder(ctx, cfg, model, ids, label, stats=None, handle=None):
+    """Warm-up (prefill + a few tokens; with `handle`, vpager.torch's,
+    prefills until its schedule settled), then timed prefills and a timed
     greedy decode on the last prefill's KV cache. stats(): counters to take
     deltas of (vpager), or None. Prints and returns a dict."""
     kw = {"use_cache": True}
@@ -702,9 +703,15 @@ def run_decoder(ctx, cfg, model, ids, label, stats=None):
                 t, _ = ctx.once(lambda: step(st))
                 warm_ts.append(t)
         st = None
+        if handle is not None:
+            res["settled_after"] = benchlib.settle(
+                handle, lambda: ctx.once(lambda: sdpa_call(prefill)),
+                SETTLE_LIMIT)
         ctx.sync()
-        say("   %s: cold prefill %.1f ms, warm-up decode %s ms" % (
-            label, t_cold, " ".join("%.1f" % t for t in warm_ts)))
+        say("   %s: cold prefill %.1f ms, warm-up decode %s ms%s" % (
+            label, t_cold, " ".join("%.1f" % t for t in warm_ts),
+            "" if handle is None else "; the schedule settled " +
+            _settled_str(res["settled_after"]).replace("forward", "prefill")))
         res["cold_prefill_ms"] = t_cold
         n_dec = cfg.decode
         per = min(warm_ts) if warm_ts else 0.0
@@ -830,7 +837,7 @@ def bench_llama(ctx, cfg):
                 h.order))
         try:
             runs["vpager"] = run_decoder(ctx, cfg, model, ids, "vpager",
-                                         stats=h.stats)
+                                         stats=h.stats, handle=h)
             s = h.stats()
             say("   vpager: resident %.3f GB of %.3f (budget %.3f); device "
                 "committed %.3f GB; %s" % (
@@ -1078,7 +1085,7 @@ def bench_dit(ctx, cfg):
                     d2["pages_committed"] - d1["pages_committed"],
                     d2["pages_evicted"] - d1["pages_evicted"], streamed / GB,
                     streamed / (ctx.link * GB) * 1e3, ctx.link,
-                    s2["resident_bytes"] / GB, s2["weight_bytes"] / GB))
+                    s2["model"]["resident_bytes"] / GB, s2["model"]["weight_bytes"] / GB))
             say("   vpager: VMM calls (pages committed + evicted) after the "
                 "first step: %d, %s" % (vmm, target(
                     "3. DiT VMM calls after step 1", vmm, "<=", 0)))
@@ -1464,6 +1471,8 @@ class HandStreamer:
 # same host (on the H200's VM one variant's forwards spread 54-88 ms
 # between series minutes apart).
 PAIR_BLOCKS, PAIR_ITERS = 4, 5
+# Forwards run at most until the schedule settles before the timed ones.
+SETTLE_LIMIT = 60
 
 
 def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
@@ -1494,6 +1503,11 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                     # anew after it (vpager.torch's scheduler): one more
                     # untimed forward settles them.
                     r["warm_ms"], _ = ctx.once(lambda: sdpa_call(fwd))
+                    # The planner's thread plans while forwards run on:
+                    # time the forwards of the schedule it settles on.
+                    r["settled_after"] = benchlib.settle(
+                        h, lambda: ctx.once(lambda: sdpa_call(fwd)),
+                        SETTLE_LIMIT)
                     s1 = h.stats()
                     box = []
                     with sdpa_ctx():
@@ -1550,7 +1564,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                  vs_resident=r["ms"] / resident_ms, vs_limit=r["ms"] / lim)
         say("   %s budget %s (%.3f GB; staging %s, lookahead %s, %d units, "
             "%d held; "
-            "offload %.1f s%s): %.2f ms (cold %.1f, warm-up %.1f; %s) = %.3fx resident, "
+            "offload %.1f s%s): %.2f ms (cold %.1f, warm-up %.1f, settled %s; %s) = %.3fx resident, "
             "%.3fx L (L = max(%.2f, %.2f)); copied %.3f GB/fwd in %.0f "
             "copies, resident %.3f GB; schedule predicted %s, re-made %s; "
             "compute stream waited %.2f ms in %d "
@@ -1562,6 +1576,7 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
                 "".join(", %s %.2f" % (k[:-2].replace("_", " "), v)
                         for k, v in sorted(r["load_seconds"].items())),
                 r["ms"], r["cold_ms"], r["warm_ms"],
+                _settled_str(r.get("settled_after")),
                 " ".join("%.2f" % t for t in ts),
                 r["vs_resident"], r["vs_limit"], resident_ms, link_ms,
                 r["copied_bytes"] / GB, r["copies"], r["resident_bytes"] / GB,
@@ -1572,6 +1587,14 @@ def _offload_runs(ctx, cfg, model, fwd, label, fracs, wbytes, w_max,
         rows.append((fn, r))
         ctx.empty_cache()
     return rows
+
+
+def _settled_str(n):
+    """settle()'s count as printed: after how many more forwards the
+    schedule settled."""
+    if n is None:
+        return "not within %d forwards" % SETTLE_LIMIT
+    return "after %d forward%s" % (n, "" if n == 1 else "s")
 
 
 def _paired(ctx, fwd, other):
@@ -1848,7 +1871,7 @@ def bench_llama3(ctx, cfg):
                            **ctx.vp_opts)
             try:
                 vp = run_decoder(ctx, sub, model, ids, "vpager " + fn,
-                                 stats=h.stats)
+                                 stats=h.stats, handle=h)
                 # One probed prefill and one probed token.
                 probe = benchlib.WaitProbe(ctx, h.vbar_layout.units, h.hot_path)
                 pkw = {"use_cache": True}

@@ -348,6 +348,23 @@ def write_json(name, results):
 
 # ------------------------------------------------------------- vpager stats
 
+def settle(h, forward, limit=60):
+    """Run forward() until vpager.torch's schedule for `h` is settled
+    (measured, planned and placed: h.schedule()["settled"]), at most
+    `limit` times, so that what is timed next is the steady state and
+    not the forwards that run while the planner's thread plans. The number
+    of forwards run, or None if it did not settle within them (a handle
+    without a schedule: 0)."""
+    if getattr(h, "tuner", None) is None:
+        return 0
+    for n in range(1, limit + 1):
+        forward()
+        sch = h.schedule()
+        if sch is not None and sch.get("settled"):
+            return n
+    return None
+
+
 def stats_delta(a, b):
     """b - a for two stats() dicts, key by key (counters; gauges too, as
     differences); entries that are not numbers (vpager.torch's per-device

@@ -312,14 +312,39 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
 
 
 def _settle(m, x, want, h):
-    """Forwards, each followed by the planner's end, until measuring is
-    over and no plan is pending."""
-    for _ in range(4 * tuner.ROUNDS_MAX):
+    """Forwards, each followed by the planner's end, until schedule()
+    says it settled (measuring over, no plan pending); their count."""
+    for n in range(1, 4 * tuner.ROUNDS_MAX + 1):
         assert torch.equal(m(x), want)
         assert h.tuner.planner.wait(WAIT)
-        if h.tuner.done and not h.tuner.planner.pending:
-            return
+        sch = h.schedule()
+        if sch is not None and sch["settled"]:
+            assert h.tuner.done and not h.tuner.planner.pending
+            return n
     raise AssertionError("the schedule did not settle")
+
+
+def test_the_schedule_says_when_it_settled():
+    """schedule()["settled"] (what a benchmark waits for before it times
+    the steady state: bench/benchlib.settle): not while a plan is being
+    made, nor while forwards are still measured; once it is, the
+    forwards after copy what the one before did and commit or evict no
+    page, and it stays so."""
+    clock = FakeClock()
+    with Patched(clock) as p:
+        m, x, want, h = _threaded_mlp()
+        p.gate.clear()              # the first plan held
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+            sch = h.schedule()
+            assert sch is None or not sch["settled"], sch
+        assert h.tuner.planner.pending
+        p.gate.set()
+        _settle(m, x, want, h)
+    got = _copies(m, x, want, h, 4)
+    assert all(c == got[0][0] and moved == 0 for c, moved in got), got
+    assert h.schedule()["settled"]
+    h.unload()
 
 
 def test_a_new_room_is_planned_off_the_forwards_thread():

@@ -379,7 +379,9 @@ class Tuner:
         held_units (units acquired once per inference forward:
         HotPath.hold), kept_bytes (resident bytes the last placement left
         where they lay, not copied again), rings (the ring sizes the last
-        plan tried: staging, predicted_ms, streamed_bytes)."""
+        plan tried: staging, predicted_ms, streamed_bytes), settled
+        (measuring is over, no plan is being made or placed step by step:
+        the forwards from here on run this schedule)."""
         sch = self.schedule
         if sch is None or self.guessed:
             return None
@@ -393,6 +395,8 @@ class Tuner:
                 "staging": self.ring, "link": self.link,
                 "planned_for": self.planned_for, "replans": self.replans,
                 "measured": self.rounds,
+                "settled": bool(self.done and self.heading is None and not (
+                    self.planner is not None and self.planner.pending)),
                 "rings": [{"staging": r, "predicted_ms": c.predicted * 1e3,
                            "streamed_bytes": c.streamed}
                           for r, c in self.rings],
