@@ -340,5 +340,24 @@ def test_gen_second_makes_the_second_checkpoint():
     assert cr.gen_second(b, "/out") is None
 
 
+def test_device_phases_refuses_what_it_cannot_run():
+    """bench/device_phases.sh (the GPU runs behind RESULTS.md) parses, and
+    refuses an unknown phase, or a phase comparing trees without BEFORE,
+    naming it, before it builds or runs anything."""
+    import subprocess
+    script = os.path.join(REPO, "bench", "device_phases.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    env = dict(os.environ, BEFORE="")
+    for phases, says in (("nope", "unknown phase 'nope'"),
+                         ("suites+lora_ab", "phase 'lora_ab' needs BEFORE")):
+        with tempfile.TemporaryDirectory() as out:
+            env["OUT"] = out
+            p = subprocess.run(["bash", script, phases, "10"], env=env,
+                               capture_output=True, text=True)
+            assert p.returncode == 2, (p.returncode, p.stderr)
+            assert says in p.stderr, p.stderr
+            assert os.listdir(out) == [], os.listdir(out)
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))

@@ -1,0 +1,158 @@
+#!/bin/bash
+# bench/device_phases.sh PHASE[+PHASE...] [SECONDS]
+#
+# The GPU runs behind bench/RESULTS.md, grouped so that one device call
+# (at most SECONDS, default 540) runs one or more phases and leaves their
+# logs in $OUT/<phases>.tgz (OUT defaults to ./device-out). Each step has
+# its own time limit; what did not fit is said, not run. Needs a CUDA GPU,
+# and for the ComfyUI phases the test clients in build-clients/
+# (bench/clients/README.md). A phase's step limits can be lowered with
+# CAP_<phase>=SECONDS (the phase's long step); BEFORE=<dir> names another
+# tree (a `git archive <rev>` export) for the phases that compare trees.
+#
+#   suites  the GPU suites: test_compat, the C runner, test_torch,
+#           test_threads, test_plan_thread, test_replan, test_comfyui_gguf,
+#           test_binding (issue 30)
+#   lora    bench_node --lora --runs legacy,node6,6 (issues 28, 29)
+#   switch  bench_node --switch 19x38 --runs resident,node12,12 (issue 29)
+#   flux22  bench_node --double 19 --single 38 --runs resident,node8,8
+#   sdxl    bench_node --model sdxl --steps 4 --runs resident,node3,3
+#   fp8     bench_headroom, then bench_node --fp8 --shape flux
+#           --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29)
+#   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
+#           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
+#   before  BEFORE's tree against this one in one lease: bench_torch
+#           --only 4,5,6 and the node's Flux run (issue 27)
+#   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#
+# Example (the device tool, carrying build-clients):
+#   bash bench/device_phases.sh suites+lora 560
+PHASES=${1:?"usage: bench/device_phases.sh PHASE[+PHASE...] [SECONDS]"}
+LIMIT=${2:-540}
+START=$(date +%s)
+cd "$(dirname "$0")/.." || exit 1
+R=$PWD
+C=$R/build-clients
+OUT=${OUT:-$R/device-out}
+L=$OUT/$PHASES
+KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab"
+for PH in ${PHASES//+/ }; do
+  case " $KNOWN " in
+    *" $PH "*) ;;
+    *) echo "device_phases.sh: unknown phase '$PH' (phases: $KNOWN)" >&2
+       exit 2 ;;
+  esac
+  case $PH in before|lora_ab)
+    [ -d "${BEFORE:-}" ] || {
+      echo "device_phases.sh: phase '$PH' needs BEFORE=<another tree's" \
+           "folder>; BEFORE='${BEFORE:-}' is none" >&2
+      exit 2; } ;;
+  esac
+done
+mkdir -p "$L"
+export PYTHONUNBUFFERED=1
+
+left() { echo $(( LIMIT - ($(date +%s) - START) )); }
+# The phase's long step: CAP_<phase> seconds, else what is left.
+cap() { local v=CAP_$PH; echo "${!v:-$(left)}"; }
+# step NAME SECONDS CMD...: CMD's output in $L/NAME.log, the lines that
+# match $GREP (its last $TAILN) printed.
+step() {
+  local n=$1 t=$2 l s rc
+  shift 2
+  l=$(left)
+  if [ "$l" -lt 20 ]; then echo "== $n: not run (no time left)"; return; fi
+  [ "$t" -gt "$l" ] && t=$l
+  s=$(date +%s)
+  timeout -k 5 "$t" "$@" > "$L/$n.log" 2>&1
+  rc=$?
+  echo "== $n rc=$rc $(( $(date +%s) - s ))s"
+  grep -E "$GREP" "$L/$n.log" | tail -"${TAILN:-40}"
+}
+# The node's bench in tree $1 (it lived in integrations/comfyui before
+# issue 27 moved it to bench/).
+node_bench() {
+  if [ -f "$1/bench/bench_node.py" ]; then echo "$1/bench/bench_node.py"
+  else echo "$1/integrations/comfyui/bench_node.py"; fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version \
+  --format=csv,noheader 2>/dev/null
+echo "tree: $(git rev-parse --short HEAD 2>/dev/null || echo "not a git checkout")"
+make -j16 build/libvpager.so > "$L/build.log" 2>&1 ||
+  { tail -30 "$L/build.log"; exit 1; }
+export VPAGER_LIBRARY=$R/build/libvpager.so
+if [ -n "${BEFORE:-}" ]; then
+  B=$(cd "$BEFORE" && pwd)
+  (cd "$B" && make -j16 build/libvpager.so > "$L/build-before.log" 2>&1) ||
+    tail -20 "$L/build-before.log"
+fi
+PP="env PYTHONPATH=python:integrations:python/compat"
+N="python3 bench/bench_node.py --comfyui $C/ComfyUI"
+
+for PH in ${PHASES//+/ }; do
+  case $PH in
+  suites)
+    GREP='passed|failed|FAIL|Error|error:|Traceback'
+    make -j16 build/tests/runner > "$L/build-runner.log" 2>&1 ||
+      tail -20 "$L/build-runner.log"
+    TAILN=12 step test_compat 150 $PP python3 tests/python/test_compat.py
+    TAILN=8 step runner 150 build/tests/runner
+    for t in test_torch test_threads test_plan_thread test_replan \
+             test_comfyui_gguf test_binding; do
+      TAILN=12 step $t 120 $PP python3 tests/python/$t.py
+    done ;;
+  lora)
+    GREP='steady|first prompt|x L|latents|RSS|budget|LoRA|Error|Traceback'
+    TAILN=80 VPAGER_SCHEDULE_LOG=1 step lora "$(cap)" \
+      $N --lora --runs legacy,node6,6 --out "$L/lora" ;;
+  switch)
+    GREP='steady|first prompt|x L|latents|RSS|budget|switch|Error|Traceback'
+    TAILN=80 VPAGER_SCHEDULE_LOG=1 step switch "$(cap)" \
+      $N --switch 19x38 --runs resident,node12,12 --out "$L/switch" ;;
+  flux22)
+    GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
+    TAILN=80 VPAGER_SCHEDULE_LOG=1 step flux22 "$(cap)" \
+      $N --double 19 --single 38 --runs resident,node8,8 --reps 2 \
+      --out "$L/flux22" ;;
+  sdxl)
+    GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
+    TAILN=60 VPAGER_SCHEDULE_LOG=1 step sdxl "$(cap)" \
+      $N --model sdxl --steps 4 --runs resident,node3,3 --out "$L/sdxl" ;;
+  fp8)
+    GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'
+    TAILN=40 step headroom 120 python3 bench/bench_headroom.py
+    TAILN=60 step fp8 "$(cap)" $N --fp8 --shape flux --dtypes fp8_e5m2 \
+      --fp8-lora on --out "$L/fp8" ;;
+  quant)
+    GREP='steady|x L|latents|RSS|budget|LoRA|Q4_K|equal|Error|Traceback'
+    TAILN=60 step sfp8 300 $N --quant scaled_fp8 --shape small \
+      --fp8-lora on --out "$L/sfp8"
+    TAILN=60 step gguf "$(cap)" python3 bench/bench_gguf.py \
+      --comfyui "$C/ComfyUI" --qtypes Q4_K --gguf-lora both --shape small \
+      --timeout 400 ;;
+  before)
+    GREP='ms|x L|settled|Error|Traceback|MET|MISSED'
+    TAILN=30 step torch_after 170 python3 bench/bench_torch.py \
+      --only 4,5,6 --budgets 0.5 --iters 3
+    TAILN=30 step torch_before 170 env VPAGER_LIBRARY="$B/build/libvpager.so" \
+      PYTHONPATH="$B/python" python3 "$B/bench/bench_torch.py" \
+      --only 4,5,6 --budgets 0.5 --iters 3
+    GREP='steady|x L|latents|Error|Traceback'
+    TAILN=30 step node_before 150 env VPAGER_LIBRARY="$B/build/libvpager.so" \
+      python3 "$(node_bench "$B")" --comfyui "$C/ComfyUI" --runs node6 \
+      --reps 2 --out "$L/node_before"
+    TAILN=30 step node_after "$(cap)" $N --runs resident,node6 --reps 2 \
+      --out "$L/node_after" ;;
+  lora_ab)
+    GREP='steady|x L|latents|RSS|LoRA|Error|Traceback'
+    TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_before 200 \
+      env VPAGER_LIBRARY="$B/build/libvpager.so" python3 "$(node_bench "$B")" \
+      --comfyui "$C/ComfyUI" --lora --runs legacy,node6 \
+      --out "$L/lora_before"
+    TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
+      $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+  esac
+done
+cd "$OUT" && tar czf "${PHASES//+/_}.tgz" "$PHASES" && rm -rf "$PHASES"
+echo "done in $(( $(date +%s) - START )) s: $OUT/${PHASES//+/_}.tgz"
