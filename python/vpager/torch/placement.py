@@ -155,8 +155,7 @@ def place_kept(entries, resident, kept, offsets, align, page):
         if a > top:
             gaps.append((a - top, top))
         top = max(top, b)
-        if b > a:
-            touched.update(range(a // page, (b - 1) // page + 1))
+        touched.update(_pages(a, b, page))
     gaps.sort()
     joining = sorted((i for i, e in enumerate(entries)
                       if resident[i] and not kept[i]),
@@ -176,8 +175,7 @@ def place_kept(entries, resident, kept, offsets, align, page):
         for lo, hi in ((a, at), (at + size, a + room)):
             if hi > lo:
                 bisect.insort(gaps, (hi - lo, lo))
-        if size:
-            touched.update(range(at // page, (at + size - 1) // page + 1))
+        touched.update(_pages(at, at + size, page))
         out[i] = at
     for i in sorted(after):         # in this order, as when none is kept
         out[i] = round_up(top, align)
@@ -194,6 +192,11 @@ def place_kept(entries, resident, kept, offsets, align, page):
 FIT_LOOK = 8       # gaps _fit weighs past the smallest that holds a weight
 
 
+def _pages(lo, hi, page):
+    """The pages bytes [lo, hi) touch (none if empty)."""
+    return range(lo // page, (hi - 1) // page + 1) if hi > lo else range(0)
+
+
 def _fit(gaps, size, align, page, touched):
     """(index in gaps, offset) of the place for `size` bytes: of the gaps
     that hold it (the FIT_LOOK smallest), at a gap's start or its end,
@@ -206,9 +209,10 @@ def _fit(gaps, size, align, page, touched):
         for at in (round_up(a, align), (a + room - size) // align * align):
             if at < a or at + size > a + room:
                 continue
-            p0, p1 = at // page, (at + size - 1) // page if size else -1
-            new = max(p1 - p0 + 1, 0) - (p0 in touched) - \
-                (p1 != p0 and p1 in touched)
+            # (only its end pages may be touched: the rest are its own)
+            span = _pages(at, at + size, page)
+            new = len(span) - sum(1 for q in {span[0], span[-1]}
+                                  if q in touched) if span else 0
             key = (new, room - size)
             if best is None or key < best[0]:
                 best = (key, g, at)
