@@ -121,7 +121,7 @@ for PH in ${PHASES//+/ }; do
       $N --model sdxl --steps 4 --runs resident,node3,3 --out "$L/sdxl" ;;
   fp8)
     GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'
-    TAILN=40 step headroom 120 python3 bench/bench_headroom.py
+    TAILN=40 step headroom 120 $PP python3 bench/bench_headroom.py
     TAILN=60 step fp8 "$(cap)" $N --fp8 --shape flux --dtypes fp8_e5m2 \
       --fp8-lora on --out "$L/fp8" ;;
   quant)

@@ -38,6 +38,7 @@ import torch
 import vpager.torch
 import vpager.torch.ledger as _ledger
 from vpager.governor import governor
+from vpager.torch import hostpolicy
 from vpager.torch.devices import learn_headroom
 from vpager.weights import Source
 
@@ -272,6 +273,10 @@ class Pager:
         for (p, _d), out in zip(todo, outs):
             done.append((p, p.data))
             p.data = out
+        # A weight converted from ComfyUI's mapping of the file: the pages
+        # read leave the RSS (the originals stay mapped for close()).
+        hostpolicy.drop_copied((t.data_ptr(), nbytes(t)) for _p, t in done
+                               if t.device.type == "cpu")
         return done
 
     def _restore(self):

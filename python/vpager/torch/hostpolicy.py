@@ -25,7 +25,7 @@ import os
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from .. import _sysmem
 
@@ -179,6 +179,21 @@ class Mappings:
             return None
         m = self.maps[i]
         return m if addr + size <= m.end else None
+
+
+def drop_copied(spans: Iterable[Tuple[int, int]]) -> int:
+    """Host bytes [(address, size)] a copy was just made of: those lying
+    whole in a file mapping nobody can have written (no "w" in its perms)
+    leave this process's resident set (_sysmem.drop_resident; the page
+    cache keeps them), so the copy is the one copy RSS counts. Anything
+    else is left alone. Returns the bytes dropped."""
+    maps = Mappings()
+    dropped = 0
+    for addr, size in spans:
+        m = maps.find(addr, size)
+        if m is not None and "w" not in m.perms:
+            dropped += _sysmem.drop_resident(addr, size)
+    return dropped
 
 
 @dataclass
