@@ -626,7 +626,8 @@ def fp8_matrix(cr, a, ours, out, gen, summary):
                                      "B again, removed)" if lora else
                                      "%d repetitions" % a.reps, runs))
         t0 = time.perf_counter()
-        cell = {"runs": {}}
+        # The checkpoint: the files its host RSS is measured against.
+        cell = {"runs": {}, "checkpoint": gen}
         rc = run_set(cr, b, ours, runs, sub, gen, cell,
                      judged=lambda run: run.startswith("node")) or rc
         cell["wall_s"] = time.perf_counter() - t0

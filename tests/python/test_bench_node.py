@@ -190,6 +190,30 @@ def test_host_rows_and_versus():
         assert row == {}
 
 
+def test_matrix_cells_count_their_checkpoint():
+    """--fp8's and --quant's cells know the checkpoint the children load:
+    their host rows measure RSS against its file (the H100's fp8 run
+    printed "model files 0.00 GiB")."""
+    ns, cr = _bench()
+    cells = []
+    g = ns["fp8_matrix"].__globals__
+    saved = g["run_set"], g["say"]
+    g["run_set"] = lambda *args, **kw: cells.append(args[6]) or 0
+    g["say"] = lambda *x: None
+    try:
+        a = cr.parse(["--comfyui", "x"])
+        gen = {"bytes": 2 * GiB, "file_bytes": 2 * GiB, "tensors": 1}
+        ours = {"dtypes": "fp8_e5m2", "fp8_lora": "both",
+                "fp8_budget": "1"}
+        with tempfile.TemporaryDirectory() as out:
+            assert ns["fp8_matrix"](cr, a, ours, out, gen, {}) == 0
+    finally:
+        g["run_set"], g["say"] = saved
+    assert len(cells) == 2
+    for cell in cells:
+        assert ns["model_files"](cell) == 2 * GiB
+
+
 def test_budget_use_row():
     """A node run's weights resident over budget - torch's peak - the
     ring (issue 29's whole budget); nothing for a run without vpager's
