@@ -675,12 +675,13 @@ VP_API int vp_st_drop_pages(vp_st_t st);
 /* ---------------------------------------------------------------- ledger */
 
 /* Every device handle on a GPU joins that GPU's ledger: a shared-memory
- * segment (/dev/shm/vpager-ledger-<name>, <name> "GPU-<uuid>" on CUDA and
- * "sim-<sim_shared>" on a shared simulated device; vp_options_t.ledger
- * overrides it). Each participant publishes its process (pid, start time,
- * command), committed bytes, its framework allocator's reservation, and
- * per VBAR the label, size, resident, pinned and reclaimable bytes,
- * priority rank, last use and hit and miss counts.
+ * segment (/dev/shm/vpager-ledger-v3-<name>, v3 its layout version,
+ * <name> "GPU-<uuid>" on CUDA and "sim-<sim_shared>" on a shared
+ * simulated device; vp_options_t.ledger overrides it). Each participant
+ * publishes its process (pid, start time, command), committed bytes, its
+ * framework allocator's reservation, and per VBAR the label, size,
+ * resident, pinned and reclaimable bytes, priority rank, last use and hit
+ * and miss counts.
  *
  * One order across processes: when vp_fault finds no room, it first asks
  * other participants to release pages of VBARs used less recently than

@@ -32,7 +32,10 @@
 #define LEDGER_VBARS 128  /* published VBARs per participant */
 #define LEDGER_REQS 64    /* release requests in flight per GPU */
 #define LEDGER_WORDS(bytes) ((bytes) / 8)
-#define LEDGER_PREFIX "/vpager-ledger-"
+/* The layout version in the name, in step with LEDGER_VERSION: a segment
+ * an older build left behind (its last process killed) never keeps this
+ * build's devices apart; builds of two layouts each share their own. */
+#define LEDGER_PREFIX "/vpager-ledger-v3-"
 #define LEDGER_LOCK_MS 500   /* longest wait for a membership lock that
                                 nobody else takes meanwhile (stuck) */
 #define LEDGER_LOCK_BUSY_MS 10000 /* longest wait for one others take */

@@ -565,6 +565,29 @@ TEST(ledger_bad_segment, TEST_SIM_ONLY) {
   }
 }
 
+/* A segment an earlier layout left under the name without the version
+ * (its build's last process killed): this build's devices still join one
+ * ledger of their own and see each other. */
+TEST(ledger_older_layout_beside, TEST_SIM_ONLY) {
+  char name[64], old[128];
+  ledger_name(name, sizeof name, "old");
+  snprintf(old, sizeof old, "/vpager-ledger-%s", name);
+  void *seg = NULL;
+  ASSERT_EQ_INT(vp__os_shm_create(old, 4096, NULL, NULL, &seg), 0);
+  vp_options_t o;
+  test_options(ctx, &o);
+  snprintf(o.ledger, sizeof o.ledger, "%s", name);
+  vp_device_t a = test_open(ctx, &o), b = test_open(ctx, &o);
+  char *s = snapshot(a);
+  ASSERT_STR_CONTAINS(s, "\"joined\":true");
+  ASSERT_EQ_INT(count_pid(s, getpid()), 2);
+  free(s);
+  ASSERT_OK(vp_device_close(b));
+  ASSERT_OK(vp_device_close(a));
+  vp__os_shm_unmap(seg, 4096);
+  vp__os_shm_unlink(old);
+}
+
 /* A segment whose lock word is of another kind (here a priority protocol
  * with a ceiling past any priority: glibc aborts in pthread_mutex_trylock
  * on it) is not locked: a device opened on it runs alone and says why;

@@ -1,6 +1,6 @@
 /* fuzz_ledger: a hostile ledger segment never crashes a joining process.
  *
- * Each input builds /dev/shm/vpager-ledger-fzl-<pid> by hand, then a
+ * Each input builds /dev/shm/vpager-ledger-v3-fzl-<pid> by hand, then a
  * device joins it (vp_options_t.ledger), pages through a small simulated
  * device (its faults walk the segment's entries and post release requests
  * to whatever "participants" it lists), serves the requests it finds
