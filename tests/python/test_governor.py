@@ -368,5 +368,64 @@ def test_bench_headroom_dry_run():
     assert "least free / default headroom" in out.stdout
     assert "MET" in out.stdout, out.stdout
 
+
+def test_bench_headroom_limit():
+    """bench/bench_headroom.py stops workers that run past --limit: each
+    prints its threads' stacks (faulthandler, SIGUSR1), is stopped, and
+    the run fails saying so, long before their forwards would end. On
+    the H100 the workers spent minutes making their weights and the
+    driver, silent until they end, looked hung until killed from
+    outside, with nothing to say where."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        _runner.skip("needs torch")
+    import subprocess
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(REPO, "python")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable,
+                          os.path.join(REPO, "bench", "bench_headroom.py"),
+                          "--dry-run", "--seconds", "120", "--limit", "6"],
+                         env=env, capture_output=True, text=True,
+                         timeout=100)
+    took = time.monotonic() - t0
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "within --limit 6 s" in out.stderr, out.stderr[-2000:]
+    assert took < 60, took          # not the 120 s of forwards
+    if "did not end" in out.stderr:     # they had started: their stacks
+        assert "most recent call first" in out.stderr, out.stderr[-2000:]
+        assert "bench_headroom.py" in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_headroom_fill_weights():
+    """bench_headroom's weights: N(0, 1/width) in the model's dtype,
+    drawn in float32 on the device given (a GPU in the bench: torch's CPU
+    normal_ for float16 is a serial scalar loop, ~2 s an 8192x8192 layer,
+    minutes for the bench's 8 GiB models)."""
+    try:
+        import torch
+    except ImportError:
+        _runner.skip("needs torch")
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import bench_headroom
+    finally:
+        sys.path.remove(os.path.join(REPO, "bench"))
+    width = 256
+    model = torch.nn.Sequential(*[
+        torch.nn.utils.skip_init(torch.nn.Linear, width, width, bias=False,
+                                 dtype=torch.float16) for _ in range(3)])
+    for p in model.parameters():
+        p.data.fill_(float("nan"))
+    bench_headroom.fill_weights(model, width, torch.device("cpu"))
+    ws = [p.detach().float() for p in model.parameters()]
+    for p, w in zip(model.parameters(), ws):
+        assert p.dtype == torch.float16
+        assert torch.isfinite(w).all()
+        assert abs(w.std().item() * width ** 0.5 - 1) < 0.05, w.std()
+        assert abs(w.mean().item()) < 0.01
+    assert not torch.equal(ws[0], ws[1])
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))

@@ -143,6 +143,30 @@ def test_forwards_never_wait_for_a_plan():
     h.unload()
 
 
+def test_forwards_are_measured_while_a_plan_is_made():
+    """A forward run while a plan is being made is measured too: its
+    marks wait for the job (the last such forward's), and the forward
+    that takes the plan hands them over at once. On the H100 the node's
+    Flux measured 2 of its first 12 forwards when those went unmeasured
+    (issue 27's before/after), and ran them on a schedule not settled."""
+    with Patched(FakeClock()) as p:
+        m, x, want, h = _threaded_mlp()
+        tun = h.tuner
+        p.gate.clear()              # the first forward's plan waits
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        assert tun.planner.pending and tun.rounds == 0
+        assert tun.backlog is not None      # the third forward's marks
+        p.gate.set()
+        assert tun.planner.wait(WAIT)
+        assert torch.equal(m(x), want)      # takes the plan: unmeasured
+        assert tun.rounds == 1 and h.schedule() is not None
+        assert tun.planner.pending and tun.backlog is None
+        assert tun.planner.wait(WAIT)
+        assert torch.equal(m(x), want)
+        assert tun.rounds == 2
+
+
 def test_planned_on_the_forwards_thread_when_asked():
     """VPAGER_PLAN_THREAD=0 (the other tests' setting): the plan and the
     warm run at the measured forward's end, on its thread, as before."""

@@ -91,6 +91,9 @@ _LINKS = {}                 # CUDA device index -> measured bytes/s
 # Plans are computed on a worker thread (_Planner): a measured forward's
 # end hands over its marks and returns at once; the plan is applied at
 # the start of the first forward after it is ready (before any unit).
+# The forwards in between are measured too, the last one's marks handed
+# over when the plan is taken (on the H100 the node's Flux measured 2 of
+# its first 12 forwards when they were not, and ran them unsettled).
 # SDXL's 794 units cost ~1 s of host time a plan; on the simulated
 # device an 800-unit stack took 232 ms to plan against a 45 ms forward
 # (bench/first_prompt_sim.py). On by default since measured on the H200
@@ -270,6 +273,7 @@ class Tuner:
         self.watching = False       # the room watched, once done
         # Plans made off the forward's thread (PLAN_THREAD), else None.
         self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
+        self.backlog = None         # marks of a forward measured meanwhile
         self.filling = None         # (planned windows, held units) to restore
         self.kept_bytes = 0         # resident bytes the last placement kept
         self.guessed = False        # self.schedule is guess()'s
@@ -411,6 +415,7 @@ class Tuner:
         self.root_hooks.clear("measure")
         self.on = False
         self.calls = []
+        self.backlog = None
 
     def _stop_watching(self):
         if self.watching:
@@ -505,10 +510,11 @@ class Tuner:
         if self.model.busy():
             return
         self._filled()
-        if self.planner is not None and self.planner.pending:
-            # A plan being made: this forward runs unmeasured; one that
-            # takes the plan too (its placement fills as it runs).
-            self._take()
+        if self.planner is not None and self.planner.pending and \
+                self._take():
+            # The forward that takes a plan runs unmeasured (its placement
+            # fills as it runs); while one is being made they are
+            # measured (_end keeps the last one's marks for the next job).
             return
         if self.heading is not None:
             # A step toward the schedule placed (this forward fills it;
@@ -534,7 +540,10 @@ class Tuner:
             return                  # the next forward measures
         end = self._mark()
         if self.planner is not None:
-            self._submit(calls, self.start, end)
+            if self.planner.pending:    # handed over once it is taken
+                self.backlog = (calls, self.start, end)
+            else:
+                self._submit(calls, self.start, end)
             return
         work = self._work(calls, self.start, end)
         work, settled = self._merge(work)
@@ -665,8 +674,10 @@ class Tuner:
         self.planner.submit(job)
 
     def _take(self):
-        """At a root forward's start: apply the plan the planner finished,
-        if any (the forward has not run a unit yet). True if one was."""
+        """At a root forward's start: take what the planner finished, if
+        anything, and apply its plan (the forward has not run a unit yet);
+        then hand over the forward measured meanwhile (backlog). True if
+        a plan was applied (or given up)."""
         got = self.planner.take() if self.planner is not None else None
         if got is None:
             return False
@@ -684,10 +695,14 @@ class Tuner:
             return True
         _, raw, work, settled, planned = out
         # Budget moves since the job was handed over are the watch's.
-        if self._measured(work, settled, planned is None, raw) and \
-                planned is not None and self.model.may_replace():
+        applied = self._measured(work, settled, planned is None, raw) and \
+            planned is not None and self.model.may_replace()
+        if applied:
             self._apply_safely(work, planned)
-        return True
+        marks, self.backlog = self.backlog, None
+        if marks is not None and not self.done:
+            self._submit(*marks)
+        return applied
 
     # ------------------------------------------------------------ apply
     def _costs(self, work):
