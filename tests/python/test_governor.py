@@ -383,12 +383,23 @@ def test_bench_headroom_limit():
     import subprocess
     env = dict(os.environ)
     env["PYTHONPATH"] = os.path.join(REPO, "python")
+    name = "test-limit-%d" % os.getpid()
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable,
-                          os.path.join(REPO, "bench", "bench_headroom.py"),
-                          "--dry-run", "--seconds", "120", "--limit", "6"],
-                         env=env, capture_output=True, text=True,
-                         timeout=100)
+    try:
+        out = subprocess.run([sys.executable,
+                              os.path.join(REPO, "bench",
+                                           "bench_headroom.py"),
+                              "--dry-run", "--seconds", "120", "--limit",
+                              "6", "--name", name],
+                             env=env, capture_output=True, text=True,
+                             timeout=100)
+    finally:
+        # The stopped workers never left their shared device, ledger
+        # and pin segments (POSIX shared memory, named after --name).
+        if os.path.isdir("/dev/shm"):
+            for f in os.listdir("/dev/shm"):
+                if f.startswith("vpager-") and f.endswith(name):
+                    os.unlink(os.path.join("/dev/shm", f))
     took = time.monotonic() - t0
     assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "within --limit 6 s" in out.stderr, out.stderr[-2000:]
