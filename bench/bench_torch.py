@@ -731,9 +731,12 @@ def run_decoder(ctx, cfg, model, ids, label, stats=None, handle=None):
         st = {"pkv": out.past_key_values,
               "tok": out.logits[:, -1:, :].argmax(-1), "toks": []}
         out = outs = None
+        before = handle.schedule() if handle is not None else None
         with sdpa_ctx():
             dts, dwall = ctx.series(lambda: step(st), n_dec)
         s2 = stats() if stats else None
+        if before is not None:
+            _say_decode_schedule(label, before, handle.schedule())
         toks = [int(t.item()) for t in st["toks"]]
         st = None
     res.update(prefill_ms=med(pts), prefill_all=pts, prefill_wall=pwall,
@@ -767,6 +770,21 @@ def run_decoder(ctx, cfg, model, ids, label, stats=None, handle=None):
                 d(s1, s2, "prefetch_dropped_bytes") / GB,
                 d(s1, s2, "pages_committed"), d(s1, s2, "pages_evicted")))
     return res
+
+
+def _say_decode_schedule(label, before, after):
+    """The schedule the decode ran on (planned from the prefills): its
+    ring, resident bytes, predicted forward and the plans made again
+    during the decode (the room watched: a KV cache that grows)."""
+    if not before or not after:
+        say("   %s: no measured schedule at the decode" % label)
+        return
+    say("   %s: the decode ran on the prefills' schedule: ring %d MiB, "
+        "resident %.3f GB in %d weights, predicted %.2f ms a prefill; "
+        "made again %d times during the decode" % (
+            label, after["staging"] >> 20, after["resident_bytes"] / GB,
+            after["resident_weights"], after["predicted_ms"],
+            after["replans"] - before["replans"]))
 
 
 def _same(ref, res):

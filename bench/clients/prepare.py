@@ -94,13 +94,14 @@ def comfyui(a, comfy, deps):
     return missing
 
 
-def gguf(gitdir, deps):
-    """gguf-py's package (without its scripts); the blobs absent."""
+def gguf(gitdir, deps, rev="HEAD"):
+    """gguf-py's package at `rev` (without its scripts); the blobs
+    absent."""
     out = os.path.join(deps, "gguf")
     shutil.rmtree(out, ignore_errors=True)
-    missing = extract(gitdir, "HEAD", "gguf-py/gguf/", out, ("scripts/",))
+    missing = extract(gitdir, rev, "gguf-py/gguf/", out, ("scripts/",))
     with open(os.path.join(deps, "LICENSE.gguf"), "wb") as f:
-        f.write(git(gitdir, "show", "HEAD:gguf-py/LICENSE"))
+        f.write(git(gitdir, "show", rev + ":gguf-py/LICENSE"))
     return missing
 
 
@@ -110,6 +111,8 @@ def main():
     ap.add_argument("--kitchen", help="comfy-kitchen git dir")
     ap.add_argument("--torchsde", help="torchsde git dir")
     ap.add_argument("--gguf", help="llama.cpp git dir (its gguf-py)")
+    ap.add_argument("--gguf-rev", default="HEAD",
+                    help="the --gguf repository's revision")
     ap.add_argument("--comfyui-gguf", help="ComfyUI-GGUF git dir")
     ap.add_argument("--rev", default="HEAD", help="ComfyUI revision")
     ap.add_argument("--out", default=os.path.join(ROOT, "build-clients"))
@@ -127,7 +130,7 @@ def main():
         missing += comfyui(a, comfy, deps)
         wrote += [comfy, deps]
     if a.gguf:
-        missing += gguf(a.gguf, deps)
+        missing += gguf(a.gguf, deps, a.gguf_rev)
         wrote.append(os.path.join(deps, "gguf"))
     if a.comfyui_gguf:
         node = os.path.join(a.out, "ComfyUI-GGUF")
