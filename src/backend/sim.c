@@ -375,12 +375,30 @@ static void shm_free_slot(sim_shm_t *m, int i) {
   atomic_store(&m->slot[i].pid, 0);
 }
 
-/* Give back the usage of dead processes (lock held); live slots left. */
-static int shm_reclaim(sim_shm_t *m) {
+/* The slots whose process looks dead, asked of the OS without the lock
+ * (dead[i]: its pid, else 0); true if any. A question costs a call per
+ * pid (on Windows three, through Wine's one server): asked under the lock
+ * for the 64 slots of a full segment at every join and every 100 ms, it
+ * held the lock long enough for 64 churning processes under Wine to give
+ * up waiting (sim/ledger_join_leave_many). */
+static bool shm_dead_slots(sim_shm_t *m, int32_t dead[SIM_SHM_SLOTS]) {
+  bool any = false;
+  for (int i = 0; i < SIM_SHM_SLOTS; i++) {
+    int32_t pid = atomic_load(&m->slot[i].pid);
+    dead[i] = pid && pid_dead(pid) ? pid : 0;
+    any |= dead[i] != 0;
+  }
+  return any;
+}
+
+/* Give back the usage of the processes shm_dead_slots() found dead (lock
+ * held): a slot still theirs is asked again (given since to a new process
+ * that got the pid again, it is that one's); returns the slots left. */
+static int shm_reclaim(sim_shm_t *m, const int32_t dead[SIM_SHM_SLOTS]) {
   int live = 0;
   for (int i = 0; i < SIM_SHM_SLOTS; i++) {
     int32_t pid = atomic_load(&m->slot[i].pid);
-    if (pid && pid_dead(pid)) shm_free_slot(m, i);
+    if (pid && pid == dead[i] && pid_dead(pid)) shm_free_slot(m, i);
     else if (pid) live++;
   }
   return live;
@@ -426,6 +444,8 @@ static int shm_claim(sim_ctx_t *c) {
  * VP_EAGAIN: the segment was unlinked meanwhile; open the name again. */
 static int shm_join(sim_ctx_t *c, uint64_t capacity) {
   sim_shm_t *m = c->shm;
+  int32_t dead[SIM_SHM_SLOTS];
+  shm_dead_slots(m, dead);
   if (!shm_lock(m)) return VP_EDEVICE;
   int rc = VP_OK;
   uint64_t magic = atomic_load(&m->magic);
@@ -433,7 +453,7 @@ static int shm_join(sim_ctx_t *c, uint64_t capacity) {
   else if (magic && (magic != SIM_SHM_MAGIC ||
                      atomic_load(&m->size) != sizeof(sim_shm_t)))
     rc = VP_EDEVICE;
-  else if (!magic || shm_reclaim(m) == 0) {
+  else if (!magic || shm_reclaim(m, dead) == 0) {
     atomic_store(&m->size, sizeof(sim_shm_t));
     atomic_store(&m->capacity, capacity);
     atomic_store(&m->used, 0);
@@ -465,9 +485,11 @@ static int shm_attach(sim_ctx_t *c, const vp_options_t *o) {
 static void shm_detach(sim_ctx_t *c) {
   sim_shm_t *m = c->shm;
   if (vp__os_pid() == c->pid) { /* a forked child's slot is its parent's */
+    int32_t dead[SIM_SHM_SLOTS];
+    shm_dead_slots(m, dead);
     bool locked = shm_lock(m);
     shm_free_slot(m, c->slot);
-    if (locked && shm_reclaim(m) == 0) {
+    if (locked && shm_reclaim(m, dead) == 0) {
       atomic_store(&m->unlinked, 1);
       vp__os_shm_unlink(c->shm_name);
     }
@@ -580,8 +602,9 @@ static void sim_reap_dead(sim_ctx_t *c) {
   uint64_t now = vp__os_now_ns();
   if (!c->shm || now - c->reaped_ns < 100000000ull) return;
   c->reaped_ns = now;
-  if (!shm_lock(c->shm)) return;
-  shm_reclaim(c->shm);
+  int32_t dead[SIM_SHM_SLOTS];
+  if (!shm_dead_slots(c->shm, dead) || !shm_lock(c->shm)) return;
+  shm_reclaim(c->shm, dead);
   shm_unlock(c->shm);
 }
 
