@@ -121,6 +121,31 @@ void vp__lseg_reap(ledger_seg_t *seg) {
   for (int i = 0; i < LEDGER_REQS; i++) reap_request(seg, &seg->req[i]);
 }
 
+/* The participants whose process looks gone, asked of the OS before the
+ * lock is taken (gone[i]: its serial, else 0). A question is a call per
+ * process (three on Windows, through Wine's one server): asked under the
+ * lock at every join for the 64 slots of a full segment, it held the lock
+ * long enough that 64 processes joining and leaving under Wine gave up
+ * waiting for it (sim/ledger_join_leave_many). */
+static void find_gone(ledger_seg_t *seg, uint64_t gone[LEDGER_PARTS]) {
+  for (int i = 0; i < LEDGER_PARTS; i++) {
+    ledger_part_t *p = &seg->part[i];
+    uint64_t serial = atomic_load(&p->serial);
+    gone[i] = atomic_load(&p->state) == PART_LIVE && !vp__lpart_alive(p)
+                  ? serial
+                  : 0;
+  }
+}
+
+/* vp__lseg_reap() of the participants find_gone() found (lock held): one
+ * still in its slot is asked again; requests as vp__lseg_reap(). */
+static void reap_gone(ledger_seg_t *seg, const uint64_t gone[LEDGER_PARTS]) {
+  for (int i = 0; i < LEDGER_PARTS; i++)
+    if (gone[i] && atomic_load(&seg->part[i].serial) == gone[i])
+      part_live(seg, i);
+  for (int i = 0; i < LEDGER_REQS; i++) reap_request(seg, &seg->req[i]);
+}
+
 /* ---------------------------------------------------- membership lock */
 
 /* A holder that died: remove the dead participants (whatever the holder
@@ -226,12 +251,13 @@ static void part_fill(vp__ledger_t *l, ledger_part_t *p, uint64_t start,
 
 /* Take a free participant slot (lock held). VP_EAGAIN: the segment was
  * unlinked since we opened it; open the name again. */
-static int join_locked(vp__ledger_t *l, char *why, size_t len) {
+static int join_locked(vp__ledger_t *l, const uint64_t gone[LEDGER_PARTS],
+                       char *why, size_t len) {
   ledger_seg_t *seg = l->seg;
   if (atomic_load(&seg->unlinked)) return VP_EAGAIN;
   uint64_t start, pidns;
   vp__os_proc_self(&start, &pidns);
-  vp__lseg_reap(seg);
+  reap_gone(seg, gone);
   for (int i = 0; i < LEDGER_PARTS; i++) {
     ledger_part_t *p = &seg->part[i];
     if (atomic_load(&p->state) != PART_FREE) continue;
@@ -250,9 +276,11 @@ static int join(vp__ledger_t *l, char *why, size_t len) {
     int rc = vp__lseg_map(l->shm, true, &l->seg, why, len);
     if (rc) return rc;
     int e = vp__os_plock_open(&l->lock, l->shm, &l->seg->lock);
+    uint64_t gone[LEDGER_PARTS];
+    find_gone(l->seg, gone);
     rc = e ? VP_EDEVICE : vp__lseg_lock(l);
     if (rc == VP_OK) {
-      rc = join_locked(l, why, len);
+      rc = join_locked(l, gone, why, len);
       vp__lseg_unlock(l);
     } else { /* a stopped holder, or a hostile lock word: alone, at once */
       if (rc == VP_EAGAIN)
