@@ -1418,6 +1418,29 @@ def weights_file(plan, fd):
                 off += len(b)
     return where
 
+def map_weights(plan, fd):
+    """File fd (weights_file's) mapped read-only, as ComfyUI's loader maps
+    a checkpoint, and the plan's unit parameters pointed at their bytes
+    there: (the mmap, the uint8 tensor over it, {(name, id(op)): data_ptr},
+    the bytes mapped)."""
+    import mmap
+    import warnings
+    where = weights_file(plan, fd)
+    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")     # a read-only buffer
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+    mapped, ptrs = 0, {}
+    for _, mod, params in plan.units:
+        for _key, k in params:
+            p = mod._parameters[k]
+            off, n = where[p.data_ptr()], p.numel() * p.element_size()
+            p.data = flat[off:off + n].view(p.dtype).view(p.shape)
+            mapped += n
+            ptrs[k, id(mod)] = p.data_ptr()
+    return mm, flat, ptrs, mapped
+
+
 def test_converted_weights_and_file_sources():
     """--fast-disk: a converted weight is never read from the file (which
     holds its unconverted bytes): it gets a host copy; the others keep
@@ -1454,27 +1477,13 @@ def test_mapped_weights_stay_in_place():
     """Weights ComfyUI's loader mapped from a file stay in the mapping
     (issue 28): no host copy of them, the mapped tensors between
     forwards (outside="host"), outputs bitwise."""
-    import mmap
-    import warnings
     with env(capacity=4 << 20) as e:
         m = DiT(op=CastLinear)
         ref = comfy_resident(m)
         plan = glue.plan_model(m, e.comfy)
         fd, path = tempfile.mkstemp()
         try:
-            where = weights_file(plan, fd)
-            mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")     # a read-only buffer
-                flat = torch.frombuffer(mm, dtype=torch.uint8)
-            mapped, ptrs = 0, {}
-            for _, mod, params in plan.units:
-                for _key, k in params:
-                    p = mod._parameters[k]
-                    off, n = where[p.data_ptr()], p.numel() * p.element_size()
-                    p.data = flat[off:off + n].view(p.dtype).view(p.shape)
-                    mapped += n
-                    ptrs[k, id(mod)] = p.data_ptr()
+            _mm, flat, ptrs, mapped = map_weights(plan, fd)
             dev, _ = glue.vp_device(CPU, e.comfy.args)
             pager = engine.Pager(dev, CPU, m, plan.units, dtypes=plan.dtypes)
             s = pager.stats()["model"]
@@ -1519,7 +1528,6 @@ def test_converted_mapped_weights_leave_the_rss():
     whole 9.4 GiB file mapped beside the 4.7 GiB pinned copy), the
     outputs stay bitwise and close() gives the mapped tensors back."""
     import mmap
-    import warnings
     if not os.path.exists("/proc/self/smaps"):
         print("skip: no /proc/self/smaps")
         return
@@ -1530,18 +1538,7 @@ def test_converted_mapped_weights_leave_the_rss():
         plan = glue.plan_model(m, e.comfy)
         fd, path = tempfile.mkstemp()
         try:
-            where = weights_file(plan, fd)
-            mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")     # a read-only buffer
-                flat = torch.frombuffer(mm, dtype=torch.uint8)
-            ptrs = {}
-            for _, mod, params in plan.units:
-                for _key, k in params:
-                    p = mod._parameters[k]
-                    off, n = where[p.data_ptr()], p.numel() * p.element_size()
-                    p.data = flat[off:off + n].view(p.dtype).view(p.shape)
-                    ptrs[k, id(mod)] = p.data_ptr()
+            mm, flat, ptrs, _mapped = map_weights(plan, fd)
             float(flat.sum())           # every page of the mapping read
             assert mapped_rss(flat.data_ptr()) >= len(mm) // 2
             dev, _ = glue.vp_device(CPU, e.comfy.args)
