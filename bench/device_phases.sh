@@ -24,6 +24,10 @@
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#   decode  bench_torch --only 6 at 1/2 four ways: as it is, the plans on
+#           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
+#           before the first forward (VPAGER_PLACE_EARLY=0), a placement
+#           in one forward (VPAGER_PLACE_STEPS=0) (issue 27's decode)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -35,7 +39,7 @@ R=$PWD
 C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
-KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab"
+KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -152,6 +156,13 @@ for PH in ${PHASES//+/ }; do
       --out "$L/lora_before"
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
       $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+  decode)
+    GREP='prefill|decode|schedule|Error|Traceback'
+    for v in default VPAGER_PLAN_THREAD=0 VPAGER_PLACE_EARLY=0 \
+             VPAGER_PLACE_STEPS=0; do
+      TAILN=12 step "llama_${v%%=*}" 100 env ${v/default/} python3 \
+        bench/bench_torch.py --only 6 --budgets 0.5 --iters 3
+    done ;;
   esac
 done
 cd "$OUT" && tar czf "${PHASES//+/_}.tgz" "$PHASES" && rm -rf "$PHASES"
