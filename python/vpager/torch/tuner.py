@@ -399,8 +399,8 @@ class Tuner:
                 "staging": self.ring, "link": self.link,
                 "planned_for": self.planned_for, "replans": self.replans,
                 "measured": self.rounds,
-                "settled": bool(self.done and self.heading is None and not (
-                    self.planner is not None and self.planner.pending)),
+                "settled": bool(self.done and self.heading is None and
+                                not self._planning()),
                 "rings": [{"staging": r, "predicted_ms": c.predicted * 1e3,
                            "streamed_bytes": c.streamed}
                           for r, c in self.rings],
@@ -432,7 +432,7 @@ class Tuner:
 
     def _watch(self, module, args):
         self._filled()
-        if self.planner is not None and self.planner.pending:
+        if self._planning():
             self._take()            # a plan for the new room, once ready
             return
         if self.heading is not None:
@@ -510,15 +510,16 @@ class Tuner:
         if self.model.busy():
             return
         self._filled()
-        if self.planner is not None and self.planner.pending and \
-                self._take():
+        if self._planning() and self._take():
             # The forward that takes a plan runs unmeasured (its placement
             # fills as it runs); while one is being made they are
             # measured (_end keeps the last one's marks for the next job).
             return
-        if self.heading is not None:
+        if self.heading is not None and not self._planning():
             # A step toward the schedule placed (this forward fills it;
-            # measured all the same: each unit's least work is kept).
+            # measured all the same: each unit's least work is kept). Not
+            # while a plan is being made: it is made for the placement in
+            # place, which its take keeps where it can.
             self._next_step()
         if self.done:
             return
@@ -540,7 +541,7 @@ class Tuner:
             return                  # the next forward measures
         end = self._mark()
         if self.planner is not None:
-            if self.planner.pending:    # handed over once it is taken
+            if self._planning():        # handed over once it is taken
                 self.backlog = (calls, self.start, end)
             else:
                 self._submit(calls, self.start, end)
@@ -672,6 +673,10 @@ class Tuner:
             return "measured", raw, work, settled, self._plan_from(
                 inputs, work, before + [raw])
         self.planner.submit(job)
+
+    def _planning(self):
+        """Whether the planner has a job whose answer is not taken."""
+        return self.planner is not None and self.planner.pending
 
     def _take(self):
         """At a root forward's start: take what the planner finished, if
