@@ -941,22 +941,36 @@ class Tuner:
         sch, ring = self.heading
         lay = self.layout
         dev = lay.device
-        if ring != self.ring or dev.options["staging_size"] != ring or \
-                self._room_moved() or not self.model.may_replace():
-            self.heading = None
+        why = ("the ring changed" if ring != self.ring or
+               dev.options["staging_size"] != ring else
+               "the room moved" if self._room_moved() else
+               "the weights may not move now"
+               if not self.model.may_replace() else None)
+        if why is not None:
+            self._given_up(why)
             return
         units, w, sizes, flat = self._costs(self.work or {})
         nxt = self._step(self.schedule, sch, w, sizes, ring, _keep(flat))
         try:
             self._place(lay, dev, flat, units, w, sizes, nxt, ring)
         except _NoRoom:
-            self.heading = None
+            self._given_up("no room in the VBAR")
         except Exception as e:      # noqa: BLE001 (outputs stay right)
             self.heading = None
             warnings.warn("vpager.torch: a step of the copy schedule's "
                           "placement failed (%s: %s); the model runs on "
                           "with the placement it has"
                           % (type(e).__name__, e), RuntimeWarning)
+
+    def _given_up(self, why):
+        """The steps toward self.heading stop (the next plan starts
+        again): said under VPAGER_SCHEDULE_LOG, with why."""
+        if self.heading is not None and \
+                env.flag("VPAGER_SCHEDULE_LOG", False):
+            sys.stderr.write("vpager.torch placement: the steps toward a "
+                             "schedule predicted %.3f ms stop: %s\n"
+                             % (self.heading[0].predicted * 1e3, why))
+        self.heading = None
 
     def _place(self, lay, dev, flat, units, w, sizes, sch, ring,
                merged=None):
