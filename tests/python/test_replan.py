@@ -389,14 +389,13 @@ def test_a_budget_back_and_forth_is_planned_every_time():
     h.unload()
 
 
-def test_fills_planned_again_move_only_the_patched_weights():
-    """300 layers of weights smaller than a page, a schedule in place;
-    20 streamed weights are given a fill (a LoRA): the plan made again
-    keeps them resident and is the resident set nearest the one in place
-    (Tuner._nearest), so its placement leaves nearly all of that where it
-    lies (it refilled all of it: every patched weight's fill computed
-    again) and the placing forward copies little more than a steady one
-    plus the patched weights. Outputs those of the patched model."""
+def _layers_scheduled():
+    """(h, ref, forward, patched): 300 layers of weights smaller than a
+    page offloaded at 60% and run to a schedule; ref, a frozen copy the
+    test patches as it patches h; forward() runs one, its output checked
+    against ref's as it is then, and returns the bytes it copied;
+    patched, 20 of the weights the schedule streams, spread over the
+    model."""
     from torch import nn
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(96, 96) for _ in range(300)]).eval()
@@ -408,27 +407,34 @@ def test_fills_planned_again_move_only_the_patched_weights():
     keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
             "prefetch_dropped_bytes")
 
-    def forward(want):
+    def forward():
         s0 = h.stats()["device"]
         with torch.no_grad():
-            assert torch.equal(m(x), want)
+            assert torch.equal(m(x), ref(x))
         return _copied(delta(h.stats()["device"], s0, *keys))
-    with torch.no_grad():
-        want = ref(x)
     for _ in range(4):
-        forward(want)
+        forward()
     t = h.tuner
     flat = t._costs({})[3]
     streamed = [e for e, r in zip(flat, t.schedule.resident)
                 if not r and e.size > 4096]
-    patched = streamed[::len(streamed) // 20][:20]
+    return h, ref, forward, streamed[::len(streamed) // 20][:20]
+
+
+def test_fills_planned_again_move_only_the_patched_weights():
+    """300 layers of weights smaller than a page, a schedule in place;
+    20 streamed weights are given a fill (a LoRA): the plan made again
+    keeps them resident and is the resident set nearest the one in place
+    (Tuner._nearest), so its placement leaves nearly all of that where it
+    lies (it refilled all of it: every patched weight's fill computed
+    again) and the placing forward copies little more than a steady one
+    plus the patched weights. Outputs those of the patched model."""
+    h, ref, forward, patched = _layers_scheduled()
     for e in patched:
         h.set_fill(e.name, lambda v: v.mul_(2))
         ref.get_parameter(e.name).data.mul_(2)
-    with torch.no_grad():
-        want = ref(x)
-    placing = forward(want)             # planned again at its start
-    steady = forward(want)
+    placing = forward()                 # planned again at its start
+    steady = forward()
     sch = h.schedule()
     assert sch["replans"] == 1 and all(_planned(h)[e.name] for e in patched)
     assert sch["kept_bytes"] >= 0.8 * sch["resident_bytes"], sch
@@ -448,31 +454,8 @@ def test_fills_taken_away_keep_the_ring_and_the_placement():
     new plan: the next forward copies what a steady one does plus the
     weights whose fills went (filled from their own bytes). Outputs those
     of the model as it is at each point."""
-    from torch import nn
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(96, 96) for _ in range(300)]).eval()
-    x = torch.randn(4, 96)
-    ref = frozen_copy(m)
-    total = sum(p.numel() * p.element_size() for p in m.parameters())
-    h = vt.offload(m, device="cpu", budget=int(total * 0.6),
-                   staging_size=512 * K, **dict(sim_opts(), lookahead=None))
-    keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
-            "prefetch_dropped_bytes")
-
-    def forward(want):
-        s0 = h.stats()["device"]
-        with torch.no_grad():
-            assert torch.equal(m(x), want)
-        return _copied(delta(h.stats()["device"], s0, *keys))
-    with torch.no_grad():
-        plain = ref(x)
-    for _ in range(4):
-        forward(plain)
+    h, ref, forward, patched = _layers_scheduled()
     t = h.tuner
-    flat = t._costs({})[3]
-    streamed = [e for e, r in zip(flat, t.schedule.resident)
-                if not r and e.size > 4096]
-    patched = streamed[::len(streamed) // 20][:20]
     rings = []
     real = tuner.plan_rings
 
@@ -486,17 +469,15 @@ def test_fills_taken_away_keep_the_ring_and_the_placement():
         for e in patched:
             h.set_fill(e.name, lambda v: v.mul_(2))
             ref.get_parameter(e.name).data.mul_(2)
-        with torch.no_grad():
-            lora = ref(x)
-        forward(lora)                   # planned again, placed
-        forward(lora)
+        forward()                       # planned again, placed
+        forward()
         resident = list(t.schedule.resident)
-        steady = forward(lora)
+        steady = forward()
         for e in patched:
             h.set_fill(e.name, None)
             ref.get_parameter(e.name).data.div_(2)
-        placing = forward(plain)        # planned again: nothing moves
-        forward(plain)
+        placing = forward()             # planned again: nothing moves
+        forward()
     finally:
         tuner.plan_rings = real
     assert rings == [[t.ring], [t.ring]], (rings, t.ring)
