@@ -1,14 +1,16 @@
-"""The planner's process: schedule.plan_rings() in a child interpreter.
+"""The planner's processes: schedule.plan_rings() in child interpreters.
 
 A plan is pure Python arithmetic (schedule.py): ~1 s of host time for
 SDXL's 794 units. On a thread of the model's own process it would take
 the GIL from the forward's thread, and a host-bound forward (SDXL's) is
 slowed by as much as the plan costs, wherever the plan runs. So the
 planner's thread (tuner._Planner) hands the plan (schedule.plan_job) to
-one child Python per process, which loads schedule.py by its path (no torch, no vpager: it
-starts in tens of milliseconds) and answers plan after plan over pipes
+one child Python per process, which loads schedule.py by its path
+(no torch, no vpager: it starts in tens of milliseconds) and answers plan after plan over pipes
 (pickle; the arguments are lists of numbers). The thread waits on the
 pipe without the GIL. The child ends when this process closes the pipe.
+call_each() spreads requests over up to WIDTH such children (each ring
+size a plan tries is planned in one of its own).
 
 call() returns None when no such process can be had (no
 sys.executable, a sandbox without subprocesses, the child died): the
@@ -20,7 +22,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 _SCHEDULE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                          "schedule.py")
@@ -50,41 +52,24 @@ while True:
 
 
 class _Child:
-    """The one child process; None until first asked for, `broken` once
-    it could not be started or died (never tried again)."""
+    """One child process, started at its first send()."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.proc: Optional[subprocess.Popen] = None
-        self.broken = False
-        self.started = 0            # children started (tests)
 
-    def ask(self, args: Tuple[Any, ...]) -> Optional[Tuple[str, Any]]:
-        with self.lock:
-            if self.broken or not sys.executable:
-                return None
-            try:
-                if self.proc is None:
-                    self.proc = subprocess.Popen(
-                        [sys.executable, "-I", "-S", "-c", _CHILD, _SCHEDULE],
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        creationflags=getattr(subprocess,
-                                              "CREATE_NO_WINDOW", 0))
-                    self.started += 1
-                pickle.dump(args, self.proc.stdin,
-                            protocol=pickle.HIGHEST_PROTOCOL)
-                self.proc.stdin.flush()
-                return pickle.load(self.proc.stdout)
-            except (OSError, EOFError, ValueError, pickle.PickleError):
-                self.broken = True
-                self._end()
-                return None
+    def send(self, args: Tuple[Any, ...]) -> None:
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _CHILD, _SCHEDULE],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                creationflags=getattr(subprocess, "CREATE_NO_WINDOW", 0))
+        pickle.dump(args, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.flush()
 
-    def close(self) -> None:
-        with self.lock:
-            self._end()
+    def recv(self) -> Tuple[str, Any]:
+        return pickle.load(self.proc.stdout)
 
-    def _end(self) -> None:
+    def end(self) -> None:
         p, self.proc = self.proc, None
         if p is None:
             return
@@ -98,18 +83,75 @@ class _Child:
                 p.stdout.close()
 
 
-_CHILD_PROCESS = _Child()
-atexit.register(_CHILD_PROCESS.close)
+class _Pool:
+    """The children, started as asked for (at most WIDTH), `broken` once
+    one could not be started or died (none tried again)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.children: List[_Child] = []
+        self.broken = False
+
+    def ask(self, requests: List[Tuple[Any, ...]]
+            ) -> Optional[List[Tuple[str, Any]]]:
+        """The answers to `requests`, run on up to WIDTH children at once
+        (one request each at a time: a child's answer is read before it
+        is sent another, so no pipe fills both ways)."""
+        with self.lock:
+            if self.broken or not sys.executable:
+                return None
+            width = max(1, min(len(requests), WIDTH))
+            while len(self.children) < width:
+                self.children.append(_Child())
+            out: List[Tuple[str, Any]] = []
+            try:
+                for i in range(0, len(requests), width):
+                    batch = requests[i:i + width]
+                    for child, args in zip(self.children, batch):
+                        child.send(args)
+                    out += [child.recv() for child in
+                            self.children[:len(batch)]]
+            except (OSError, EOFError, ValueError, pickle.PickleError):
+                self.broken = True
+                self._end()
+                return None
+            return out
+
+    def close(self) -> None:
+        with self.lock:
+            self._end()
+
+    def _end(self) -> None:
+        for c in self.children:
+            c.end()
+
+
+# Children that plan at once: one per ring size tried (schedule.
+# plan_rings: SDXL's 794 units, 6 rings, 1.4 s in one child on the
+# H100), at most half the cores, so the forward's own threads keep theirs.
+WIDTH = max(1, min(6, (os.cpu_count() or 2) // 2))
+_CHILDREN = _Pool()
+atexit.register(_CHILDREN.close)
 
 
 def call(name: str, *args: Any) -> Optional[Tuple[Any]]:
     """(schedule.<name>(*args),) computed in the planner's process, for
     functions of plain data (lists, numbers, dicts); None if the process
     cannot be had. One that raised there raises RuntimeError."""
-    got = _CHILD_PROCESS.ask((name, args))
+    got = call_each(name, [args])
+    return None if got is None else (got[0],)
+
+
+def call_each(name: str, args_list: List[Tuple[Any, ...]]
+              ) -> Optional[List[Any]]:
+    """[schedule.<name>(*args) for args in args_list], computed by the
+    planner's processes at once (up to WIDTH); None if they cannot be
+    had. One that raised there raises RuntimeError."""
+    got = _CHILDREN.ask([(name, args) for args in args_list])
     if got is None:
         return None
-    status, out = got
-    if status != "ok":
-        raise RuntimeError("vpager.torch: the planner's process: %s" % out)
-    return (out,)
+    for status, out in got:
+        if status != "ok":
+            raise RuntimeError("vpager.torch: the planner's process: %s"
+                               % out)
+    return [out for _, out in got]

@@ -26,6 +26,8 @@ ring of `ring` bytes whose slots are free again once their unit is done.
 The model is cyclic: the copies for a forward's first weights overlap
 the previous forward's last units."""
 
+import itertools
+
 SLOT_ALIGN = 256            # the staging ring's slot alignment (stream.c)
 FRAGMENTATION = 0.9         # share of the ring its first-fit slots fill
 
@@ -113,11 +115,21 @@ def resident_pages(sizes, resident, page, align=512):
     """VRAM bytes the resident weights take when they lie together, each
     at an `align` boundary (placement.place_resident_first): whole pages
     of their sum."""
-    total = 0
-    for s, r in zip((s for ss in sizes for s in ss), resident):
-        if r:
-            total = _round(total, align) + s
-    return _round(total, page)
+    fs = [s for ss in sizes for s in ss]
+    return _pages(fs, [_round(s, align) for s in fs], resident, page)
+
+
+def _pages(fs, rounded, resident, page):
+    """resident_pages() of flat sizes `fs`, each rounded up to the
+    alignment in `rounded` (_fit asks it ~50 times a plan: SDXL's 1168
+    weights, 6 rings, 12 candidates each): every resident weight but
+    the last takes its rounded size, the last its own."""
+    try:
+        last = len(resident) - 1 - resident[::-1].index(True)
+    except ValueError:
+        return 0
+    total = sum(itertools.compress(rounded, resident))
+    return _round(total - rounded[last] + fs[last], page)
 
 
 def copy_seconds(size, link, per_copy):
@@ -144,28 +156,32 @@ def simulate(work, sizes, resident, link, ring, per_copy=0.0, cycles=3,
     slots = [_round(s, SLOT_ALIGN) for _, s in streamed]
     cost = [copy_seconds(s, link, per_copy) for _, s in streamed]
     unit_of = [u for u, _ in streamed]
-    last_of = {}                # unit -> its last streamed weight
+    first_of, last_of = {}, {}  # unit -> its first, last streamed weight
     for k, u in enumerate(unit_of):
+        first_of.setdefault(u, k)
         last_of[u] = k
-    done = {}                   # (cycle, unit) -> when it is done
+    done = [None] * (cycles * n)    # cycle * n + unit -> when it is done
     cstart, cend = [], []       # per global copy index
-    st = {"engine": 0.0, "oldest": 0, "held": 0}
+    engine, oldest, held = 0.0, 0, 0
 
     def copy_upto(g_end, now):
-        while len(cend) < g_end:
-            g = len(cend)
+        nonlocal engine, oldest, held
+        g = len(cend)
+        while g < g_end:
             k = g % m
             t_ring = 0.0
-            while st["held"] + slots[k] > ring and st["oldest"] < g:
-                o = st["oldest"]
-                t_ring = max(t_ring, done.get((o // m, unit_of[o % m]), now))
-                st["held"] -= slots[o % m]
-                st["oldest"] = o + 1
-            t0 = max(st["engine"], t_ring)
-            st["engine"] = t0 + cost[k]
+            while held + slots[k] > ring and oldest < g:
+                o = oldest
+                d = done[(o // m) * n + unit_of[o % m]]
+                t_ring = max(t_ring, now if d is None else d)
+                held -= slots[o % m]
+                oldest = o + 1
+            t0 = max(engine, t_ring)
+            engine = t0 + cost[k]
             cstart.append(t0)
-            cend.append(st["engine"])
-            st["held"] += slots[k]
+            cend.append(engine)
+            held += slots[k]
+            g += 1
 
     starts = []
     prev = 0.0
@@ -176,13 +192,11 @@ def simulate(work, sizes, resident, link, ring, per_copy=0.0, cycles=3,
             k = last_of.get(u)
             if k is not None:
                 copy_upto(c * m + k + 1, prev)
-                first = k
-                while first > 0 and unit_of[first - 1] == u:
-                    first -= 1
-                for j in range(first, k + 1):
-                    ready = max(ready, cend[c * m + j])
+                for j in range(c * m + first_of[u], c * m + k + 1):
+                    if cend[j] > ready:
+                        ready = cend[j]
             row.append(ready)
-            prev = done[(c, u)] = ready + work[u]
+            prev = done[c * n + u] = ready + work[u]
         starts.append(row)
     period = starts[-1][0] - starts[-2][0] if cycles > 1 else prev
     if not detail:
@@ -245,6 +259,36 @@ def _pick(sizes, pos, ring, scale, head, least=0, keep=None):
     return out
 
 
+def _picker(sizes, ring, least, keep=None):
+    """_pick(sizes, pos, ring, scale, head, least, keep) as a function of
+    (pos, scale, head), with what does not depend on those taken once:
+    only the weights it may stream are looked at (Flux's and SDXL's
+    norms and biases, half the weights, are not)."""
+    cand = []                   # (index, size, slot, unit)
+    i = 0
+    for u, ss in enumerate(sizes):
+        for s in ss:
+            if s >= least and not (keep and keep[i]):
+                cand.append((i, s, _round(s, SLOT_ALIGN), u))
+            i += 1
+    n = i
+
+    def pick(pos, scale, head):
+        out = [True] * n
+        streamed = staged = 0
+        unit = -1
+        for i, s, slot, u in cand:
+            if u != unit:
+                unit, staged = u, 0
+            if streamed + s / 2 <= scale * pos[i] + head and \
+                    staged + slot <= ring:
+                streamed += s
+                staged += slot
+                out[i] = False
+        return out
+    return pick
+
+
 def _streamed(sizes, resident):
     return sum(s for (_, s), r in zip(flat(sizes), resident) if not r)
 
@@ -258,12 +302,15 @@ def _fit(sizes, pos, room, page, ring, head, align, least, keep=None):
     T = max(pos) if pos else 0.0
     if T <= 0:
         return None
-    total = sum(s for ss in sizes for s in ss)
+    fs = [s for ss in sizes for s in ss]
+    rounded = [_round(s, align) for s in fs]
+    total = sum(fs)
+    pick = _picker(sizes, ring, least, keep)
     lo, hi = 0.0, None
     scale = max(total - room, 1) / T
     for _ in range(40):
-        res = _pick(sizes, pos, ring, scale, head, least, keep)
-        if resident_pages(sizes, res, page, align) <= room:
+        res = pick(pos, scale, head)
+        if _pages(fs, rounded, res, page) <= room:
             hi = scale
             break
         lo = scale
@@ -274,12 +321,12 @@ def _fit(sizes, pos, room, page, ring, head, align, least, keep=None):
         if hi - lo <= hi * 2e-3:
             break
         mid = (lo + hi) / 2
-        res = _pick(sizes, pos, ring, mid, head, least, keep)
-        if resident_pages(sizes, res, page, align) <= room:
+        res = pick(pos, mid, head)
+        if _pages(fs, rounded, res, page) <= room:
             hi = mid
         else:
             lo = mid
-    return _pick(sizes, pos, ring, hi, head, least, keep)
+    return pick(pos, hi, head)
 
 
 def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
@@ -528,9 +575,19 @@ def nearest_within(work, sizes, old, sch, total, ring, page, align,
     return (res, t) if t <= sch.predicted * (1 + within) else None
 
 
+def ring_fields(work, sizes, total, rings, page, link, align, spare_pages,
+                per_copy=0.0, margin=5e-4, keep=None):
+    """plan_rings() as plain data, plan_job's "cands" (the planner's
+    processes plan one ring each)."""
+    return [(r, [getattr(c, f) for f in Schedule.__slots__])
+            for r, c in plan_rings(work, sizes, total, rings, page, link,
+                                   align, spare_pages, per_copy, margin,
+                                   keep)]
+
+
 def plan_job(work, works, sizes, total, rings, page, link, align,
              spare_pages, per_copy, margin, old_resident, old_ring,
-             keep=None, near_within=None):
+             keep=None, near_within=None, cands=None):
     """All the arithmetic of a plan's application, as plain data (the
     planner's process returns it): "cands", plan_rings' [(ring, Schedule
     fields)]; "pick", the index pick_ring chooses and its windows merged
@@ -540,9 +597,13 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     keeps another resident set and near_within is given: (resident flags,
     predicted seconds, windows, merged windows) of the set nearest the old
     one (nearest) if it is predicted within near_within of the pick, else
-    None. keep: plan()'s."""
-    cands = plan_rings(work, sizes, total, rings, page, link, align,
-                       spare_pages, per_copy, margin, keep)
+    None. keep: plan()'s. cands: ring_fields() for `rings`, if made
+    already."""
+    if cands is None:
+        cands = plan_rings(work, sizes, total, rings, page, link, align,
+                           spare_pages, per_copy, margin, keep)
+    else:
+        cands = [(r, Schedule(*f)) for r, f in cands]
     ring, sch = pick_ring(cands)
     i = [c for _, c in cands].index(sch)
     win = merged_windows(sch.window, works, sizes, sch.resident, link,

@@ -274,11 +274,15 @@ class Tuner:
         # Plans made off the forward's thread (PLAN_THREAD), else None.
         self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
         self.backlog = None         # marks of a forward measured meanwhile
+        self.unread = None          # marks whose forward the GPU still runs
         self.filling = None         # (planned windows, held units) to restore
         self.kept_bytes = 0         # resident bytes the last placement kept
         self.guessed = False        # self.schedule is guess()'s
         self.guess_order = []       # id() of its weights, in its order
         self.heading = None         # (Schedule, ring) placed step by step
+        self.forwards = 0           # root forwards begun
+        # VPAGER_SCHEDULE_LOG: what each forward and plan job came to.
+        self.tracing = env.flag("VPAGER_SCHEDULE_LOG", False)
 
     def install(self):
         """Measure from the next root forward on."""
@@ -416,6 +420,7 @@ class Tuner:
         self.on = False
         self.calls = []
         self.backlog = None
+        self.unread = None
 
     def _stop_watching(self):
         if self.watching:
@@ -503,6 +508,10 @@ class Tuner:
             return max(a.elapsed_time(b), 0.0) / 1e3
         return max(b - a, 0.0)
 
+    def _ran(self, mark):
+        """Whether the GPU ran the work before `mark` (CUDA: its event)."""
+        return not self.cuda or mark.query()
+
     def before(self, unit):
         calls = self.calls
         if len(calls) >= LOST_CALLS * len(self.layout.units):
@@ -518,10 +527,18 @@ class Tuner:
             self.calls[-1][2] = self._mark()
 
     # ------------------------------------------------------------ hooks
+    def _trace(self, what):
+        if self.tracing:
+            sys.stderr.write("vpager.torch tuner (forward %d, %d measured):"
+                             " %s\n" % (self.forwards, self.rounds, what))
+
     def _begin(self, module, args):
         if self.model.busy():
             return
+        self.forwards += 1
         self._filled()
+        if self.unread is not None:
+            self._submit(*self.unread)
         if self._planning() and self._take():
             # The forward that takes a plan runs unmeasured (its placement
             # fills as it runs); while one is being made they are
@@ -538,6 +555,7 @@ class Tuner:
         if self.layout.copying:
             # Its units wait for the host copy (hostload.py): their times
             # say how fast the copy fills, not what they compute.
+            self._trace("not measured: the host copy runs")
             return
         self.calls = []
         self.start = self._mark()
@@ -550,13 +568,16 @@ class Tuner:
         calls, self.calls = self.calls, []
         if not calls or any(c[2] is None for c in calls) or \
                 not self.model.may_replace():
+            self._trace("its marks dropped (%d calls)" % len(calls))
             return                  # the next forward measures
         end = self._mark()
         if self.planner is not None:
             if self._planning():        # handed over once it is taken
                 self.backlog = (calls, self.start, end)
+                self._trace("measured while a plan is made")
             else:
                 self._submit(calls, self.start, end)
+                self._trace("measured, handed to the planner")
             return
         work = self._work(calls, self.start, end)
         work, settled = self._merge(work)
@@ -565,7 +586,7 @@ class Tuner:
 
     def _work(self, calls, start, end):
         """unit -> seconds of work, from one forward's marks (CUDA: waits
-        for its end event: on the planner's thread, off the forward's)."""
+        for its end event)."""
         if self.cuda:
             end.synchronize()
         work = {}
@@ -671,14 +692,35 @@ class Tuner:
             inputs["old_ring"], inputs["keep"], remote=True)
 
     def _submit(self, calls, start, end):
-        """Hand a measured forward to the planner (its marks, _inputs())."""
+        """Hand a measured forward to the planner (its work read from its
+        marks, _inputs()) once the GPU ran it, else keep it for a later
+        forward's start (unread). Read here, on the forward's thread: each
+        CUDA event read lets go of the GIL, and on the planner's thread
+        each took it back only when the forward's thread gave it up
+        (SDXL's 794 units, 1600 reads: 1.4 s on the H100, the first plan
+        taken at the 8th forward)."""
+        if not self._ran(end):
+            self.unread = (calls, start, end)
+            return
+        self.unread = None
+        t0 = time.perf_counter()
+        raw = self._work(calls, start, end)
+        self._trace("marks read in %.1f ms" % (
+            (time.perf_counter() - t0) * 1e3))
         inputs = self._inputs()
         least, rounds = self.work, self.rounds + 1
         free_to_wait = self._free_to_wait()
         before = list(self.works)
 
         def job():
-            raw = self._work(calls, start, end)
+            t0 = time.perf_counter()
+            try:
+                return measured()
+            finally:
+                self._trace("a plan job took %.0f ms on the planner"
+                            % ((time.perf_counter() - t0) * 1e3))
+
+        def measured():
             work, settled = self._merge(raw, least)
             if not (rounds >= ROUNDS_MAX or (rounds >= ROUNDS and settled)) \
                     and rounds > 1 and free_to_wait:
@@ -688,8 +730,10 @@ class Tuner:
         self.planner.submit(job)
 
     def _planning(self):
-        """Whether the planner has a job whose answer is not taken."""
-        return self.planner is not None and self.planner.pending
+        """Whether the planner has a job whose answer is not taken, or a
+        measured forward waits to be read for one."""
+        return self.planner is not None and (self.planner.pending or
+                                             self.unread is not None)
 
     def _take(self):
         """At a root forward's start: take what the planner finished, if
@@ -701,6 +745,7 @@ class Tuner:
             return False
         out, err = got
         if err is not None:
+            self._trace("the plan job failed: %r" % (err,))
             self.done = True
             self.remove()
             warnings.warn("vpager.torch: no copy schedule (%s: %s); the "
@@ -715,6 +760,10 @@ class Tuner:
         # Budget moves since the job was handed over are the watch's.
         applied = self._measured(work, settled, planned is None, raw) and \
             planned is not None and self.model.may_replace()
+        self._trace("took a job: work %.3f ms, settled %s, %s" % (
+            sum(work.values()) * 1e3, settled,
+            "applied" if applied else "a plan not applied"
+            if planned is not None else "no plan"))
         if applied:
             self._apply_safely(work, planned)
         marks, self.backlog = self.backlog, None
@@ -864,6 +913,7 @@ class Tuner:
         except _NoRoom:
             if dev.options["staging_size"] != cur:
                 dev.set_staging_size(cur)
+            self._trace("no room in the VBAR for the plan's placement")
             return                  # no room to place it: keep the layout
         except BaseException:
             # The forwards go on with the ring they had: a new ring the
@@ -1227,12 +1277,20 @@ class Planned:
 def plan_job(work, works, sizes, total, rings, page, link, align,
              old_resident, old_ring, keep=None, remote=False):
     """Planned: schedule.plan_job() with the tuner's constants. remote: in
-    the planner's process (planproc.py: its own interpreter, so the plan's
-    pure-Python seconds take no GIL from the forward's thread), computed
-    here if that process cannot be had."""
+    the planner's processes (planproc.py: interpreters of their own, so
+    the plan's pure-Python seconds take no GIL from the forward's thread;
+    each ring size in one), computed here if they cannot be had."""
     args = (work, works, sizes, total, rings, page, link, align, SPARE_PAGES,
             PER_COPY, MARGIN, old_resident, old_ring, keep, NEAR)
-    got = planproc.call("plan_job", *args) if remote else None
+    got = None
+    if remote:
+        # Each ring size in a process of its own, then the pick's windows.
+        each = planproc.call_each("ring_fields", [
+            (work, sizes, total, [r], page, link, align, SPARE_PAGES,
+             PER_COPY, MARGIN, keep) for r in rings]) \
+            if len(rings) > 1 else None
+        got = planproc.call("plan_job", *args, None if each is None else
+                            [c for cs in each for c in cs])
     out = got[0] if got is not None else schedule.plan_job(*args)
     return Planned(total, out, old_resident, old_ring, keep)
 
