@@ -88,17 +88,22 @@ HOLD_SHARE = 0.02
 WATCH_EVERY = 1.0
 SHRINK, GROW = 0.97, 1.15
 _LINKS = {}                 # CUDA device index -> measured bytes/s
-# Plans are computed on a worker thread (_Planner): a measured forward's
-# end hands over its marks and returns at once; the plan is applied at
-# the start of the first forward after it is ready (before any unit).
-# The forwards in between are measured too, the last one's marks handed
-# over when the plan is taken (on the H100 the node's Flux measured 2 of
-# its first 12 forwards when they were not, and ran them unsettled).
-# SDXL's 794 units cost ~1 s of host time a plan; on the simulated
-# device an 800-unit stack took 232 ms to plan against a 45 ms forward
-# (bench/first_prompt_sim.py). On by default since measured on the H200
-# (800 units: worst forward after the first 3.4x a steady one, 9.1x with
-# plans on the forward's thread); VPAGER_PLAN_THREAD=0 makes plans at the
+# Plans are computed off the forward's thread (_Planner; the arithmetic
+# in planproc's child processes, one per ring size): the next root
+# forward's start reads a measured forward's marks (once the GPU ran it,
+# after torch's peak of it was learned) and hands them over; the plan is
+# applied at the start of the first forward after it is ready (before
+# any unit). The forwards in between are measured too, the last one's
+# marks handed over when the plan is taken (on the H100 the node's Flux
+# measured 2 of its first 12 forwards when they were not, and ran them
+# unsettled). SDXL's 794 units took 1.4 s a plan in one child on the
+# H100, 0.14 s with a child per ring and schedule.py's loops made lean
+# (the first plan taken at the 4th forward, not the 8th); on the
+# simulated device an 800-unit stack took 232 ms to plan against a 45 ms
+# forward (bench/first_prompt_sim.py). On by default since measured on
+# the H200 (800 units: worst forward after the first 3.4x a steady one,
+# 9.1x with plans on the forward's thread); VPAGER_PLAN_THREAD=0 makes
+# plans at the
 # measured forward's end, on its thread (the tests' setting: their
 # schedules land at a known forward).
 PLAN_THREAD = "VPAGER_PLAN_THREAD"
@@ -538,7 +543,7 @@ class Tuner:
         self.forwards += 1
         self._filled()
         if self.unread is not None:
-            self._submit(*self.unread)
+            self._submit(*self.unread)      # to the planner, if it ran
         if self._planning() and self._take():
             # The forward that takes a plan runs unmeasured (its placement
             # fills as it runs); while one is being made they are
@@ -576,8 +581,12 @@ class Tuner:
                 self.backlog = (calls, self.start, end)
                 self._trace("measured while a plan is made")
             else:
-                self._submit(calls, self.start, end)
-                self._trace("measured, handed to the planner")
+                # Handed over at the next root forward's start, after the
+                # learn hook read torch's peak of this one: the node's
+                # Flux's first plan, made for a room 0.9 GB too large,
+                # was placed anew at the next forward (2x a steady one).
+                self.unread = (calls, self.start, end)
+                self._trace("measured")
             return
         work = self._work(calls, self.start, end)
         work, settled = self._merge(work)
