@@ -41,7 +41,7 @@ the drop-in with every weight resident; N: the drop-in under N GiB).
         --runs resident,node8,8                  # memory pressure survived
     ... --lora --runs legacy,node6,6             # LoRA change
     ... --runs resident,node8,node8late,8   # first prompt: placed early or not
-    ... --runs resident,node8,node8onestep,8   # a placement in steps or not
+    ... --runs resident,node8,node8steps,8   # a placement in steps or not
 
 Prints per run: patcher class, steady step (median of steps 2..n) and first
 step per repetition (prompt), vpager's counters, the host's memory
@@ -191,11 +191,12 @@ def child(cr, a):
 
 
 # A node run named node<budget><suffix> runs with these variables: "late"
-# places the weights after the first forward, not before it; "onestep"
-# takes a placement in one forward, not in steps (the first prompt with
-# and without each, beside the default in one run).
+# places the weights after the first forward, not before it; "steps"
+# takes a placement in steps, "onestep" in one forward (the default) (the
+# first prompt with and without each, beside the default in one run).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
-            "onestep": {"VPAGER_PLACE_STEPS": "0"}}
+            "onestep": {"VPAGER_PLACE_STEPS": "0"},
+            "steps": {"VPAGER_PLACE_STEPS": "1"}}
 
 
 def _suffix(run):

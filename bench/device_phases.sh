@@ -27,7 +27,7 @@
 #   decode  bench_torch --only 6 at 1/2 four ways: as it is, the plans on
 #           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
 #           before the first forward (VPAGER_PLACE_EARLY=0), a placement
-#           in one forward (VPAGER_PLACE_STEPS=0) (issue 27's decode)
+#           in steps (VPAGER_PLACE_STEPS=1) (issue 27's decode)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -159,7 +159,7 @@ for PH in ${PHASES//+/ }; do
   decode)
     GREP='prefill|decode|schedule|Error|Traceback'
     for v in default VPAGER_PLAN_THREAD=0 VPAGER_PLACE_EARLY=0 \
-             VPAGER_PLACE_STEPS=0; do
+             VPAGER_PLACE_STEPS=1; do
       TAILN=12 step "llama_${v%%=*}" 100 env ${v/default/} python3 \
         bench/bench_torch.py --only 6 --budgets 0.5 --iters 3
     done ;;

@@ -60,10 +60,11 @@ VARIABLES: Dict[str, Variable] = {
     "VPAGER_PLACE_EARLY": Variable("flag", "0: no placement for a schedule "
                                    "guessed from the weights' sizes before "
                                    "the first forward (default 1)"),
-    "VPAGER_PLACE_STEPS": Variable("flag", "0: a placement far from the "
-                                   "one in place is taken in one forward "
-                                   "(default 1: in steps, each forward "
-                                   "copying at most a tenth more)"),
+    "VPAGER_PLACE_STEPS": Variable("flag", "1: a placement far from the "
+                                   "one in place is taken in steps, each "
+                                   "forward copying at most a tenth more "
+                                   "(default 0: in one forward, its "
+                                   "resident set filled as it streams)"),
     "VPAGER_COPY_BEHIND": Variable("flag", "0: offload() makes a large "
                                    "model's pinned host copy before it "
                                    "returns; 1: behind it, each unit of "

@@ -23,8 +23,8 @@ _PLAIN = []     # non-empty while main() runs the tests
 # end, so a test knows which forward they land at (vpager.torch.tuner;
 # test_plan_thread.py turns the planner's thread on).
 os.environ.setdefault("VPAGER_PLAN_THREAD", "0")
-# A placement in one forward, so a test knows what the forward after a
-# plan copies (whether a plan moves in steps hangs on the times measured:
+# A placement in one forward (the default too), so a test knows what the
+# forward after a plan copies (whether a plan moves in steps hangs on the times measured:
 # the host clock's); test_replan.py's step test turns steps on.
 os.environ.setdefault("VPAGER_PLACE_STEPS", "0")
 

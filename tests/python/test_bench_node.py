@@ -109,10 +109,11 @@ def test_a_late_node_run():
 
     class _A:
         cgroup_gib = None
-    for run in ("node8", "node8late", "node8onestep"):
+    for run in ("node8", "node8late", "node8onestep", "node8steps"):
         ns["run_node_child"](_Cr(), _A(), run, "8", "ck", "log", 1)
     assert seen["node8late"][1].get("VPAGER_PLACE_EARLY") == "0"
     assert seen["node8onestep"][1].get("VPAGER_PLACE_STEPS") == "0"
+    assert seen["node8steps"][1].get("VPAGER_PLACE_STEPS") == "1"
     assert ns["budget_of"]("node8onestep", gen) == ("8", 8 * GiB)
     assert "VPAGER_PLACE_EARLY" not in seen["node8"][1]
     assert "VPAGER_PLACE_STEPS" not in seen["node8"][1]

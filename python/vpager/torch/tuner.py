@@ -125,12 +125,18 @@ PLACE_EARLY = "VPAGER_PLACE_EARLY"      # =0: no placement before a forward
 # copies only the weights that changed (the same 2% a measured plan needs
 # to place anew at all).
 NEAR = 0.02
-# A placement moves toward its schedule in steps (schedule.toward): each
-# forward that takes one copies again what leaves the resident set, at
-# most this share of a steady forward's copies (issue 29: no step of the
-# first prompt after the first above 1.1 x a steady one).
+# VPAGER_PLACE_STEPS=1: a placement moves toward its schedule in steps
+# (schedule.toward): each forward that takes one copies again what leaves
+# the resident set, at most this share of a steady forward's copies.
+# Off by default: the node's Flux 9.4 GiB at 6 GiB, in steps and in one
+# forward in the same call, H200 then H100: steady 1.104 / 1.079 x L in
+# steps, 1.069 / 1.068 in one; prompts 2-4 97.0-100.0 / 94.8-110.8 ms
+# in steps (the steps toward the settled plan ran through prompt 2),
+# 93.8-95.0 / 93.7-93.9 in one; first prompt 2.29 / 1.72 s in steps,
+# 2.12 / 1.86 in one. Its worst step after the first is 1.64 / 1.39 x a
+# steady one in steps, 2.25 / 2.11 in one: issue 29's 1.1 missed either way.
 STEP = 0.1
-PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =0: a placement in one forward
+PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =1: a placement in steps
 
 
 def measure_link(index, device):
@@ -964,7 +970,7 @@ class Tuner:
         self.heading = None
         lay = self.layout
         if old is None or not lay.vbar.loaded_size() or \
-                not env.flag(PLACE_STEPS, True):
+                not env.flag(PLACE_STEPS, False):
             return sch              # nothing resident to keep
         page = lay.device.page_size
         room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
