@@ -286,7 +286,9 @@ def parse(argv):
                    help="run each sampling child in a memory cgroup of "
                         "this many GiB (bench/memcap.py: cgroup v2 "
                         "memory.max, else v1); its peak and OOM kills "
-                        "are reported")
+                        "are reported (bench_node.py: but the reference "
+                        "runs, resident and legacy, which run outside "
+                        "it)")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--dry-run", action="store_true")

@@ -24,6 +24,10 @@
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#   cgroup  bench_node --double 19 --single 38 --switch 8x16 --cgroup-gib 32
+#           --runs resident,node8,8: the 22 GiB model then a 9.4 GiB one
+#           in a 32 GiB memory cgroup, the resident reference outside it
+#           (issue 28 point 4)
 #   decode  bench_torch --only 6 at 1/2 four ways: as it is, the plans on
 #           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
 #           before the first forward (VPAGER_PLACE_EARLY=0), a placement
@@ -39,7 +43,7 @@ R=$PWD
 C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
-KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
+KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode cgroup"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -156,6 +160,10 @@ for PH in ${PHASES//+/ }; do
       --out "$L/lora_before"
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
       $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+  cgroup)
+    GREP='steady|x L|latents|RSS|cgroup|OOM|NOT RUN|Error|Traceback'
+    TAILN=60 step cgroup "$(cap)" $N --double 19 --single 38 --switch 8x16 \
+      --cgroup-gib 32 --runs resident,node8,8 --reps 2 --out "$L/cgroup" ;;
   decode)
     GREP='prefill|decode|schedule|Error|Traceback'
     for v in default VPAGER_PLAN_THREAD=0 VPAGER_PLACE_EARLY=0 \

@@ -85,6 +85,42 @@ def test_switch_option():
         cr.inputs_line(a)
 
 
+def test_the_reference_runs_outside_the_cgroup():
+    """With --cgroup-gib the runs latents are compared against (resident,
+    legacy) run outside the cgroup, the node's and ComfyUI's in it: in 32
+    GiB ComfyUI's resident run of the 22 + 9.4 GiB models was killed, and
+    the node's latents had nothing to be compared with."""
+    ns, cr = _bench()
+    seen = {}
+
+    class _Cr:
+        def run_child(self, a, kind, extra, log):
+            seen[extra[extra.index("--tag") + 1]] = a.cgroup_gib
+
+        def common_args(self, a):
+            return []
+
+        def child_env(self, a, more=()):
+            return {}
+
+        def spawn(self, cmd, env, log, timeout, run, cgroup):
+            seen[run] = cgroup
+    a = cr.parse(["--comfyui", "x", "--cgroup-gib", "32"])
+    g = ns["run_set"].__globals__
+    saved = g["compare"], g["say"]
+    g["compare"], g["say"] = (lambda *args, **kw: 0), (lambda *args: None)
+    try:
+        ns["run_set"](_Cr(), a, {"timeout": 1}, ["resident", "node8", "8",
+                                                 "legacy"],
+                      tempfile.mkdtemp(), {"path": "ck", "bytes": 8 * GiB},
+                      {"runs": {}})
+    finally:
+        g["compare"], g["say"] = saved
+    assert seen == {"resident": None, "legacy": None, "node8": 32.0,
+                    "8": 32.0}, seen
+    assert a.cgroup_gib == 32.0         # the caller's left as it was
+
+
 def test_a_late_node_run():
     """A run named node<budget>late (onestep): the node's child under that
     budget with VPAGER_PLACE_EARLY=0 (VPAGER_PLACE_STEPS=0): the first
