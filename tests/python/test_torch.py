@@ -247,6 +247,28 @@ def test_views_over_host_memory():
 
 # ----------------------------------------------------------- correctness
 
+def test_offload_under_inference_mode():
+    """offload() called inside torch.inference_mode() (scripts wrap their
+    whole run in it): vpager's tensors are no inference tensors, so the
+    host copy's threads fill them (they raised "Inplace update to
+    inference tensor outside InferenceMode"), and forwards in the mode
+    and after it, scheduled meanwhile, stay bitwise."""
+    m = mlp(width=512, depth=16)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    with torch.inference_mode():
+        h = vt.offload(m, device="cpu", budget=total // 2,
+                       staging_size=2 * 1024 * K, **sim_opts())
+        for _ in range(4):
+            assert torch.equal(m(x), want)
+    assert h.schedule() is not None
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+    h.unload()
+
+
 def test_mlp_bitwise_and_counters():
     m = mlp()
     ref = frozen_copy(m)

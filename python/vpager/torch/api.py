@@ -118,9 +118,14 @@ def offload(module: torch.nn.Module, device: Any = None, budget: Size = None,
         reorder, units, tensors, sources, outside, root, schedule)
     swapped = unmeta(module) if weights_from is not None else []
     try:
-        plan = Plan(module, dev, settings,
-                    {id(d[k]) for d, k, _ in swapped})
-        h = Offloaded(plan, dev)
+        # vpager's own tensors (host copies, VBAR views, placeholders)
+        # are never inference tensors, whatever mode the caller is in:
+        # under torch.inference_mode() the host copy's threads could not
+        # fill them, nor could a later refill or patch outside it.
+        with torch.inference_mode(False):
+            plan = Plan(module, dev, settings,
+                        {id(d[k]) for d, k, _ in swapped})
+            h = Offloaded(plan, dev)
     except BaseException:
         put_back(swapped)
         raise
