@@ -14,7 +14,10 @@ smaller budget). Prints the bytes kept in place against those that could
 be (resident before and after), the bytes the forward taking it copies
 again (the new resident set less what stayed), beside the compact
 placement's (the whole new set copied: the baseline, measured in the same
-run), and the host time of the placement.
+run), the host time of the placement, and what the other way
+(place_streaming_least: every weight resident now kept where it lies,
+some of the set streamed instead) streams more a forward, copying none
+again.
 
     python3 bench/placement_kept.py [--seeds 3]
 """
@@ -30,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 
 from vpager.torch.placement import (pages_touched,  # noqa: E402
                                     place_moving_least,
-                                    place_resident_first)
+                                    place_resident_first,
+                                    place_streaming_least)
 
 MiB = 1 << 20
 
@@ -72,10 +76,13 @@ def case(entries, page, rng, swap, extra, shrink):
     _offs, _end, kept = place_moving_least(entries, new, now, offsets, 512,
                                            page, room, 1 << 46)
     ms = (time.perf_counter() - t) * 1e3
+    alt = place_streaming_least(entries, new, now, offsets, 512, page, room,
+                                1 << 46)
 
     def total(flags):
         return sum(e.size for e, f in zip(entries, flags) if f)
-    return total(kept), total(now), total(new), ms
+    more = total(new) - total(alt[0]) if alt is not None else None
+    return total(kept), total(now), total(new), ms, more
 
 
 def main():
@@ -87,22 +94,25 @@ def main():
           " %d seeds a case; host: %s" % (
               len(entries), sum(e.size for e in entries) / 2**30, a.seeds,
               os.uname().machine))
-    print("%-6s %-12s %22s %26s %10s" % ("page", "case", "kept / could keep",
-                                         "copied again / compact's", "ms"))
+    print("%-6s %-12s %22s %26s %10s %14s" % (
+        "page", "case", "kept / could keep", "copied again / compact's",
+        "ms", "or streams"))
     for page in (2 * MiB, 32 * MiB):
         for name, swap, extra, shrink in (("swap 4", 4, 0, False),
                                           ("swap 16", 16, 0, False),
                                           ("swap 16 +8", 16, 8, False),
                                           ("shrink", 0, 0, True)):
             for seed in range(a.seeds):
-                kept, could, new, ms = case(entries, page,
-                                            random.Random(seed), swap,
-                                            extra, shrink)
+                kept, could, new, ms, more = case(entries, page,
+                                                  random.Random(seed), swap,
+                                                  extra, shrink)
                 print("%-6s %-12s %9.2f / %5.2f GiB %7.2f / %5.2f GiB = %5.3f"
-                      " %8.1f" % (
+                      " %8.1f %10s" % (
                           "%dM" % (page // MiB), name, kept / 2**30,
                           could / 2**30, (new - kept) / 2**30, new / 2**30,
-                          (new - kept) / max(new, 1), ms))
+                          (new - kept) / max(new, 1), ms,
+                          "none" if more is None else
+                          "%.0f MiB" % (more / MiB)))
 
 
 if __name__ == "__main__":

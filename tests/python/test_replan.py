@@ -219,6 +219,39 @@ def test_a_resident_set_in_one_run_keeps_most_of_it():
     assert all(offs[i] == cur[i] for i in range(12) if kept[i])
 
 
+def test_kept_weights_all_stay_and_a_joiner_streams_instead():
+    """placement.place_streaming_least, the other way to place the case
+    above: every weight resident now stays where it lies (nothing filled
+    again), and the pages over the room are freed by streaming the
+    joiners that went above the kept ones (80K more a forward, against
+    60K filled again by place_moving_least); a weight `keep` flags (a
+    fill) never streams: a kept one does instead; None where nothing
+    may stream."""
+    from vpager.torch.placement import pages_touched, place_streaming_least
+    page = 64 * K
+    es = [_E(30 * K)] * 10 + [_E(40 * K)] * 2
+    cur = [30 * K * i for i in range(10)] + [320 * K, 360 * K]
+    resident = [i not in (3, 6) for i in range(12)]
+    now = [r and i < 10 for i, r in enumerate(resident)]
+    res, offs, end, kept = place_streaming_least(es, resident, now, cur,
+                                                 512, page, 5, 1 << 30)
+    assert kept == now and res == now, (kept, res)
+    assert all(offs[i] == cur[i] for i in range(10) if now[i])
+    assert len(pages_touched(es, offs, res, page)) <= 5
+    # A fill on joiner 10: it stays resident (in a gap it does not fit:
+    # above the kept ones), a kept weight streams instead.
+    keep = [i == 10 for i in range(12)]
+    res, offs, end, kept = place_streaming_least(es, resident, now, cur,
+                                                 512, page, 5, 1 << 30, keep)
+    assert res[10] and not res[11] and sum(res[:10]) < sum(now), res
+    assert len(pages_touched(es, offs, res, page)) <= 5
+    assert all(offs[i] == cur[i] for i in range(12) if kept[i])
+    assert place_streaming_least(es, resident, now, cur, 512, page, 5,
+                                 1 << 30, [True] * 12) is None
+    assert place_streaming_least(es, resident, now, cur, 512, page, 5,
+                                 200 * K) is None       # past the VBAR
+
+
 def _copied(d):
     return d["fill_bytes"] + d["prefetch_bytes"] + d["staged_bytes"] - \
         d["prefetch_dropped_bytes"]

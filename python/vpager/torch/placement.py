@@ -278,6 +278,46 @@ def place_moving_least(entries, resident, now, offsets, align, page,
     return best[1:]
 
 
+def place_streaming_least(entries, resident, now, offsets, align, page,
+                          room, size, keep=None):
+    """(resident flags, offsets, end, kept) of the other way to place a
+    scheduled layout anew: every entry with now[i] stays where it lies
+    (place_kept puts the rest of the resident set into the gaps), and
+    while the resident set then takes more than `room` pages some of it
+    streams instead: first the entries that join it and went above the
+    kept ones, then those that join it in a gap, then kept ones; of
+    each, the smallest that frees the pages over (else the largest),
+    never one `keep` flags. Kept weights leave holes that the compact
+    room has no page for (Flux 9.4 GiB, bench/placement_kept.py: the
+    fewest moved still copied 0.5-3.4 of 4-5 GiB again); streaming tens
+    of MiB more instead copies almost none. None if no such set fits
+    (or it ends past `size`)."""
+    res = [bool(r) for r in resident]
+    stay = [bool(r) and bool(k) for r, k in zip(res, now)]
+    top = max((offsets[i] + e.size for i, e in enumerate(entries)
+               if stay[i]), default=0)
+    while True:
+        offs, end = place_kept(entries, res, stay, offsets, align, page)
+        over = len(pages_touched(entries, offs, res, page)) - room
+        if over <= 0:
+            return (res, offs, end, stay) if end <= size else None
+        pick = None
+        for group in ([i for i, r in enumerate(res) if r and not stay[i]
+                       and offs[i] >= top],
+                      [i for i, r in enumerate(res) if r and not stay[i]],
+                      [i for i, r in enumerate(res) if r]):
+            group = [i for i in group if entries[i].size and
+                     not (keep and keep[i])]
+            if group:
+                big = [i for i in group if entries[i].size >= over * page]
+                pick = (min(big, key=lambda i: entries[i].size) if big
+                        else max(group, key=lambda i: entries[i].size))
+                break
+        if pick is None:
+            return None
+        res[pick] = stay[pick] = False
+
+
 def _bytes(entries, chosen):
     return sum(e.size for e, c in zip(entries, chosen) if c)
 

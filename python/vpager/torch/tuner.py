@@ -43,6 +43,7 @@ from ..weights import WeightBatch
 from . import planproc, schedule, views
 from .devices import ring_pages
 from .placement import (pages_touched, place_moving_least,
+                        place_streaming_least,
                         place_resident_first, scheduled_ranks, staging_need)
 
 PER_COPY = 4e-6             # seconds a copy costs beyond its bytes
@@ -924,7 +925,11 @@ class Tuner:
         if step is not sch:
             sch, merged = step, None
         try:
-            self._place(lay, dev, flat, units, w, sizes, sch, ring, merged)
+            kept, placed = self._placed(lay, flat, sch, w, sizes, ring, keep)
+            if kept is not sch:
+                sch, merged = kept, None
+            self._place(lay, dev, flat, units, w, sizes, sch, ring, merged,
+                        placed=placed)
         except _NoRoom:
             if dev.options["staging_size"] != cur:
                 dev.set_staging_size(cur)
@@ -1123,16 +1128,63 @@ class Tuner:
             offsets, end = place_resident_first(flat, lay.align, page,
                                                 resident)
             return offsets, end, [False] * len(flat)
+        return place_moving_least(flat, resident, self._now(lay, flat,
+                                                            resident),
+                                  [e.offset for e in flat], lay.align, page,
+                                  self._room_pages(ring), lay.vbar.size)
+
+    def _now(self, lay, flat, resident):
+        """Per entry: in `resident` and its pages all resident now."""
+        page = lay.device.page_size
         flags = lay.vbar.residency()
-        now = [r and e.size > 0 and all(
+        return [r and e.size > 0 and all(
             flags[p] & PAGE_RESIDENT
             for p in range(e.offset // page, (e.offset + e.size - 1) // page
                            + 1)) for e, r in zip(flat, resident)]
-        room = (self.planned_for - ring_pages(ring, page)
+
+    def _room_pages(self, ring):
+        """Pages the resident set may take beside a ring of `ring` bytes."""
+        page = self.layout.device.page_size
+        return (self.planned_for - ring_pages(ring, page)
                 - SPARE_PAGES * page) // page
-        return place_moving_least(flat, resident, now,
-                                  [e.offset for e in flat], lay.align, page,
-                                  room, lay.vbar.size)
+
+    def _placed(self, lay, flat, sch, w, sizes, ring, keep):
+        """(schedule, _placement()'s answer) to place: sch's own, or, where
+        that fills weights resident now again (moved to close the holes
+        the kept ones leave), the set that keeps every one where it lies
+        and streams a little more (placement.place_streaming_least), if
+        that is predicted within NEAR of sch."""
+        placed = self._placement(lay, flat, sch.resident, ring)
+        if self.schedule is None and not lay.vbar.loaded_size():
+            return sch, placed
+        now = self._now(lay, flat, sch.resident)
+        again = sum(e.size for e, n, k in zip(flat, now, placed[2])
+                    if n and not k)
+        if not again:
+            return sch, placed
+        alt = place_streaming_least(flat, sch.resident, now,
+                                    [e.offset for e in flat], lay.align,
+                                    lay.device.page_size,
+                                    self._room_pages(ring), lay.vbar.size,
+                                    keep)
+        if alt is None:
+            return sch, placed
+        res, offsets, end, stay = alt      # fills none again
+        other = self._schedule_for(res, w, sizes, ring)
+        if other.predicted > sch.predicted * (1 + NEAR):
+            self._trace("keeping every weight in place streams %d MB more"
+                        ": %.3f ms predicted against %.3f; %d MB filled "
+                        "again instead" % (
+                            (other.streamed - sch.streamed) >> 20,
+                            other.predicted * 1e3, sch.predicted * 1e3,
+                            again >> 20))
+            return sch, placed
+        self._trace("every weight kept in place, %d MB more streamed "
+                    "(%.3f ms predicted against %.3f), not %d MB filled "
+                    "again" % ((other.streamed - sch.streamed) >> 20,
+                               other.predicted * 1e3, sch.predicted * 1e3,
+                               again >> 20))
+        return other, (offsets, end, stay)
 
     def _fill_ahead(self, units, flat, resident, stay):
         """The forward after a placement fills its resident set as it runs
