@@ -329,20 +329,16 @@ def test_toward_steps_from_one_resident_set_to_another():
                            1) is None               # what must stay
 
 
-def _far_plan():
-    """An MLP scheduled under 0.6 of its bytes, and a plan (target) whose
-    resident set is far from the one in place: (h, forward, target,
-    bytes the last forward copied); forward() runs one, bitwise, and
-    returns the bytes it copied."""
-    m = mlp(width=128, depth=32)
-    x = torch.randn(8, 64)
+def _scheduled(m, x):
+    """m offloaded under 0.6 of its bytes, four forwards run (a schedule
+    in place): (h, forward, bytes the last forward copied); forward()
+    runs one, bitwise, and returns the bytes it copied."""
     want = frozen_copy(m)(x)
     total = sum(p.numel() * p.element_size() for p in m.parameters())
     opts = dict(sim_opts(), page_size=PAGE)
     del opts["lookahead"]
     h = vt.offload(m, device="cpu", budget=int(total * 0.6),
                    staging_size=192 * K, **opts)
-    t = h.tuner
     keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
             "prefetch_dropped_bytes")
 
@@ -354,6 +350,16 @@ def _far_plan():
                 - d["prefetch_dropped_bytes"])
     for _ in range(4):
         before = forward()
+    return h, forward, before
+
+
+def _far_plan():
+    """An MLP scheduled under 0.6 of its bytes, and a plan (target) whose
+    resident set is far from the one in place: (h, forward, target,
+    bytes the last forward copied)."""
+    h, forward, before = _scheduled(mlp(width=128, depth=32),
+                                    torch.randn(8, 64))
+    t = h.tuner
     units, w, sizes, flat = t._costs(t.work)
     cur = list(t.schedule.resident)
     room = sum(e.size for e, r in zip(flat, cur) if r)
@@ -370,8 +376,8 @@ def _far_plan():
     return h, forward, target, before
 
 
-def _heading_for(t, target):
-    """t.apply() taking `target` as its plan, steps on: t.heading set."""
+def _heading_for(t, target, steps=True):
+    """t.apply() taking `target` as its plan (steps on: t.heading set)."""
     old_plan, old_near = tuner.Tuner.plan, tuner.Tuner._nearest
     tuner.Tuner.plan = lambda self, *a, **kw: (target, self.ring)
     tuner.Tuner._nearest = lambda self, old, sch, *a: sch
@@ -379,7 +385,7 @@ def _heading_for(t, target):
         t.apply(t.work, replan="room")
     finally:
         tuner.Tuner.plan, tuner.Tuner._nearest = old_plan, old_near
-    assert t.heading is not None and t.heading[0] is target
+    assert not steps or t.heading is not None and t.heading[0] is target
 
 
 def test_a_placement_far_from_the_one_in_place_moves_in_steps():
@@ -408,6 +414,62 @@ def test_a_placement_far_from_the_one_in_place_moves_in_steps():
         list(t.schedule.resident) == list(target.resident)
     for _ in range(2):
         forward()
+
+
+def test_a_tight_plan_keeps_every_weight_and_streams_a_joiner():
+    """A plan whose resident set fills the room to the page, some weights
+    resident now left out of it (holes) and streamed ones joining: kept
+    where they lie the weights take more pages than the room, and
+    place_moving_least would fill some of them again. Where keeping every
+    one and streaming some joiners instead is predicted within NEAR, the
+    tuner takes that (kept_bytes: all the weights resident before and
+    after); where it is not, the plan's own set. Outputs bitwise."""
+    from vpager.torch.placement import place_resident_first, pages_touched
+    for near, keeps in ((10.0, True), (-1.0, False)):
+        # Weights of 64K and 80K (pages of 64K): a 64K one's hole holds
+        # no 80K one.
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(12):
+            layers += [torch.nn.Linear(128, 160), torch.nn.ReLU(),
+                       torch.nn.Linear(160, 128), torch.nn.ReLU(),
+                       torch.nn.Linear(128, 128)]
+        h, forward, _ = _scheduled(torch.nn.Sequential(*layers).eval(),
+                                   torch.randn(8, 128))
+        t = h.tuner
+        units, w, sizes, flat = t._costs(t.work)
+        cur = list(t.schedule.resident)
+        page = h.device.page_size
+        room = t._room_pages(t.ring)
+
+        def pages(res):
+            offs, _ = place_resident_first(flat, h.vbar_layout.align, page,
+                                           res)
+            return len(pages_touched(flat, offs, res, page))
+        res = list(cur)
+        holes = [i for i, r in enumerate(cur) if r and flat[i].size == page]
+        for i in holes[1:4]:
+            res[i] = False
+        for i, r in enumerate(cur):         # joiners, to the page
+            if not r and flat[i].size > page:
+                res[i] = True
+                if pages(res) > room:
+                    res[i] = False
+        assert pages(res) == room and len(holes) >= 4, (pages(res), room)
+        target = t._schedule_for(res, w, sizes, t.ring)
+        both = sum(e.size for e, a, b in zip(flat, cur, res) if a and b)
+        old_near = tuner.NEAR
+        tuner.NEAR = near
+        try:
+            with environ(VPAGER_PLACE_STEPS="0"):
+                _heading_for(t, target, steps=False)
+        finally:
+            tuner.NEAR = old_near
+        assert (t.kept_bytes == both) is keeps, (near, t.kept_bytes, both)
+        assert (t.schedule is not target) is keeps
+        for _ in range(2):
+            forward()
+        h.unload()
 
 
 def test_steps_stop_short_of_a_refill_for_a_small_gain():

@@ -1155,7 +1155,8 @@ class Tuner:
         and streams a little more (placement.place_streaming_least), if
         that is predicted within NEAR of sch."""
         placed = self._placement(lay, flat, sch.resident, ring)
-        if self.schedule is None and not lay.vbar.loaded_size():
+        if self.schedule is None and not lay.vbar.loaded_size() or \
+                self.heading is not None:   # (a step: toward's own room)
             return sch, placed
         now = self._now(lay, flat, sch.resident)
         again = sum(e.size for e, n, k in zip(flat, now, placed[2])
