@@ -104,9 +104,8 @@ _LINKS = {}                 # CUDA device index -> measured bytes/s
 # forward (bench/first_prompt_sim.py). On by default since measured on
 # the H200 (800 units: worst forward after the first 3.4x a steady one,
 # 9.1x with plans on the forward's thread); VPAGER_PLAN_THREAD=0 makes
-# plans at the
-# measured forward's end, on its thread (the tests' setting: their
-# schedules land at a known forward).
+# plans at the measured forward's end, on its thread (the tests'
+# setting: their schedules land at a known forward).
 PLAN_THREAD = "VPAGER_PLAN_THREAD"
 # A placement applied at a forward's start fills its resident set during
 # that forward (no warm() stop): each unit's window grows by the resident
