@@ -1116,19 +1116,21 @@ class Tuner:
             self._fill_ahead(units, flat, sch.resident, stay)
         self._log(sch, ring, units, w)
 
-    def _placement(self, lay, flat, resident, ring):
+    def _placement(self, lay, flat, resident, ring, now=None):
         """(offsets, end, kept: per entry, left in place with its bytes)
         for a schedule's resident set (placement.place_moving_least): the
         resident weights whose pages are all resident now may stay where
         they lie, within the room the plan had (or the compact
-        placement's, when that is more: weights kept for their fills)."""
+        placement's, when that is more: weights kept for their fills).
+        now: _now()'s flags for `resident`, if read already."""
         page = lay.device.page_size
         if self.schedule is None and not lay.vbar.loaded_size():
             offsets, end = place_resident_first(flat, lay.align, page,
                                                 resident)
             return offsets, end, [False] * len(flat)
-        return place_moving_least(flat, resident, self._now(lay, flat,
-                                                            resident),
+        if now is None:
+            now = self._now(lay, flat, resident)
+        return place_moving_least(flat, resident, now,
                                   [e.offset for e in flat], lay.align, page,
                                   self._room_pages(ring), lay.vbar.size)
 
@@ -1153,11 +1155,11 @@ class Tuner:
         the kept ones leave), the set that keeps every one where it lies
         and streams a little more (placement.place_streaming_least), if
         that is predicted within NEAR of sch."""
-        placed = self._placement(lay, flat, sch.resident, ring)
         if self.schedule is None and not lay.vbar.loaded_size() or \
                 self.heading is not None:   # (a step: toward's own room)
-            return sch, placed
+            return sch, self._placement(lay, flat, sch.resident, ring)
         now = self._now(lay, flat, sch.resident)
+        placed = self._placement(lay, flat, sch.resident, ring, now)
         again = sum(e.size for e, n, k in zip(flat, now, placed[2])
                     if n and not k)
         if not again:
