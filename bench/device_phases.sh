@@ -11,8 +11,8 @@
 # tree (a `git archive <rev>` export) for the phases that compare trees.
 #
 #   suites  the GPU suites: test_compat, the C runner, test_torch,
-#           test_threads, test_plan_thread, test_replan, test_comfyui_gguf,
-#           test_binding (issue 30)
+#           test_threads, test_plan_thread, test_replan, test_kept_fills,
+#           test_comfyui_gguf, test_binding (issue 30)
 #   lora    bench_node --lora --runs legacy,node6,6 (issues 28, 29)
 #   switch  bench_node --switch 19x38 --runs resident,node12,12 (issue 29)
 #   flux22  bench_node --double 19 --single 38 --runs resident,node8,8
@@ -107,7 +107,7 @@ for PH in ${PHASES//+/ }; do
     TAILN=12 step test_compat 150 $PP python3 tests/python/test_compat.py
     TAILN=8 step runner 150 build/tests/runner
     for t in test_torch test_threads test_plan_thread test_replan \
-             test_comfyui_gguf test_binding; do
+             test_kept_fills test_comfyui_gguf test_binding; do
       TAILN=12 step $t 120 $PP python3 tests/python/$t.py
     done ;;
   lora)

@@ -527,6 +527,14 @@ VP_API int vp_weights_move(vp_vbar_t vbar, size_t n, const vp_weight_t *w,
  * next acquire, a staged copy is dropped, and it keeps its place in the
  * VBAR and in the order prefetch looks ahead in. VP_EBUSY while acquired. */
 VP_API int vp_weight_set_source(vp_weight_t w, const vp_source_t *src);
+/* Weight w takes the same bytes from src from now on: src holds what its
+ * last acquire used (its bytes as the caller left them: rewritten after a
+ * copy, say), so its resident pages and a staged copy an acquire used stay
+ * valid and cost no copy; bytes copied ahead of an acquire (prefetch) are
+ * dropped and filled from src when next acquired. Copies from the old
+ * source are waited for (it may be freed after this returns). VP_EBUSY
+ * while acquired; the rules of src as in vp_weight_set_source. */
+VP_API int vp_weight_swap_source(vp_weight_t w, const vp_source_t *src);
 /* vp_weight_set_lookahead: the weight uses the device's lookahead. */
 #define VP_LOOKAHEAD_DEVICE UINT64_MAX
 /* Weight w's prefetch window: the prefetch that follows an acquire whose

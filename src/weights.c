@@ -449,6 +449,36 @@ int vp_weight_set_source(vp_weight_t h, const vp_source_t *src) {
   return vp__unlock(dev, VP_OK);
 }
 
+/* The same bytes from another source: what an acquire used stays (its
+ * pages, its staged slot), since the caller's rewrite of them (a fill) is
+ * what the new source holds; what was copied ahead of an acquire (prefetch,
+ * in place or staged) is dropped, as the caller never saw it. */
+int vp_weight_swap_source(vp_weight_t h, const vp_source_t *src) {
+  VP__ENTER();
+  if (!src) return vp__err(VP_EINVAL, "src is NULL");
+  if (source_check(src, 0)) return VP_EINVAL;
+  vp__device_t *dev;
+  vp__weight_t *w;
+  int rc = weight_lock_idle(h, &dev, &w);
+  if (rc) return rc;
+  if (w->slot && w->slot->prefetched) {
+    weight_drop_bytes(dev, w);
+  } else if (w->copy_fence) { /* the old source may be freed on return */
+    if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
+    if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
+    w->copy_fence = NULL;
+  }
+  if (w->prefetched) {
+    VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
+    w->prefetched = false;
+    memset(w->gens, 0, (size_t)(w->p1 - w->p0) * sizeof *w->gens);
+  }
+  w->src = *src;
+  vp__vbar_t *vb = w->vb;
+  vb->skip_ok = vb->win_ok = vb->prefetch_idle = false;
+  return vp__unlock(dev, VP_OK);
+}
+
 /* A window is read only by the prefetch that follows an acquire (and by
  * the release top-up), so it may change while the weight is acquired. */
 int vp_weight_set_lookahead(vp_weight_t h, uint64_t bytes) {

@@ -746,6 +746,111 @@ TEST(stream_weight_set_source, TEST_ALL_BACKENDS) {
   free(buf);
 }
 
+/* vp_weight_swap_source: the new source holds the bytes the weight's last
+ * acquire used, so what an acquire used stays (resident pages, a staged
+ * slot: no copy, the bytes as they were); what prefetch copied ahead of an
+ * acquire is filled again from the new source. Bad input and a held
+ * weight fail. */
+TEST(stream_weight_swap_source, TEST_ALL_BACKENDS) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  vp_vbar_t v;
+  ASSERT_OK(vp_vbar_create(dev, 3 * ps, &v));
+  unsigned char *buf = malloc(5 * ps); /* A, B, C, then two others */
+  ASSERT_TRUE(buf != NULL);
+  for (uint64_t i = 0; i < 5 * ps; i++) buf[i] = (unsigned char)(i * 7 + 3);
+  uint64_t off[3] = {0, 2 * ps, ps}, size[3] = {ps, ps, ps};
+  vp_source_t src[3];
+  vp_weight_t w[3];
+  for (int i = 0; i < 3; i++)
+    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
+  ASSERT_OK(vp_weights_create(v, 3, off, size, src, w));
+  uint64_t p = 0;
+  uint8_t f = 0;
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(vp_acquire(dev, &w[i], 1, 0, &p, &f));
+    ASSERT_OK(vp_release(dev, &w[i], 1, 0));
+  }
+  /* Resident: its pages stay as the acquire left them (the bytes differ
+   * here only to show that nothing was copied). */
+  vp_source_t d = {.kind = VP_SOURCE_HOST, .host = buf + 3 * ps};
+  ASSERT_OK(vp_weight_swap_source(w[1], &d));
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT);
+  verify_resident(dev, 0, p, buf + ps, ps);
+  ASSERT_RC(vp_weight_swap_source(w[1], &src[1]), VP_EBUSY);
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  ASSERT_EQ_U64(dstats(dev).weight_fills, 3);
+  /* Prefetched in place, not yet acquired: dropped, filled again. */
+  ASSERT_OK(vp_vbar_free_memory(v, 3 * ps, NULL));
+  ASSERT_OK(vp_vbar_prioritize(v));
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  ASSERT_OK(vp_acquire(dev, &w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &w[0], 1, 0));
+  ASSERT_EQ_STR(test_map(v), "#.#"); /* w[1] (page 2) filled ahead */
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  uint64_t dropped = dstats(dev).prefetch_dropped_bytes;
+  vp_source_t e = {.kind = VP_SOURCE_HOST, .host = buf + 4 * ps};
+  ASSERT_OK(vp_weight_swap_source(w[1], &e));
+  ASSERT_EQ_U64(dstats(dev).prefetch_dropped_bytes, dropped + ps);
+  ASSERT_OK(vp_acquire(dev, &w[1], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_RESIDENT | VP_ACQUIRED_COPIED);
+  verify_resident(dev, 0, p, buf + 4 * ps, ps);
+  ASSERT_OK(vp_release(dev, &w[1], 1, 0));
+  /* Bad input. */
+  ASSERT_RC(vp_weight_swap_source(w[0], NULL), VP_EINVAL);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_weight_swap_source: ", 23) == 0);
+  vp_source_t bad = {.kind = VP_SOURCE_HOST, .host = NULL};
+  ASSERT_RC(vp_weight_swap_source(w[0], &bad), VP_EINVAL);
+  ASSERT_OK(vp_weight_destroy(w[2]));
+  ASSERT_RC(vp_weight_swap_source(w[2], &d), VP_EHANDLE);
+  ASSERT_OK(vp_device_close(dev));
+  free(buf);
+}
+
+/* vp_weight_swap_source on a streamed weight: a slot an acquire used keeps
+ * its bytes (a hit, no copy); a slot prefetch filled ahead is dropped and
+ * the weight copied again from the new source. */
+TEST(stream_weight_swap_source_staged, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = o.page_size;
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  model_t m;
+  model_uniform(&m, dev, 3 * ps, 3, ps, SRC_SCATTER, 23);
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0)); /* every weight streams */
+  unsigned char *other = malloc(ps);
+  ASSERT_TRUE(other != NULL);
+  memset(other, 0x5a, ps);
+  vp_source_t d = {.kind = VP_SOURCE_HOST, .host = other};
+  uint64_t p = 0, q = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_OK(vp_weight_swap_source(m.w[0], &d));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &q, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED); /* its slot: a hit */
+  ASSERT_EQ_U64(q, p);
+  verify_resident(dev, 0, q, m.srcs[0].host, ps);
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  /* w[1] staged ahead by the prefetch after w[0], then swapped. */
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p, &f));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_OK(vp_device_set_lookahead(dev, 0));
+  ASSERT_OK(vp_weight_swap_source(m.w[1], &d));
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, 0, &q, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  verify_resident(dev, 0, q, other, ps);
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, 0));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+  free(other);
+}
+
 /* Weights that stayed resident do not count toward the lookahead: after
  * them, the first weight that needs a copy is prefetched. Weights filled
  * ahead do count. */

@@ -506,13 +506,14 @@ class Pager:
         return n
 
     def host_bytes(self):
-        """Host memory held for sources: the host copy and the patched
-        copies (weights patched at fill have none)."""
+        """Host memory held for sources: the host copy, the patched
+        copies, and the fills kept for streamed weights patched at fill
+        (vpager.torch's keptfills.py; the others have none)."""
         if self.closed:
             return 0
         s = self.h.stats()["model"]
-        return s["host_bytes"] + sum(e.host_patched_bytes
-                                     for e in self.entries)
+        return s["host_bytes"] + s["kept_fill_bytes"] + sum(
+            e.host_patched_bytes for e in self.entries)
 
     def stats(self):
         """vpager.torch's stats() shape (python/README.md, "stats()"),

@@ -317,6 +317,7 @@ PROTOTYPES = {
     "vp_weight_destroy": (_i, [_w]),
     "vp_weights_move": (_i, [_vb, _sz, P(vp_weight_t), P(c_uint64)]),
     "vp_weight_set_source": (_i, [_w, P(vp_source_t)]),
+    "vp_weight_swap_source": (_i, [_w, P(vp_source_t)]),
     "vp_weight_set_lookahead": (_i, [_w, _u64]),
     "vp_weight_get_lookahead": (_i, [_w, P(c_uint64)]),
     "vp_acquire": (_i, [_dev, P(vp_weight_t), _sz, _s, P(c_uint64),

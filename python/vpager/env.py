@@ -65,6 +65,11 @@ VARIABLES: Dict[str, Variable] = {
                                    "forward copying at most a tenth more "
                                    "(default 0: in one forward, its "
                                    "resident set filled as it streams)"),
+    "VPAGER_KEEP_FILLS": Variable("flag", "0: a streamed weight's fill "
+                                  "(set_fill) runs at each of its fills; "
+                                  "1: its result is kept in a pinned host "
+                                  "copy once the schedule settles "
+                                  "(default 1)"),
     "VPAGER_COPY_BEHIND": Variable("flag", "0: offload() makes a large "
                                    "model's pinned host copy before it "
                                    "returns; 1: behind it, each unit of "

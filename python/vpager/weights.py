@@ -119,8 +119,8 @@ class Weights(Handle):
     vp_source_t, or a bytes-like object (a HOST source, held while the
     weight exists; it must hold at least sizes[i] bytes). close() destroys
     every weight still there (BusyError while one is acquired); destroy(i)
-    one of them; set_source(i, source) gives weight i another source;
-    move(indices, offsets) places some anew. w[i] is a Weight (for
+    one of them; set_source(i, source) gives weight i another source
+    (swap_source: one holding the bytes it has); move(indices, offsets) places some anew. w[i] is a Weight (for
     WeightBatch); .handles is the ctypes array of vp_weight_t."""
 
     _kind = "weights"
@@ -212,17 +212,30 @@ class Weights(Handle):
         """vp_weight_set_source() of weight i: its bytes come from
         `source` (as in the constructor) from its next acquire on; it keeps
         its place (BusyError while acquired)."""
+        self._source(i, source, C.vp_weight_set_source,
+                     "vp_weight_set_source")
+
+    def swap_source(self, i, source):
+        """vp_weight_swap_source() of weight i: `source` holds the bytes
+        its last acquire used (as the caller left them), so what an
+        acquire used stays valid and is not filled again; what prefetch
+        copied ahead of an acquire is filled from `source` (BusyError
+        while acquired)."""
+        self._source(i, source, C.vp_weight_swap_source,
+                     "vp_weight_swap_source")
+
+    def _source(self, i, source, call, name):
         hs = self._handle()
         if not self._alive[i]:
             raise closed_error("weight %d of this vpager.Weights" % i)
         src = _as_source(source)
         if (src.kind == _lib.VP_SOURCE_HOST and isinstance(src.host, BufferRef)
                 and src.host.size < self.sizes[i]):
-            raise _einval("vp_weight_set_source: the source holds %d bytes, "
-                          "the weight %d" % (src.host.size, self.sizes[i]))
+            raise _einval("%s: the source holds %d bytes, the weight %d"
+                          % (name, src.host.size, self.sizes[i]))
         c = vp_source_t()
         src._fill(c)
-        check(C.vp_weight_set_source(hs[i], ctypes.byref(c)))
+        check(call(hs[i], ctypes.byref(c)))
         if not self._keep:
             self._keep = [None] * len(self._alive)
         self._keep[i] = src

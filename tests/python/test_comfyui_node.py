@@ -897,6 +897,47 @@ def test_patch_at_fill():
                                base.diffusion_model.blocks[1].up.weight)
 
 
+def test_streamed_patches_kept_on_the_host():
+    """A LoRA patched at fill on weights the settled schedule streams:
+    after a few steps their patched bytes are kept in a pinned host copy
+    (vpager.torch's keptfills.py) and their patch is computed no more;
+    every step's output bitwise the legacy bake's; a strength change
+    computes the patch again from the weights' own bytes at the next step
+    only (bitwise the new bake) and keeps it in turn; removed, the base
+    bytes and nothing kept."""
+    with env(capacity=512 * K, staging=128 * K) as e:
+        m, base, want0, p, pager = loaded_twisted(e)
+        keys = ["diffusion_model.%s.%d.weight" % (n, i)
+                for i in range(6) for n in ("ups", "downs")]
+        g = torch.Generator().manual_seed(11)
+        diffs = {k: torch.randn(*dict(base.named_parameters())[k].shape,
+                                generator=g) * 0.01 for k in keys}
+        host0 = pager.host_bytes()
+        fills = []
+        for strength in (0.8, 0.5):
+            q = p.clone()
+            q.add_patches({k: ("diff", (d,)) for k, d in diffs.items()},
+                          strength)
+            q.partially_load(CPU)
+            want = run(lora_ref(base, q.patches))
+            counts = []
+            for _ in range(10):
+                f0 = pager.stats()["model"]["patch_fills"]
+                assert torch.equal(run(m), want)
+                counts.append(pager.stats()["model"]["patch_fills"] - f0)
+            s = pager.stats()["model"]
+            assert s["kept_fills"] > 0 and counts[-1] == 0, (counts, s)
+            assert pager.host_bytes() == host0 + s["kept_fill_bytes"]
+            fills.append(counts)
+        # The change: computed again once, kept from the next step on.
+        assert fills[1][0] > 0 and fills[1][1:] == [0] * 9, fills
+        p.partially_load(CPU)
+        for _ in range(2):
+            assert torch.equal(run(m), want0)
+        assert pager.stats()["model"]["kept_fills"] == 0
+        assert pager.host_bytes() == host0
+
+
 def test_streamed_patches_staged_on_device():
     """A streamed weight's patch set is copied to the device at its second
     fill (patch_stage: ComfyUI's math would otherwise copy each LoRA

@@ -15,6 +15,7 @@ from .access import Lifecycle, ModelAccess
 from .devices import attach, DEVSTATES, leave, open_for, SIZED_RINGS
 from .hotpath import HotPath
 from .install import Installation
+from .keptfills import KeptFills
 from .layout import Layout
 from .patches import drop_alt
 from .replace import Recorder
@@ -68,7 +69,9 @@ class Parts:
     """One offloaded model's parts: its layout (built once), the
     Installation in its module, the root's RootHooks, the HotPath (every
     forward), the Recorder and the Tuner (None: not scheduled) that adapt
-    it between forwards; ds, its device's DevState."""
+    it between forwards; kept, the fills kept on the host for the
+    weights the schedule streams (None: not scheduled); ds, its device's
+    DevState."""
 
     layout: Layout
     ds: Any
@@ -77,6 +80,7 @@ class Parts:
     hot_path: HotPath
     recorder: Recorder
     tuner: Optional[tuner.Tuner]
+    kept: Optional[KeptFills] = None
 
     def remove(self) -> None:
         """Everything taken out of the module (unload(), after restore)."""
@@ -99,6 +103,8 @@ class Parts:
 
     def free(self, device: Any, owner: Any) -> None:
         """free(): unload(), close()."""
+        if self.kept is not None:
+            self.kept.close()
         free(self.layout, self.ds, device, owner)
 
 
@@ -158,7 +164,7 @@ def _parts(plan: Any, lay: Layout, ds: Any, owned: bool,
                         keep_offsets=s.scheduled)
     hot = HotPath(life.owner, lay, ds, plan.target, recorder,
                   life.check_open, life.is_open)
-    tune = None
+    tune = kept = None
     if s.scheduled:
         def hold(units):
             hot.set_held(units)
@@ -171,10 +177,11 @@ def _parts(plan: Any, lay: Layout, ds: Any, owned: bool,
         windows, resize = tuner_freedom(s, lay.device, owned)
         tune = hot.tuner = tuner.Tuner(access, hooks, lay, ds, plan.target,
                                        windows, resize)
+        kept = hot.keeper = KeptFills(lay, hooks, tune.streamed)
     install = Installation(plan.module, lay, plan.target, s.outside,
                            s.tensors is not None, plan.owners, life.owner,
                            life.check_open, life.unloaded)
-    return Parts(lay, ds, install, hooks, hot, recorder, tune)
+    return Parts(lay, ds, install, hooks, hot, recorder, tune, kept)
 
 
 def _install(parts: Parts, plan: Any) -> None:
@@ -189,3 +196,4 @@ def _install(parts: Parts, plan: Any) -> None:
     if parts.tuner is not None:
         parts.tuner.install()
         parts.tuner.guess()
+

@@ -39,6 +39,10 @@ MODEL_SIZES = {
                     "file's (in place or read) or a caller's sources=",
     "replaced": "times the weights were re-placed in the order of use",
     "set_sources": "weights whose bytes come from set_source()",
+    "kept_fills": "weights with a fill (set_fill) that stream, their "
+                  "bytes as it left them kept in a pinned host copy of "
+                  "their own (keptfills.py): the fill runs no more",
+    "kept_fill_bytes": "those copies' bytes",
     "load_seconds": "offload()'s host copy: host_fill_s, host_alloc_s",
     "host_by_kind": "host bytes of its weights by where they live: \"in "
                     "place\" (the mapped file), \"pinned copy\" (vpager's), "
@@ -59,7 +63,10 @@ def handle_stats(handle, layout, gov) -> Dict[str, Any]:
         host_bytes=layout.host_bytes,
         file_weights=sum(e.host is None for e in entries),
         replaced=handle.replaced,
-        set_sources=sum(e.own is not None for e in entries),
+        set_sources=sum(e.own is not None and e.kept is None
+                        for e in entries),
+        kept_fills=sum(e.kept is not None for e in entries),
+        kept_fill_bytes=sum(e.size for e in entries if e.kept is not None),
         load_seconds=dict(layout.load_times),
         host_by_kind=(layout.hbytes.by_kind(entries)
                       if layout.hbytes is not None else {}),

@@ -90,6 +90,7 @@ class HotPath:
         self.target = target
         self.recorder = recorder
         self.tuner = _NO_TUNER      # build.assemble sets the Tuner, if any
+        self.keeper = None          # ... and the KeptFills (keptfills.py)
         self.staged = {}            # (address, dtype, shape) -> view
         self.held = None            # WeightBatch of the held units' weights
         self.held_units = ()        # the units whose weights hold() takes
@@ -298,7 +299,8 @@ class HotPath:
         """Weight e's fill (patches.set_fill) over its fresh bytes in v;
         after an out-of-memory error (a fill that raises leaves the bytes
         as they were) once more, with vpager's unpinned pages evicted and
-        torch's cache emptied, as retry() does for a forward."""
+        torch's cache emptied, as retry() does for a forward. The keeper
+        copies the result to the host if it armed a buffer for it."""
         self.fills += 1
         self.fill_bytes += e.size
         try:
@@ -310,6 +312,8 @@ class HotPath:
             e.fill(v)
         if v.is_cuda:
             self._filled.append(e)
+        if self.keeper is not None:
+            self.keeper.ran(e, v)
 
     def _mark_fills(self, stream):
         """An event after the fills this acquire ran on `stream`, kept for

@@ -185,6 +185,14 @@ class Layout:
         self.weights.set_source(e.index, src)
         e.src = src
 
+    def swap_source(self, e, src):
+        """Entry e's weight takes the same bytes from `src` from now on
+        (vp_weight_swap_source: src holds what its last acquire used, as
+        its fill left them): nothing an acquire used is filled again.
+        BusyError while e is acquired."""
+        self.weights.swap_source(e.index, src)
+        e.src = src
+
     def swap(self, entries, offsets, srcs, on_lost):
         """Re-create the weights: entries[i] at VBAR offset offsets[i] with
         source srcs[i]. The VBAR's pages are evicted first (eviction waits

@@ -2,14 +2,16 @@
 patched bytes live in a pinned host buffer of the weight's own, e.alt;
 e.own keeps the source it had before), or rewritten on the device each
 time they are filled from their source (Offloaded.set_fill: a patch
-computed at fill, e.fill; no host copy), and every weight's own bytes
-again when a safetensors file replaces them (load_safetensors)."""
+computed at fill, e.fill; no host copy: unless it streams, keptfills.py),
+and every weight's own bytes again when a safetensors file replaces them
+(load_safetensors)."""
 
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from ..weights import Source
+from .keptfills import restore
 from .layout import Layout
 from .sources import host_memory, outside
 
@@ -69,6 +71,7 @@ def _set_source(layout: Layout, e: Any, tensor: Optional[torch.Tensor]
     if e.cur:
         raise RuntimeError("vpager.torch: set_source(%r) while the "
                            "weight is acquired" % e.name)
+    restore(e)
     if tensor is None:
         if e.own is not None:
             layout.set_source(e, e.own)
@@ -124,6 +127,7 @@ def set_fill(layout: Layout, name: str,
     if e.cur:
         raise RuntimeError("vpager.torch: set_fill(%r) while the weight is "
                            "acquired" % e.name)
+    restore(e)
     if e.own is not None:       # a set_source() copy: its own bytes again
         layout.set_source(e, e.own)
         e.own = None
@@ -153,6 +157,7 @@ def load_file(layout: Layout, module: torch.nn.Module, path: str,
     patches dropped; with outside="host" the tensors hold the new bytes)."""
     layout.reload(module, path, swap)
     for e in layout.entries:
+        restore(e)
         e.own = None
         _set_fill_of(layout, e, None)
         drop_alt(e)

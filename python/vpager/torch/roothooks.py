@@ -22,11 +22,13 @@ PreHook = Callable[[torch.nn.Module, Tuple[Any, ...]], None]
 PostHook = Callable[[torch.nn.Module, Tuple[Any, ...], Any], None]
 
 # Before the root's forward: torch's headroom learned first (activations
-# first, on CUDA), then the order of use starts recording, the tuner's
+# first, on CUDA), the fills kept on the host taken as sources (before the
+# tuner: its measured forward starts after any buffer was page-locked),
+# then the order of use starts recording, the tuner's
 # measured forward starts, the ledger publishes and may send the model
 # back on top, and last the tuner's watch of the budget (after the
 # learner and the ledger, so it reads the budget they left).
-PRE_ORDER = ("learn", "record", "measure", "ledger", "watch")
+PRE_ORDER = ("learn", "keep", "record", "measure", "ledger", "watch")
 # After it: the re-placement in the order of use first, then the tuner's
 # schedule (made from the re-placed layout), then the ledger.
 POST_ORDER = ("record", "measure", "ledger")

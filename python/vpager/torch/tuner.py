@@ -292,6 +292,7 @@ class Tuner:
         self.guess_order = []       # id() of its weights, in its order
         self.heading = None         # (Schedule, ring) placed step by step
         self.forwards = 0           # root forwards begun
+        self._streamed = (None, frozenset())   # streamed()'s, per schedule
         # VPAGER_SCHEDULE_LOG: what each forward and plan job came to.
         self.tracing = env.flag("VPAGER_SCHEDULE_LOG", False)
 
@@ -420,6 +421,21 @@ class Tuner:
                            "streamed_bytes": c.streamed}
                           for r, c in self.rings],
                 "windows": list(sch.window) if self.windows else None}
+
+    def streamed(self):
+        """The weights the schedule in place streams, once it is settled
+        (describe()'s "settled") and was made for the fills there are now;
+        None before (keptfills.py keeps only what stays streamed)."""
+        sch = self.schedule
+        if sch is None or self.guessed or not self.done or \
+                self.heading is not None or self._planning() or \
+                self.fills_planned != self.layout.fill_changes:
+            return None
+        if self._streamed[0] is not sch:
+            flat = self._costs({})[3]       # the order of sch.resident
+            self._streamed = (sch, frozenset(
+                e for e, r in zip(flat, sch.resident) if not r))
+        return self._streamed[1]
 
     def remove(self):
         """No more measuring, nor watching the room."""

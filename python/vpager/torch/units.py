@@ -33,7 +33,7 @@ class Entry:
     __slots__ = ("index", "name", "tensor", "is_param", "dtype", "shape",
                  "size", "offset", "src_device", "requires_grad", "host",
                  "file_addr", "src", "rview", "ph", "ph_ptr", "cur", "curv",
-                 "keep", "own", "alt", "hparam", "fill")
+                 "keep", "own", "alt", "hparam", "fill", "kept")
 
     def __init__(self, index, name, tensor, is_param):
         self.index = index
@@ -62,6 +62,7 @@ class Entry:
         self.alt = None                   # HostBuf of a set_source() copy
         self.hparam = None                # Parameter over rview (held)
         self.fill = None                  # set_fill(): rewrites fresh bytes
+        self.kept = None                  # its fill, resting (keptfills.py)
 
     def forget_views(self):
         self.rview = self.curv = self.hparam = None

@@ -1,0 +1,217 @@
+"""A fill's result kept on the host for a weight the schedule streams.
+
+A weight with a fill (patches.set_fill: a LoRA's patch computed on the
+device) runs it each time its bytes come from their source: once while it
+stays resident, at every step while it streams. On fp8 Flux with a LoRA at
+half its bytes every patched weight streamed and its patch math (fp32, the
+LoRA, stochastic rounding to fp8) ran at each fill: 1512 MiB a step, the
+step 1.76x the one without (bench/RESULTS.md, twenty-fourth session).
+
+So once the schedule in place has settled and streams such a weight, its
+bytes as its fill left them are copied once into a pinned host buffer of
+its own (at its next fill, after the fill, on the acquiring stream) and
+from the next root forward on they are its source (vp_weight_swap_source:
+what an acquire used stays valid) and its fill rests: it streams as an
+unpatched weight does, for its copy's link time. The bytes are the fill's
+own, so outputs stay bitwise those of the fill.
+
+It gets its fill back and the buffer goes when its fill or source changes
+(patches.py: restore()), and when it turns resident (its pages keep the
+bytes: swapped back, nothing copied again). A buffer is taken only while
+RAM available stays above RESERVE after it (where RAM is known) and only
+if the pin budget page-locks it whole; otherwise the fill runs as before.
+VPAGER_KEEP_FILLS=0 turns it off."""
+
+from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
+
+import torch
+
+from .. import PAGE_RESIDENT, env
+from ..errors import Error
+from .._sysmem import ram_total
+from ..weights import Source
+from .hostpolicy import ram_available
+from .layout import Layout
+from .sources import host_memory
+
+KEEP_FILLS = "VPAGER_KEEP_FILLS"
+RESERVE = 4 << 30           # RAM left available after a buffer, at least
+RESERVE_SHARE = 8           # ... and 1/8 of the machine's
+
+
+def restore(e: Any) -> None:
+    """Weight e's fill back if its result was kept, before patches.py
+    changes its fill or source (it sets e.own, its own source, again; the
+    buffer stays the keeper's, to take the new fill's bytes or be freed
+    at the next root forward's start)."""
+    if e.kept is not None:
+        e.fill, e.kept, e.alt = e.kept, None, None
+
+
+class KeptFills:
+    """The model's kept fills (module doc): ran() after each fill (the hot
+    path), between() at each root forward's start (the root's "keep"
+    slot of `hooks`, filled from a fill's run until nothing is left to
+    do); streamed() says which weights the settled schedule streams (the
+    tuner's), None while it is not settled. Each buffer is the keeper's
+    (bufs) from its page-locking to its close: armed for a fill, caught
+    (its bytes on the way), kept (the weight's source, e.alt too), or
+    spare (its weight's fill changed: armed again for the new one)."""
+
+    def __init__(self, layout: Layout, hooks: Any,
+                 streamed: Callable[[], Optional[FrozenSet[Any]]]) -> None:
+        self.layout = layout
+        self.hooks = hooks
+        self.streamed = streamed
+        self.on = env.flag(KEEP_FILLS, True)
+        self.bufs: Dict[Any, Tuple[Any, torch.Tensor]] = {}  # (HostBuf, host)
+        # Entry -> (fill, source): its buffer takes the next run of that
+        # fill over bytes from that source.
+        self.armed: Dict[Any, Tuple[Any, Any]] = {}
+        # Entry -> (fill, source, event or None): its bytes as the fill
+        # left them, on their way into its buffer.
+        self.caught: Dict[Any, Tuple[Any, Any, Any]] = {}
+        self.ran_last: set = set()      # weights filled since between()
+        self.short = False              # RAM or pins ran short: no more
+        self.hooked = False             # between() in the "keep" slot
+
+    def ran(self, e: Any, v: torch.Tensor) -> None:
+        """Weight e's fill rewrote its bytes in v (on the current stream):
+        into its buffer if one is armed for this fill and source."""
+        if not self.on:
+            return
+        if not self.hooked:
+            self.hooks.set("keep", pre=self.between)
+            self.hooked = True
+        self.ran_last.add(e)
+        got = self.armed.pop(e, None)
+        if got is None:
+            return
+        fill, src = got
+        if fill is not e.fill or src is not e.src:
+            return                          # spare: between() decides
+        host = self.bufs[e][1]
+        with torch.no_grad(), torch.inference_mode(False):
+            host.view(e.dtype).view(e.shape).copy_(v, non_blocking=True)
+        ev = None
+        if v.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        self.caught[e] = (fill, src, ev)
+
+    def between(self, module: Any = None, args: Any = None) -> None:
+        """At a root forward's start: caught bytes become their weight's
+        source, kept weights now resident get their fill back, and the
+        weights the settled schedule streams whose fill ran (or whose
+        kept fill was just replaced) get a buffer."""
+        ran, self.ran_last = self.ran_last, set()
+        if not (ran or self.bufs):
+            self.hooks.clear("keep")        # (filled again by a fill)
+            self.hooked = False
+            return
+        streamed = self.streamed()
+        resident = self._resident()
+        for e in list(self.caught):
+            fill, src, ev = self.caught[e]
+            if ev is not None and not ev.query():
+                continue
+            del self.caught[e]
+            # Another fill or source since, or resident now: not kept.
+            if fill is e.fill and src is e.src and not e.cur and \
+                    not resident(e):
+                self._keep(e)
+        for e in list(self.bufs):
+            if e in self.caught:
+                continue
+            if e.kept is not None:
+                if not e.cur and resident(e):
+                    self._unkeep(e)
+            elif streamed is not None and e in streamed and \
+                    e.fill is not None and not resident(e) and \
+                    not e.cur:
+                self.armed[e] = (e.fill, e.src)     # (again)
+            else:
+                self._free(e)
+        if streamed is None or self.short:
+            return
+        for e in ran:
+            if e.fill is not None and e in streamed and \
+                    e not in self.bufs and not resident(e):
+                self._arm(e)
+                if self.short:
+                    return
+
+    @property
+    def kept_bytes(self) -> int:
+        """Host bytes of the fills kept now."""
+        return sum(e.size for e in self.bufs if e.kept is not None)
+
+    def close(self) -> None:
+        """The buffers that are no weight's source freed (the kept ones
+        go with their weights: patches.drop_alt)."""
+        for e in list(self.bufs):
+            if e.kept is None:
+                self._free(e)
+        self.bufs.clear()
+        self.armed.clear()
+        self.caught.clear()
+
+    # ------------------------------------------------------------ inside
+    def _resident(self) -> Callable[[Any], bool]:
+        """Per entry: its pages all resident now (read once)."""
+        lay = self.layout
+        flags = lay.vbar.residency()
+        page = lay.device.page_size
+
+        def resident(e: Any) -> bool:
+            return e.size > 0 and all(
+                flags[p] & PAGE_RESIDENT for p in range(
+                    e.offset // page, (e.offset + e.size - 1) // page + 1))
+        return resident
+
+    def _arm(self, e: Any) -> None:
+        """A pinned buffer for e's next fill, if RAM and the pin budget
+        allow (else no more buffers for this model: short)."""
+        ram = ram_available()
+        total = ram_total() or 0
+        if ram and ram - e.size < max(RESERVE, total // RESERVE_SHARE):
+            self.short = True
+            return
+        host, buf = host_memory(e.size)
+        hb = self.layout.device.register_hostbuf(buf, max(e.size, 1))
+        if hb.info()["pinned_bytes"] < e.size:
+            hb.close()
+            self.short = True
+            return
+        self.bufs[e] = (hb, host)
+        self.armed[e] = (e.fill, e.src)
+
+    def _free(self, e: Any) -> None:
+        self.armed.pop(e, None)
+        self.caught.pop(e, None)
+        hb = self.bufs.pop(e)[0]
+        if not hb.closed:
+            hb.close()
+
+    def _keep(self, e: Any) -> None:
+        """e's source from now on: the fill's bytes in its buffer; its
+        fill rests. Left as it is if the weight would not take it."""
+        hb = self.bufs[e][0]
+        own = e.src
+        try:
+            self.layout.swap_source(e, Source.from_host(hb.ptr))
+        except Error:
+            return
+        e.own, e.alt = own, hb
+        e.kept, e.fill = e.fill, None
+
+    def _unkeep(self, e: Any) -> None:
+        """e resident: its own source and its fill again, its pages kept
+        (they hold what the fill makes); the buffer freed."""
+        try:
+            self.layout.swap_source(e, e.own)
+        except Error:
+            return
+        e.own = e.alt = None
+        e.fill, e.kept = e.kept, None
+        self._free(e)
