@@ -180,8 +180,8 @@ def child(cr, a):
                 "convert_ms", "patched_weights", "quantized_weights",
                 "refills", "host_patched_weights", "host_patched_bytes",
                 "patch_fills", "patch_staged_bytes",
-                "patch_fill_bytes", "set_sources",
-                "replaced", "schedule", "host_by_kind", "host_policy")
+                "patch_fill_bytes", "set_sources", "kept_fills",
+                "kept_fill_bytes", "replaced", "schedule", "host_by_kind", "host_policy")
                 if k in s}
         m["node"] = info.get("node")
         return m
@@ -194,10 +194,13 @@ def child(cr, a):
 # A node run named node<budget><suffix> runs with these variables: "late"
 # places the weights after the first forward, not before it; "steps"
 # takes a placement in steps, "onestep" in one forward (the default) (the
-# first prompt with and without each, beside the default in one run).
+# first prompt with and without each, beside the default in one run);
+# "nokeep" computes a streamed weight's LoRA patch at each of its fills
+# (no kept fills: vpager.torch's keptfills.py).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
-            "steps": {"VPAGER_PLACE_STEPS": "1"}}
+            "steps": {"VPAGER_PLACE_STEPS": "1"},
+            "nokeep": {"VPAGER_KEEP_FILLS": "0"}}
 
 
 def _suffix(run):
@@ -538,20 +541,23 @@ def lora_change(cr, run, reps, row):
                     ) / len(same["steps_ms"]) / 2**20
         row["lora_fill_mib_per_step"] = fill_mib
     staged = now.get("patch_staged_bytes")
+    kept = now.get("kept_fill_bytes")
 
     def fmt(k):
         return "%.2f s" % cost[k] if k in cost else "n/a"
     say("%s: LoRA change (a prompt's time less lora_b_again's): first "
         "application %s (target <= %.1f), strength change %s (target <= "
         "%.1f), another LoRA %s, removed %s; step with LoRA / without %s "
-        "(target <= %.2f)%s%s" % (
+        "(target <= %.2f)%s%s%s" % (
             run, fmt("lora_a"), LORA_FIRST_S, fmt("lora_a@0.5"),
             LORA_STRENGTH_S, fmt("lora_b"), fmt("removed"),
             "%.3f" % step if step else "n/a", LORA_STEP,
             "; patched at fill %.0f MiB a step" % fill_mib
             if fill_mib is not None else "",
             ", its patches staged on the device %.1f MiB" % (staged / 2**20)
-            if staged is not None else ""))
+            if staged is not None else "",
+            ", patched bytes kept on the host %.0f MiB" % (kept / 2**20)
+            if kept is not None else ""))
 
 
 # The runs the latents are compared against: with --cgroup-gib they run
