@@ -153,6 +153,39 @@ def test_no_buffer_without_ram_to_spare_or_when_off():
         h.unload()
 
 
+def test_ram_running_short_lets_the_kept_fills_go():
+    """RAM available falls under half the reserve while fills are kept:
+    the next forward's start gives every kept weight its fill back and
+    frees the buffers, said in one warning; the fills run again, outputs
+    unchanged, and no buffer is taken again."""
+    import logging
+    lines = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    catch = Catch()
+    logging.getLogger("vpager").addHandler(catch)
+    old = keptfills.CHECK_EVERY
+    keptfills.CHECK_EVERY = 0.0     # RAM read at every forward's start
+    try:
+        h, ref, forward, patched = _patched_model()
+        for _ in range(8):
+            forward()
+        assert _kept(h) > 0
+        with hostpolicy.override(ram_available=1 << 30):
+            runs = [forward() for _ in range(4)]
+    finally:
+        keptfills.CHECK_EVERY = old
+        logging.getLogger("vpager").removeHandler(catch)
+    assert _kept(h) == 0, runs
+    assert runs[0] > 0 and runs[-1] == runs[0], runs
+    said = [x for x in lines if "were let go" in x]
+    assert len(said) == 1, lines
+    assert not h._parts.kept.bufs
+    h.unload()
+
+
 def test_set_source_and_load_over_a_kept_weight():
     """set_source() on a kept weight replaces its kept bytes with the
     caller's (its fill gone); set_source(None) gives its own bytes back."""

@@ -16,12 +16,16 @@ unpatched weight does, for its copy's link time. The bytes are the fill's
 own, so outputs stay bitwise those of the fill.
 
 It gets its fill back and the buffer goes when its fill or source changes
-(patches.py: restore()), and when it turns resident (its pages keep the
-bytes: swapped back, nothing copied again). A buffer is taken only while
-RAM available stays above RESERVE after it (where RAM is known) and only
-if the pin budget page-locks it whole; otherwise the fill runs as before.
-VPAGER_KEEP_FILLS=0 turns it off."""
+(patches.py: restore(); a new fill of a streamed weight takes the same
+buffer), and when it turns resident (its pages keep the bytes: swapped
+back, nothing copied again). A buffer is taken only while RAM available
+stays above RESERVE after it (where RAM is known) and only if the pin
+budget page-locks it whole; otherwise the fill runs as before. RAM
+available below half of that (read at most once a CHECK_EVERY) lets every
+kept fill go, said in one line. VPAGER_KEEP_FILLS=0 turns it off."""
 
+import logging
+import time
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
@@ -37,6 +41,14 @@ from .sources import host_memory
 KEEP_FILLS = "VPAGER_KEEP_FILLS"
 RESERVE = 4 << 30           # RAM left available after a buffer, at least
 RESERVE_SHARE = 8           # ... and 1/8 of the machine's
+CHECK_EVERY = 1.0           # seconds between two reads of RAM available
+
+log = logging.getLogger("vpager")
+
+
+def reserve() -> int:
+    """RAM to leave available after a buffer (RESERVE, RESERVE_SHARE)."""
+    return max(RESERVE, (ram_total() or 0) // RESERVE_SHARE)
 
 
 def restore(e: Any) -> None:
@@ -74,6 +86,8 @@ class KeptFills:
         self.ran_last: set = set()      # weights filled since between()
         self.short = False              # RAM or pins ran short: no more
         self.hooked = False             # between() in the "keep" slot
+        self.check_at = 0.0             # when RAM available is read next
+        self.said = 0                   # kept weights last logged
 
     def ran(self, e: Any, v: torch.Tensor) -> None:
         """Weight e's fill rewrote its bytes in v (on the current stream):
@@ -109,6 +123,9 @@ class KeptFills:
             self.hooks.clear("keep")        # (filled again by a fill)
             self.hooked = False
             return
+        if self.bufs and self._pressed():
+            self._let_go()
+            return
         streamed = self.streamed()
         resident = self._resident()
         for e in list(self.caught):
@@ -132,6 +149,7 @@ class KeptFills:
                 self.armed[e] = (e.fill, e.src)     # (again)
             else:
                 self._free(e)
+        self._say()
         if streamed is None or self.short:
             return
         for e in ran:
@@ -169,12 +187,47 @@ class KeptFills:
                     e.offset // page, (e.offset + e.size - 1) // page + 1))
         return resident
 
+    def _pressed(self) -> bool:
+        """RAM available (read at most once a CHECK_EVERY) below half the
+        reserve."""
+        now = time.monotonic()
+        if now < self.check_at:
+            return False
+        self.check_at = now + CHECK_EVERY
+        ram = ram_available()
+        return bool(ram) and ram < reserve() // 2
+
+    def _let_go(self) -> None:
+        """Every kept fill given back (their patches computed at each fill
+        again) and every buffer freed: RAM ran short."""
+        n, size = 0, self.kept_bytes
+        for e in list(self.bufs):
+            if e.kept is not None:
+                self._unkeep(e)
+                n += 1
+            elif e in self.bufs:
+                self._free(e)
+        self.short = True
+        log.warning("vpager: RAM available fell under %d MiB: the fills "
+                    "of %d streamed weights kept in pinned host memory "
+                    "(%d MiB) were let go; they run at each fill again",
+                    reserve() // 2 >> 20, n, size >> 20)
+        self.said = sum(e.kept is not None for e in self.bufs)
+
+    def _say(self) -> None:
+        """One line when the number of kept fills changed."""
+        n = sum(e.kept is not None for e in self.bufs)
+        if n != self.said:
+            self.said = n
+            log.info("vpager: the fills of %d streamed weights are kept in "
+                     "pinned host memory (%d MiB): they run no more",
+                     n, self.kept_bytes >> 20)
+
     def _arm(self, e: Any) -> None:
         """A pinned buffer for e's next fill, if RAM and the pin budget
         allow (else no more buffers for this model: short)."""
         ram = ram_available()
-        total = ram_total() or 0
-        if ram and ram - e.size < max(RESERVE, total // RESERVE_SHARE):
+        if ram and ram - e.size < reserve():
             self.short = True
             return
         host, buf = host_memory(e.size)
