@@ -138,14 +138,20 @@ def test_kept_weights_turning_resident_get_their_fill_back_uncopied():
 
 
 def test_no_buffer_without_ram_to_spare_or_when_off():
-    """RAM available below the reserve after a buffer, or
-    VPAGER_KEEP_FILLS=0: the streamed weights' fills run at every forward,
-    outputs unchanged."""
+    """RAM available below the reserve after a buffer, a pin budget that
+    would not page-lock a buffer whole, or VPAGER_KEEP_FILLS=0: the
+    streamed weights' fills run at every forward, outputs unchanged."""
     with hostpolicy.override(ram_available=keptfills.RESERVE):
         h, ref, forward, patched = _patched_model()
         runs = [forward() for _ in range(8)]
         assert _kept(h) == 0 and runs[-1] > 0, runs
         h.unload()
+    h, ref, forward, patched = _patched_model()
+    h.device.set_pin_budget(h.device.stats()["host_pinned_bytes"] + 4096)
+    runs = [forward() for _ in range(8)]
+    assert _kept(h) == 0 and runs[-1] > 0, runs
+    assert not h._parts.kept.bufs and h._parts.kept.short
+    h.unload()
     with environ(VPAGER_KEEP_FILLS="0"):
         h, ref, forward, patched = _patched_model()
         runs = [forward() for _ in range(8)]

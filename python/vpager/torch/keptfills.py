@@ -143,21 +143,24 @@ class KeptFills:
             if e.kept is not None:
                 if not e.cur and resident(e):
                     self._unkeep(e)
-            elif streamed is not None and e in streamed and \
-                    e.fill is not None and not resident(e) and \
-                    not e.cur:
-                self.armed[e] = (e.fill, e.src)     # (again)
-            else:
+            elif e.fill is None or resident(e) or (
+                    streamed is not None and e not in streamed):
                 self._free(e)
+            elif streamed is None:          # spare until the plan settles
+                self.armed.pop(e, None)
+            else:                           # its new fill's, same buffer
+                self.armed[e] = (e.fill, e.src)
         self._say()
         if streamed is None or self.short:
             return
+        room, low = ram_available(), reserve()
         for e in ran:
             if e.fill is not None and e in streamed and \
                     e not in self.bufs and not resident(e):
-                self._arm(e)
-                if self.short:
+                if room and room - e.size < low or not self._arm(e):
+                    self.short = True
                     return
+                room -= e.size
 
     @property
     def kept_bytes(self) -> int:
@@ -223,21 +226,17 @@ class KeptFills:
                      "pinned host memory (%d MiB): they run no more",
                      n, self.kept_bytes >> 20)
 
-    def _arm(self, e: Any) -> None:
-        """A pinned buffer for e's next fill, if RAM and the pin budget
-        allow (else no more buffers for this model: short)."""
-        ram = ram_available()
-        if ram and ram - e.size < reserve():
-            self.short = True
-            return
+    def _arm(self, e: Any) -> bool:
+        """A pinned buffer for e's next fill; False if the pin budget
+        would not page-lock it whole."""
         host, buf = host_memory(e.size)
         hb = self.layout.device.register_hostbuf(buf, max(e.size, 1))
         if hb.info()["pinned_bytes"] < e.size:
             hb.close()
-            self.short = True
-            return
+            return False
         self.bufs[e] = (hb, host)
         self.armed[e] = (e.fill, e.src)
+        return True
 
     def _free(self, e: Any) -> None:
         self.armed.pop(e, None)
