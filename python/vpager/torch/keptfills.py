@@ -88,6 +88,7 @@ class KeptFills:
         self.hooked = False             # between() in the "keep" slot
         self.check_at = 0.0             # when RAM available is read next
         self.said = 0                   # kept weights last logged
+        self.arm_s = 0.0                # page-locking since, seconds
 
     def ran(self, e: Any, v: torch.Tensor) -> None:
         """Weight e's fill rewrote its bytes in v (on the current stream):
@@ -154,13 +155,15 @@ class KeptFills:
         if streamed is None or self.short:
             return
         room, low = ram_available(), reserve()
+        t0 = time.perf_counter()
         for e in ran:
             if e.fill is not None and e in streamed and \
                     e not in self.bufs and not resident(e):
                 if room and room - e.size < low or not self._arm(e):
                     self.short = True
-                    return
+                    break
                 room -= e.size
+        self.arm_s += time.perf_counter() - t0
 
     @property
     def kept_bytes(self) -> int:
@@ -223,8 +226,10 @@ class KeptFills:
         if n != self.said:
             self.said = n
             log.info("vpager: the fills of %d streamed weights are kept in "
-                     "pinned host memory (%d MiB): they run no more",
-                     n, self.kept_bytes >> 20)
+                     "pinned host memory (%d MiB, page-locked in %d ms): "
+                     "they run no more", n, self.kept_bytes >> 20,
+                     round(self.arm_s * 1e3))
+            self.arm_s = 0.0
 
     def _arm(self, e: Any) -> bool:
         """A pinned buffer for e's next fill; False if the pin budget
