@@ -441,6 +441,19 @@ VP_API int vp_vbar_residency(vp_vbar_t vbar, uint8_t *flags, size_t n);
  * is the machine's total. */
 typedef struct vp_hostbuf { uint64_t id; } vp_hostbuf_t;
 
+/* The machine's RAM as the library reads it (the pin budget's default is
+ * a share of `total`): bytes in all, bytes available without swapping
+ * (Linux: /proc/meminfo's MemAvailable; Windows: GlobalMemoryStatusEx's
+ * available physical memory), and the lowest memory limit over this
+ * process's cgroup (Linux) or job object (Windows); 0 where unknown (a
+ * limit: none). Needs no device. */
+typedef struct vp_host_memory {
+  uint64_t total;
+  uint64_t available;
+  uint64_t limit;
+} vp_host_memory_t;
+VP_API int vp_host_memory(vp_host_memory_t *out);
+
 typedef struct vp_hostbuf_info {
   void *ptr;             /* never moves, also across vp_hostbuf_grow */
   uint64_t size;         /* usable bytes now */

@@ -581,6 +581,15 @@ int vp_hostbuf_grow(vp_hostbuf_t h, uint64_t size) {
   return vp__unlock(dev, VP_OK);
 }
 
+int vp_host_memory(vp_host_memory_t *out) {
+  VP__ENTER();
+  if (!out) return vp__err(VP_EINVAL, "out is NULL");
+  *out = (vp_host_memory_t){.total = vp__os_ram_total(),
+                            .available = vp__os_ram_available(),
+                            .limit = vp__os_memory_limit()};
+  return VP_OK;
+}
+
 int vp_hostbuf_info(vp_hostbuf_t h, vp_hostbuf_info_t *info) {
   VP__ENTER();
   if (!info) return vp__err(VP_EINVAL, "info is NULL");

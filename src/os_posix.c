@@ -215,7 +215,7 @@ static uint64_t cgroup_walk(const char *mount, char *path, const char *file) {
 
 /* From /proc/self/cgroup: v2 ("0::<path>", memory.max) and v1 (a "memory"
  * controller line, memory.limit_in_bytes, which says a huge number for
- * "none"). */
+ * "none": 2^63 rounded down to a page, taken as none from 2^60 up). */
 uint64_t vp__os_memory_limit(void) {
   char buf[CGROUP_FILE_BYTES];
   ssize_t n = read_small("/proc/self/cgroup", buf, sizeof buf);
@@ -233,7 +233,7 @@ uint64_t vp__os_memory_limit(void) {
     else if (strstr(ctl, "memory"))
       lim = cgroup_walk("/sys/fs/cgroup/memory", path,
                         "memory.limit_in_bytes");
-    if (lim && (!low || lim < low)) low = lim;
+    if (lim && lim < (1ull << 60) && (!low || lim < low)) low = lim;
   }
   return low;
 }

@@ -62,6 +62,26 @@ static void roundtrip(vp_device_t dev, const void *src, uint64_t n) {
   roundtrip_to(dev, src, NULL, n);
 }
 
+/* vp_host_memory: the machine's RAM with no device open (Linux's
+ * /proc/meminfo, Windows' GlobalMemoryStatusEx under Wine): some RAM, some
+ * of it available; a limit below 2^60 or none (a v1 cgroup's "none" is a
+ * huge number, not a limit); NULL refused, naming the call. */
+TEST(host_memory_without_a_device, TEST_SIM_ONLY) {
+  (void)ctx;
+  vp_host_memory_t m;
+  memset(&m, 0xee, sizeof m);
+  ASSERT_OK(vp_host_memory(&m));
+  test_log("RAM %llu MiB, available %llu MiB, limit %llu MiB",
+           (unsigned long long)(m.total / MiB),
+           (unsigned long long)(m.available / MiB),
+           (unsigned long long)(m.limit / MiB));
+  ASSERT_TRUE(m.total >= 64 * MiB);
+  ASSERT_TRUE(m.available > 0 && m.available <= m.total);
+  ASSERT_TRUE(m.limit < (1ull << 60));
+  ASSERT_RC(vp_host_memory(NULL), VP_EINVAL);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_host_memory: ", 16) == 0);
+}
+
 TEST(hostbuf_alloc_grow, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   const uint64_t size = 100 * KiB + 123, max = 1 * MiB + 7;

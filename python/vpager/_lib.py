@@ -198,6 +198,14 @@ if ctypes.sizeof(vp_stats_t) != STATS_SIZE:  # pragma: no cover
                       % (ctypes.sizeof(vp_stats_t), STATS_SIZE))
 
 
+class vp_host_memory_t(Structure):
+    _fields_ = [
+        ("total", c_uint64),
+        ("available", c_uint64),
+        ("limit", c_uint64),
+    ]
+
+
 class vp_hostbuf_info_t(Structure):
     _fields_ = [
         ("ptr", c_void_p),
@@ -305,6 +313,7 @@ PROTOTYPES = {
     "vp_vbar_loaded_size": (_i, [_vb, P(c_uint64)]),
     "vp_vbar_residency": (_i, [_vb, P(c_uint8), _sz]),
     # host memory
+    "vp_host_memory": (_i, [P(vp_host_memory_t)]),
     "vp_hostbuf_alloc": (_i, [_dev, _u64, _u64, P(vp_hostbuf_t)]),
     "vp_hostbuf_register": (_i, [_dev, _p, _u64, P(vp_hostbuf_t)]),
     "vp_hostbuf_grow": (_i, [_hb, _u64]),

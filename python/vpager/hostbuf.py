@@ -1,16 +1,28 @@
-"""vpager.HostBuf: host memory for weights' host copies (vp_hostbuf_*)."""
+"""vpager.HostBuf: host memory for weights' host copies (vp_hostbuf_*);
+vpager.host_memory(): the machine's RAM as the library reads it."""
 
 import ctypes
 
 from . import _lib
 from ._buffer import as_buffer
 from ._handle import Handle
-from ._lib import C, vp_hostbuf_info_t, vp_hostbuf_t
+from ._lib import C, vp_host_memory_t, vp_hostbuf_info_t, vp_hostbuf_t
 from .errors import check
 
-__all__ = ["HostBuf"]
+__all__ = ["HostBuf", "host_memory"]
 
 _byref = ctypes.byref
+
+
+def host_memory():
+    """vp_host_memory() as a dict: total (bytes of RAM), available (bytes
+    available without swapping), limit (the lowest cgroup or job object
+    memory limit over this process; 0 none); 0 where unknown. Linux and
+    Windows alike, no device needed."""
+    out = vp_host_memory_t()
+    check(C.vp_host_memory(_byref(out)))
+    return {"total": out.total, "available": out.available,
+            "limit": out.limit}
 
 
 class HostBuf(Handle):

@@ -64,6 +64,19 @@ def test_prototypes_cover_header():
            sorted(set(_lib.PROTOTYPES) - names)))
 
 
+
+def test_host_memory():
+    """vpager.host_memory(): the machine's RAM with no device, as
+    /proc/meminfo says on Linux (MemTotal exactly; MemAvailable moves)."""
+    m = vpager.host_memory()
+    assert set(m) == {"total", "available", "limit"}, m
+    assert 0 < m["available"] <= m["total"], m
+    assert m["limit"] < 1 << 60, m
+    if sys.platform.startswith("linux"):
+        with open("/proc/meminfo") as f:
+            kb = dict(ln.split(":", 1) for ln in f.read().splitlines())
+        assert m["total"] == int(kb["MemTotal"].split()[0]) * 1024, m
+
 def test_stat_fields_match_header():
     h = _header()
     block = h[h.index("#define VP_STAT_FIELDS"):h.index("typedef struct vp_stats")]

@@ -110,6 +110,10 @@ out["ram"] = [_sysmem.ram_available(), _sysmem.cgroup_room(),
 try:
     out["loaded"] = vpager.library_path()
     out["log_level"] = vpager.get_log_level()
+    out["host_memory"] = vpager.host_memory()
+    if torch is not None:       # the library's figure, off Linux
+        from vpager.torch import hostpolicy
+        out["policy_ram"] = hostpolicy.ram_available()
 except vpager.LibraryError as e:
     out["error"] = str(e)
 from comfy_aimdo import _libc
@@ -194,6 +198,10 @@ def test_library_next_to_the_package():
         assert out["candidates"] == [["package", dll]], out["candidates"]
         assert out["loaded"] == dll, out      # and it answers:
         assert out["log_level"] == vpager.get_log_level()
+        # RAM from the library where _sysmem reads nothing (Windows).
+        assert out["host_memory"]["total"] > 0, out["host_memory"]
+        if out["torch"]:
+            assert out["policy_ram"] > 0, out["policy_ram"]
     finally:
         shutil.rmtree(tmp)
 

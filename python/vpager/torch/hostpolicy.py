@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from .. import _sysmem
+from ..hostbuf import host_memory
 
 IN_PLACE, PINNED_COPY, FILE = "in place", "pinned copy", "file"
 KINDS = (IN_PLACE, PINNED_COPY, FILE)
@@ -62,14 +63,31 @@ def override(ram_available: Optional[int] = None,
 
 def ram_available() -> int:
     """Bytes of RAM we may still use: MemAvailable, or the cgroup's room
-    when lower (vpager._sysmem; override() in tests); 0: unknown (not
-    Linux), which choose() takes as no room: weights are read from their
-    file, never kept in place."""
+    when lower (vpager._sysmem; override() in tests); off Linux the
+    library's figure (vpager.host_memory(): Windows' available physical
+    memory). 0: unknown, which choose() takes as no room: weights are read
+    from their file, never kept in place."""
     if "ram" in _OVERRIDE:
         return int(_OVERRIDE["ram"])
-    avail = _sysmem.ram_available() or 0
+    avail = _sysmem.ram_available()
+    if avail is None:
+        avail = _library_ram("available")
     room = _sysmem.cgroup_room()
     return min(avail, room) if room and avail else (room or avail)
+
+
+def ram_total() -> int:
+    """Bytes of RAM in all (vpager._sysmem, else the library's); 0:
+    unknown."""
+    return _sysmem.ram_total() or _library_ram("total")
+
+
+def _library_ram(key: str) -> int:
+    """vpager.host_memory()[key]; 0 if the library cannot say."""
+    try:
+        return int(host_memory()[key])
+    except Exception:       # noqa: BLE001 (an old library: unknown)
+        return 0
 
 
 def disk_speed(path: Optional[str]) -> Optional[float]:

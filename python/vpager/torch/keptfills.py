@@ -32,9 +32,8 @@ import torch
 
 from .. import PAGE_RESIDENT, env
 from ..errors import Error
-from .._sysmem import ram_total
 from ..weights import Source
-from .hostpolicy import ram_available
+from .hostpolicy import ram_available, ram_total
 from .layout import Layout
 from .sources import host_memory
 
@@ -48,7 +47,7 @@ log = logging.getLogger("vpager")
 
 def reserve() -> int:
     """RAM to leave available after a buffer (RESERVE, RESERVE_SHARE)."""
-    return max(RESERVE, (ram_total() or 0) // RESERVE_SHARE)
+    return max(RESERVE, ram_total() // RESERVE_SHARE)
 
 
 def restore(e: Any) -> None:
