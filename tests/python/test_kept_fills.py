@@ -192,6 +192,44 @@ def test_ram_running_short_lets_the_kept_fills_go():
     h.unload()
 
 
+def test_buffers_are_made_off_the_forwards_thread():
+    """The buffers are made and page-locked on a thread of their own:
+    while it works (slowed here) the forwards go on, their fills running,
+    and the forward after it finished arms them; unload() while it works
+    waits for it and frees what it made."""
+    import threading
+    slow = threading.Event()
+    seen = []
+    real = keptfills.host_memory
+
+    def host_memory(n):
+        seen.append(threading.current_thread().name)
+        slow.wait(5)
+        return real(n)
+    keptfills.host_memory = host_memory
+    try:
+        h, ref, forward, patched = _patched_model()
+        runs = [forward() for _ in range(6)]
+        assert runs[-1] > 0 and _kept(h) == 0, runs     # still making
+        assert seen and set(seen) == {"vpager-kept-fills"}, seen
+        slow.set()
+        h._parts.kept.maker.join()
+        runs = [forward() for _ in range(3)]
+        assert _kept(h) > 0 and runs[-1] == 0, runs
+        h.unload()
+        slow.clear()
+        h, ref, forward, patched = _patched_model()
+        for _ in range(4):
+            forward()
+        assert h._parts.kept.maker is not None
+        threading.Timer(0.2, slow.set).start()
+        h.unload()                  # waits for the maker, frees its made
+        assert h._parts.kept.maker is None and not h._parts.kept.made
+    finally:
+        keptfills.host_memory = real
+        slow.set()
+
+
 def test_set_source_and_load_over_a_kept_weight():
     """set_source() on a kept weight replaces its kept bytes with the
     caller's (its fill gone); set_source(None) gives its own bytes back."""

@@ -20,11 +20,16 @@ It gets its fill back and the buffer goes when its fill or source changes
 buffer), and when it turns resident (its pages keep the bytes: swapped
 back, nothing copied again). A buffer is taken only while RAM available
 stays above RESERVE after it (where RAM is known) and only if the pin
-budget page-locks it whole; otherwise the fill runs as before. RAM
-available below half of that (read at most once a CHECK_EVERY) lets every
-kept fill go, said in one line. VPAGER_KEEP_FILLS=0 turns it off."""
+budget page-locks it whole; otherwise the fill runs as before. The
+buffers are made and page-locked on a thread of their own (BACKGROUND:
+page-locking fresh memory costs 155-300 ms/GiB, bench/RESULTS.md, a stop
+of the forward's thread of ~0.3 s for fp8 Flux's 1.5 GiB), armed at the
+first root forward's start after it finished. RAM available below half of
+the reserve (read at most once a CHECK_EVERY) lets every kept fill go,
+said in one line. VPAGER_KEEP_FILLS=0 turns it off."""
 
 import logging
+import threading
 import time
 from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
@@ -41,6 +46,7 @@ KEEP_FILLS = "VPAGER_KEEP_FILLS"
 RESERVE = 4 << 30           # RAM left available after a buffer, at least
 RESERVE_SHARE = 8           # ... and 1/8 of the machine's
 CHECK_EVERY = 1.0           # seconds between two reads of RAM available
+BACKGROUND = True           # buffers page-locked off the forward's thread
 
 log = logging.getLogger("vpager")
 
@@ -88,6 +94,8 @@ class KeptFills:
         self.check_at = 0.0             # when RAM available is read next
         self.said = 0                   # kept weights last logged
         self.arm_s = 0.0                # page-locking since, seconds
+        self.maker: Optional[threading.Thread] = None   # _make()'s
+        self.made: list = []            # its (Entry, HostBuf, host)
 
     def ran(self, e: Any, v: torch.Tensor) -> None:
         """Weight e's fill rewrote its bytes in v (on the current stream):
@@ -119,7 +127,7 @@ class KeptFills:
         weights the settled schedule streams whose fill ran (or whose
         kept fill was just replaced) get a buffer."""
         ran, self.ran_last = self.ran_last, set()
-        if not (ran or self.bufs):
+        if not (ran or self.bufs or self.maker):
             self.hooks.clear("keep")        # (filled again by a fill)
             self.hooked = False
             return
@@ -150,19 +158,29 @@ class KeptFills:
                 self.armed.pop(e, None)
             else:                           # its new fill's, same buffer
                 self.armed[e] = (e.fill, e.src)
+        if self.maker is not None and not self.maker.is_alive():
+            self._take_made(streamed, resident)
         self._say()
-        if streamed is None or self.short:
+        if streamed is None or self.short or self.maker is not None:
             return
         room, low = ram_available(), reserve()
-        t0 = time.perf_counter()
+        want = []
         for e in ran:
             if e.fill is not None and e in streamed and \
                     e not in self.bufs and not resident(e):
-                if room and room - e.size < low or not self._arm(e):
+                if room and room - e.size < low:
                     self.short = True
                     break
                 room -= e.size
-        self.arm_s += time.perf_counter() - t0
+                want.append(e)
+        if want and BACKGROUND:
+            self.maker = threading.Thread(target=self._make, args=(want,),
+                                          name="vpager-kept-fills",
+                                          daemon=True)
+            self.maker.start()
+        elif want:
+            self._make(want)
+            self._take_made(streamed, resident)
 
     @property
     def kept_bytes(self) -> int:
@@ -171,7 +189,9 @@ class KeptFills:
 
     def close(self) -> None:
         """The buffers that are no weight's source freed (the kept ones
-        go with their weights: patches.drop_alt)."""
+        go with their weights: patches.drop_alt); a thread making some
+        waited for."""
+        self._drop_made()
         for e in list(self.bufs):
             if e.kept is None:
                 self._free(e)
@@ -206,6 +226,7 @@ class KeptFills:
         """Every kept fill given back (their patches computed at each fill
         again) and every buffer freed: RAM ran short."""
         n, size = 0, self.kept_bytes
+        self._drop_made()
         for e in list(self.bufs):
             if e.kept is not None:
                 self._unkeep(e)
@@ -230,17 +251,50 @@ class KeptFills:
                      round(self.arm_s * 1e3))
             self.arm_s = 0.0
 
-    def _arm(self, e: Any) -> bool:
-        """A pinned buffer for e's next fill; False if the pin budget
-        would not page-lock it whole."""
-        host, buf = host_memory(e.size)
-        hb = self.layout.device.register_hostbuf(buf, max(e.size, 1))
-        if hb.info()["pinned_bytes"] < e.size:
+    def _make(self, want: list) -> None:
+        """A page-locked buffer for each entry of `want`, into self.made
+        (on the maker thread, or inline: BACKGROUND); stops at the first
+        the pin budget would not page-lock whole (short). Touches no
+        entry: between() decides what each buffer is for."""
+        t0 = time.perf_counter()
+        dev = self.layout.device
+        try:
+            for e in want:
+                host, buf = host_memory(e.size)
+                hb = dev.register_hostbuf(buf, max(e.size, 1))
+                if hb.info()["pinned_bytes"] < e.size:
+                    hb.close()
+                    self.short = True
+                    break
+                self.made.append((e, hb, host))
+        except Exception as x:      # noqa: BLE001 (the fills run as before)
+            self.short = True
+            log.warning("vpager: no buffer for kept fills (%s: %s); the "
+                        "patches are computed at each fill", type(x).__name__,
+                        x)
+        self.arm_s += time.perf_counter() - t0
+
+    def _drop_made(self) -> None:
+        """The maker waited for, its buffers freed."""
+        if self.maker is not None:
+            self.maker.join()
+            self.maker = None
+        for _e, hb, _host in self.made:
             hb.close()
-            return False
-        self.bufs[e] = (hb, host)
-        self.armed[e] = (e.fill, e.src)
-        return True
+        self.made = []
+
+    def _take_made(self, streamed: Any, resident: Callable) -> None:
+        """The maker's buffers armed for the entries still streamed with a
+        fill and none yet; the others freed."""
+        made, self.made, self.maker = self.made, [], None
+        for e, hb, host in made:
+            if e.fill is not None and e not in self.bufs and \
+                    streamed is not None and e in streamed and \
+                    not resident(e):
+                self.bufs[e] = (hb, host)
+                self.armed[e] = (e.fill, e.src)
+            else:
+                hb.close()
 
     def _free(self, e: Any) -> None:
         self.armed.pop(e, None)
