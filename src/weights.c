@@ -27,6 +27,15 @@ bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w) {
 /* w lets go of the bytes its source gave it: its staging slot, if any,
  * becomes anyone's, and copies from the source that may still be queued
  * are waited for (the caller may free the source next). */
+/* The copy of its last fill waited for (its source may go after). */
+static void weight_wait_copy(vp__device_t *dev, vp__weight_t *w) {
+  if (w->copy_fence) {
+    if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
+    if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
+    w->copy_fence = NULL;
+  }
+}
+
 static void weight_drop_bytes(vp__device_t *dev, vp__weight_t *w) {
   if (w->slot) { /* its bytes serve nobody now: reclaimable by anyone */
     if (w->slot->prefetched)
@@ -35,11 +44,7 @@ static void weight_drop_bytes(vp__device_t *dev, vp__weight_t *w) {
     w->slot->owner = NULL;
     w->slot = NULL;
   }
-  if (w->copy_fence) {
-    if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
-    if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
-    w->copy_fence = NULL;
-  }
+  weight_wait_copy(dev, w);
 }
 
 static void weight_free(vp__device_t *dev, vp__weight_t *w) {
@@ -427,56 +432,45 @@ static int weight_lock_idle(vp_weight_t h, vp__device_t **dev,
   return VP_OK;
 }
 
-int vp_weight_set_source(vp_weight_t h, const vp_source_t *src) {
-  VP__ENTER();
+/* Weight h takes its bytes from *src from now on (vp_weight_set_source,
+ * vp_weight_swap_source). `same`: src holds what its last acquire used (as
+ * the caller left them), so its pages and a staged slot an acquire used
+ * stay; else they hold the old bytes: "never filled", so the next acquire
+ * fills them from src (and prefetch looks at it again). Bytes copied ahead
+ * of an acquire (prefetch, in place or staged) go either way: the caller
+ * never saw them. */
+static int weight_change_source(vp_weight_t h, const vp_source_t *src,
+                                bool same) {
   if (!src) return vp__err(VP_EINVAL, "src is NULL");
   if (source_check(src, 0)) return VP_EINVAL;
   vp__device_t *dev;
   vp__weight_t *w;
   int rc = weight_lock_idle(h, &dev, &w);
   if (rc) return rc;
-  weight_drop_bytes(dev, w);
-  if (w->prefetched) { /* filled in place from the old source, unused */
+  bool refill = !same || w->prefetched;
+  if (!same || (w->slot && w->slot->prefetched))
+    weight_drop_bytes(dev, w);
+  else
+    weight_wait_copy(dev, w);
+  if (w->prefetched) {
     VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
     w->prefetched = false;
   }
-  /* Its pages hold the old bytes: "never filled", so the next acquire
-   * fills them from the new source (and prefetch looks at it again). */
-  memset(w->gens, 0, (size_t)(w->p1 - w->p0) * sizeof *w->gens);
+  if (refill) memset(w->gens, 0, (size_t)(w->p1 - w->p0) * sizeof *w->gens);
   w->src = *src;
   vp__vbar_t *vb = w->vb;
   vb->skip_ok = vb->win_ok = vb->prefetch_idle = false;
   return vp__unlock(dev, VP_OK);
 }
 
-/* The same bytes from another source: what an acquire used stays (its
- * pages, its staged slot), since the caller's rewrite of them (a fill) is
- * what the new source holds; what was copied ahead of an acquire (prefetch,
- * in place or staged) is dropped, as the caller never saw it. */
+int vp_weight_set_source(vp_weight_t h, const vp_source_t *src) {
+  VP__ENTER();
+  return weight_change_source(h, src, false);
+}
+
 int vp_weight_swap_source(vp_weight_t h, const vp_source_t *src) {
   VP__ENTER();
-  if (!src) return vp__err(VP_EINVAL, "src is NULL");
-  if (source_check(src, 0)) return VP_EINVAL;
-  vp__device_t *dev;
-  vp__weight_t *w;
-  int rc = weight_lock_idle(h, &dev, &w);
-  if (rc) return rc;
-  if (w->slot && w->slot->prefetched) {
-    weight_drop_bytes(dev, w);
-  } else if (w->copy_fence) { /* the old source may be freed on return */
-    if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
-    if (w->copy_fence) vp__fence_put(dev, w->copy_fence);
-    w->copy_fence = NULL;
-  }
-  if (w->prefetched) {
-    VP__COUNT(w->vb, prefetch_dropped_bytes, w->size);
-    w->prefetched = false;
-    memset(w->gens, 0, (size_t)(w->p1 - w->p0) * sizeof *w->gens);
-  }
-  w->src = *src;
-  vp__vbar_t *vb = w->vb;
-  vb->skip_ok = vb->win_ok = vb->prefetch_idle = false;
-  return vp__unlock(dev, VP_OK);
+  return weight_change_source(h, src, true);
 }
 
 /* A window is read only by the prefetch that follows an acquire (and by

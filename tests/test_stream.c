@@ -683,31 +683,54 @@ TEST(stream_prefetch_without_acquire, TEST_ALL_BACKENDS) {
   free(buf);
 }
 
+/* Three one-page weights A, B, C of a 3-page VBAR (B at its end, page 2)
+ * over the first three of `pages` host pages of distinct bytes (the rest
+ * for new sources), each acquired and released once: all resident. */
+typedef struct three {
+  vp_device_t dev;
+  vp_vbar_t v;
+  uint64_t ps;
+  unsigned char *buf;
+  vp_source_t src[3];
+  vp_weight_t w[3];
+} three_t;
+
+static void three_weights(test_ctx_t *ctx, three_t *t, uint64_t pages) {
+  vp_options_t o;
+  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+  uint64_t ps = t->ps = o.page_size;
+  t->dev = test_open_cap(ctx, &o, 16);
+  ASSERT_OK(vp_vbar_create(t->dev, 3 * ps, &t->v));
+  t->buf = malloc(pages * ps);
+  ASSERT_TRUE(t->buf != NULL);
+  for (uint64_t i = 0; i < pages * ps; i++)
+    t->buf[i] = (unsigned char)(i * 13 + 1);
+  uint64_t off[3] = {0, 2 * ps, ps}, size[3] = {ps, ps, ps};
+  for (int i = 0; i < 3; i++)
+    t->src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = t->buf + i * ps};
+  ASSERT_OK(vp_weights_create(t->v, 3, off, size, t->src, t->w));
+  uint64_t p = 0;
+  uint8_t f = 0;
+  for (int i = 0; i < 3; i++) {
+    ASSERT_OK(vp_acquire(t->dev, &t->w[i], 1, 0, &p, &f));
+    ASSERT_OK(vp_release(t->dev, &t->w[i], 1, 0));
+  }
+}
+
 /* vp_weight_set_source: the weight's next acquire fills it from the new
  * source, the others keep their pages and fills, and it keeps its place in
  * the order prefetch looks ahead in. Bad input and a held weight fail. */
 TEST(stream_weight_set_source, TEST_ALL_BACKENDS) {
-  vp_options_t o;
-  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
-  uint64_t ps = o.page_size;
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
-  vp_vbar_t v;
-  ASSERT_OK(vp_vbar_create(dev, 3 * ps, &v));
-  unsigned char *buf = malloc(4 * ps); /* A, B, C, then B's new bytes */
-  ASSERT_TRUE(buf != NULL);
-  for (uint64_t i = 0; i < 4 * ps; i++) buf[i] = (unsigned char)(i * 13 + 1);
-  uint64_t off[3] = {0, 2 * ps, ps}, size[3] = {ps, ps, ps};
-  vp_source_t src[3];
-  vp_weight_t w[3];
-  for (int i = 0; i < 3; i++)
-    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
-  ASSERT_OK(vp_weights_create(v, 3, off, size, src, w));
+  three_t t;
+  three_weights(ctx, &t, 4); /* A, B, C, then B's new bytes */
+  vp_device_t dev = t.dev;
+  vp_vbar_t v = t.v;
+  uint64_t ps = t.ps;
+  unsigned char *buf = t.buf;
+  vp_source_t *src = t.src;
+  vp_weight_t *w = t.w;
   uint64_t p = 0;
   uint8_t f = 0;
-  for (int i = 0; i < 3; i++) {
-    ASSERT_OK(vp_acquire(dev, &w[i], 1, 0, &p, &f));
-    ASSERT_OK(vp_release(dev, &w[i], 1, 0));
-  }
   ASSERT_EQ_U64(dstats(dev).weight_fills, 3);
   vp_source_t nb = {.kind = VP_SOURCE_HOST, .host = buf + 3 * ps};
   ASSERT_OK(vp_weight_set_source(w[1], &nb));
@@ -752,27 +775,16 @@ TEST(stream_weight_set_source, TEST_ALL_BACKENDS) {
  * acquire is filled again from the new source. Bad input and a held
  * weight fail. */
 TEST(stream_weight_swap_source, TEST_ALL_BACKENDS) {
-  vp_options_t o;
-  sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
-  uint64_t ps = o.page_size;
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
-  vp_vbar_t v;
-  ASSERT_OK(vp_vbar_create(dev, 3 * ps, &v));
-  unsigned char *buf = malloc(5 * ps); /* A, B, C, then two others */
-  ASSERT_TRUE(buf != NULL);
-  for (uint64_t i = 0; i < 5 * ps; i++) buf[i] = (unsigned char)(i * 7 + 3);
-  uint64_t off[3] = {0, 2 * ps, ps}, size[3] = {ps, ps, ps};
-  vp_source_t src[3];
-  vp_weight_t w[3];
-  for (int i = 0; i < 3; i++)
-    src[i] = (vp_source_t){.kind = VP_SOURCE_HOST, .host = buf + i * ps};
-  ASSERT_OK(vp_weights_create(v, 3, off, size, src, w));
+  three_t t;
+  three_weights(ctx, &t, 5); /* A, B, C, then two others */
+  vp_device_t dev = t.dev;
+  vp_vbar_t v = t.v;
+  uint64_t ps = t.ps;
+  unsigned char *buf = t.buf;
+  vp_source_t *src = t.src;
+  vp_weight_t *w = t.w;
   uint64_t p = 0;
   uint8_t f = 0;
-  for (int i = 0; i < 3; i++) {
-    ASSERT_OK(vp_acquire(dev, &w[i], 1, 0, &p, &f));
-    ASSERT_OK(vp_release(dev, &w[i], 1, 0));
-  }
   /* Resident: its pages stay as the acquire left them (the bytes differ
    * here only to show that nothing was copied). */
   vp_source_t d = {.kind = VP_SOURCE_HOST, .host = buf + 3 * ps};

@@ -779,6 +779,14 @@ def test_patches_identity_and_refill():
                            base.diffusion_model.blocks[1].up.weight)
 
 
+def diffs_for(base, keys, seed):
+    """{key: a small random diff of its weight's shape} (a LoRA's patch
+    data as the tests give it), from generator seed `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {k: p.shape for k, p in base.named_parameters()}
+    return {k: torch.randn(*shapes[k], generator=g) * 0.01 for k in keys}
+
+
 def lora_ref(base, patches):
     """The legacy bake: a copy of `base` whose weights are patched once
     by ComfyUI's math (the stand-ins' calculate_weight in float32, back
@@ -827,10 +835,7 @@ def test_patch_at_fill():
             host0 = pager.host_bytes()
             keys = ["diffusion_model.blocks.%d.%s.weight" % (i, n)
                     for i in range(6) for n in ("up", "down")]
-            g = torch.Generator().manual_seed(5)
-            diffs = {k: (torch.randn(*dict(base.named_parameters())[k]
-                                     .shape, generator=g) * 0.01)
-                     for k in keys}
+            diffs = diffs_for(base, keys, 5)
             sources = []
             real_set_source = pager.h.set_source
             pager.h.set_source = lambda *a: (sources.append(a[0]),
@@ -909,9 +914,7 @@ def test_streamed_patches_kept_on_the_host():
         m, base, want0, p, pager = loaded_twisted(e)
         keys = ["diffusion_model.%s.%d.weight" % (n, i)
                 for i in range(6) for n in ("ups", "downs")]
-        g = torch.Generator().manual_seed(11)
-        diffs = {k: torch.randn(*dict(base.named_parameters())[k].shape,
-                                generator=g) * 0.01 for k in keys}
+        diffs = diffs_for(base, keys, 11)
         host0 = pager.host_bytes()
         fills = []
         for strength in (0.8, 0.5):
@@ -972,9 +975,7 @@ def test_streamed_patches_staged_on_device():
             pager = m._vpager_pager
             keys = ["diffusion_model.blocks.%d.%s.weight" % (i, n)
                     for i in range(6) for n in ("up", "down")]
-            g = torch.Generator().manual_seed(7)
-            diffs = {k: torch.randn(*dict(base.named_parameters())[k].shape,
-                                    generator=g) * 0.01 for k in keys}
+            diffs = diffs_for(base, keys, 7)
             q = p.clone()
             q.add_patches({k: ("diff", (d,)) for k, d in diffs.items()},
                           0.8)
