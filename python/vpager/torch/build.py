@@ -196,4 +196,3 @@ def _install(parts: Parts, plan: Any) -> None:
     if parts.tuner is not None:
         parts.tuner.install()
         parts.tuner.guess()
-

@@ -22,9 +22,10 @@ PreHook = Callable[[torch.nn.Module, Tuple[Any, ...]], None]
 PostHook = Callable[[torch.nn.Module, Tuple[Any, ...], Any], None]
 
 # Before the root's forward: torch's headroom learned first (activations
-# first, on CUDA), the fills kept on the host taken as sources (before the
-# tuner: its measured forward starts after any buffer was page-locked),
-# then the order of use starts recording, the tuner's
+# first, on CUDA), the fills kept on the host taken as sources (filled
+# only while fills run or are kept: keptfills.py; before the tuner, whose
+# measured forward starts after it), then the order of use starts
+# recording, the tuner's
 # measured forward starts, the ledger publishes and may send the model
 # back on top, and last the tuner's watch of the budget (after the
 # learner and the ledger, so it reads the budget they left).
