@@ -230,6 +230,40 @@ def test_buffers_are_made_off_the_forwards_thread():
         slow.set()
 
 
+def test_a_capture_that_fails_never_fails_the_forward():
+    """The copy of a fill's result to its buffer raising (here made to):
+    the forward goes on, outputs unchanged, one warning, the buffer
+    freed, no more buffers; the fills run as before."""
+    import logging
+    h, ref, forward, patched = _patched_model()
+    keeper = h._parts.kept
+    real = keeper.ran
+
+    def ran(e, v):
+        class Broken:
+            def copy_(self, *a, **k):
+                raise RuntimeError("no copy (test)")
+        if e in keeper.armed:
+            keeper.bufs[e] = (keeper.bufs[e][0], Broken())
+        real(e, v)
+    keeper.ran = ran
+    lines = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    catch = Catch()
+    logging.getLogger("vpager").addHandler(catch)
+    try:
+        runs = [forward() for _ in range(8)]
+    finally:
+        logging.getLogger("vpager").removeHandler(catch)
+    assert _kept(h) == 0 and runs[-1] > 0, runs
+    assert len([x for x in lines if "not kept" in x]) == 1, lines
+    assert keeper.short
+    h.unload()
+
+
 def test_set_source_and_load_over_a_kept_weight():
     """set_source() on a kept weight replaces its kept bytes with the
     caller's (its fill gone); set_source(None) gives its own bytes back."""

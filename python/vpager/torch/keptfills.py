@@ -110,15 +110,27 @@ class KeptFills:
         if got is None:
             return
         fill, src = got
-        if fill is not e.fill or src is not e.src:
+        if fill is not e.fill or src is not e.src or not e.size:
             return                          # spare: between() decides
         host = self.bufs[e][1]
-        with torch.no_grad(), torch.inference_mode(False):
-            host.view(e.dtype).view(e.shape).copy_(v, non_blocking=True)
-        ev = None
-        if v.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record()
+        try:
+            # Its bytes as bytes (any dtype: fp8, a quantized payload).
+            with torch.no_grad(), torch.inference_mode(False):
+                host.copy_(v.reshape(-1).view(torch.uint8),
+                           non_blocking=True)
+            ev = None
+            if v.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+        except Exception as x:      # noqa: BLE001 (never fails a forward)
+            # No more: every buffer armed and not caught yet goes too.
+            self.short = True
+            for a in list(self.armed) + [e]:
+                self._free(a)
+            log.warning("vpager: %s's fill not kept (%s: %s); no fills are "
+                        "kept, they run at each fill", e.name,
+                        type(x).__name__, x)
+            return
         self.caught[e] = (fill, src, ev)
 
     def between(self, module: Any = None, args: Any = None) -> None:
