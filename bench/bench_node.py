@@ -372,6 +372,8 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
                 "ms (last prompt) = %.3f x L" % (run, bb / GiB, peak / GiB,
                                                  B / GiB, res_ms, link_ms,
                                                  lim, st, st / lim))
+            if a.lora:
+                lora_vs_L(cr, run, reps, runs.get("legacy"), link_ms, row)
         if bs is not None:
             budget_row(run, reps, bb, row)
         if a.vae:
@@ -617,6 +619,25 @@ def fp8_configs(ours):
     return [(d, lo) for d in dtypes for lo in loras]
 
 
+def lora_vs_L(cr, run, reps, legacy, link_ms, row):
+    """The steady step with a LoRA against its limit: lora_b_again's (the
+    LoRA loaded, nothing changed) over max(legacy's lora_b_again: the
+    LoRA baked in, every weight resident; the link term), into row
+    (vs_L_lora). Nothing without a legacy run."""
+    mine = {x.get("label"): x for x in reps}.get("lora_b_again")
+    ref = None if legacy is None else {
+        x.get("label"): x for x in legacy["reps"]}.get("lora_b_again")
+    if mine is None or ref is None:
+        return
+    res = cr.steady(ref["steps_ms"])
+    lim = max(res, link_ms)
+    st = cr.steady(mine["steps_ms"])
+    row.update(L_lora_ms=lim, steady_lora_ms=st, vs_L_lora=st / lim)
+    say("%s: with the LoRA: L = max(legacy %.1f, link term %.1f) = %.1f ms; "
+        "steady %.1f ms (lora_b_again) = %.3f x L" % (
+            run, res, link_ms, lim, st, st / lim))
+
+
 def fp8_runs(weight_dtype, lora, budget="half"):
     """A matrix cell's runs: ComfyUI's all-resident dynamic run (the
     reference), the node and ComfyUI's own dynamic path under the budget
@@ -660,7 +681,8 @@ def fp8_matrix(cr, a, ours, out, gen, summary):
         rows.append((wd, lora, cell))
     bud = ours["fp8_budget"]
     say("")
-    say("fp8 matrix (budget %s GiB%s; steady: the last prompt's; latents "
+    say("fp8 matrix (budget %s GiB%s; steady: the last prompt's, in "
+        "brackets a LoRA prompt's over the LoRA baked in; latents "
         "prompt by prompt: R equal to resident's, L to legacy's):"
         % (budget_of(bud, gen, "fp8_e4m3fn")[0], ", half the weights as "
            "held" if bud == "half" else ""))
@@ -763,9 +785,12 @@ def _say_rows(first, rows, bud):
         t = cell.get("table", {})
         n, h = t.get("node" + bud, {}), t.get(bud, {})
         ns, hs = n.get("steady_ms"), h.get("steady_ms")
+        # With a LoRA: the node's LoRA prompt (lora_b_again) against the
+        # LoRA baked in (legacy) too, after the last prompt's (removed).
+        nl = " (%.3f)" % n["vs_L_lora"] if "vs_L_lora" in n else ""
         say("  %-16s %-4s %-28s %-12s %-12s %-9s %s" % (
             what, "yes" if lora else "no", _equal_words(n),
-            "%.3f" % n["vs_L"] if "vs_L" in n else "-",
+            ("%.3f" % n["vs_L"] if "vs_L" in n else "-") + nl,
             "%.3f" % h["vs_L"] if "vs_L" in h else "-",
             "%.3f" % (ns / hs) if ns and hs else "-", _equal_words(h)))
 

@@ -277,7 +277,8 @@ def test_l_row_from_legacy():
     """--lora runs no resident child: L's resident step is legacy's last
     prompt (the model resident, its LoRA removed), so a budget run's
     line against L is printed there too (issue 29's Flux 9.4 GiB at
-    6 GiB against L)."""
+    6 GiB against L); and the LoRA prompt's against legacy's with the
+    LoRA baked in (issue 26's fp8 with a LoRA)."""
     import types
     ns, cr = _bench()
     a = types.SimpleNamespace(weight_dtype="default", vae=False, lora=True,
@@ -295,6 +296,14 @@ def test_l_row_from_legacy():
     row = [x for x in lines if x.startswith("node6: budget")]
     assert len(row) == 1 and "max(resident 81.0, link term" in row[0] \
         and "x L" in row[0], lines
+    # With a LoRA: lora_b_again's step over legacy's (the LoRA baked in).
+    summary["runs"]["legacy"]["reps"].insert(1, rep("lora_b_again", 82.0))
+    summary["runs"]["node6"]["reps"].insert(1, rep("lora_b_again", 90.2))
+    with _said(ns["compare"]) as lines:
+        ns["compare"](cr, a, gen, summary)
+    row = [x for x in lines if x.startswith("node6: with the LoRA")]
+    assert len(row) == 1 and "max(legacy 82.0, link term" in row[0] \
+        and "steady 90.2 ms (lora_b_again) = " in row[0], lines
 
 
 def _cap_or_skip(limit):
