@@ -196,11 +196,13 @@ def child(cr, a):
 # takes a placement in steps, "onestep" in one forward (the default) (the
 # first prompt with and without each, beside the default in one run);
 # "nokeep" computes a streamed weight's LoRA patch at each of its fills
-# (no kept fills: vpager.torch's keptfills.py).
+# (no kept fills: vpager.torch's keptfills.py); "nocold" makes no plan
+# from the first (cold) forward while the guessed placement is in place.
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
-            "nokeep": {"VPAGER_KEEP_FILLS": "0"}}
+            "nokeep": {"VPAGER_KEEP_FILLS": "0"},
+            "nocold": {"VPAGER_COLD_PLAN": "0"}}
 
 
 def _suffix(run):

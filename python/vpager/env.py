@@ -65,6 +65,10 @@ VARIABLES: Dict[str, Variable] = {
                                    "forward copying at most a tenth more "
                                    "(default 0: in one forward, its "
                                    "resident set filled as it streams)"),
+    "VPAGER_COLD_PLAN": Variable("flag", "0: while a placement guessed "
+                                 "from the weights' sizes is in place, no "
+                                 "plan from the cold first forward: the "
+                                 "first is the second's (default 1)"),
     "VPAGER_KEEP_FILLS": Variable("flag", "0: a streamed weight's fill "
                                   "(set_fill) runs at each of its fills; "
                                   "1: its result is kept in a pinned host "

@@ -428,6 +428,31 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
     h.unload()
 
 
+def test_no_plan_from_the_cold_forward_when_asked():
+    """VPAGER_COLD_PLAN=0: with the guessed placement in place, the first
+    (cold) forward is measured but no plan is made from it: the first
+    plan job works from two measured forwards (by default, from one).
+    Outputs bitwise throughout; the schedule settles as it does by
+    default."""
+    for cold, first in (("1", 1), ("0", 2)):
+        with Patched(FakeClock()), environ(VPAGER_COLD_PLAN=cold):
+            seen = []
+            real = tuner.plan_job
+
+            def plan_job(work, works, *a, **kw):
+                seen.append(len(works))
+                return real(work, works, *a, **kw)
+            tuner.plan_job = plan_job
+            try:
+                m, x, want, h = _threaded_mlp()
+                assert h.tuner.guessed
+                _settle(m, x, want, h)
+            finally:
+                tuner.plan_job = real
+            assert seen and seen[0] == first, (cold, seen)
+            h.unload()
+
+
 def _settle(m, x, want, h):
     """Forwards, each followed by the planner's end, until schedule()
     says it settled (measuring over, no plan pending); their count."""

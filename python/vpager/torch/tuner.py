@@ -114,6 +114,14 @@ PLAN_THREAD = "VPAGER_PLAN_THREAD"
 # streamed ones; the planned windows (and the held units, whose batch
 # would fill at the forward's start) come back at the next forward's.
 FILL_UNITS = 2
+# The plan from the first (cold) forward picks its ring on cold times,
+# where every ring predicted within 1% (H100, Flux 9.4 GiB at 6 GiB: 288
+# MiB, the settled plan 378, placed anew: 1.3 MB of 5.0 GB kept in place,
+# a 197 ms step against 94). VPAGER_COLD_PLAN=0: while a guessed
+# placement is in place (guess()), the first forward is not planned for;
+# the first plan is the second's (with the planner's thread). Not the
+# default until measured on a GPU (bench_node's "nocold" runs).
+COLD_PLAN = "VPAGER_COLD_PLAN"
 # Before the first forward, when the weights do not all fit, a schedule
 # planned from a model of the costs places them (Tuner.guess): each unit
 # computes GUESS times as long as its weights take to copy (H200: a
@@ -295,6 +303,9 @@ class Tuner:
         self._streamed = (None, frozenset())   # streamed()'s, per schedule
         # VPAGER_SCHEDULE_LOG: what each forward and plan job came to.
         self.tracing = env.flag("VPAGER_SCHEDULE_LOG", False)
+        # VPAGER_COLD_PLAN=0: no plan from the cold first forward while a
+        # guessed placement is in place (COLD_PLAN below).
+        self.cold_plan = env.flag(COLD_PLAN, True)
 
     def install(self):
         """Measure from the next root forward on."""
@@ -742,6 +753,14 @@ class Tuner:
         least, rounds = self.work, self.rounds + 1
         free_to_wait = self._free_to_wait()
         before = list(self.works)
+        # Of the forwards measured before settling only the first is
+        # planned for (COLD_PLAN off, a guessed placement in place: the
+        # second, even where the room moved: the guess was made for
+        # offload()'s budget, before torch's peak was learned, so under
+        # CUDA it always has; one forward more on the guess, the pager
+        # evicting where it must).
+        first = 2 if not self.cold_plan and self.guessed else 1
+        free_to_wait = free_to_wait or (rounds == 1 and first == 2)
 
         def job():
             t0 = time.perf_counter()
@@ -754,7 +773,7 @@ class Tuner:
         def measured():
             work, settled = self._merge(raw, least)
             if not (rounds >= ROUNDS_MAX or (rounds >= ROUNDS and settled)) \
-                    and rounds > 1 and free_to_wait:
+                    and rounds != first and free_to_wait:
                 return "measured", raw, work, settled, None
             return "measured", raw, work, settled, self._plan_from(
                 inputs, work, before + [raw])
