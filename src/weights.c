@@ -24,10 +24,7 @@ bool vp__weight_copy_pending(vp__device_t *dev, vp__weight_t *w) {
 }
 
 
-/* w lets go of the bytes its source gave it: its staging slot, if any,
- * becomes anyone's, and copies from the source that may still be queued
- * are waited for (the caller may free the source next). */
-/* The copy of its last fill waited for (its source may go after). */
+/* The copy of w's last fill waited for (its source may go after). */
 static void weight_wait_copy(vp__device_t *dev, vp__weight_t *w) {
   if (w->copy_fence) {
     if (vp__weight_copy_pending(dev, w)) vp__fence_wait(dev, w->copy_fence);
@@ -36,6 +33,9 @@ static void weight_wait_copy(vp__device_t *dev, vp__weight_t *w) {
   }
 }
 
+/* w lets go of the bytes its source gave it: its staging slot, if any,
+ * becomes anyone's, and copies from the source that may still be queued
+ * are waited for (the caller may free the source next). */
 static void weight_drop_bytes(vp__device_t *dev, vp__weight_t *w) {
   if (w->slot) { /* its bytes serve nobody now: reclaimable by anyone */
     if (w->slot->prefetched)

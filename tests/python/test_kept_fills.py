@@ -7,6 +7,8 @@ turning resident, no RAM to spare or VPAGER_KEEP_FILLS=0: the fill runs
 again as before.
     make && PYTHONPATH=python python3 tests/python/test_kept_fills.py
 """
+import contextlib
+import logging
 import os
 import sys
 
@@ -59,6 +61,22 @@ def _patched_model(share=0.6, device_share=None):
 
 def _kept(h):
     return h.stats()["model"]["kept_fills"]
+
+
+@contextlib.contextmanager
+def _logged():
+    """The messages logger "vpager" logs in the block."""
+    lines = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    catch = Catch()
+    logging.getLogger("vpager").addHandler(catch)
+    try:
+        yield lines
+    finally:
+        logging.getLogger("vpager").removeHandler(catch)
 
 
 def test_streamed_fills_are_kept_and_run_no_more():
@@ -164,14 +182,6 @@ def test_ram_running_short_lets_the_kept_fills_go():
     the next forward's start gives every kept weight its fill back and
     frees the buffers, said in one warning; the fills run again, outputs
     unchanged, and no buffer is taken again."""
-    import logging
-    lines = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-    catch = Catch()
-    logging.getLogger("vpager").addHandler(catch)
     old = keptfills.CHECK_EVERY
     keptfills.CHECK_EVERY = 0.0     # RAM read at every forward's start
     try:
@@ -179,11 +189,10 @@ def test_ram_running_short_lets_the_kept_fills_go():
         for _ in range(8):
             forward()
         assert _kept(h) > 0
-        with hostpolicy.override(ram_available=1 << 30):
+        with hostpolicy.override(ram_available=1 << 30), _logged() as lines:
             runs = [forward() for _ in range(4)]
     finally:
         keptfills.CHECK_EVERY = old
-        logging.getLogger("vpager").removeHandler(catch)
     assert _kept(h) == 0, runs
     assert runs[0] > 0 and runs[-1] == runs[0], runs
     said = [x for x in lines if "were let go" in x]
@@ -234,7 +243,6 @@ def test_a_capture_that_fails_never_fails_the_forward():
     """The copy of a fill's result to its buffer raising (here made to):
     the forward goes on, outputs unchanged, one warning, the buffer
     freed, no more buffers; the fills run as before."""
-    import logging
     h, ref, forward, patched = _patched_model()
     keeper = h._parts.kept
     real = keeper.ran
@@ -247,17 +255,8 @@ def test_a_capture_that_fails_never_fails_the_forward():
             keeper.bufs[e] = (keeper.bufs[e][0], Broken())
         real(e, v)
     keeper.ran = ran
-    lines = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-    catch = Catch()
-    logging.getLogger("vpager").addHandler(catch)
-    try:
+    with _logged() as lines:
         runs = [forward() for _ in range(8)]
-    finally:
-        logging.getLogger("vpager").removeHandler(catch)
     assert _kept(h) == 0 and runs[-1] > 0, runs
     assert len([x for x in lines if "not kept" in x]) == 1, lines
     assert keeper.short
