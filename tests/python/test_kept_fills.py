@@ -311,7 +311,7 @@ def test_cuda_kept_fills_bitwise():
         h.set_fill(e.name, lambda v: v.mul_(2))
         ref.get_parameter(e.name).data.mul_(2)
     fills = []
-    for _ in range(10):
+    for _ in range(16):
         n = h.hot_path.fills
         forward()
         fills.append(h.hot_path.fills - n)
@@ -324,7 +324,7 @@ def test_cuda_kept_fills_bitwise():
     print("    fills a forward %s, kept %d of %d patched, schedule "
           "streams %d" % (fills, kept, len(patched),
                           len(h.tuner.streamed() or ())))
-    assert kept > 0 and fills[-1] < fills[0], (fills, kept)
+    assert kept > 0 and fills[-1] == 0 < fills[0], (fills, kept)
     assert no_pins(h)
     h.unload()
 
