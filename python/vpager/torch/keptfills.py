@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, FrozenSet, Optional, Tuple
 
 import torch
 
-from .. import PAGE_RESIDENT, env
+from .. import env
 from ..errors import Error
 from ..weights import Source
 from .hostpolicy import ram_available, ram_total
@@ -147,7 +147,7 @@ class KeptFills:
             self._let_go()
             return
         streamed = self.streamed()
-        resident = self._resident()
+        resident = self.layout.resident_now()
         for e in list(self.caught):
             fill, src, ev = self.caught[e]
             if ev is not None and not ev.query():
@@ -212,18 +212,6 @@ class KeptFills:
         self.caught.clear()
 
     # ------------------------------------------------------------ inside
-    def _resident(self) -> Callable[[Any], bool]:
-        """Per entry: its pages all resident now (read once)."""
-        lay = self.layout
-        flags = lay.vbar.residency()
-        page = lay.device.page_size
-
-        def resident(e: Any) -> bool:
-            return e.size > 0 and all(
-                flags[p] & PAGE_RESIDENT for p in range(
-                    e.offset // page, (e.offset + e.size - 1) // page + 1))
-        return resident
-
     def _pressed(self) -> bool:
         """RAM available (read at most once a CHECK_EVERY) below half the
         reserve."""

@@ -4,7 +4,7 @@ copies, or a safetensors file), the vpager weights made over them and one
 WeightBatch per unit. Built all or nothing; re-created in place when the
 weights move (re-placement) or change source (load_safetensors)."""
 
-from .. import env
+from .. import PAGE_RESIDENT, env
 from ..errors import Error
 from ..governor import NO_LIMIT, governor
 from ..weights import WeightBatch
@@ -184,6 +184,18 @@ class Layout:
         while e is acquired."""
         self.weights.set_source(e.index, src)
         e.src = src
+
+    def resident_now(self):
+        """A predicate: entry e's pages are all resident now (the VBAR's
+        residency read once, here)."""
+        flags = self.vbar.residency()
+        page = self.device.page_size
+
+        def resident(e):
+            return e.size > 0 and all(
+                flags[p] & PAGE_RESIDENT for p in range(
+                    e.offset // page, (e.offset + e.size - 1) // page + 1))
+        return resident
 
     def swap_source(self, e, src):
         """Entry e's weight takes the same bytes from `src` from now on

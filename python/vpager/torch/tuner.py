@@ -1171,12 +1171,8 @@ class Tuner:
 
     def _now(self, lay, flat, resident):
         """Per entry: in `resident` and its pages all resident now."""
-        page = lay.device.page_size
-        flags = lay.vbar.residency()
-        return [r and e.size > 0 and all(
-            flags[p] & PAGE_RESIDENT
-            for p in range(e.offset // page, (e.offset + e.size - 1) // page
-                           + 1)) for e, r in zip(flat, resident)]
+        now = lay.resident_now()
+        return [r and now(e) for e, r in zip(flat, resident)]
 
     def _room_pages(self, ring):
         """Pages the resident set may take beside a ring of `ring` bytes."""
