@@ -29,6 +29,10 @@
  *                  reads the new bytes (EMPTY for NONE), while a kernel
  *                  queued on a hold's stream before its release still
  *                  reads the old ones (slow kernels, worker streams);
+ *                - the same bytes from a new place
+ *                  (vp_weight_swap_source): VP_EBUSY while acquired; else
+ *                  nothing is filled anew and the old place may be freed
+ *                  at once;
  *                - a weight's window (vp_weight_set_lookahead) reads back
  *                  as set, held or not; VP_EHANDLE once destroyed.
  *  wild (1)    arbitrary arguments: live, stale, made-up and foreign
@@ -242,6 +246,10 @@ typedef struct fweight {
   /* a HOST or FILE source set (vp_weight_set_source, or made anew over
    * the range) since its last acquire: that one must come back COPIED */
   bool must_copy;
+  /* after vp_weight_swap_source: the HOST bytes it reads now, a malloc'd
+   * copy of its last ones, freed at its next swap or new source (copies
+   * from it are waited for then) or when the input ends */
+  uint8_t *own;
 } fweight_t;
 
 typedef struct fraw {
@@ -343,7 +351,7 @@ static bool vbar_busy(int v) {
 }
 
 static const uint8_t *weight_src(const fweight_t *w) {
-  return arena + w->aoff;
+  return w->own ? w->own : arena + w->aoff;
 }
 
 /* An error the model did not predict: tolerated once when sim_fail_nth
@@ -487,11 +495,12 @@ static bool write_pat(uint64_t ptr, uint64_t size, int s, uint32_t pat) {
 }
 
 /* want: the arena (never written: a source's old bytes stay there for a
- * kernel still queued after the weight got a new source), else copied. */
+ * kernel still queued after the weight got a new source), else copied
+ * (a swapped source's copy is freed at the next swap). */
 static void launch_check(int widx, uint64_t ptr, int s, const uint8_t *want,
                          bool slow) {
   fweight_t *w = &g.W[widx];
-  bool copy = want != weight_src(w);
+  bool copy = want < arena || want >= arena + ARENA_SIZE;
   kern_t *k = malloc(sizeof *k + (copy ? w->size : 0));
   if (!k) return;
   *k = (kern_t){.ptr = (const uint8_t *)(uintptr_t)ptr, .size = w->size,
@@ -557,7 +566,8 @@ enum {
    * (OP_SET_SOURCE + (byte - 31) % their count). Every other byte decodes
    * as it always did (byte % OP_COUNT), so older inputs, the findings'
    * among them, replay as they did. */
-  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_SET_WINDOW, OP_MOVE, OP_ALL
+  OP_SET_SOURCE = OP_COUNT, OP_RECREATE, OP_SET_WINDOW, OP_MOVE,
+  OP_SWAP_SOURCE, OP_ALL
 };
 #define OP_EXT_SPAN 8
 
@@ -1431,15 +1441,23 @@ static uint64_t fresh_aoff(uint64_t size, const uint8_t *old, uint16_t ab) {
   return a;
 }
 
-/* The model after w got source (k, a): its bytes are those from now on;
- * a NONE one's were never written (EMPTY wherever acquired next); a HOST
- * or FILE one's next acquire copies them. */
-static void source_changed(fweight_t *w, int k, uint64_t a) {
-  w->kind = k;
-  w->aoff = a;
+/* The model after w's bytes moved or changed: a NONE one's were never
+ * written (EMPTY wherever acquired next); a HOST or FILE one's next
+ * acquire copies them. */
+static void refill_expected(fweight_t *w) {
   w->inplace_known = w->staged_known = false;
   w->resync_inplace = w->resync_staged = false;
-  w->must_copy = k != K_NONE;
+  w->must_copy = w->kind != K_NONE;
+}
+
+/* The model after w got source (k, a): its bytes are those from now on,
+ * filled anew at the next acquire. */
+static void source_changed(fweight_t *w, int k, uint64_t a) {
+  free(w->own);
+  w->own = NULL;
+  w->kind = k;
+  w->aoff = a;
+  refill_expected(w);
 }
 
 /* The weight of a set-source or make-anew op: byte k picks it (var bit 2:
@@ -1504,6 +1522,47 @@ static void s_set_source(fz_reader_t *r) {
   if (rc != want && rc == also && want == VP_EINVAL) return;
   if (!expect_rc("vp_weight_set_source", rc, want) || rc) return;
   source_changed(w, kind, a);
+  acquire_after(k, var, wi);
+}
+
+/* vp_weight_swap_source: a weight (live, destroyed or held: pick_target)
+ * takes the same bytes from a new place: a HOST or FILE one from a
+ * malloc'd copy of what it reads now (HOST), a NONE one from NONE again;
+ * var >> 5 of 7, NULL (VP_EINVAL). VP_EBUSY while acquired, and nothing
+ * changes. Nothing is filled anew (its pages, a staged copy and what a
+ * NONE weight's caller wrote stay valid), so the model's bytes stay; the
+ * copy it read before is freed at once (copies from it are waited for),
+ * where ASan sees a read the library did not wait for. var bit 4:
+ * acquire_after. */
+static void s_swap_source(fz_reader_t *r) {
+  uint8_t k = fz_u8(r), var = fz_u8(r);
+  int wi = pick_target(k, var);
+  if (wi < 0 || skip_set_source) return;
+  fweight_t *w = &g.W[wi];
+  bool none = w->kind == K_NONE;
+  uint8_t *copy = NULL;
+  vp_source_t src = {.kind = VP_SOURCE_NONE, .fd = -1};
+  if (!none) {
+    if (!(copy = malloc(w->size))) abort();
+    memcpy(copy, weight_src(w), w->size);
+    src = (vp_source_t){.kind = VP_SOURCE_HOST, .host = copy, .fd = -1};
+  }
+  bool null = var >> 5 == 7;
+  int want = null ? VP_EINVAL
+             : !w->live ? VP_EHANDLE
+             : holds_total(w) ? VP_EBUSY : VP_OK;
+  int rc = FZ_CALL(false, vp_weight_swap_source(w->h, null ? NULL : &src),
+                   "w%d, %s", wi, null ? "NULL" : none ? "none" : "a copy");
+  if (rc != want && null && (rc == VP_EHANDLE || rc == VP_EBUSY)) rc = want;
+  if (!expect_rc("vp_weight_swap_source", rc, want) || rc) {
+    free(copy);
+    return;
+  }
+  if (!none) {
+    free(w->own);
+    w->own = copy;
+    w->kind = K_HOST;
+  }
   acquire_after(k, var, wi);
 }
 
@@ -1633,7 +1692,7 @@ static void s_move(fz_reader_t *r) {
   if (off != w->off) {
     w->off = off;
     pages_of(w->off, w->size, &w->p0, &w->p1);
-    source_changed(w, w->kind, w->aoff);
+    refill_expected(w);
     if (b->cursor < off + w->size) /* new weights go after it */
       b->cursor = off + w->size;
   }
@@ -1903,6 +1962,7 @@ static void run_strict(fz_reader_t *r) {
     case OP_RECREATE: s_recreate(r); break;
     case OP_SET_WINDOW: s_set_window(r); break;
     case OP_MOVE: s_move(r); break;
+    case OP_SWAP_SOURCE: s_swap_source(r); break;
     }
     if (!g.maybe_broken) check_all();
   }
@@ -2328,8 +2388,12 @@ static void w_vbar_misc(fz_reader_t *r) {
     }
     vp_source_t src;
     w_source(r, weight_size(w.id), &src);
-    W(false, vp_weight_set_source(w, (b & 0x20) && (b & 0x40) ? NULL : &src),
-      "0x%llx, kind %d", X(w.id), src.kind);
+    if ((b & 0x60) == 0x20)
+      W(false, vp_weight_swap_source(w, &src), "0x%llx, kind %d", X(w.id),
+        src.kind);
+    else
+      W(false, vp_weight_set_source(w, (b & 0x60) == 0x60 ? NULL : &src),
+        "0x%llx, kind %d", X(w.id), src.kind);
   }
   }
 }
@@ -2766,6 +2830,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     scratch_drop(-1, 0, 0);
   }
+  for (int i = 0; i < g.nW; i++) free(g.W[i].own);
   while (g.kerns) {
     kern_t *k = g.kerns;
     g.kerns = k->next;

@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Added since: opcode bytes 31.. (see op_decode in fuzz_api.c; the bytes of
 # the ops above are unchanged, so older inputs decode as they did).
 OP_SET_SOURCE, OP_RECREATE = 31, 32
+OP_SWAP_SOURCE = 35  # the fifth op added: 31 + 4
 # their `var` byte: the new source's kind (bits 0-1), a held weight (bit 2),
 # a slow kernel in OP_CHECK_HELD / half the range in OP_RECREATE (bit 3)
 K_HOST, K_FILE, K_NONE = 0, 1, 2
@@ -91,6 +92,10 @@ class Seq:
         k = w if var & HELD else LIVE | w
         return self.op(OP_RECREATE, k, var, struct.pack("<H", ab))
 
+    def swap_source(self, w, var=0):
+        k = w if var & HELD else LIVE | w
+        return self.op(OP_SWAP_SOURCE, k, var)
+
 
 def refill_seeds():
     """The refills of tests/test_refill.c: w1 (a page of its own) is read by
@@ -131,6 +136,18 @@ def refill_seeds():
     s.acquire(2, [1]).op(OP_CHECK_HELD, 0, 0).release(2, [1])
     s.acquire(1, [1]).release(1, [1])
     seeds["refill-made-anew-empty"] = s
+
+    # The same bytes from a copy (kept, no refill), then from another copy
+    # (the first freed at once), and refused while held.
+    s = start().swap_source(1).acquire(2, [1]).op(OP_CHECK_HELD, 0, 0)
+    s.swap_source(0, HELD).release(2, [1])
+    s.swap_source(1).acquire(1, [1]).release(1, [1])
+    seeds["swap-source-same-bytes"] = s
+
+    # acquiring w0 prefetches w1; its new source drops what was prefetched
+    s = start(lookahead=80).acquire(2, [0]).swap_source(1)
+    s.release(2, [0]).acquire(2, [1]).release(2, [1])
+    seeds["swap-source-prefetched"] = s
 
     # Sync streams, pressure (some weights staged): new sources of every
     # kind, while held (VP_EBUSY, and a weight made anew over a held one
