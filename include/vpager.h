@@ -454,6 +454,29 @@ typedef struct vp_host_memory {
 } vp_host_memory_t;
 VP_API int vp_host_memory(vp_host_memory_t *out);
 
+/* One file mapping of this process (vp_host_mappings): [start, +size)
+ * shows the file at `path` (UTF-8) from file_offset on. file_id tells
+ * files apart (Linux: the inode; Windows: the file index). */
+#define VP_MAPPING_WRITABLE 0x1u /* the process may write to it */
+#define VP_MAPPING_PRIVATE 0x2u  /* copy on write: writes leave the file */
+typedef struct vp_host_mapping {
+  uint64_t start;
+  uint64_t size;
+  uint64_t file_offset;
+  uint64_t file_id;
+  uint32_t flags;
+  char path[1024];
+} vp_host_mapping_t;
+/* This process's file mappings in address order: the first `cap` in out
+ * (out may be NULL when cap is 0) and the count in all in *n (call again
+ * with more room when *n > cap). Linux: /proc/self/maps' lines with an
+ * inode and a path; Windows: views of files that show the file from its
+ * start (a view's offset is not told). A path of 1024 bytes or more is
+ * left out. Needs no device; what safetensors' safe_open, numpy.memmap
+ * or torch.load(mmap=True) mapped is found here, so a weight's host bytes
+ * can be used where they lie. */
+VP_API int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n);
+
 typedef struct vp_hostbuf_info {
   void *ptr;             /* never moves, also across vp_hostbuf_grow */
   uint64_t size;         /* usable bytes now */

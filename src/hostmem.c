@@ -590,6 +590,38 @@ int vp_host_memory(vp_host_memory_t *out) {
   return VP_OK;
 }
 
+typedef struct mappings_out {
+  vp_host_mapping_t *out;
+  size_t cap, n;
+} mappings_out_t;
+
+static bool take_mapping(const vp__os_mapping_t *m, void *ctx) {
+  mappings_out_t *o = ctx;
+  if (o->n < o->cap) {
+    vp_host_mapping_t *d = &o->out[o->n];
+    *d = (vp_host_mapping_t){
+        .start = m->start, .size = m->size, .file_offset = m->file_offset,
+        .file_id = m->file_id,
+        .flags = (m->writable ? VP_MAPPING_WRITABLE : 0u) |
+                 (m->private_ ? VP_MAPPING_PRIVATE : 0u)};
+    memcpy(d->path, m->path, sizeof d->path);
+  }
+  o->n++;
+  return true;
+}
+
+int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n) {
+  VP__ENTER();
+  if (!n) return vp__err(VP_EINVAL, "n is NULL");
+  if (!out && cap) return vp__err(VP_EINVAL, "out is NULL with cap %zu", cap);
+  mappings_out_t o = {out, cap, 0};
+  int e = vp__os_file_mappings(take_mapping, &o);
+  if (e) return vp__err(VP_EUNSUPPORTED, "this process's mappings cannot be "
+                        "read (%s)", strerror(e));
+  *n = o.n;
+  return VP_OK;
+}
+
 int vp_hostbuf_info(vp_hostbuf_t h, vp_hostbuf_info_t *info) {
   VP__ENTER();
   if (!info) return vp__err(VP_EINVAL, "info is NULL");

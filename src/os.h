@@ -194,6 +194,24 @@ void vp__os_file_unmap(const void *p, uint64_t size);
 int vp__os_file_map_drop(const void *p, uint64_t size);
 int vp__os_file_drop_cache(int fd);
 
+/* One file mapping of this process: [start, +size) shows the file at path
+ * (UTF-8) from file_offset on; file_id tells files apart (Linux: the
+ * inode; Windows: the file index). */
+typedef struct vp__os_mapping {
+  uint64_t start, size, file_offset, file_id;
+  bool writable;  /* the process may write to it */
+  bool private_;  /* copy on write: what it writes leaves the file alone */
+  char path[1024];
+} vp__os_mapping_t;
+/* fn(m, ctx) for each file mapping of this process, in address order,
+ * until it returns false: 0, or an errno (none readable). Linux: the
+ * lines of /proc/self/maps with an inode and an absolute path. Windows:
+ * the views of files (a view's file offset is not told: only views that
+ * show the file from its start are given). A path too long for `path` is
+ * left out. */
+int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
+                         void *ctx);
+
 /* ------------------------------------------------- dynamic libraries */
 
 /* Load a shared library by file name (found the OS's way), resolved now,

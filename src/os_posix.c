@@ -450,6 +450,45 @@ int vp__os_file_drop_cache(int fd) {
   return posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
 }
 
+/* One line of /proc/self/maps ("lo-hi perms offset dev inode path") as a
+ * file mapping; false for anonymous memory, pseudo-files ("[heap]") and a
+ * path too long. */
+static bool mapping_of_line(const char *line, vp__os_mapping_t *m) {
+  unsigned long long lo, hi, off, ino;
+  char perms[8];
+  int at = 0;
+  if (sscanf(line, "%llx-%llx %7s %llx %*s %llu %n", &lo, &hi, perms, &off,
+             &ino, &at) < 5 || at == 0 || ino == 0 || line[at] != '/')
+    return false;
+  size_t n = strcspn(line + at, "\n");
+  if (n >= sizeof m->path || strlen(perms) < 4) return false;
+  memcpy(m->path, line + at, n);
+  m->path[n] = '\0';
+  m->start = lo;
+  m->size = hi - lo;
+  m->file_offset = off;
+  m->file_id = ino;
+  m->writable = perms[1] == 'w';
+  m->private_ = perms[3] == 'p';
+  return true;
+}
+
+int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
+                         void *ctx) {
+  FILE *f = fopen("/proc/self/maps", "re");
+  if (!f) return errno;
+  char line[sizeof ((vp__os_mapping_t *)0)->path + 256];
+  vp__os_mapping_t m;
+  bool whole = true; /* the buffer holds a line from its start */
+  while (fgets(line, sizeof line, f)) {
+    bool start = whole;
+    whole = strchr(line, '\n') != NULL;
+    if (start && mapping_of_line(line, &m) && whole && !fn(&m, ctx)) break;
+  }
+  fclose(f);
+  return 0;
+}
+
 /* ------------------------------------------------- dynamic libraries */
 
 /* RTLD_NODELETE: a driver registers atexit handlers and threads; dlclose

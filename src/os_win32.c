@@ -15,8 +15,10 @@
 #define _WIN32_WINNT 0x0A00 /* Windows 10: GetSystemTimePreciseAsFileTime */
 #endif
 #define WIN32_LEAN_AND_MEAN
+#define PSAPI_VERSION 2 /* GetMappedFileNameW from kernel32 */
 #include <windows.h>
 #include <winternl.h>
+#include <psapi.h>
 
 #include <errno.h>
 #include <io.h>
@@ -495,7 +497,7 @@ int vp__os_file_stat(int fd, vp__os_file_info_t *info) {
   if (h == INVALID_HANDLE_VALUE) return EBADF;
   /* A pipe, a console or a device: not a regular file. */
   if (GetFileType(h) != FILE_TYPE_DISK) return 0;
-  BY_HANDLE_FILE_INFORMATION fi;
+  BY_HANDLE_FILE_INFORMATION fi = {0};
   if (!GetFileInformationByHandle(h, &fi)) return last_errno();
   info->size = ((uint64_t)fi.nFileSizeHigh << 32) | fi.nFileSizeLow;
   info->mtime_ns = filetime_unix_ns(fi.ftLastWriteTime);
@@ -595,6 +597,104 @@ int vp__os_file_map_drop(const void *p, uint64_t size) {
 int vp__os_file_drop_cache(int fd) {
   (void)fd;
   return 0;
+}
+
+/* An NT device path ("\Device\HarddiskVolume3\m\x.safetensors", what
+ * GetMappedFileNameW gives) as a Win32 one ("C:\m\x.safetensors"), in
+ * place; false where no drive letter or share names it. */
+static bool dos_path(wchar_t *p) {
+  static const wchar_t mup[] = L"\\Device\\Mup\\", dosd[] = L"\\??\\";
+  size_t n = wcslen(p);
+  if (!wcsncmp(p, dosd, 4)) { /* "\\??\\C:\\..." */
+    memmove(p, p + 4, (n - 3) * sizeof *p);
+    return true;
+  }
+  if (!wcsncmp(p, mup, 12)) { /* a share: "\\\\server\\..." */
+    memmove(p + 2, p + 12, (n - 11) * sizeof *p);
+    p[0] = p[1] = L'\\';
+    return true;
+  }
+  wchar_t drive[3] = L"A:", dev[MAX_PATH];
+  for (DWORD have = GetLogicalDrives(); drive[0] <= L'Z'; drive[0]++) {
+    if (!(have & (1u << (drive[0] - L'A'))) ||
+        !QueryDosDeviceW(drive, dev, MAX_PATH))
+      continue;
+    size_t d = wcslen(dev);
+    if (d && d < n && !wcsncmp(p, dev, d) && p[d] == L'\\') {
+      memmove(p + 2, p + d, (n - d + 1) * sizeof *p);
+      p[0] = drive[0], p[1] = L':';
+      return true;
+    }
+  }
+  return false;
+}
+
+/* The file behind the view at base (size bytes, readable) as m's path and
+ * file_id; false unless its first bytes are the file's first (a view's
+ * offset in its file is not told: one that starts elsewhere is left out). */
+static bool view_file(char *base, uint64_t size, vp__os_mapping_t *m) {
+  wchar_t w[MAX_PATH * 4];
+  DWORD n = GetMappedFileNameW(GetCurrentProcess(), base, w,
+                               (DWORD)(sizeof w / sizeof *w));
+  if (!n || n >= sizeof w / sizeof *w - 1 ||
+      !dos_path(w))
+    return false;
+  if (!WideCharToMultiByte(CP_UTF8, WC_ERR_INVALID_CHARS, w, -1, m->path,
+                           (int)sizeof m->path, NULL, NULL))
+    return false;
+  HANDLE h = CreateFileW(w, GENERIC_READ,
+                         FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
+                         NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
+  if (h == INVALID_HANDLE_VALUE) return false;
+  BY_HANDLE_FILE_INFORMATION fi = {0};
+  char head[4096];
+  DWORD want = size < sizeof head ? (DWORD)size : (DWORD)sizeof head, got = 0;
+  OVERLAPPED ov = {0};
+  bool same = GetFileInformationByHandle(h, &fi) &&
+              ReadFile(h, head, want, &got, &ov) && got > 0 &&
+              !memcmp(head, base, got);
+  CloseHandle(h);
+  m->file_id = (uint64_t)fi.nFileIndexHigh << 32 | fi.nFileIndexLow;
+  m->file_offset = 0;
+  return same;
+}
+
+static bool readable(DWORD protect) {
+  return !(protect & (PAGE_NOACCESS | PAGE_GUARD)) && protect != 0;
+}
+
+/* The views of files, each the run of regions of one allocation base
+ * (VirtualQuery walks the address space a region at a time). */
+int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
+                         void *ctx) {
+  MEMORY_BASIC_INFORMATION r;
+  char *at = NULL, *base = NULL, *end = NULL;
+  DWORD prot = 0, first = 0;
+  vp__os_mapping_t m;
+  for (;;) {
+    bool more = VirtualQuery(at, &r, sizeof r) == sizeof r;
+    bool same = more && r.Type == MEM_MAPPED && r.AllocationBase == base;
+    if (base && !same) { /* the view at base ended */
+      m.start = (uint64_t)(uintptr_t)base;
+      m.size = (uint64_t)(end - base);
+      m.writable = prot & (PAGE_READWRITE | PAGE_WRITECOPY |
+                           PAGE_EXECUTE_READWRITE | PAGE_EXECUTE_WRITECOPY);
+      m.private_ = prot & (PAGE_WRITECOPY | PAGE_EXECUTE_WRITECOPY);
+      if (readable(first) && view_file(base, m.size, &m) && !fn(&m, ctx))
+        return 0;
+      base = NULL;
+    }
+    if (!more) return 0;
+    char *next = (char *)r.BaseAddress + r.RegionSize;
+    if (r.Type == MEM_MAPPED && !base && r.BaseAddress == r.AllocationBase) {
+      base = r.BaseAddress;
+      prot = r.AllocationProtect;
+      first = r.State == MEM_COMMIT ? r.Protect : 0;
+    }
+    if (base) end = next;
+    if (next <= at) return 0;
+    at = next;
+  }
 }
 
 /* ------------------------------------------------- dynamic libraries */

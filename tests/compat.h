@@ -38,10 +38,12 @@ long sysconf(int name);
 #define PROT_NONE 0
 #define PROT_READ 1
 #define PROT_WRITE 2
+#define MAP_SHARED 0x01
 #define MAP_PRIVATE 0x02
 #define MAP_ANONYMOUS 0x20
 #define MAP_FAILED ((void *)-1)
-/* Anonymous private memory only: VirtualAlloc. */
+/* Anonymous private memory (VirtualAlloc), or a view of a file (shared, or
+ * private: copy on write) at an offset of the allocation granularity. */
 void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off);
 int munmap(void *addr, size_t len);
 

@@ -6,6 +6,7 @@
 #include <tlhelp32.h>
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,8 +83,27 @@ long sysconf(int name) {
   return (long)si.dwPageSize;
 }
 
+static void *map_file(size_t len, int prot, int flags, int fd, off_t off) {
+  bool write = prot & PROT_WRITE, priv = flags == MAP_PRIVATE;
+  HANDLE m = CreateFileMappingW((HANDLE)_get_osfhandle(fd), NULL,
+                                priv ? PAGE_WRITECOPY
+                                : write ? PAGE_READWRITE : PAGE_READONLY,
+                                0, 0, NULL);
+  if (!m) {
+    errno = EACCES;
+    return MAP_FAILED;
+  }
+  void *p = MapViewOfFile(m, priv ? FILE_MAP_COPY
+                          : write ? FILE_MAP_WRITE : FILE_MAP_READ,
+                          (DWORD)((uint64_t)off >> 32), (DWORD)off, len);
+  CloseHandle(m); /* the view keeps the mapping */
+  if (!p) errno = EINVAL;
+  return p ? p : MAP_FAILED;
+}
+
 void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
-  (void)off;
+  if (!addr && fd != -1 && (flags == MAP_SHARED || flags == MAP_PRIVATE))
+    return map_file(len, prot, flags, fd, off);
   if (addr || fd != -1 || flags != (MAP_PRIVATE | MAP_ANONYMOUS)) {
     errno = ENOSYS;
     return MAP_FAILED;
@@ -101,6 +121,9 @@ void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
 
 int munmap(void *addr, size_t len) {
   (void)len;
+  MEMORY_BASIC_INFORMATION r;
+  if (VirtualQuery(addr, &r, sizeof r) == sizeof r && r.Type == MEM_MAPPED)
+    return UnmapViewOfFile(addr) ? 0 : -1;
   return VirtualFree(addr, 0, MEM_RELEASE) ? 0 : -1;
 }
 

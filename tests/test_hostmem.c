@@ -82,6 +82,107 @@ TEST(host_memory_without_a_device, TEST_SIM_ONLY) {
   ASSERT_TRUE(strncmp(vp_last_error(), "vp_host_memory: ", 16) == 0);
 }
 
+/* The mapping of [p, +1) in vp_host_mappings' list, or NULL. */
+static const vp_host_mapping_t *mapping_at(const vp_host_mapping_t *m,
+                                           size_t n, const void *p) {
+  uint64_t a = (uint64_t)(uintptr_t)p;
+  for (size_t i = 0; i < n; i++)
+    if (m[i].start <= a && a - m[i].start < m[i].size) return &m[i];
+  return NULL;
+}
+
+/* This process's mappings, *n of them (malloc'd). */
+static vp_host_mapping_t *all_mappings(size_t *n) {
+  size_t cap = 0;
+  vp_host_mapping_t *m = NULL;
+  for (;;) {
+    ASSERT_OK(vp_host_mappings(m, cap, n));
+    if (*n <= cap) return m;
+    cap = *n + 16;
+    free(m);
+    m = calloc(cap, sizeof *m);
+    ASSERT_NOT_NULL(m);
+  }
+}
+
+static bool ends_with(const char *s, const char *tail) {
+  size_t a = strlen(s), b = strlen(tail);
+  return a >= b && !strcmp(s + a - b, tail);
+}
+
+/* vp_host_mappings with no device: a file mapped read-only and shared, and
+ * the same file mapped copy-on-write, are found where they lie with their
+ * path, the file offset of each address (0 at the start; on Linux a view
+ * from the second page too) and their flags; a list too short still
+ * counts them all; unmapped, they are gone; NULLs refused, naming the
+ * call. */
+TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
+  (void)ctx;
+  char dir[256], path[320];
+  test_make_dir(dir, sizeof dir, "maps");
+  snprintf(path, sizeof path, "%s/weights.bin", dir);
+  size_t page = (size_t)host_page(), size = 3 * page + 100;
+  uint8_t *want = malloc(size);
+  ASSERT_NOT_NULL(want);
+  test_pattern(want, size, 7);
+  FILE *f = fopen(path, "wb");
+  ASSERT_NOT_NULL(f);
+  ASSERT_EQ_U64(fwrite(want, 1, size, f), size);
+  ASSERT_EQ_INT(fclose(f), 0);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  ASSERT_GE_INT(fd, 0);
+  uint8_t *ro = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);
+  uint8_t *cow = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  ASSERT_TRUE(ro != MAP_FAILED && cow != MAP_FAILED);
+  ASSERT_TRUE(!memcmp(ro, want, size) && !memcmp(cow, want, size));
+  uint8_t *from2 = MAP_FAILED;
+#ifndef _WIN32 /* a view's offset is told on Linux only */
+  from2 = mmap(NULL, page, PROT_READ, MAP_SHARED, fd, (off_t)page);
+  ASSERT_TRUE(from2 != MAP_FAILED);
+#endif
+  size_t n;
+  vp_host_mapping_t *m = all_mappings(&n);
+  const vp_host_mapping_t *a = mapping_at(m, n, ro + page + 5),
+                          *b = mapping_at(m, n, cow + 2 * page),
+                          *c = mapping_at(m, n, from2);
+  ASSERT_TRUE(a && b && a != b);
+  test_log("%zu mappings; the file's: %s at +%llu, flags %u / %u", n,
+           a->path, (unsigned long long)a->file_offset, a->flags, b->flags);
+  ASSERT_TRUE(ends_with(a->path, "weights.bin") && !strcmp(a->path, b->path));
+  ASSERT_EQ_U64(a->file_offset + ((uintptr_t)ro - a->start), 0);
+  ASSERT_EQ_U64(b->file_offset + ((uintptr_t)cow - b->start), 0);
+  ASSERT_TRUE(a->size >= size && a->file_id && a->file_id == b->file_id);
+  ASSERT_EQ_U64(a->flags, 0);
+  ASSERT_EQ_U64(b->flags, VP_MAPPING_WRITABLE | VP_MAPPING_PRIVATE);
+#ifndef _WIN32
+  struct stat st;
+  ASSERT_EQ_INT(fstat(fd, &st), 0);
+  ASSERT_EQ_U64(a->file_id, (uint64_t)st.st_ino);
+  ASSERT_TRUE(c && c->file_id == a->file_id);
+  ASSERT_EQ_U64(c->file_offset + ((uintptr_t)from2 - c->start), page);
+  ASSERT_EQ_INT(munmap(from2, page), 0);
+#else
+  (void)c;
+#endif
+  /* A list of one still counts them all. */
+  vp_host_mapping_t one;
+  size_t n1 = 0;
+  ASSERT_OK(vp_host_mappings(&one, 1, &n1));
+  ASSERT_TRUE(n1 >= 2 && one.size > 0);
+  ASSERT_EQ_INT(munmap(ro, size), 0);
+  ASSERT_EQ_INT(munmap(cow, size), 0);
+  free(m);
+  m = all_mappings(&n);
+  ASSERT_TRUE(!mapping_at(m, n, ro) && !mapping_at(m, n, cow));
+  free(m);
+  ASSERT_RC(vp_host_mappings(NULL, 0, NULL), VP_EINVAL);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_host_mappings: ", 18) == 0);
+  ASSERT_RC(vp_host_mappings(NULL, 3, &n), VP_EINVAL);
+  ASSERT_EQ_INT(close(fd), 0);
+  free(want);
+  test_rm_dir(dir);
+}
+
 TEST(hostbuf_alloc_grow, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open(ctx, NULL);
   const uint64_t size = 100 * KiB + 123, max = 1 * MiB + 7;

@@ -206,6 +206,21 @@ class vp_host_memory_t(Structure):
     ]
 
 
+class vp_host_mapping_t(Structure):
+    _fields_ = [
+        ("start", c_uint64),
+        ("size", c_uint64),
+        ("file_offset", c_uint64),
+        ("file_id", c_uint64),
+        ("flags", c_uint32),
+        ("path", c_char * 1024),
+    ]
+
+
+VP_MAPPING_WRITABLE = 0x1
+VP_MAPPING_PRIVATE = 0x2
+
+
 class vp_hostbuf_info_t(Structure):
     _fields_ = [
         ("ptr", c_void_p),
@@ -314,6 +329,7 @@ PROTOTYPES = {
     "vp_vbar_residency": (_i, [_vb, P(c_uint8), _sz]),
     # host memory
     "vp_host_memory": (_i, [P(vp_host_memory_t)]),
+    "vp_host_mappings": (_i, [P(vp_host_mapping_t), _sz, P(_sz)]),
     "vp_hostbuf_alloc": (_i, [_dev, _u64, _u64, P(vp_hostbuf_t)]),
     "vp_hostbuf_register": (_i, [_dev, _p, _u64, P(vp_hostbuf_t)]),
     "vp_hostbuf_grow": (_i, [_hb, _u64]),

@@ -1,15 +1,19 @@
 """vpager.HostBuf: host memory for weights' host copies (vp_hostbuf_*);
-vpager.host_memory(): the machine's RAM as the library reads it."""
+vpager.host_memory(): the machine's RAM as the library reads it;
+vpager.host_mappings(): this process's file mappings (vp_host_mappings)."""
 
 import ctypes
+from dataclasses import dataclass
+from typing import List
 
 from . import _lib
 from ._buffer import as_buffer
 from ._handle import Handle
-from ._lib import C, vp_host_memory_t, vp_hostbuf_info_t, vp_hostbuf_t
+from ._lib import (C, vp_host_mapping_t, vp_host_memory_t, vp_hostbuf_info_t,
+                   vp_hostbuf_t)
 from .errors import check
 
-__all__ = ["HostBuf", "host_memory"]
+__all__ = ["HostBuf", "HostMapping", "host_mappings", "host_memory"]
 
 _byref = ctypes.byref
 
@@ -23,6 +27,39 @@ def host_memory():
     check(C.vp_host_memory(_byref(out)))
     return {"total": out.total, "available": out.available,
             "limit": out.limit}
+
+
+@dataclass(frozen=True)
+class HostMapping:
+    """One file mapping of this process: [start, end) shows the file at
+    path from file_offset on; file_id tells files apart (Linux: the inode;
+    Windows: the file index)."""
+    start: int
+    end: int
+    file_offset: int
+    file_id: int
+    writable: bool      # the process may write to it
+    private: bool       # copy on write: its writes leave the file alone
+    path: str
+
+
+def host_mappings() -> List[HostMapping]:
+    """vp_host_mappings(): this process's file mappings in address order
+    (Linux: /proc/self/maps; Windows: the views of files that show a file
+    from its start). No device needed."""
+    n = ctypes.c_size_t(0)
+    cap, arr = 0, None
+    while True:
+        check(C.vp_host_mappings(arr, cap, _byref(n)))
+        if n.value <= cap:
+            break
+        cap = n.value + 16          # more may appear meanwhile
+        arr = (vp_host_mapping_t * cap)()
+    return [HostMapping(m.start, m.start + m.size, m.file_offset, m.file_id,
+                        bool(m.flags & _lib.VP_MAPPING_WRITABLE),
+                        bool(m.flags & _lib.VP_MAPPING_PRIVATE),
+                        m.path.decode("utf-8", "replace"))
+            for m in (arr[:n.value] if arr is not None else [])]
 
 
 class HostBuf(Handle):

@@ -77,6 +77,28 @@ def test_host_memory():
             kb = dict(ln.split(":", 1) for ln in f.read().splitlines())
         assert m["total"] == int(kb["MemTotal"].split()[0]) * 1024, m
 
+
+def test_host_mappings():
+    """vpager.host_mappings(): a file mapped read-only (as safetensors'
+    safe_open maps one) is found, with its path, size, file offset and
+    file id, not writable; gone once closed."""
+    import mmap
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "w.safetensors")
+        with open(path, "wb") as f:
+            f.write(bytes(range(256)) * 64)
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        found = [m for m in vpager.host_mappings()
+                 if os.path.basename(m.path) == "w.safetensors"]
+        assert len(found) == 1, found
+        m = found[0]
+        assert m.end - m.start >= len(mm) and m.file_offset == 0, m
+        assert not m.writable and m.file_id == os.stat(path).st_ino, m
+        mm.close()
+        assert not [m for m in vpager.host_mappings()
+                    if os.path.basename(m.path) == "w.safetensors"]
+
 def test_stat_fields_match_header():
     h = _header()
     block = h[h.index("#define VP_STAT_FIELDS"):h.index("typedef struct vp_stats")]

@@ -25,10 +25,11 @@ import os
 import time
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple
 
 from .. import _sysmem
-from ..hostbuf import host_memory
+from ..errors import Error
+from ..hostbuf import HostMapping, host_mappings, host_memory
 
 IN_PLACE, PINNED_COPY, FILE = "in place", "pinned copy", "file"
 KINDS = (IN_PLACE, PINNED_COPY, FILE)
@@ -143,40 +144,25 @@ def _read_at(fd: int, buf: mmap.mmap, at: int) -> int:
     return len(data)
 
 
-@dataclass
-class Mapping:
-    """One file mapping of this process (/proc/self/maps)."""
-    start: int
-    end: int
-    perms: str
-    offset: int
-    inode: int
-    path: str
-
-    @property
-    def writable_private(self) -> bool:
-        """Pinning it for write would copy its pages (copy on write)."""
-        return "w" in self.perms and "p" in self.perms
+def writable_private(m: HostMapping) -> bool:
+    """Pinning it for write would copy its pages (copy on write)."""
+    return m.writable and m.private
 
 
 class Mappings:
-    """This process's file mappings, read once (offload() builds one)."""
+    """This process's file mappings (vpager.host_mappings(): Linux's
+    /proc/self/maps, Windows' views of files), read once (offload() builds
+    one)."""
 
     def __init__(self) -> None:
-        maps: List[Mapping] = []
-        for line in _sysmem.read_text("/proc/self/maps").splitlines():
-            f = line.split(None, 5)
-            if len(f) < 6 or not f[5].startswith("/") or f[4] == "0":
-                continue
-            lo, hi = f[0].split("-")
-            maps.append(Mapping(int(lo, 16), int(hi, 16), f[1],
-                                int(f[2], 16), int(f[4]), f[5]))
-        maps.sort(key=lambda m: m.start)
-        self.maps = maps
-        self.starts = [m.start for m in maps]
+        try:
+            self.maps = host_mappings()
+        except Error:       # unreadable: no mapping is known
+            self.maps = []
+        self.starts = [m.start for m in self.maps]
         self._anon: Optional[Dict[int, int]] = None
 
-    def modified(self, m: Mapping) -> bool:
+    def modified(self, m: HostMapping) -> bool:
         """Whether the caller wrote to a private mapping (pages copied on
         write: /proc/self/smaps' Anonymous): then its bytes are not the
         file's. Unknown counts as written."""
@@ -190,7 +176,7 @@ class Mappings:
                     self._anon[start] = int(line.split()[1]) * 1024
         return self._anon.get(m.start, 1) > 0
 
-    def find(self, addr: int, size: int) -> Optional[Mapping]:
+    def find(self, addr: int, size: int) -> Optional[HostMapping]:
         """The file mapping holding [addr, addr+size) whole, or None."""
         i = bisect_right(self.starts, addr) - 1
         if i < 0 or size <= 0:
@@ -209,7 +195,7 @@ def drop_copied(spans: Iterable[Tuple[int, int]]) -> int:
     dropped = 0
     for addr, size in spans:
         m = maps.find(addr, size)
-        if m is not None and "w" not in m.perms:
+        if m is not None and not m.writable:
             dropped += _sysmem.drop_resident(addr, size)
     return dropped
 

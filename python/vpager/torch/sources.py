@@ -41,7 +41,7 @@ class HostBytes:
         self.maps = []                  # read-only mappings of our own
         self.copied_from = set()        # Entries copied out of read-only
         #                                 mappings (dropped from RSS after)
-        self.fd_of = {}                 # inode -> fd (FILE sources)
+        self.fd_of = {}                 # file id -> fd (FILE sources)
 
     def by_kind(self, entries):
         """{kind: host bytes} over entries (every kind, 0 if none)."""
@@ -120,19 +120,20 @@ def _register(dev, lo, size, hb_out):
 
 
 def _open_same(m, hbytes):
-    """An fd of m's file (the same inode; one a file), or None."""
-    fd = hbytes.fd_of.get(m.inode)
+    """An fd of m's file (the same file id; one a file), or None."""
+    fd = hbytes.fd_of.get(m.file_id)
     if fd is not None:
         return fd
     try:
-        fd = os.open(m.path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(m.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) |
+                     getattr(os, "O_BINARY", 0))    # Windows has no CLOEXEC
     except OSError:
         return None
-    if os.fstat(fd).st_ino != m.inode:
+    if os.fstat(fd).st_ino != m.file_id:
         os.close(fd)
         return None
     hbytes.fds.append(fd)
-    hbytes.fd_of[m.inode] = fd
+    hbytes.fd_of[m.file_id] = fd
     return fd
 
 
@@ -141,7 +142,7 @@ def _file_source(m, addr, hbytes):
     fd = _open_same(m, hbytes)
     if fd is None:
         return None
-    return Source.from_file(fd, m.offset + addr - m.start)
+    return Source.from_file(fd, m.file_offset + addr - m.start)
 
 
 def _own_mapping(m, lo, hi, hbytes):
@@ -155,9 +156,9 @@ def _own_mapping(m, lo, hi, hbytes):
     if fd is None:
         return None
     gran = mmap.ALLOCATIONGRANULARITY
-    flo = (m.offset + lo - m.start) // gran * gran
+    flo = (m.file_offset + lo - m.start) // gran * gran
     try:
-        mm = mmap.mmap(fd, m.offset + hi - m.start - flo,
+        mm = mmap.mmap(fd, m.file_offset + hi - m.start - flo,
                        access=mmap.ACCESS_READ, offset=flo)   # shared
     except (OSError, ValueError):
         return None
@@ -167,7 +168,7 @@ def _own_mapping(m, lo, hi, hbytes):
         t = torch.frombuffer(mm, dtype=torch.uint8)
     hbytes.hold.append(t)
     base = t.data_ptr()
-    return base + m.offset - m.start - flo, base, base + len(mm)
+    return base + m.file_offset - m.start - flo, base, base + len(mm)
 
 
 def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
@@ -204,12 +205,13 @@ def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
             (i, addr, m))
     for group in groups.values():
         m = group[0][2]
-        if m is not None and m.writable_private and maps.modified(m):
+        if m is not None and hostpolicy.writable_private(m) and \
+                maps.modified(m):
             hosted.extend(i for i, _, _ in group)   # not the file's bytes
             continue
         if choice.kind == hostpolicy.PINNED_COPY:
             hosted.extend(i for i, _, _ in group)
-            if m is None or "w" not in m.perms:     # nobody wrote to it
+            if m is None or not m.writable:     # nobody wrote to it
                 hbytes.copied_from.update(entries[i] for i, _, _ in group)
             continue
         lo = min(a for _, a, _ in group)
@@ -217,7 +219,7 @@ def _file_slots(dev, entries, st, plan, custom, streamed, hbytes):
         in_place = choice.kind == hostpolicy.IN_PLACE
         shift, bound = 0, ((m.start, m.end) if m is not None
                            else (base, base + st.mmap()[1]))
-        if in_place and m is not None and m.writable_private:
+        if in_place and m is not None and hostpolicy.writable_private(m):
             own = _own_mapping(m, lo, hi, hbytes)
             if own is None:
                 in_place = False
