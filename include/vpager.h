@@ -476,6 +476,15 @@ typedef struct vp_host_mapping {
  * or torch.load(mmap=True) mapped is found here, so a weight's host bytes
  * can be used where they lie. */
 VP_API int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n);
+/* Host bytes a copy was made of leave this process's resident set: of n
+ * spans [addrs[i], +sizes[i]), each lying whole in one file mapping the
+ * process may not write (vp_host_mappings) has its whole pages dropped
+ * (Linux: madvise MADV_DONTNEED; Windows: taken out of the working set);
+ * the file's cache keeps them and a later touch reads them back, the same
+ * bytes. Any other span is left alone: nothing written is ever lost.
+ * *dropped (may be NULL): the bytes dropped. Needs no device. */
+VP_API int vp_host_drop_resident(size_t n, const uint64_t *addrs,
+                                 const uint64_t *sizes, uint64_t *dropped);
 
 typedef struct vp_hostbuf_info {
   void *ptr;             /* never moves, also across vp_hostbuf_grow */

@@ -622,6 +622,67 @@ int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n) {
   return VP_OK;
 }
 
+/* The read-only file mappings, start and end, in address order. */
+typedef struct ro_maps {
+  uint64_t (*span)[2];
+  size_t n, cap;
+  bool oom;
+} ro_maps_t;
+
+static bool take_read_only(const vp__os_mapping_t *m, void *ctx) {
+  ro_maps_t *r = ctx;
+  if (m->writable) return true;
+  if (r->n == r->cap) {
+    size_t cap = r->cap ? 2 * r->cap : 256;
+    void *p = realloc(r->span, cap * sizeof *r->span);
+    if (!p) return !(r->oom = true);
+    r->span = p, r->cap = cap;
+  }
+  r->span[r->n][0] = m->start;
+  r->span[r->n][1] = m->start + m->size;
+  r->n++;
+  return true;
+}
+
+/* Whether [a, b) lies whole in one of r's mappings. */
+static bool read_only_mapped(const ro_maps_t *r, uint64_t a, uint64_t b) {
+  size_t lo = 0, hi = r->n; /* the last mapping starting at or below a */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (r->span[mid][0] <= a) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo > 0 && b <= r->span[lo - 1][1];
+}
+
+int vp_host_drop_resident(size_t n, const uint64_t *addrs,
+                          const uint64_t *sizes, uint64_t *dropped) {
+  VP__ENTER();
+  if (n && (!addrs || !sizes))
+    return vp__err(VP_EINVAL, "addrs or sizes is NULL with n %zu", n);
+  if (dropped) *dropped = 0;
+  if (!n) return VP_OK;
+  ro_maps_t r = {0};
+  int e = vp__os_file_mappings(take_read_only, &r);
+  if (e || r.oom) {
+    free(r.span);
+    return e ? vp__err(VP_EUNSUPPORTED, "this process's mappings cannot be "
+                       "read (%s)", strerror(e))
+             : vp__err(VP_ENOMEM, "no host memory for the mappings' list");
+  }
+  uint64_t page = vp__os_page_size(), sum = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t a = addrs[i], b = a + sizes[i];
+    uint64_t lo = (a + page - 1) / page * page, hi = b / page * page;
+    if (b < a || hi <= lo || !read_only_mapped(&r, a, b)) continue;
+    if (!vp__os_file_map_drop((const void *)(uintptr_t)lo, hi - lo))
+      sum += hi - lo;
+  }
+  free(r.span);
+  if (dropped) *dropped = sum;
+  return VP_OK;
+}
+
 int vp_hostbuf_info(vp_hostbuf_t h, vp_hostbuf_info_t *info) {
   VP__ENTER();
   if (!info) return vp__err(VP_EINVAL, "info is NULL");

@@ -113,9 +113,9 @@ static bool ends_with(const char *s, const char *tail) {
 /* vp_host_mappings with no device: a file mapped read-only and shared, and
  * the same file mapped copy-on-write, are found where they lie with their
  * path, the file offset of each address (0 at the start; on Linux a view
- * from the second page too) and their flags; a list too short still
- * counts them all; unmapped, they are gone; NULLs refused, naming the
- * call. */
+ * from the second page too) and their flags; vp_host_drop_resident drops
+ * the read-only one's pages only; a list too short still counts them
+ * all; unmapped, they are gone; NULLs refused, naming the call. */
 TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
   (void)ctx;
   char dir[256], path[320];
@@ -164,6 +164,20 @@ TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
 #else
   (void)c;
 #endif
+  /* Dropped from the resident set: the read-only map's whole pages (and
+   * its bytes read back the same), nothing of the copy-on-write one (its
+   * writes would go) nor of memory no file backs. */
+  cow[1] ^= 0x5a;
+  uint64_t addrs[3] = {(uintptr_t)ro, (uintptr_t)cow, (uintptr_t)want},
+           sizes[3] = {size, size, size}, dropped = 7;
+  ASSERT_OK(vp_host_drop_resident(1, addrs, sizes, &dropped));
+  ASSERT_EQ_U64(dropped, 3 * page);
+  ASSERT_OK(vp_host_drop_resident(2, addrs + 1, sizes + 1, &dropped));
+  ASSERT_EQ_U64(dropped, 0);
+  ASSERT_TRUE(!memcmp(ro, want, size) && cow[1] == (want[1] ^ 0x5a));
+  ASSERT_OK(vp_host_drop_resident(0, NULL, NULL, NULL));
+  ASSERT_RC(vp_host_drop_resident(1, NULL, sizes, &dropped), VP_EINVAL);
+  ASSERT_TRUE(strncmp(vp_last_error(), "vp_host_drop_resident: ", 23) == 0);
   /* A list of one still counts them all. */
   vp_host_mapping_t one;
   size_t n1 = 0;

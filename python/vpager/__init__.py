@@ -33,7 +33,8 @@ from .errors import (BusyError, DeviceError, Error, HandleError,
                      NoDeviceError, NotPinnedError, OutOfMemory, RangeError,
                      TryAgain, Unsupported, check, err_name, last_error,
                      strerror)
-from .hostbuf import HostBuf, HostMapping, host_mappings, host_memory
+from .hostbuf import (HostBuf, HostMapping, host_drop_resident, host_mappings,
+                      host_memory)
 from .options import OPTION_NAMES, default_options, parse_size
 from .safetensors import SafeTensors, TensorInfo
 from .stats import STAT_NAMES
@@ -140,8 +141,8 @@ def gpu_backend():
 
 
 __all__ = [
-    "Device", "Vbar", "HostBuf", "HostMapping", "host_mappings",
-    "host_memory", "Weights", "Weight", "WeightBatch",
+    "Device", "Vbar", "HostBuf", "HostMapping", "host_drop_resident",
+    "host_mappings", "host_memory", "Weights", "Weight", "WeightBatch",
     "Source", "SafeTensors", "TensorInfo", "BufferRef",
     "Error", "InvalidArgument", "HandleError", "HostOutOfMemory",
     "RangeError", "BusyError", "NotPinnedError", "NoDeviceError",

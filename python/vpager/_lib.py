@@ -330,6 +330,8 @@ PROTOTYPES = {
     # host memory
     "vp_host_memory": (_i, [P(vp_host_memory_t)]),
     "vp_host_mappings": (_i, [P(vp_host_mapping_t), _sz, P(_sz)]),
+    "vp_host_drop_resident": (_i, [_sz, P(c_uint64), P(c_uint64),
+                                   P(c_uint64)]),
     "vp_hostbuf_alloc": (_i, [_dev, _u64, _u64, P(vp_hostbuf_t)]),
     "vp_hostbuf_register": (_i, [_dev, _p, _u64, P(vp_hostbuf_t)]),
     "vp_hostbuf_grow": (_i, [_hb, _u64]),

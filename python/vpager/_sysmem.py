@@ -1,6 +1,5 @@
 """The host's memory as the operating system tells it: RAM available, the
-room left under this process's cgroup memory limit, and RAM in all; and
-one thing asked of it: pages of a file mapping out of the resident set.
+room left under this process's cgroup memory limit, and RAM in all.
 
 The one Python reader of /proc/meminfo and /proc/self/cgroup (the C
 library has its own, behind src/os.h). Those exist on Linux only:
@@ -9,13 +8,11 @@ elsewhere (Windows, macOS) nothing is read and every answer is
 callers do then. No torch, no library: importable anywhere, at any time.
 """
 
-import mmap
 import os
 import sys
 from typing import Optional
 
-__all__ = ["ram_available", "cgroup_room", "ram_total", "read_text",
-           "drop_resident"]
+__all__ = ["ram_available", "cgroup_room", "ram_total", "read_text"]
 
 
 def _linux() -> bool:
@@ -91,31 +88,3 @@ def ram_total() -> Optional[int]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return None
-
-
-_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)     # Linux's
-
-
-def drop_resident(addr: int, size: int) -> int:
-    """The whole pages inside [addr, addr+size) of a read-only file mapping
-    leave this process's resident set (madvise MADV_DONTNEED: the page
-    cache keeps them; a later touch maps them again from the file, the
-    same bytes). Only for memory nobody wrote: a written private page
-    would lose its writes. Linux only; never raises. Returns the bytes
-    dropped (0 where nothing was done)."""
-    if not _linux() or size <= 0:
-        return 0
-    page = mmap.PAGESIZE
-    lo = (addr + page - 1) // page * page
-    hi = (addr + size) // page * page
-    if hi <= lo:
-        return 0
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
-                        _MADV_DONTNEED) != 0:
-            return 0
-    except (OSError, AttributeError):
-        return 0
-    return hi - lo

@@ -4,7 +4,7 @@ vpager.host_mappings(): this process's file mappings (vp_host_mappings)."""
 
 import ctypes
 from dataclasses import dataclass
-from typing import List
+from typing import Iterable, List, Tuple
 
 from . import _lib
 from ._buffer import as_buffer
@@ -13,7 +13,8 @@ from ._lib import (C, vp_host_mapping_t, vp_host_memory_t, vp_hostbuf_info_t,
                    vp_hostbuf_t)
 from .errors import check
 
-__all__ = ["HostBuf", "HostMapping", "host_mappings", "host_memory"]
+__all__ = ["HostBuf", "HostMapping", "host_drop_resident", "host_mappings",
+           "host_memory"]
 
 _byref = ctypes.byref
 
@@ -60,6 +61,22 @@ def host_mappings() -> List[HostMapping]:
                         bool(m.flags & _lib.VP_MAPPING_PRIVATE),
                         m.path.decode("utf-8", "replace"))
             for m in (arr[:n.value] if arr is not None else [])]
+
+
+def host_drop_resident(spans: Iterable[Tuple[int, int]]) -> int:
+    """vp_host_drop_resident(): of the host bytes [(address, size)] a copy
+    was made of, those lying whole in a file mapping this process may not
+    write leave its resident set (the file's cache keeps them; a touch
+    reads them back); any other span is left alone. Returns the bytes
+    dropped. No device needed."""
+    spans = [(a, n) for a, n in spans if n > 0]
+    if not spans:
+        return 0
+    addrs = (ctypes.c_uint64 * len(spans))(*(a for a, _ in spans))
+    sizes = (ctypes.c_uint64 * len(spans))(*(n for _, n in spans))
+    dropped = ctypes.c_uint64(0)
+    check(C.vp_host_drop_resident(len(spans), addrs, sizes, _byref(dropped)))
+    return dropped.value
 
 
 class HostBuf(Handle):

@@ -81,7 +81,8 @@ def test_host_memory():
 def test_host_mappings():
     """vpager.host_mappings(): a file mapped read-only (as safetensors'
     safe_open maps one) is found, with its path, size, file offset and
-    file id, not writable; gone once closed."""
+    file id, not writable; host_drop_resident() drops its pages only;
+    gone once closed."""
     import mmap
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "w.safetensors")
@@ -95,6 +96,14 @@ def test_host_mappings():
         m = found[0]
         assert m.end - m.start >= len(mm) and m.file_offset == 0, m
         assert not m.writable and m.file_id == os.stat(path).st_ino, m
+        # Its pages leave the resident set (the bytes stay); memory no
+        # file backs is left alone.
+        anon = ctypes.create_string_buffer(1 << 16)
+        got = vpager.host_drop_resident([(m.start, len(mm)),
+                                         (ctypes.addressof(anon), len(anon))])
+        assert got == len(mm) // mmap.PAGESIZE * mmap.PAGESIZE, got
+        assert mm[:256] == bytes(range(256))
+        assert vpager.host_drop_resident([]) == 0
         mm.close()
         assert not [m for m in vpager.host_mappings()
                     if os.path.basename(m.path) == "w.safetensors"]

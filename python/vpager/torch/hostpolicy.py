@@ -29,7 +29,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 from .. import _sysmem
 from ..errors import Error
-from ..hostbuf import HostMapping, host_mappings, host_memory
+from ..hostbuf import (HostMapping, host_drop_resident, host_mappings,
+                       host_memory)
 
 IN_PLACE, PINNED_COPY, FILE = "in place", "pinned copy", "file"
 KINDS = (IN_PLACE, PINNED_COPY, FILE)
@@ -187,17 +188,14 @@ class Mappings:
 
 def drop_copied(spans: Iterable[Tuple[int, int]]) -> int:
     """Host bytes [(address, size)] a copy was just made of: those lying
-    whole in a file mapping nobody can have written (no "w" in its perms)
-    leave this process's resident set (_sysmem.drop_resident; the page
-    cache keeps them), so the copy is the one copy RSS counts. Anything
-    else is left alone. Returns the bytes dropped."""
-    maps = Mappings()
-    dropped = 0
-    for addr, size in spans:
-        m = maps.find(addr, size)
-        if m is not None and not m.writable:
-            dropped += _sysmem.drop_resident(addr, size)
-    return dropped
+    whole in a file mapping this process may not write leave its resident
+    set (vpager.host_drop_resident; the page cache keeps them), so the
+    copy is the one copy RSS counts. Anything else is left alone. Returns
+    the bytes dropped (0 where the mappings cannot be read)."""
+    try:
+        return host_drop_resident(spans)
+    except Error:
+        return 0
 
 
 @dataclass

@@ -14,7 +14,6 @@ import warnings
 
 import torch
 
-from .. import _sysmem
 from ..errors import Error
 from ..weights import Source
 from . import hostpolicy
@@ -340,29 +339,30 @@ def copy_jobs(jobs, drop, advance, moved=None, pool=None,
     """Copy a batch of _copy_jobs' jobs: a file's bytes by memmove, tensors
     over copy_all's threads; advance(bytes) as they land. Entries in
     `drop` were copied out of a read-only file mapping: its pages they
-    touched leave the process's RSS once copied (_sysmem.drop_resident),
+    touched leave the process's RSS once copied (hostpolicy.drop_copied),
     so the copy is the one copy RSS counts. moved (a list, or None): CPU
     tensors are pointed at their copy, appended to it (offload()'s own
     copy: their old storage can go now, peak host memory one model and a
     batch, not two models). pool, chunk: copy_all's."""
-    pairs = []
+    pairs, copied = [], []
     for e, (h, src) in jobs:
         if isinstance(src, int):
             ctypes.memmove(h.data_ptr(), src, e.size)
             if e in drop:
-                _sysmem.drop_resident(src, e.size)
+                copied.append((src, e.size))
             advance(e.size)
         else:
             pairs.append((e, h, src))
-    if not pairs:
-        return
-    copy_all([(h, src) for _e, h, src in pairs], advance, pool, chunk)
+    if pairs:
+        copy_all([(h, src) for _e, h, src in pairs], advance, pool, chunk)
     for e, h, src in pairs:
         if e in drop:
-            _sysmem.drop_resident(src.data_ptr(), e.size)
+            copied.append((src.data_ptr(), e.size))
         if moved is not None and e.src_device.type == "cpu":
             e.tensor.data = h
             moved.append(e)
+    if copied:
+        hostpolicy.drop_copied(copied)
 
 
 def _fill_host(jobs, drop, advance, moved):
