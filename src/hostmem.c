@@ -622,9 +622,11 @@ int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n) {
   return VP_OK;
 }
 
-/* The read-only file mappings, start and end, in address order. */
+/* The read-only file mappings, start and end, in address order, and
+ * whether each is private (its pages may have been written before it was
+ * made read-only: a library's relocations, then mprotect). */
 typedef struct ro_maps {
-  uint64_t (*span)[2];
+  uint64_t (*span)[3]; /* start, end, private */
   size_t n, cap;
   bool oom;
 } ro_maps_t;
@@ -640,19 +642,21 @@ static bool take_read_only(const vp__os_mapping_t *m, void *ctx) {
   }
   r->span[r->n][0] = m->start;
   r->span[r->n][1] = m->start + m->size;
+  r->span[r->n][2] = m->private_;
   r->n++;
   return true;
 }
 
-/* Whether [a, b) lies whole in one of r's mappings. */
-static bool read_only_mapped(const ro_maps_t *r, uint64_t a, uint64_t b) {
+/* The mapping of r holding [a, b) whole, or NULL. */
+static const uint64_t *read_only_mapped(const ro_maps_t *r, uint64_t a,
+                                        uint64_t b) {
   size_t lo = 0, hi = r->n; /* the last mapping starting at or below a */
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
     if (r->span[mid][0] <= a) lo = mid + 1;
     else hi = mid;
   }
-  return lo > 0 && b <= r->span[lo - 1][1];
+  return lo > 0 && b <= r->span[lo - 1][1] ? r->span[lo - 1] : NULL;
 }
 
 int vp_host_drop_resident(size_t n, const uint64_t *addrs,
@@ -674,8 +678,11 @@ int vp_host_drop_resident(size_t n, const uint64_t *addrs,
   for (size_t i = 0; i < n; i++) {
     uint64_t a = addrs[i], b = a + sizes[i];
     uint64_t lo = (a + page - 1) / page * page, hi = b / page * page;
-    if (b < a || hi <= lo || !read_only_mapped(&r, a, b)) continue;
-    if (!vp__os_file_map_drop((const void *)(uintptr_t)lo, hi - lo))
+    const uint64_t *m = b < a || hi <= lo ? NULL
+                        : read_only_mapped(&r, a, b);
+    const void *p = (const void *)(uintptr_t)lo;
+    if (m && !(m[2] ? vp__os_drop_unwritten(p, hi - lo)
+                    : vp__os_file_map_drop(p, hi - lo)))
       sum += hi - lo;
   }
   free(r.span);

@@ -193,6 +193,12 @@ void vp__os_file_unmap(const void *p, uint64_t size);
  * touched), then the file's cached pages (a hint where the OS has one). */
 int vp__os_file_map_drop(const void *p, uint64_t size);
 int vp__os_file_drop_cache(int fd);
+/* Drop the resident pages of [p, +size) of a read-only file mapping, as
+ * vp__os_file_map_drop, unless one of them is no longer the file's (a
+ * private mapping's page copied on a write before it was made read-only):
+ * EBUSY then, and nothing is dropped. Linux reads /proc/self/pagemap for
+ * that; Windows only trims the working set, which loses nothing. */
+int vp__os_drop_unwritten(const void *p, uint64_t size);
 
 /* One file mapping of this process: [start, +size) shows the file at path
  * (UTF-8) from file_offset on; file_id tells files apart (Linux: the

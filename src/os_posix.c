@@ -450,6 +450,36 @@ int vp__os_file_drop_cache(int fd) {
   return posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
 }
 
+/* /proc/self/pagemap: a u64 a page; bit 63 present, 62 swapped, 61 a file
+ * page (or shared anonymous). A present page that is no file page, or a
+ * swapped one, is a copy the process wrote. */
+#define PM_PRESENT (1ull << 63)
+#define PM_SWAPPED (1ull << 62)
+#define PM_FILE (1ull << 61)
+
+int vp__os_drop_unwritten(const void *p, uint64_t size) {
+  int fd = open("/proc/self/pagemap", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno;
+  uint64_t page = vp__os_page_size(), first = (uintptr_t)p / page;
+  uint64_t n = size / page, ent[512];
+  int rc = 0;
+  for (uint64_t i = 0; i < n && !rc;) {
+    size_t want = (size_t)(n - i < 512 ? n - i : 512) * sizeof *ent;
+    ssize_t got = pread(fd, ent, want, (off_t)((first + i) * sizeof *ent));
+    if (got <= 0) {
+      rc = got < 0 ? errno : EIO;
+      break;
+    }
+    for (size_t k = 0; k < (size_t)got / sizeof *ent; k++)
+      if ((ent[k] & PM_SWAPPED) ||
+          ((ent[k] & PM_PRESENT) && !(ent[k] & PM_FILE)))
+        rc = EBUSY;
+    i += (uint64_t)got / sizeof *ent;
+  }
+  close(fd);
+  return rc ? rc : vp__os_file_map_drop(p, size);
+}
+
 /* One line of /proc/self/maps ("lo-hi perms offset dev inode path") as a
  * file mapping; false for anonymous memory, pseudo-files ("[heap]") and a
  * path too long. */

@@ -599,6 +599,10 @@ int vp__os_file_drop_cache(int fd) {
   return 0;
 }
 
+int vp__os_drop_unwritten(const void *p, uint64_t size) {
+  return vp__os_file_map_drop(p, size); /* a trim loses nothing */
+}
+
 /* An NT device path ("\Device\HarddiskVolume3\m\x.safetensors", what
  * GetMappedFileNameW gives) as a Win32 one ("C:\m\x.safetensors"), in
  * place; false where no drive letter or share names it. */

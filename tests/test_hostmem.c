@@ -114,7 +114,8 @@ static bool ends_with(const char *s, const char *tail) {
  * the same file mapped copy-on-write, are found where they lie with their
  * path, the file offset of each address (0 at the start; on Linux a view
  * from the second page too) and their flags; vp_host_drop_resident drops
- * the read-only one's pages only; a list too short still counts them
+ * the read-only one's pages only (and a private one's made read-only
+ * only while none was written); a list too short still counts them
  * all; unmapped, they are gone; NULLs refused, naming the call. */
 TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
   (void)ctx;
@@ -175,6 +176,23 @@ TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
   ASSERT_OK(vp_host_drop_resident(2, addrs + 1, sizes + 1, &dropped));
   ASSERT_EQ_U64(dropped, 0);
   ASSERT_TRUE(!memcmp(ro, want, size) && cow[1] == (want[1] ^ 0x5a));
+#ifndef _WIN32
+  /* A private map made read-only: dropped while never written; not once a
+   * page was written before (its copy would go: a library's relocations). */
+  uint8_t *rop = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  ASSERT_TRUE(rop != MAP_FAILED);
+  ASSERT_EQ_INT(mprotect(rop, size, PROT_READ), 0);
+  uint64_t rop_at = (uintptr_t)rop;
+  ASSERT_OK(vp_host_drop_resident(1, &rop_at, sizes, &dropped));
+  ASSERT_EQ_U64(dropped, 3 * page);
+  ASSERT_EQ_INT(mprotect(rop, size, PROT_READ | PROT_WRITE), 0);
+  rop[page + 3] ^= 0x77;
+  ASSERT_EQ_INT(mprotect(rop, size, PROT_READ), 0);
+  ASSERT_OK(vp_host_drop_resident(1, &rop_at, sizes, &dropped));
+  ASSERT_EQ_U64(dropped, 0);
+  ASSERT_TRUE(rop[page + 3] == (want[page + 3] ^ 0x77));
+  ASSERT_EQ_INT(munmap(rop, size), 0);
+#endif
   ASSERT_OK(vp_host_drop_resident(0, NULL, NULL, NULL));
   ASSERT_RC(vp_host_drop_resident(1, NULL, sizes, &dropped), VP_EINVAL);
   ASSERT_TRUE(strncmp(vp_last_error(), "vp_host_drop_resident: ", 23) == 0);

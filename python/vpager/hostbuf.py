@@ -66,9 +66,10 @@ def host_mappings() -> List[HostMapping]:
 def host_drop_resident(spans: Iterable[Tuple[int, int]]) -> int:
     """vp_host_drop_resident(): of the host bytes [(address, size)] a copy
     was made of, those lying whole in a file mapping this process may not
-    write leave its resident set (the file's cache keeps them; a touch
-    reads them back); any other span is left alone. Returns the bytes
-    dropped. No device needed."""
+    write (a private one: where none of their pages was ever written)
+    leave its resident set (the file's cache keeps them; a touch reads
+    them back); any other span is left alone. Returns the bytes dropped.
+    No device needed."""
     spans = [(a, n) for a, n in spans if n > 0]
     if not spans:
         return 0

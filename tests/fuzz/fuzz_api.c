@@ -2537,6 +2537,19 @@ static void w_copy(fz_reader_t *r) {
       uint64_t soft = 0;
       W(false, vp_device_soft_limit(d, (b & 0x01) ? NULL : &soft), "0x%llx",
         X(d.id));
+      /* This process's mappings (a short list: counted all the same), and
+       * any spans dropped from the resident set: only shared read-only
+       * file pages go (a safetensors file's mapping), nothing written. */
+      static vp_host_mapping_t maps[2];
+      size_t nm = 0, cap = fz_u8(r) % 3;
+      W(false, vp_host_mappings((b & 0x01) && cap ? NULL : maps, cap, &nm),
+        "%zu", cap);
+      uint64_t addrs[3] = {(uint64_t)(uintptr_t)rbuf, pick_size(r),
+                           cap ? maps[0].start + fz_u16(r) : 0};
+      uint64_t sizes[3] = {pick_size(r), pick_size(r),
+                           cap ? maps[0].size : 0};
+      W(false, vp_host_drop_resident(3, (b & 0x01) ? NULL : addrs, sizes,
+                                     &soft), "3 spans");
     }
   }
   }

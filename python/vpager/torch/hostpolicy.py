@@ -188,8 +188,8 @@ class Mappings:
 
 def drop_copied(spans: Iterable[Tuple[int, int]]) -> int:
     """Host bytes [(address, size)] a copy was just made of: those lying
-    whole in a file mapping this process may not write leave its resident
-    set (vpager.host_drop_resident; the page cache keeps them), so the
+    whole in a file mapping this process may not write leave its
+    resident set (vpager.host_drop_resident; the page cache keeps them), so the
     copy is the one copy RSS counts. Anything else is left alone. Returns
     the bytes dropped (0 where the mappings cannot be read)."""
     try:
