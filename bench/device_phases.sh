@@ -17,9 +17,10 @@
 #   switch  bench_node --switch 19x38 --runs resident,node12,12 (issue 29)
 #   flux22  bench_node --double 19 --single 38 --runs resident,node8,8
 #   sdxl    bench_node --model sdxl --steps 4 --runs resident,node3,3
-#   fp8     bench_headroom, then bench_node --fp8 --shape flux
-#           --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29); FP8_NOKEEP=1
-#           runs it again with VPAGER_KEEP_FILLS=0 (kept fills' A/B)
+#   fp8     bench_headroom (NO_HEADROOM=1: not), then bench_node --fp8
+#           --shape flux --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29);
+#           FP8_NOKEEP=1 runs it again with VPAGER_KEEP_FILLS=0 (kept
+#           fills' A/B)
 #   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
 #   before  BEFORE's tree against this one in one lease: bench_torch
@@ -130,7 +131,7 @@ for PH in ${PHASES//+/ }; do
       $N --model sdxl --steps 4 --runs resident,node3,3 --out "$L/sdxl" ;;
   fp8)
     GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'
-    TAILN=40 step headroom 120 $PP python3 bench/bench_headroom.py
+    [ -z "$NO_HEADROOM" ] && TAILN=40 step headroom 120 $PP python3 bench/bench_headroom.py
     TAILN=60 step fp8 "$(cap)" $N --fp8 --shape flux --dtypes fp8_e5m2 \
       --fp8-lora on --out "$L/fp8"
     # The same without kept fills (each streamed patch computed at fill).
