@@ -459,6 +459,10 @@ VP_API int vp_host_memory(vp_host_memory_t *out);
  * files apart (Linux: the inode; Windows: the file index). */
 #define VP_MAPPING_WRITABLE 0x1u /* the process may write to it */
 #define VP_MAPPING_PRIVATE 0x2u  /* copy on write: writes leave the file */
+#define VP_MAPPING_WRITTEN 0x4u  /* private, and some page of it is the
+                                    process's written copy, no longer the
+                                    file's bytes (where it cannot be told:
+                                    set for a private mapping) */
 typedef struct vp_host_mapping {
   uint64_t start;
   uint64_t size;
@@ -469,12 +473,13 @@ typedef struct vp_host_mapping {
 } vp_host_mapping_t;
 /* This process's file mappings in address order: the first `cap` in out
  * (out may be NULL when cap is 0) and the count in all in *n (call again
- * with more room when *n > cap). Linux: /proc/self/maps' lines with an
- * inode and a path; Windows: views of files that show the file from its
- * start (a view's offset is not told). A path of 1024 bytes or more is
- * left out. Needs no device; what safetensors' safe_open, numpy.memmap
- * or torch.load(mmap=True) mapped is found here, so a weight's host bytes
- * can be used where they lie. */
+ * with more room when *n > cap). Linux: /proc/self/smaps' mappings with an
+ * inode and a path (WRITTEN from their Anonymous bytes); Windows: views of
+ * files that show the file from its start (a view's offset is not told;
+ * WRITTEN where a copy-on-write page turned read-write). A path of 1024
+ * bytes or more is left out. Needs no device; what safetensors'
+ * safe_open, numpy.memmap or torch.load(mmap=True) mapped is found here,
+ * so a weight's host bytes can be used where they lie. */
 VP_API int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n);
 /* Host bytes a copy was made of leave this process's resident set: of n
  * spans [addrs[i], +sizes[i]), each lying whole in one file mapping the

@@ -603,7 +603,8 @@ static bool take_mapping(const vp__os_mapping_t *m, void *ctx) {
         .start = m->start, .size = m->size, .file_offset = m->file_offset,
         .file_id = m->file_id,
         .flags = (m->writable ? VP_MAPPING_WRITABLE : 0u) |
-                 (m->private_ ? VP_MAPPING_PRIVATE : 0u)};
+                 (m->private_ ? VP_MAPPING_PRIVATE : 0u) |
+                 (m->written ? VP_MAPPING_WRITTEN : 0u)};
     memcpy(d->path, m->path, sizeof d->path);
   }
   o->n++;
@@ -615,7 +616,7 @@ int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n) {
   if (!n) return vp__err(VP_EINVAL, "n is NULL");
   if (!out && cap) return vp__err(VP_EINVAL, "out is NULL with cap %zu", cap);
   mappings_out_t o = {out, cap, 0};
-  int e = vp__os_file_mappings(take_mapping, &o);
+  int e = vp__os_file_mappings(true, take_mapping, &o);
   if (e) return vp__err(VP_EUNSUPPORTED, "this process's mappings cannot be "
                         "read (%s)", strerror(e));
   *n = o.n;
@@ -667,7 +668,7 @@ int vp_host_drop_resident(size_t n, const uint64_t *addrs,
   if (dropped) *dropped = 0;
   if (!n) return VP_OK;
   ro_maps_t r = {0};
-  int e = vp__os_file_mappings(take_read_only, &r);
+  int e = vp__os_file_mappings(false, take_read_only, &r);
   if (e || r.oom) {
     free(r.span);
     return e ? vp__err(VP_EUNSUPPORTED, "this process's mappings cannot be "

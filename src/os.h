@@ -207,15 +207,20 @@ typedef struct vp__os_mapping {
   uint64_t start, size, file_offset, file_id;
   bool writable;  /* the process may write to it */
   bool private_;  /* copy on write: what it writes leaves the file alone */
+  bool written;   /* private, and some page of it is the process's copy
+                     (asked for; unknown counts as written) */
   char path[1024];
 } vp__os_mapping_t;
 /* fn(m, ctx) for each file mapping of this process, in address order,
  * until it returns false: 0, or an errno (none readable). Linux: the
- * lines of /proc/self/maps with an inode and an absolute path. Windows:
- * the views of files (a view's file offset is not told: only views that
- * show the file from its start are given). A path too long for `path` is
- * left out. */
-int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
+ * lines of /proc/self/maps with an inode and an absolute path (with
+ * `written`, of /proc/self/smaps: its Anonymous bytes). Windows: the
+ * views of files (a view's file offset is not told: only views that show
+ * the file from its start are given; a written copy-on-write page turns
+ * read-write). A path too long for `path` is left out. Without `written`,
+ * m->written is unknown (true for a private mapping). */
+int vp__os_file_mappings(bool written,
+                         bool (*fn)(const vp__os_mapping_t *m, void *ctx),
                          void *ctx);
 
 /* ------------------------------------------------- dynamic libraries */

@@ -503,18 +503,32 @@ static bool mapping_of_line(const char *line, vp__os_mapping_t *m) {
   return true;
 }
 
-int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
+int vp__os_file_mappings(bool written,
+                         bool (*fn)(const vp__os_mapping_t *m, void *ctx),
                          void *ctx) {
-  FILE *f = fopen("/proc/self/maps", "re");
+  FILE *f = written ? fopen("/proc/self/smaps", "re") : NULL;
+  if (!f) f = fopen("/proc/self/maps", "re"), written = false;
   if (!f) return errno;
   char line[sizeof ((vp__os_mapping_t *)0)->path + 256];
   vp__os_mapping_t m;
-  bool whole = true; /* the buffer holds a line from its start */
-  while (fgets(line, sizeof line, f)) {
+  bool whole = true;  /* the buffer holds a line from its start */
+  bool have = false;  /* m is a file mapping not given yet */
+  bool go = true;
+  unsigned long long lo, hi, kb;
+  while (go && fgets(line, sizeof line, f)) {
     bool start = whole;
     whole = strchr(line, '\n') != NULL;
-    if (start && mapping_of_line(line, &m) && whole && !fn(&m, ctx)) break;
+    if (!start) continue;
+    if (sscanf(line, "%llx-%llx ", &lo, &hi) == 2) { /* a mapping's line */
+      if (have) go = fn(&m, ctx);
+      have = mapping_of_line(line, &m) && whole;
+      if (have) m.written = m.private_ && !written; /* unknown: written */
+      if (have && !written) go = fn(&m, ctx), have = false;
+    } else if (have && sscanf(line, "Anonymous: %llu", &kb) == 1) {
+      m.written = m.private_ && kb > 0;
+    }
   }
+  if (go && have) fn(&m, ctx);
   fclose(f);
   return 0;
 }

@@ -633,15 +633,19 @@ static bool dos_path(wchar_t *p) {
   return false;
 }
 
-/* The file behind the view at base (size bytes, readable) as m's path and
- * file_id; false unless its first bytes are the file's first (a view's
- * offset in its file is not told: one that starts elsewhere is left out). */
-static bool view_file(char *base, uint64_t size, vp__os_mapping_t *m) {
+/* The file behind the view at base as m's path and file_id; false unless
+ * the view shows the file from its start (a view's offset in its file is
+ * not told): the pages at probe (probe_len bytes, readable; the first 16
+ * of them) are compared with the file's at probe - base, and one must be
+ * the same; all of them, unless the view is private (a written page of
+ * it is the process's copy: m->written then). */
+static bool view_file(char *base, const char *probe, uint64_t probe_len,
+                      vp__os_mapping_t *m) {
+  enum { PAGE = 4096, PAGES = 16 };
   wchar_t w[MAX_PATH * 4];
   DWORD n = GetMappedFileNameW(GetCurrentProcess(), base, w,
                                (DWORD)(sizeof w / sizeof *w));
-  if (!n || n >= sizeof w / sizeof *w - 1 ||
-      !dos_path(w))
+  if (!n || n >= sizeof w / sizeof *w - 1 || !dos_path(w))
     return false;
   if (!WideCharToMultiByte(CP_UTF8, WC_ERR_INVALID_CHARS, w, -1, m->path,
                            (int)sizeof m->path, NULL, NULL))
@@ -649,18 +653,30 @@ static bool view_file(char *base, uint64_t size, vp__os_mapping_t *m) {
   HANDLE h = CreateFileW(w, GENERIC_READ,
                          FILE_SHARE_READ | FILE_SHARE_WRITE | FILE_SHARE_DELETE,
                          NULL, OPEN_EXISTING, FILE_ATTRIBUTE_NORMAL, NULL);
-  if (h == INVALID_HANDLE_VALUE) return false;
+  char *file = malloc(PAGE * PAGES);
+  if (h == INVALID_HANDLE_VALUE || !file) {
+    if (h != INVALID_HANDLE_VALUE) CloseHandle(h);
+    free(file);
+    return false;
+  }
   BY_HANDLE_FILE_INFORMATION fi = {0};
-  char head[4096];
-  DWORD want = size < sizeof head ? (DWORD)size : (DWORD)sizeof head, got = 0;
-  OVERLAPPED ov = {0};
-  bool same = GetFileInformationByHandle(h, &fi) &&
-              ReadFile(h, head, want, &got, &ov) && got > 0 &&
-              !memcmp(head, base, got);
+  uint64_t at = (uint64_t)(probe - base);
+  DWORD want = probe_len < PAGE * PAGES ? (DWORD)probe_len : PAGE * PAGES;
+  DWORD got = 0, same = 0, differ = 0;
+  OVERLAPPED ov = {.Offset = (DWORD)at, .OffsetHigh = (DWORD)(at >> 32)};
+  if (GetFileInformationByHandle(h, &fi) &&
+      ReadFile(h, file, want, &got, &ov))
+    for (DWORD o = 0; o < got; o += PAGE) {
+      DWORD k = got - o < PAGE ? got - o : PAGE;
+      if (memcmp(file + o, probe + o, k)) differ++;
+      else same++;
+    }
   CloseHandle(h);
+  free(file);
   m->file_id = (uint64_t)fi.nFileIndexHigh << 32 | fi.nFileIndexLow;
   m->file_offset = 0;
-  return same;
+  m->written |= m->private_ && differ;
+  return same && (!differ || m->private_);
 }
 
 static bool readable(DWORD protect) {
@@ -669,12 +685,16 @@ static bool readable(DWORD protect) {
 
 /* The views of files, each the run of regions of one allocation base
  * (VirtualQuery walks the address space a region at a time). */
-int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
+int vp__os_file_mappings(bool written,
+                         bool (*fn)(const vp__os_mapping_t *m, void *ctx),
                          void *ctx) {
   MEMORY_BASIC_INFORMATION r;
-  char *at = NULL, *base = NULL, *end = NULL;
-  DWORD prot = 0, first = 0;
+  char *at = NULL, *base = NULL, *end = NULL, *probe = NULL;
+  uint64_t probe_len = 0;
+  DWORD prot = 0;
+  bool copied = false; /* a page of the view turned read-write */
   vp__os_mapping_t m;
+  (void)written; /* the regions say it at no cost */
   for (;;) {
     bool more = VirtualQuery(at, &r, sizeof r) == sizeof r;
     bool same = more && r.Type == MEM_MAPPED && r.AllocationBase == base;
@@ -684,7 +704,8 @@ int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
       m.writable = prot & (PAGE_READWRITE | PAGE_WRITECOPY |
                            PAGE_EXECUTE_READWRITE | PAGE_EXECUTE_WRITECOPY);
       m.private_ = prot & (PAGE_WRITECOPY | PAGE_EXECUTE_WRITECOPY);
-      if (readable(first) && view_file(base, m.size, &m) && !fn(&m, ctx))
+      m.written = m.private_ && copied;
+      if (probe && view_file(base, probe, probe_len, &m) && !fn(&m, ctx))
         return 0;
       base = NULL;
     }
@@ -693,7 +714,16 @@ int vp__os_file_mappings(bool (*fn)(const vp__os_mapping_t *m, void *ctx),
     if (r.Type == MEM_MAPPED && !base && r.BaseAddress == r.AllocationBase) {
       base = r.BaseAddress;
       prot = r.AllocationProtect;
-      first = r.State == MEM_COMMIT ? r.Protect : 0;
+      probe = NULL;
+      copied = false;
+    }
+    if (base && r.State == MEM_COMMIT) {
+      /* a private view's written page turns read-write */
+      bool copy = (prot & (PAGE_WRITECOPY | PAGE_EXECUTE_WRITECOPY)) &&
+                  (r.Protect & (PAGE_READWRITE | PAGE_EXECUTE_READWRITE));
+      copied |= copy;
+      if (!probe && !copy && readable(r.Protect))
+        probe = r.BaseAddress, probe_len = r.RegionSize;
     }
     if (base) end = next;
     if (next <= at) return 0;

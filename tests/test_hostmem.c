@@ -113,7 +113,8 @@ static bool ends_with(const char *s, const char *tail) {
 /* vp_host_mappings with no device: a file mapped read-only and shared, and
  * the same file mapped copy-on-write, are found where they lie with their
  * path, the file offset of each address (0 at the start; on Linux a view
- * from the second page too) and their flags; vp_host_drop_resident drops
+ * from the second page too) and their flags (the copy-on-write one
+ * WRITTEN once a page of it is); vp_host_drop_resident drops
  * the read-only one's pages only (and a private one's made read-only
  * only while none was written); a list too short still counts them
  * all; unmapped, they are gone; NULLs refused, naming the call. */
@@ -168,7 +169,14 @@ TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
   /* Dropped from the resident set: the read-only map's whole pages (and
    * its bytes read back the same), nothing of the copy-on-write one (its
    * writes would go) nor of memory no file backs. */
-  cow[1] ^= 0x5a;
+  cow[1] ^= 0x5a; /* that page is the process's copy now */
+  free(m);
+  m = all_mappings(&n);
+  b = mapping_at(m, n, cow);
+  a = mapping_at(m, n, ro);
+  ASSERT_TRUE(a && b && a->flags == 0);
+  ASSERT_EQ_U64(b->flags, VP_MAPPING_WRITABLE | VP_MAPPING_PRIVATE |
+                              VP_MAPPING_WRITTEN);
   uint64_t addrs[3] = {(uintptr_t)ro, (uintptr_t)cow, (uintptr_t)want},
            sizes[3] = {size, size, size}, dropped = 7;
   ASSERT_OK(vp_host_drop_resident(1, addrs, sizes, &dropped));

@@ -219,6 +219,7 @@ class vp_host_mapping_t(Structure):
 
 VP_MAPPING_WRITABLE = 0x1
 VP_MAPPING_PRIVATE = 0x2
+VP_MAPPING_WRITTEN = 0x4
 
 
 class vp_hostbuf_info_t(Structure):

@@ -34,13 +34,15 @@ def host_memory():
 class HostMapping:
     """One file mapping of this process: [start, end) shows the file at
     path from file_offset on; file_id tells files apart (Linux: the inode;
-    Windows: the file index)."""
+    Windows: the file index). written: where it cannot be told, any
+    private mapping counts as written."""
     start: int
     end: int
     file_offset: int
     file_id: int
     writable: bool      # the process may write to it
     private: bool       # copy on write: its writes leave the file alone
+    written: bool       # private, and a page of it is no longer the file's
     path: str
 
 
@@ -59,6 +61,7 @@ def host_mappings() -> List[HostMapping]:
     return [HostMapping(m.start, m.start + m.size, m.file_offset, m.file_id,
                         bool(m.flags & _lib.VP_MAPPING_WRITABLE),
                         bool(m.flags & _lib.VP_MAPPING_PRIVATE),
+                        bool(m.flags & _lib.VP_MAPPING_WRITTEN),
                         m.path.decode("utf-8", "replace"))
             for m in (arr[:n.value] if arr is not None else [])]
 

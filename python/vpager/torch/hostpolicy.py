@@ -161,21 +161,13 @@ class Mappings:
         except Error:       # unreadable: no mapping is known
             self.maps = []
         self.starts = [m.start for m in self.maps]
-        self._anon: Optional[Dict[int, int]] = None
 
     def modified(self, m: HostMapping) -> bool:
         """Whether the caller wrote to a private mapping (pages copied on
-        write: /proc/self/smaps' Anonymous): then its bytes are not the
-        file's. Unknown counts as written."""
-        if self._anon is None:
-            self._anon, start = {}, None
-            for line in _sysmem.read_text("/proc/self/smaps").splitlines():
-                head = line.split(None, 1)[0] if line else ""
-                if "-" in head and not head.endswith(":"):
-                    start = int(head.split("-")[0], 16)
-                elif head == "Anonymous:" and start is not None:
-                    self._anon[start] = int(line.split()[1]) * 1024
-        return self._anon.get(m.start, 1) > 0
+        write; the library reads /proc/self/smaps' Anonymous on Linux, a
+        view's read-write pages on Windows): then its bytes are not the
+        file's."""
+        return m.written
 
     def find(self, addr: int, size: int) -> Optional[HostMapping]:
         """The file mapping holding [addr, addr+size) whole, or None."""
