@@ -241,10 +241,13 @@ class KeptFills:
         self.said = sum(e.kept is not None for e in self.bufs)
 
     def _say(self) -> None:
-        """One line when the number of kept fills changed."""
+        """One line when the number of kept fills changed to some (none
+        kept is the moment a patch changed: the next line follows)."""
         n = sum(e.kept is not None for e in self.bufs)
         if n != self.said:
             self.said = n
+            if n == 0:
+                return
             log.info("vpager: the fills of %d streamed weights are kept in "
                      "pinned host memory (%d MiB, page-locked in %d ms): "
                      "they run no more", n, self.kept_bytes >> 20,
