@@ -485,11 +485,11 @@ VP_API int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n);
  * spans [addrs[i], +sizes[i]), each lying whole in one file mapping the
  * process may not write (no VP_MAPPING_WRITABLE; a private one only where
  * no page of the span was written before it was made read-only) has its
- * whole pages dropped
- * (Linux: madvise MADV_DONTNEED; Windows: taken out of the working set);
- * the file's cache keeps them and a later touch reads them back, the same
- * bytes. Any other span is left alone: nothing written is ever lost.
- * *dropped (may be NULL): the bytes dropped. Needs no device. */
+ * whole pages dropped (Linux: madvise MADV_DONTNEED; Windows: taken out of
+ * the working set); the file's cache keeps them and a later touch reads
+ * them back, the same bytes. Any other span is left alone: nothing
+ * written is ever lost. *dropped (may be NULL): the bytes dropped. Needs
+ * no device. */
 VP_API int vp_host_drop_resident(size_t n, const uint64_t *addrs,
                                  const uint64_t *sizes, uint64_t *dropped);
 

@@ -497,7 +497,7 @@ int vp__os_file_stat(int fd, vp__os_file_info_t *info) {
   if (h == INVALID_HANDLE_VALUE) return EBADF;
   /* A pipe, a console or a device: not a regular file. */
   if (GetFileType(h) != FILE_TYPE_DISK) return 0;
-  BY_HANDLE_FILE_INFORMATION fi = {0};
+  BY_HANDLE_FILE_INFORMATION fi;
   if (!GetFileInformationByHandle(h, &fi)) return last_errno();
   info->size = ((uint64_t)fi.nFileSizeHigh << 32) | fi.nFileSizeLow;
   info->mtime_ns = filetime_unix_ns(fi.ftLastWriteTime);
@@ -609,11 +609,11 @@ int vp__os_drop_unwritten(const void *p, uint64_t size) {
 static bool dos_path(wchar_t *p) {
   static const wchar_t mup[] = L"\\Device\\Mup\\", dosd[] = L"\\??\\";
   size_t n = wcslen(p);
-  if (!wcsncmp(p, dosd, 4)) { /* "\\??\\C:\\..." */
+  if (!wcsncmp(p, dosd, 4)) { /* "\??\C:\..." */
     memmove(p, p + 4, (n - 3) * sizeof *p);
     return true;
   }
-  if (!wcsncmp(p, mup, 12)) { /* a share: "\\\\server\\..." */
+  if (!wcsncmp(p, mup, 12)) { /* a share: "\\server\..." */
     memmove(p + 2, p + 12, (n - 11) * sizeof *p);
     p[0] = p[1] = L'\\';
     return true;

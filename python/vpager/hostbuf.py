@@ -48,7 +48,7 @@ class HostMapping:
 
 def host_mappings() -> List[HostMapping]:
     """vp_host_mappings(): this process's file mappings in address order
-    (Linux: /proc/self/maps; Windows: the views of files that show a file
+    (Linux: /proc/self/smaps; Windows: the views of files that show a file
     from its start). No device needed."""
     n = ctypes.c_size_t(0)
     cap, arr = 0, None

@@ -152,7 +152,7 @@ def writable_private(m: HostMapping) -> bool:
 
 class Mappings:
     """This process's file mappings (vpager.host_mappings(): Linux's
-    /proc/self/maps, Windows' views of files), read once (offload() builds
+    /proc/self/smaps, Windows' views of files), read once (offload() builds
     one)."""
 
     def __init__(self) -> None:
@@ -180,10 +180,10 @@ class Mappings:
 
 def drop_copied(spans: Iterable[Tuple[int, int]]) -> int:
     """Host bytes [(address, size)] a copy was just made of: those lying
-    whole in a file mapping this process may not write leave its
-    resident set (vpager.host_drop_resident; the page cache keeps them), so the
-    copy is the one copy RSS counts. Anything else is left alone. Returns
-    the bytes dropped (0 where the mappings cannot be read)."""
+    whole in a file mapping this process may not write leave its resident
+    set (vpager.host_drop_resident; the page cache keeps them), so the copy
+    is the one copy RSS counts. Anything else is left alone. Returns the
+    bytes dropped (0 where the mappings cannot be read)."""
     try:
         return host_drop_resident(spans)
     except Error:
