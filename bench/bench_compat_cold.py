@@ -140,6 +140,14 @@ class Registrar:
         return 0
 
 
+def _rw(_libc, size):
+    """Anonymous read-write memory of `size` bytes, untouched (the
+    drop-in's calls: reserved, then committed; _libc.release frees it)."""
+    base = _libc.map_anon(size)
+    _libc.commit(base, size)
+    return base
+
+
 def pick_registrar(args, dry):
     how = args.register or ("mlock" if dry else "cudart")
     if how == "cudart" and not hasattr(torch.cuda, "cudart"):
@@ -147,11 +155,11 @@ def pick_registrar(args, dry):
     if how == "mlock":
         r = Registrar("mlock")
         from comfy_aimdo import _libc
-        p = _libc.map_anon(32 * MiB, _libc.PROT_READ | _libc.PROT_WRITE)
+        p = _rw(_libc, 32 * MiB)
         ok = r.register(p, 32 * MiB) == 0
         if ok:
             r.unregister(p)
-        _libc.unmap(p, 32 * MiB)
+        _libc.release(p, 32 * MiB)
         if not ok:
             say("   (mlock refused here: registration skipped)")
             how = "none"
@@ -235,12 +243,11 @@ def reg_plain(cfg, reg, touch):
     pieces."""
     from comfy_aimdo import _libc
     size = cfg.size
-    base = _libc.map_anon(size, _libc.PROT_READ | _libc.PROT_WRITE)
+    base = _rw(_libc, size)
     t_touch = 0.0
     if touch:
         t0 = time.perf_counter()
-        if _libc.libc.madvise(base, size, _libc.MADV_POPULATE_WRITE) != 0:
-            ctypes.memset(base, 0, size)
+        _libc.populate(base, size, workers=1)
         t_touch = time.perf_counter() - t0
     t_reg, ptrs, failed, off = 0.0, [], 0, 0
     for n in cfg.ext_pieces:
@@ -258,7 +265,7 @@ def reg_plain(cfg, reg, touch):
     for p in ptrs:
         reg.unregister(p)
     t_unreg = time.perf_counter() - t0
-    _libc.unmap(base, size)
+    _libc.release(base, size)
     return dict(touch_s=t_touch, register_s=t_reg, unregister_s=t_unreg,
                 failed=failed, huge_share=huge)
 
@@ -380,7 +387,7 @@ class TheFile:
 
     def warm(self):
         from comfy_aimdo import _libc
-        buf = _libc.map_anon(64 * MiB, _libc.PROT_READ | _libc.PROT_WRITE)
+        buf = _rw(_libc, 64 * MiB)
         try:
             off = 0
             while off < self.size:
@@ -388,7 +395,7 @@ class TheFile:
                 _libc.pread_into(self.fd, buf, n, off)
                 off += n
         finally:
-            _libc.unmap(buf, 64 * MiB)
+            _libc.release(buf, 64 * MiB)
 
     def cached(self):
         """Share of the file's pages in the page cache (mincore over a
@@ -405,7 +412,7 @@ class TheFile:
             if libc.mincore(a, self.size, vec) != 0:
                 return float("nan")
         finally:
-            _libc.unmap(a, self.size)
+            _libc.unmap_file(a, self.size)
         return bytes(vec).count(1) / npages if npages else 1.0
 
     def sample_ok(self, addr, rng, count=16):
@@ -460,7 +467,7 @@ def section_read(cfg, f):
     hb = host_buffer.HostBuffer(0, 0, 0)
     hb.extend(size, register=False)
     base = hb.get_raw_address()
-    plain = _libc.map_anon(size, _libc.PROT_READ | _libc.PROT_WRITE)
+    plain = _rw(_libc, size)
     _libc.populate(plain, size)
     runs = {"dropin": [], "mt_pread": [], "pread_1": []}
     try:
@@ -504,7 +511,7 @@ def section_read(cfg, f):
                 except Exception:  # noqa: BLE001
                     fail("one-thread pread")
     finally:
-        _libc.unmap(plain, size)
+        _libc.release(plain, size)
         hb.close()
 
     def m(name):

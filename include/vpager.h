@@ -493,6 +493,39 @@ VP_API int vp_host_mappings(vp_host_mapping_t *out, size_t cap, size_t *n);
 VP_API int vp_host_drop_resident(size_t n, const uint64_t *addrs,
                                  const uint64_t *sizes, uint64_t *dropped);
 
+/* Host address space that grows and shrinks in place, one set of calls
+ * for POSIX (mmap, mprotect, madvise) and Windows (VirtualAlloc,
+ * VirtualFree): what comfy_aimdo's host buffers do, on vpager
+ * (python/compat). Needs no device. vp_host_reserve takes `size` bytes
+ * (rounded up to pages) of address space with no access and no memory,
+ * starting at a multiple of `align` (a power of two; 0: the OS's own);
+ * vp_host_release gives a whole reservation back (its start and size).
+ * Within one, ranges of whole pages (vp_host_page_size) are made
+ * read-write (commit: zeros, memory on first touch), faulted in now
+ * (populate: VP_ENOMEM where Linux says the memory is not there), given
+ * back and left read-write (discard: zeros when next read), or given back
+ * with their access (decommit). advise_huge hints transparent huge pages
+ * (Linux; nothing elsewhere). A size of 0 does nothing, except for
+ * release. */
+VP_API int vp_host_page_size(uint64_t *bytes);
+VP_API int vp_host_reserve(uint64_t size, uint64_t align, void **addr);
+VP_API int vp_host_commit(void *addr, uint64_t size);
+VP_API int vp_host_populate(void *addr, uint64_t size);
+VP_API int vp_host_discard(void *addr, uint64_t size);
+VP_API int vp_host_decommit(void *addr, uint64_t size);
+VP_API int vp_host_advise_huge(void *addr, uint64_t size);
+VP_API int vp_host_release(void *addr, uint64_t size);
+/* The first `size` bytes (at most the file's) of the regular file of fd,
+ * an fd of vpager's runtime (vp_file_descriptor), mapped read-only and
+ * shared with the OS's file cache; vp_file_unmap(addr, size) undoes it.
+ * vp_file_read_at: one read of up to n bytes of fd at `offset` into buf,
+ * *got the bytes read (0: the file ends there); Windows' reads of one
+ * handle from several threads run at once (overlapped), as pread's do. */
+VP_API int vp_file_map(int fd, uint64_t size, const void **addr);
+VP_API int vp_file_unmap(const void *addr, uint64_t size);
+VP_API int vp_file_read_at(int fd, void *buf, uint64_t n, uint64_t offset,
+                           uint64_t *got);
+
 typedef struct vp_hostbuf_info {
   void *ptr;             /* never moves, also across vp_hostbuf_grow */
   uint64_t size;         /* usable bytes now */

@@ -295,7 +295,7 @@ typedef struct {
 
 static void *prefault_span(void *arg) {
   span_t *s = arg;
-  vp__os_vm_populate(s->p, (size_t)s->len);
+  (void)vp__os_vm_populate(s->p, (size_t)s->len); /* a hint here */
   return NULL;
 }
 

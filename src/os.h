@@ -166,7 +166,12 @@ void vp__os_vm_free(void *p, size_t size);
  * does that (Linux THP); fault in committed pages now, writably, over the
  * calling thread (it writes to each page where the OS has no such call). */
 void vp__os_vm_hint_huge(void *p, size_t size);
-void vp__os_vm_populate(void *p, size_t size);
+/* 0, or ENOMEM where the OS says the memory is not there (Linux's
+ * MADV_POPULATE_WRITE; writing pages cannot tell). */
+int vp__os_vm_populate(void *p, size_t size);
+/* Committed pages' memory dropped, the pages left read-write: zeros when
+ * next read (Windows: decommitted and committed again). */
+int vp__os_vm_discard(void *p, size_t size);
 
 /* --------------------------------------------------------------- files */
 

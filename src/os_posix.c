@@ -382,10 +382,19 @@ void vp__os_vm_hint_huge(void *p, size_t size) {
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
 #endif
 
-void vp__os_vm_populate(void *p, size_t size) {
-  if (madvise(p, size, MADV_POPULATE_WRITE) == 0) return;
-  size_t pg = vp__os_page_size(); /* older kernels: a write per page */
-  for (size_t o = 0; o < size; o += pg) ((volatile char *)p)[o] = 0;
+int vp__os_vm_populate(void *p, size_t size) {
+  while (madvise(p, size, MADV_POPULATE_WRITE) != 0) {
+    if (errno == EINTR || errno == EAGAIN) continue;
+    if (errno != EINVAL) return errno; /* ENOMEM: no memory to have */
+    size_t pg = vp__os_page_size(); /* older kernels: a write per page */
+    for (size_t o = 0; o < size; o += pg) ((volatile char *)p)[o] = 0;
+    break;
+  }
+  return 0;
+}
+
+int vp__os_vm_discard(void *p, size_t size) {
+  return madvise(p, size, MADV_DONTNEED) ? errno : 0; /* private: zeros */
 }
 
 /* --------------------------------------------------------------- files */

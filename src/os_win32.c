@@ -433,10 +433,17 @@ void vp__os_vm_hint_huge(void *p, size_t size) {
 
 /* An atomic OR of zero: every page faulted in writably, its bytes kept
  * even while other threads write them. */
-void vp__os_vm_populate(void *p, size_t size) {
-  size_t ps = vp__os_page_size();
+int vp__os_vm_populate(void *p, size_t size) {
+  size_t ps = vp__os_page_size(); /* committed: charged already */
   for (size_t off = 0; off < size; off += ps)
     __atomic_fetch_or((unsigned char *)p + off, 0, __ATOMIC_RELAXED);
+  return 0;
+}
+
+int vp__os_vm_discard(void *p, size_t size) {
+  if (!VirtualFree(p, size, MEM_DECOMMIT)) return last_errno();
+  return VirtualAlloc(p, size, MEM_COMMIT, PAGE_READWRITE) ? 0
+                                                           : last_errno();
 }
 
 /* --------------------------------------------------------------- files */

@@ -108,6 +108,56 @@ def test_host_mappings():
         assert not [m for m in vpager.host_mappings()
                     if os.path.basename(m.path) == "w.safetensors"]
 
+def test_hostspace():
+    """vpager.hostspace: a reservation at a 2 MiB boundary, pages
+    committed (zeros), written, faulted in, discarded (zeros, still
+    writable), decommitted, released; a file mapped read-only and read at
+    offsets from threads; bad ranges refused naming the call."""
+    from concurrent.futures import ThreadPoolExecutor
+    from vpager import hostspace
+    pg = hostspace.page_size()
+    base = hostspace.reserve(8 * pg + 1, 2 << 20)
+    assert base % (2 << 20) == 0
+    hostspace.commit(base, 4 * pg)
+    hostspace.advise_huge(base, 4 * pg)
+    hostspace.populate(base, 4 * pg)
+    assert ctypes.string_at(base, 4 * pg) == bytes(4 * pg)
+    ctypes.memset(base, 3, 4 * pg)
+    hostspace.discard(base + pg, pg)
+    assert ctypes.string_at(base + pg, pg) == bytes(pg)
+    assert ctypes.string_at(base, pg) == b"\x03" * pg
+    ctypes.memset(base + pg, 4, 1)          # still writable
+    hostspace.decommit(base + 2 * pg, 2 * pg)
+    e = raises(vpager.InvalidArgument, hostspace.commit, base + 1, pg)
+    assert "vp_host_commit" in str(e), e
+    raises(vpager.InvalidArgument, hostspace.reserve, pg, 3)
+    hostspace.release(base, 9 * pg)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "w.bin")
+        data = bytes(range(256)) * 1000
+        with open(path, "wb") as f:
+            f.write(data)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            m = hostspace.map_file(fd, len(data))
+            assert ctypes.string_at(m, len(data)) == data
+            hostspace.unmap_file(m, len(data))
+            e = raises(vpager.InvalidArgument, hostspace.map_file, fd,
+                       len(data) + 1)
+            assert "vp_file_map" in str(e), e
+            buf = ctypes.create_string_buffer(len(data))
+            at = ctypes.addressof(buf)
+            with hostspace.FileReader(fd) as r:
+                with ThreadPoolExecutor(4) as ex:
+                    got = list(ex.map(lambda k: r.read_at(
+                        at + k * 64000, 64000, k * 64000), range(4)))
+                assert got == [64000, 64000, 64000, len(data) - 192000]
+                assert r.read_at(at, 10, len(data)) == 0
+            assert buf.raw == data
+        finally:
+            os.close(fd)
+
+
 def test_stat_fields_match_header():
     h = _header()
     block = h[h.index("#define VP_STAT_FIELDS"):h.index("typedef struct vp_stats")]

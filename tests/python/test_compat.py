@@ -1528,17 +1528,16 @@ def _vma_flags(addr):
 def test_host_buffer_extend_populates_memory():
     """extend() hands out memory that is faulted in already (a client's
     cudaHostRegister of it pins what is there), advised for transparent
-    huge pages, starting on a huge page; truncate() returns it; the same
-    with the kernel's MADV_POPULATE_WRITE missing (the zeroing fallback)
-    and over one thread or several."""
+    huge pages, starting on a huge page; truncate() returns it; over one
+    thread or several (the library's vp_host_populate: MADV_POPULATE_WRITE,
+    or writing each page on kernels without it)."""
     from comfy_aimdo import _libc, _par
     pg = os.sysconf("SC_PAGE_SIZE")
     control.deinit()
-    saved = _par.threads(), _libc._populate_write
+    saved = _par.threads()
     try:
-        for threads, fallback in ((1, False), (4, False), (3, True)):
+        for threads in (1, 4, 3):
             _par.set_threads(threads)
-            _libc._populate_write = not fallback
             hb = host_buffer.HostBuffer(0, 0, 0)
             p = hb.extend(37 * MiB + 1000, register=False)
             base = hb.get_raw_address()
@@ -1566,8 +1565,7 @@ def test_host_buffer_extend_populates_memory():
         assert _resident(hb.get_raw_address(), 8 * MiB) == 8 * MiB // pg
         hb.close()
     finally:
-        _par.set_threads(saved[0])
-        _libc._populate_write = saved[1]
+        _par.set_threads(saved)
 
 
 def test_host_buffer_extend_out_of_memory_leaves_it_as_it_was():

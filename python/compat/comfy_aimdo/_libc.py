@@ -1,18 +1,16 @@
-"""Small libc helpers (mmap, mprotect, madvise, pread) through ctypes.
-No torch, no vpager: importable anywhere.
+"""Host memory and file helpers of the drop-in: address space reserved
+and committed by range, read-only file maps, reads at offsets. They call
+vpager's library (vpager.hostspace: mmap/mprotect/madvise/pread on POSIX,
+VirtualAlloc/VirtualFree/MapViewOfFile/overlapped reads on Windows), which
+is loaded at the first call, not at import: comfy_aimdo imports no vpager
+before init().
 
 The bulk ones run over several threads (_par) when the range is large:
-populate() faults memory in (MADV_POPULATE_WRITE, or writing it where the
-kernel lacks that), pread_par() reads a file range (pread per piece).
-ctypes drops the GIL around each call, so the kernel does the work on
-every thread at once.
-
-POSIX only: on Windows (no libc with mmap, madvise, pread) importing it
-works and every call that needs libc raises OSError(ENOSYS) saying so
-(docs/windows.md).
+populate() faults memory in, pread_par() reads a file range (a read per
+piece). ctypes drops the GIL around each call, so the OS does the work on
+every thread at once. Errors are OSError (ENOMEM: no memory to have).
 """
 
-import ctypes
 import errno
 import mmap
 import os
@@ -21,50 +19,12 @@ import sys
 
 from . import _par
 
-__all__ = ["libc", "PAGE", "HUGE", "map_anon", "map_file", "unmap",
-           "protect", "advise", "hugepage", "populate", "pread_into",
-           "pread_par", "read_pieces", "check_file_range", "fileno",
-           "page_up", "huge_up"]
+__all__ = ["PAGE", "HUGE", "map_anon", "map_file", "unmap_file", "release",
+           "commit", "decommit", "discard", "drop_resident", "hugepage",
+           "populate", "pread_into", "pread_par", "read_pieces",
+           "check_file_range", "fileno", "page_up", "huge_up"]
 
-class _NoLibc:
-    """libc where there is none (Windows): each use raises."""
-
-    def __getattr__(self, name):
-        raise OSError(errno.ENOSYS, "comfy_aimdo on vpager: %s() is POSIX "
-                      "only; host buffers and model mappings of the drop-in "
-                      "are not implemented on Windows yet" % name)
-
-
-_vp = ctypes.c_void_p
-_sz = ctypes.c_size_t
-
-
-def _load_libc():
-    if sys.platform == "win32":
-        return _NoLibc()
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.mmap.restype = _vp
-    lib.mmap.argtypes = [_vp, _sz, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                         ctypes.c_long]
-    lib.munmap.restype = ctypes.c_int
-    lib.munmap.argtypes = [_vp, _sz]
-    lib.mprotect.restype = ctypes.c_int
-    lib.mprotect.argtypes = [_vp, _sz, ctypes.c_int]
-    lib.madvise.restype = ctypes.c_int
-    lib.madvise.argtypes = [_vp, _sz, ctypes.c_int]
-    lib.pread.restype = ctypes.c_ssize_t
-    lib.pread.argtypes = [ctypes.c_int, _vp, _sz, ctypes.c_long]
-    return lib
-
-
-libc = _load_libc()
 PAGE = mmap.PAGESIZE
-PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
-MAP_PRIVATE, MAP_ANONYMOUS, MAP_NORESERVE = 0x02, 0x20, 0x4000
-MADV_DONTNEED = 4
-MADV_HUGEPAGE = 14
-MADV_POPULATE_WRITE = 23    # Linux >= 5.14
-MAP_FAILED = (1 << (8 * ctypes.sizeof(_vp))) - 1
 
 
 def _huge_size():
@@ -82,7 +42,7 @@ def _huge_size():
 
 HUGE = _huge_size()         # a transparent huge page (2 MiB on x86-64)
 # hugepage() advises (VPAGER_COMPAT_THP=0: it does nothing); read at the
-# first advice (vpager.env: comfy_aimdo imports no vpager before init()).
+# first advice.
 THP = None
 
 
@@ -98,8 +58,6 @@ POPULATE_PIECE = 8 << 20
 READ_PIECE = 4 << 20
 _ALIGN = 64 << 10           # piece edges, in destination addresses
 
-_populate_write = True      # False once the kernel refused it (EINVAL)
-
 
 def page_up(n):
     return (n + PAGE - 1) // PAGE * PAGE
@@ -109,80 +67,91 @@ def huge_up(n):
     return (n + HUGE - 1) // HUGE * HUGE
 
 
-def _err(what):
-    e = ctypes.get_errno()
-    return OSError(e, "%s: %s" % (what, os.strerror(e)))
+def _space():
+    from vpager import hostspace
+    return hostspace
 
 
-def map_anon(size, prot=PROT_NONE, align=0):
-    """Reserve `size` bytes of address space (no memory until protected
-    read-write and touched), at a multiple of `align` (a power of two)
-    when given: a range that starts on a huge page can be backed by huge
-    pages from its first byte."""
-    extra = align if align > PAGE else 0
-    p = libc.mmap(None, size + extra, prot,
-                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
-    if p is None or p == MAP_FAILED:
-        raise _err("mmap(%d)" % size)
-    if extra:
-        start = (p + align - 1) & ~(align - 1)
-        if start > p:
-            libc.munmap(p, start - p)
-        if p + extra > start:
-            libc.munmap(start + size, p + extra - start)
-        p = start
-    return p
+def _os_error(e):
+    """vpager's error as the OSError the drop-in raises."""
+    from vpager import HostOutOfMemory
+    return OSError(errno.ENOMEM if isinstance(e, HostOutOfMemory)
+                   else errno.EINVAL, str(e))
+
+
+def _call(fn, *args):
+    from vpager import Error
+    try:
+        return fn(*args)
+    except Error as e:
+        raise _os_error(e) from None
+
+
+def map_anon(size, align=0):
+    """Reserve `size` bytes of address space (no memory until committed
+    and touched), at a multiple of `align` (a power of two) when given: a
+    range that starts on a huge page can be backed by huge pages from its
+    first byte. release(addr, size) gives it back."""
+    return _call(_space().reserve, size, align)
+
+
+def release(addr, size):
+    if addr and size:
+        _call(_space().release, addr, page_up(size))
+
+
+def commit(addr, size):
+    """[addr, +size) read-write (zeros; memory on first touch)."""
+    if size:
+        _call(_space().commit, addr, size)
+
+
+def decommit(addr, size):
+    """[addr, +size)'s memory given back, and its access."""
+    if size:
+        _call(_space().decommit, addr, size)
+
+
+def discard(addr, size):
+    """[addr, +size)'s memory given back; it stays read-write (zeros)."""
+    if size:
+        _call(_space().discard, addr, size)
 
 
 def map_file(fd, size):
-    """A read-only private mapping of [0, size) of fd."""
-    p = libc.mmap(None, size, PROT_READ, MAP_PRIVATE, fd, 0)
-    if p is None or p == MAP_FAILED:
-        raise _err("mmap(fd %d, %d)" % (fd, size))
-    return p
+    """A read-only mapping of [0, size) of fd."""
+    return _call(_space().map_file, fd, size)
 
 
-def unmap(addr, size):
-    if addr and size and libc.munmap(addr, size) != 0:
-        raise _err("munmap")
+def unmap_file(addr, size):
+    if addr and size:
+        _call(_space().unmap_file, addr, size)
 
 
-def protect(addr, size, prot):
-    if size and libc.mprotect(addr, size, prot) != 0:
-        raise _err("mprotect")
-
-
-def advise(addr, size, advice):
-    if size and libc.madvise(addr, size, advice) != 0:
-        raise _err("madvise")
+def drop_resident(addr, size):
+    """A read-only file mapping's resident pages dropped (read again from
+    the file when touched; vpager.host_drop_resident). Never raises."""
+    import vpager
+    try:
+        vpager.host_drop_resident([(addr, size)])
+    except vpager.Error:
+        pass
 
 
 def hugepage(addr, size):
-    """MADV_HUGEPAGE over [addr, +size): transparent huge pages where the
+    """Transparent huge pages asked for over [addr, +size) where the
     system has them in "madvise" mode (a hint; never raises; nothing when
     THP is False)."""
     if size and _thp():
-        libc.madvise(addr, size, MADV_HUGEPAGE)
+        try:
+            _space().advise_huge(addr, size)
+        except Exception:       # noqa: BLE001 (a hint)
+            pass
 
 
 def _populate_one(piece):
-    """Fault one piece in, writable: MADV_POPULATE_WRITE, or (the kernel
-    lacks it: EINVAL) zeroing it, which the memory is already. OSError when
-    the memory is not there to have (ENOMEM: out of memory)."""
-    global _populate_write
     addr, size = piece
-    while _populate_write:
-        if libc.madvise(addr, size, MADV_POPULATE_WRITE) == 0:
-            return
-        e = ctypes.get_errno()
-        if e == errno.EINTR:
-            continue
-        if e == errno.EINVAL:
-            _populate_write = False
-            break
-        raise OSError(e, "madvise(MADV_POPULATE_WRITE) of %d bytes: %s"
-                      % (size, os.strerror(e)))
-    ctypes.memset(addr, 0, size)
+    _call(_space().populate, addr, size)
 
 
 def _split(addr, size, piece, align, workers):
@@ -237,21 +206,26 @@ def fileno(f):
     return f if isinstance(f, int) else f.fileno()
 
 
-def pread_into(fd, addr, size, offset):
+def pread_into(fd, addr, size, offset, reader=None):
     """Read exactly `size` bytes of fd at `offset` into host memory at
-    addr; OSError on an error or a short file."""
-    done = 0
-    while done < size:
-        n = libc.pread(fd, addr + done, size - done, offset + done)
-        if n < 0:
-            e = ctypes.get_errno()
-            if e == errno.EINTR:
-                continue
-            raise _err("pread")
-        if n == 0:
-            raise OSError(errno.EIO, "pread: file ends %d bytes short of "
-                          "offset %d + %d" % (size - done, offset, size))
-        done += n
+    addr (reader: a vpager.hostspace.FileReader of fd, else one for this
+    call); OSError on an error or a short file."""
+    own = reader is None
+    if own:
+        reader = _call(_space().FileReader, fd)
+    try:
+        done = 0
+        while done < size:
+            n = _call(reader.read_at, addr + done, size - done,
+                      offset + done)
+            if n == 0:
+                raise OSError(errno.EIO, "pread: file ends %d bytes short "
+                              "of offset %d + %d" % (size - done, offset,
+                                                     size))
+            done += n
+    finally:
+        if own:
+            reader.close()
     return done
 
 
@@ -288,8 +262,9 @@ def pread_par(fd, addr, size, offset, workers=None):
                         _par.threads() if workers is None else workers)
     if len(pieces) == 1:
         return pread_into(fd, addr, size, offset)
-    _par.run(lambda p: pread_into(fd, p[0], p[1], offset + p[0] - addr),
-             pieces, workers=len(pieces))
+    with _call(_space().FileReader, fd) as r:
+        _par.run(lambda p: pread_into(fd, p[0], p[1], offset + p[0] - addr,
+                                      r), pieces, workers=len(pieces))
     return size
 
 
@@ -314,8 +289,16 @@ def read_pieces(fd, addr, size, offset, done, piece=None):
         done(addr, size)
         return
     pieces = _read_plan(addr, size, 1, count)
+    with _call(_space().FileReader, fd) as r:
+        _read_pieces(fd, addr, offset, done, pieces, r)
+
+
+def _read_pieces(fd, addr, offset, done, pieces, reader):
+    """read_pieces' reads and hand-overs; every read has ended when it
+    returns (the reader may close then)."""
     futs = _par.submit_all(
-        lambda p: pread_into(fd, p[0], p[1], offset + p[0] - addr), pieces)
+        lambda p: pread_into(fd, p[0], p[1], offset + p[0] - addr, reader),
+        pieces)
     first, i = None, 0
     try:
         while i < len(futs):

@@ -77,6 +77,15 @@ def _external_unregister(ptr):
 MAX_BYTES = 1 << 56          # past any address space: refused outright
 
 
+def _quietly(fn, *args):
+    """An undo step on a failure path: the failure's error is the one to
+    raise."""
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
 def _nbytes(value, what, none=None):
     """A byte count: an int (or a whole float) in 0..MAX_BYTES; None gives
     `none` where that is not None, else a TypeError."""
@@ -164,20 +173,17 @@ class HostBuffer:
         old_mapped, old_populated = self._mapped, self._populated
         try:
             if end > self._mapped:
-                _libc.protect(self._base + self._mapped, end - self._mapped,
-                              _libc.PROT_READ | _libc.PROT_WRITE)
+                _libc.commit(self._base + self._mapped, end - self._mapped)
                 self._mapped = end
             _libc.populate(self._base + self._populated,
                            end - self._populated)
             self._populated = end
         except OSError:
-            _libc.libc.madvise(self._base + old_populated,
-                               self._mapped - old_populated,
-                               _libc.MADV_DONTNEED)
+            _quietly(_libc.discard, self._base + old_populated,
+                     self._mapped - old_populated)
             if self._mapped > old_mapped:
-                _libc.libc.mprotect(self._base + old_mapped,
-                                    self._mapped - old_mapped,
-                                    _libc.PROT_NONE)
+                _quietly(_libc.decommit, self._base + old_mapped,
+                         self._mapped - old_mapped)
             self._mapped, self._populated = old_mapped, old_populated
             raise
 
@@ -241,14 +247,14 @@ class HostBuffer:
         try:
             self._make_usable(old_populated)
         except OSError:
-            _libc.unmap(self._base, self._cap)
+            _libc.release(self._base, self._cap)
             self._base, self._cap = old_base, old_cap
             self._mapped, self._populated = old_mapped, old_populated
             for off, n in regs:
                 self.register(off, n)
             raise
         ctypes.memmove(self._base, old_base, self.size)
-        _libc.unmap(old_base, old_cap)
+        _libc.release(old_base, old_cap)
         for off, n in regs:
             self.register(off, n)
 
@@ -275,13 +281,12 @@ class HostBuffer:
                 # page is zeroed, so extend() always gives zeroed memory);
                 # the mapping stays read-write to the next huge page.
                 ctypes.memset(self._base + size, 0, keep - size)
-                _libc.advise(self._base + keep, self._populated - keep,
-                             _libc.MADV_DONTNEED)
+                _libc.discard(self._base + keep, self._populated - keep)
                 self._populated = keep
                 keep_map = min(_libc.huge_up(keep), self._cap)
                 if keep_map < self._mapped:
-                    _libc.protect(self._base + keep_map,
-                                  self._mapped - keep_map, _libc.PROT_NONE)
+                    _libc.decommit(self._base + keep_map,
+                                   self._mapped - keep_map)
                     self._mapped = keep_map
         self.size = size
 
@@ -375,7 +380,7 @@ class HostBuffer:
         if self._parts:
             self._drop_parts(0, True)
         if self._base:
-            _libc.unmap(self._base, self._cap)
+            _libc.release(self._base, self._cap)
         self._base = self._cap = self._mapped = self.size = 0
         self._populated = 0
 

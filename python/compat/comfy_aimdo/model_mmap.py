@@ -1,5 +1,5 @@
-"""comfy_aimdo.model_mmap on vpager: a read-only private mapping of a whole
-model file (plain mmap; no device involved)."""
+"""comfy_aimdo.model_mmap on vpager: a read-only mapping of a whole model
+file (vpager.hostspace.map_file; no device involved)."""
 
 import os
 
@@ -38,7 +38,7 @@ class ModelMMAP:
         the file when touched)."""
         self._check()
         if self._base:
-            _libc.advise(self._base, self.size, _libc.MADV_DONTNEED)
+            _libc.drop_resident(self._base, self.size)
         _libc.drop_cache(self._fd)
 
     def _check(self):
@@ -49,7 +49,7 @@ class ModelMMAP:
         if getattr(self, "_fd", -1) < 0:
             return
         if self._base:
-            _libc.unmap(self._base, self.size)
+            _libc.unmap_file(self._base, self.size)
             self._base = 0
         os.close(self._fd)
         self._fd = -1
