@@ -676,8 +676,11 @@ class Tuner:
         return not (self.rounds > 1 and free_to_wait)
 
     def _apply_safely(self, work, planned=None):
+        t0 = time.perf_counter()
         try:
             self.apply(work, planned=planned)
+            self._trace("applied on the host in %.1f ms"
+                        % ((time.perf_counter() - t0) * 1e3))
         except Exception as e:      # noqa: BLE001 (the forward is done)
             # The forward's output is right whatever happens here, and
             # every later one's: Layout.swap is all or nothing, and a
@@ -949,8 +952,12 @@ class Tuner:
                 return
         cur = dev.options["staging_size"]
         if ring != cur:
+            t0 = time.perf_counter()
             try:
                 dev.set_staging_size(ring)
+                self._trace("ring %d -> %d in %.1f ms" % (
+                    cur >> 20, ring >> 20,
+                    (time.perf_counter() - t0) * 1e3))
             except BusyError:       # a model sharing the ring holds some
                 sch, ring = self.plan(w, sizes, need, [cur],
                                       keep=_keep(flat))
@@ -1130,7 +1137,10 @@ class Tuner:
             extra = sum(1 for p in range(npages)
                         if flags[p] & PAGE_RESIDENT and p not in runs)
             if extra:
+                t0 = time.perf_counter()
                 lay.vbar.free_memory(extra * page)
+                self._trace("%d pages evicted in %.1f ms" % (
+                    extra, (time.perf_counter() - t0) * 1e3))
         else:
             self.model.swap(flat, offsets, [e.src for e in flat])
             lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
