@@ -197,12 +197,15 @@ def child(cr, a):
 # first prompt with and without each, beside the default in one run);
 # "nokeep" computes a streamed weight's LoRA patch at each of its fills
 # (no kept fills: vpager.torch's keptfills.py); "nocold" makes no plan
-# from the first (cold) forward while the guessed placement is in place.
+# from the first (cold) forward while the guessed placement is in place;
+# "warm" plans from the cold forward with each unit's work at most its
+# kind's median (vpager.torch's coldwork.py).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
             "nokeep": {"VPAGER_KEEP_FILLS": "0"},
-            "nocold": {"VPAGER_COLD_PLAN": "0"}}
+            "nocold": {"VPAGER_COLD_PLAN": "0"},
+            "warm": {"VPAGER_COLD_WORK": "1"}}
 
 
 def _suffix(run):

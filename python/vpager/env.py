@@ -69,6 +69,10 @@ VARIABLES: Dict[str, Variable] = {
                                  "from the weights' sizes is in place, no "
                                  "plan from the cold first forward: the "
                                  "first is the second's (default 1)"),
+    "VPAGER_COLD_WORK": Variable("flag", "1: the plan from the cold first "
+                                 "forward takes each unit's work as at "
+                                 "most its kind's median (the same unit "
+                                 "of the other blocks; default 0)"),
     "VPAGER_KEEP_FILLS": Variable("flag", "0: a streamed weight's fill "
                                   "(set_fill) runs at each of its fills; "
                                   "1: its result is kept in a pinned host "

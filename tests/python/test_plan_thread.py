@@ -453,6 +453,75 @@ def test_no_plan_from_the_cold_forward_when_asked():
             h.unload()
 
 
+def test_plan_from_the_cold_forward_without_its_cold_start():
+    """VPAGER_COLD_WORK=1: the first (cold) forward, its first hidden
+    layer 50x slower (a cold start), reaches the first plan job with
+    that unit's work at the median of its kind (the same-shaped layers);
+    by default as measured. Later forwards merge with what was measured
+    (tuner.work), and outputs stay bitwise."""
+    real_work = tuner.Tuner._work
+
+    def cold_first(self, calls, start, end):
+        work = real_work(self, calls, start, end)
+        if not self.rounds:
+            for u in work:
+                if u.name == "2":
+                    work[u] *= 50
+        return work
+    for on in ("0", "1"):
+        with Patched(FakeClock()), environ(VPAGER_COLD_WORK=on):
+            seen = []
+            real = tuner.plan_job
+
+            def plan_job(work, works, *a, **kw):
+                seen.append((list(work), [list(w) for w in works]))
+                return real(work, works, *a, **kw)
+            tuner.plan_job, tuner.Tuner._work = plan_job, cold_first
+            try:
+                m, x, want, h = _threaded_mlp()
+                _settle(m, x, want, h)
+                units = [u.name for u in h.tuner._costs({})[0]]
+                first = seen[0][0]
+                hidden = [t for n, t in zip(units, first)
+                          if n in ("4", "6", "8", "10", "12", "14", "16")]
+                at = first[units.index("2")]
+                if on == "1":
+                    assert at <= max(hidden), (at, hidden)
+                    assert seen[0][1][-1] == first     # its windows too
+                else:
+                    assert at > 10 * max(hidden), (at, hidden)
+                assert torch.equal(m(x), want)
+            finally:
+                tuner.plan_job, tuner.Tuner._work = real, real_work
+            h.unload()
+
+
+def test_cold_work_kinds():
+    """coldwork.warm_work: a unit's work at most its kind's median (the
+    name with its numbers masked, the class, the weights' shapes), kinds
+    of three or more; the rest as measured."""
+    from vpager.torch import coldwork
+
+    class E:
+        def __init__(self, shape):
+            self.shape, self.dtype = shape, torch.float16
+
+    class U:
+        def __init__(self, name, module, shapes):
+            self.name, self.module = name, module
+            self.entries = [E(s) for s in shapes]
+    lin, conv = torch.nn.Linear(1, 1), torch.nn.Conv1d(1, 1, 1)
+    blocks = [U("blocks.%d.qkv" % i, lin, [(9, 3), (9,)]) for i in range(4)]
+    other = U("blocks.9.qkv", lin, [(8, 3), (8,)])      # another shape
+    convs = [U("blocks.%d.qkv" % i, conv, [(9, 3), (9,)]) for i in (5, 6)]
+    work = {blocks[0]: 5.0, blocks[1]: 1.0, blocks[2]: 2.0,
+            blocks[3]: 3.0, other: 7.0, convs[0]: 9.0, convs[1]: 1.0}
+    got = coldwork.warm_work(work)
+    assert [got[b] for b in blocks] == [2.5, 1.0, 2.0, 2.5], got
+    assert got[other] == 7.0 and got[convs[0]] == 9.0, got
+    assert work[blocks[0]] == 5.0           # the input is left alone
+
+
 def _settle(m, x, want, h):
     """Forwards, each followed by the planner's end, until schedule()
     says it settled (measuring over, no plan pending); their count."""

@@ -40,7 +40,7 @@ from .. import PAGE_RESIDENT, env
 from ..errors import BusyError, Error
 from ..hostbuf import HostBuf
 from ..weights import WeightBatch
-from . import planproc, schedule, views
+from . import coldwork, planproc, schedule, views
 from .devices import ring_pages
 from .placement import (pages_touched, place_moving_least,
                         place_streaming_least,
@@ -122,6 +122,11 @@ FILL_UNITS = 2
 # the first plan is the second's (with the planner's thread). Not the
 # default until measured on a GPU (bench_node's "nocold" runs).
 COLD_PLAN = "VPAGER_COLD_PLAN"
+# VPAGER_COLD_WORK=1: the plan from the first (cold) forward takes each
+# unit's work as at most the median of its kind (coldwork.py): the cold
+# start falls on the first block. Later forwards merge with what was
+# measured. Off until measured on a GPU (bench_node's "warm" runs).
+COLD_WORK = "VPAGER_COLD_WORK"
 # Before the first forward, when the weights do not all fit, a schedule
 # planned from a model of the costs places them (Tuner.guess): each unit
 # computes GUESS times as long as its weights take to copy (H200: a
@@ -306,6 +311,7 @@ class Tuner:
         # VPAGER_COLD_PLAN=0: no plan from the cold first forward while a
         # guessed placement is in place (COLD_PLAN below).
         self.cold_plan = env.flag(COLD_PLAN, True)
+        self.cold_work = env.flag(COLD_WORK, False)
 
     def install(self):
         """Measure from the next root forward on."""
@@ -621,10 +627,14 @@ class Tuner:
                 self.unread = (calls, self.start, end)
                 self._trace("measured")
             return
-        work = self._work(calls, self.start, end)
-        work, settled = self._merge(work)
+        raw = self._work(calls, self.start, end)
+        work, settled = self._merge(raw)
+        if not self.rounds and self.cold_work:
+            work = coldwork.warm_work(work)
         if self._measured(work, settled, self._free_to_wait()):
             self._apply_safely(work)
+        if self.rounds == 1:
+            self.work = raw     # (its plan's cold work taken out: coldwork)
 
     def _work(self, calls, start, end):
         """unit -> seconds of work, from one forward's marks (CUDA: waits
@@ -778,6 +788,10 @@ class Tuner:
             if not (rounds >= ROUNDS_MAX or (rounds >= ROUNDS and settled)) \
                     and rounds != first and free_to_wait:
                 return "measured", raw, work, settled, None
+            if rounds == 1 and self.cold_work:
+                work = coldwork.warm_work(work)
+                return "measured", raw, work, settled, self._plan_from(
+                    inputs, work, before + [work])
             return "measured", raw, work, settled, self._plan_from(
                 inputs, work, before + [raw])
         self.planner.submit(job)
@@ -813,6 +827,8 @@ class Tuner:
         # Budget moves since the job was handed over are the watch's.
         applied = self._measured(work, settled, planned is None, raw) and \
             planned is not None and self.model.may_replace()
+        if self.rounds == 1:
+            self.work = raw     # (its plan's cold work taken out: coldwork)
         self._trace("took a job: work %.3f ms, settled %s, %s" % (
             sum(work.values()) * 1e3, settled,
             "applied" if applied else "a plan not applied"
