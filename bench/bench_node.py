@@ -199,7 +199,8 @@ def child(cr, a):
 # (no kept fills: vpager.torch's keptfills.py); "nocold" makes no plan
 # from the first (cold) forward while the guessed placement is in place;
 # "warm" plans from the cold forward with each unit's work at most its
-# kind's median (vpager.torch's coldwork.py).
+# kind's median (vpager.torch's coldwork.py). Suffixes combine:
+# "node6warmsteps".
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
@@ -209,11 +210,26 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
 
 
 def _suffix(run):
-    """The SUFFIXES key a node run's name ends with, or None."""
-    for k in SUFFIXES:
-        if run.startswith("node") and run.endswith(k):
-            return k
-    return None
+    """The SUFFIXES keys a node run's name ends with, joined ("warmsteps":
+    warm and steps), or None."""
+    if not run.startswith("node"):
+        return None
+    got, rest = "", run[4:]
+    while True:
+        k = next((k for k in SUFFIXES if rest.endswith(k)), None)
+        if k is None:
+            return got or None
+        got, rest = k + got, rest[:-len(k)]
+
+
+def _suffix_env(run):
+    """The variables of the run's SUFFIXES keys."""
+    env, rest = {}, _suffix(run) or ""
+    while rest:
+        k = next(k for k in SUFFIXES if rest.endswith(k))
+        env.update(SUFFIXES[k])
+        rest = rest[:-len(k)]
+    return env
 
 
 def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
@@ -225,8 +241,7 @@ def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
         ["--run", budget if budget is not None else "resident",
          "--tag", run, "--ckpt", ckpt]
     env = cr.child_env(a, [os.path.join(ROOT, "integrations")])
-    if _suffix(run) is not None:
-        env = dict(env, **SUFFIXES[_suffix(run)])
+    env = dict(env, **_suffix_env(run))
     return cr.spawn(cmd, env, log_path, timeout, run, a.cgroup_gib)
 
 

@@ -145,8 +145,13 @@ def test_a_late_node_run():
 
     class _A:
         cgroup_gib = None
-    for run in ("node8", "node8late", "node8onestep", "node8steps"):
+    for run in ("node8", "node8late", "node8onestep", "node8steps",
+                "node8warmsteps"):
         ns["run_node_child"](_Cr(), _A(), run, "8", "ck", "log", 1)
+    # Suffixes combine: warm (VPAGER_COLD_WORK=1) and steps.
+    assert seen["node8warmsteps"][1].get("VPAGER_COLD_WORK") == "1"
+    assert seen["node8warmsteps"][1].get("VPAGER_PLACE_STEPS") == "1"
+    assert ns["budget_of"]("node8warmsteps", gen) == ("8", 8 * GiB)
     assert seen["node8late"][1].get("VPAGER_PLACE_EARLY") == "0"
     assert seen["node8onestep"][1].get("VPAGER_PLACE_STEPS") == "0"
     assert seen["node8steps"][1].get("VPAGER_PLACE_STEPS") == "1"
