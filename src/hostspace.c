@@ -58,36 +58,33 @@ int vp_host_reserve(uint64_t size, uint64_t align, void **addr) {
   return VP_OK;
 }
 
-int vp_host_commit(void *addr, uint64_t size) {
-  VP__ENTER();
+/* One OS call over a checked range; a size of 0 does nothing. */
+static int range_call(void *addr, uint64_t size, int (*call)(void *, size_t),
+                      const char *what) {
   int rc = check_range(addr, size);
   if (rc || !size) return rc;
-  int e = vp__os_vm_commit(addr, (size_t)size);
-  return e ? os_fail(e, "committing", addr, size) : VP_OK;
+  int e = call(addr, (size_t)size);
+  return e ? os_fail(e, what, addr, size) : VP_OK;
+}
+
+int vp_host_commit(void *addr, uint64_t size) {
+  VP__ENTER();
+  return range_call(addr, size, vp__os_vm_commit, "committing");
 }
 
 int vp_host_populate(void *addr, uint64_t size) {
   VP__ENTER();
-  int rc = check_range(addr, size);
-  if (rc || !size) return rc;
-  int e = vp__os_vm_populate(addr, (size_t)size);
-  return e ? os_fail(e, "faulting in", addr, size) : VP_OK;
+  return range_call(addr, size, vp__os_vm_populate, "faulting in");
 }
 
 int vp_host_discard(void *addr, uint64_t size) {
   VP__ENTER();
-  int rc = check_range(addr, size);
-  if (rc || !size) return rc;
-  int e = vp__os_vm_discard(addr, (size_t)size);
-  return e ? os_fail(e, "discarding", addr, size) : VP_OK;
+  return range_call(addr, size, vp__os_vm_discard, "discarding");
 }
 
 int vp_host_decommit(void *addr, uint64_t size) {
   VP__ENTER();
-  int rc = check_range(addr, size);
-  if (rc || !size) return rc;
-  int e = vp__os_vm_decommit(addr, (size_t)size);
-  return e ? os_fail(e, "decommitting", addr, size) : VP_OK;
+  return range_call(addr, size, vp__os_vm_decommit, "decommitting");
 }
 
 int vp_host_advise_huge(void *addr, uint64_t size) {

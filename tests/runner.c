@@ -817,6 +817,13 @@ void test_make_dir(char *dir, size_t len, const char *tag) {
   ASSERT_NOT_NULL(mkdtemp(dir));
 }
 
+void test_write_file(const char *path, const void *buf, size_t size) {
+  FILE *f = fopen(path, "wb");
+  ASSERT_NOT_NULL(f);
+  ASSERT_EQ_U64(fwrite(buf, 1, size, f), size);
+  ASSERT_EQ_INT(fclose(f), 0);
+}
+
 void test_rm_dir(const char *dir) {
   DIR *d = opendir(dir);
   ASSERT_NOT_NULL(d);

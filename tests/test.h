@@ -278,5 +278,7 @@ const char *test_self_path(void);
  * and its removal with the files and empty folders in it. */
 void test_make_dir(char *dir, size_t len, const char *tag);
 void test_rm_dir(const char *dir);
+/* Write size bytes of buf to a new file at path (replacing any). */
+void test_write_file(const char *path, const void *buf, size_t size);
 
 #endif /* VP_TEST_H */

@@ -127,10 +127,7 @@ TEST(host_mappings_of_a_file, TEST_SIM_ONLY) {
   uint8_t *want = malloc(size);
   ASSERT_NOT_NULL(want);
   test_pattern(want, size, 7);
-  FILE *f = fopen(path, "wb");
-  ASSERT_NOT_NULL(f);
-  ASSERT_EQ_U64(fwrite(want, 1, size, f), size);
-  ASSERT_EQ_INT(fclose(f), 0);
+  test_write_file(path, want, size);
   int fd = open(path, O_RDWR | O_CLOEXEC);
   ASSERT_GE_INT(fd, 0);
   uint8_t *ro = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, 0);

@@ -74,10 +74,7 @@ TEST(host_space_file_map_and_read, TEST_SIM_ONLY) {
   uint8_t *want = malloc(size), *got = malloc(size);
   ASSERT_TRUE(want && got);
   test_pattern(want, size, 11);
-  FILE *f = fopen(path, "wb");
-  ASSERT_NOT_NULL(f);
-  ASSERT_EQ_U64(fwrite(want, 1, size, f), size);
-  ASSERT_EQ_INT(fclose(f), 0);
+  test_write_file(path, want, size);
   int fd = open(path, O_RDONLY | O_CLOEXEC);
   ASSERT_GE_INT(fd, 0);
   const void *m = NULL;
