@@ -2550,6 +2550,26 @@ static void w_copy(fz_reader_t *r) {
                            cap ? maps[0].size : 0};
       W(false, vp_host_drop_resident(3, (b & 0x01) ? NULL : addrs, sizes,
                                      &soft), "3 spans");
+      /* Host address space: reserved at any alignment, a range of it (any
+       * offset and size: a misaligned one refused) committed, then
+       * faulted in, discarded and decommitted, the reservation released
+       * whole. */
+      uint64_t len = (fz_u8(r) % 16 + 1) * 4096ull;
+      uint64_t align = (b & 0x08) ? 1ull << (fz_u8(r) % 24) : fz_u16(r);
+      void *base = NULL;
+      int rc = W(false, vp_host_reserve(len, align, (b & 0x01) ? NULL : &base),
+                 "%llu, %llu", X(len), X(align));
+      if (rc == VP_OK && base) {
+        uint64_t o = fz_below(r, len), n = fz_below(r, len - o + 1);
+        char *at = (char *)base + o;
+        if (W(false, vp_host_commit(at, n), "+%llu, %llu", X(o), X(n)) ==
+            VP_OK) {
+          W(false, vp_host_populate(at, n), "+%llu, %llu", X(o), X(n));
+          W(false, vp_host_discard(at, n), "+%llu, %llu", X(o), X(n));
+          W(false, vp_host_decommit(at, n), "+%llu, %llu", X(o), X(n));
+        }
+        W(false, vp_host_release(base, len), "%llu", X(len));
+      }
     }
   }
   }
