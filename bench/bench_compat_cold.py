@@ -140,11 +140,11 @@ class Registrar:
         return 0
 
 
-def _rw(_libc, size):
+def _rw(_hostio, size):
     """Anonymous read-write memory of `size` bytes, untouched (the
-    drop-in's calls: reserved, then committed; _libc.release frees it)."""
-    base = _libc.map_anon(size)
-    _libc.commit(base, size)
+    drop-in's calls: reserved, then committed; _hostio.release frees it)."""
+    base = _hostio.map_anon(size)
+    _hostio.commit(base, size)
     return base
 
 
@@ -154,12 +154,12 @@ def pick_registrar(args, dry):
         how = "driver"
     if how == "mlock":
         r = Registrar("mlock")
-        from comfy_aimdo import _libc
-        p = _rw(_libc, 32 * MiB)
+        from comfy_aimdo import _hostio
+        p = _rw(_hostio, 32 * MiB)
         ok = r.register(p, 32 * MiB) == 0
         if ok:
             r.unregister(p)
-        _libc.release(p, 32 * MiB)
+        _hostio.release(p, 32 * MiB)
         if not ok:
             say("   (mlock refused here: registration skipped)")
             how = "none"
@@ -205,13 +205,13 @@ def huge_share(lo, hi):
 def reg_dropin(cfg, reg, thp=True):
     """ComfyUI >= 0.38's pins: extend(register=False) + registration;
     thp=False: without the buffer's huge page advice."""
-    from comfy_aimdo import _libc, host_buffer
-    saved, _libc.THP = _libc.THP, thp and _libc.THP
+    from comfy_aimdo import _hostio, host_buffer
+    saved, _hostio.THP = _hostio.THP, thp and _hostio.THP
     try:
         hb = host_buffer.HostBuffer(0, prewarm=64 * MiB,
                                     max_grow_size=cfg.size)
     finally:
-        _libc.THP = saved
+        _hostio.THP = saved
     t_ext = t_reg = 0.0
     ptrs, failed = [], 0
     for n in cfg.ext_pieces:
@@ -241,13 +241,13 @@ def reg_plain(cfg, reg, touch):
     """One anonymous mmap (no huge page advice), touched (one
     MADV_POPULATE_WRITE, or a memset) or not, registered in the same
     pieces."""
-    from comfy_aimdo import _libc
+    from comfy_aimdo import _hostio
     size = cfg.size
-    base = _rw(_libc, size)
+    base = _rw(_hostio, size)
     t_touch = 0.0
     if touch:
         t0 = time.perf_counter()
-        _libc.populate(base, size, workers=1)
+        _hostio.populate(base, size, workers=1)
         t_touch = time.perf_counter() - t0
     t_reg, ptrs, failed, off = 0.0, [], 0, 0
     for n in cfg.ext_pieces:
@@ -265,7 +265,7 @@ def reg_plain(cfg, reg, touch):
     for p in ptrs:
         reg.unregister(p)
     t_unreg = time.perf_counter() - t0
-    _libc.release(base, size)
+    _hostio.release(base, size)
     return dict(touch_s=t_touch, register_s=t_reg, unregister_s=t_unreg,
                 failed=failed, huge_share=huge)
 
@@ -386,33 +386,33 @@ class TheFile:
                                           100 * self.cached()))
 
     def warm(self):
-        from comfy_aimdo import _libc
-        buf = _rw(_libc, 64 * MiB)
+        from comfy_aimdo import _hostio
+        buf = _rw(_hostio, 64 * MiB)
         try:
             off = 0
             while off < self.size:
                 n = min(64 * MiB, self.size - off)
-                _libc.pread_into(self.fd, buf, n, off)
+                _hostio.pread_into(self.fd, buf, n, off)
                 off += n
         finally:
-            _libc.release(buf, 64 * MiB)
+            _hostio.release(buf, 64 * MiB)
 
     def cached(self):
         """Share of the file's pages in the page cache (mincore over a
         read-only mapping of it)."""
-        from comfy_aimdo import _libc
+        from comfy_aimdo import _hostio
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                                  ctypes.c_void_p]
         pg = os.sysconf("SC_PAGE_SIZE")
         npages = (self.size + pg - 1) // pg
         vec = (ctypes.c_ubyte * npages)()
-        a = _libc.map_file(self.fd, self.size)
+        a = _hostio.map_file(self.fd, self.size)
         try:
             if libc.mincore(a, self.size, vec) != 0:
                 return float("nan")
         finally:
-            _libc.unmap_file(a, self.size)
+            _hostio.unmap_file(a, self.size)
         return bytes(vec).count(1) / npages if npages else 1.0
 
     def sample_ok(self, addr, rng, count=16):
@@ -433,7 +433,7 @@ class TheFile:
 
 def mt_pread(fd, addr, size, threads):
     """threads x one contiguous pread each (the baseline)."""
-    from comfy_aimdo import _libc
+    from comfy_aimdo import _hostio
     step = (size + threads - 1) // threads
     errs = []
 
@@ -441,7 +441,7 @@ def mt_pread(fd, addr, size, threads):
         lo, hi = k * step, min(size, (k + 1) * step)
         try:
             if hi > lo:
-                _libc.pread_into(fd, addr + lo, hi - lo, lo)
+                _hostio.pread_into(fd, addr + lo, hi - lo, lo)
         except Exception as e:  # noqa: BLE001
             errs.append(e)
     ts = [threading.Thread(target=one, args=(k,)) for k in range(threads)]
@@ -457,7 +457,7 @@ def mt_pread(fd, addr, size, threads):
 
 
 def section_read(cfg, f):
-    from comfy_aimdo import _libc, _par, host_buffer
+    from comfy_aimdo import _hostio, _par, host_buffer
     threads = _par.threads()
     say("\n2. read_file_slice from the page cache: %.2f GiB in %d slices of "
         "~%.1f MiB (unaligned), %d threads" % (
@@ -467,8 +467,8 @@ def section_read(cfg, f):
     hb = host_buffer.HostBuffer(0, 0, 0)
     hb.extend(size, register=False)
     base = hb.get_raw_address()
-    plain = _rw(_libc, size)
-    _libc.populate(plain, size)
+    plain = _rw(_hostio, size)
+    _hostio.populate(plain, size)
     runs = {"dropin": [], "mt_pread": [], "pread_1": []}
     try:
         for rep in range(cfg.reps):
@@ -501,7 +501,7 @@ def section_read(cfg, f):
                     t0 = time.perf_counter()
                     off = 0
                     for n in cfg.read_pieces:
-                        _libc.pread_into(f.fd, plain + off, n, off)
+                        _hostio.pread_into(f.fd, plain + off, n, off)
                         off += n
                     dt = time.perf_counter() - t0
                     runs["pread_1"].append(dict(s=dt, gbps=size / dt / 1e9))
@@ -511,7 +511,7 @@ def section_read(cfg, f):
                 except Exception:  # noqa: BLE001
                     fail("one-thread pread")
     finally:
-        _libc.release(plain, size)
+        _hostio.release(plain, size)
         hb.close()
 
     def m(name):
@@ -730,7 +730,7 @@ def main():
     if ctx.cuda:
         torch.cuda.init()
         torch.cuda.set_device(0)
-    from comfy_aimdo import _libc, _par, control
+    from comfy_aimdo import _hostio, _par, control
     if args.threads:
         _par.set_threads(args.threads)
     skip = set(x.strip() for x in args.skip.split(",") if x.strip())
@@ -760,7 +760,7 @@ def main():
                       % os.environ.get("VPAGER_SIM_CAPACITY")
                       if args.dry_run else "GPU"))
     RESULTS.update(size=cfg.size, dry_run=cfg.dry, threads=_par.threads(),
-                   huge_page=_libc.HUGE)
+                   huge_page=_hostio.HUGE)
     control.init()
     control.init_devices([0])
     reg = pick_registrar(args, cfg.dry)

@@ -1531,7 +1531,7 @@ def test_host_buffer_extend_populates_memory():
     huge pages, starting on a huge page; truncate() returns it; over one
     thread or several (the library's vp_host_populate: MADV_POPULATE_WRITE,
     or writing each page on kernels without it)."""
-    from comfy_aimdo import _libc, _par
+    from comfy_aimdo import _hostio, _par
     pg = os.sysconf("SC_PAGE_SIZE")
     control.deinit()
     saved = _par.threads()
@@ -1541,7 +1541,7 @@ def test_host_buffer_extend_populates_memory():
             hb = host_buffer.HostBuffer(0, 0, 0)
             p = hb.extend(37 * MiB + 1000, register=False)
             base = hb.get_raw_address()
-            assert base % _libc.HUGE == 0
+            assert base % _hostio.HUGE == 0
             npg = lambda a, n: (a + n - 1) // pg - a // pg + 1  # noqa: E731
             assert _resident(p, 37 * MiB + 1000) == \
                 npg(p, 37 * MiB + 1000)                 # all of it
@@ -1552,7 +1552,7 @@ def test_host_buffer_extend_populates_memory():
             assert ctypes.string_at(p2, 4096) == bytes(4096)   # zeroed
             ctypes.memset(base, 9, hb.size)
             hb.truncate(5 * MiB + 17)
-            past = base + _libc.page_up(5 * MiB + 17)
+            past = base + _hostio.page_up(5 * MiB + 17)
             assert _resident(past, 40 * MiB) == 0           # given back
             # The rest of the last page was zeroed: extend gives zeros.
             p3 = hb.extend(MiB, register=False)
@@ -1573,20 +1573,20 @@ def test_host_buffer_extend_out_of_memory_leaves_it_as_it_was():
     RuntimeError, as ComfyUI expects of a buffer that cannot grow, and
     leaves the buffer as it was (size, mapping, what it holds)."""
     import errno
-    from comfy_aimdo import _libc
+    from comfy_aimdo import _hostio
     control.deinit()
     hb = host_buffer.HostBuffer(0, 0, 0)
     p = hb.extend(3 * MiB, register=False)
     ctypes.memset(p, 5, 3 * MiB)
-    saved = _libc.populate
+    saved = _hostio.populate
 
     def refuse(addr, size, workers=None):
         raise OSError(errno.ENOMEM, "no memory")
-    _libc.populate = refuse
+    _hostio.populate = refuse
     try:
         raises(RuntimeError, hb.extend, 64 * MiB, register=False)
     finally:
-        _libc.populate = saved
+        _hostio.populate = saved
     assert hb.size == 3 * MiB
     assert _resident(hb.get_raw_address() + 4 * MiB, 64 * MiB) == 0
     assert ctypes.string_at(p, 3 * MiB) == b"\x05" * (3 * MiB)
@@ -1600,7 +1600,7 @@ def test_host_buffer_reallocate_and_memory_limits():
     reallocate it is a RuntimeError; an extend of more memory than the
     system has available is a RuntimeError before anything is touched
     (not a visit from the OOM killer)."""
-    from comfy_aimdo import _libc
+    from comfy_aimdo import _hostio
     dev = fresh()
     saved = host_buffer._ram
     host_buffer._ram = lambda: 8 * MiB         # a small reservation
@@ -1615,7 +1615,7 @@ def test_host_buffer_reallocate_and_memory_limits():
         assert hb.size == 7 * MiB + 5
         r = hb.extend(2 * MiB, reallocate=True, register=False)
         base = hb.get_raw_address()
-        assert base % _libc.HUGE == 0 and r == base + 7 * MiB + 5
+        assert base % _hostio.HUGE == 0 and r == base + 7 * MiB + 5
         assert ctypes.string_at(base, 3 * MiB) == b"\x03" * (3 * MiB)
         assert ctypes.string_at(base + 3 * MiB, 4 * MiB + 5) == \
             b"\x04" * (4 * MiB + 5)
@@ -1628,7 +1628,7 @@ def test_host_buffer_reallocate_and_memory_limits():
         assert dev.stats()["host_pinned_bytes"] == 0
     finally:
         host_buffer._ram = saved
-    avail = _libc.mem_available()
+    avail = _hostio.mem_available()
     if avail is None:
         return
     hb = host_buffer.HostBuffer(0, 0, 2 * avail + (4 << 30))
@@ -1676,18 +1676,18 @@ def test_host_buffer_read_file_slice_threads_equal_and_errors():
     descriptor, a directory, a pipe: OSError with the buffer unchanged
     where the range is known to be bad before reading; bad numbers:
     ValueError or TypeError."""
-    from comfy_aimdo import _libc, _par
+    from comfy_aimdo import _hostio, _par
     dev = fresh()
     data = data_for(1212, 29 * MiB + 4321)
     path = _tmpfile(data)
     rng = random.Random(1212)
-    saved = _par.threads(), _libc.READ_PIECE
+    saved = _par.threads(), _hostio.READ_PIECE
     fd = os.open(path, os.O_RDONLY)
     try:
         hb = host_buffer.HostBuffer(0, 0, 0)
         hb.extend(30 * MiB, register=False)
         base = hb.get_raw_address()
-        _libc.READ_PIECE = 256 << 10            # many pieces
+        _hostio.READ_PIECE = 256 << 10            # many pieces
         cases = [(0, len(data), 0), (1, len(data) - 1, 3),
                  (len(data) - 1, 1, 30 * MiB - 1), (4096, 5 * MiB, 4096)]
         cases += [(rng.randrange(len(data) - 1), None, None)
@@ -1718,7 +1718,7 @@ def test_host_buffer_read_file_slice_threads_equal_and_errors():
                 data[999:999 + 19 * MiB + 77]
         seen = []
         _par.set_threads(3)
-        _libc.read_pieces(fd, base, 7 * MiB + 5, 11,
+        _hostio.read_pieces(fd, base, 7 * MiB + 5, 11,
                           lambda p, n: seen.append((p - base, n)),
                           piece=300000)
         assert seen[0][0] == 0 and sum(n for _, n in seen) == 7 * MiB + 5
@@ -1729,7 +1729,7 @@ def test_host_buffer_read_file_slice_threads_equal_and_errors():
 
         def boom(p, n):
             raise RuntimeError("upload failed")
-        raises(RuntimeError, _libc.read_pieces, fd, base, 7 * MiB, 0, boom,
+        raises(RuntimeError, _hostio.read_pieces, fd, base, 7 * MiB, 0, boom,
                300000)
         # Errors.
         ctypes.memset(base, 0xEE, 30 * MiB)
@@ -1766,7 +1766,7 @@ def test_host_buffer_read_file_slice_threads_equal_and_errors():
         hb.close()
     finally:
         _par.set_threads(saved[0])
-        _libc.READ_PIECE = saved[1]
+        _hostio.READ_PIECE = saved[1]
         os.close(fd)
         os.unlink(path)
 

@@ -122,7 +122,7 @@ except vpager.LibraryError as e:
     out["error"] = str(e)
 # The drop-in's host buffer and model mapping through the library: no
 # libc, no os.pread here.
-from comfy_aimdo import _libc, host_buffer, model_mmap
+from comfy_aimdo import _hostio, host_buffer, model_mmap
 try:
     hb = host_buffer.HostBuffer(0, 0, 0)
     p = hb.extend(3 << 20, register=False)
@@ -136,7 +136,7 @@ try:
     mm = model_mmap.ModelMMAP(path)
     ok = ok and ctypes.string_at(mm.get(), 102400) == bytes(range(256)) * 400
     buf = ctypes.create_string_buffer(50000)
-    _libc.pread_par(mm.get_file_handle(), ctypes.addressof(buf), 50000, 256)
+    _hostio.pread_par(mm.get_file_handle(), ctypes.addressof(buf), 50000, 256)
     mm.bounce()
     ok = ok and buf.raw == (bytes(range(256)) * 400)[256:50256]
     mm.close()

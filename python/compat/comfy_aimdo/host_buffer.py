@@ -39,7 +39,7 @@ import ctypes
 import operator
 import sys
 
-from . import _libc, _par, control
+from . import _hostio, _par, control
 
 __all__ = ["HostBuffer"]
 
@@ -155,10 +155,10 @@ class HostBuffer:
     def _reserve(self, need):
         """Address space for the buffer, starting on a huge page and
         advised for transparent huge pages (no memory yet)."""
-        cap = _libc.huge_up(max(need, self._want_cap, _ram()))
-        self._base = _libc.map_anon(cap, align=_libc.HUGE)
+        cap = _hostio.huge_up(max(need, self._want_cap, _ram()))
+        self._base = _hostio.map_anon(cap, align=_hostio.HUGE)
         self._cap = cap
-        _libc.hugepage(self._base, cap)
+        _hostio.hugepage(self._base, cap)
 
     def _make_usable(self, end):
         """Make [0, end) read-write and faulted in: the mapping grows in
@@ -167,22 +167,22 @@ class HostBuffer:
         it pins memory that is there instead of faulting it in 4 KiB at a
         time. On failure (out of memory) what this call added is returned
         and OSError raised."""
-        end = min(_libc.huge_up(end), self._cap)
+        end = min(_hostio.huge_up(end), self._cap)
         if end <= self._populated:
             return
         old_mapped, old_populated = self._mapped, self._populated
         try:
             if end > self._mapped:
-                _libc.commit(self._base + self._mapped, end - self._mapped)
+                _hostio.commit(self._base + self._mapped, end - self._mapped)
                 self._mapped = end
-            _libc.populate(self._base + self._populated,
+            _hostio.populate(self._base + self._populated,
                            end - self._populated)
             self._populated = end
         except OSError:
-            _quietly(_libc.discard, self._base + old_populated,
+            _quietly(_hostio.discard, self._base + old_populated,
                      self._mapped - old_populated)
             if self._mapped > old_mapped:
-                _quietly(_libc.decommit, self._base + old_mapped,
+                _quietly(_hostio.decommit, self._base + old_mapped,
                          self._mapped - old_mapped)
             self._mapped, self._populated = old_mapped, old_populated
             raise
@@ -247,14 +247,14 @@ class HostBuffer:
         try:
             self._make_usable(old_populated)
         except OSError:
-            _libc.release(self._base, self._cap)
+            _hostio.release(self._base, self._cap)
             self._base, self._cap = old_base, old_cap
             self._mapped, self._populated = old_mapped, old_populated
             for off, n in regs:
                 self.register(off, n)
             raise
         ctypes.memmove(self._base, old_base, self.size)
-        _libc.release(old_base, old_cap)
+        _hostio.release(old_base, old_cap)
         for off, n in regs:
             self.register(off, n)
 
@@ -272,7 +272,7 @@ class HostBuffer:
                         if o + n > size]:
                 self.unregister(off)
         self._drop_parts(size, do_unregister)
-        keep = _libc.page_up(size)
+        keep = _hostio.page_up(size)
         if self._base and keep < self._populated:
             pinned_past = any(o + n > keep for o, (n, _) in
                               self._regs.items())
@@ -281,11 +281,11 @@ class HostBuffer:
                 # page is zeroed, so extend() always gives zeroed memory);
                 # the mapping stays read-write to the next huge page.
                 ctypes.memset(self._base + size, 0, keep - size)
-                _libc.discard(self._base + keep, self._populated - keep)
+                _hostio.discard(self._base + keep, self._populated - keep)
                 self._populated = keep
-                keep_map = min(_libc.huge_up(keep), self._cap)
+                keep_map = min(_hostio.huge_up(keep), self._cap)
                 if keep_map < self._mapped:
-                    _libc.decommit(self._base + keep_map,
+                    _hostio.decommit(self._base + keep_map,
                                    self._mapped - keep_map)
                     self._mapped = keep_map
         self.size = size
@@ -335,16 +335,16 @@ class HostBuffer:
         if offset + size > self.size:
             raise ValueError("read_file_slice: [%d, +%d) is past the %d-byte"
                              " buffer" % (offset, size, self.size))
-        fd = _libc.fileno(file)
+        fd = _hostio.fileno(file)
         if not size:
             return
-        _libc.check_file_range(fd, file_offset, size)
+        _hostio.check_file_range(fd, file_offset, size)
         dst = self._base + offset
         if not device_ptr:
-            _libc.pread_par(fd, dst, size, file_offset)
+            _hostio.pread_par(fd, dst, size, file_offset)
             return
         up = _Uploader(device_ptr, stream, device)
-        _libc.read_pieces(fd, dst, size, file_offset,
+        _hostio.read_pieces(fd, dst, size, file_offset,
                           lambda a, n: up.upload(a - dst, a, n, self))
 
     def read_file_to_device(self, file, file_offset, size, stream, device_ptr,
@@ -355,16 +355,16 @@ class HostBuffer:
         the file). Through vpager's file reader (vp_file_read_to_address):
         its pinned bounce slots per device, each read over _par.threads()
         threads, each slot's upload overlapping the next slot's reads."""
-        fd = _libc.fileno(file)
+        fd = _hostio.fileno(file)
         size = _nbytes(size, "read_file_to_device(size)")
         file_offset = _nbytes(file_offset, "read_file_to_device(file_offset)")
         device_ptr = _index(device_ptr)
         if size:
-            _libc.check_file_range(fd, file_offset, size)
+            _hostio.check_file_range(fd, file_offset, size)
             _device_of(device_ptr, device).file_read_to_address(
                 fd, file_offset, size, device_ptr, stream, _par.threads())
         if mark_cold:
-            _libc.drop_cache(fd, file_offset, size)
+            _hostio.drop_cache(fd, file_offset, size)
 
     def cleanup_file_reader(self):
         """Free the file reader's staging slots on every open device (made
@@ -380,7 +380,7 @@ class HostBuffer:
         if self._parts:
             self._drop_parts(0, True)
         if self._base:
-            _libc.release(self._base, self._cap)
+            _hostio.release(self._base, self._cap)
         self._base = self._cap = self._mapped = self.size = 0
         self._populated = 0
 

@@ -3,7 +3,7 @@ file (vpager.hostspace.map_file; no device involved)."""
 
 import os
 
-from . import _libc
+from . import _hostio
 
 __all__ = ["ModelMMAP"]
 
@@ -15,7 +15,7 @@ class ModelMMAP:
                                                             0))
         try:
             self.size = os.fstat(self._fd).st_size
-            self._base = _libc.map_file(self._fd, self.size) if self.size \
+            self._base = _hostio.map_file(self._fd, self.size) if self.size \
                 else 0
         except BaseException:
             os.close(self._fd)
@@ -38,8 +38,8 @@ class ModelMMAP:
         the file when touched)."""
         self._check()
         if self._base:
-            _libc.drop_resident(self._base, self.size)
-        _libc.drop_cache(self._fd)
+            _hostio.drop_resident(self._base, self.size)
+        _hostio.drop_cache(self._fd)
 
     def _check(self):
         if self._fd < 0:
@@ -49,7 +49,7 @@ class ModelMMAP:
         if getattr(self, "_fd", -1) < 0:
             return
         if self._base:
-            _libc.unmap_file(self._base, self.size)
+            _hostio.unmap_file(self._base, self.size)
             self._base = 0
         os.close(self._fd)
         self._fd = -1
