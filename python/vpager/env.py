@@ -69,10 +69,12 @@ VARIABLES: Dict[str, Variable] = {
                                  "from the weights' sizes is in place, no "
                                  "plan from the cold first forward: the "
                                  "first is the second's (default 1)"),
-    "VPAGER_COLD_WORK": Variable("flag", "1: the plan from the cold first "
-                                 "forward takes each unit's work as at "
-                                 "most its kind's median (the same unit "
-                                 "of the other blocks; default 0)"),
+    "VPAGER_COLD_WORK": Variable("flag", "1: the cold first forward is "
+                                 "planned for and placed at its own end, "
+                                 "each unit's work at most its kind's "
+                                 "median (the same unit of the other "
+                                 "blocks); later plans keep it unless 2% "
+                                 "faster (default 0)"),
     "VPAGER_KEEP_FILLS": Variable("flag", "0: a streamed weight's fill "
                                   "(set_fill) runs at each of its fills; "
                                   "1: its result is kept in a pinned host "

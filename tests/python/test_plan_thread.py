@@ -455,11 +455,11 @@ def test_no_plan_from_the_cold_forward_when_asked():
 
 def test_plan_from_the_cold_forward_without_its_cold_start():
     """VPAGER_COLD_WORK=1: the first (cold) forward, its first hidden
-    layer 50x slower (a cold start), reaches the first plan job with
-    that unit's work at the median of its kind (the same-shaped layers);
-    by default as measured. Later forwards merge with what was measured
+    layer 50x slower (a cold start), is planned for with that unit's
+    work at the median of its kind (the same-shaped layers); by default
+    as measured. Later forwards merge with what was measured
     (tuner.work), and outputs stay bitwise."""
-    real_work = tuner.Tuner._work
+    real_work, real_apply = tuner.Tuner._work, tuner.Tuner.apply
 
     def cold_first(self, calls, start, end):
         work = real_work(self, calls, start, end)
@@ -469,31 +469,49 @@ def test_plan_from_the_cold_forward_without_its_cold_start():
                     work[u] *= 50
         return work
     for on in ("0", "1"):
-        with Patched(FakeClock()), environ(VPAGER_COLD_WORK=on):
-            seen = []
-            real = tuner.plan_job
+        seen = []
 
-            def plan_job(work, works, *a, **kw):
-                seen.append((list(work), [list(w) for w in works]))
-                return real(work, works, *a, **kw)
-            tuner.plan_job, tuner.Tuner._work = plan_job, cold_first
+        def apply(self, work, *a, **kw):
+            seen.append(dict(work))
+            return real_apply(self, work, *a, **kw)
+        with environ(VPAGER_COLD_WORK=on):
+            tuner.Tuner._work, tuner.Tuner.apply = cold_first, apply
             try:
                 m, x, want, h = _threaded_mlp()
                 _settle(m, x, want, h)
-                units = [u.name for u in h.tuner._costs({})[0]]
-                first = seen[0][0]
-                hidden = [t for n, t in zip(units, first)
-                          if n in ("4", "6", "8", "10", "12", "14", "16")]
-                at = first[units.index("2")]
+                first = {u.name: t for u, t in seen[0].items()}
+                hidden = [first[n] for n in ("4", "6", "8", "10", "12",
+                                             "14", "16")]
                 if on == "1":
-                    assert at <= max(hidden), (at, hidden)
-                    assert seen[0][1][-1] == first     # its windows too
+                    assert first["2"] <= max(hidden), (first, hidden)
+                    assert h.tuner.work[next(
+                        u for u in h.tuner.work if u.name == "2")] <= \
+                        max(hidden)         # merged with warm forwards
                 else:
-                    assert at > 10 * max(hidden), (at, hidden)
+                    assert first["2"] > 10 * max(hidden), (first, hidden)
                 assert torch.equal(m(x), want)
             finally:
-                tuner.plan_job, tuner.Tuner._work = real, real_work
+                tuner.Tuner._work, tuner.Tuner.apply = real_work, real_apply
             h.unload()
+
+
+def test_cold_work_plans_at_the_first_forwards_end():
+    """VPAGER_COLD_WORK=1 with the planner's thread: the first (cold)
+    forward is planned for and placed at its own end, its resident set
+    filled there (the cold step takes what placing costs): schedule()
+    answers after one forward, and from the second on each forward copies
+    what the last one does, committing and evicting nothing; the later
+    plans keep the placement. Outputs bitwise."""
+    with environ(VPAGER_COLD_WORK="1"):
+        m, x, want, h = _threaded_mlp()
+        got = _copies(m, x, want, h, 1)
+        assert h.schedule() is not None and h.tuner.rounds == 1
+        assert h.tuner.first_now
+        got += _copies(m, x, want, h, 7)
+        steady = got[-1][0]
+        assert all(c == steady and moved == 0 for c, moved in got[1:]), got
+        assert h.schedule()["settled"]
+        h.unload()
 
 
 def test_cold_work_kinds():

@@ -41,7 +41,7 @@ from ..errors import BusyError, Error
 from ..hostbuf import HostBuf
 from ..weights import WeightBatch
 from . import coldwork, planproc, schedule, views
-from .devices import ring_pages
+from .devices import learn_headroom, ring_pages
 from .placement import (pages_touched, place_moving_least,
                         place_streaming_least,
                         place_resident_first, scheduled_ranks, staging_need)
@@ -122,10 +122,15 @@ FILL_UNITS = 2
 # the first plan is the second's (with the planner's thread). Not the
 # default until measured on a GPU (bench_node's "nocold" runs).
 COLD_PLAN = "VPAGER_COLD_PLAN"
-# VPAGER_COLD_WORK=1: the plan from the first (cold) forward takes each
-# unit's work as at most the median of its kind (coldwork.py): the cold
-# start falls on the first block. Later forwards merge with what was
-# measured. Off until measured on a GPU (bench_node's "warm" runs).
+# VPAGER_COLD_WORK=1: the first (cold) forward is planned for at its own
+# end, on its thread, each unit's work at most the median of its kind
+# (coldwork.py: the cold start falls on the first block), and its
+# resident set filled there: the cold step takes what placing costs
+# (H100, Flux 9.4 GiB at 6 GiB: the cold plan's placement at forward 3
+# cost a 163 ms step, the settled one's at forward 6 a 203 ms step,
+# against 95). Later plans keep the placement, its ring too, unless one
+# is 2% faster. Later forwards merge with what was measured. Off until
+# measured on a GPU (bench_node's "warm" runs).
 COLD_WORK = "VPAGER_COLD_WORK"
 # Before the first forward, when the weights do not all fit, a schedule
 # planned from a model of the costs places them (Tuner.guess): each unit
@@ -312,6 +317,8 @@ class Tuner:
         # guessed placement is in place (COLD_PLAN below).
         self.cold_plan = env.flag(COLD_PLAN, True)
         self.cold_work = env.flag(COLD_WORK, False)
+        self.fill_now = False       # a placement's resident set warmed now
+        self.first_now = False      # the first plan made at its forward's end
 
     def install(self):
         """Measure from the next root forward on."""
@@ -615,6 +622,10 @@ class Tuner:
             self._trace("its marks dropped (%d calls)" % len(calls))
             return                  # the next forward measures
         end = self._mark()
+        if self.planner is not None and self.cold_work and \
+                not self.rounds and not self._planning():
+            self._plan_now(calls, self.start, end)
+            return
         if self.planner is not None:
             if self._planning():        # handed over once it is taken
                 self.backlog = (calls, self.start, end)
@@ -635,6 +646,27 @@ class Tuner:
             self._apply_safely(work)
         if self.rounds == 1:
             self.work = raw     # (its plan's cold work taken out: coldwork)
+
+    def _plan_now(self, calls, start, end):
+        """VPAGER_COLD_WORK=1, the first measured (cold) forward: planned
+        for and placed at its own end, on its thread, the resident set
+        filled now (warm()): its marks read once the GPU ran it, torch's
+        peak learned, each unit's work at most its kind's median
+        (coldwork.py). The cold step, long anyway, takes what placing
+        costs; the planner's later plans keep this placement, its ring
+        too, unless one is NEAR faster (apply())."""
+        raw = self._work(calls, start, end)     # (waits for its end)
+        if self.cuda:
+            learn_headroom(self.layout.device, self.model.cuda_index,
+                           force=True)
+        work = coldwork.warm_work(raw)
+        if self._measured(work, False, self._free_to_wait()):
+            self.fill_now = self.first_now = True
+            try:
+                self._apply_safely(work)
+            finally:
+                self.fill_now = False
+        self.work = raw     # later forwards merge with what was measured
 
     def _work(self, calls, start, end):
         """unit -> seconds of work, from one forward's marks (CUDA: waits
@@ -938,7 +970,8 @@ class Tuner:
         if replan and old is not None and ring == self.ring and \
                 sch.resident == old.resident and self._fits(old):
             return                  # the same plan: nothing to move
-        if old is not None and replan != "room" and ring == self.ring \
+        if old is not None and replan != "room" and \
+                (ring == self.ring or self.first_now) \
                 and self._fits(old) and (keep is None or all(
                     r for r, k in zip(old.resident, keep) if k)):
             # Measured again, or fills changed, the same ring: place anew
@@ -1171,7 +1204,7 @@ class Tuner:
         self.model.scheduled()
         self.schedule, self.guessed = sch, False
         self._windows(units, sizes, sch, ring, merged)
-        if self.planner is None:
+        if self.planner is None or self.fill_now:
             self.warm(flat, sch.resident, ring, max(sch.window or [0]))
         else:
             self._fill_ahead(units, flat, sch.resident, stay)
