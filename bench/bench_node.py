@@ -199,14 +199,16 @@ def child(cr, a):
 # (no kept fills: vpager.torch's keptfills.py); "nocold" makes no plan
 # from the first (cold) forward while the guessed placement is in place;
 # "warm" plans from the cold forward with each unit's work at most its
-# kind's median (vpager.torch's coldwork.py). Suffixes combine:
+# kind's median (vpager.torch's coldwork.py); "move" copies the resident
+# weights a placement moves on the device (relocate.py). Suffixes combine:
 # "node6warmsteps".
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
             "nokeep": {"VPAGER_KEEP_FILLS": "0"},
             "nocold": {"VPAGER_COLD_PLAN": "0"},
-            "warm": {"VPAGER_COLD_WORK": "1"}}
+            "warm": {"VPAGER_COLD_WORK": "1"},
+            "move": {"VPAGER_RELOCATE": "1"}}
 
 
 def _suffix(run):

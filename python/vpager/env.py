@@ -75,6 +75,10 @@ VARIABLES: Dict[str, Variable] = {
                                  "median (the same unit of the other "
                                  "blocks); later plans keep it unless 2% "
                                  "faster (default 0)"),
+    "VPAGER_RELOCATE": Variable("flag", "1: a placement made anew copies "
+                                "the resident weights it moves on the "
+                                "device, not again from the host "
+                                "(default 0)"),
     "VPAGER_KEEP_FILLS": Variable("flag", "0: a streamed weight's fill "
                                   "(set_fill) runs at each of its fills; "
                                   "1: its result is kept in a pinned host "

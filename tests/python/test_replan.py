@@ -257,6 +257,48 @@ def _copied(d):
         d["prefetch_dropped_bytes"]
 
 
+def test_moved_weights_are_copied_on_the_device():
+    """VPAGER_RELOCATE=1: a schedule made again for a smaller and a larger
+    room is placed apart from the weights resident before
+    (placement.place_apart), and those resident before and after are
+    copied on the device from where they lay (relocated_bytes), not again
+    from their sources: the placing forward copies from the host no more
+    than a steady one plus the weights that join the resident set.
+    Outputs bitwise; steady again after."""
+    keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
+            "prefetch_dropped_bytes", "pages_committed", "pages_evicted")
+    with environ(VPAGER_RELOCATE="1"):
+        m, x, want, h = _scheduled_mlp()
+    moved = 0
+    with watching_every_forward():
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        for limit in (600 * K, 900 * K):
+            lay = h.vbar_layout
+            before = _planned(h)
+            s0 = h.stats()["device"]
+            h.device.set_limit(limit)
+            assert torch.equal(m(x), want)
+            s1 = h.stats()["device"]
+            assert torch.equal(m(x), want)
+            steady = delta(h.stats()["device"], s1, *keys)
+            placing = delta(s1, s0, *keys)
+            sch = h.schedule()
+            after = _planned(h)
+            joined = sum(e.size for e in lay.entries
+                         if after[e.name] and not before[e.name])
+            moved += sch["relocated_bytes"]
+            assert sch["relocated_bytes"] <= sch["kept_bytes"], sch
+            assert _copied(placing) <= _copied(steady) + joined + \
+                sch["resident_bytes"] - sch["kept_bytes"], (placing, steady)
+            assert _copied(steady) <= sch["streamed_bytes"], (steady, sch)
+            assert steady["pages_committed"] == 0, steady
+            assert steady["pages_evicted"] == 0, steady
+    assert moved > 0
+    assert no_pins(h)
+    h.unload()
+
+
 def test_a_new_plan_copies_only_what_moved():
     """The schedule is placed (before the first forward, guessed; after
     it, measured), then made again for a smaller and a larger room: each

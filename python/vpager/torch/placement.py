@@ -136,6 +136,35 @@ def place_resident_first(entries, align, page, resident):
     return offsets, off
 
 
+def place_apart(entries, resident, now, offsets, align, page, size):
+    """(offsets, end) of a scheduled layout placed apart from the pages
+    of the entries with now[i] (resident at offsets[i], their bytes to be
+    copied to their new places on the device: relocate.py): the resident
+    entries as place_resident_first lays them, from page 0 if they end
+    below the first of those pages, else from the page after the last;
+    the streamed ones after both, so no new weight touches those pages.
+    None if that ends past `size` (the VBAR)."""
+    spans = [(offsets[i], offsets[i] + e.size)
+             for i, e in enumerate(entries) if now[i] and e.size]
+    offs, end = place_resident_first(entries, align, page, resident)
+    if not spans:
+        return offs, end
+    lo = min(a for a, _ in spans) // page * page
+    hi = round_up(max(b for _, b in spans), page)
+    top = round_up(max((offs[i] + e.size for i, e in enumerate(entries)
+                        if resident[i]), default=0), page)
+    base = 0 if top <= lo else hi
+    out, off = [0] * len(entries), max(base + top, hi)
+    for i, e in enumerate(entries):
+        if resident[i]:
+            out[i] = offs[i] + base
+        else:
+            off = round_up(off, align)
+            out[i] = off
+            off += e.size
+    return (out, off) if off <= size else None
+
+
 def place_kept(entries, resident, kept, offsets, align, page):
     """Offsets for a scheduled layout placed anew with the least copying:
     the entries with kept[i] (resident now, resident in the schedule) stay

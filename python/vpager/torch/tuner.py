@@ -41,8 +41,9 @@ from ..errors import BusyError, Error
 from ..hostbuf import HostBuf
 from ..weights import WeightBatch
 from . import coldwork, planproc, schedule, views
+from .relocate import relocate
 from .devices import learn_headroom, ring_pages
-from .placement import (pages_touched, place_moving_least,
+from .placement import (pages_touched, place_apart, place_moving_least,
                         place_streaming_least,
                         place_resident_first, scheduled_ranks, staging_need)
 
@@ -132,6 +133,12 @@ COLD_PLAN = "VPAGER_COLD_PLAN"
 # is 2% faster. Later forwards merge with what was measured. Off until
 # measured on a GPU (bench_node's "warm" runs).
 COLD_WORK = "VPAGER_COLD_WORK"
+# VPAGER_RELOCATE=1: a placement made anew lies apart from the pages of
+# the weights resident now (placement.place_apart), and those it keeps
+# resident are copied on the device from where they lay (relocate.py),
+# not filled again from the host: a moved weight costs no link time.
+# Off until measured on a GPU (bench_node's "move" runs).
+RELOCATE = "VPAGER_RELOCATE"
 # Before the first forward, when the weights do not all fit, a schedule
 # planned from a model of the costs places them (Tuner.guess): each unit
 # computes GUESS times as long as its weights take to copy (H200: a
@@ -318,6 +325,8 @@ class Tuner:
         self.cold_plan = env.flag(COLD_PLAN, True)
         self.cold_work = env.flag(COLD_WORK, False)
         self.fill_now = False       # a placement's resident set warmed now
+        self.relocate = env.flag(RELOCATE, False)
+        self.relocated_bytes = 0    # the last placement's device copies
         self.first_now = False      # the first plan made at its forward's end
 
     def install(self):
@@ -422,7 +431,9 @@ class Tuner:
         windows (lookahead bytes per unit, placement order, or None),
         held_units (units acquired once per inference forward:
         HotPath.hold), kept_bytes (resident bytes the last placement left
-        where they lay, not copied again), rings (the ring sizes the last
+        where they lay, not copied again), relocated_bytes (of those,
+        moved and copied on the device: VPAGER_RELOCATE), rings (the ring
+        sizes the last
         plan tried: staging, predicted_ms, streamed_bytes), settled
         (measuring is over, no plan is being made or placed step by step:
         the forwards from here on run this schedule)."""
@@ -436,6 +447,7 @@ class Tuner:
                 "resident_weights": sum(sch.resident),
                 "held_units": len(self.model.held()),
                 "kept_bytes": self.kept_bytes,
+                "relocated_bytes": self.relocated_bytes,
                 "staging": self.ring, "link": self.link,
                 "planned_for": self.planned_for, "replans": self.replans,
                 "measured": self.rounds,
@@ -1158,8 +1170,10 @@ class Tuner:
         bytes, and fill the resident set (merged: _windows'; placed:
         _placement()'s answer for it, if asked already)."""
         page = dev.page_size
-        offsets, end, stay = placed or self._placement(lay, flat,
-                                                       sch.resident, ring)
+        placed = placed or self._placement(lay, flat, sch.resident, ring)
+        offsets, end, stay = placed[:3]
+        moving = placed[3] if len(placed) > 3 else None
+        self.relocated_bytes = 0
         kept = sum(e.size for e, k in zip(flat, stay) if k)
         if env.flag("VPAGER_SCHEDULE_LOG", False):
             sys.stderr.write(
@@ -1175,13 +1189,18 @@ class Tuner:
         self.ring = ring
         npages = lay.vbar.size // page
         runs = pages_touched(flat, offsets, sch.resident, page)
-        if kept:
+        if kept or moving is not None:
             # Weights left where they lie keep their bytes: only the pages
             # outside the new resident runs go (ranked last, so evicted
-            # first), and only the moved weights are filled again.
+            # first), and only the moved weights are filled again (or
+            # copied on the device: relocate.py).
+            old = [e.offset for e in flat]
             self.model.swap(flat, offsets, None)     # Layout.move
             lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
                                                page, npages))
+            if moving is not None:
+                stay = self._relocate(lay, flat, old, moving, len(runs))
+                kept = sum(e.size for e, k in zip(flat, stay) if k)
             flags = lay.vbar.residency()
             extra = sum(1 for p in range(npages)
                         if flags[p] & PAGE_RESIDENT and p not in runs)
@@ -1249,6 +1268,10 @@ class Tuner:
                 self.heading is not None:   # (a step: toward's own room)
             return sch, self._placement(lay, flat, sch.resident, ring)
         now = self._now(lay, flat, sch.resident)
+        if self.relocate:
+            apart = self._apart(lay, flat, sch.resident, ring, now)
+            if apart is not None:
+                return sch, apart
         placed = self._placement(lay, flat, sch.resident, ring, now)
         again = sum(e.size for e, n, k in zip(flat, now, placed[2])
                     if n and not k)
@@ -1277,6 +1300,40 @@ class Tuner:
                                other.predicted * 1e3, sch.predicted * 1e3,
                                again >> 20))
         return other, (offsets, end, stay)
+
+    def _apart(self, lay, flat, resident, ring, now):
+        """(offsets, end, kept: none, moving: per entry, its bytes to be
+        copied on the device) of place_apart for `resident`, the weights
+        resident now (now: _now()'s flags) and fill-less its moving ones;
+        None if it does not fit the VBAR or the room."""
+        moving = [n and e.fill is None for e, n in zip(flat, now)]
+        page = lay.device.page_size
+        got = place_apart(flat, resident, moving, [e.offset for e in flat],
+                          lay.align, page, lay.vbar.size)
+        if got is None or len(pages_touched(flat, got[0], resident, page)) \
+                > self._room_pages(ring):
+            return None
+        return got[0], got[1], [False] * len(flat), moving
+
+    def _relocate(self, lay, flat, old, moving, nruns):
+        """The moving entries' bytes copied on the device from their old
+        offsets (relocate.py), the watermark first set above the new
+        resident runs (`nruns` pages) so their pages commit; returns the
+        entries' stay flags: True for those copied."""
+        page = lay.device.page_size
+        lay.vbar.set_watermark(nruns * page)
+        idx = [i for i, m in enumerate(moving) if m]
+        t0 = time.perf_counter()
+        done = relocate(lay,
+                        [flat[i] for i in idx], [old[i] for i in idx],
+                        self.model.stream(), self.target)
+        self.relocated_bytes = sum(flat[i].size for i in idx
+                                   if id(flat[i]) in done)
+        self._trace("%d of %d moved weights (%d MB) copied on the device "
+                    "in %.1f ms" % (len(done), len(idx),
+                                    self.relocated_bytes >> 20,
+                                    (time.perf_counter() - t0) * 1e3))
+        return [id(e) in done for e in flat]
 
     def _fill_ahead(self, units, flat, resident, stay):
         """The forward after a placement fills its resident set as it runs
