@@ -299,6 +299,35 @@ def test_moved_weights_are_copied_on_the_device():
     h.unload()
 
 
+def test_cuda_moved_weights_copied_on_the_device_bitwise():
+    """On CUDA (skipped without), VPAGER_RELOCATE=1: 40 layers of
+    1024x1024 float32 at 60% of their bytes, the budget lowered and
+    raised: each schedule made again copies the weights it moves inside
+    the device, and every output is bitwise the resident model's."""
+    if not torch.cuda.is_available():
+        _runner.skip("no CUDA device")
+    from torch import nn
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(40)]).eval()
+    ref = frozen_copy(m).cuda()
+    x = torch.randn(8, 1024, device="cuda")
+    want = ref(x)
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    with environ(VPAGER_RELOCATE="1"), watching_every_forward():
+        h = vt.offload(m, device="cuda", budget=int(total * 0.6),
+                       page_size="2M")
+        moved = 0
+        with torch.no_grad():
+            for limit in (None, 0.4, 0.6, 0.5):
+                if limit is not None:
+                    h.device.set_limit(int(total * limit))
+                for _ in range(4):
+                    assert torch.equal(m(x), want)
+                moved += h.schedule()["relocated_bytes"]
+        assert moved > 0
+        h.unload()
+
+
 def test_a_new_plan_copies_only_what_moved():
     """The schedule is placed (before the first forward, guessed; after
     it, measured), then made again for a smaller and a larger room: each
