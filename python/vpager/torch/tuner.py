@@ -125,13 +125,18 @@ FILL_UNITS = 2
 COLD_PLAN = "VPAGER_COLD_PLAN"
 # VPAGER_COLD_WORK=1: the first (cold) forward is planned for at its own
 # end, on its thread, each unit's work at most the median of its kind
-# (coldwork.py: the cold start falls on the first block), and its
-# resident set filled there: the cold step takes what placing costs
-# (H100, Flux 9.4 GiB at 6 GiB: the cold plan's placement at forward 3
-# cost a 163 ms step, the settled one's at forward 6 a 203 ms step,
-# against 95). Later plans keep the placement, its ring too, unless one
-# is 2% faster. Later forwards merge with what was measured. Off until
-# measured on a GPU (bench_node's "warm" runs).
+# (coldwork.py), and its resident set filled there: the cold step takes
+# what placing costs (H100, Flux 9.4 GiB at 6 GiB: the cold plan's
+# placement at forward 3 cost a 163 ms step, the settled one's at
+# forward 6 a 203 ms step, against 95). Later plans keep the placement,
+# its ring too, unless one is 2% faster. Later forwards merge with what
+# was measured. Measured (H100, bench/RESULTS.md, twenty-eighth
+# session): at 4 GiB no later step paid a placement (worst 1.11 x a
+# steady one, 1.62 by default), at 6 GiB the settled plan still moved
+# 2.1 GB (the cold start is on every unit, 3.6 x, not on the first
+# block alone); steady 1.036 / 1.032 x L against 1.055 / 1.045, the
+# first prompt 6% longer at 6 GiB. Off by default until the moved
+# weights cost no link time (RELOCATE, not measured on a GPU yet).
 COLD_WORK = "VPAGER_COLD_WORK"
 # VPAGER_RELOCATE=1: a placement made anew lies apart from the pages of
 # the weights resident now (placement.place_apart), and those it keeps
