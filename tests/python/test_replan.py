@@ -299,6 +299,37 @@ def test_moved_weights_are_copied_on_the_device():
     h.unload()
 
 
+def test_moved_weights_copy_no_stale_bytes():
+    """VPAGER_RELOCATE=1: resident weights given a fill, then rid of it
+    (their bytes in place are the fill's, their source their own again),
+    the budget moved at once: the placements that move them copy their
+    sources' bytes (hold() acquires them where they lie first, which
+    fills them there), not the stale ones. Outputs bitwise the unfilled
+    model's (before hold() acquired, each of these was wrong)."""
+    with environ(VPAGER_RELOCATE="1"):
+        m, x, want, h = _scheduled_mlp()
+    moved = 0
+    with watching_every_forward():
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        names = [n for n, r in _planned(h).items()
+                 if r and n.endswith("weight")]
+        assert names
+        for n in names:
+            h.set_fill(n, lambda v: v.mul_(2))
+        for _ in range(2):
+            assert not torch.equal(m(x), want)
+        for n in names:
+            h.set_fill(n, None)
+        for limit in (600 * K, 900 * K, 700 * K):
+            h.device.set_limit(limit)
+            assert torch.equal(m(x), want)
+            moved += h.schedule()["relocated_bytes"]
+    assert moved > 0
+    assert no_pins(h)
+    h.unload()
+
+
 def test_cuda_moved_weights_copied_on_the_device_bitwise():
     """On CUDA (skipped without), VPAGER_RELOCATE=1: 40 layers of
     1024x1024 float32 at 60% of their bytes, the budget lowered and

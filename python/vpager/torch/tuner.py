@@ -40,8 +40,7 @@ from .. import PAGE_RESIDENT, env
 from ..errors import BusyError, Error
 from ..hostbuf import HostBuf
 from ..weights import WeightBatch
-from . import coldwork, planproc, schedule, views
-from .relocate import relocate
+from . import coldwork, planproc, relocate, schedule, views
 from .devices import learn_headroom, ring_pages
 from .placement import (pages_touched, place_apart, place_moving_least,
                         place_streaming_least,
@@ -1199,12 +1198,20 @@ class Tuner:
             # outside the new resident runs go (ranked last, so evicted
             # first), and only the moved weights are filled again (or
             # copied on the device: relocate.py).
-            old = [e.offset for e in flat]
-            self.model.swap(flat, offsets, None)     # Layout.move
+            held = None
+            if moving is not None:      # (relocate.py)
+                movers = [e for e, m in zip(flat, moving) if m]
+                held = relocate.hold(lay, movers, self.model.stream())
+            try:
+                self.model.swap(flat, offsets, None)     # Layout.move
+            except BaseException:
+                if held:
+                    relocate.release(lay, movers, held, self.model.stream())
+                raise
             lay.vbar.set_ranks(scheduled_ranks(flat, offsets, sch.resident,
                                                page, npages))
-            if moving is not None:
-                stay = self._relocate(lay, flat, old, moving, len(runs))
+            if held is not None:
+                stay = self._relocate(lay, flat, movers, held, len(runs))
                 kept = sum(e.size for e, k in zip(flat, stay) if k)
             flags = lay.vbar.residency()
             extra = sum(1 for p in range(npages)
@@ -1320,22 +1327,18 @@ class Tuner:
             return None
         return got[0], got[1], [False] * len(flat), moving
 
-    def _relocate(self, lay, flat, old, moving, nruns):
-        """The moving entries' bytes copied on the device from their old
-        offsets (relocate.py), the watermark first set above the new
+    def _relocate(self, lay, flat, movers, held, nruns):
+        """The held movers' bytes copied on the device from their old
+        offsets (relocate.copy_in), the watermark first set above the new
         resident runs (`nruns` pages) so their pages commit; returns the
         entries' stay flags: True for those copied."""
-        page = lay.device.page_size
-        lay.vbar.set_watermark(nruns * page)
-        idx = [i for i, m in enumerate(moving) if m]
+        lay.vbar.set_watermark(nruns * lay.device.page_size)
         t0 = time.perf_counter()
-        done = relocate(lay,
-                        [flat[i] for i in idx], [old[i] for i in idx],
-                        self.model.stream(), self.target)
-        self.relocated_bytes = sum(flat[i].size for i in idx
-                                   if id(flat[i]) in done)
+        done = relocate.copy_in(lay, movers, held, self.model.stream(),
+                                self.target)
+        self.relocated_bytes = sum(e.size for e in movers if id(e) in done)
         self._trace("%d of %d moved weights (%d MB) copied on the device "
-                    "in %.1f ms" % (len(done), len(idx),
+                    "in %.1f ms" % (len(done), len(movers),
                                     self.relocated_bytes >> 20,
                                     (time.perf_counter() - t0) * 1e3))
         return [id(e) in done for e in flat]
