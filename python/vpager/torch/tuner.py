@@ -140,8 +140,10 @@ COLD_WORK = "VPAGER_COLD_WORK"
 # VPAGER_RELOCATE=1: a placement made anew lies apart from the pages of
 # the weights resident now (placement.place_apart), and those it keeps
 # resident are copied on the device from where they lay (relocate.py),
-# not filled again from the host: a moved weight costs no link time.
-# Off until measured on a GPU (bench_node's "move" runs).
+# not filled again from the host: a moved weight costs no link time (a
+# weight with a fill is filled again). Sim tests only: off until
+# measured on a GPU (bench_node's "move" runs, the CUDA test in
+# test_replan.py).
 RELOCATE = "VPAGER_RELOCATE"
 # Before the first forward, when the weights do not all fit, a schedule
 # planned from a model of the costs places them (Tuner.guess): each unit
