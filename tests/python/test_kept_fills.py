@@ -22,7 +22,8 @@ torch = _runner.require_torch(__name__)
 
 from vpager.torch import hostpolicy, keptfills  # noqa: E402
 from test_torch import (  # noqa: E402
-    K, environ, frozen_copy, no_pins, sim_opts, watching_every_forward)
+    K, cuda_layers, environ, frozen_copy, no_pins, sim_opts,
+    watching_every_forward)
 import vpager.torch as vt  # noqa: E402
 
 
@@ -292,12 +293,7 @@ def test_cuda_kept_fills_bitwise():
     is bitwise the patched resident model's; then the patch taken away."""
     if not torch.cuda.is_available():
         _runner.skip("no CUDA device")
-    from torch import nn
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(40)]).eval()
-    ref = frozen_copy(m).cuda()
-    x = torch.randn(8, 1024, device="cuda")
-    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    m, ref, x, total = cuda_layers()
     h = vt.offload(m, device="cuda", budget=int(total * 0.6),
                    page_size="2M")
     patched = [e for e in h.vbar_layout.entries if len(e.shape) == 2]

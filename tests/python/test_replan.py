@@ -23,7 +23,7 @@ torch = _runner.require_torch(__name__)
 from vpager.errors import OutOfMemory  # noqa: E402
 from vpager.torch import tuner  # noqa: E402
 from test_torch import (  # noqa: E402
-    K, PAGE, _scheduled_mlp, _scheduled_offload, delta, environ,
+    K, PAGE, _scheduled_mlp, _scheduled_offload, cuda_layers, delta, environ,
     frozen_copy, mlp, no_pins, sim_opts, watching_every_forward)
 import vpager.torch as vt  # noqa: E402
 
@@ -257,6 +257,35 @@ def _copied(d):
         d["prefetch_dropped_bytes"]
 
 
+KEYS = ("fill_bytes", "prefetch_bytes", "staged_bytes",
+        "prefetch_dropped_bytes", "pages_committed", "pages_evicted")
+
+
+def _placed_at(m, x, want, h, limit):
+    """The budget set to `limit`, then two forwards (bitwise): (the
+    placing forward's KEYS deltas, the next one's, schedule()); the next
+    one is steady: only the streamed weights copied, no page committed or
+    evicted (a resident one ranked past the watermark would be staged
+    every time)."""
+    s0 = h.stats()["device"]
+    h.device.set_limit(limit)
+    assert torch.equal(m(x), want)
+    s1 = h.stats()["device"]
+    assert torch.equal(m(x), want)
+    steady = delta(h.stats()["device"], s1, *KEYS)
+    sch = h.schedule()
+    assert _copied(steady) <= sch["streamed_bytes"], (steady, sch)
+    assert steady["pages_committed"] == 0, steady
+    assert steady["pages_evicted"] == 0, steady
+    return delta(s1, s0, *KEYS), steady, sch
+
+
+def _relocating():
+    """_scheduled_mlp() with VPAGER_RELOCATE=1."""
+    with environ(VPAGER_RELOCATE="1"):
+        return _scheduled_mlp()
+
+
 def test_moved_weights_are_copied_on_the_device():
     """VPAGER_RELOCATE=1: a schedule made again for a smaller and a larger
     room is placed apart from the weights resident before
@@ -265,35 +294,21 @@ def test_moved_weights_are_copied_on_the_device():
     from their sources: the placing forward copies from the host no more
     than a steady one plus the weights that join the resident set.
     Outputs bitwise; steady again after."""
-    keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
-            "prefetch_dropped_bytes", "pages_committed", "pages_evicted")
-    with environ(VPAGER_RELOCATE="1"):
-        m, x, want, h = _scheduled_mlp()
+    m, x, want, h = _relocating()
     moved = 0
     with watching_every_forward():
         for _ in range(3):
             assert torch.equal(m(x), want)
         for limit in (600 * K, 900 * K):
-            lay = h.vbar_layout
             before = _planned(h)
-            s0 = h.stats()["device"]
-            h.device.set_limit(limit)
-            assert torch.equal(m(x), want)
-            s1 = h.stats()["device"]
-            assert torch.equal(m(x), want)
-            steady = delta(h.stats()["device"], s1, *keys)
-            placing = delta(s1, s0, *keys)
-            sch = h.schedule()
+            placing, steady, sch = _placed_at(m, x, want, h, limit)
             after = _planned(h)
-            joined = sum(e.size for e in lay.entries
+            joined = sum(e.size for e in h.vbar_layout.entries
                          if after[e.name] and not before[e.name])
             moved += sch["relocated_bytes"]
             assert sch["relocated_bytes"] <= sch["kept_bytes"], sch
             assert _copied(placing) <= _copied(steady) + joined + \
                 sch["resident_bytes"] - sch["kept_bytes"], (placing, steady)
-            assert _copied(steady) <= sch["streamed_bytes"], (steady, sch)
-            assert steady["pages_committed"] == 0, steady
-            assert steady["pages_evicted"] == 0, steady
     assert moved > 0
     assert no_pins(h)
     h.unload()
@@ -306,8 +321,7 @@ def test_moved_weights_copy_no_stale_bytes():
     sources' bytes (hold() acquires them where they lie first, which
     fills them there), not the stale ones. Outputs bitwise the unfilled
     model's (before hold() acquired, each of these was wrong)."""
-    with environ(VPAGER_RELOCATE="1"):
-        m, x, want, h = _scheduled_mlp()
+    m, x, want, h = _relocating()
     moved = 0
     with watching_every_forward():
         for _ in range(3):
@@ -337,13 +351,8 @@ def test_cuda_moved_weights_copied_on_the_device_bitwise():
     the device, and every output is bitwise the resident model's."""
     if not torch.cuda.is_available():
         _runner.skip("no CUDA device")
-    from torch import nn
-    torch.manual_seed(0)
-    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(40)]).eval()
-    ref = frozen_copy(m).cuda()
-    x = torch.randn(8, 1024, device="cuda")
+    m, ref, x, total = cuda_layers()
     want = ref(x)
-    total = sum(p.numel() * p.element_size() for p in m.parameters())
     with environ(VPAGER_RELOCATE="1"), watching_every_forward():
         h = vt.offload(m, device="cuda", budget=int(total * 0.6),
                        page_size="2M")
@@ -368,8 +377,6 @@ def test_a_new_plan_copies_only_what_moved():
     that moved; no pages are committed or evicted once steady again.
     Outputs bitwise."""
     m, x, want, h = _scheduled_mlp()
-    keys = ("fill_bytes", "prefetch_bytes", "staged_bytes",
-            "prefetch_dropped_bytes", "pages_committed", "pages_evicted")
     with watching_every_forward():
         for _ in range(3):
             assert torch.equal(m(x), want)
@@ -378,25 +385,13 @@ def test_a_new_plan_copies_only_what_moved():
         for limit in (600 * K, 900 * K):
             lay = h.vbar_layout
             was = {e.name: e.offset for e in lay.entries}
-            s0 = h.stats()["device"]
-            h.device.set_limit(limit)
-            assert torch.equal(m(x), want)
-            s1 = h.stats()["device"]
-            assert torch.equal(m(x), want)
-            steady = delta(h.stats()["device"], s1, *keys)
-            placing = delta(s1, s0, *keys)
-            sch = h.schedule()
+            placing, steady, sch = _placed_at(m, x, want, h, limit)
             planned = _planned(h)
             stayed = sum(e.size for e in lay.entries if planned[e.name]
                          and was[e.name] == e.offset)
             assert 0 < sch["kept_bytes"] <= stayed, (sch, stayed)
             assert _copied(placing) <= _copied(steady) + \
                 sch["resident_bytes"] - sch["kept_bytes"], (placing, steady)
-            # Steady: only the streamed weights are copied (a resident
-            # one ranked past the watermark would be staged every time).
-            assert _copied(steady) <= sch["streamed_bytes"], (steady, sch)
-            assert steady["pages_committed"] == 0, steady
-            assert steady["pages_evicted"] == 0, steady
     assert no_pins(h)
     h.unload()
 

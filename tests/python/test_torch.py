@@ -61,6 +61,18 @@ def offload_sim(model, budget, staging, **kw):
                       staging_size=staging, **sim_opts(**kw))
 
 
+def cuda_layers(n=40):
+    """On CUDA: n Linear layers of 1024x1024 float32 (seed 0), their
+    resident reference on the GPU and an input there: (m, ref, x, the
+    weights' bytes)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(n)]).eval()
+    ref = frozen_copy(m).cuda()
+    x = torch.randn(8, 1024, device="cuda")
+    return m, ref, x, sum(p.numel() * p.element_size()
+                          for p in m.parameters())
+
+
 def frozen_copy(model):
     """The reference: a deep copy with ordinary weights, frozen like
     offload() freezes them (so both take the same kernels)."""
