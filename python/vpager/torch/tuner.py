@@ -640,8 +640,7 @@ class Tuner:
             self._trace("its marks dropped (%d calls)" % len(calls))
             return                  # the next forward measures
         end = self._mark()
-        if self.planner is not None and self.cold_work and \
-                not self.rounds and not self._planning():
+        if self.cold_work and not self.rounds and not self._planning():
             self._plan_now(calls, self.start, end)
             return
         if self.planner is not None:
@@ -656,14 +655,10 @@ class Tuner:
                 self.unread = (calls, self.start, end)
                 self._trace("measured")
             return
-        raw = self._work(calls, self.start, end)
-        work, settled = self._merge(raw)
-        if not self.rounds and self.cold_work:
-            work = coldwork.warm_work(work)
+        work = self._work(calls, self.start, end)
+        work, settled = self._merge(work)
         if self._measured(work, settled, self._free_to_wait()):
             self._apply_safely(work)
-        if self.rounds == 1:
-            self.work = raw     # (its plan's cold work taken out: coldwork)
 
     def _plan_now(self, calls, start, end):
         """VPAGER_COLD_WORK=1, the first measured (cold) forward: planned
@@ -671,8 +666,8 @@ class Tuner:
         filled now (warm()): its marks read once the GPU ran it, torch's
         peak learned, each unit's work at most its kind's median
         (coldwork.py). The cold step, long anyway, takes what placing
-        costs; the planner's later plans keep this placement, its ring
-        too, unless one is NEAR faster (apply())."""
+        costs; later plans keep this placement, its ring too, unless one
+        is 2% faster (apply())."""
         raw = self._work(calls, start, end)     # (waits for its end)
         if self.cuda:
             learn_headroom(self.layout.device, self.model.cuda_index,
