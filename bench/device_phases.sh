@@ -34,6 +34,10 @@
 #           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
 #           before the first forward (VPAGER_PLACE_EARLY=0), a placement
 #           in steps (VPAGER_PLACE_STEPS=1) (issue 27's decode)
+#   first   bench_node --runs resident,node6,node6move,node6warmmove,6,
+#           node4,node4warmmove --reps 2: the first prompt with moved
+#           weights copied on the device (VPAGER_RELOCATE) and the cold
+#           forward planned at its own end (VPAGER_COLD_WORK) (issue 29)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -45,7 +49,8 @@ R=$PWD
 C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
-KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode cgroup"
+KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
+KNOWN="$KNOWN cgroup first"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -125,6 +130,11 @@ for PH in ${PHASES//+/ }; do
     TAILN=80 VPAGER_SCHEDULE_LOG=1 step flux22 "$(cap)" \
       $N --double 19 --single 38 --runs resident,node8,8 --reps 2 \
       --out "$L/flux22" ;;
+  first)
+    GREP='steady|first prompt|x L|latents|budget|copied on the device|Error|Traceback'
+    TAILN=80 VPAGER_SCHEDULE_LOG=1 step first "$(cap)" \
+      $N --runs resident,node6,node6move,node6warmmove,6,node4,node4warmmove \
+      --reps 2 --out "$L/first" ;;
   sdxl)
     GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
     TAILN=60 VPAGER_SCHEDULE_LOG=1 step sdxl "$(cap)" \
