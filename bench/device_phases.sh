@@ -34,10 +34,11 @@
 #           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
 #           before the first forward (VPAGER_PLACE_EARLY=0), a placement
 #           in steps (VPAGER_PLACE_STEPS=1) (issue 27's decode)
-#   first   bench_node --runs resident,node6,node6move,node6warmmove,6,
-#           node4,node4warmmove --reps 2: the first prompt with moved
-#           weights copied on the device (VPAGER_RELOCATE) and the cold
-#           forward planned at its own end (VPAGER_COLD_WORK) (issue 29)
+#   first   bench_node --runs resident,node6,node6move,node6warmmove,
+#           node6warmmovesteps,6,node4,node4warmmove,node4warmmovesteps
+#           --reps 2: the first prompt with moved weights copied on the
+#           device (VPAGER_RELOCATE), the cold forward planned at its own
+#           end (VPAGER_COLD_WORK), a placement in steps (issue 29)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -133,7 +134,7 @@ for PH in ${PHASES//+/ }; do
   first)
     GREP='steady|first prompt|x L|latents|budget|copied on the device|Error|Traceback'
     TAILN=80 VPAGER_SCHEDULE_LOG=1 step first "$(cap)" \
-      $N --runs resident,node6,node6move,node6warmmove,6,node4,node4warmmove \
+      $N --runs resident,node6,node6move,node6warmmove,node6warmmovesteps,6,node4,node4warmmove,node4warmmovesteps \
       --reps 2 --out "$L/first" ;;
   sdxl)
     GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'

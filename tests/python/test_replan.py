@@ -494,10 +494,17 @@ def test_a_placement_far_from_the_one_in_place_moves_in_steps():
     weights kept where they lie; the last step is the plan itself;
     outputs bitwise throughout."""
     h, forward, target, before = _far_plan()
+    assert _in_steps(h, forward, target, before) > 3
+    assert h.tuner.kept_bytes > 0 or h.tuner.relocated_bytes > 0
+
+
+def _in_steps(h, forward, target, before):
+    """_far_plan()'s target taken in steps: each forward that takes one
+    copies at most STEP of a steady forward's bytes more than the one
+    before did, the last step is the target; returns the steps taken."""
     t = h.tuner
     with environ(VPAGER_PLACE_STEPS="1"):   # (_runner turns steps off)
         _heading_for(t, target)
-        assert t.kept_bytes > 0
         steps = 1
         while t.heading is not None:
             steps += 1
@@ -506,11 +513,34 @@ def test_a_placement_far_from_the_one_in_place_moves_in_steps():
                 (steps, got, before)
             assert steps < 40
             before = got
-    assert steps > 3
     assert t.schedule.resident == target.resident or \
         list(t.schedule.resident) == list(target.resident)
     for _ in range(2):
         forward()
+    return steps
+
+
+def test_steps_copy_the_weights_they_move_on_the_device():
+    """VPAGER_RELOCATE=1 with steps (VPAGER_PLACE_STEPS=1): each step is
+    placed apart from the weights resident before and copies those it
+    keeps on the device (relocated_bytes), so a step never gives up for
+    the fills a kept weight's hole would cost; every step within STEP of
+    a steady forward's bytes, the target reached, outputs bitwise."""
+    with environ(VPAGER_RELOCATE="1"):
+        h, forward, target, before = _far_plan()
+    t = h.tuner
+    moved, given_up = [], []
+    place, quit_ = t._place, t._given_up
+
+    def placing(*a, **kw):
+        place(*a, **kw)
+        moved.append(t.relocated_bytes)
+    t._place = placing
+    t._given_up = lambda why: (given_up.append(why), quit_(why))
+    assert _in_steps(h, forward, target, before) > 3
+    assert not given_up, given_up
+    assert sum(moved) > 0, moved
+    assert no_pins(h)
 
 
 def test_a_tight_plan_keeps_every_weight_and_streams_a_joiner():

@@ -1125,12 +1125,20 @@ class Tuner:
         units, w, sizes, flat = self._costs(self.work or {})
         heading, cur = self.heading, self.schedule
         nxt = self._step(cur, sch, w, sizes, ring, _keep(flat))
-        placed = self._placement(lay, flat, nxt.resident, ring)
+        placed = None
+        if self.relocate:
+            placed = self._apart(lay, flat, nxt.resident, ring,
+                                 self._now(lay, flat, nxt.resident))
+        placed = placed or self._placement(lay, flat, nxt.resident, ring)
         # Resident before and after, filled again where it moves (those
-        # that join were streamed: copied anyway).
+        # that join were streamed: copied anyway; those relocate.py
+        # copies on the device cost no link time).
+        copied = placed[3] if len(placed) > 3 else [False] * len(flat)
         moved = 0 if cur is None else sum(
-            e.size for e, was, r, k in zip(flat, cur.resident, nxt.resident,
-                                           placed[2]) if was and r and not k)
+            e.size for e, was, r, k, c in zip(flat, cur.resident,
+                                              nxt.resident, placed[2],
+                                              copied)
+            if was and r and not k and not c)
         if moved > STEP * sch.streamed and \
                 cur.predicted <= sch.predicted * (1 + NEAR):
             # The weights kept leave holes the next step's do not fit in:
@@ -1273,14 +1281,15 @@ class Tuner:
         the kept ones leave), the set that keeps every one where it lies
         and streams a little more (placement.place_streaming_least), if
         that is predicted within NEAR of sch."""
-        if self.schedule is None and not lay.vbar.loaded_size() or \
-                self.heading is not None:   # (a step: toward's own room)
+        if self.schedule is None and not lay.vbar.loaded_size():
             return sch, self._placement(lay, flat, sch.resident, ring)
         now = self._now(lay, flat, sch.resident)
         if self.relocate:
             apart = self._apart(lay, flat, sch.resident, ring, now)
             if apart is not None:
                 return sch, apart
+        if self.heading is not None:    # a step: toward's own room
+            return sch, self._placement(lay, flat, sch.resident, ring)
         placed = self._placement(lay, flat, sch.resident, ring, now)
         again = sum(e.size for e, n, k in zip(flat, now, placed[2])
                     if n and not k)
