@@ -166,6 +166,8 @@ NEAR = 0.02
 # 93.8-95.0 / 93.7-93.9 in one; first prompt 2.29 / 1.72 s in steps,
 # 2.12 / 1.86 in one. Its worst step after the first is 1.64 / 1.39 x a
 # steady one in steps, 2.25 / 2.11 in one: issue 29's 1.1 missed either way.
+# With RELOCATE each step lies apart and copies the weights it keeps on
+# the device: a step then costs only what leaves (no holes to fill).
 STEP = 0.1
 PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =1: a placement in steps
 
