@@ -75,6 +75,12 @@ VARIABLES: Dict[str, Variable] = {
                                  "median (the same unit of the other "
                                  "blocks); later plans keep it unless 2% "
                                  "faster (default 0)"),
+    "VPAGER_PLAN_CACHE": Variable("text", "a folder: each unit's work "
+                                  "measured once a schedule settles is "
+                                  "remembered there, and a later process "
+                                  "running the same model on the same GPU "
+                                  "with inputs of the same shapes plans "
+                                  "its first forward from it (unset: none)"),
     "VPAGER_RELOCATE": Variable("flag", "1: a placement made anew copies "
                                 "the resident weights it moves on the "
                                 "device, not again from the host "

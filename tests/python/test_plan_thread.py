@@ -22,9 +22,13 @@ No timed assertions: counts and the fake clock only.
 
     make && PYTHONPATH=python python3 tests/python/test_plan_thread.py
 """
+import glob
+import json
 import os
 import sys
+import tempfile
 import threading
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -34,7 +38,8 @@ _runner.add_paths("python")
 
 torch = _runner.require_torch(__name__)
 
-from vpager.torch import devices, planproc, schedule, tuner  # noqa: E402
+from vpager.torch import (  # noqa: E402
+    devices, plancache, planproc, schedule, tuner)
 from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
 from _runner import raises  # noqa: E402
 
@@ -640,6 +645,96 @@ def test_ten_prompts_cost_the_same():
     later = per_prompt[1:]
     assert all(c == later[0] for c in later), per_prompt
     h.unload()
+
+
+def _remembering(tmp):
+    """_threaded_mlp() offloaded with VPAGER_PLAN_CACHE=tmp, settled: the
+    file it wrote and the work it remembered ({unit name: seconds})."""
+    with environ(VPAGER_PLAN_CACHE=tmp):
+        m, x, want, h = _threaded_mlp()
+        _settle(m, x, want, h)
+        h.unload()
+    files = glob.glob(os.path.join(tmp, "plan-*.json"))
+    assert len(files) == 1, files
+    with open(files[0]) as f:
+        got = json.load(f)
+    return files[0], dict(zip(got["units"], got["work"]))
+
+
+def test_a_remembered_plan_is_placed_at_the_first_forwards_end():
+    """VPAGER_PLAN_CACHE: a model that settled writes each unit's work;
+    the same model offloaded again (another process's view: a new
+    offload, new weights of the same shapes) plans from that work at its
+    first forward's end (schedule()["remembered"]), not from the cold
+    forward's, and from the second forward on each copies what the last
+    does (at most one later plan 2% faster on the simulated device's
+    noisy times). Outputs bitwise."""
+    real_apply = tuner.Tuner.apply
+    with tempfile.TemporaryDirectory() as tmp:
+        _, remembered = _remembering(tmp)
+        seen = []
+
+        def apply(self, work, *a, **kw):
+            seen.append({u.name: t for u, t in work.items()})
+            return real_apply(self, work, *a, **kw)
+        tuner.Tuner.apply = apply
+        try:
+            with environ(VPAGER_PLAN_CACHE=tmp):
+                m, x, want, h = _threaded_mlp()
+                got = _copies(m, x, want, h, 1)
+                assert h.schedule() is not None, "no plan at forward 1"
+                assert h.schedule()["remembered"] and h.tuner.rounds == 1
+                assert seen[0] == remembered, (seen[0], remembered)
+                got += _copies(m, x, want, h, 7)
+        finally:
+            tuner.Tuner.apply = real_apply
+        steady = got[-1][0]
+        assert sum(1 for c, moved in got[1:] if c != steady or moved)\
+            <= 1, got
+        h.unload()
+
+
+def test_a_plan_cache_file_that_does_not_match_is_ignored():
+    """A remembered file that does not read, or names other units, or
+    inputs of other shapes (another key): the model plans as it would
+    without (one warning, no error), outputs bitwise, and the file is
+    written anew once it settles. A folder that cannot be written: one
+    warning, the model runs on."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, _ = _remembering(tmp)
+        for bad in ("{not json", json.dumps({"version": 1, "units": ["x"],
+                                             "work": [1.0]})):
+            with open(path, "w") as f:
+                f.write(bad)
+            with environ(VPAGER_PLAN_CACHE=tmp), \
+                    warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                plancache._warned.clear()
+                m, x, want, h = _threaded_mlp()
+                _settle(m, x, want, h)
+                assert not h.schedule()["remembered"]
+                h.unload()
+            assert any("plan cache" in str(i.message) for i in w), \
+                [str(i.message) for i in w]
+            with open(path) as f:
+                assert json.load(f)["units"] != ["x"]
+        # Inputs of another shape: another key, nothing remembered.
+        with environ(VPAGER_PLAN_CACHE=tmp):
+            m, x, want, h = _threaded_mlp()
+            assert torch.equal(m(x[:3]), want[:3])
+            assert h.tuner.planner.wait(WAIT)
+            assert not h.tuner.remembered
+            h.unload()
+        blocked = os.path.join(tmp, "a-file")
+        open(blocked, "w").close()
+        with environ(VPAGER_PLAN_CACHE=os.path.join(blocked, "plans")), \
+                warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            plancache._warned.clear()
+            m, x, want, h = _threaded_mlp()
+            _settle(m, x, want, h)
+            h.unload()
+        assert any("cannot be written" in str(i.message) for i in w)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from .. import PAGE_RESIDENT, env
 from ..errors import BusyError, Error
 from ..hostbuf import HostBuf
 from ..weights import WeightBatch
-from . import coldwork, planproc, relocate, schedule, views
+from . import coldwork, plancache, planproc, relocate, schedule, views
 from .devices import learn_headroom, ring_pages
 from .placement import (pages_touched, place_apart, place_moving_least,
                         place_streaming_least,
@@ -336,6 +336,8 @@ class Tuner:
         self.relocate = env.flag(RELOCATE, False)
         self.relocated_bytes = 0    # the last placement's device copies
         self.first_now = False      # the first plan made at its forward's end
+        self.cache_key = None       # plancache's key, once a forward ran
+        self.remembered = False     # the first plan made from plancache's
 
     def install(self):
         """Measure from the next root forward on."""
@@ -456,6 +458,7 @@ class Tuner:
                 "held_units": len(self.model.held()),
                 "kept_bytes": self.kept_bytes,
                 "relocated_bytes": self.relocated_bytes,
+                "remembered": self.remembered,
                 "staging": self.ring, "link": self.link,
                 "planned_for": self.planned_for, "replans": self.replans,
                 "measured": self.rounds,
@@ -502,6 +505,8 @@ class Tuner:
         """Measuring is over: from now on watch the room (WATCH_EVERY)."""
         self.done = True
         self._stop_measuring()
+        if self.cache_key is not None and self.work:
+            plancache.save(self.cache_key, self.work)
         if not self.watching:
             self.root_hooks.set("watch", pre=self._watch)
             self.watching = True
@@ -642,7 +647,12 @@ class Tuner:
             self._trace("its marks dropped (%d calls)" % len(calls))
             return                  # the next forward measures
         end = self._mark()
-        if self.cold_work and not self.rounds and not self._planning():
+        if not self.rounds and plancache.folder() is not None:
+            self.cache_key = plancache.key(
+                plancache.device_name(self.target, self.model.cuda_index),
+                self.layout.units, args)
+        if not self.rounds and not self._planning() and (
+                self.cold_work or plancache.exists(self.cache_key)):
             self._plan_now(calls, self.start, end)
             return
         if self.planner is not None:
@@ -663,25 +673,35 @@ class Tuner:
             self._apply_safely(work)
 
     def _plan_now(self, calls, start, end):
-        """VPAGER_COLD_WORK=1, the first measured (cold) forward: planned
-        for and placed at its own end, on its thread, the resident set
+        """VPAGER_COLD_WORK=1 or a plan cache that remembers this model
+        (plancache.py), the first measured (cold) forward: planned for
+        and placed at its own end, on its thread, the resident set
         filled now (warm()): its marks read once the GPU ran it, torch's
-        peak learned, each unit's work at most its kind's median
-        (coldwork.py). The cold step, long anyway, takes what placing
-        costs; later plans keep this placement, its ring too, unless one
-        is 2% faster (apply())."""
+        peak learned, each unit's work the one remembered, else at most
+        its kind's median (coldwork.py). The cold step, long anyway,
+        takes what placing costs; later plans keep this placement, its
+        ring too, unless one is 2% faster (apply())."""
         raw = self._work(calls, start, end)     # (waits for its end)
         if self.cuda:
             learn_headroom(self.layout.device, self.model.cuda_index,
                            force=True)
-        work = coldwork.warm_work(raw)
+        work = plancache.load(self.cache_key, list(raw)) \
+            if self.cache_key is not None else None
+        self.remembered = work is not None
+        if work is None:
+            work = coldwork.warm_work(raw)
+        else:
+            self._trace("planned from the work remembered: %.3f ms (this "
+                        "cold forward's %.3f)" % (sum(work.values()) * 1e3,
+                                                   sum(raw.values()) * 1e3))
         if self._measured(work, False, self._free_to_wait()):
             self.fill_now = self.first_now = True
             try:
                 self._apply_safely(work)
             finally:
                 self.fill_now = False
-        self.work = raw     # later forwards merge with what was measured
+        # Later forwards merge with what was measured (and remembered).
+        self.work = self._merge(raw, work)[0] if self.remembered else raw
 
     def _work(self, calls, start, end):
         """unit -> seconds of work, from one forward's marks (CUDA: waits

@@ -1,0 +1,137 @@
+"""Each unit's measured work remembered from one process to the next
+(VPAGER_PLAN_CACHE=<folder>), so that a model run again plans its first
+forward from warm work.
+
+A model's first forward runs cold (tuner.py, coldwork.py): on the H100
+the node's Flux 9.4 GiB measured 389 ms of unit work where the next
+forwards measured 79, on every unit, so the plan made from it is not the
+settled one, and the settled plan's placement later costs a step of the
+first prompt what its moved and leaving weights take over the link
+(1.5-2.1 x a steady step). The work a unit does depends on the model's
+shapes, the inputs' shapes and the GPU, not on the budget: a process
+that runs the same model on the same GPU with inputs of the same shapes
+(a ComfyUI user restarting it, a server's next start) may plan its first
+forward from the work the last one settled on, placing the settled plan
+at once.
+
+One JSON file per key (a hash of the GPU's name, each unit's name, class
+and weight shapes, and the root forward's tensor arguments' shapes and
+dtypes), written whole (a temporary file renamed over it) once measuring
+settles; a file that does not read or does not match is ignored (said
+once), never trusted."""
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+
+from .. import env
+from . import coldwork
+
+VARIABLE = "VPAGER_PLAN_CACHE"
+VERSION = 1
+_warned = set()
+
+
+def folder() -> Optional[str]:
+    """The folder VPAGER_PLAN_CACHE names, or None (no cache)."""
+    return env.text(VARIABLE)
+
+
+def _shape_of(v: Any, depth: int = 0) -> Any:
+    """What of an argument the work depends on: a tensor's shape and
+    dtype, a sequence's items (two levels), else its type's name."""
+    if isinstance(v, torch.Tensor):
+        return [list(v.shape), str(v.dtype)]
+    if isinstance(v, (list, tuple)) and depth < 2:
+        return [_shape_of(x, depth + 1) for x in v]
+    return type(v).__name__
+
+
+def key(device_name: str, units: Iterable[Any], args: tuple) -> str:
+    """The cache key of a model's units on a device for a forward called
+    with `args`."""
+    parts = [VERSION, device_name,
+             [list(map(str, coldwork.kind(u))) + [u.name] for u in units],
+             _shape_of(tuple(args))]
+    blob = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def device_name(target: torch.device, index: int) -> str:
+    """The GPU's name (the simulated device: "sim")."""
+    if target.type != "cuda":
+        return "sim"
+    return torch.cuda.get_device_name(index)
+
+
+def _path(where: str, k: str) -> str:
+    return os.path.join(where, "plan-%s.json" % k)
+
+
+def _say(what: str) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn("vpager.torch plan cache (%s): %s" % (VARIABLE, what),
+                      RuntimeWarning)
+
+
+def exists(k: Optional[str]) -> bool:
+    """Whether a file is remembered under key k (None: no key)."""
+    where = folder()
+    return k is not None and where is not None and \
+        os.path.isfile(_path(where, k))
+
+
+def load(k: str, units: List[Any]) -> Optional[Dict[Any, float]]:
+    """{unit: seconds} remembered for key k, or None: no cache, no file,
+    or one that does not read or does not name these units."""
+    where = folder()
+    if where is None:
+        return None
+    path = _path(where, k)
+    try:
+        with open(path, encoding="utf-8") as f:
+            got = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        _say("%s does not read (%s); planned as without it" % (path, e))
+        return None
+    names = [u.name for u in units]
+    work = got.get("work") if isinstance(got, dict) else None
+    if got.get("version") != VERSION or got.get("units") != names or \
+            not isinstance(work, list) or len(work) != len(names) or \
+            not all(isinstance(t, (int, float)) and 0 <= t < 1e3
+                    for t in work):
+        _say("%s does not match this model; planned as without it" % path)
+        return None
+    return {u: float(t) for u, t in zip(units, work)}
+
+
+def save(k: str, work: Dict[Any, float]) -> bool:
+    """Remember work ({unit: seconds}) under key k; True if written. A
+    folder that cannot be written is said once, nothing raised."""
+    where = folder()
+    if where is None or not work:
+        return False
+    units = list(work)
+    blob = json.dumps({"version": VERSION, "units": [u.name for u in units],
+                       "work": [work[u] for u in units]})
+    tmp = None
+    try:
+        os.makedirs(where, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=where)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(blob)
+        os.replace(tmp, _path(where, k))
+        return True
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        _say("%s cannot be written (%s); nothing remembered" % (where, e))
+        return False
