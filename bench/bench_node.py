@@ -200,15 +200,20 @@ def child(cr, a):
 # from the first (cold) forward while the guessed placement is in place;
 # "warm" plans from the cold forward with each unit's work at most its
 # kind's median (vpager.torch's coldwork.py); "move" copies the resident
-# weights a placement moves on the device (relocate.py). Suffixes combine:
-# "node6warmsteps".
+# weights a placement moves on the device (relocate.py); "cache" and
+# "cached" remember each unit's settled work in --workdir's plans/
+# (VPAGER_PLAN_CACHE, emptied when the bench starts): a "cache" run before
+# a "cached" one writes it, the "cached" one's first forward plans from
+# it, as a process started again does. Suffixes combine: "node6warmsteps".
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
             "nokeep": {"VPAGER_KEEP_FILLS": "0"},
             "nocold": {"VPAGER_COLD_PLAN": "0"},
             "warm": {"VPAGER_COLD_WORK": "1"},
-            "move": {"VPAGER_RELOCATE": "1"}}
+            "move": {"VPAGER_RELOCATE": "1"},
+            "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
+            "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
 
 
 def _suffix(run):
@@ -243,8 +248,14 @@ def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
         ["--run", budget if budget is not None else "resident",
          "--tag", run, "--ckpt", ckpt]
     env = cr.child_env(a, [os.path.join(ROOT, "integrations")])
-    env = dict(env, **_suffix_env(run))
+    env = dict(env, **{k: v.format(plans=plans_folder(a))
+                       for k, v in _suffix_env(run).items()})
     return cr.spawn(cmd, env, log_path, timeout, run, a.cgroup_gib)
+
+
+def plans_folder(a):
+    """Where "cache" and "cached" runs remember their plans."""
+    return os.path.join(a.workdir, "plans")
 
 
 def budget_of(run, gen, weight_dtype="default"):
@@ -873,6 +884,7 @@ def main(argv=None):
     if made:
         a.workdir = tempfile.mkdtemp(prefix="vp-comfyui-node-")
     os.makedirs(a.workdir, exist_ok=True)
+    shutil.rmtree(plans_folder(a), ignore_errors=True)
     runs = [x.strip() for x in ours["runs"].split(",") if x.strip()]
     a.timeout = ours["timeout"]
     for ln in cr.machine(a):
