@@ -248,8 +248,8 @@ def run_node_child(cr, a, run, budget, ckpt, log_path, timeout):
         ["--run", budget if budget is not None else "resident",
          "--tag", run, "--ckpt", ckpt]
     env = cr.child_env(a, [os.path.join(ROOT, "integrations")])
-    env = dict(env, **{k: v.format(plans=plans_folder(a))
-                       for k, v in _suffix_env(run).items()})
+    env = dict(env, **{k: v.format(plans=plans_folder(a)) if "{" in v
+                       else v for k, v in _suffix_env(run).items()})
     return cr.spawn(cmd, env, log_path, timeout, run, a.cgroup_gib)
 
 
