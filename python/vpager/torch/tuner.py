@@ -608,6 +608,17 @@ class Tuner:
             sys.stderr.write("vpager.torch tuner (forward %d, %d measured):"
                              " %s\n" % (self.forwards, self.rounds, what))
 
+    def _trace_work(self, what, work):
+        """Under VPAGER_SCHEDULE_LOG: each unit's work (ms, in the
+        forward's order), the data a cold plan's estimate is judged by."""
+        if self.tracing:
+            if not self.works[:-1] or what == "cold":
+                self._trace("units (name:bytes): %s" % " ".join(
+                    "%s:%d" % (u.name, sum(e.size for e in u.entries))
+                    for u in work))
+            self._trace("%s work (ms): %s" % (what, " ".join(
+                "%.3f" % (t * 1e3) for t in work.values())))
+
     def _begin(self, module, args):
         if self.model.busy():
             return
@@ -682,6 +693,7 @@ class Tuner:
         takes what placing costs; later plans keep this placement, its
         ring too, unless one is 2% faster (apply())."""
         raw = self._work(calls, start, end)     # (waits for its end)
+        self._trace_work("cold", raw)
         if self.cuda:
             learn_headroom(self.layout.device, self.model.cuda_index,
                            force=True)
@@ -744,6 +756,7 @@ class Tuner:
         once settled, or ROUNDS_MAX."""
         self.rounds += 1
         self.works.append(work if raw is None else raw)
+        self._trace_work("measured", work if raw is None else raw)
         self.work = work
         if self.rounds >= ROUNDS_MAX or (self.rounds >= ROUNDS and settled):
             self._done()
