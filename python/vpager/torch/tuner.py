@@ -328,6 +328,7 @@ class Tuner:
         self._streamed = (None, frozenset())   # streamed()'s, per schedule
         # VPAGER_SCHEDULE_LOG: what each forward and plan job came to.
         self.tracing = env.flag("VPAGER_SCHEDULE_LOG", False)
+        self.units_traced = False   # _trace_work named the units
         # VPAGER_COLD_PLAN=0: no plan from the cold first forward while a
         # guessed placement is in place (COLD_PLAN below).
         self.cold_plan = env.flag(COLD_PLAN, True)
@@ -612,7 +613,8 @@ class Tuner:
         """Under VPAGER_SCHEDULE_LOG: each unit's work (ms, in the
         forward's order), the data a cold plan's estimate is judged by."""
         if self.tracing:
-            if not self.works[:-1] or what == "cold":
+            if not self.units_traced:
+                self.units_traced = True
                 self._trace("units (name:bytes): %s" % " ".join(
                     "%s:%d" % (u.name, sum(e.size for e in u.entries))
                     for u in work))
