@@ -328,6 +328,27 @@ def report(cr, name, r):
                                rep["torch_reserved"] / GiB,
                                rep.get("torch_peak_reserved", 0) / GiB,
                                rep["device_used"] / GiB))
+    line = first_prompt_line(cr, r)
+    if line:
+        say("    " + line)
+
+
+def first_prompt_line(cr, r):
+    """Issue 29's first prompt: its sample() time, and its worst step
+    after the first over the last prompt's steady step (target <= 1.1);
+    with the schedule's "remembered" (VPAGER_PLAN_CACHE) where told."""
+    reps = r.get("reps") or []
+    if not reps or "sample_s" not in reps[0]:
+        return None
+    first, last = reps[0]["steps_ms"], reps[-1]["steps_ms"]
+    steady = cr.steady(last)
+    worst = max(first[1:]) if len(first) > 1 else None
+    sch = ((reps[0].get("vpager") or {}).get("schedule") or {})
+    return "first prompt %.3f s; worst step after the first %s%s" % (
+        reps[0]["sample_s"],
+        "%.1f ms = %.2f x the last prompt's steady %.1f" % (
+            worst, worst / steady, steady) if worst and steady else "-",
+        "; planned from remembered work" if sch.get("remembered") else "")
 
 
 def copied(d):
