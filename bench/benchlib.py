@@ -26,6 +26,11 @@ import subprocess
 import sys
 import time
 
+# A bench measures a model's first run unless it asks for a plan
+# remembered from an earlier process (vpager.torch's plancache.py, on by
+# default: bench_node's "cache" and "cached" runs name a folder).
+os.environ.setdefault("VPAGER_PLAN_CACHE", "off")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9

@@ -1170,6 +1170,9 @@ def child_env(a, more_path=()):
         child_path(a) + list(more_path)
         + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # Each run is a model's first (no plan remembered: plancache.py) unless
+    # its own variables name a folder (bench_node's "cache" runs).
+    env.setdefault("VPAGER_PLAN_CACHE", "off")
     if "VPAGER_LIBRARY" not in env:
         lib = os.path.join(ROOT, "build", "libvpager.so")
         if os.path.exists(lib):

@@ -80,7 +80,9 @@ VARIABLES: Dict[str, Variable] = {
                                   "remembered there, and a later process "
                                   "running the same model on the same GPU "
                                   "with inputs of the same shapes plans "
-                                  "its first forward from it (unset: none)"),
+                                  "its first forward from it (default: "
+                                  "vpager/plans in the user's cache "
+                                  "folder; 0 or off: none)"),
     "VPAGER_RELOCATE": Variable("flag", "1: a placement made anew copies "
                                 "the resident weights it moves on the "
                                 "device, not again from the host "

@@ -27,6 +27,9 @@ os.environ.setdefault("VPAGER_PLAN_THREAD", "0")
 # forward after a plan copies (whether a plan moves in steps hangs on the times measured:
 # the host clock's); test_replan.py's step test turns steps on.
 os.environ.setdefault("VPAGER_PLACE_STEPS", "0")
+# No plan remembered from another test or run (plancache.py: on by
+# default, in the user's cache folder); its tests name a folder.
+os.environ.setdefault("VPAGER_PLAN_CACHE", "off")
 
 
 def add_paths(*folders):

@@ -737,5 +737,28 @@ def test_a_plan_cache_file_that_does_not_match_is_ignored():
         assert any("cannot be written" in str(i.message) for i in w)
 
 
+def test_the_plan_cache_is_on_by_default_in_the_users_cache_folder():
+    """VPAGER_PLAN_CACHE unset: vpager/plans in the user's cache folder
+    ($XDG_CACHE_HOME, else ~/.cache; %LOCALAPPDATA% on Windows), where a
+    settled model writes its plan; "0" / "off" (any case): none, nothing
+    written."""
+    saved = os.environ.pop("VPAGER_PLAN_CACHE", None)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            with environ(XDG_CACHE_HOME=tmp, LOCALAPPDATA=tmp):
+                want = os.path.join(tmp, "vpager", "plans")
+                assert plancache.folder() == want, plancache.folder()
+                m, x, want_out, h = _threaded_mlp()
+                _settle(m, x, want_out, h)
+                h.unload()
+                assert glob.glob(os.path.join(want, "plan-*.json"))
+                for off in ("0", "off", "OFF"):
+                    with environ(VPAGER_PLAN_CACHE=off):
+                        assert plancache.folder() is None
+    finally:
+        if saved is not None:
+            os.environ["VPAGER_PLAN_CACHE"] = saved
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))

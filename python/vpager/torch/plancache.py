@@ -1,6 +1,12 @@
 """Each unit's measured work remembered from one process to the next
-(VPAGER_PLAN_CACHE=<folder>), so that a model run again plans its first
+(VPAGER_PLAN_CACHE), so that a model run again plans its first
 forward from warm work.
+
+On by default (the user's cache folder, default_folder()); "0" or
+"off" turns it off. Measured (H100, bench/RESULTS.md, twenty-ninth
+session): the node's Flux 9.4 GiB at 6 GiB run again, its first prompt's
+worst step after the first 1.05 x a steady one (1.73 x without), the
+first prompt 2.30 s against 2.39 (ComfyUI's path 2.68).
 
 A model's first forward runs cold (tuner.py, coldwork.py): on the H100
 the node's Flux 9.4 GiB measured 389 ms of unit work where the next
@@ -37,9 +43,28 @@ VERSION = 1
 _warned = set()
 
 
+OFF = ("0", "off", "no", "none")
+
+
 def folder() -> Optional[str]:
-    """The folder VPAGER_PLAN_CACHE names, or None (no cache)."""
-    return env.text(VARIABLE)
+    """The folder VPAGER_PLAN_CACHE names, the user's cache folder when it
+    is unset (default_folder()), or None: turned off ("0", "off")."""
+    raw = env.text(VARIABLE)
+    if raw is None:
+        return default_folder()
+    return None if raw.strip().lower() in OFF else raw
+
+
+def default_folder() -> Optional[str]:
+    """vpager/plans in the user's cache folder: %LOCALAPPDATA% on
+    Windows, else $XDG_CACHE_HOME or ~/.cache; None if there is none."""
+    if os.name == "nt":
+        base = os.environ.get("LOCALAPPDATA")
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or (
+            os.path.join(os.path.expanduser("~"), ".cache")
+            if os.path.expanduser("~") != "~" else None)
+    return os.path.join(base, "vpager", "plans") if base else None
 
 
 def _shape_of(v: Any, depth: int = 0) -> Any:
