@@ -39,11 +39,9 @@ from .. import env
 from . import coldwork
 
 VARIABLE = "VPAGER_PLAN_CACHE"
+OFF = ("0", "off", "no", "none")      # its values that turn it off
 VERSION = 1
-_warned = set()
-
-
-OFF = ("0", "off", "no", "none")
+_warned = set()                         # what _say() said already
 
 
 def folder() -> Optional[str]:
