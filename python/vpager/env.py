@@ -73,8 +73,9 @@ VARIABLES: Dict[str, Variable] = {
                                  "planned for and placed at its own end, "
                                  "each unit's work at most its kind's "
                                  "median (the same unit of the other "
-                                 "blocks); later plans keep it unless 2% "
-                                 "faster (default 0)"),
+                                 "blocks), a singleton's at most the "
+                                 "largest median; later plans keep it "
+                                 "unless 2% faster (default 0)"),
     "VPAGER_PLAN_CACHE": Variable("text", "a folder: each unit's work "
                                   "measured once a schedule settles is "
                                   "remembered there, and a later process "

@@ -132,18 +132,25 @@ COLD_PLAN = "VPAGER_COLD_PLAN"
 # was measured. Measured (H100, bench/RESULTS.md, twenty-eighth
 # session): at 4 GiB no later step paid a placement (worst 1.11 x a
 # steady one, 1.62 by default), at 6 GiB the settled plan still moved
-# 2.1 GB (the cold start is on every unit, 3.6 x, not on the first
-# block alone); steady 1.036 / 1.032 x L against 1.055 / 1.045, the
-# first prompt 6% longer at 6 GiB. Off by default until the moved
-# weights cost no link time (RELOCATE, not measured on a GPU yet).
+# 2.1 GB; steady 1.036 / 1.032 x L against 1.055 / 1.045, the first
+# prompt 6% longer at 6 GiB. The per-unit log of the twenty-ninth
+# session showed why: the cold start lies on the units the model has
+# one of (img_in 160 ms cold, 0.7 warm), which the medians left alone;
+# coldwork.py now caps those too, and replanned offline from that log
+# the cold plan is within 0.1% of the settled one (bench/cold_plan.py).
+# Off by default until that is measured on a GPU (bench_node's "warm"
+# runs); a model run again plans from its remembered work (plancache).
 COLD_WORK = "VPAGER_COLD_WORK"
 # VPAGER_RELOCATE=1: a placement made anew lies apart from the pages of
 # the weights resident now (placement.place_apart), and those it keeps
 # resident are copied on the device from where they lay (relocate.py),
 # not filled again from the host: a moved weight costs no link time (a
-# weight with a fill is filled again). Sim tests only: off until
-# measured on a GPU (bench_node's "move" runs, the CUDA test in
-# test_replan.py).
+# weight with a fill is filled again). Measured (H100, twenty-ninth
+# session; the CUDA test in test_replan.py, bench_node's "move" runs):
+# bitwise, 3.5-4.3 GB relocated in 32-43 ms of host time a placement,
+# but placed apart it moves the whole resident set (each step of a
+# placement in steps paid it again): no cheaper than filling what
+# really moved. Stays off.
 RELOCATE = "VPAGER_RELOCATE"
 # Before the first forward, when the weights do not all fit, a schedule
 # planned from a model of the costs places them (Tuner.guess): each unit

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""How good a plan made from a model's cold first forward is, replanned
+offline from a run's VPAGER_SCHEDULE_LOG: the units (name:bytes), the
+first forward's per-unit work (cold) and the last one's (warm), the
+budget the plan was made for and the link, as vpager.torch logs them.
+
+For each way of taking the cold work (as measured; coldwork.warm_work,
+each unit at most its kind's median and a singleton at most the largest
+median) it plans as the tuner does (tuner.plan_rings, schedule.pick_ring)
+and prints that plan's time under the warm work against the plan made
+from the warm work itself (the settled one): 1.000 is a cold plan the
+settled one would not replace (the tuner places anew only for 2%), and
+the bytes the two resident sets differ by.
+
+    python3 bench/cold_plan.py [LOG ...]   # default: bench/data/flux6_h100_*.log
+
+No GPU; torch only for vpager.torch's import (Debian's python3-torch
+will do). Each unit is taken as one weight of its bytes (the log gives a
+unit's total; its biases are a rounding here)."""
+
+import glob
+import os
+import re
+import statistics
+import sys
+
+import benchlib
+
+sys.path.insert(0, os.path.join(benchlib.ROOT, "python"))
+
+from vpager.torch import coldwork, schedule, tuner  # noqa: E402
+
+MiB = 1 << 20
+RINGS = [r * MiB for r in (512, 448, 378, 288, 252, 160, 126)]
+PAGE, ALIGN = 2 * MiB, 512
+
+
+class _Entry:
+    def __init__(self, size):
+        self.size = size
+        self.shape = (size,)
+        self.dtype = "bytes"
+
+
+class _Unit:
+    """What coldwork.kind() reads of a unit: its name, module, entries."""
+
+    def __init__(self, name, size):
+        self.name = name
+        self.module = self
+        self.entries = [_Entry(size)]
+
+
+def read_log(path):
+    """(units, cold seconds, warm seconds, planned-for bytes, link B/s)."""
+    units = cold = warm = None
+    total = link = None
+    with open(path) as f:
+        for line in f:
+            if "units (name:bytes):" in line and units is None:
+                units = [_Unit(*u.rsplit(":", 1)[:1] +
+                               [int(u.rsplit(":", 1)[1])])
+                         for u in line.split("units (name:bytes): ")[1]
+                         .split()]
+            elif "work (ms):" in line:
+                w = [float(x) / 1e3 for x in
+                     line.split("work (ms): ")[1].split()]
+                cold = w if cold is None else cold
+                warm = w
+            m = re.search(r"planned for (\d+)", line)
+            if m and total is None:
+                total = int(m.group(1))
+            m = re.search(r"link ([0-9.]+) GB/s", line)
+            if m and link is None:
+                link = float(m.group(1)) * 1e9
+    if not units or cold is None or total is None or link is None:
+        raise SystemExit("%s: no units, work, budget or link logged (run "
+                         "with VPAGER_SCHEDULE_LOG=1)" % path)
+    return units, cold, warm, total, link
+
+
+def planned(work, sizes, total, link):
+    """(ring, Schedule) the tuner would pick for `work`."""
+    return schedule.pick_ring(tuner.plan_rings(work, sizes, total, RINGS,
+                                               PAGE, link, ALIGN))
+
+
+def compare(path):
+    """The log's header line and, per way of taking the cold work, (name,
+    its work, its plan's time under the warm work, that over the warm
+    plan's, its ring, the bytes its resident set differs by)."""
+    units, cold, warm, total, link = read_log(path)
+    sizes = [[u.entries[0].size] for u in units]
+    ring, best = planned(warm, sizes, total, link)
+
+    def under_warm(ring, sch):
+        return schedule.simulate(warm, sizes, sch.resident, link,
+                                 int(ring * schedule.FRAGMENTATION),
+                                 tuner.PER_COPY)
+    t_best = under_warm(ring, best)
+    head = ("%s: %d units, budget %.2f GiB, link %.2f GB/s; warm work "
+            "%.1f ms, its plan %.2f ms (ring %d MiB)" % (
+                os.path.basename(path), len(units), total / 2**30,
+                link / 1e9, sum(warm) * 1e3, t_best * 1e3, ring >> 20))
+    by = dict(zip(units, cold))
+    capped = coldwork.warm_work(by)
+    kinds = {}
+    for u in units:
+        kinds.setdefault(coldwork.kind(u), []).append(u)
+    medians_only = dict(by)
+    for us in kinds.values():
+        if len(us) >= coldwork.MIN_KIND:
+            mid = statistics.median(by[u] for u in us)
+            for u in us:
+                medians_only[u] = min(by[u], mid)
+    rows = []
+    for name, w in (("cold, as measured", cold),
+                    ("cold, kinds' medians only",
+                     [medians_only[u] for u in units]),
+                    ("cold, coldwork.warm_work",
+                     [capped[u] for u in units])):
+        r, sch = planned(w, sizes, total, link)
+        t = under_warm(r, sch)
+        diff = sum(s[0] for s, a, b in zip(sizes, sch.resident,
+                                           best.resident) if a != b)
+        rows.append((name, sum(w), t, t / t_best, r, diff))
+    return head, rows
+
+
+def main(paths):
+    for path in paths:
+        head, rows = compare(path)
+        print(head)
+        for name, work, t, ratio, ring, diff in rows:
+            print("  %-28s %7.1f ms of work: its plan under the warm work "
+                  "%.2f ms = %.3f x the warm plan's (ring %d MiB; resident "
+                  "sets differ by %.2f GB)" % (name, work * 1e3, t * 1e3,
+                                               ratio, ring >> 20, diff / 1e9))
+
+
+def logs():
+    """The logs kept in bench/data (the H100's Flux 9.4 GiB at 6 GiB)."""
+    return sorted(glob.glob(os.path.join(benchlib.ROOT, "bench", "data",
+                                         "flux6_h100_*.log")))
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or logs())
