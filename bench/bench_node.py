@@ -202,9 +202,10 @@ def child(cr, a):
 # kind's median (vpager.torch's coldwork.py); "move" copies the resident
 # weights a placement moves on the device (relocate.py); "cache" and
 # "cached" remember each unit's settled work in --workdir's plans/
-# (VPAGER_PLAN_CACHE, emptied when the bench starts): a "cache" run before
-# a "cached" one writes it, the "cached" one's first forward plans from
-# it, as a process started again does. Suffixes combine: "node6warmsteps".
+# (VPAGER_PLAN_CACHE, emptied when the bench starts): both read a plan
+# there if one is (a model's plan is the same for any budget) and write
+# theirs; named "cache" where it is the first, "cached" after one, as a
+# process started again. Suffixes combine: "node6warmsteps".
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},

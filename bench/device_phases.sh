@@ -34,14 +34,12 @@
 #           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
 #           before the first forward (VPAGER_PLACE_EARLY=0), a placement
 #           in steps (VPAGER_PLACE_STEPS=1) (issue 27's decode)
-#   first   bench_node --runs resident,node6,node6warmmove,
-#           node6warmmovesteps,node6cache,node6cached,node6cachedmove,6,
-#           node4,node4warmmovesteps,node4cached --reps 2: the first
-#           prompt with moved weights copied on the device
-#           (VPAGER_RELOCATE), the cold forward planned at its own end
-#           (VPAGER_COLD_WORK), a placement in steps, and planned from the
-#           work an earlier process remembered (VPAGER_PLAN_CACHE) (issue
-#           29)
+#   first   bench_node --runs resident,node6cache,node6warm,node6cached,6,
+#           node4,node4warm,node4cached --reps 2: a model's first prompt
+#           as its first run (node6cache, which writes its plan), with
+#           the cold forward planned at its own end (VPAGER_COLD_WORK),
+#           and run again (the cached runs plan from the remembered work:
+#           VPAGER_PLAN_CACHE, the key without the budget) (issue 29)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -137,7 +135,7 @@ for PH in ${PHASES//+/ }; do
   first)
     GREP='steady|first prompt|x L|latents|budget|copied on the device|remembered|Error|Traceback'
     TAILN=80 VPAGER_SCHEDULE_LOG=1 step first "$(cap)" \
-      $N --runs resident,node6,node6warmmove,node6warmmovesteps,node6cache,node6cached,node6cachedmove,6,node4,node4warmmovesteps,node4cached \
+      $N --runs resident,node6cache,node6warm,node6cached,6,node4,node4warm,node4cached \
       --reps 2 --out "$L/first" ;;
   sdxl)
     GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
