@@ -217,9 +217,18 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
 
 
+def _named(run):
+    """A run's name without its repeat mark: "node6warm.2" is node6warm
+    run again (a first prompt is one sample a run: its spread is seen
+    only across runs of one name)."""
+    head, dot, tail = run.rpartition(".")
+    return head if dot and tail.isdigit() else run
+
+
 def _suffix(run):
     """The SUFFIXES keys a node run's name ends with, joined ("warmsteps":
     warm and steps), or None."""
+    run = _named(run)
     if not run.startswith("node"):
         return None
     got, rest = "", run[4:]
@@ -263,6 +272,7 @@ def budget_of(run, gen, weight_dtype="default"):
     """(the budget string a child takes, bytes) of a run name, or (None,
     None) for resident, "node" and legacy. "half": half the weights as
     held with weight_dtype (bench/comfyui_run.py's held())."""
+    run = _named(run)
     b = run[4:] if run.startswith("node") else run
     if _suffix(run) is not None:
         b = b[:-len(_suffix(run))]
@@ -647,8 +657,8 @@ def run_set(cr, a, ours, runs, out, gen, summary, judged=None):
                                ours["timeout"])
         else:
             r = cr.run_child(_capped(a, run), "sample",
-                             ["--run", bs or run, "--tag", run, "--ckpt",
-                              gen["path"]], log)
+                             ["--run", bs or _named(run), "--tag", run,
+                              "--ckpt", gen["path"]], log)
         summary["runs"][run] = r
         if r is None:
             rc = 1
@@ -657,7 +667,54 @@ def run_set(cr, a, ours, runs, out, gen, summary, judged=None):
         say("  (%.0f s)" % (time.perf_counter() - t0))
     kw = {} if judged is None else {"judged": judged}
     c = compare(cr, a, gen, summary, **kw)
+    first_prompts(cr, summary["runs"])
     return rc or c
+
+
+# Issue 29's targets: a first prompt over ComfyUI's, its worst step after
+# the first over the steady step.
+FIRST_PROMPT, FIRST_WORST = 0.9, 1.1
+
+
+def first_prompts(cr, runs):
+    """Each node run's first prompt over the mean of ComfyUI's dynamic
+    runs of its budget ("6", "6.2": a run repeated), and its worst step
+    after the first over its last prompt's steady one, beside issue 29's
+    targets; then the mean of each node run's repeats."""
+    def first(r):
+        reps = (r or {}).get("reps") or []
+        return reps[0]["sample_s"] if reps and "sample_s" in reps[0] \
+            else None
+    theirs = {}
+    for run, r in runs.items():
+        if first(r) is not None and _named(run)[:1].isdigit():
+            theirs.setdefault(_named(run), []).append(first(r))
+    names = {}
+    for run, r in runs.items():
+        if not run.startswith("node") or first(r) is None:
+            continue
+        peer = theirs.get(budget_of(run, {"bytes": 0})[0] or "")
+        ref = sum(peer) / len(peer) if peer else None
+        f = r["reps"][0]["steps_ms"]
+        worst = max(f[1:]) / cr.steady(r["reps"][-1]["steps_ms"]) \
+            if len(f) > 1 else None
+        names.setdefault(_named(run), []).append((first(r), ref, worst))
+        say("%s: first prompt %.3f s%s; worst step after the first %s "
+            "(targets <= %.1f, <= %.1f)" % (
+                run, first(r), " = %.3f x ComfyUI's (%d runs)"
+                % (first(r) / ref, len(peer)) if ref else "",
+                "%.2f x steady" % worst if worst else "-",
+                FIRST_PROMPT, FIRST_WORST))
+    for name, got in names.items():
+        if len(got) > 1:
+            fs = [g[0] for g in got]
+            ratio = [g[0] / g[1] for g in got if g[1]]
+            say("%s, %d runs: first prompt %.3f s (%.3f-%.3f)%s; worst "
+                "step %s" % (
+                    name, len(got), sum(fs) / len(fs), min(fs), max(fs),
+                    " = %.3f x ComfyUI's" % (sum(ratio) / len(ratio))
+                    if ratio else "", ", ".join(
+                        "%.2f" % g[2] for g in got if g[2])))
 
 
 def fp8_configs(ours):

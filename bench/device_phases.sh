@@ -16,7 +16,8 @@
 #   lora    bench_node --lora --runs legacy,node6,6 (issues 28, 29)
 #   switch  bench_node --switch 19x38 --runs resident,node12,12 (issue 29)
 #   flux22  bench_node --double 19 --single 38 --runs resident,node8,8
-#   sdxl    bench_node --model sdxl --steps 4 --runs resident,node3,3
+#   sdxl    bench_node --model sdxl --steps 4 --runs resident,node3cache,
+#           node3warm,node3cached,3 (a first run, cold work, run again)
 #   fp8     bench_headroom (NO_HEADROOM=1: not), then bench_node --fp8
 #           --shape flux --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29);
 #           FP8_NOKEEP=1 runs it again with VPAGER_KEEP_FILLS=0 (kept
@@ -39,7 +40,8 @@
 #           as its first run (node6cache, which writes its plan), with
 #           the cold forward planned at its own end (VPAGER_COLD_WORK),
 #           and run again (the cached runs plan from the remembered work:
-#           VPAGER_PLAN_CACHE, the key without the budget) (issue 29)
+#           VPAGER_PLAN_CACHE, the key without the budget) (issue 29);
+#           RUNS=... runs others ("node6warm.2": node6warm again)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -135,12 +137,13 @@ for PH in ${PHASES//+/ }; do
   first)
     GREP='steady|first prompt|x L|latents|budget|copied on the device|remembered|Error|Traceback'
     TAILN=80 VPAGER_SCHEDULE_LOG=1 step first "$(cap)" \
-      $N --runs resident,node6cache,node6warm,node6cached,6,node4,node4warm,node4cached \
+      $N --runs "${RUNS:-resident,node6cache,node6warm,node6cached,6,node4,node4warm,node4cached}" \
       --reps 2 --out "$L/first" ;;
   sdxl)
     GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
     TAILN=60 VPAGER_SCHEDULE_LOG=1 step sdxl "$(cap)" \
-      $N --model sdxl --steps 4 --runs resident,node3,3 --out "$L/sdxl" ;;
+      $N --model sdxl --steps 4 --runs resident,node3cache,node3warm,node3cached,3 \
+      --out "$L/sdxl" ;;
   fp8)
     GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'
     [ -z "$NO_HEADROOM" ] && TAILN=40 step headroom 120 $PP python3 bench/bench_headroom.py

@@ -701,13 +701,18 @@ class Tuner:
         its kind's median (coldwork.py). The cold step, long anyway,
         takes what placing costs; later plans keep this placement, its
         ring too, unless one is 2% faster (apply())."""
+        t0 = time.perf_counter()
         raw = self._work(calls, start, end)     # (waits for its end)
+        t1 = time.perf_counter()
         self._trace_work("cold", raw)
         if self.cuda:
             learn_headroom(self.layout.device, self.model.cuda_index,
                            force=True)
         work = plancache.load(self.cache_key, list(raw)) \
             if self.cache_key is not None else None
+        self._trace("the cold forward's end waited for %.1f ms, torch's "
+                    "peak and the plan cache read in %.1f ms" % (
+                        (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
         self.remembered = work is not None
         if work is None:
             work = coldwork.warm_work(raw)
@@ -1017,8 +1022,12 @@ class Tuner:
         if planned is None:
             self.fills_planned = lay.fill_changes
         keep = _keep(flat)
+        t0 = time.perf_counter()
         sch, ring = self.plan(w, sizes, need, rings=rings, planned=planned,
                               keep=keep)
+        if planned is None:
+            self._trace("planned on this thread in %.1f ms"
+                        % ((time.perf_counter() - t0) * 1e3))
         old = self._old()
         if old is not None and ring == self.ring and \
                 sch.resident != old.resident:
@@ -1072,7 +1081,10 @@ class Tuner:
         if step is not sch:
             sch, merged = step, None
         try:
+            t0 = time.perf_counter()
             kept, placed = self._placed(lay, flat, sch, w, sizes, ring, keep)
+            self._trace("the placement chosen in %.1f ms"
+                        % ((time.perf_counter() - t0) * 1e3))
             if kept is not sch:
                 sch, merged = kept, None
             self._place(lay, dev, flat, units, w, sizes, sch, ring, merged,
