@@ -142,7 +142,8 @@ for PH in ${PHASES//+/ }; do
   sdxl)
     GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
     TAILN=60 VPAGER_SCHEDULE_LOG=1 step sdxl "$(cap)" \
-      $N --model sdxl --steps 4 --runs resident,node3cache,node3warm,node3cached,3 \
+      $N --model sdxl --steps 4 \
+      --runs "${SDXL_RUNS:-resident,node3cache,node3warm,node3cached,3}" \
       --out "$L/sdxl" ;;
   fp8)
     GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'

@@ -58,12 +58,15 @@ class _Child:
     def __init__(self) -> None:
         self.proc: Optional[subprocess.Popen] = None
 
-    def send(self, args: Tuple[Any, ...]) -> None:
+    def begin(self) -> None:
         if self.proc is None:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _CHILD, _SCHEDULE],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 creationflags=getattr(subprocess, "CREATE_NO_WINDOW", 0))
+
+    def send(self, args: Tuple[Any, ...]) -> None:
+        self.begin()
         pickle.dump(args, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         self.proc.stdin.flush()
 
@@ -118,6 +121,21 @@ class _Pool:
                 return None
             return out
 
+    def start(self) -> None:
+        """The WIDTH children started now, not at the first request (a
+        plan made on the forward's thread waits for none to start)."""
+        with self.lock:
+            if self.broken or not sys.executable:
+                return
+            while len(self.children) < WIDTH:
+                self.children.append(_Child())
+            try:
+                for c in self.children:
+                    c.begin()
+            except OSError:
+                self.broken = True
+                self._end()
+
     def close(self) -> None:
         with self.lock:
             self._end()
@@ -133,6 +151,11 @@ class _Pool:
 WIDTH = max(1, min(6, (os.cpu_count() or 2) // 2))
 _CHILDREN = _Pool()
 atexit.register(_CHILDREN.close)
+
+
+def start() -> None:
+    """Start the planner's processes now (they idle until asked)."""
+    _CHILDREN.start()
 
 
 def call(name: str, *args: Any) -> Optional[Tuple[Any]]:

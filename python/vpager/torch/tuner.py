@@ -348,8 +348,11 @@ class Tuner:
         self.remembered = False     # the first plan made from plancache's
 
     def install(self):
-        """Measure from the next root forward on."""
+        """Measure from the next root forward on (the planner's processes
+        started meanwhile: the first plan may be made at its end)."""
         self.root_hooks.set("measure", pre=self._begin, post=self._end)
+        if self.planner is not None:
+            planproc.start()
 
     def guess(self):
         """Before any forward, when the weights do not all fit the room:
@@ -723,7 +726,16 @@ class Tuner:
         if self._measured(work, False, self._free_to_wait()):
             self.fill_now = self.first_now = True
             try:
-                self._apply_safely(work)
+                # Each ring size in a planner's process at once (SDXL's
+                # 794 units: 718 ms on this thread, one ring after the
+                # other, on the H100), this thread waiting.
+                planned = None
+                if self.planner is not None and planproc.WIDTH > 1:
+                    t0 = time.perf_counter()
+                    planned = self._plan_from(self._inputs(), work, [work])
+                    self._trace("planned in the planner's processes in "
+                                "%.1f ms" % ((time.perf_counter() - t0) * 1e3))
+                self._apply_safely(work, planned)
             finally:
                 self.fill_now = False
         # Later forwards merge with what was measured (and remembered).
@@ -1349,7 +1361,11 @@ class Tuner:
         placed = self._placement(lay, flat, sch.resident, ring, now)
         again = sum(e.size for e, n, k in zip(flat, now, placed[2])
                     if n and not k)
-        if not again:
+        if not again or self.fill_now:
+            # (Filled now, in the cold step: streaming more at every later
+            # forward to save that fill saves nothing a user waits for;
+            # SDXL's host-bound steps pay for each weight streamed, which
+            # the plan, compute-bound, prices at nothing.)
             return sch, placed
         alt = place_streaming_least(flat, sch.resident, now,
                                     [e.offset for e in flat], lay.align,
