@@ -26,6 +26,8 @@
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
+#   node_ab BEFORE's tree against this one, the node's Flux run only
+#           (--runs node6 --reps 3), alternating, twice each (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
 #   cgroup  bench_node --double 19 --single 38 --switch 8x16 --cgroup-gib 32
 #           --runs resident,node8,8: the 22 GiB model then a 9.4 GiB one
@@ -54,14 +56,14 @@ C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
-KNOWN="$KNOWN cgroup first"
+KNOWN="$KNOWN cgroup first node_ab"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
     *) echo "device_phases.sh: unknown phase '$PH' (phases: $KNOWN)" >&2
        exit 2 ;;
   esac
-  case $PH in before|lora_ab)
+  case $PH in before|lora_ab|node_ab)
     [ -d "${BEFORE:-}" ] || {
       echo "device_phases.sh: phase '$PH' needs BEFORE=<another tree's" \
            "folder>; BEFORE='${BEFORE:-}' is none" >&2
@@ -175,6 +177,15 @@ for PH in ${PHASES//+/ }; do
       --reps 2 --out "$L/node_before"
     TAILN=30 step node_after "$(cap)" $N --runs resident,node6 --reps 2 \
       --out "$L/node_after" ;;
+  node_ab)
+    GREP='rep[0-9]: steady|Error|Traceback'
+    for i in 1 2; do
+      TAILN=6 step node_before$i 90 env VPAGER_LIBRARY="$B/build/libvpager.so" \
+        python3 "$(node_bench "$B")" --comfyui "$C/ComfyUI" --runs node6 \
+        --reps 3 --out "$L/node_before$i"
+      TAILN=6 step node_after$i 90 $N --runs node6 --reps 3 \
+        --out "$L/node_after$i"
+    done ;;
   lora_ab)
     GREP='steady|x L|latents|RSS|LoRA|Error|Traceback'
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_before 200 \
