@@ -522,6 +522,43 @@ def test_cold_work_plans_at_the_first_forwards_end():
         h.unload()
 
 
+def test_after_a_cold_plan_each_forward_measured_is_planned_for():
+    """VPAGER_COLD_WORK=1: after the plan made at the cold forward's end
+    (its work guessed, coldwork.py) each forward measured is planned for,
+    not only the settled one: apply() keeps the placement unless 2%
+    slower and takes the windows of the work measured, from the next
+    forward on (the H100's Flux ran forwards 2-4 of its first prompt
+    5-10% slower on the cold plan's windows than the same placement on
+    the settled ones). By default the forwards between the first plan
+    and the settled one are not. Outputs bitwise."""
+    real = tuner.Tuner.apply
+    saved = (tuner.ROUNDS_MAX, tuner.SETTLED, tuner.SETTLED_ABS)
+    for on in ("1", "0"):
+        seen = []
+
+        def apply(self, work, *a, **kw):
+            seen.append(self.rounds)
+            return real(self, work, *a, **kw)
+        with environ(VPAGER_COLD_WORK=on):
+            # Measured to ROUNDS_MAX: forwards between the first plan
+            # and the last.
+            tuner.Tuner.apply = apply
+            tuner.ROUNDS_MAX, tuner.SETTLED, tuner.SETTLED_ABS = 5, -1, -1
+            try:
+                m, x, want, h = _threaded_mlp()
+                _settle(m, x, want, h)
+                rounds = h.tuner.rounds
+            finally:
+                tuner.Tuner.apply = real
+                tuner.ROUNDS_MAX, tuner.SETTLED, tuner.SETTLED_ABS = saved
+            assert rounds == 5, rounds
+            if on == "1":
+                assert seen == list(range(1, rounds + 1)), (seen, rounds)
+            else:
+                assert len(seen) < rounds, (seen, rounds)
+            h.unload()
+
+
 def test_cold_work_kinds():
     """coldwork.warm_work: a unit's work at most its kind's median (the
     name with its numbers masked, the class, the weights' shapes), kinds
