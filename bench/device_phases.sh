@@ -27,7 +27,8 @@
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   node_ab BEFORE's tree against this one, the node's Flux run only
-#           (--runs node6 --reps 3), alternating, twice each (issue 27)
+#           (--runs node6 --reps 3), alternating, AB_PAIRS times (default
+#           2) each (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
 #   cgroup  bench_node --double 19 --single 38 --switch 8x16 --cgroup-gib 32
 #           --runs resident,node8,8: the 22 GiB model then a 9.4 GiB one
@@ -179,7 +180,7 @@ for PH in ${PHASES//+/ }; do
       --out "$L/node_after" ;;
   node_ab)
     GREP='rep[0-9]: steady|Error|Traceback'
-    for i in 1 2; do
+    for i in $(seq "${AB_PAIRS:-2}"); do
       TAILN=6 step node_before$i 90 env VPAGER_LIBRARY="$B/build/libvpager.so" \
         python3 "$(node_bench "$B")" --comfyui "$C/ComfyUI" --runs node6 \
         --reps 3 --out "$L/node_before$i"
