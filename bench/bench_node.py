@@ -199,7 +199,8 @@ def child(cr, a):
 # (no kept fills: vpager.torch's keptfills.py); "nocold" makes no plan
 # from the first (cold) forward while the guessed placement is in place;
 # "warm" plans from the cold forward with each unit's work at most its
-# kind's median (vpager.torch's coldwork.py); "move" copies the resident
+# kind's median (vpager.torch's coldwork.py; the default), "nowarm" takes
+# the first plan from the planner at a later forward; "move" copies the resident
 # weights a placement moves on the device (relocate.py); "cache" and
 # "cached" remember each unit's settled work in --workdir's plans/
 # (VPAGER_PLAN_CACHE, emptied when the bench starts): both read a plan
@@ -212,6 +213,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "nokeep": {"VPAGER_KEEP_FILLS": "0"},
             "nocold": {"VPAGER_COLD_PLAN": "0"},
             "warm": {"VPAGER_COLD_WORK": "1"},
+            "nowarm": {"VPAGER_COLD_WORK": "0"},
             "move": {"VPAGER_RELOCATE": "1"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
@@ -225,6 +227,13 @@ def _named(run):
     return head if dot and tail.isdigit() else run
 
 
+def _last_suffix(rest):
+    """The longest SUFFIXES key `rest` ends with ("nowarm", not "warm"),
+    or None."""
+    return max((k for k in SUFFIXES if rest.endswith(k)), key=len,
+               default=None)
+
+
 def _suffix(run):
     """The SUFFIXES keys a node run's name ends with, joined ("warmsteps":
     warm and steps), or None."""
@@ -233,7 +242,7 @@ def _suffix(run):
         return None
     got, rest = "", run[4:]
     while True:
-        k = next((k for k in SUFFIXES if rest.endswith(k)), None)
+        k = _last_suffix(rest)
         if k is None:
             return got or None
         got, rest = k + got, rest[:-len(k)]
@@ -243,7 +252,7 @@ def _suffix_env(run):
     """The variables of the run's SUFFIXES keys."""
     env, rest = {}, _suffix(run) or ""
     while rest:
-        k = next(k for k in SUFFIXES if rest.endswith(k))
+        k = _last_suffix(rest)
         env.update(SUFFIXES[k])
         rest = rest[:-len(k)]
     return env

@@ -17,7 +17,8 @@
 #   switch  bench_node --switch 19x38 --runs resident,node12,12 (issue 29)
 #   flux22  bench_node --double 19 --single 38 --runs resident,node8,8
 #   sdxl    bench_node --model sdxl --steps 4 --runs resident,node3cache,
-#           node3warm,node3cached,3 (a first run, cold work, run again)
+#           node3nowarm,node3cached,3 (a first run, its first plan taken
+#           at a later step, run again); SDXL_RUNS=... runs others
 #   fp8     bench_headroom (NO_HEADROOM=1: not), then bench_node --fp8
 #           --shape flux --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29);
 #           FP8_NOKEEP=1 runs it again with VPAGER_KEEP_FILLS=0 (kept
@@ -38,13 +39,14 @@
 #           the forward's thread (VPAGER_PLAN_THREAD=0), no placement
 #           before the first forward (VPAGER_PLACE_EARLY=0), a placement
 #           in steps (VPAGER_PLACE_STEPS=1) (issue 27's decode)
-#   first   bench_node --runs resident,node6cache,node6warm,node6cached,6,
-#           node4,node4warm,node4cached --reps 2: a model's first prompt
-#           as its first run (node6cache, which writes its plan), with
-#           the cold forward planned at its own end (VPAGER_COLD_WORK),
-#           and run again (the cached runs plan from the remembered work:
+#   first   bench_node --runs resident,node6cache,node6nowarm,node6cached,
+#           6,node4,node4nowarm,node4cached --reps 2: a model's first
+#           prompt as its first run (node6cache, which writes its plan;
+#           the cold forward planned at its own end, VPAGER_COLD_WORK),
+#           with the first plan taken at a later step (nowarm), and run
+#           again (the cached runs plan from the remembered work:
 #           VPAGER_PLAN_CACHE, the key without the budget) (issue 29);
-#           RUNS=... runs others ("node6warm.2": node6warm again)
+#           RUNS=... runs others ("node6nowarm.2": node6nowarm again)
 #
 # Example (the device tool, carrying build-clients):
 #   bash bench/device_phases.sh suites+lora 560
@@ -140,13 +142,13 @@ for PH in ${PHASES//+/ }; do
   first)
     GREP='steady|first prompt|x L|latents|budget|copied on the device|remembered|Error|Traceback'
     TAILN=80 VPAGER_SCHEDULE_LOG=1 step first "$(cap)" \
-      $N --runs "${RUNS:-resident,node6cache,node6warm,node6cached,6,node4,node4warm,node4cached}" \
+      $N --runs "${RUNS:-resident,node6cache,node6nowarm,node6cached,6,node4,node4nowarm,node4cached}" \
       --reps 2 --out "$L/first" ;;
   sdxl)
     GREP='steady|first prompt|x L|latents|RSS|budget|Error|Traceback'
     TAILN=60 VPAGER_SCHEDULE_LOG=1 step sdxl "$(cap)" \
       $N --model sdxl --steps 4 \
-      --runs "${SDXL_RUNS:-resident,node3cache,node3warm,node3cached,3}" \
+      --runs "${SDXL_RUNS:-resident,node3cache,node3nowarm,node3cached,3}" \
       --out "$L/sdxl" ;;
   fp8)
     GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'

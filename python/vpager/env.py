@@ -75,7 +75,9 @@ VARIABLES: Dict[str, Variable] = {
                                  "median (the same unit of the other "
                                  "blocks), a singleton's at most the "
                                  "largest median; later plans keep it "
-                                 "unless 2% faster (default 0)"),
+                                 "unless 2% faster (default 1; 0: the "
+                                 "first plan made on the planner and "
+                                 "taken at a later forward)"),
     "VPAGER_PLAN_CACHE": Variable("text", "a folder: each unit's work "
                                   "measured once a schedule settles is "
                                   "remembered there, and a later process "

@@ -121,6 +121,36 @@ def test_the_reference_runs_outside_the_cgroup():
     assert a.cgroup_gib == 32.0         # the caller's left as it was
 
 
+def test_first_prompts_over_comfyuis_runs_of_their_budget():
+    """first_prompts: each node run's first prompt over the mean of its
+    budget's ComfyUI runs (runs again named "6.2" count), and a name's
+    repeats summed up."""
+    ns, _ = _bench()
+
+    class _Cr:
+        @staticmethod
+        def steady(steps):
+            return steps[-1]
+
+    def run(first_s, steps, last):
+        return {"reps": [{"sample_s": first_s, "steps_ms": steps},
+                         {"steps_ms": last}]}
+    with _said(ns["first_prompts"]) as said:
+        ns["first_prompts"](_Cr(), {
+            "6": run(2.5, [1900, 120, 119], [1, 119]),
+            "6.2": run(2.7, [1900, 120, 119], [1, 119]),
+            "node6warm": run(2.4, [1900, 104, 99], [1, 96]),
+            "node6warm.2": run(2.2, [1900, 100, 99], [1, 100]),
+            "resident": run(2.2, [1900, 80, 80], [1, 80])})
+    text = "\n".join(said)
+    assert "node6warm: first prompt 2.400 s = 0.923 x ComfyUI's (2 runs)" \
+        in text, text
+    assert "worst step after the first 1.08 x steady" in text, text
+    assert "node6warm, 2 runs: first prompt 2.300 s (2.200-2.400) = " \
+        "0.885 x ComfyUI's; worst step 1.08, 1.00" in text, text
+    assert "resident:" not in text, text
+
+
 def test_a_late_node_run():
     """A run named node<budget>late (onestep): the node's child under that
     budget with VPAGER_PLACE_EARLY=0 (VPAGER_PLACE_STEPS=0): the first
@@ -146,8 +176,15 @@ def test_a_late_node_run():
     class _A:
         cgroup_gib = None
     for run in ("node8", "node8late", "node8onestep", "node8steps",
-                "node8warmsteps"):
+                "node8warmsteps", "node8nowarm", "node8late.2"):
         ns["run_node_child"](_Cr(), _A(), run, "8", "ck", "log", 1)
+    # The longest suffix a name ends with: nowarm, not warm.
+    assert seen["node8nowarm"][1].get("VPAGER_COLD_WORK") == "0"
+    assert ns["budget_of"]("node8nowarm", gen) == ("8", 8 * GiB)
+    # A run again (".2") is the run of its name.
+    assert seen["node8late.2"][1].get("VPAGER_PLACE_EARLY") == "0"
+    assert ns["budget_of"]("node8late.2", gen) == ("8", 8 * GiB)
+    assert ns["budget_of"]("resident.2", gen) == (None, None)
     # Suffixes combine: warm (VPAGER_COLD_WORK=1) and steps.
     assert seen["node8warmsteps"][1].get("VPAGER_COLD_WORK") == "1"
     assert seen["node8warmsteps"][1].get("VPAGER_PLACE_STEPS") == "1"

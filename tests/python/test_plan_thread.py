@@ -110,8 +110,16 @@ class Patched:
         return False
 
 
-def _threaded_mlp():
-    with environ(VPAGER_PLAN_THREAD="1"):
+def _threaded_mlp(cold_work=None):
+    """The scheduled MLP with the planner's thread. cold_work=False: its
+    first plan made on the planner from the cold forward and taken at a
+    later forward's start (VPAGER_COLD_WORK=0), as the planner's own tests
+    count forwards; by default (VPAGER_COLD_WORK on) it is made at the
+    cold forward's end."""
+    env = {"VPAGER_PLAN_THREAD": "1"}
+    if cold_work is not None:
+        env["VPAGER_COLD_WORK"] = "1" if cold_work else "0"
+    with environ(**env):
         m, x, want, h = _scheduled_mlp()
     assert h.tuner.planner is not None
     return m, x, want, h
@@ -121,7 +129,7 @@ def test_forwards_never_wait_for_a_plan():
     clock = FakeClock()
     me = threading.get_ident()
     with Patched(clock) as p:
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
         p.gate.clear()              # the first plan takes "forever"
         for _ in range(4):          # the forwards run on meanwhile
             assert torch.equal(m(x), want)
@@ -156,7 +164,7 @@ def test_forwards_are_measured_while_a_plan_is_made():
     Flux measured 2 of its first 12 forwards when those went unmeasured
     (issue 27's before/after), and ran them on a schedule not settled."""
     with Patched(FakeClock()) as p:
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
         tun = h.tuner
         p.gate.clear()              # the first forward's plan waits
         for _ in range(3):
@@ -182,7 +190,7 @@ def test_marks_are_read_on_the_forwards_thread_once_run():
     at the 8th forward)."""
     me = threading.get_ident()
     with Patched(FakeClock()):
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
         tun = h.tuner
         ran = threading.Event()
         readers = []
@@ -218,7 +226,7 @@ def test_a_plan_knows_torchs_peak_of_the_forward_it_measured():
     Flux's first plan, handed over at its forward's end, was made for a
     room 0.9 GB too large and placed anew at the next forward)."""
     with Patched(FakeClock()):
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
         tun = h.tuner
         gov = devices.governor(h.device)
         budget = h.device.info()["budget"]
@@ -333,7 +341,7 @@ def test_a_placement_fills_while_it_streams():
     the first forward here: the measured plan may keep that one.)"""
     clock = FakeClock()
     with Patched(clock) as p, environ(VPAGER_PLACE_EARLY="0"):
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
         tun = h.tuner
         s0 = h.stats()["device"]
         for _ in range(3 * tuner.ROUNDS_MAX):
@@ -400,7 +408,7 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
     VPAGER_PLACE_EARLY=0
     places after the first forward: the forward that takes the plan
     copies more. Outputs bitwise."""
-    m, x, want, h = _threaded_mlp()
+    m, x, want, h = _threaded_mlp(cold_work=False)
     assert h.order == "scheduled" and h.schedule() is None
     t = h.tuner
     flags = zip(t._costs({})[3], t.schedule.resident)     # guessed
@@ -426,7 +434,7 @@ def test_every_forward_after_the_first_copies_as_a_steady_one():
     assert h.schedule() is not None
     h.unload()
     with environ(VPAGER_PLACE_EARLY="0"):
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
     assert h.order == "interleaved"
     got = _copies(m, x, want, h, 8)
     assert max(c for c, _ in got[1:]) > got[-1][0], got
@@ -449,7 +457,7 @@ def test_no_plan_from_the_cold_forward_when_asked():
                 return real(work, works, *a, **kw)
             tuner.plan_job = plan_job
             try:
-                m, x, want, h = _threaded_mlp()
+                m, x, want, h = _threaded_mlp(cold_work=False)
                 assert h.tuner.guessed
                 _settle(m, x, want, h)
             finally:
@@ -611,7 +619,7 @@ def test_the_schedule_says_when_it_settled():
     page, and it stays so."""
     clock = FakeClock()
     with Patched(clock) as p:
-        m, x, want, h = _threaded_mlp()
+        m, x, want, h = _threaded_mlp(cold_work=False)
         p.gate.clear()              # the first plan held
         for _ in range(3):
             assert torch.equal(m(x), want)
@@ -636,7 +644,7 @@ def test_a_new_room_is_planned_off_the_forwards_thread():
     tuner.WATCH_EVERY = 0.0
     try:
         with Patched(clock):
-            m, x, want, h = _threaded_mlp()
+            m, x, want, h = _threaded_mlp(cold_work=False)
             _settle(m, x, want, h)
             first = h.schedule()
             assert first["replans"] == 0 and first["resident_weights"] > 0

@@ -122,24 +122,21 @@ FILL_UNITS = 2
 # the first plan is the second's (with the planner's thread). Not the
 # default until measured on a GPU (bench_node's "nocold" runs).
 COLD_PLAN = "VPAGER_COLD_PLAN"
-# VPAGER_COLD_WORK=1: the first (cold) forward is planned for at its own
-# end, on its thread, each unit's work at most the median of its kind
-# (coldwork.py), and its resident set filled there: the cold step takes
-# what placing costs (H100, Flux 9.4 GiB at 6 GiB: the cold plan's
-# placement at forward 3 cost a 163 ms step, the settled one's at
-# forward 6 a 203 ms step, against 95). Later plans keep the placement,
-# its ring too, unless one is 2% faster. Later forwards merge with what
-# was measured. Measured (H100, bench/RESULTS.md, twenty-eighth
-# session): at 4 GiB no later step paid a placement (worst 1.11 x a
-# steady one, 1.62 by default), at 6 GiB the settled plan still moved
-# 2.1 GB; steady 1.036 / 1.032 x L against 1.055 / 1.045, the first
-# prompt 6% longer at 6 GiB. The per-unit log of the twenty-ninth
-# session showed why: the cold start lies on the units the model has
-# one of (img_in 160 ms cold, 0.7 warm), which the medians left alone;
-# coldwork.py now caps those too, and replanned offline from that log
-# the cold plan is within 0.1% of the settled one (bench/cold_plan.py).
-# Off by default until that is measured on a GPU (bench_node's "warm"
-# runs); a model run again plans from its remembered work (plancache).
+# VPAGER_COLD_WORK (default on; =0 off): the first (cold) forward is
+# planned for at its own end (in the planner's processes, this thread
+# waiting), each unit's work at most the median of its kind (coldwork.py),
+# and its resident set filled there: the cold step takes what placing
+# costs. Later plans keep the placement, its ring too, unless one is 2%
+# faster; each forward measured after it is planned for (its windows).
+# Off, the first plan is made on the planner's thread and taken at a later
+# forward's start, which then pays the placement (H100, Flux 9.4 GiB at 6
+# GiB: 163-233 ms steps against 95). Measured (H100, bench/RESULTS.md,
+# thirtieth session), the node's Flux at 6 GiB, the first prompt's worst
+# step after the first over a steady one: 1.07, 1.14, 1.65 and, with the
+# plan in the planner's processes and the windows of each forward
+# measured, 1.08 (off: 1.62-2.46); its first prompt 0.83-0.95 x ComfyUI's
+# path (off: 0.83-0.89); at 4 GiB 1.03 (off 1.62). A model run again
+# plans from its remembered work instead (plancache).
 COLD_WORK = "VPAGER_COLD_WORK"
 # VPAGER_RELOCATE=1: a placement made anew lies apart from the pages of
 # the weights resident now (placement.place_apart), and those it keeps
@@ -339,7 +336,7 @@ class Tuner:
         # VPAGER_COLD_PLAN=0: no plan from the cold first forward while a
         # guessed placement is in place (COLD_PLAN below).
         self.cold_plan = env.flag(COLD_PLAN, True)
-        self.cold_work = env.flag(COLD_WORK, False)
+        self.cold_work = env.flag(COLD_WORK, True)
         self.fill_now = False       # a placement's resident set warmed now
         self.relocate = env.flag(RELOCATE, False)
         self.relocated_bytes = 0    # the last placement's device copies
