@@ -693,10 +693,11 @@ class Tuner:
             self._apply_safely(work)
 
     def _plan_now(self, calls, start, end):
-        """VPAGER_COLD_WORK=1 or a plan cache that remembers this model
-        (plancache.py), the first measured (cold) forward: planned for
-        and placed at its own end, on its thread, the resident set
-        filled now (warm()): its marks read once the GPU ran it, torch's
+        """VPAGER_COLD_WORK (the default) or a plan cache that remembers
+        this model (plancache.py), the first measured (cold) forward:
+        planned for (in the planner's processes, this thread waiting) and
+        placed at its own end, on its thread, the resident set filled
+        now (warm()): its marks read once the GPU ran it, torch's
         peak learned, each unit's work the one remembered, else at most
         its kind's median (coldwork.py). The cold step, long anyway,
         takes what placing costs; later plans keep this placement, its
