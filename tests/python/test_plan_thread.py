@@ -266,6 +266,28 @@ def test_planned_on_the_forwards_thread_when_asked():
     h.unload()
 
 
+def test_the_planners_processes_run_below_the_forwards_priority():
+    """planproc.start() starts the planner's children at once (a plan the
+    forward waits for waits for no interpreter to start), each at a lower
+    priority than this process (POSIX: NICE more; Windows: below normal):
+    a plan made while forwards run leaves a host-bound forward its core."""
+    planproc.start()
+    kids = [c.proc for c in planproc._CHILDREN.children]
+    assert len(kids) == planproc.WIDTH and all(
+        p is not None and p.poll() is None for p in kids), kids
+    assert planproc.call("ring_fields", [1e-3], [[4096]], 1 << 20,
+                         [1 << 16], 4096, 1e9, 512, 1, 4e-6,
+                         5e-4) is not None      # (each child ran its start)
+    planproc.call_each("ring_fields", [
+        ([1e-3], [[4096]], 1 << 20, [1 << 16], 4096, 1e9, 512, 1, 4e-6,
+         5e-4)] * len(kids))
+    if hasattr(os, "getpriority"):
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        for p in kids:
+            assert os.getpriority(os.PRIO_PROCESS, p.pid) >= min(
+                mine + planproc.NICE, 19), (mine, p.pid)
+
+
 def test_the_planners_process_plans_as_this_one():
     """planproc.call("plan_job") (a child interpreter of its own, off the
     GIL) gives what schedule.plan_job gives here: the candidates, the
