@@ -199,14 +199,15 @@ def child(cr, a):
 # (no kept fills: vpager.torch's keptfills.py); "nocold" makes no plan
 # from the first (cold) forward while the guessed placement is in place;
 # "warm" plans from the cold forward with each unit's work at most its
-# kind's median (vpager.torch's coldwork.py; the default), "nowarm" takes
-# the first plan from the planner at a later forward; "move" copies the resident
-# weights a placement moves on the device (relocate.py); "cache" and
-# "cached" remember each unit's settled work in --workdir's plans/
-# (VPAGER_PLAN_CACHE, emptied when the bench starts): both read a plan
-# there if one is (a model's plan is the same for any budget) and write
-# theirs; named "cache" where it is the first, "cached" after one, as a
-# process started again. Suffixes combine: "node6warmsteps".
+# kind's median (vpager.torch's coldwork.py; the default), "nowarm"
+# takes the first plan from the planner at a later forward; "move" copies
+# the resident weights a placement moves on the device (relocate.py);
+# "cache" and "cached" remember each unit's settled work in --workdir's
+# plans/ (VPAGER_PLAN_CACHE, emptied when the bench starts): both read a
+# plan there if one is (a model's plan is the same for any budget) and
+# write theirs; named "cache" where it is the first, "cached" after one,
+# as a process started again. Suffixes combine: "node6warmsteps"; a name
+# may end in a repeat mark, "node6warm.2" (_named).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
@@ -353,19 +354,29 @@ def report(cr, name, r):
         say("    " + line)
 
 
+def first_prompt(cr, r):
+    """(its first prompt's sample() s, its worst step after the first
+    (ms, None if one step), the last prompt's steady step (ms)) of a
+    run's result, or None where it has none."""
+    reps = (r or {}).get("reps") or []
+    if not reps or "sample_s" not in reps[0]:
+        return None
+    first = reps[0]["steps_ms"]
+    return (reps[0]["sample_s"], max(first[1:]) if len(first) > 1 else None,
+            cr.steady(reps[-1]["steps_ms"]))
+
+
 def first_prompt_line(cr, r):
     """Issue 29's first prompt: its sample() time, and its worst step
     after the first over the last prompt's steady step (target <= 1.1);
     with the schedule's "remembered" (VPAGER_PLAN_CACHE) where told."""
-    reps = r.get("reps") or []
-    if not reps or "sample_s" not in reps[0]:
+    got = first_prompt(cr, r)
+    if got is None:
         return None
-    first, last = reps[0]["steps_ms"], reps[-1]["steps_ms"]
-    steady = cr.steady(last)
-    worst = max(first[1:]) if len(first) > 1 else None
-    sch = ((reps[0].get("vpager") or {}).get("schedule") or {})
+    first_s, worst, steady = got
+    sch = ((r["reps"][0].get("vpager") or {}).get("schedule") or {})
     return "first prompt %.3f s; worst step after the first %s%s" % (
-        reps[0]["sample_s"],
+        first_s,
         "%.1f ms = %.2f x the last prompt's steady %.1f" % (
             worst, worst / steady, steady) if worst and steady else "-",
         "; planned from remembered work" if sch.get("remembered") else "")
@@ -690,28 +701,23 @@ def first_prompts(cr, runs):
     runs of its budget ("6", "6.2": a run repeated), and its worst step
     after the first over its last prompt's steady one, beside issue 29's
     targets; then the mean of each node run's repeats."""
-    def first(r):
-        reps = (r or {}).get("reps") or []
-        return reps[0]["sample_s"] if reps and "sample_s" in reps[0] \
-            else None
+    got = {run: first_prompt(cr, r) for run, r in runs.items()}
     theirs = {}
-    for run, r in runs.items():
-        if first(r) is not None and _named(run)[:1].isdigit():
-            theirs.setdefault(_named(run), []).append(first(r))
+    for run, g in got.items():
+        if g is not None and _named(run)[:1].isdigit():
+            theirs.setdefault(_named(run), []).append(g[0])
     names = {}
-    for run, r in runs.items():
-        if not run.startswith("node") or first(r) is None:
+    for run, g in got.items():
+        if not run.startswith("node") or g is None:
             continue
         peer = theirs.get(budget_of(run, {"bytes": 0})[0] or "")
         ref = sum(peer) / len(peer) if peer else None
-        f = r["reps"][0]["steps_ms"]
-        worst = max(f[1:]) / cr.steady(r["reps"][-1]["steps_ms"]) \
-            if len(f) > 1 else None
-        names.setdefault(_named(run), []).append((first(r), ref, worst))
+        worst = g[1] / g[2] if g[1] and g[2] else None
+        names.setdefault(_named(run), []).append((g[0], ref, worst))
         say("%s: first prompt %.3f s%s; worst step after the first %s "
             "(targets <= %.1f, <= %.1f)" % (
-                run, first(r), " = %.3f x ComfyUI's (%d runs)"
-                % (first(r) / ref, len(peer)) if ref else "",
+                run, g[0], " = %.3f x ComfyUI's (%d runs)"
+                % (g[0] / ref, len(peer)) if ref else "",
                 "%.2f x steady" % worst if worst else "-",
                 FIRST_PROMPT, FIRST_WORST))
     for name, got in names.items():
