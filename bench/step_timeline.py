@@ -7,7 +7,9 @@ host clock on the CPU) before and after each call of a module that holds
 parameters of its own, and prints the rows as one line of TAG + JSON in the
 child's log. A call's time includes what its forward waits for on the
 device (a vpager unit's copies); the gap before it is what ran between
-(attention, norms, the host's own stalls).
+(attention, norms, the host's own stalls). Each mark also takes the host
+clock: a call's "lead" is how long before the GPU reached it the host had
+queued it (near 0: the GPU waited for the host, a host-bound stretch).
 
     python3 bench/step_timeline.py RESIDENT_LOG NODE_LOG [--top 20]
 
@@ -17,7 +19,9 @@ grew the most.
 """
 import argparse
 import json
+import statistics
 import sys
+import time
 
 import benchlib
 
@@ -40,8 +44,8 @@ class StepTimeline:
         self.ctx = benchlib.Ctx(dry=not cuda)
         self.step = step
         self.on = step == 1         # step 1 starts with the sampling
-        self.start = None           # the step's start mark (None: step 1)
-        self.calls = []             # [name, start mark, end mark]
+        self.start = None           # (mark, host clock) of the step's start
+        self.calls = []             # [name, start mark, end mark, host]
         self.rows = None
         self.hooks = []
         for name, m in model.named_modules():
@@ -54,7 +58,8 @@ class StepTimeline:
     def _before(self, name):
         def hook(_module, _args):
             if self.on:
-                self.calls.append([name, self.ctx.mark(), None])
+                self.calls.append([name, self.ctx.mark(), None,
+                                   time.perf_counter()])
         return hook
 
     def _after(self, _module, _args, _out):
@@ -68,26 +73,32 @@ class StepTimeline:
         """Step `step` (0-based, as ComfyUI's callback counts) ended."""
         if self.on:
             self.on = False
-            end = self.ctx.mark()
+            end = (self.ctx.mark(), time.perf_counter())
             self.ctx.sync()
             self.rows = self._rows(end)
         elif step + 2 == self.step:
             self.on = True
-            self.start = self.ctx.mark()
+            self.start = (self.ctx.mark(), time.perf_counter())
 
     def _rows(self, end):
         calls = [c for c in self.calls if c[2] is not None]
         self.calls = []
         if not calls:
             return []
-        prev = self.start if self.start is not None else calls[0][1]
+        first, host0 = (self.start if self.start is not None
+                        else (calls[0][1], calls[0][3]))
+        prev = first
         rows = []
-        for name, a, b in calls:
+        for name, a, b, host in calls:
             rows.append({"name": name, "gap_ms": max(self.ctx.ms(prev, a), 0.0),
-                         "ms": max(self.ctx.ms(a, b), 0.0)})
+                         "ms": max(self.ctx.ms(a, b), 0.0),
+                         "lead_ms": self.ctx.ms(first, a) -
+                         (host - host0) * 1e3})
             prev = b
         rows.append({"name": "(after the last call)",
-                     "gap_ms": max(self.ctx.ms(prev, end), 0.0), "ms": 0.0})
+                     "gap_ms": max(self.ctx.ms(prev, end[0]), 0.0), "ms": 0.0,
+                     "lead_ms": self.ctx.ms(first, end[0]) -
+                     (end[1] - host0) * 1e3})
         return rows
 
     def remove(self):
@@ -101,6 +112,17 @@ def summary(rows):
     calls = sum(r["ms"] for r in rows)
     gaps = sum(r["gap_ms"] for r in rows)
     return calls + gaps, calls, gaps
+
+
+def host_side(rows, near=0.05):
+    """(calls the GPU reached within `near` ms of the host queuing them,
+    the median lead in ms, the step's end's lead): a host-bound step has
+    many such calls and a small lead. None for logs from before leads."""
+    leads = [r["lead_ms"] for r in rows if "lead_ms" in r]
+    if not leads:
+        return None
+    return (sum(x < near for x in leads[:-1]), statistics.median(leads),
+            leads[-1])
 
 
 def by_name(rows):
@@ -133,6 +155,13 @@ def compare(a_rows, b_rows, top=20):
     tb, cb, gb = summary(b_rows)
     out = ["step: %.2f ms -> %.2f ms (calls %.2f -> %.2f, gaps %.2f -> "
            "%.2f)" % (ta, tb, ca, cb, ga, gb)]
+    for tag, rows in (("a", a_rows), ("b", b_rows)):
+        h = host_side(rows)
+        if h is not None:
+            out.append("%s: the GPU reached %d of %d calls within 0.05 ms of "
+                       "the host queuing them; median lead %.2f ms, at the "
+                       "step's end %.2f ms" % (tag, h[0], len(rows) - 1,
+                                               h[1], h[2]))
     a, b = by_name(a_rows), by_name(b_rows)
     deltas = []
     for name, (ms, gap, n) in b.items():

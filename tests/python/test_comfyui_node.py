@@ -665,11 +665,18 @@ def test_bench_step_timeline():
             for k in ("norm", "up", "down")]
     assert names == want + ["(after the last call)"], names
     assert all(r["ms"] >= 0 and r["gap_ms"] >= 0 for r in tl.rows)
+    # The CPU's marks are the host clock: every call's lead is ~0 (the
+    # "GPU" reaches a call as the host queues it, a host-bound step).
+    assert all(abs(r["lead_ms"]) < 1.0 for r in tl.rows), tl.rows
     slower = [dict(r) for r in tl.rows]
     slower[3]["ms"] += 50.0
     lines = st.compare(tl.rows, slower, top=3)
-    assert lines[0].startswith("step: ") and len(lines) == 5, lines
-    assert lines[2].split()[0] == "blocks.1.norm", lines
+    assert lines[0].startswith("step: ") and len(lines) == 7, lines
+    assert lines[1].startswith("a: the GPU reached "), lines
+    assert lines[4].split()[0] == "blocks.1.norm", lines
+    # A log from before leads were kept compares without the host lines.
+    old = [{k: v for k, v in r.items() if k != "lead_ms"} for r in tl.rows]
+    assert len(st.compare(old, old, top=3)) == 5
 
 
 def test_ledger():
