@@ -63,13 +63,16 @@ them). Never patches ComfyUI; writes nothing into the ComfyUI tree.
 
 import argparse
 import copy
+import cProfile
 import ctypes
 import faulthandler
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import platform
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -107,6 +110,11 @@ STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
 # VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
 # (bench/step_timeline.py, which also compares two runs' logs).
 TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
+# VPAGER_BENCH_PROFILE=N: step N of each prompt under cProfile, its host
+# functions by own time printed (PROFILE_TOP of them): where a host-bound
+# step's time goes (the step_timeline's leads tell that it is one).
+PROFILE = _step_env("VPAGER_BENCH_PROFILE")
+PROFILE_TOP = 30
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -1028,6 +1036,7 @@ def child_sample(a):
         snaps = [vstats()] if vstats is not None else []
         tl = step_timeline.StepTimeline(p.model.diffusion_model,
                                         TIMELINE) if TIMELINE else None
+        prof = cProfile.Profile() if PROFILE else None
 
         def cb(step, x0, x, total_steps):
             if STEP_SYNC == "device":
@@ -1039,9 +1048,17 @@ def child_sample(a):
                 snaps.append(vstats())
             if tl is not None:
                 tl.step_done(step)
+            if prof is not None and step + 1 == PROFILE:
+                prof.disable()
+                say_profile("%s, rep %d, step %d" % (label, rep, PROFILE),
+                            prof)
+            elif prof is not None and step + 2 == PROFILE:
+                prof.enable()
 
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
+        if prof is not None and PROFILE == 1:
+            prof.enable()
         t0 = time.perf_counter()
         out = comfy.sample.sample(p, noise, a.steps, 1.0, "euler",
                                   "simple", pos, neg, latent, callback=cb,
@@ -1160,6 +1177,20 @@ def say_step_stats(label, steps_ms, snaps):
                 "%s %d" % (k, step_counter(b, k) - step_counter(a, k))
                 for k in STEP_KEYS if step_counter(a, k) is not None
                 and step_counter(b, k) is not None)))
+
+
+def say_profile(label, prof):
+    """A profiled step's host functions, the most own time first, then
+    the most time with what they call."""
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(PROFILE_TOP)
+    st.sort_stats("cumulative").print_stats(PROFILE_TOP)
+    say("COMFYUI_PROFILE %s (host seconds; the profiler's own cost "
+        "included)" % label)
+    for line in out.getvalue().splitlines():
+        if line.strip():
+            say("  " + line)
 
 
 def child_env(a, more_path=()):
