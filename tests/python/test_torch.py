@@ -257,6 +257,39 @@ def test_views_over_host_memory():
     assert ph.shape == (3, 7) and ph.numel() == 21 and torch.isnan(ph).all()
 
 
+def test_views_cut_from_one_region():
+    """views.Region (the hot path's views of acquired weights): a view cut
+    from the base over the range is the one view() builds at the address,
+    a lower address makes a new base (the views cut before keep theirs),
+    one past the base's reach too, an unaligned or empty one is built
+    whole, and none is an inference tensor."""
+    buf = (ctypes.c_uint8 * 8192)()
+    addr = ctypes.addressof(buf)
+    from vpager.torch.views import Region
+    reg = Region("cpu", lambda p: addr + 4096)
+    src = torch.arange(24).reshape(2, 3, 4)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8):
+        v = reg.view(addr + 1024, dtype, (2, 3, 4))
+        v.copy_(src.to(dtype))
+        assert v.data_ptr() == addr + 1024 and v.shape == (2, 3, 4)
+        assert torch.equal(vt.view(addr + 1024, dtype, (2, 3, 4), "cpu"),
+                           src.to(dtype))
+    assert (reg.lo, reg.hi) == (addr + 1024, addr + 4096)
+    kept = reg.view(addr + 2048, torch.float32, (4,))
+    kept.fill_(2.0)
+    low = reg.view(addr + 512, torch.float16, (8,))
+    assert reg.lo == addr + 512 and low.data_ptr() == addr + 512
+    assert torch.equal(kept, torch.full((4,), 2.0))
+    far = reg.view(addr + 6144, torch.float32, (16,))
+    assert far.data_ptr() == addr + 6144 and reg.lo == addr + 6144
+    assert reg.view(addr + 6146, torch.float32, (2,)).data_ptr() == \
+        addr + 6146                                     # unaligned: whole
+    assert reg.view(addr, torch.float32, (0, 5)).shape == (0, 5)
+    assert reg.view(addr + 4096, torch.float32, ()).shape == ()
+    with torch.inference_mode():
+        assert not reg.view(addr + 6144, torch.float32, (4,)).is_inference()
+
+
 # ----------------------------------------------------------- correctness
 
 def test_offload_under_inference_mode():

@@ -29,7 +29,7 @@ from .layout import ALL
 from .patches import refill
 from .serial import new_lock
 from .units import Unit, refuse_copy
-from .views import view
+from .views import Region, view
 
 # Staged views cached per handle, by (address, dtype, shape): the ring
 # hands a weight a different slot on each pass, so a cache per weight
@@ -92,6 +92,12 @@ class HotPath:
         self.tuner = _NO_TUNER      # build.assemble sets the Tuner, if any
         self.keeper = None          # ... and the KeptFills (keptfills.py)
         self.staged = {}            # (address, dtype, shape) -> view
+        # Views cut from one tensor over the VBAR and one over the ring.
+        end = self.vbar.base + self.vbar.size
+        self.resident_views = Region(target, lambda p: end)
+        dev = self.device
+        self.staged_views = Region(
+            target, lambda p: p + dev.options["staging_size"])
         self.held = None            # WeightBatch of the held units' weights
         self.held_units = ()        # the units whose weights hold() takes
         self.holding = None         # the stream, while they are held
@@ -247,9 +253,9 @@ class HotPath:
         tuner = self.tuner
         try:
             if tuner.on:
-                tuner.before(unit)
+                tuner.before(unit, stream)
                 ptrs = batch.acquire(stream)
-                tuner.after()
+                tuner.after(stream)
             else:
                 ptrs = batch.acquire(stream)
         except BaseException:
@@ -271,15 +277,16 @@ class HotPath:
                 if flags[i] & _RESIDENT:
                     v = e.rview
                     if v is None:
-                        v = e.rview = view(p, e.dtype, e.shape, self.target)
+                        v = e.rview = self.resident_views.view(
+                            p, e.dtype, e.shape)
                 else:
                     k = (p, e.dtype, e.shape)
                     v = staged.get(k)
                     if v is None:
                         if len(staged) >= _STAGED_VIEWS:
                             staged.clear()
-                        v = staged[k] = view(p, e.dtype, e.shape,
-                                             self.target)
+                        v = staged[k] = self.staged_views.view(
+                            p, e.dtype, e.shape)
                 e.tensor.data = v
                 e.cur, e.curv = p, v
                 # Bytes fresh from the source, rewritten on the device
@@ -551,11 +558,10 @@ class HotPath:
     def _held_params(self, ptrs):
         """The Parameters hold() puts in the modules: one per held weight,
         over its VBAR address (made again when the weights move)."""
-        target = self.target
         lo, hi = ptrs[0], 0
         for e, p in zip(self._held_entries, ptrs):
             if e.rview is None or e.rview.data_ptr() != p:
-                e.rview = view(p, e.dtype, e.shape, target)
+                e.rview = self.resident_views.view(p, e.dtype, e.shape)
             if e.hparam is None or e.hparam.data_ptr() != p:
                 e.hparam = torch.nn.Parameter(e.rview, requires_grad=False)
             lo, hi = min(lo, p), max(hi, p + e.size)

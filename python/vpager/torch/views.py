@@ -2,6 +2,7 @@
 slots) and over host memory (HostBuf), without copying.
 
     view(ptr, dtype, shape, device)
+    Region(device, reach).view(ptr, dtype, shape)   # cut from one base
 
 On CUDA the tensor is made from an object exposing __cuda_array_interface__
 (version 3, no stream: the caller orders work itself); on the CPU (the
@@ -16,7 +17,7 @@ from typing import Sequence, Union
 
 import torch
 
-__all__ = ["view", "placeholder", "nbytes"]
+__all__ = ["view", "Region", "placeholder", "nbytes"]
 
 # __cuda_array_interface__ typestrs for an integer of each element size;
 # the tensor is then reinterpreted (.view(dtype)), so any dtype works,
@@ -31,8 +32,14 @@ def nbytes(dtype, shape):
     return n * _itemsize(dtype)
 
 
+_ITEMSIZE = {}
+
+
 def _itemsize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        n = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return n
 
 
 class _CudaMemory:
@@ -79,6 +86,43 @@ def view(ptr: int, dtype: torch.dtype, shape: Sequence[int],
                                    "(is it on %s?)" % (ptr, device))
             return t.view(dtype).view(shape)
     raise ValueError("vpager.torch: no tensor views on %s devices" % device)
+
+
+class Region:
+    """Views into one device range (a VBAR, the staging ring) cut from one
+    byte tensor over it: a slice costs a few us where view() builds a
+    tensor from an interface (10-30 us; on the node's SDXL, host-bound,
+    each forward after a placement made ~700 of them). The base starts at
+    the lowest address asked for so far (mapped then: an acquired
+    weight's) and reaches reach(ptr), where the range ends; an address
+    outside it makes a new base (the views cut before keep theirs). Only
+    the bytes of each view are ever touched."""
+
+    __slots__ = ("device", "reach", "base", "lo", "hi")
+
+    def __init__(self, device, reach):
+        self.device = torch.device(device)
+        self.reach = reach
+        self.base = None
+        self.lo = self.hi = 0
+
+    def view(self, ptr: int, dtype: torch.dtype,
+             shape: Sequence[int]) -> torch.Tensor:
+        item = _itemsize(dtype)
+        size = item
+        for d in shape:
+            size *= int(d)
+        if not size or ptr % item:
+            return view(ptr, dtype, shape, self.device)
+        if self.base is None or not self.lo <= ptr <= self.hi - size:
+            hi = max(int(self.reach(ptr)), ptr + size)
+            self.base = view(ptr, torch.uint8, (hi - ptr,), self.device)
+            self.lo, self.hi = ptr, hi
+        off = ptr - self.lo
+        if torch.is_inference_mode_enabled():   # as view(): not an
+            with torch.inference_mode(False):   # inference tensor
+                return self.base[off:off + size].view(dtype).view(shape)
+        return self.base[off:off + size].view(dtype).view(shape)
 
 
 _PLACEHOLDERS = {}
