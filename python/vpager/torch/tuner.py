@@ -71,6 +71,7 @@ SETTLED = 0.05
 SETTLED_ABS = 2e-3
 LOST_CALLS = 64             # unit calls per unit in one forward, at most
 MARK_STREAMS = 64           # streams whose Stream object _mark keeps
+MARK_EVENTS = 4             # events kept for marks, per unit call
 MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 # Holding the wholly resident units for the whole forward (HotPath.hold)
@@ -324,6 +325,7 @@ class Tuner:
         self.planner = _Planner() if env.flag(PLAN_THREAD, True) else None
         self.backlog = None         # marks of a forward measured meanwhile
         self.streams = {}           # raw stream handle -> its Stream (_mark)
+        self.events = []            # timing events read, for marks again
         self.unread = None          # marks whose forward the GPU still runs
         self.filling = None         # (planned windows, held units) to restore
         self.kept_bytes = 0         # resident bytes the last placement kept
@@ -587,9 +589,12 @@ class Tuner:
         host clock (the simulated device). raw: the stream's handle, which
         the hot path has (torch.cuda.current_stream costs ~20 us, two a
         unit: on the node's SDXL, host-bound, 1588 marks were ~30 ms of a
-        measured forward's host time); its Stream object is kept."""
+        measured forward's host time); its Stream object is kept, and
+        the events a forward's marks were read from are used again
+        (_work), not made and destroyed by the thousand."""
         if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
+            pool = self.events
+            ev = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
             s = self.streams.get(raw) if raw is not None else None
             if s is None:
                 s = torch.cuda.current_stream(self.target)
@@ -768,6 +773,10 @@ class Tuner:
             work[cur] += self._seconds(e, nxt)
         # What runs before the first unit follows the last one (cyclic).
         work[cur] += self._seconds(start, calls[0][1])
+        if self.cuda and len(self.events) < MARK_EVENTS * len(calls):
+            # Read, and the GPU is past them all: marks again.
+            self.events.extend(m for c in calls for m in c[1:])
+            self.events.extend((start, end))
         return work
 
     def _merge(self, raw, least=None):
