@@ -31,6 +31,12 @@
 #           (--runs node6 --reps 3), alternating, AB_PAIRS times (default
 #           2) each (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#   flux22_ab  BEFORE's node run of the 22 GiB model at 8 GiB, then this
+#           tree's with resident and ComfyUI's path (--reps 4): issue 28's
+#           RSS rows and the step against the tree before it
+#   switch_ab  BEFORE's node run of the 22 GiB model at 12 GiB (its bench
+#           has no --switch: the switch's second model alone), then this
+#           tree's --switch 19x38 run with resident and ComfyUI's path
 #   cgroup  bench_node --double 19 --single 38 --switch 8x16 --cgroup-gib 32
 #           --runs resident,node8,8: the 22 GiB model then a 9.4 GiB one
 #           in a 32 GiB memory cgroup, the resident reference outside it
@@ -59,14 +65,14 @@ C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
-KNOWN="$KNOWN cgroup first node_ab"
+KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
     *) echo "device_phases.sh: unknown phase '$PH' (phases: $KNOWN)" >&2
        exit 2 ;;
   esac
-  case $PH in before|lora_ab|node_ab)
+  case $PH in before|lora_ab|node_ab|flux22_ab|switch_ab)
     [ -d "${BEFORE:-}" ] || {
       echo "device_phases.sh: phase '$PH' needs BEFORE=<another tree's" \
            "folder>; BEFORE='${BEFORE:-}' is none" >&2
@@ -197,6 +203,16 @@ for PH in ${PHASES//+/ }; do
       --out "$L/lora_before"
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
       $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+  flux22_ab|switch_ab)
+    GREP='steady|x L|latents|RSS|budget|switch|Error|Traceback'
+    if [ "$PH" = flux22_ab ]; then BUD=8; MORE="--double 19 --single 38"
+    else BUD=12; MORE="--switch 19x38"; fi
+    TAILN=30 step ${PH%_ab}_before 200 env VPAGER_LIBRARY="$B/build/libvpager.so" \
+      python3 "$(node_bench "$B")" --comfyui "$C/ComfyUI" --double 19 \
+      --single 38 --runs node$BUD --reps 4 --out "$L/${PH%_ab}_before"
+    # shellcheck disable=SC2086
+    TAILN=60 step ${PH%_ab}_after "$(cap)" $N $MORE \
+      --runs resident,node$BUD,$BUD --reps 4 --out "$L/${PH%_ab}_after" ;;
   cgroup)
     GREP='steady|x L|latents|RSS|cgroup|OOM|NOT RUN|Error|Traceback'
     TAILN=60 step cgroup "$(cap)" $N --double 19 --single 38 --switch 8x16 \

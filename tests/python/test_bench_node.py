@@ -461,7 +461,9 @@ def test_device_phases_refuses_what_it_cannot_run():
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     env = dict(os.environ, BEFORE="")
     for phases, says in (("nope", "unknown phase 'nope'"),
-                         ("suites+lora_ab", "phase 'lora_ab' needs BEFORE")):
+                         ("suites+lora_ab", "phase 'lora_ab' needs BEFORE"),
+                         ("flux22_ab", "phase 'flux22_ab' needs BEFORE"),
+                         ("switch_ab", "phase 'switch_ab' needs BEFORE")):
         with tempfile.TemporaryDirectory() as out:
             env["OUT"] = out
             p = subprocess.run(["bash", script, phases, "10"], env=env,
