@@ -53,7 +53,9 @@ prompt); for runs under a budget the limit L = max(resident, (W - B +
 2 w_max) / link) (B: the budget less torch's peak reservation in that run,
 link: measured in the checkpoint's process) and steady / L, and for node
 runs the budget use (weights resident after the last prompt / (budget -
-torch's peak - the staging ring), target >= 0.95); with --lora,
+torch's peak - the staging ring), target >= 0.95); with three
+prompts or more (not --lora, not --switch), how far apart prompts
+2..N's steady steps are (target <= 2%); with --lora,
 per prompt the weights whose patch set changed against what the node
 refilled (its refills counter, bytes copied); with --vae, the second
 prompt's first step over the first prompt's steady step (no thrash: <= 1.1).
@@ -461,6 +463,8 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
                 lora_vs_L(cr, run, reps, runs.get("legacy"), link_ms, row)
         if bs is not None:
             budget_row(run, reps, bb, row)
+        if not a.lora and a.switch_shape is None:
+            prompts_row(cr, run, reps, row)
         if a.vae:
             # Prompt i after prompt i - 1 of the same weights (no patch
             # change between them): its first step holds the reload of
@@ -532,6 +536,24 @@ def budget_row(run, reps, budget, row):
            peak / GiB, sch["staging"] / GiB, use, BUDGET_USE_TARGET))
 
 
+def prompts_row(cr, run, reps, row):
+    """Issue 29's stable prompts: the steady steps of prompts 2..N of one
+    workflow (the same prompt again), the largest over the smallest less
+    one (target <= PROMPTS_APART); nothing with fewer than two of them."""
+    steady = [cr.steady(x["steps_ms"]) for x in reps[1:]
+              if x.get("steps_ms")]
+    if len(steady) < 2 or min(steady) <= 0:
+        return
+    apart = max(steady) / min(steady) - 1
+    row.update(prompts_steady_ms=steady, prompts_apart=apart)
+    say("%s: prompts 2..%d steady %s ms: %.1f%% apart (target <= %.0f%%)"
+        % (run, len(steady) + 1, " ".join("%.1f" % x for x in steady),
+           apart * 100, PROMPTS_APART * 100))
+
+
+# Issue 29's stable prompts: prompts 2..N's steady steps, largest over
+# smallest, at most this much apart.
+PROMPTS_APART = 0.02
 # Issue 29's model switch target (node / ComfyUI's dynamic path) and issue
 # 28's host RSS target (node / ComfyUI's dynamic path; and at most the
 # model files + RSS_OVER_FILES).

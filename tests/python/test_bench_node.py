@@ -315,6 +315,25 @@ def test_budget_use_row():
         assert row == {}
 
 
+def test_prompts_row():
+    """Issue 29's stable prompts: prompts 2..N's steady steps, the largest
+    over the smallest (target 2%); the first prompt left out, nothing
+    with fewer than two prompts after it."""
+    ns, cr = _bench()
+    with _said(ns["prompts_row"]) as lines:
+        steps = lambda ms: {"steps_ms": [900.0] + [ms] * 5}  # noqa: E731
+        row = {}
+        ns["prompts_row"](cr, "node6", [steps(300.0), steps(100.0),
+                                        steps(103.0), steps(101.0)], row)
+        assert row["prompts_steady_ms"] == [100.0, 103.0, 101.0], row
+        assert abs(row["prompts_apart"] - 0.03) < 1e-9, row
+        assert any("node6: prompts 2..4 steady 100.0 103.0 101.0 ms: 3.0% "
+                   "apart (target <= 2%)" in x for x in lines), lines
+        row = {}
+        ns["prompts_row"](cr, "6", [steps(300.0), steps(100.0)], row)
+        assert row == {}
+
+
 def test_l_row_from_legacy():
     """--lora runs no resident child: L's resident step is legacy's last
     prompt (the model resident, its LoRA removed), so a budget run's
