@@ -31,6 +31,11 @@
 #           (--runs node6 --reps 3), alternating, AB_PAIRS times (default
 #           2) each (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#   flux_diag  the node's Flux at 6 GiB beside resident, 10 steps, with
+#           VPAGER_BENCH_STEP_STATS (each step's ring and stream waits)
+#           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
+#           compared by bench/step_timeline.py: where the steps run over
+#           the plan's prediction (issue 29's 1.05 x L)
 #   flux22_ab  BEFORE's node run of the 22 GiB model at 8 GiB, then this
 #           tree's with resident and ComfyUI's path (--reps 4): issue 28's
 #           RSS rows and the step against the tree before it
@@ -65,7 +70,7 @@ C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
-KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab"
+KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -203,6 +208,16 @@ for PH in ${PHASES//+/ }; do
       --out "$L/lora_before"
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
       $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+  flux_diag)
+    GREP='steady|x L|latents|Error|Traceback'
+    TAILN=30 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_STEP_STATS=1 \
+      VPAGER_BENCH_TIMELINE=5 step flux_diag "$(cap)" $N --steps 10 \
+      --runs resident,node6 --out "$L/flux_diag"
+    GREP='step [0-9]+ \(|schedule \(forward'
+    TAILN=40 step flux_steps 10 cat "$L/flux_diag/run_node6.log"
+    GREP='.'
+    TAILN=40 step flux_timeline 30 python3 bench/step_timeline.py \
+      "$L/flux_diag/run_resident.log" "$L/flux_diag/run_node6.log" ;;
   flux22_ab|switch_ab)
     GREP='steady|x L|latents|RSS|budget|switch|Error|Traceback'
     if [ "$PH" = flux22_ab ]; then BUD=8; MORE="--double 19 --single 38"
