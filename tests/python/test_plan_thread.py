@@ -848,5 +848,79 @@ def test_cold_work_plans_as_the_settled_plan_on_the_h100s_logs():
         assert got["cold, as measured"] > 1.05, (head, rows)
 
 
+class _FakeEvent:
+    """torch.cuda.Event as the tuner's marks use it, its time a counter."""
+    made = 0
+    clock = 0.0
+
+    def __init__(self, enable_timing=False):
+        type(self).made += 1
+        self.t = None
+
+    def record(self, stream=None):
+        type(self).clock += 1.0
+        self.t = type(self).clock
+        self.stream = stream
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+class _FakeStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+def test_marks_reuse_their_stream_and_events():
+    """The CUDA tuner's marks (the hot path's, host-bound models pay two a
+    unit): recorded on the Stream object kept for the handle the hot path
+    gives (torch.cuda.current_stream asked once), and a forward's events,
+    once read, used for the next forward's marks (none made anew); the
+    work read from them as before. No GPU: torch.cuda's Event and
+    current_stream stand-ins, the Tuner's methods on a bare object."""
+    asked = []
+    real = torch.cuda.Event, torch.cuda.current_stream
+    torch.cuda.Event = _FakeEvent
+    torch.cuda.current_stream = lambda *a: asked.append(a) or _FakeStream(7)
+    try:
+        t = tuner.Tuner.__new__(tuner.Tuner)
+        t.cuda, t.target = True, torch.device("cuda", 0)
+        t.streams, t.events = {}, []
+        units = ["a", "b", "c"]
+
+        def forward():
+            start = t._mark()
+            calls = []
+            for u in units:
+                calls.append([u, t._mark(7), None])
+                calls[-1][2] = t._mark(7)
+            return calls, start, t._mark()
+        calls, start, end = forward()
+        assert _FakeEvent.made == 8 and len(asked) == 3, (_FakeEvent.made,
+                                                         asked)
+        work = t._work(calls, start, end)
+        # Each unit: the end of its acquire to the next one's start (c: to
+        # the end mark, plus the start mark to a's, cyclic): ms -> s.
+        assert work == {"a": 0.001, "b": 0.001, "c": 0.002}, work
+        assert len(t.events) == 8
+        made = _FakeEvent.made
+        calls, start, end = forward()
+        assert _FakeEvent.made == made and not t.events
+        assert len(asked) == 5          # the start and end marks only
+        assert t._work(calls, start, end) == work
+        # A handle the current stream does not have (the stand-in's is 7):
+        # nothing kept under it.
+        t._mark(9)
+        assert 7 in t.streams and 9 not in t.streams
+    finally:
+        torch.cuda.Event, torch.cuda.current_stream = real
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))
