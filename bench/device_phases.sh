@@ -31,6 +31,9 @@
 #           (--runs node6 --reps 3), alternating, AB_PAIRS times (default
 #           2) each (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#   prompts the node's Flux at 6 GiB beside resident and ComfyUI's path,
+#           10 prompts (--reps 10): prompts 2..10's steady steps, how far
+#           apart (issue 29's stable prompts, 2%)
 #   flux_diag  the node's Flux at 6 GiB beside resident, 10 steps, with
 #           VPAGER_BENCH_STEP_STATS (each step's ring and stream waits)
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
@@ -70,7 +73,7 @@ C=$R/build-clients
 OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
-KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag"
+KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag prompts"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -208,6 +211,10 @@ for PH in ${PHASES//+/ }; do
       --out "$L/lora_before"
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
       $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+  prompts)
+    GREP='steady|x L|latents|apart|Error|Traceback'
+    TAILN=40 step prompts "$(cap)" $N --runs resident,node6,6 --reps 10 \
+      --out "$L/prompts" ;;
   flux_diag)
     GREP='steady|x L|latents|Error|Traceback'
     TAILN=30 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_STEP_STATS=1 \
