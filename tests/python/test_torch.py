@@ -288,6 +288,16 @@ def test_views_cut_from_one_region():
     assert reg.view(addr + 4096, torch.float32, ()).shape == ()
     with torch.inference_mode():
         assert not reg.view(addr + 6144, torch.float32, (4,)).is_inference()
+    # A first address aligned only for its own dtype (offload(align=2)):
+    # the base starts below it, so a wider dtype cut later still views.
+    odd = Region("cpu", lambda p: addr + 8192)
+    h = odd.view(addr + 4098, torch.float16, (3,))
+    h.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert odd.lo == addr + 4096 and h.data_ptr() == addr + 4098
+    assert odd.view(addr + 4104, torch.float64, (2,)).data_ptr() == \
+        addr + 4104
+    assert torch.equal(vt.view(addr + 4098, torch.float16, (3,), "cpu"),
+                       torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16))
 
 
 # ----------------------------------------------------------- correctness

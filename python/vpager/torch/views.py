@@ -88,6 +88,9 @@ def view(ptr: int, dtype: torch.dtype, shape: Sequence[int],
     raise ValueError("vpager.torch: no tensor views on %s devices" % device)
 
 
+_BASE_ALIGN = 16            # the largest element size (complex128)
+
+
 class Region:
     """Views into one device range (a VBAR, the staging ring) cut from one
     byte tensor over it: a slice costs a few us where view() builds a
@@ -115,9 +118,13 @@ class Region:
         if not size or ptr % item:
             return view(ptr, dtype, shape, self.device)
         if self.base is None or not self.lo <= ptr <= self.hi - size:
+            # The base aligned for every dtype (a slice's offset from it
+            # must be a multiple of its element size; offload(align=) may
+            # place weights at any even address), within ptr's own page.
+            lo = ptr - ptr % _BASE_ALIGN
             hi = max(int(self.reach(ptr)), ptr + size)
-            self.base = view(ptr, torch.uint8, (hi - ptr,), self.device)
-            self.lo, self.hi = ptr, hi
+            self.base = view(lo, torch.uint8, (hi - lo,), self.device)
+            self.lo, self.hi = lo, hi
         off = ptr - self.lo
         if torch.is_inference_mode_enabled():   # as view(): not an
             with torch.inference_mode(False):   # inference tensor
