@@ -111,10 +111,7 @@ class Region:
 
     def view(self, ptr: int, dtype: torch.dtype,
              shape: Sequence[int]) -> torch.Tensor:
-        item = _itemsize(dtype)
-        size = item
-        for d in shape:
-            size *= int(d)
+        item, size = _itemsize(dtype), nbytes(dtype, shape)
         if not size or ptr % item:
             return view(ptr, dtype, shape, self.device)
         if self.base is None or not self.lo <= ptr <= self.hi - size:
