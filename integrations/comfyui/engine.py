@@ -39,7 +39,7 @@ import vpager.torch
 import vpager.torch.ledger as _ledger
 from vpager.governor import governor
 from vpager.torch import hostpolicy
-from vpager.torch.devices import learn_headroom
+from vpager.torch.devices import learn_headroom, torch_peak
 from vpager.weights import Source
 
 from . import quantized
@@ -391,12 +391,21 @@ class Pager:
         model used keeps its pages longest)."""
         self.h.prioritize()
 
-    def learn(self, force=False):
+    def learn(self, force=False, before=None):
         """Activations first (CUDA): torch's memory declared to the
-        device's Governor (vpager.torch.devices.learn_headroom)."""
+        device's Governor (vpager.torch.devices.learn_headroom; before:
+        torch's peak before patches computed on the device since, whose
+        temporaries are not the activations')."""
         if self.target.type != "cuda" or self.closed:
             return
-        learn_headroom(self.dev, self.target.index or 0, force)
+        learn_headroom(self.dev, self.target.index or 0, force,
+                       before=before)
+
+    def torch_peak(self):
+        """torch's peak on the device now (None: not CUDA)."""
+        if self.target.type != "cuda" or self.closed:
+            return None
+        return torch_peak(self.target.index or 0)
 
     def finish_recording(self):
         """Weights placed in the order their units ran, if the diffusion

@@ -510,6 +510,7 @@ class VpagerPatcher:
             self._vp_prepare_op(name, m)
         # Patched weights: only those whose patch set changed refill.
         refilled = computed = 0
+        before = pager.torch_peak()
         for e in pager.entries:
             patches = self.patches.get(e.key) or None
             if engine.same_patch(e.patch, patches):
@@ -522,7 +523,10 @@ class VpagerPatcher:
             # torch's cache would keep those blocks reserved, room the
             # budget's weights and the staging ring then lack. (Weights
             # patched at fill compute in the forward: nothing to give.)
+            # Nor is the peak they raised the activations': learned below.
             torch.cuda.empty_cache()
+        else:
+            before = None
         # The rest ComfyUI's way: straight to the device; a parameter
         # of a module that is no ComfyUI op in the dtype the model
         # declares for it, as ComfyUI's dynamic path puts it there
@@ -550,7 +554,7 @@ class VpagerPatcher:
             self._comfy.utils.set_attr_buffer(self.model, key, moved)
             self.model.model_loaded_weight_memory += engine.nbytes(moved)
         pager.prioritize(force=True)
-        pager.learn(force=True)
+        pager.learn(force=True, before=before)
         self.model.device = device_to
         self.model.current_weight_patches_uuid = self.patches_uuid
         self._vp_refilled = refilled

@@ -45,7 +45,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 __all__ = ["Governor", "governor", "UserBudget", "HostFlags",
            "PlatformLimit", "TorchMemory", "NO_LIMIT", "MARGIN_MAX",
@@ -124,6 +124,9 @@ class Governor:
         self.flags: Optional[HostFlags] = None
         self.platform = PlatformLimit(None, 0)
         self.torch: Optional[TorchMemory] = None
+        # (torch's peak counter, the peak it stands for): vpager's own
+        # work raised the counter (mask_torch_peak), until it moves.
+        self.torch_mask: Optional[Tuple[int, int]] = None
         self.oom_margin: int = 0
         self.learned: int = 0
         self.learned_at: float = float("-inf")
@@ -184,6 +187,12 @@ class Governor:
     def declare_torch(self, reserved: int, peak: int) -> int:
         """Torch's memory before a forward: the learned headroom (and a
         shared budget's limit) follow; returns the headroom."""
+        if self.torch_mask is not None:
+            counter, before = self.torch_mask
+            if peak == counter:
+                peak = max(before, reserved)
+            else:               # a higher peak since, or a client's reset
+                self.torch_mask = None
         if self.torch is not None:
             peak = max(peak, self.torch.peak)
         self.torch = TorchMemory(int(reserved), int(peak))
@@ -195,8 +204,23 @@ class Governor:
         return self.headroom
 
     @_one_at_a_time
+    def mask_torch_peak(self, counter: int, before: int) -> None:
+        """vpager's own work on the device (a LoRA's patch computed at
+        fill) raised torch's peak counter from `before` to `counter`; its
+        temporaries are gone since. The forwards' activations never needed
+        that room: until the counter moves, it reads as `before` (with
+        what torch holds at each read), so the weights get the room back.
+        Flux 9.4 GiB at 6 GiB kept 0.44 GB fewer weights resident after a
+        LoRA's first fills (peak 1.37 GB against 0.95), 8% slower steps."""
+        self.torch_mask = (int(counter), int(before))
+        t = self.torch
+        if t is not None and before < t.peak <= counter:
+            self.torch = TorchMemory(t.reserved, int(before))
+
+    @_one_at_a_time
     def forget_torch_peak(self) -> None:
         """A fresh torch (tests): the largest peak read is forgotten."""
+        self.torch_mask = None
         if self.torch is not None:
             self.torch = TorchMemory(self.torch.reserved, 0)
 

@@ -167,6 +167,31 @@ def test_two_threads_leave_the_device_as_recorded():
     assert gov.shared_headroom == dev.shared == 2 * PAGE
 
 
+def test_a_masked_torch_peak_reads_as_the_one_before():
+    """mask_torch_peak: torch's counter, raised by vpager's own work, reads
+    as the peak before it (or what torch holds, if more) until it moves;
+    a higher counter or a client's reset ends it."""
+    dev = sim()
+    try:
+        gov = governor(dev)
+        gov.declare_torch(100 * M, 900 * M)     # read between the two
+        gov.mask_torch_peak(900 * M, 300 * M)
+        assert gov.torch.peak == 300 * M
+        gov.declare_torch(100 * M, 900 * M)
+        assert gov.torch.peak == 300 * M and gov.learned == 200 * M + 15 * M
+        gov.declare_torch(500 * M, 900 * M)     # torch holds more now
+        assert gov.torch.peak == 500 * M
+        gov.declare_torch(100 * M, 200 * M)     # a client reset the counter
+        assert gov.torch_mask is None and gov.torch.peak == 500 * M
+        gov.declare_torch(100 * M, 900 * M)     # a real peak now
+        assert gov.torch.peak == 900 * M
+        gov.mask_torch_peak(950 * M, 900 * M)
+        gov.forget_torch_peak()
+        assert gov.torch_mask is None
+    finally:
+        dev.close()
+
+
 def test_derived_limit_is_the_smallest_input():
     """The user's budget, a shared budget less torch's peak and margin,
     the platform's soft limit less torch's reservation and its margin:

@@ -204,11 +204,23 @@ def torch_reserved(index):
             torch.cuda.max_memory_reserved(index))
 
 
-def learn_headroom(dev, index, force=False):
+def torch_peak(index):
+    """The most torch's caching allocator has held on CUDA device `index`
+    (through the seam, vpager.torch._torch_reserved)."""
+    return sys.modules[__package__]._torch_reserved(index)[1]
+
+
+def learn_headroom(dev, index, force=False, before=None):
     """Declare torch's memory on CUDA device `index` to dev's Governor
     (at most every LEARN_EVERY s unless force), so that vpager leaves
     torch room for the activations of the forward about to run; returns
     the headroom, or None when it was learned too recently.
+
+    before: torch's peak (torch_peak) before vpager's own work on the
+    device since the last learn (fills: a LoRA's patch computed at an
+    acquire). If that work raised it, its temporaries, freed but still
+    cached by torch, go back to the device (empty_cache) and the Governor
+    reads the raised peak as `before` (Governor.mask_torch_peak).
 
     cuMemGetInfo (the budget's device_free_now) already counts what torch's
     allocator holds as used, so that needs no room kept for it; what must
@@ -223,7 +235,12 @@ def learn_headroom(dev, index, force=False):
     if not force and now - gov.learned_at < LEARN_EVERY:
         return None
     gov.learned_at = now
-    reserved, peak = sys.modules[__package__]._torch_reserved(index)
+    read = sys.modules[__package__]._torch_reserved
+    reserved, peak = read(index)
+    if before is not None and peak > before:
+        torch.cuda.empty_cache()
+        reserved, peak = read(index)
+        gov.mask_torch_peak(peak, before)
     return gov.declare_torch(reserved, peak)
 
 

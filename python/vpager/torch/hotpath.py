@@ -24,7 +24,7 @@ import torch
 from .. import ACQUIRED_COPIED, ACQUIRED_RESIDENT, PAGE_RESIDENT
 from ..errors import Error
 from ..weights import WeightBatch
-from .devices import LEARN_EVERY, cuda_index, learn_headroom
+from .devices import LEARN_EVERY, cuda_index, learn_headroom, torch_peak
 from .layout import ALL
 from .patches import refill
 from .serial import new_lock
@@ -116,6 +116,10 @@ class HotPath:
         # acquires such a weight resident waits for the event.
         self.fill_marks = {}        # Entry -> (stream, torch.cuda.Event)
         self._filled = []           # Entries filled by this acquire
+        # torch's peak before the first fill since the last learn (None:
+        # no fill since); learns: torch's allocator is read (CUDA).
+        self.peak_before_fills = None
+        self.learns = target.type == "cuda"
         self.blocks = 0             # acquired() blocks open
         self._check_open = check_open
         self._is_open = is_open
@@ -310,6 +314,8 @@ class HotPath:
         copies the result to the host if it armed a buffer for it."""
         self.fills += 1
         self.fill_bytes += e.size
+        if self.learns and self.peak_before_fills is None:
+            self.peak_before_fills = torch_peak(self.index)
         try:
             e.fill(v)
         except Exception as x:
@@ -703,7 +709,8 @@ class HotPath:
         # Reading torch's statistics costs ~30 us: at most once every
         # LEARN_EVERY seconds, so short forwards do not pay it each time
         # (a bigger forward in between is what the OOM retry is for).
-        if time.monotonic() - self.ds.gov.learned_at >= LEARN_EVERY:
+        if time.monotonic() - self.ds.gov.learned_at >= LEARN_EVERY or \
+                self.peak_before_fills is not None:
             self.learn()
 
     def learn(self):
@@ -711,6 +718,9 @@ class HotPath:
         device has no torch allocator to learn from): keep free what
         torch may still grab (devices.learn_headroom: the Governor). Two
         torch calls, and one vp call when the headroom changes, per root
-        forward."""
+        forward. Fills since the last learn: the peak their temporaries
+        raised is not the activations' (devices.learn_headroom)."""
+        before, self.peak_before_fills = self.peak_before_fills, None
         if self._is_open():
-            learn_headroom(self.device, self.index, force=True)
+            learn_headroom(self.device, self.index, force=True,
+                           before=before)
