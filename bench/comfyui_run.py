@@ -115,6 +115,10 @@ TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
 # step's time goes (the step_timeline's leads tell that it is one).
 PROFILE = _step_env("VPAGER_BENCH_PROFILE")
 PROFILE_TOP = 30
+# VPAGER_BENCH_GOVERNOR=1: each change the device's Governor makes (limit,
+# headroom; why: torch's reserved and peak read) printed with its time:
+# where a replan's room came from.
+GOVERNOR_LOG = os.environ.get("VPAGER_BENCH_GOVERNOR") == "1"
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -1375,6 +1379,17 @@ def machine(a):
     return lines
 
 
+def log_governor():
+    """VPAGER_BENCH_GOVERNOR: the Governor's changes on stderr, timed."""
+    import logging
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(asctime)s governor: %(message)s"))
+    g = logging.getLogger("vpager.governor")
+    g.addHandler(h)
+    g.setLevel(logging.DEBUG)
+    g.propagate = False
+
+
 def main(argv=None):
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.child:
@@ -1382,6 +1397,8 @@ def main(argv=None):
             raise SystemExit("--child needs --comfyui and --workdir")
         if a.child == "gen":
             return child_gen(a)
+        if GOVERNOR_LOG:
+            log_governor()
         return child_sample(a)
     if a.check:
         return check(a)

@@ -405,7 +405,7 @@ class Pager:
         """torch's peak on the device now (None: not CUDA)."""
         if self.target.type != "cuda" or self.closed:
             return None
-        return torch_peak(self.target.index or 0)
+        return torch_peak(self.dev, self.target.index or 0)
 
     def finish_recording(self):
         """Weights placed in the order their units ran, if the diffusion

@@ -204,10 +204,13 @@ def torch_reserved(index):
             torch.cuda.max_memory_reserved(index))
 
 
-def torch_peak(index):
+def torch_peak(dev, index):
     """The most torch's caching allocator has held on CUDA device `index`
-    (through the seam, vpager.torch._torch_reserved)."""
-    return sys.modules[__package__]._torch_reserved(index)[1]
+    (through the seam, vpager.torch._torch_reserved), or the largest
+    peak dev's Governor has read if more (a client reset the counter)."""
+    t = governor(dev).torch
+    peak = sys.modules[__package__]._torch_reserved(index)[1]
+    return peak if t is None else max(peak, t.peak)
 
 
 def learn_headroom(dev, index, force=False, before=None):

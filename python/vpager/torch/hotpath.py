@@ -315,7 +315,8 @@ class HotPath:
         self.fills += 1
         self.fill_bytes += e.size
         if self.learns and self.peak_before_fills is None:
-            self.peak_before_fills = torch_peak(self.index)
+            self.peak_before_fills = torch_peak(self.device,
+                                               self.index)
         try:
             e.fill(v)
         except Exception as x:
