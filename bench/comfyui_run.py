@@ -1380,14 +1380,26 @@ def machine(a):
 
 
 def log_governor():
-    """VPAGER_BENCH_GOVERNOR: the Governor's changes on stderr, timed."""
-    import logging
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(logging.Formatter("%(asctime)s governor: %(message)s"))
-    g = logging.getLogger("vpager.governor")
-    g.addHandler(h)
-    g.setLevel(logging.DEBUG)
-    g.propagate = False
+    """VPAGER_BENCH_GOVERNOR: the Governor's changes on stderr, timed
+    (its own debug log is not used: ComfyUI's logging setup disables the
+    loggers made before it)."""
+    from vpager import governor as gm
+    changed, oom = gm.Governor._changed, gm.Governor.raise_oom_margin
+
+    def said(what, old, new, why):
+        sys.stderr.write("%.3f governor: %s %d -> %d (%s)\n"
+                         % (time.monotonic(), what, old, new, why))
+
+    def on_change(self, what, old, new, why):
+        said(what, old, new, why)
+        return changed(self, what, old, new, why)
+
+    def on_oom(self):
+        old = self.oom_margin
+        oom(self)
+        said("oom margin", old, self.oom_margin, "an out-of-memory retry")
+    gm.Governor._changed = on_change
+    gm.Governor.raise_oom_margin = on_oom
 
 
 def main(argv=None):
