@@ -963,6 +963,8 @@ def child_sample(a):
     # A child that hangs leaves every thread's stack in its log before the
     # parent kills it at --timeout.
     faulthandler.dump_traceback_later(max(5, a.timeout - 10), exit=False)
+    if GOVERNOR_LOG:
+        log_governor()
     import logging
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -1409,8 +1411,6 @@ def main(argv=None):
             raise SystemExit("--child needs --comfyui and --workdir")
         if a.child == "gen":
             return child_gen(a)
-        if GOVERNOR_LOG:
-            log_governor()
         return child_sample(a)
     if a.check:
         return check(a)
