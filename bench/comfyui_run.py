@@ -1400,8 +1400,19 @@ def log_governor():
         old = self.oom_margin
         oom(self)
         said("oom margin", old, self.oom_margin, "an out-of-memory retry")
+    mask, declare = gm.Governor.mask_torch_peak, gm.Governor.declare_torch
+
+    def on_mask(self, counter, before):
+        said("torch peak masked", counter, before, "fills")
+        return mask(self, counter, before)
+
+    def on_declare(self, reserved, peak):
+        said("torch read", reserved, peak, "reserved, peak")
+        return declare(self, reserved, peak)
     gm.Governor._changed = on_change
     gm.Governor.raise_oom_margin = on_oom
+    gm.Governor.mask_torch_peak = on_mask
+    gm.Governor.declare_torch = on_declare
 
 
 def main(argv=None):
