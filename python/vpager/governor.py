@@ -204,10 +204,21 @@ class Governor:
         return self.headroom
 
     @_one_at_a_time
+    def peak_seen(self, counter: int) -> int:
+        """torch's peak as this Governor reads torch's counter `counter`:
+        a masked counter as the peak before it (mask_torch_peak), never
+        below the largest peak read."""
+        m = self.torch_mask
+        if m is not None and counter == m[0]:
+            counter = m[1]
+        return counter if self.torch is None else max(counter,
+                                                       self.torch.peak)
+
+    @_one_at_a_time
     def mask_torch_peak(self, counter: int, before: int) -> None:
-        """vpager's own work on the device (a LoRA's patch computed at
-        fill) raised torch's peak counter from `before` to `counter`; its
-        temporaries are gone since. The forwards' activations never needed
+        """vpager's own work on the device, done once (a LoRA's patch
+        computed at the fill of a resident weight) raised torch's peak
+        counter from `before` to `counter`; its temporaries are gone since. The forwards' activations never needed
         that room: until the counter moves, it reads as `before` (with
         what torch holds at each read), so the weights get the room back.
         Flux 9.4 GiB at 6 GiB kept 0.44 GB fewer weights resident after a

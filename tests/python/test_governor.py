@@ -177,6 +177,8 @@ def test_a_masked_torch_peak_reads_as_the_one_before():
         gov.declare_torch(100 * M, 900 * M)     # read between the two
         gov.mask_torch_peak(900 * M, 300 * M)
         assert gov.torch.peak == 300 * M
+        assert gov.peak_seen(900 * M) == 300 * M    # a fill's read of it
+        assert gov.peak_seen(950 * M) == 950 * M
         gov.declare_torch(100 * M, 900 * M)
         assert gov.torch.peak == 300 * M and gov.learned == 200 * M + 15 * M
         gov.declare_torch(500 * M, 900 * M)     # torch holds more now

@@ -1541,6 +1541,41 @@ def test_fills_peak_is_not_the_activations():
         dev.close()
 
 
+def test_streamed_fills_peak_counts():
+    """A streamed weight's fill runs at each of its fills: its
+    temporaries are every forward's, so torch's peak counts as read (not
+    masked as a resident weight's one-off fill's is)."""
+    seen = {"now": 10 * K, "peak": 30 * K}
+    saved = vt._torch_reserved
+    vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
+    try:
+        m = mlp()
+        ref = frozen_copy(m)
+        x = torch.randn(8, 64)
+        h = offload_sim(m, budget=768 * K, staging=320 * K)
+        hot = h.hot_path
+        hot.learns = True       # torch read as on CUDA: the stand-in above
+        hot.learn()
+
+        def fill(view):
+            seen["peak"] = 90 * K           # the patch's temporaries
+            view.mul_(1)
+        for name, p in m.named_parameters():
+            if name.endswith("weight"):
+                h.set_fill(name, fill)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        assert h.stats()["model"]["weight_staged"] > 0    # some stream
+        assert hot.streamed_fill and hot.peak_before_fills == 30 * K
+        hot.learn()
+        gov = governor(h.device)
+        assert not hot.streamed_fill and gov.torch_mask is None
+        assert gov.stats()["inputs"]["torch_peak"] == 90 * K
+        h.unload()
+    finally:
+        vt._torch_reserved = saved
+
+
 def test_unload_restores_a_working_module():
     m = mlp(depth=2)
     ref = frozen_copy(m)

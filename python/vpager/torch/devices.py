@@ -206,11 +206,10 @@ def torch_reserved(index):
 
 def torch_peak(dev, index):
     """The most torch's caching allocator has held on CUDA device `index`
-    (through the seam, vpager.torch._torch_reserved), or the largest
-    peak dev's Governor has read if more (a client reset the counter)."""
-    t = governor(dev).torch
-    peak = sys.modules[__package__]._torch_reserved(index)[1]
-    return peak if t is None else max(peak, t.peak)
+    (through the seam, vpager.torch._torch_reserved) as dev's Governor
+    reads it (Governor.peak_seen)."""
+    counter = sys.modules[__package__]._torch_reserved(index)[1]
+    return governor(dev).peak_seen(counter)
 
 
 def learn_headroom(dev, index, force=False, before=None):
@@ -220,8 +219,8 @@ def learn_headroom(dev, index, force=False, before=None):
     the headroom, or None when it was learned too recently.
 
     before: torch's peak (torch_peak) before vpager's own work on the
-    device since the last learn (fills: a LoRA's patch computed at an
-    acquire). If that work raised it, its temporaries, freed but still
+    device since the last learn, done once (fills of resident weights: a
+    LoRA's patch computed at an acquire). If that work raised it, its temporaries, freed but still
     cached by torch, go back to the device (empty_cache) and the Governor
     reads the raised peak as `before` (Governor.mask_torch_peak).
 

@@ -117,8 +117,11 @@ class HotPath:
         self.fill_marks = {}        # Entry -> (stream, torch.cuda.Event)
         self._filled = []           # Entries filled by this acquire
         # torch's peak before the first fill since the last learn (None:
-        # no fill since); learns: torch's allocator is read (CUDA).
+        # no fill since); whether a streamed weight's fill ran since (its
+        # temporaries come back at each of its fills: a peak of every
+        # forward); learns: torch's allocator is read (CUDA).
         self.peak_before_fills = None
+        self.streamed_fill = False
         self.learns = target.type == "cuda"
         self.blocks = 0             # acquired() blocks open
         self._check_open = check_open
@@ -296,7 +299,7 @@ class HotPath:
                 # Bytes fresh from the source, rewritten on the device
                 # (patches.set_fill: a patch computed at fill).
                 if e.fill is not None and flags[i] & _COPIED:
-                    self.fill(e, v)
+                    self.fill(e, v, flags[i] & _RESIDENT)
             if self._filled:
                 self._mark_fills(stream)
         except BaseException:
@@ -306,17 +309,21 @@ class HotPath:
             raise
         return stream, prev
 
-    def fill(self, e, v):
-        """Weight e's fill (patches.set_fill) over its fresh bytes in v;
+    def fill(self, e, v, resident=False):
+        """Weight e's fill (patches.set_fill) over its fresh bytes in v
+        (resident: v lies in its resident place, else in the ring);
         after an out-of-memory error (a fill that raises leaves the bytes
         as they were) once more, with vpager's unpinned pages evicted and
         torch's cache emptied, as retry() does for a forward. The keeper
         copies the result to the host if it armed a buffer for it."""
         self.fills += 1
         self.fill_bytes += e.size
-        if self.learns and self.peak_before_fills is None:
-            self.peak_before_fills = torch_peak(self.device,
-                                               self.index)
+        if self.learns:
+            if self.peak_before_fills is None:
+                self.peak_before_fills = torch_peak(self.device,
+                                                   self.index)
+            if not resident:
+                self.streamed_fill = True
         try:
             e.fill(v)
         except Exception as x:
@@ -528,7 +535,8 @@ class HotPath:
                 for i, e in enumerate(self._held_entries):
                     if e.fill is not None and flags[i] & _COPIED:
                         self.fill(e, view(ptrs[i], e.dtype, e.shape,
-                                          self.target))
+                                          self.target),
+                                  flags[i] & _RESIDENT)
                 if self._filled:
                     self._mark_fills(stream)
         except BaseException:
@@ -720,8 +728,11 @@ class HotPath:
         torch may still grab (devices.learn_headroom: the Governor). Two
         torch calls, and one vp call when the headroom changes, per root
         forward. Fills since the last learn: the peak their temporaries
-        raised is not the activations' (devices.learn_headroom)."""
+        raised is not the activations' (devices.learn_headroom), unless
+        a streamed weight's fill was among them (it runs again)."""
         before, self.peak_before_fills = self.peak_before_fills, None
+        if self.streamed_fill:
+            before, self.streamed_fill = None, False
         if self._is_open():
             learn_headroom(self.device, self.index, force=True,
                            before=before)
