@@ -40,7 +40,7 @@ torch = _runner.require_torch(__name__)
 
 from vpager.torch import (  # noqa: E402
     devices, plancache, planproc, schedule, tuner)
-from test_torch import _scheduled_mlp, delta, environ  # noqa: E402
+from test_torch import _scheduled_mlp, delta, environ, mlp  # noqa: E402
 from _runner import raises  # noqa: E402
 
 WAIT = 60.0                 # seconds: only a hung planner reaches it
@@ -690,6 +690,48 @@ def test_a_new_room_is_planned_off_the_forwards_thread():
             assert clock.of(threading.get_ident()) == 0.0, clock.charged
     finally:
         tuner.WATCH_EVERY = old
+    h.unload()
+
+
+def test_a_weight_given_a_fill_is_planned_on_the_forwards_thread():
+    """A streamed weight given a fill (a LoRA): the plan keeping it
+    resident is made at the next forward's start on its thread (one
+    ring), not handed to the planner, so that forward fills it in its
+    resident place: its patch runs once, and its temporaries' peak is
+    read as a one-off (hotpath.fill), not as every forward's."""
+    old = tuner.WATCH_EVERY
+    tuner.WATCH_EVERY = 0.0
+    saved = devices_seam = None
+    try:
+        m, x, want, h = _threaded_mlp(cold_work=False)
+        _settle(m, x, want, h)
+        t = h.tuner
+        flat = t._costs({})[3]
+        streamed = [e.name for e, r in zip(flat, t.schedule.resident)
+                    if not r and e.name.endswith("weight")]
+        assert streamed
+        name = streamed[0]
+        h.set_fill(name, lambda v: v.mul_(2))
+        ref = mlp(depth=8)              # the same seed's weights
+        ref.get_parameter(name).data.mul_(2)
+        import vpager.torch as vt
+        saved, devices_seam = vt._torch_reserved, vt
+        vt._torch_reserved = lambda index: (0, 0)
+        hot = h.hot_path
+        hot.learns = True               # torch read as on CUDA: a stand-in
+        replans = t.replans
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        assert t.replans == replans + 1 and not t.planner.pending
+        flat = t._costs({})[3]
+        assert dict((e.name, r) for e, r in
+                    zip(flat, t.schedule.resident))[name]
+        assert hot.peak_before_fills is not None and not hot.streamed_fill
+    finally:
+        tuner.WATCH_EVERY = old
+        if devices_seam is not None:
+            devices_seam._torch_reserved = saved
+    h.hot_path.learns = False
     h.unload()
 
 

@@ -92,8 +92,18 @@ def test_a_weight_given_a_fill_is_planned_resident():
     patched.get_parameter(name).data.mul_(2)
     want2 = patched(x)
     replans = t.replans
-    assert torch.equal(m(x), want2)
+    hot, saved = h.hot_path, vt._torch_reserved
+    hot.learns = True           # torch read as on CUDA: a stand-in
+    vt._torch_reserved = lambda index: (0, 0)
+    try:
+        assert torch.equal(m(x), want2)
+    finally:
+        vt._torch_reserved = saved
+        hot.learns = False
     assert t.replans == replans + 1 and _planned(h)[name], _planned(h)
+    # Planned before this forward's acquires: its fill ran in its
+    # resident place (once: the next learn masks the peak it raised).
+    assert hot.peak_before_fills is not None and not hot.streamed_fill
     fills = h.hot_path.fills
     for _ in range(3):
         assert torch.equal(m(x), want2)
