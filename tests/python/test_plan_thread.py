@@ -38,6 +38,7 @@ _runner.add_paths("python")
 
 torch = _runner.require_torch(__name__)
 
+import vpager.torch as vt  # noqa: E402
 from vpager.torch import (  # noqa: E402
     devices, plancache, planproc, schedule, tuner)
 from test_torch import _scheduled_mlp, delta, environ, mlp  # noqa: E402
@@ -699,9 +700,8 @@ def test_a_weight_given_a_fill_is_planned_on_the_forwards_thread():
     ring), not handed to the planner, so that forward fills it in its
     resident place: its patch runs once, and its temporaries' peak is
     read as a one-off (hotpath.fill), not as every forward's."""
-    old = tuner.WATCH_EVERY
+    old, saved = tuner.WATCH_EVERY, vt._torch_reserved
     tuner.WATCH_EVERY = 0.0
-    saved = devices_seam = None
     try:
         m, x, want, h = _threaded_mlp(cold_work=False)
         _settle(m, x, want, h)
@@ -714,8 +714,6 @@ def test_a_weight_given_a_fill_is_planned_on_the_forwards_thread():
         h.set_fill(name, lambda v: v.mul_(2))
         ref = mlp(depth=8)              # the same seed's weights
         ref.get_parameter(name).data.mul_(2)
-        import vpager.torch as vt
-        saved, devices_seam = vt._torch_reserved, vt
         vt._torch_reserved = lambda index: (0, 0)
         hot = h.hot_path
         hot.learns = True               # torch read as on CUDA: a stand-in
@@ -728,9 +726,7 @@ def test_a_weight_given_a_fill_is_planned_on_the_forwards_thread():
                     zip(flat, t.schedule.resident))[name]
         assert hot.peak_before_fills is not None and not hot.streamed_fill
     finally:
-        tuner.WATCH_EVERY = old
-        if devices_seam is not None:
-            devices_seam._torch_reserved = saved
+        tuner.WATCH_EVERY, vt._torch_reserved = old, saved
     h.hot_path.learns = False
     h.unload()
 

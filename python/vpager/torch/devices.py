@@ -220,9 +220,10 @@ def learn_headroom(dev, index, force=False, before=None):
 
     before: torch's peak (torch_peak) before vpager's own work on the
     device since the last learn, done once (fills of resident weights: a
-    LoRA's patch computed at an acquire). If that work raised it, its temporaries, freed but still
-    cached by torch, go back to the device (empty_cache) and the Governor
-    reads the raised peak as `before` (Governor.mask_torch_peak).
+    LoRA's patch computed at an acquire). If that work raised it, its
+    temporaries, freed but still cached by torch, go back to the device
+    (empty_cache) and the Governor reads the raised peak as `before`
+    (Governor.mask_torch_peak).
 
     cuMemGetInfo (the budget's device_free_now) already counts what torch's
     allocator holds as used, so that needs no room kept for it; what must
