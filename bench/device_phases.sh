@@ -31,6 +31,7 @@
 #           (--runs node6 --reps 3), alternating, AB_PAIRS times (default
 #           2) each (issue 27)
 #   lora_ab BEFORE's tree against this one: the LoRA workflow's node run
+#           (this tree's with VPAGER_BENCH_GOVERNOR: its limit's changes)
 #   prompts the node's Flux at 6 GiB beside resident and ComfyUI's path,
 #           10 prompts (--reps 10): prompts 2..10's steady steps, how far
 #           apart (issue 29's stable prompts, 2%)
@@ -209,8 +210,11 @@ for PH in ${PHASES//+/ }; do
       env VPAGER_LIBRARY="$B/build/libvpager.so" python3 "$(node_bench "$B")" \
       --comfyui "$C/ComfyUI" --lora --runs legacy,node6 \
       --out "$L/lora_before"
-    TAILN=40 VPAGER_SCHEDULE_LOG=1 step lora_after "$(cap)" \
-      $N --lora --runs legacy,node6 --out "$L/lora_after" ;;
+    TAILN=40 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_GOVERNOR=1 step lora_after \
+      "$(cap)" $N --lora --runs legacy,node6 --out "$L/lora_after"
+    # The node's limit as torch's peak moved (a LoRA's patches: issue 28)
+    GREP='governor: limit'
+    TAILN=20 step lora_limit 10 cat "$L/lora_after/run_node6.log" ;;
   prompts)
     GREP='steady|x L|latents|apart|Error|Traceback'
     TAILN=40 step prompts "$(cap)" $N --runs resident,node6,6 --reps 10 \
