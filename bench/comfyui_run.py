@@ -116,7 +116,8 @@ TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
 PROFILE = _step_env("VPAGER_BENCH_PROFILE")
 PROFILE_TOP = 30
 # VPAGER_BENCH_GOVERNOR=1: each change the device's Governor makes (limit,
-# headroom; why: torch's reserved and peak read) printed with its time:
+# headroom, OOM margin), each read of torch's reserved and peak bytes it
+# is given and each peak it masks (a fill's), printed with its time:
 # where a replan's room came from.
 GOVERNOR_LOG = os.environ.get("VPAGER_BENCH_GOVERNOR") == "1"
 # How each step's end is taken. "stream" (default): the compute stream is
