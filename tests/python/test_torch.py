@@ -1544,7 +1544,8 @@ def test_fills_peak_is_not_the_activations():
 def test_streamed_fills_peak_counts():
     """A streamed weight's fill runs at each of its fills: its
     temporaries are every forward's, so torch's peak counts as read (not
-    masked as a resident weight's one-off fill's is)."""
+    masked as a resident weight's one-off fill's is), until a forward
+    runs none: then it is the peak before the first of them again."""
     seen = {"now": 10 * K, "peak": 30 * K}
     saved = vt._torch_reserved
     vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
@@ -1568,9 +1569,25 @@ def test_streamed_fills_peak_counts():
         assert h.stats()["model"]["weight_staged"] > 0    # some stream
         assert hot.streamed_fill and hot.peak_before_fills == 30 * K
         hot.learn()
+        assert hot.peak_before_fills == 30 * K      # kept while they run
         gov = governor(h.device)
         assert not hot.streamed_fill and gov.torch_mask is None
         assert gov.stats()["inputs"]["torch_peak"] == 90 * K
+        with torch.no_grad():                   # they run again
+            assert torch.equal(m(x), ref(x))
+        hot.learn()
+        assert gov.stats()["inputs"]["torch_peak"] == 90 * K
+        # A forward that runs none (a LoRA taken away; fills kept on the
+        # host): their peak is the one before the first of them again.
+        for name, p in m.named_parameters():
+            if name.endswith("weight"):
+                h.set_fill(name, None)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        assert hot.peak_before_fills == 30 * K and not hot.streamed_fill
+        hot.learn()
+        assert hot.peak_before_fills is None
+        assert gov.stats()["inputs"]["torch_peak"] == 30 * K
         h.unload()
     finally:
         vt._torch_reserved = saved

@@ -116,10 +116,12 @@ class HotPath:
         # acquires such a weight resident waits for the event.
         self.fill_marks = {}        # Entry -> (stream, torch.cuda.Event)
         self._filled = []           # Entries filled by this acquire
-        # torch's peak before the first fill since the last learn (None:
-        # no fill since); whether a streamed weight's fill ran since (its
+        # torch's peak before the first fill since the last learn, or
+        # since the forwards with streamed fills began (None: no fill);
+        # whether a streamed weight's fill ran since the last learn (its
         # temporaries come back at each of its fills: a peak of every
-        # forward); learns: torch's allocator is read (CUDA).
+        # forward, until none runs: kept fills, resident, or gone);
+        # learns: torch's allocator is read (CUDA).
         self.peak_before_fills = None
         self.streamed_fill = False
         self.learns = target.type == "cuda"
@@ -729,10 +731,13 @@ class HotPath:
         torch calls, and one vp call when the headroom changes, per root
         forward. Fills since the last learn: the peak their temporaries
         raised is not the activations' (devices.learn_headroom), unless
-        a streamed weight's fill was among them (it runs again)."""
-        before, self.peak_before_fills = self.peak_before_fills, None
+        a streamed weight's fill was among them: it runs again, its peak
+        counts until a forward runs none (fp8 with a LoRA: the fills of
+        streamed weights kept on the host after their first)."""
         if self.streamed_fill:
             before, self.streamed_fill = None, False
+        else:
+            before, self.peak_before_fills = self.peak_before_fills, None
         if self._is_open():
             learn_headroom(self.device, self.index, force=True,
                            before=before)
