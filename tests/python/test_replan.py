@@ -119,6 +119,37 @@ def test_a_weight_given_a_fill_is_planned_resident():
     h.unload()
 
 
+def test_the_room_coming_back_is_planned_for():
+    """The room shrinks (a replan for less) and comes back by less than
+    GROW: the budget back to the one planned for before it shrank is
+    planned for again (torch's peak masked again after a LoRA's fills),
+    as many weights resident as before it shrank."""
+    m, x, want, h = _scheduled_mlp()
+    with watching_every_forward():
+        for _ in range(5):
+            assert torch.equal(m(x), want)
+        t = h.tuner
+        full = h.device.info()["budget"]
+        first = h.schedule()
+        replans = t.replans
+        h.device.set_limit(full * 95 // 100)    # 5% less: a replan
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+        assert t.replans == replans + 1, (t.replans, replans)
+        assert t.roomier == full and t.planned_for < full
+        h.device.set_limit(full)                # the room +8%: under GROW
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+        assert t.replans == replans + 2 and t.roomier is None
+        back = h.schedule()
+        assert back["planned_for"] == full == first["planned_for"], back
+        assert back["resident_bytes"] >= first["resident_bytes"], back
+        for _ in range(2):                      # and no more
+            assert torch.equal(m(x), want)
+        assert t.replans == replans + 2
+    h.unload()
+
+
 class _E:
     def __init__(self, size):
         self.size = size

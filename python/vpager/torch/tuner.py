@@ -317,6 +317,11 @@ class Tuner:
         self.work = None            # unit -> the least work measured
         self.works = []             # each measured forward's unit -> work
         self.planned_for = None     # the budget the schedule was made for
+        # The budget planned for before the room shrank (SHRINK) since:
+        # the room coming back to it is planned for again, though less
+        # than GROW (a peak of torch's masked again, another process
+        # gone: Flux with a LoRA kept 0.54 GB fewer weights resident).
+        self.roomier = None
         self.replans = 0            # schedules made again for the room
         self.watch_at = 0.0
         self.fills_planned = 0      # layout.fill_changes the plan knew
@@ -585,11 +590,14 @@ class Tuner:
     def _room_moved(self):
         """True if the room for weights (the budget less the ring: another
         model's offload() may have grown a shared device's ring) is outside
-        SHRINK..GROW of what the schedule was planned for."""
+        SHRINK..GROW of what the schedule was planned for, or the budget
+        came back to what it was before the room last shrank."""
         dev = self.layout.device
         page = dev.page_size
-        room = dev.info()["budget"] - ring_pages(dev.options["staging_size"],
-                                                 page)
+        budget = dev.info()["budget"]
+        if self.roomier is not None and budget >= SHRINK * self.roomier:
+            return True
+        room = budget - ring_pages(dev.options["staging_size"], page)
         was = max(self.planned_for - ring_pages(self.ring, page), page)
         return not SHRINK * was <= room <= GROW * was
 
@@ -1051,6 +1059,11 @@ class Tuner:
                                keep)
         else:
             total, cands = planned.total, planned.cands
+        old = self.planned_for
+        if old is not None and total < SHRINK * old:
+            self.roomier = max(self.roomier or 0, old)
+        elif self.roomier is not None and total >= SHRINK * self.roomier:
+            self.roomier = None
         self.planned_for = total
         self.rings = cands
         ring, sch = schedule.pick_ring(self.rings)
