@@ -232,11 +232,14 @@ int vp_device_reclaimable(vp_device_t h, uint64_t *bytes) {
     return vp__unlock(dev, VP_OK);                                             \
   }
 
+/* A new headroom follows torch's allocator, which changed what is free
+ * too (an emptied cache): the next check polls the device again, or the
+ * budget would be the new headroom less a free count from before. */
 DEVICE_SETTER(vp_device_set_headroom, int64_t,
               if (bytes < 0) return vp__err(VP_EINVAL, "%lld is negative",
                                             (long long)bytes),
               (dev->budget.headroom = bytes, dev->budget.headroom_given = true,
-               vp__ledger_put_headroom(dev)))
+               vp__budget_invalidate(dev), vp__ledger_put_headroom(dev)))
 DEVICE_SETTER(vp_device_set_shared_headroom, int64_t,
               if (bytes < -1) return vp__err(VP_EINVAL, "%lld is below -1 "
                                              "(-1: the headroom)",

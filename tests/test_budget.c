@@ -180,6 +180,27 @@ TEST(budget_polls_bounded, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_device_close(dev));
 }
 
+/* A new headroom polls the device at the next check (torch's allocator
+ * that moved it moved what is free too), however long the interval. */
+TEST(budget_headroom_polls_again, TEST_ALL_BACKENDS) {
+  vp_options_t opts;
+  test_options(ctx, &opts);
+  opts.poll_interval_us = 10u * 1000 * 1000; /* 10 s */
+  vp_device_t dev = test_open_cap(ctx, &opts, 4);
+  (void)test_info(dev);                      /* polled once */
+  uint64_t t0 = test_now_ms();
+  vp_stats_t s0 = test_dev_stats(dev);
+  (void)test_info(dev);
+  vp_stats_t s1 = test_dev_stats(dev);
+  ASSERT_OK(vp_device_set_headroom(dev, (int64_t)opts.page_size));
+  (void)test_info(dev);
+  vp_stats_t s2 = test_dev_stats(dev);
+  if (test_now_ms() - t0 < 9000)
+    ASSERT_EQ_U64(s1.budget_polls - s0.budget_polls, 0);
+  ASSERT_EQ_U64(s2.budget_polls - s1.budget_polls, 1);
+  ASSERT_OK(vp_device_close(dev));
+}
+
 /* A limit caps our own commits whatever the device's free memory. */
 TEST(budget_limit, TEST_ALL_BACKENDS) {
   vp_device_t dev = test_open_cap(ctx, NULL, 8);
