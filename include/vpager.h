@@ -258,7 +258,9 @@ VP_API int vp_host_unregister(vp_device_t dev, void *ptr);
  * it: budgets are the caller's (vp_device_set_limit). */
 VP_API int vp_device_soft_limit(vp_device_t dev, uint64_t *bytes);
 
-/* Change the headroom at run time; takes effect at the next commit. */
+/* Change the headroom at run time; takes effect at the next commit, which
+ * asks the device for its free memory again (what moved the headroom,
+ * e.g. torch's allocator, moved that too). */
 VP_API int vp_device_set_headroom(vp_device_t dev, int64_t bytes);
 /* The headroom shared through the GPU's ledger: what this handle asks
  * every vpager process on the device to keep free, -1 (the default) for
