@@ -187,14 +187,9 @@ class Governor:
     def declare_torch(self, reserved: int, peak: int) -> int:
         """Torch's memory before a forward: the learned headroom (and a
         shared budget's limit) follow; returns the headroom."""
-        if self.torch_mask is not None:
-            counter, before = self.torch_mask
-            if peak == counter:
-                peak = max(before, reserved)
-            else:               # a higher peak since, or a client's reset
-                self.torch_mask = None
-        if self.torch is not None:
-            peak = max(peak, self.torch.peak)
+        if self.torch_mask is not None and peak != self.torch_mask[0]:
+            self.torch_mask = None  # a higher peak since, or a client's reset
+        peak = max(self.peak_seen(peak), reserved)
         self.torch = TorchMemory(int(reserved), int(peak))
         self.learned = max(peak - reserved, 0) + self.margin()
         why = "torch reserved %s peak %s" % (_b(reserved), _b(peak))
