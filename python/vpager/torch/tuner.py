@@ -1059,8 +1059,10 @@ class Tuner:
                                keep)
         else:
             total, cands = planned.total, planned.cands
+        # (A guess's budget, before torch's peak was learned, is no room
+        # that shrank.)
         old = self.planned_for
-        if old is not None and total < SHRINK * old:
+        if old is not None and not self.guessed and total < SHRINK * old:
             self.roomier = max(self.roomier or 0, old)
         elif self.roomier is not None and total >= SHRINK * self.roomier:
             self.roomier = None
