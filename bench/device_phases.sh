@@ -20,7 +20,8 @@
 #           node3nowarm,node3cached,3 (a first run, its first plan taken
 #           at a later step, run again); SDXL_RUNS=... runs others
 #   fp8     bench_headroom (NO_HEADROOM=1: not), then bench_node --fp8
-#           --shape flux --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29);
+#           --shape flux --dtypes fp8_e5m2 --fp8-lora on (issues 26, 29;
+#           FP8_DTYPES=a,b: those dtypes), the node's limit as it moved;
 #           FP8_NOKEEP=1 runs it again with VPAGER_KEEP_FILLS=0 (kept
 #           fills' A/B)
 #   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
@@ -168,8 +169,12 @@ for PH in ${PHASES//+/ }; do
   fp8)
     GREP='steady|x L|latents|RSS|budget|LoRA|headroom|free|Error|Traceback'
     [ -z "$NO_HEADROOM" ] && TAILN=40 step headroom 120 $PP python3 bench/bench_headroom.py
-    TAILN=60 step fp8 "$(cap)" $N --fp8 --shape flux --dtypes fp8_e5m2 \
-      --fp8-lora on --out "$L/fp8"
+    TAILN=60 VPAGER_BENCH_GOVERNOR=1 step fp8 "$(cap)" $N --fp8 \
+      --shape flux --dtypes "${FP8_DTYPES:-fp8_e5m2}" --fp8-lora on \
+      --out "$L/fp8"
+    # The node's limit as torch's peak moved (the fills' patch math)
+    GREP='governor: limit'
+    TAILN=30 step fp8_limit 10 sh -c "cat $L/fp8/*/run_nodehalf.log"
     # The same without kept fills (each streamed patch computed at fill).
     if [ -n "$FP8_NOKEEP" ]; then
       TAILN=60 VPAGER_KEEP_FILLS=0 step fp8nokeep "$(cap)" $N --fp8 \

@@ -188,6 +188,14 @@ def test_a_masked_torch_peak_reads_as_the_one_before():
         gov.declare_torch(100 * M, 900 * M)     # a real peak now
         assert gov.torch.peak == 900 * M
         gov.mask_torch_peak(950 * M, 900 * M)
+        # The work's peak read, then a client's reset of the counter
+        # before the work's end: the peak is the one before it still.
+        gov.declare_torch(100 * M, 1900 * M)
+        gov.mask_torch_peak(150 * M, 900 * M)
+        assert gov.torch.peak == 900 * M
+        assert gov.peak_seen(150 * M) == 900 * M
+        gov.declare_torch(100 * M, 150 * M)
+        assert gov.torch.peak == 900 * M
         gov.forget_torch_peak()
         assert gov.torch_mask is None
     finally:

@@ -1545,7 +1545,8 @@ def test_streamed_fills_peak_counts():
     """A streamed weight's fill runs at each of its fills: its
     temporaries are every forward's, so torch's peak counts as read (not
     masked as a resident weight's one-off fill's is), until a forward
-    runs none: then it is the peak before the first of them again."""
+    runs none: then it is the peak before the first of them again, even
+    if a client reset torch's counter between the two."""
     seen = {"now": 10 * K, "peak": 30 * K}
     saved = vt._torch_reserved
     vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
@@ -1585,6 +1586,7 @@ def test_streamed_fills_peak_counts():
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
         assert hot.peak_before_fills == 30 * K and not hot.streamed_fill
+        seen["peak"] = 20 * K   # a client's reset (after torch's cache went)
         hot.learn()
         assert hot.peak_before_fills is None
         assert gov.stats()["inputs"]["torch_peak"] == 30 * K

@@ -240,7 +240,9 @@ def learn_headroom(dev, index, force=False, before=None):
     gov.learned_at = now
     read = sys.modules[__package__]._torch_reserved
     reserved, peak = read(index)
-    if before is not None and peak > before:
+    # (The Governor's peak, not the counter: a client may have reset the
+    # counter since the work raised it.)
+    if before is not None and gov.peak_seen(peak) > before:
         torch.cuda.empty_cache()
         reserved, peak = read(index)
         gov.mask_torch_peak(peak, before)
