@@ -401,6 +401,13 @@ class Pager:
         learn_headroom(self.dev, self.target.index or 0, force,
                        before=before)
 
+    def refine(self):
+        """Between prompts: a faster plan than the placement kept while
+        the schedule measured placed now (OffloadHandle.refine)."""
+        if self.closed:
+            return False
+        return self.h.refine()
+
     def torch_peak(self):
         """torch's peak on the device now (None: not CUDA)."""
         if self.target.type != "cuda" or self.closed:

@@ -494,6 +494,9 @@ class VpagerPatcher:
             pager.finish_recording()
             pager.prioritize(force=True)
             pager.learn(force=True)
+            # Between prompts: the first prompt's plan kept a placement
+            # no step stopped for; a faster one is placed now, once.
+            pager.refine()
             self._vp_refilled = 0
             log.info("vpager: %s on vpager as loaded before (%.1f ms)",
                      type(self.model).__name__,
@@ -555,6 +558,7 @@ class VpagerPatcher:
             self.model.model_loaded_weight_memory += engine.nbytes(moved)
         pager.prioritize(force=True)
         pager.learn(force=True, before=before)
+        pager.refine()
         self.model.device = device_to
         self.model.current_weight_patches_uuid = self.patches_uuid
         self._vp_refilled = refilled

@@ -634,6 +634,49 @@ def _settle(m, x, want, h):
     raise AssertionError("the schedule did not settle")
 
 
+def test_a_placement_kept_over_a_faster_plan_is_placed_at_a_pause():
+    """apply() keeps a placement predicted within 2% of the plan made for
+    a forward measured (no forward of a first run stops to place); one
+    predicted REFINE slower is marked (tuner.better, here any: REFINE
+    -1) and placed at the client's next pause (OffloadHandle.refine():
+    the node at a prompt's load), once the schedule settled: the plan
+    made on the planner, taken at the next forward's start, its own
+    resident set placed. Once; outputs bitwise."""
+    saved = tuner.REFINE
+    tuner.REFINE = -1.0
+    try:
+        m, x, want, h = _threaded_mlp()
+        t = h.tuner
+        assert not h.refine()               # nothing measured yet
+        _settle(m, x, want, h)
+        assert t.better, "no placement kept over a plan"
+        replans = t.replans
+        assert h.refine() and not t.better and t.replans == replans + 1
+        assert not h.refine()               # asked once
+        seen = []
+        real = tuner.Tuner.apply
+
+        def apply(self, work, *a, **kw):
+            seen.append(kw.get("replan"))
+            return real(self, work, *a, **kw)
+        tuner.Tuner.apply = apply
+        try:
+            assert h.tuner.planner.wait(WAIT)
+            assert torch.equal(m(x), want)  # takes and places it
+        finally:
+            tuner.Tuner.apply = real
+        assert seen == ["refine"], seen
+        assert not t.better and h.schedule()["settled"]
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+            assert h.tuner.planner.wait(WAIT)
+        assert not h.refine()
+        h.unload()
+        raises(RuntimeError, h.refine)      # its offload was undone
+    finally:
+        tuner.REFINE = saved
+
+
 def test_the_schedule_says_when_it_settled():
     """schedule()["settled"] (what a benchmark waits for before it times
     the steady state: bench/benchlib.settle): not while a plan is being

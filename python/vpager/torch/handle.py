@@ -176,6 +176,16 @@ class Offloaded:
         Not inside a forward (returns False)."""
         return self._parts.recorder.finish()
 
+    def refine(self) -> bool:
+        """At a pause between runs (the node at a prompt's load, a server
+        between requests): if the schedule kept its placement over a plan
+        predicted faster while it measured (no forward of a first run
+        stops to place), that plan is placed now (tuner.Tuner.refine)
+        and the next forward pays it, once. Returns True if it was; False
+        otherwise, and inside a forward."""
+        self._check_open()
+        return self.tuner is not None and self.tuner.refine()
+
     def stats(self) -> Dict[str, Any]:
         """{"model": this model's counters and sizes, "device": the
         device's counters (all models on it), "schedule": schedule(),
