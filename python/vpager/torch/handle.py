@@ -176,6 +176,7 @@ class Offloaded:
         Not inside a forward (returns False)."""
         return self._parts.recorder.finish()
 
+    @_serial
     def refine(self) -> bool:
         """At a pause between runs (the node at a prompt's load, a server
         between requests): if the schedule kept its placement over a plan
