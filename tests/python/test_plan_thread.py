@@ -650,6 +650,13 @@ def test_a_placement_kept_over_a_faster_plan_is_placed_at_a_pause():
         assert not h.refine()               # nothing measured yet
         _settle(m, x, want, h)
         assert t.better, "no placement kept over a plan"
+        name = next(n for n, _ in m.named_parameters())
+        h.set_fill(name, lambda view: None)     # a LoRA's: not refined
+        assert not h.refine() and t.better
+        h.set_fill(name, None)
+        assert torch.equal(m(x), want)          # the fills' own replan
+        assert h.tuner.planner.wait(WAIT)
+        t.better = True
         replans = t.replans
         assert h.refine() and not t.better and t.replans == replans + 1
         assert not h.refine()               # asked once
