@@ -150,40 +150,6 @@ def test_the_room_coming_back_is_planned_for():
     h.unload()
 
 
-def test_a_limit_the_governor_moved_is_watched_at_once():
-    """The watch reads the room at most once a WATCH_EVERY, but at the
-    first forward after the device's Governor moved its limit (torch's
-    peak masked again at a forward's learn, the room back): that forward
-    plans for it, not one a second later (fp8 Flux's LoRA prompt ran its
-    six steps on a plan for no resident weight)."""
-    from vpager.governor import governor
-    m, x, want, h = _scheduled_mlp()
-    with watching_every_forward():
-        for _ in range(5):
-            assert torch.equal(m(x), want)
-    saved = tuner.WATCH_EVERY
-    tuner.WATCH_EVERY = 3600.0
-    try:
-        assert torch.equal(m(x), want)      # read: the next in an hour
-        t = h.tuner
-        full = h.device.info()["budget"]
-        replans = t.replans
-        h.device.set_limit(full * 80 // 100)    # not the Governor's: unseen
-        for _ in range(2):
-            assert torch.equal(m(x), want)
-        assert t.replans == replans and t.planned_for == full
-        governor(h.device).declare_budget(full * 80 // 100)
-        assert torch.equal(m(x), want)
-        if t.planner is not None:
-            assert t.planner.wait(10.0)
-        assert torch.equal(m(x), want)
-        assert t.replans == replans + 1, (t.replans, replans)
-        assert t.planned_for < full
-    finally:
-        tuner.WATCH_EVERY = saved
-    h.unload()
-
-
 class _E:
     def __init__(self, size):
         self.size = size

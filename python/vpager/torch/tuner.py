@@ -334,7 +334,6 @@ class Tuner:
         # (apply()): placed at refine().
         self.better = False
         self.watch_at = 0.0
-        self.limit_seen = None      # the Governor's limit at the watch
         self.fills_planned = 0      # layout.fill_changes the plan knew
         self.watching = False       # the room watched, once done
         # Plans made off the forward's thread (PLAN_THREAD), else None.
@@ -553,17 +552,10 @@ class Tuner:
         # Weights given a fill (a LoRA) or rid of one since the plan:
         # planned again at once, keeping them resident (_keep).
         fills = self.layout.fill_changes != self.fills_planned
-        # The Governor moved the device's limit since the last look
-        # (torch's peak masked again at this forward's learn: fp8 Flux's
-        # LoRA prompt after its fills were kept on the host ran its six
-        # steps on the plan for the room its fills' peak had left, no
-        # weight resident, 1.14 x L): looked at now, not a second later.
-        limit = self.ds.gov.limit
         now = time.monotonic()
-        if not fills and limit == self.limit_seen and now < self.watch_at:
+        if not fills and now < self.watch_at:
             return
         self.watch_at = now + WATCH_EVERY
-        self.limit_seen = limit
         if not self.model.may_replace():
             return
         moved = self._room_moved()
