@@ -88,6 +88,10 @@ HOLD_SHARE = 0.02
 # its staging ring is read; below 97% or above 115% of what the schedule
 # was planned for, the schedule is made again from the measured costs
 # (none measured anew).
+# (Looked at once when the Governor moved the limit, fp8 Flux with a
+# LoRA at half its bytes on the H100 replanned up and down within each
+# prompt, its kept fills lost at each move: with the LoRA 1.23-1.40 x L
+# against 1.14 once a second; bench/RESULTS.md, thirty-third session.)
 WATCH_EVERY = 1.0
 SHRINK, GROW = 0.97, 1.15
 _LINKS = {}                 # CUDA device index -> measured bytes/s
