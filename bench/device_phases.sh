@@ -118,7 +118,10 @@ node_bench() {
 
 nvidia-smi --query-gpu=name,memory.total,driver_version \
   --format=csv,noheader 2>/dev/null
-echo "tree: $(git rev-parse --short HEAD 2>/dev/null || echo "not a git checkout")"
+# (The device's copy may carry a stale .git: the sources' sha1 names them.)
+echo "tree: $(python3 -c 'import sys; sys.path.insert(0, "bench")
+import benchlib; print(benchlib.source_rev())' 2>/dev/null ||
+  git rev-parse --short HEAD 2>/dev/null || echo "not a git checkout")"
 make -j16 build/libvpager.so > "$L/build.log" 2>&1 ||
   { tail -30 "$L/build.log"; exit 1; }
 export VPAGER_LIBRARY=$R/build/libvpager.so
