@@ -182,7 +182,8 @@ class Offloaded:
         between requests): if the schedule kept its placement over a plan
         predicted faster while it measured (no forward of a first run
         stops to place), that plan is placed now (tuner.Tuner.refine)
-        and the next forward pays it, once. Returns True if it was; False
+        and the next forward pays it, once. Not while a weight has a fill
+        (set_fill). Returns True if that plan was asked for; False
         otherwise, and inside a forward."""
         self._check_open()
         return self.tuner is not None and self.tuner.refine()

@@ -594,9 +594,10 @@ class Tuner:
         """At a pause of the client's (the node: a prompt's load), once
         the schedule has settled: if its placement was kept over a plan
         predicted at least REFINE faster (apply()), plan again from the
-        work measured and place that plan, so that the next forward pays
-        the placement once, not the forwards of a first prompt. True if
-        a plan was made."""
+        work measured (on the planner, if there is one: taken at the next
+        forward's start) and place that plan, so that the next forward
+        pays the placement once, not the forwards of a first prompt. Not
+        while a weight has a fill. True if a plan was asked for."""
         if not self.better or self.schedule is None or not self.done or \
                 self.heading is not None or self._planning() or \
                 not self.model.may_replace():
