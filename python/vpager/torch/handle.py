@@ -169,22 +169,16 @@ class Offloaded:
 
     @_serial
     def place_by_use(self) -> bool:
-        """Re-place the weights in the order their units were first used
-        since offload(), as the first forward of the root does; for models
-        whose root forward never runs (a VAE's decode). Once; returns True
-        if the weights moved (each then fills anew at its next acquire).
-        Not inside a forward (returns False)."""
+        """Re-place the weights in the order their units were first used,
+        for models whose root forward never runs (a VAE's decode); once.
+        True if they moved; not inside a forward (python/README.md)."""
         return self._parts.recorder.finish()
 
     @_serial
     def refine(self) -> bool:
-        """At a pause between runs (the node at a prompt's load, a server
-        between requests): if the schedule kept its placement over a plan
-        predicted faster while it measured (no forward of a first run
-        stops to place), that plan is placed now (tuner.Tuner.refine)
-        and the next forward pays it, once. Not while a weight has a fill
-        (set_fill). Returns True if that plan was asked for; False
-        otherwise, and inside a forward."""
+        """At a pause between runs: a placement the schedule kept over a
+        faster plan while it measured is placed now (tuner.Tuner.refine;
+        python/README.md). True if that plan was asked for."""
         self._check_open()
         return self.tuner is not None and self.tuner.refine()
 
@@ -227,10 +221,8 @@ class Offloaded:
     def acquired(self, *modules: torch.nn.Module
                  ) -> Iterator[torch.nn.Module]:
         """Acquire weights for the block: those of the given submodules
-        (their subtrees), or every weight of the model (then the staging
-        ring must hold all that is not resident). For code that reads
-        parameters outside the forward of the unit holding them; forwards
-        inside the block use the same tensors."""
+        (their subtrees), or every weight of the model (the staging ring
+        then holds all that is not resident; python/README.md)."""
         self._check_open()
         yield from self.hot_path.acquired(self.module, modules)
 
@@ -241,28 +233,23 @@ class Offloaded:
 
     @property
     def recording(self) -> bool:
-        """True until the weights were placed in the order of use (the
-        first forward of the root, or place_by_use())."""
+        """True until the weights were placed in their order of use."""
         return self._parts.recorder.recording
 
     @property
     def replaced(self) -> int:
-        """How many times the weights were re-placed in the order of use
-        (0 or 1: at the first forward of the root, or place_by_use())."""
+        """Re-placements in the order of use (0 or 1: place_by_use())."""
         return self._parts.recorder.replaced
 
     @property
     def oom_margin(self) -> int:
-        """Bytes the out-of-memory retries on its device added to the
-        headroom learned from torch (0 before any retry)."""
+        """Bytes its device's out-of-memory retries added to the headroom."""
         return self._ds.gov.oom_margin
 
     @_serial
     def free_memory(self, nbytes: int) -> int:
         """Evict at least `nbytes` of this model's unpinned pages (as many
-        as it has if fewer); returns the bytes freed. Its next forward puts
-        it on top of the device's priority list again, so it fills its
-        weights anew (a loader's "unload this much of this model")."""
+        as it has if fewer); returns the bytes freed (python/README.md)."""
         self._check_open()
         if nbytes <= 0:
             return 0
