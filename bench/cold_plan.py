@@ -13,6 +13,11 @@ settled one would not replace (the tuner places anew only for 2%), and
 the bytes the two resident sets differ by.
 
     python3 bench/cold_plan.py [LOG ...]   # default: bench/data/flux6_h100_*.log
+    python3 bench/cold_plan.py --rings [LOG ...]
+
+--rings: for each ring size, the warm work's plan in the room the ring
+leaves against that room's link term (the bytes that cannot be resident
+over the link): what a ring costs beside what the plan's overlap does.
 
 No GPU; torch only for vpager.torch's import (Debian's python3-torch
 will do). Each unit is taken as one weight of its bytes (the log gives a
@@ -138,10 +143,43 @@ def main(paths):
                                                ratio, ring >> 20, diff / 1e9))
 
 
+def ring_rows(path):
+    """(log's header, [(ring bytes, the warm work's plan in the room the
+    ring leaves (seconds), that room's link term (seconds))])."""
+    units, _, warm, total, link = read_log(path)
+    sizes = [[u.entries[0].size] for u in units]
+    weights = sum(s[0] for s in sizes)
+    head = ("%s: %.2f GiB of weights, budget %.2f GiB, link %.2f GB/s, "
+            "warm work %.1f ms" % (os.path.basename(path), weights / 2**30,
+                                   total / 2**30, link / 1e9,
+                                   sum(warm) * 1e3))
+    rows = []
+    for ring in RINGS:
+        sch = tuner.plan_rings(warm, sizes, total, [ring], PAGE, link,
+                               ALIGN)[0][1]
+        rows.append((ring, sch.predicted,
+                     max(sum(warm), (weights - (total - ring)) / link)))
+    return head, rows
+
+
+def rings(path):
+    """--rings: per ring, its plan's time over its room's link term."""
+    head, rows = ring_rows(path)
+    print(head)
+    for ring, t, term in rows:
+        print("  ring %3d MiB: plan %.2f ms = %.3f x its room's link term "
+              "%.2f ms" % (ring >> 20, t * 1e3, t / term, term * 1e3))
+
+
 def logs():
     """The logs kept in bench/data (the H100's Flux 9.4 GiB at 6 GiB)."""
     return sorted(glob.glob(os.path.join(benchlib.ROOT, "bench", "data",
                                          "flux6_h100_*.log")))
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or logs())
+    args = sys.argv[1:]
+    if args[:1] == ["--rings"]:
+        for p in args[1:] or logs():
+            rings(p)
+    else:
+        main(args or logs())

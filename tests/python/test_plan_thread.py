@@ -934,6 +934,11 @@ def test_cold_work_plans_as_the_settled_plan_on_the_h100s_logs():
         got = {name: ratio for name, _, _, ratio, _, _ in rows}
         assert got["cold, coldwork.warm_work"] <= 1.01, (head, rows)
         assert got["cold, as measured"] > 1.05, (head, rows)
+        # --rings: a ring of two large units' copies plans at its room's
+        # link term; a smaller one stalls (what the ring costs a step).
+        head, rows = cold_plan.ring_rows(path)
+        got = {ring >> 20: t / term for ring, t, term in rows}
+        assert got[378] <= 1.01 and got[160] > 1.2, (head, got)
 
 
 class _FakeEvent:
