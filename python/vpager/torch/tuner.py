@@ -582,13 +582,21 @@ class Tuner:
         # forward's (torch's peak 0.91 -> 1.39 GB, Flux at 6 GiB with a
         # LoRA: its room replanned 0.54 GB smaller, steps 8% slower than
         # the tree before issue 28).
-        if self.planner is not None and moved:
-            inputs, work, works = self._inputs(rings), self.work, \
-                list(self.works)
-            self.planner.submit(lambda: ("replan", reason, self._plan_from(
-                inputs, work, works)))
+        if moved:
+            self._plan_soon(reason)
             return
         self._replan(reason, None, rings)
+
+    def _plan_soon(self, reason):
+        """A plan made again for `reason` ("room", "refine") on the
+        planner, if there is one (taken at a later forward's start;
+        SDXL: 1.4 s a plan on one core), else now."""
+        if self.planner is None:
+            self._replan(reason, None)
+            return
+        inputs, work, works = self._inputs(), self.work, list(self.works)
+        self.planner.submit(lambda: ("replan", reason, self._plan_from(
+            inputs, work, works)))
 
     def refine(self):
         """At a pause of the client's (the node: a prompt's load), once
@@ -612,13 +620,7 @@ class Tuner:
             return False
         self.better = False
         self.replans += 1
-        if self.planner is not None:    # (SDXL: 1.4 s a plan on one core)
-            inputs, work, works = self._inputs(), self.work, \
-                list(self.works)
-            self.planner.submit(lambda: ("replan", "refine", self._plan_from(
-                inputs, work, works)))
-            return True
-        self._replan("refine", None)
+        self._plan_soon("refine")
         return True
 
     def _replan(self, reason, planned, rings=None):
