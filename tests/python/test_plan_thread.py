@@ -774,7 +774,7 @@ def test_a_weight_given_a_fill_is_planned_on_the_forwards_thread():
         flat = t._costs({})[3]
         assert dict((e.name, r) for e, r in
                     zip(flat, t.schedule.resident))[name]
-        assert hot.peak_before_fills is not None and not hot.streamed_fill
+        assert hot.peak_before_fills is not None and not hot.streamed_fills
     finally:
         tuner.WATCH_EVERY, vt._torch_reserved = old, saved
     h.hot_path.learns = False

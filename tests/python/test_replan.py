@@ -103,7 +103,7 @@ def test_a_weight_given_a_fill_is_planned_resident():
     assert t.replans == replans + 1 and _planned(h)[name], _planned(h)
     # Planned before this forward's acquires: its fill ran in its
     # resident place (once: the next learn masks the peak it raised).
-    assert hot.peak_before_fills is not None and not hot.streamed_fill
+    assert hot.peak_before_fills is not None and not hot.streamed_fills
     fills = h.hot_path.fills
     for _ in range(3):
         assert torch.equal(m(x), want2)

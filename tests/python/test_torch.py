@@ -36,7 +36,7 @@ from _runner import raises, skip  # noqa: E402,F401
 
 if torch is not None:
     import vpager.torch as vt  # noqa: E402
-    from vpager.torch import tuner  # noqa: E402
+    from vpager.torch import hotpath, tuner  # noqa: E402
     # These tests count forwards: measuring stops at the second. Whether a
     # later forward's work has settled (tuner.SETTLED) is the host clock's
     # call on the simulated device (CI's host once read a 2 ms drop);
@@ -1542,11 +1542,12 @@ def test_fills_peak_is_not_the_activations():
 
 
 def test_streamed_fills_peak_counts():
-    """A streamed weight's fill runs at each of its fills: its
-    temporaries are every forward's, so torch's peak counts as read (not
-    masked as a resident weight's one-off fill's is), until a forward
-    runs none: then it is the peak before the first of them again, even
-    if a client reset torch's counter between the two."""
+    """A streamed weight's fill runs at each of its fills: with no
+    keeper to keep its result (VPAGER_KEEP_FILLS=0) its temporaries are
+    every forward's, so torch's peak counts as read (not masked as a
+    resident weight's one-off fill's is), until a forward runs none:
+    then it is the peak before the first of them again, even if a client
+    reset torch's counter between the two."""
     seen = {"now": 10 * K, "peak": 30 * K}
     saved = vt._torch_reserved
     vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
@@ -1557,6 +1558,7 @@ def test_streamed_fills_peak_counts():
         h = offload_sim(m, budget=768 * K, staging=320 * K)
         hot = h.hot_path
         hot.learns = True       # torch read as on CUDA: the stand-in above
+        hot.keeper.on = False   # (as VPAGER_KEEP_FILLS=0)
         hot.learn()
 
         def fill(view):
@@ -1568,11 +1570,11 @@ def test_streamed_fills_peak_counts():
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
         assert h.stats()["model"]["weight_staged"] > 0    # some stream
-        assert hot.streamed_fill and hot.peak_before_fills == 30 * K
+        assert hot.streamed_fills and hot.peak_before_fills == 30 * K
         hot.learn()
         assert hot.peak_before_fills == 30 * K      # kept while they run
         gov = governor(h.device)
-        assert not hot.streamed_fill and gov.torch_mask is None
+        assert not hot.streamed_fills and gov.torch_mask is None
         assert gov.stats()["inputs"]["torch_peak"] == 90 * K
         with torch.no_grad():                   # they run again
             assert torch.equal(m(x), ref(x))
@@ -1585,11 +1587,76 @@ def test_streamed_fills_peak_counts():
                 h.set_fill(name, None)
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
-        assert hot.peak_before_fills == 30 * K and not hot.streamed_fill
+        assert hot.peak_before_fills == 30 * K and not hot.streamed_fills
         seen["peak"] = 20 * K   # a client's reset (after torch's cache went)
         hot.learn()
         assert hot.peak_before_fills is None
         assert gov.stats()["inputs"]["torch_peak"] == 30 * K
+        h.unload()
+    finally:
+        vt._torch_reserved = saved
+
+
+def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
+    """Streamed fills whose results the keeper is about to keep run for
+    a few forwards only: their peak reads as a one-off (the peak before
+    them) at each learn, for KEEP_WAITS learns in a row at most; with
+    the keeper short of RAM or pins it counts at once (fp8 Flux with a
+    LoRA: its plan shrank to no resident weight for fills that ran
+    twice)."""
+    seen = {"now": 10 * K, "peak": 30 * K}
+    saved = vt._torch_reserved
+    vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
+    try:
+        m = mlp()
+        ref = frozen_copy(m)
+        x = torch.randn(8, 64)
+        h = offload_sim(m, budget=768 * K, staging=320 * K)
+        hot = h.hot_path
+        hot.learns = True       # torch read as on CUDA: the stand-in above
+        hot.learn()
+        gov = governor(h.device)
+        # Kept soon, not yet: the buffers wait for a settled schedule.
+        hot.keeper.streamed = lambda: None
+
+        def fill(view):
+            seen["peak"] += 1   # the patch's temporaries, a new peak
+            view.mul_(1)
+        for name, p in m.named_parameters():
+            if name.endswith("weight"):
+                h.set_fill(name, fill)
+        for i in range(hotpath.KEEP_WAITS):
+            with torch.no_grad():
+                assert torch.equal(m(x), ref(x))
+            ran = set(hot.streamed_fills)
+            assert ran and hot.keeper.will_keep(ran)
+            hot.learn()
+            assert hot.keep_waits == i + 1
+            assert gov.stats()["inputs"]["torch_peak"] == 30 * K, i
+        with torch.no_grad():                   # once more: no longer
+            assert torch.equal(m(x), ref(x))
+        hot.learn()
+        assert gov.stats()["inputs"]["torch_peak"] == seen["peak"]
+        assert hot.peak_before_fills == 30 * K
+        # None ran: the count starts again, the peak is the one before.
+        for name, p in m.named_parameters():
+            if name.endswith("weight"):
+                h.set_fill(name, None)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        hot.learn()
+        assert hot.keep_waits == 0 and hot.peak_before_fills is None
+        assert gov.stats()["inputs"]["torch_peak"] == 30 * K
+        # The keeper short of RAM: the next streamed fills count at once.
+        for name, p in m.named_parameters():
+            if name.endswith("weight"):
+                h.set_fill(name, fill)
+        hot.keeper.short = True
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        assert not hot.keeper.will_keep(hot.streamed_fills)
+        hot.learn()
+        assert gov.stats()["inputs"]["torch_peak"] == seen["peak"] > 30 * K
         h.unload()
     finally:
         vt._torch_reserved = saved

@@ -36,6 +36,11 @@ from .views import Region, view
 # would miss almost always, but the slot addresses repeat (a view costs
 # ~10-30 us to build, more than the rest of an acquire).
 _STAGED_VIEWS = 4096
+# Learns in a row that read a streamed weight's fill's peak as a one-off
+# while the keeper is about to keep its result (learn()): the forwards a
+# buffer takes to be page-locked, armed and caught (fp8 Flux's 1.5 GiB:
+# ~0.45 s of page-locking, then two forwards).
+KEEP_WAITS = 12
 _RESIDENT = ACQUIRED_RESIDENT
 _COPIED = ACQUIRED_COPIED
 _PAGE_RESIDENT = PAGE_RESIDENT
@@ -118,12 +123,15 @@ class HotPath:
         self._filled = []           # Entries filled by this acquire
         # torch's peak before the first fill since the last learn, or
         # since the forwards with streamed fills began (None: no fill);
-        # whether a streamed weight's fill ran since the last learn (its
-        # temporaries come back at each of its fills: a peak of every
-        # forward, until none runs: kept fills, resident, or gone);
-        # learns: torch's allocator is read (CUDA).
+        # the streamed weights whose fill ran since the last learn (their
+        # temporaries come back at each of their fills: a peak of every
+        # forward, until none runs: kept fills, resident, or gone), and
+        # the learns in a row that masked such a peak all the same (the
+        # keeper was about to keep them: learn()); learns: torch's
+        # allocator is read (CUDA).
         self.peak_before_fills = None
-        self.streamed_fill = False
+        self.streamed_fills = set()
+        self.keep_waits = 0
         self.learns = target.type == "cuda"
         self.blocks = 0             # acquired() blocks open
         self._check_open = check_open
@@ -325,7 +333,7 @@ class HotPath:
                 self.peak_before_fills = torch_peak(self.device,
                                                    self.index)
             if not resident:
-                self.streamed_fill = True
+                self.streamed_fills.add(e)
         try:
             e.fill(v)
         except Exception as x:
@@ -732,12 +740,24 @@ class HotPath:
         forward. Fills since the last learn: the peak their temporaries
         raised is not the activations' (devices.learn_headroom), unless
         a streamed weight's fill was among them: it runs again, its peak
-        counts until a forward runs none (fp8 with a LoRA: the fills of
-        streamed weights kept on the host after their first)."""
-        if self.streamed_fill:
-            before, self.streamed_fill = None, False
+        counts until a forward runs none. Not while the keeper is about
+        to keep every such fill (KeptFills.will_keep), for KEEP_WAITS
+        learns at most: fp8 Flux with a LoRA at half its bytes (H100)
+        counted the 1 GB of patch math its streamed weights ran at their
+        first fills, the plan shrank to no resident weight until the
+        fills were kept and the watch saw the room back, a second later
+        (its LoRA prompts 1.14-1.24 x L). While they are masked, the
+        fills' temporaries may run past the budget for a few forwards
+        (an out-of-memory error evicts: fill())."""
+        ran, self.streamed_fills = self.streamed_fills, set()
+        before = self.peak_before_fills
+        if not ran:
+            self.peak_before_fills, self.keep_waits = None, 0
+        elif self.keep_waits < KEEP_WAITS and self.keeper is not None \
+                and self.keeper.will_keep(ran):
+            self.keep_waits += 1
         else:
-            before, self.peak_before_fills = self.peak_before_fills, None
+            before = None
         if self._is_open():
             learn_headroom(self.device, self.index, force=True,
                            before=before)

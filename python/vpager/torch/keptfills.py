@@ -194,6 +194,17 @@ class KeptFills:
             self._make(want)
             self._take_made(streamed, resident)
 
+    def will_keep(self, entries: Any) -> bool:
+        """True if the fills of `entries` (weights whose fill ran while
+        streamed) are or soon will be kept: kept fills on, neither RAM
+        nor pins ran short, and each still has its fill or a kept one
+        (a weight the settled schedule makes resident runs its fill once
+        more, there). The hot path reads their peak as a one-off then."""
+        if not self.on or self.short:
+            return False
+        return all(e.fill is not None or e.kept is not None
+                   for e in entries)
+
     @property
     def kept_bytes(self) -> int:
         """Host bytes of the fills kept now."""
