@@ -530,10 +530,13 @@ def budget_row(run, reps, budget, row):
     use = vp["resident_bytes"] / room if room > 0 else float("nan")
     row.update(resident_bytes=vp["resident_bytes"], weights_room=room,
                budget_use=use)
+    # (A LoRA's fills raise torch's peak once, by their temporaries: the
+    # largest peak of a LoRA workflow can leave no room by this count.)
+    said = "%.3f" % use if room > 0 else "not measured (no room left)"
     say("%s: budget use: %.2f GiB of weights resident of %.2f GiB (budget "
-        "%.2f - torch peak %.2f - ring %.2f) = %.3f (target >= %.2f)"
+        "%.2f - torch peak %.2f - ring %.2f) = %s (target >= %.2f)"
         % (run, vp["resident_bytes"] / GiB, room / GiB, budget / GiB,
-           peak / GiB, sch["staging"] / GiB, use, BUDGET_USE_TARGET))
+           peak / GiB, sch["staging"] / GiB, said, BUDGET_USE_TARGET))
 
 
 def prompts_row(cr, run, reps, row):

@@ -24,6 +24,12 @@
 #           FP8_DTYPES=a,b: those dtypes), the node's limit as it moved;
 #           FP8_NOKEEP=1 runs it again with VPAGER_KEEP_FILLS=0 (kept
 #           fills' A/B)
+#   fp8_rings  the fp8 phase's run (FP8_DTYPES, default fp8_e5m2, with the
+#           LoRA) twice, its ring fixed: VPAGER_STAGING=224M, then 512M
+#           (RINGS=...: others). fp8 at half its bytes plans compute-bound
+#           and picks the smallest ring within RING_TIE: 224 MiB ran
+#           10-19% over its prediction in one H100 call, 512 MiB 3% in
+#           the next (issue 26)
 #   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
 #   before  BEFORE's tree against this one in one lease: bench_torch
@@ -76,6 +82,7 @@ OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
 KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag prompts"
+KNOWN="$KNOWN fp8_rings"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -183,6 +190,15 @@ for PH in ${PHASES//+/ }; do
       TAILN=60 VPAGER_KEEP_FILLS=0 step fp8nokeep "$(cap)" $N --fp8 \
         --shape flux --dtypes fp8_e5m2 --fp8-lora on --out "$L/fp8nokeep"
     fi ;;
+  fp8_rings)
+    GREP='steady|x L|latents|budget|Error|Traceback'
+    set -- ${RINGS:-224M 512M}
+    for RING; do    # each its share of the time left
+      TAILN=12 VPAGER_SCHEDULE_LOG=1 VPAGER_STAGING=$RING step fp8_$RING \
+        "$(( $(cap) / $# ))" $N --fp8 --shape flux --dtypes "${FP8_DTYPES:-fp8_e5m2}" \
+        --fp8-lora on --out "$L/fp8_$RING"
+      shift
+    done ;;
   quant)
     GREP='steady|x L|latents|RSS|budget|LoRA|Q4_K|equal|Error|Traceback'
     TAILN=60 step sfp8 300 $N --quant scaled_fp8 --shape small \

@@ -313,6 +313,12 @@ def test_budget_use_row():
         row = {}
         ns["budget_row"]("6", [{"torch_peak_reserved": GiB}], 6 * GiB, row)
         assert row == {}
+        # A peak that leaves no room (a LoRA's fills): said, not "nan".
+        del lines[:]
+        ns["budget_row"]("node6", reps, GiB, row)
+        assert row["weights_room"] < 0, row
+        assert any("= not measured (no room left)" in x
+                   for x in lines), lines
 
 
 def test_prompts_row():
