@@ -14,10 +14,16 @@ the bytes the two resident sets differ by.
 
     python3 bench/cold_plan.py [LOG ...]   # default: bench/data/flux6_h100_*.log
     python3 bench/cold_plan.py --rings [LOG ...]
+    python3 bench/cold_plan.py --keep N [LOG ...]
 
 --rings: for each ring size, the warm work's plan in the room the ring
 leaves against that room's link term (the bytes that cannot be resident
 over the link): what a ring costs beside what the plan's overlap does.
+
+--keep N: the host time of the warm work's plan (one 512 MiB ring, the
+median of KEEP_RUNS) without and with every other one of the N largest
+units kept resident (a LoRA's fills: kept beyond the room, the plan
+finds how many fit), and what each plan keeps.
 
 No GPU; torch only for vpager.torch's import (Debian's python3-torch
 will do). Each unit is taken as one weight of its bytes (the log gives a
@@ -171,6 +177,41 @@ def rings(path):
               "%.2f ms" % (ring >> 20, t * 1e3, t / term, term * 1e3))
 
 
+KEEP_RUNS = 5
+
+
+def keep_rows(path, n):
+    """(log's header, [(what, host seconds a plan, Schedule)]) for --keep:
+    no weight kept, then every other one of the n largest."""
+    import time
+    units, _, warm, total, link = read_log(path)
+    sizes = [[u.entries[0].size] for u in units]
+    big = sorted(range(len(sizes)), key=lambda i: -sizes[i][0])[:n:2]
+    keep = [i in big for i in range(len(sizes))]
+    head = ("%s: %d units, budget %.2f GiB, link %.2f GB/s; %d kept "
+            "(%.2f GiB)" % (os.path.basename(path), len(units),
+                            total / 2**30, link / 1e9, sum(keep),
+                            sum(sizes[i][0] for i in big) / 2**30))
+    rows = []
+    for what, k in (("none kept", None), ("kept", keep)):
+        times = []
+        for _ in range(KEEP_RUNS):
+            t0 = time.perf_counter()
+            sch = tuner.plan_rings(warm, sizes, total, [512 * MiB], PAGE,
+                                   link, ALIGN, k)[0][1]
+            times.append(time.perf_counter() - t0)
+        rows.append((what, statistics.median(times), sch))
+    return head, rows
+
+
+def keeps(path, n):
+    """--keep N: the plan's host time without and with kept weights."""
+    head, rows = keep_rows(path, n)
+    print(head)
+    for what, t, sch in rows:
+        print("  %-9s plan %.1f ms on the host: %s" % (what, t * 1e3, sch))
+
+
 def logs():
     """The logs kept in bench/data (the H100's Flux 9.4 GiB at 6 GiB)."""
     return sorted(glob.glob(os.path.join(benchlib.ROOT, "bench", "data",
@@ -181,5 +222,8 @@ if __name__ == "__main__":
     if args[:1] == ["--rings"]:
         for p in args[1:] or logs():
             rings(p)
+    elif args[:1] == ["--keep"] and len(args) > 1 and args[1].isdigit():
+        for p in args[2:] or logs():
+            keeps(p, int(args[1]))
     else:
         main(args or logs())

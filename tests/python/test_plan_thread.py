@@ -939,6 +939,11 @@ def test_cold_work_plans_as_the_settled_plan_on_the_h100s_logs():
         head, rows = cold_plan.ring_rows(path)
         got = {ring >> 20: t / term for ring, t, term in rows}
         assert got[378] <= 1.01 and got[160] > 1.2, (head, got)
+        # --keep: kept weights beyond the room, as many kept as fit.
+        head, rows = cold_plan.keep_rows(path, 8)
+        (_, _, free), (_, _, kept) = rows
+        assert kept.resident_bytes <= free.resident_bytes + (2 << 20)
+        assert "4 kept" in head, head
 
 
 class _FakeEvent:
