@@ -1541,6 +1541,37 @@ def test_fills_peak_is_not_the_activations():
         dev.close()
 
 
+@contextlib.contextmanager
+def _mlp_learning(seen, empties=False):
+    """(m, ref, x, h, hot): mlp() offloaded on the simulated device, its
+    hot path learning torch's memory as on CUDA from the stand-in `seen`
+    ("now": reserved, "peak": the counter; empties: torch's
+    empty_cache() sets "now" back to what it was), learned once; the
+    stand-ins undone after."""
+    saved = vt._torch_reserved, torch.cuda.empty_cache
+    vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
+    if empties:
+        now = seen["now"]
+        torch.cuda.empty_cache = lambda: seen.update(now=now)
+    try:
+        m = mlp()
+        ref = frozen_copy(m)
+        h = offload_sim(m, budget=768 * K, staging=320 * K)
+        hot = h.hot_path
+        hot.learns = True
+        hot.learn()
+        yield m, ref, torch.randn(8, 64), h, hot
+    finally:
+        vt._torch_reserved, torch.cuda.empty_cache = saved
+
+
+def _fill_weights(h, m, fill):
+    """Every weight of m given `fill` (bias left as they are)."""
+    for name, _ in m.named_parameters():
+        if name.endswith("weight"):
+            h.set_fill(name, fill)
+
+
 def test_streamed_fills_peak_counts():
     """A streamed weight's fill runs at each of its fills: with no
     keeper to keep its result (VPAGER_KEEP_FILLS=0) its temporaries are
@@ -1549,24 +1580,13 @@ def test_streamed_fills_peak_counts():
     then it is the peak before the first of them again, even if a client
     reset torch's counter between the two."""
     seen = {"now": 10 * K, "peak": 30 * K}
-    saved = vt._torch_reserved
-    vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
-    try:
-        m = mlp()
-        ref = frozen_copy(m)
-        x = torch.randn(8, 64)
-        h = offload_sim(m, budget=768 * K, staging=320 * K)
-        hot = h.hot_path
-        hot.learns = True       # torch read as on CUDA: the stand-in above
+    with _mlp_learning(seen) as (m, ref, x, h, hot):
         hot.keeper.on = False   # (as VPAGER_KEEP_FILLS=0)
-        hot.learn()
 
         def fill(view):
             seen["peak"] = 90 * K           # the patch's temporaries
             view.mul_(1)
-        for name, p in m.named_parameters():
-            if name.endswith("weight"):
-                h.set_fill(name, fill)
+        _fill_weights(h, m, fill)
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
         assert h.stats()["model"]["weight_staged"] > 0    # some stream
@@ -1582,9 +1602,7 @@ def test_streamed_fills_peak_counts():
         assert gov.stats()["inputs"]["torch_peak"] == 90 * K
         # A forward that runs none (a LoRA taken away; fills kept on the
         # host): their peak is the one before the first of them again.
-        for name, p in m.named_parameters():
-            if name.endswith("weight"):
-                h.set_fill(name, None)
+        _fill_weights(h, m, None)
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
         assert hot.peak_before_fills == 30 * K and not hot.streamed_fills
@@ -1593,8 +1611,6 @@ def test_streamed_fills_peak_counts():
         assert hot.peak_before_fills is None
         assert gov.stats()["inputs"]["torch_peak"] == 30 * K
         h.unload()
-    finally:
-        vt._torch_reserved = saved
 
 
 def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
@@ -1605,16 +1621,7 @@ def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
     LoRA: its plan shrank to no resident weight for fills that ran
     twice)."""
     seen = {"now": 10 * K, "peak": 30 * K}
-    saved = vt._torch_reserved
-    vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
-    try:
-        m = mlp()
-        ref = frozen_copy(m)
-        x = torch.randn(8, 64)
-        h = offload_sim(m, budget=768 * K, staging=320 * K)
-        hot = h.hot_path
-        hot.learns = True       # torch read as on CUDA: the stand-in above
-        hot.learn()
+    with _mlp_learning(seen) as (m, ref, x, h, hot):
         gov = governor(h.device)
         # Kept soon, not yet: the buffers wait for a settled schedule.
         hot.keeper.streamed = lambda: None
@@ -1622,9 +1629,7 @@ def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
         def fill(view):
             seen["peak"] += 1   # the patch's temporaries, a new peak
             view.mul_(1)
-        for name, p in m.named_parameters():
-            if name.endswith("weight"):
-                h.set_fill(name, fill)
+        _fill_weights(h, m, fill)
         for i in range(hotpath.KEEP_WAITS):
             with torch.no_grad():
                 assert torch.equal(m(x), ref(x))
@@ -1639,18 +1644,14 @@ def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
         assert gov.stats()["inputs"]["torch_peak"] == seen["peak"]
         assert hot.peak_before_fills == 30 * K
         # None ran: the count starts again, the peak is the one before.
-        for name, p in m.named_parameters():
-            if name.endswith("weight"):
-                h.set_fill(name, None)
+        _fill_weights(h, m, None)
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
         hot.learn()
         assert hot.keep_waits == 0 and hot.peak_before_fills is None
         assert gov.stats()["inputs"]["torch_peak"] == 30 * K
         # The keeper short of RAM: the next streamed fills count at once.
-        for name, p in m.named_parameters():
-            if name.endswith("weight"):
-                h.set_fill(name, fill)
+        _fill_weights(h, m, fill)
         hot.keeper.short = True
         with torch.no_grad():
             assert torch.equal(m(x), ref(x))
@@ -1658,8 +1659,6 @@ def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
         hot.learn()
         assert gov.stats()["inputs"]["torch_peak"] == seen["peak"] > 30 * K
         h.unload()
-    finally:
-        vt._torch_reserved = saved
 
 
 def test_fills_cache_held_under_a_masked_peak_goes_back():
@@ -1669,26 +1668,14 @@ def test_fills_cache_held_under_a_masked_peak_goes_back():
     to the device and the peak reads as the one before the fills (fp8
     Flux with a LoRA: the limit fell from 1.48 to 0.51 GB a forward)."""
     seen = {"now": 10 * K, "peak": 30 * K}
-    saved = vt._torch_reserved, torch.cuda.empty_cache
-    vt._torch_reserved = lambda index: (seen["now"], seen["peak"])
-    torch.cuda.empty_cache = lambda: seen.update(now=10 * K)
-    try:
-        m = mlp()
-        ref = frozen_copy(m)
-        x = torch.randn(8, 64)
-        h = offload_sim(m, budget=768 * K, staging=320 * K)
-        hot = h.hot_path
-        hot.learns = True       # torch read as on CUDA: the stand-in above
-        hot.learn()
+    with _mlp_learning(seen, empties=True) as (m, ref, x, h, hot):
         gov = governor(h.device)
         hot.keeper.streamed = lambda: None      # kept soon, not yet
 
         def fill(view):
             seen["now"] = seen["peak"] = 90 * K     # the same each time
             view.mul_(1)
-        for name, p in m.named_parameters():
-            if name.endswith("weight"):
-                h.set_fill(name, fill)
+        _fill_weights(h, m, fill)
         for _ in range(3):
             with torch.no_grad():
                 assert torch.equal(m(x), ref(x))
@@ -1697,8 +1684,6 @@ def test_fills_cache_held_under_a_masked_peak_goes_back():
             assert seen["now"] == 10 * K        # given back each time
             assert gov.stats()["inputs"]["torch_peak"] == 30 * K
         h.unload()
-    finally:
-        vt._torch_reserved, torch.cuda.empty_cache = saved
 
 
 def test_unload_restores_a_working_module():
