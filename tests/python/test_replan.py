@@ -795,8 +795,12 @@ def test_fills_taken_away_keep_the_ring_and_the_placement():
     assert rings == [[t.ring], [t.ring]], (rings, t.ring)
     assert h.schedule()["replans"] == 2
     assert list(t.schedule.resident) == resident
-    # (and up to a page more: the windows are made again for the work)
-    assert placing <= steady + sum(e.size for e in patched) + PAGE, (
+    # (and up to a page more: the windows are made again for the work;
+    # and 5% of a step: under load the simulated device's prefetches land
+    # late now and then, and the acquire copies a weight again, which
+    # once put a make check 70 KB over; placing anew would copy the
+    # resident set again, about 6 MB)
+    assert placing <= steady * 1.05 + sum(e.size for e in patched) + PAGE, (
         placing, steady)
     assert no_pins(h)
     h.unload()
