@@ -361,9 +361,10 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
         return some
     res = None
     if kept:
-        # How many fit: bisection on _fits_at_most (picks only; a _best
-        # a step made fp8 Flux's LoRA change plan for 139 ms on the
-        # H100's host, its kept weights beyond the room), then one plan.
+        # How many fit: a bisection on _fits_at_most (picks alone), then
+        # one plan (a full plan at each of its steps took fp8 Flux's
+        # replan at a LoRA change, its kept weights beyond the room, 139
+        # ms on the H100's host).
         lo, hi = 0, len(kept) + 1   # hi kept do not fit; lo do (or none)
         while hi - lo > 1:
             mid = (lo + hi) // 2
