@@ -36,7 +36,7 @@ from _runner import raises, skip  # noqa: E402,F401
 
 if torch is not None:
     import vpager.torch as vt  # noqa: E402
-    from vpager.torch import hotpath, tuner  # noqa: E402
+    from vpager.torch import hotpath, keptfills, tuner  # noqa: E402
     # These tests count forwards: measuring stops at the second. Whether a
     # later forward's work has settled (tuner.SETTLED) is the host clock's
     # call on the simulated device (CI's host once read a 2 ms drop);
@@ -1638,6 +1638,14 @@ def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
             hot.learn()
             assert hot.keep_waits == i + 1
             assert gov.stats()["inputs"]["torch_peak"] == 30 * K, i
+        # RAM that their buffers would take under the keeper's reserve:
+        # not kept soon (between() would find the keeper short).
+        real = keptfills.ram_available
+        keptfills.ram_available = lambda: keptfills.reserve() + 1
+        try:
+            assert not hot.keeper.will_keep(ran)
+        finally:
+            keptfills.ram_available = real
         with torch.no_grad():                   # once more: no longer
             assert torch.equal(m(x), ref(x))
         hot.learn()

@@ -197,13 +197,17 @@ class KeptFills:
     def will_keep(self, entries: Any) -> bool:
         """True if the fills of `entries` (weights whose fill ran while
         streamed) are or soon will be kept: kept fills on, neither RAM
-        nor pins ran short, and each still has its fill or a kept one
-        (a weight the settled schedule makes resident runs its fill once
-        more, there). The hot path reads their peak as a one-off then."""
-        if not self.on or self.short:
+        nor pins ran short, each still has its fill or a kept one (a
+        weight the settled schedule makes resident runs its fill once
+        more, there), and RAM available (where known) stays above the
+        reserve after buffers for those without one (as between() asks).
+        The hot path reads their peak as a one-off then."""
+        if not self.on or self.short or not all(
+                e.fill is not None or e.kept is not None for e in entries):
             return False
-        return all(e.fill is not None or e.kept is not None
-                   for e in entries)
+        want = sum(e.size for e in entries if e not in self.bufs)
+        room = ram_available() if want else 0
+        return not room or room - want >= reserve()
 
     @property
     def kept_bytes(self) -> int:
