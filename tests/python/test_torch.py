@@ -1669,6 +1669,43 @@ def test_streamed_fills_the_keeper_keeps_read_as_a_one_off():
         h.unload()
 
 
+def test_a_masked_fill_out_of_memory_counts_its_peak():
+    """A streamed fill whose peak was read as a one-off runs out of
+    device memory (its temporaries had no room past the budget): it runs
+    again once vpager's pages are evicted, outputs unchanged; the
+    headroom's OOM margin stays (the activations' was not short) and the
+    fills' peak counts from the next learn on (what torch holds of their
+    temporaries, its cache not given back: the counter still reads as
+    masked)."""
+    seen = {"now": 10 * K, "peak": 30 * K}
+    with _mlp_learning(seen, empties=True) as (m, ref, x, h, hot):
+        gov = governor(h.device)
+        hot.keeper.streamed = lambda: None      # kept soon, not yet
+        fails = []
+
+        def fill(view):
+            seen["now"] = seen["peak"] = 90 * K
+            if fails:
+                fails.pop()
+                raise RuntimeError("CUDA out of memory. Tried to allocate")
+            view.mul_(1)
+        _fill_weights(h, m, fill)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        hot.learn()                             # read as a one-off
+        assert hot.keep_waits == 1
+        assert gov.stats()["inputs"]["torch_peak"] == 30 * K
+        margin = gov.oom_margin
+        fails.append(1)
+        with torch.no_grad():
+            assert torch.equal(m(x), ref(x))
+        assert not fails and gov.oom_margin == margin
+        assert hot.keep_waits == hotpath.KEEP_WAITS
+        hot.learn()
+        assert gov.stats()["inputs"]["torch_peak"] == 90 * K
+        h.unload()
+
+
 def test_fills_cache_held_under_a_masked_peak_goes_back():
     """The fills' temporaries run again after their peak was masked (a
     streamed weight about to be kept): torch's counter reads the masked

@@ -339,7 +339,12 @@ class HotPath:
         except Exception as x:
             if not is_oom(x):
                 raise
-            self._make_room()
+            # Fills whose peak learn() read as a one-off found no room
+            # for their temporaries: not the activations' headroom (its
+            # margin stays), and their peak counts from now on.
+            masked = self.keep_waits > 0
+            self.keep_waits = KEEP_WAITS
+            self._make_room(margin=not masked)
             e.fill(v)
         if v.is_cuda:
             self._filled.append(e)
@@ -631,18 +636,18 @@ class HotPath:
             first = str(e)  # not e: its frames hold the activations
         return self.retry(unit, fwd, args, kwargs, first)
 
-    def _make_room(self):
+    def _make_room(self, margin=True):
         """After an out-of-memory error: vpager's unpinned pages evicted,
-        torch's cache emptied, the learned headroom's margin raised;
-        returns the bytes evicted."""
+        torch's cache emptied, the learned headroom's margin raised (if
+        `margin`); returns the bytes evicted."""
         freed = self.device.free_memory(ALL)
         # The eviction lowered the watermarks: the next acquire puts the
         # model on top again, so its weights are filled, not only staged.
         self.ds.top = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        # The learned headroom was too small.
-        self.ds.gov.raise_oom_margin()
+        if margin:                  # the learned headroom was too small
+            self.ds.gov.raise_oom_margin()
         return freed
 
     def retry(self, unit, fwd, args, kwargs, first):
@@ -747,8 +752,9 @@ class HotPath:
         first fills, the plan shrank to no resident weight until the
         fills were kept and the watch saw the room back, a second later
         (its LoRA prompts 1.14-1.24 x L). While they are masked, the
-        fills' temporaries may run past the budget for a few forwards
-        (an out-of-memory error evicts: fill())."""
+        fills' temporaries may run past the budget for a few forwards:
+        an out-of-memory error in one evicts vpager's pages, and their
+        peak counts from then on (fill())."""
         ran, self.streamed_fills = self.streamed_fills, set()
         before = self.peak_before_fills
         if not ran:
