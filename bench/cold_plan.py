@@ -34,6 +34,7 @@ import os
 import re
 import statistics
 import sys
+import time
 
 import benchlib
 
@@ -183,7 +184,6 @@ KEEP_RUNS = 5
 def keep_rows(path, n):
     """(log's header, [(what, host seconds a plan, Schedule)]) for --keep:
     no weight kept, then every other one of the n largest."""
-    import time
     units, _, warm, total, link = read_log(path)
     sizes = [[u.entries[0].size] for u in units]
     big = sorted(range(len(sizes)), key=lambda i: -sizes[i][0])[:n:2]
@@ -222,7 +222,12 @@ if __name__ == "__main__":
     if args[:1] == ["--rings"]:
         for p in args[1:] or logs():
             rings(p)
-    elif args[:1] == ["--keep"] and len(args) > 1 and args[1].isdigit():
+    elif args[:1] == ["--keep"]:
+        if len(args) < 2 or not args[1].isdigit() or int(args[1]) < 1:
+            raise SystemExit("cold_plan.py: --keep takes N, how many of "
+                             "the largest units to pick every other one "
+                             "of (a whole number >= 1), not %r"
+                             % (args[1] if len(args) > 1 else None))
         for p in args[2:] or logs():
             keeps(p, int(args[1]))
     else:
