@@ -339,9 +339,10 @@ class HotPath:
         except Exception as x:
             if not is_oom(x):
                 raise
-            # Fills whose peak learn() read as a one-off found no room
-            # for their temporaries: not the activations' headroom (its
-            # margin stays), and their peak counts from now on.
+            # No room for a fill's temporaries: the streamed fills' peak
+            # is read as it is until none runs (learn()); if learn() was
+            # reading it as a one-off, that was the cause, not the
+            # activations' headroom (its margin stays).
             masked = self.keep_waits > 0
             self.keep_waits = KEEP_WAITS
             self._make_room(margin=not masked)
