@@ -2233,12 +2233,14 @@ def test_shared_ring_shrunk_by_a_schedule_holds_every_model():
     """A device whose ring open_device() sized: a scheduled model may pick
     a smaller ring (more of the budget for resident weights), but never
     below the largest unit of any model on the device; outputs bitwise.
-    (RING_SECONDS is the GPU's floor against host jitter: off here.)"""
+    (RING_SECONDS is the GPU's floor against host jitter, HIDDEN keeps
+    the deepest ring when the CPU's copies all hide: both off here.)"""
     from vpager.torch import schedule
     dev = vt.open_device("sim", budget=2560 * K,
                          **dict(sim_opts(), sim_capacity=8192 * K))
-    saved = tuner.WATCH_EVERY, schedule.RING_SECONDS
+    saved = tuner.WATCH_EVERY, schedule.RING_SECONDS, schedule.HIDDEN
     tuner.WATCH_EVERY, schedule.RING_SECONDS = 0.0, 0.0
+    schedule.HIDDEN = -1.0
     try:
         x = torch.randn(4, 64)
         big = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(),
@@ -2270,7 +2272,7 @@ def test_shared_ring_shrunk_by_a_schedule_holds_every_model():
         h2.unload()
         h1.unload()
     finally:
-        tuner.WATCH_EVERY, schedule.RING_SECONDS = saved
+        tuner.WATCH_EVERY, schedule.RING_SECONDS, schedule.HIDDEN = saved
         dev.close()
 
 
