@@ -94,7 +94,7 @@ def read_log(path):
 def planned(work, sizes, total, link):
     """(ring, Schedule) the tuner would pick for `work`."""
     return schedule.pick_ring(tuner.plan_rings(work, sizes, total, RINGS,
-                                               PAGE, link, ALIGN))
+                                               PAGE, link, ALIGN), link)
 
 
 def compare(path):

@@ -250,33 +250,38 @@ def test_pick_ring_prefers_fewer_bytes_among_ties():
                                            0, 0.0))
     h200 = [cand(512, 138.965, 7.40), cand(448, 138.953, 7.32),
             cand(378, 139.281, 7.26), cand(288, 143.696, 7.19)]
-    assert S.pick_ring(h200) is h200[2]
-    assert S.pick_ring([cand(512, 100.0, 5.0), cand(448, 100.5, 5.0)]) \
+    assert S.pick_ring(h200, 55e9) is h200[2]
+    assert S.pick_ring([cand(512, 100.0, 5.0), cand(448, 100.5, 5.0)], 55e9) \
         [0] == 512 << 20
     fast = [cand(512, 95.0, 5.3), cand(252, 100.0, 5.0)]
-    assert S.pick_ring(fast) is fast[0]
-    assert S.pick_ring(fast[1:]) is fast[1]
+    assert S.pick_ring(fast, 55e9) is fast[0]
+    assert S.pick_ring(fast[1:], 55e9) is fast[1]
 
 
 def test_pick_ring_takes_the_deepest_ring_when_copies_hide():
-    """Among rings as fast whose plans hide every copy under the compute,
-    the largest is used whatever it copies (the node's fp8 Flux at half
-    its bytes, an H100 run's candidates); one whose copies show is not
-    counted as hidden."""
+    """Among rings as fast whose plans hide every copy under a compute
+    that keeps the link BUSY, the largest is used whatever it copies (the
+    node's fp8 Flux at half its bytes, an H100 run's candidates); one
+    whose copies show is not counted as hidden, and copies that leave the
+    link mostly idle take the fewest bytes (SDXL's host-bound steps)."""
+    LINK = 55.1e9
     def cand(ring_mib, ms, gb, all_ms):
         return (ring_mib << 20, S.Schedule([], [], ms * MS, int(gb * 1e9),
                                            0, all_ms * MS))
     h100 = [cand(512, 94.602, 4.147, 94.602), cand(224, 94.602, 3.848, 94.602),
             cand(189, 96.499, 3.820, 94.602), cand(160, 96.129, 3.782, 94.602)]
-    assert S.pick_ring(h100) is h100[0]
-    assert S.pick_ring(h100[1:]) is h100[1]
+    assert S.pick_ring(h100, LINK) is h100[0]
+    assert S.pick_ring(h100[1:], LINK) is h100[1]
     # The largest ring's copies show (0.5% over its work): the fewest
     # bytes among the tie, as when none hides.
     shows = [cand(512, 95.1, 4.147, 94.602), cand(224, 95.0, 3.848, 94.602)]
-    assert S.pick_ring(shows) is shows[1]
+    assert S.pick_ring(shows, LINK) is shows[1]
     # One hidden plan in the tie is taken over a larger ring that shows.
     mixed = [cand(512, 95.2, 4.147, 94.602), cand(224, 94.602, 3.848, 94.602)]
-    assert S.pick_ring(mixed) is mixed[1]
+    assert S.pick_ring(mixed, LINK) is mixed[1]
+    # The same plans with copies of under half the compute (a link four
+    # times as fast): the fewest bytes.
+    assert S.pick_ring(h100, 4 * LINK) is h100[1]
 
 
 def test_ring_bounds_a_unit():

@@ -2233,14 +2233,12 @@ def test_shared_ring_shrunk_by_a_schedule_holds_every_model():
     """A device whose ring open_device() sized: a scheduled model may pick
     a smaller ring (more of the budget for resident weights), but never
     below the largest unit of any model on the device; outputs bitwise.
-    (RING_SECONDS is the GPU's floor against host jitter, HIDDEN keeps
-    the deepest ring when the CPU's copies all hide: both off here.)"""
+    (RING_SECONDS is the GPU's floor against host jitter: off here.)"""
     from vpager.torch import schedule
     dev = vt.open_device("sim", budget=2560 * K,
                          **dict(sim_opts(), sim_capacity=8192 * K))
-    saved = tuner.WATCH_EVERY, schedule.RING_SECONDS, schedule.HIDDEN
+    saved = tuner.WATCH_EVERY, schedule.RING_SECONDS
     tuner.WATCH_EVERY, schedule.RING_SECONDS = 0.0, 0.0
-    schedule.HIDDEN = -1.0
     try:
         x = torch.randn(4, 64)
         big = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(),
@@ -2272,7 +2270,7 @@ def test_shared_ring_shrunk_by_a_schedule_holds_every_model():
         h2.unload()
         h1.unload()
     finally:
-        tuner.WATCH_EVERY, schedule.RING_SECONDS, schedule.HIDDEN = saved
+        tuner.WATCH_EVERY, schedule.RING_SECONDS = saved
         dev.close()
 
 
@@ -2435,7 +2433,7 @@ def test_a_later_plan_may_grow_the_ring_back():
     saved = schedule.RING_SECONDS, tuner.schedule.pick_ring, tuner.ROUNDS_MAX
     picks = []
 
-    def pick(cands):                # smallest first, then the largest
+    def pick(cands, link):          # smallest first, then the largest
         c = min(cands, key=lambda rc: rc[0]) if not picks else \
             max(cands, key=lambda rc: rc[0])
         picks.append([r for r, _ in cands])

@@ -67,16 +67,22 @@ def ring_sizes(need, current, link, page=1):
 RING_TIE = 0.01
 
 # A plan predicted within this of its all-resident time hides every copy
-# under the compute: what it streams costs no time, the ring's depth is
-# its only slack against the host's jitter.
+# under the compute: what it streams costs no time in the prediction.
 HIDDEN = 0.001
+# ... and its copies keep the link busy for at least this share of the
+# compute: then the ring's depth is its only slack against the host's
+# jitter (a copy that lands late stalls the unit). Below it the copies
+# finish far ahead whatever the ring, and fewer streamed weights mean
+# less host work a step (SDXL's steps are the host's).
+BUSY = 0.5
 
 
-def pick_ring(candidates):
+def pick_ring(candidates, link):
     """The (ring, Schedule) to use among `candidates` (ring sizes tried
-    with their plans). Of those predicted within RING_TIE of the fastest:
-    if some hide all their copies under the compute (HIDDEN), the largest
-    ring of those (fp8 Flux at half its bytes on the H100: 224 MiB ran
+    with their plans) at `link` bytes/s. Of those predicted within
+    RING_TIE of the fastest: if some hide all their copies under a
+    compute that keeps the link BUSY, the largest ring of those (fp8 Flux
+    at half its bytes on the H100, the link 75-80% busy: 224 MiB ran
     10-19% over its prediction, 512 MiB within 3%); else the one that
     copies the fewest bytes a forward (more stays resident), then the
     largest ring (node Flux 4 GiB on the H200, link-bound: 448 MiB
@@ -85,11 +91,13 @@ def pick_ring(candidates):
     fastest = min(c.predicted for _, c in candidates)
     close = [i for i, (_, c) in enumerate(candidates)
              if c.predicted <= fastest * (1 + RING_TIE)]
-    hidden = [(-candidates[i][0], i) for i in close
-              if candidates[i][1].predicted
-              <= candidates[i][1].all_resident * (1 + HIDDEN)]
-    if hidden:
-        return candidates[min(hidden)[1]]
+
+    def tight(c):
+        return (bool(link) and c.predicted <= c.all_resident * (1 + HIDDEN)
+                and c.streamed / link >= BUSY * c.all_resident)
+    deep = [(-candidates[i][0], i) for i in close if tight(candidates[i][1])]
+    if deep:
+        return candidates[min(deep)[1]]
     return candidates[min((candidates[i][1].streamed, -candidates[i][0], i)
                           for i in close)[2]]
 
@@ -650,7 +658,7 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
                            spare_pages, per_copy, margin, keep)
     else:
         cands = [(r, Schedule(*f)) for r, f in cands]
-    ring, sch = pick_ring(cands)
+    ring, sch = pick_ring(cands, link)
     i = [c for _, c in cands].index(sch)
     win = merged_windows(sch.window, works, sizes, sch.resident, link,
                          int(ring * FRAGMENTATION), per_copy, margin)

@@ -1115,7 +1115,7 @@ class Tuner:
             self.roomier = None
         self.planned_for = total
         self.rings = cands
-        ring, sch = schedule.pick_ring(self.rings)
+        ring, sch = schedule.pick_ring(self.rings, self.link)
         return sch, ring
 
     def _fits(self, sch):
