@@ -32,6 +32,9 @@
 #           the next (issue 26)
 #   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
+#           (QUANT_SHAPE=flux: both on the Flux shape, where the budget,
+#           half the weights, leaves room beside torch's peak; GGUF_QTYPES=
+#           ...: other qtypes) (issue 26 points 3-4)
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   node_ab BEFORE's tree against this one, the node's Flux run only
@@ -201,11 +204,11 @@ for PH in ${PHASES//+/ }; do
     done ;;
   quant)
     GREP='steady|x L|latents|RSS|budget|LoRA|Q4_K|equal|Error|Traceback'
-    TAILN=60 step sfp8 300 $N --quant scaled_fp8 --shape small \
+    TAILN=60 step sfp8 300 $N --quant scaled_fp8 --shape "${QUANT_SHAPE:-small}" \
       --fp8-lora on --out "$L/sfp8"
     TAILN=60 step gguf "$(cap)" python3 bench/bench_gguf.py \
-      --comfyui "$C/ComfyUI" --qtypes Q4_K --gguf-lora both --shape small \
-      --timeout 400 ;;
+      --comfyui "$C/ComfyUI" --qtypes "${GGUF_QTYPES:-Q4_K}" --gguf-lora both \
+      --shape "${QUANT_SHAPE:-small}" --timeout 400 ;;
   before)
     GREP='ms|x L|settled|Error|Traceback|MET|MISSED'
     TAILN=30 step torch_after 170 python3 bench/bench_torch.py \
