@@ -77,29 +77,31 @@ HIDDEN = 0.001
 BUSY = 0.5
 
 
+def _hides_busy(c, link):
+    """True if plan c hides every copy (HIDDEN) under a compute its copies
+    keep the link BUSY for."""
+    return (bool(link) and c.predicted <= c.all_resident * (1 + HIDDEN)
+            and c.streamed / link >= BUSY * c.all_resident)
+
+
 def pick_ring(candidates, link):
     """The (ring, Schedule) to use among `candidates` (ring sizes tried
     with their plans) at `link` bytes/s. Of those predicted within
     RING_TIE of the fastest: if some hide all their copies under a
     compute that keeps the link BUSY, the largest ring of those (fp8 Flux
-    at half its bytes on the H100, the link 75-80% busy: 224 MiB ran
-    10-19% over its prediction, 512 MiB within 3%); else the one that
+    at half its bytes with a LoRA on the H100, the link 75-82% busy:
+    224 MiB ran 1.082-1.117 x L, 512 MiB 1.027-1.040); else the one that
     copies the fewest bytes a forward (more stays resident), then the
     largest ring (node Flux 4 GiB on the H200, link-bound: 448 MiB
     predicted 0.2% faster than 378 MiB ran 1.120 x L, 378 MiB
     1.049-1.060)."""
     fastest = min(c.predicted for _, c in candidates)
-    close = [i for i, (_, c) in enumerate(candidates)
+    close = [(i, ring, c) for i, (ring, c) in enumerate(candidates)
              if c.predicted <= fastest * (1 + RING_TIE)]
-
-    def tight(c):
-        return (bool(link) and c.predicted <= c.all_resident * (1 + HIDDEN)
-                and c.streamed / link >= BUSY * c.all_resident)
-    deep = [(-candidates[i][0], i) for i in close if tight(candidates[i][1])]
+    deep = [(-ring, i) for i, ring, c in close if _hides_busy(c, link)]
     if deep:
         return candidates[min(deep)[1]]
-    return candidates[min((candidates[i][1].streamed, -candidates[i][0], i)
-                          for i in close)[2]]
+    return candidates[min((c.streamed, -ring, i) for i, ring, c in close)[2]]
 
 
 class Schedule:
