@@ -32,9 +32,9 @@
 #           the next (issue 26)
 #   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
-#           (QUANT_SHAPE=flux: both on the Flux shape, where the budget,
-#           half the weights, leaves room beside torch's peak; GGUF_QTYPES=
-#           ...: other qtypes) (issue 26 points 3-4)
+#           (QUANT_SHAPE=flux: both on the Flux shape; GGUF_QTYPES=...:
+#           other qtypes: Q8_0's half leaves room beside torch's peak at
+#           1024², Q4_K's does not) (issue 26 points 3-4)
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   node_ab BEFORE's tree against this one, the node's Flux run only

@@ -928,8 +928,8 @@ def test_real_comfyui_gguf_paged_bitwise():
 
 def test_bench_gguf_files():
     """bench_gguf's GGUF files (the bench's checkpoint as ComfyUI-GGUF
-    models): weights that fill whole blocks quantized (Q8_0 by gguf's own
-    quantizer, Q4_K as random blocks with finite scales), the rest F32;
+    models): weights that fill whole blocks quantized (Q8_0 as gguf's own
+    quantizer does, Q4_K as random blocks with finite scales), the rest F32;
     read back by the reader with their shapes, finite when dequantized."""
     gguf = import_gguf()
     if gguf is None:
@@ -961,6 +961,14 @@ def test_bench_gguf_files():
             assert got["img_in.weight"].tensor_type.name == "F32"
             assert info["bytes"] == sum(int(rt.n_bytes)
                                         for rt in r.tensors), info
+        # Q8_0 by torch: gguf's own quantizer's bytes, an all-zero block
+        # and a value half a step between two included.
+        t = torch.randn(6, 96, generator=g) * 3
+        t[0, :32] = 0
+        t[1, 3] = t[1, :32].abs().max() * 63.5 / 127
+        assert np.array_equal(
+            bench_gguf().q8_0(t),
+            gguf.quants.quantize(t.numpy(), gguf.GGMLQuantizationType.Q8_0))
         e = raises(SystemExit, bench_gguf().write_gguf, tensors,
                    os.path.join(d, "x.gguf"), "IQ9")
         assert "--qtypes" in str(e), e
