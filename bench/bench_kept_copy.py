@@ -26,22 +26,13 @@ since it is the first suspect.
 --dry-run: vpager's simulated device (no page-locking), 64 MiB, copies to
 a CPU tensor: checks the script runs."""
 import argparse
-import os
 import sys
 import time
 
 import benchlib
 from benchlib import MiB
 
-ROOT = benchlib.ROOT
-if os.path.join(ROOT, "python") not in sys.path:
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-
-try:
-    import torch  # noqa: E402
-except ImportError:     # make check-python on a machine without torch
-    print("bench_kept_copy: torch is not importable: skipped")
-    sys.exit(0 if "--dry-run" in sys.argv else 1)
+torch = benchlib.torch_or_skip("bench_kept_copy")
 
 import vpager  # noqa: E402
 from vpager.torch.sources import host_memory  # noqa: E402

@@ -36,15 +36,7 @@ import time
 import benchlib
 from benchlib import GiB, MiB
 
-ROOT = benchlib.ROOT
-if os.path.join(ROOT, "python") not in sys.path:
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-
-try:
-    import torch  # noqa: E402
-except ImportError:     # make check-python on a machine without torch
-    print("bench_load: torch is not importable: skipped")
-    sys.exit(0 if "--dry-run" in sys.argv else 1)
+torch = benchlib.torch_or_skip("bench_load")
 
 import vpager  # noqa: E402
 

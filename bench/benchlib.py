@@ -40,12 +40,27 @@ T_START = time.perf_counter()
 SOURCE_DIRS = ("include", "src", os.path.join("python", "vpager"))
 
 __all__ = [
-    "ROOT", "KiB", "MiB", "GiB", "GB", "SOURCE_DIRS", "say", "elapsed",
+    "ROOT", "KiB", "MiB", "GiB", "GB", "SOURCE_DIRS", "torch_or_skip",
+    "say", "elapsed",
     "med", "gbps", "host_ram", "gpu_line", "host_line", "source_rev",
     "module_versions", "software_line", "machine_lines", "utc_now", "Ctx",
     "TARGETS", "target", "target_lines", "targets_json", "write_json",
     "stats_delta", "copied_bytes", "stream_limit_ms", "WaitProbe",
 ]
+
+
+def torch_or_skip(name):
+    """torch, with the repository's python/ on sys.path first; where torch
+    is not importable (make check-python without it) `name` says so and
+    exits: 0 on a --dry-run, else 1."""
+    if os.path.join(ROOT, "python") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "python"))
+    try:
+        import torch
+    except ImportError:
+        print("%s: torch is not importable: skipped" % name)
+        sys.exit(0 if "--dry-run" in sys.argv else 1)
+    return torch
 
 
 def say(*args):
