@@ -51,7 +51,8 @@ GiB = 1 << 30
 QTYPES = "Q8_0,Q4_K"
 ENV_DIR = "BENCH_COMFYUI_GGUF"      # ComfyUI-GGUF's folder, for the children
 RUNS = "resident,nodehalf,half"
-# gguf-py's quantizers (numpy); the others are written as random blocks.
+# gguf-py's quantizers (numpy; Q8_0's steps run in torch: q8_0()); the
+# others are written as random blocks.
 QUANTIZED_BY_GGUF = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # The K-quants: (offset of the fp16 scale d, of dmin or None) in a block.
 K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None),

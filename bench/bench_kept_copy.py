@@ -63,22 +63,24 @@ def huge_share(tensors):
     return huge / total if total else None
 
 
+# Each way's memory: (host tensors, their HostBufs to close). A tensor
+# from host_memory keeps its mapping alive.
+
 def model_copy(dev, n):
     host, buf = host_memory(n)
     host.fill_(1)
-    hb = dev.register_hostbuf(buf, n)
-    return [host], [hb, buf]
+    return [host], [dev.register_hostbuf(buf, n)]
 
 
 def kept_fills(dev, n, piece):
-    hosts, keep = [], []
+    hosts, hbs = [], []
     for off in range(0, n, piece):
         size = min(piece, n - off)
         host, buf = host_memory(size)
-        keep += [dev.register_hostbuf(buf, size), buf]
+        hbs.append(dev.register_hostbuf(buf, size))
         host.fill_(1)
         hosts.append(host)
-    return hosts, keep
+    return hosts, hbs
 
 
 def pinned(n, cuda):
@@ -140,14 +142,14 @@ def main():
         for name, make in (("model copy", lambda: model_copy(dev, n)),
                            ("kept fills", lambda: kept_fills(dev, n, piece)),
                            ("torch pin_memory", lambda: pinned(n, cuda))):
-            hosts, keep = make()
+            hosts, hbs = make()
             pieces = [h[o:o + piece] for h in hosts
                       for o in range(0, h.numel(), piece)]
             rows.append((name, rate(pieces, dst, a.reps, cuda),
                          huge_share(hosts)))
-            for k in keep[::2]:
-                k.close()
-            del hosts, keep, pieces
+            for hb in hbs:
+                hb.close()
+            del hosts, pieces
     finally:
         dev.close()
     base = rows[-1][1]
