@@ -34,7 +34,8 @@
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
 #           (QUANT_SHAPE=flux: both on the Flux shape; GGUF_QTYPES=...:
 #           other qtypes: Q8_0's half leaves room beside torch's peak at
-#           1024², Q4_K's does not) (issue 26 points 3-4)
+#           1024², Q4_K's does not; QUANT_RUNS=gguf or sfp8: one of
+#           the two) (issue 26 points 3-4)
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   node_ab BEFORE's tree against this one, the node's Flux run only
@@ -204,11 +205,13 @@ for PH in ${PHASES//+/ }; do
     done ;;
   quant)
     GREP='steady|x L|latents|RSS|budget|LoRA|Q4_K|equal|Error|Traceback'
-    TAILN=60 step sfp8 300 $N --quant scaled_fp8 --shape "${QUANT_SHAPE:-small}" \
-      --fp8-lora on --out "$L/sfp8"
-    TAILN=60 step gguf "$(cap)" python3 bench/bench_gguf.py \
-      --comfyui "$C/ComfyUI" --qtypes "${GGUF_QTYPES:-Q4_K}" --gguf-lora both \
-      --shape "${QUANT_SHAPE:-small}" --timeout 400 ;;
+    case " ${QUANT_RUNS:-sfp8 gguf} " in *" sfp8 "*)
+      TAILN=60 step sfp8 300 $N --quant scaled_fp8 --shape "${QUANT_SHAPE:-small}" \
+        --fp8-lora on --out "$L/sfp8" ;; esac
+    case " ${QUANT_RUNS:-sfp8 gguf} " in *" gguf "*)
+      TAILN=60 step gguf "$(cap)" python3 bench/bench_gguf.py \
+        --comfyui "$C/ComfyUI" --qtypes "${GGUF_QTYPES:-Q4_K}" --gguf-lora both \
+        --shape "${QUANT_SHAPE:-small}" --timeout 400 ;; esac ;;
   before)
     GREP='ms|x L|settled|Error|Traceback|MET|MISSED'
     TAILN=30 step torch_after 170 python3 bench/bench_torch.py \
