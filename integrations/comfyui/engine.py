@@ -43,7 +43,7 @@ from vpager.torch.devices import learn_headroom, torch_peak
 from vpager.weights import Source
 
 from . import quantized
-from .patch_stage import PatchStage
+from .patch_stage import CarriedPatches, PatchStage
 
 ALL = 1 << 62               # "evict everything unpinned"
 
@@ -187,7 +187,7 @@ class Entry:
 
     __slots__ = ("key", "module", "pname", "param", "dtype", "shape", "size",
                  "file", "patch", "split", "host_patched",
-                 "host_patched_bytes", "stage")
+                 "host_patched_bytes", "stage", "carried")
 
     def __init__(self, key, module, pname, param, split=None):
         self.key = key
@@ -204,6 +204,7 @@ class Entry:
         self.host_patched_bytes = 0     # (of a QuantizedTensor's parts,
         #                                 all but a payload patched at fill)
         self.stage = None               # patched at fill: its PatchStage
+        self.carried = None             # applied by its op: CarriedPatches
 
 
 class Pager:
@@ -482,11 +483,19 @@ class Pager:
         self.refills += 1
         return True
 
-    def carry_patch(self, key, patch):
+    def carry_patch(self, key, patch, host=None, place=None):
         """Weight `key` holds its own bytes for the patch set `patch`: its
         op applies the patches at each use (ComfyUI-GGUF's quantized
-        weights carry them on the tensor), so nothing refills."""
-        self.by_key[key].patch = patch
+        weights carry them on the tensor), so nothing refills. place(p)
+        puts p where the op reads it: `host` (the op's form of `patch`)
+        copied to the device at once (patch_stage.CarriedPatches), until
+        drop_stages places `host` again."""
+        e = self.by_key[key]
+        e.patch = patch
+        if e.carried is not None:
+            e.carried.drop()
+        e.carried = None if patch is None or place is None else \
+            CarriedPatches(host, place, self.target)
 
     def patched_keys(self):
         return [e.key for e in self.entries if e.patch is not None]
@@ -512,13 +521,16 @@ class Pager:
 
     def drop_stages(self):
         """The patch sets staged on the device (patch_stage) let go: the
-        fills compute from ComfyUI's again until a weight's next two;
-        returns their bytes (torch's cache holds them until emptied)."""
+        fills compute from ComfyUI's again until a weight's next two, the
+        ops that carry theirs from the host's until it changes; returns
+        their bytes (torch's cache holds them until emptied)."""
         n = 0
         for e in self.entries:
             if e.stage is not None and e.stage.bytes:
                 n += e.stage.bytes
                 e.stage = PatchStage()
+            if e.carried is not None:
+                n += e.carried.drop()
         return n
 
     def host_bytes(self):
@@ -538,8 +550,9 @@ class Pager:
         patched_weights, host_patched_weights (patched weights with a
         host copy), host_patched_bytes (those copies' bytes: of a
         QuantizedTensor patched at fill its small parts only),
-        patch_staged_bytes (patch sets copied to the device for the fills
-        of streamed weights: patch_stage), refills, patch_fills,
+        patch_staged_bytes (patch sets copied to the device, for the
+        fills of streamed weights and for the ops that apply them at each
+        use: patch_stage), refills, patch_fills,
         patch_fill_bytes."""
         s = self.h.stats()
         m = s["model"]
@@ -559,8 +572,10 @@ class Pager:
         # bytes they rewrote: a streamed patched weight's at each fill.
         m["patch_fills"] = self.h.hot_path.fills
         m["patch_fill_bytes"] = self.h.hot_path.fill_bytes
-        m["patch_staged_bytes"] = sum(e.stage.bytes for e in self.entries
-                                      if e.stage is not None)
+        m["patch_staged_bytes"] = sum(
+            (e.stage.bytes if e.stage is not None else 0) +
+            (e.carried.bytes if e.carried is not None else 0)
+            for e in self.entries)
         m["refills"] = self.refills
         return s
 

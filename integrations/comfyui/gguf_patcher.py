@@ -8,10 +8,11 @@ kept (its .data points at the VRAM bytes during the op's forward, so its
 tensor_type, tensor_shape and patches stay), so ComfyUI-GGUF's ops
 dequantize them on the GPU at each use exactly as they do when resident.
 LoRA the way ComfyUI-GGUF applies it: a quantized weight carries its
-patches (ComfyUI-GGUF's patch_on_device says on which device they
-wait), applied by its op at each use; an unquantized one is patched by
-ComfyUI-GGUF's own patch_weight_to_device over its bytes in VRAM each
-time they are filled. Everything else (the fallback included: the
+patches, applied by its op at each use (their tensors copied to the
+device once, where ComfyUI-GGUF's op would copy them from the host at
+each use, whatever its patch_on_device says); an unquantized one is
+patched by ComfyUI-GGUF's own patch_weight_to_device over its bytes in
+VRAM each time they are filled. Everything else (the fallback included: the
 node off, a model vpager refuses) is ComfyUI-GGUF's own legacy path.
 
 ComfyUI treats the model as ComfyUI-GGUF's, not as a dynamic one: before
@@ -52,11 +53,18 @@ class GGUFPaging:
             return super()._vp_patch(pager, e, patches, device_to)
         # As ComfyUI-GGUF patches it: the patches on the tensor, moved
         # where patch_on_device says; its op applies them at each use.
+        # Then copied to the device whichever it said (its op would copy
+        # them from the host at every use: CarriedPatches).
+        param, key = e.param, e.key
+        if not patches:
+            param.patches = []
+            pager.carry_patch(key, None)
+            return
         where = self.load_device if getattr(self, "patch_on_device", False) \
             else self.offload_device
-        e.param.patches = [(self._gguf_move(list(patches), where),
-                            e.key)] if patches else []
-        pager.carry_patch(e.key, list(patches) if patches else None)
+        pager.carry_patch(key, list(patches),
+                          self._gguf_move(list(patches), where),
+                          lambda p: setattr(param, "patches", [(p, key)]))
 
     def _vp_patched(self, key, device_to):
         # ComfyUI-GGUF's own math (float32, then its rounding), written

@@ -1,4 +1,5 @@
-"""A streamed weight's patch set staged on the device.
+"""A weight's patch set staged on the device: a streamed weight's
+(PatchStage), and one its op applies at each use (CarriedPatches).
 
 A weight patched at fill (engine.Pager.set_patched with a fill) runs
 ComfyUI's patch math each time its bytes come from their source: once per
@@ -73,3 +74,35 @@ class PatchStage:
                             "copy to %s failed: %s); its weight's fills "
                             "wait for a host copy each", device, x)
         return self.staged if self.staged is not None else patches
+
+
+class CarriedPatches:
+    """A patch set that a weight's op applies at each use (ComfyUI-GGUF's
+    quantized weights carry theirs on the tensor; its op copies each patch
+    tensor to the weight's device at every use, from the host: the same
+    pageable copies PatchStage spares the fills). Copied to `device` at
+    once, resident or streamed alike, and placed where the op reads it
+    (place(patch set)); drop() places the host's again. A copy that fails
+    leaves the host's, said once."""
+
+    __slots__ = ("host", "place", "bytes")
+
+    def __init__(self, host, place, device):
+        self.host = host
+        self.place = place
+        self.bytes = 0
+        try:
+            staged, self.bytes = on_device(host, device)
+        except Exception as x:      # the host's patches still compute it
+            log.warning("vpager: a patch set stays on the host (its copy "
+                        "to %s failed: %s); its op copies it at each use",
+                        device, x)
+            staged = host
+        place(staged)
+
+    def drop(self):
+        """The host's patch set placed again; returns the bytes let go."""
+        n, self.bytes = self.bytes, 0
+        if n:
+            self.place(self.host)
+        return n

@@ -526,6 +526,77 @@ def test_gguf_model_paged_bitwise():
             assert torch.equal(t.run(m), want0)
 
 
+def test_gguf_carried_patches_staged_on_device():
+    """A quantized weight's patches (its op applies them at each use,
+    copying each tensor from the host) are copied to the device once at
+    load (patch_stage.CarriedPatches), the op computing from the copy,
+    bitwise as ComfyUI-GGUF's own load; free_memory beyond the pages
+    puts the host's back, a new patch set is copied again, its removal
+    leaves none. The simulated device is the host: the copy here is a
+    clone, as a copy to the GPU would be."""
+    from comfyui import patch_stage
+    copies = []
+
+    def cloning(value, device):
+        if isinstance(value, torch.Tensor):
+            c = value.clone()
+            copies.append(c)
+            return c, c.numel() * c.element_size()
+        if isinstance(value, (tuple, list)):
+            out = [cloning(v, device) for v in value]
+            items = [c for c, _n in out]
+            return (type(value)(items), sum(n for _c, n in out))
+        return value, 0
+
+    def carried(op):
+        return [x for ps, _k in op.weight.patches for p in ps
+                for x in p[1][1]]
+
+    real = patch_stage.on_device
+    patch_stage.on_device = cloning
+    try:
+        with GGUFEnv(adopt=True, capacity=192 * t.K, staging=128 * t.K) \
+                as e, gguf_module() as mod:
+            m = gguf_dit()
+            core = e.patcher(m)     # adopts ComfyUI-GGUF's class first
+            model = mod.GGUFModelPatcher.clone(core)
+            model.partially_load(CPU)
+            assert model.vpager_active(), type(model)
+            pager = m._vpager_pager
+            op = m.diffusion_model.blocks[2].up
+            assert ggml_quantized(op.weight)
+            d = diffs()
+            want0 = legacy_run(mod)
+            for strength in (1.0, 0.5):
+                q = model.clone()
+                q.add_patches({k: ("diff", (v,)) for k, v in d.items()},
+                              strength)
+                q.partially_load(CPU)
+                want = legacy_run(mod, q.patches)
+                assert all(any(x is c for c in copies)
+                           for x in carried(op)), "not the copy"
+                staged = pager.stats()["model"]["patch_staged_bytes"]
+                quantized = sum(v.numel() * 4 for k, v in d.items()
+                                if ggml_quantized(dict(
+                                    m.named_parameters())[k]))
+                assert staged >= quantized > 0, (staged, quantized)
+                for _ in range(2):
+                    assert torch.equal(t.run(m), want)
+            # Asked for more than its pages: the host's placed again.
+            pager.free_memory(1 << 40)
+            host = carried(op)
+            assert len(host) == 1 and host[0] is d[OPS[4] + ".weight"]
+            assert pager.stats()["model"]["patch_staged_bytes"] == 0
+            for _ in range(2):
+                assert torch.equal(t.run(m), want)
+            model.partially_load(CPU)
+            assert op.weight.patches == [] and \
+                pager.stats()["model"]["patch_staged_bytes"] == 0
+            assert torch.equal(t.run(m), want0)
+    finally:
+        patch_stage.on_device = real
+
+
 def mapped(model, path):
     """Every GGMLTensor's bytes written to `path` and its data made a
     read-only mapping of them, as ComfyUI-GGUF's loader leaves them (the
