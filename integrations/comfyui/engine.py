@@ -489,11 +489,10 @@ class Pager:
         weights carry them on the tensor), so nothing refills. place(p)
         puts p where the op reads it: `host` (the op's form of `patch`)
         copied to the device at once (patch_stage.CarriedPatches), until
-        drop_stages places `host` again."""
+        drop_stages places `host` again. The set it replaces is the
+        caller's to take off (a weight left unpatched: place nothing)."""
         e = self.by_key[key]
         e.patch = patch
-        if e.carried is not None:
-            e.carried.drop()
         e.carried = None if patch is None or place is None else \
             CarriedPatches(host, place, self.target)
 

@@ -530,10 +530,11 @@ def test_gguf_carried_patches_staged_on_device():
     """A quantized weight's patches (its op applies them at each use,
     copying each tensor from the host) are copied to the device once at
     load (patch_stage.CarriedPatches), the op computing from the copy,
-    bitwise as ComfyUI-GGUF's own load; free_memory beyond the pages
-    puts the host's back, a new patch set is copied again, its removal
-    leaves none. The simulated device is the host: the copy here is a
-    clone, as a copy to the GPU would be."""
+    bitwise as ComfyUI-GGUF's own load; another LoRA on some of the
+    weights leaves the others unpatched, its removal leaves none;
+    free_memory beyond the pages puts the host's back. The simulated
+    device is the host: the copy here is a clone, as a copy to the GPU
+    would be."""
     from comfyui import patch_stage
     copies = []
 
@@ -565,30 +566,35 @@ def test_gguf_carried_patches_staged_on_device():
             pager = m._vpager_pager
             op = m.diffusion_model.blocks[2].up
             assert ggml_quantized(op.weight)
-            d = diffs()
+            params = dict(m.named_parameters())
+            a = diffs()
+            b = {k: v for k, v in diffs(seed=9).items()
+                 if k.startswith(OPS[0]) or k.startswith(OPS[7])}
             want0 = legacy_run(mod)
-            for strength in (1.0, 0.5):
+            for d, strength in ((a, 1.0), (a, 0.5), (b, 1.0), (a, 1.0)):
                 q = model.clone()
                 q.add_patches({k: ("diff", (v,)) for k, v in d.items()},
                               strength)
                 q.partially_load(CPU)
                 want = legacy_run(mod, q.patches)
+                assert (carried(op) == []) == (d is b), d is b
                 assert all(any(x is c for c in copies)
                            for x in carried(op)), "not the copy"
                 staged = pager.stats()["model"]["patch_staged_bytes"]
                 quantized = sum(v.numel() * 4 for k, v in d.items()
-                                if ggml_quantized(dict(
-                                    m.named_parameters())[k]))
+                                if ggml_quantized(params[k]))
                 assert staged >= quantized > 0, (staged, quantized)
                 for _ in range(2):
                     assert torch.equal(t.run(m), want)
             # Asked for more than its pages: the host's placed again.
             pager.free_memory(1 << 40)
             host = carried(op)
-            assert len(host) == 1 and host[0] is d[OPS[4] + ".weight"]
+            assert len(host) == 1 and host[0] is a[OPS[4] + ".weight"]
             assert pager.stats()["model"]["patch_staged_bytes"] == 0
             for _ in range(2):
                 assert torch.equal(t.run(m), want)
+            # Removed, with the copies staged (a LoRA's again first).
+            q.partially_load(CPU)
             model.partially_load(CPU)
             assert op.weight.patches == [] and \
                 pager.stats()["model"]["patch_staged_bytes"] == 0
