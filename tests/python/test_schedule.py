@@ -284,6 +284,35 @@ def test_pick_ring_takes_the_deepest_ring_when_copies_hide():
     assert S.pick_ring(h100, 4 * LINK) is h100[1]
 
 
+def test_pick_ring_from_the_cold_estimate_takes_the_deepest_hidden_ring():
+    """A plan from the cold forward's estimated work (an overstatement:
+    the link looks idler than it is) takes the largest ring whose plan
+    hides its copies, busy or not; one whose copies show still does not
+    count. The candidates: the node's GGUF Q8_0 Flux on an H100, its cold
+    plan (204 ms estimated for a 113 ms step)."""
+    LINK = 55.15e9
+
+    def cand(ring_mib, ms, gb, all_ms):
+        return (ring_mib << 20, S.Schedule([], [], ms * MS, int(gb * 1e9),
+                                           0, all_ms * MS))
+    cold = [cand(512, 204.114, 4.366, 204.114),
+            cand(224, 204.114, 4.068, 204.114),
+            cand(160, 204.114, 4.027, 204.114),
+            cand(134, 204.240, 3.990, 204.114)]
+    assert S.pick_ring(cold, LINK) is cold[3]       # the fewest bytes
+    assert S.pick_ring(cold, LINK, estimated=True) is cold[0]
+    shows = [cand(512, 205.0, 4.366, 204.114)] + cold[1:]
+    assert S.pick_ring(shows, LINK, estimated=True) is shows[1]
+    # schedule.plan_job picks the same (the planner's process).
+    work = [2 * MS] * 4
+    sizes = [[64 * MB]] * 4
+    out = S.plan_job(work, [work], sizes, 200 * MB, [128 << 20, 64 << 20],
+                     PAGE, LINK, 512, 0, 0, 0, None, None, estimated=True)
+    cands = out["cands"]
+    i = out["pick"][0]
+    assert i == 0 or not cands[0][1][2] <= cands[0][1][5] * 1.001, cands
+
+
 def test_ring_bounds_a_unit():
     # A unit whose weights do not fit in the ring stays resident: under
     # the schedule it would have to stage whole.

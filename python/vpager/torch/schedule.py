@@ -77,14 +77,16 @@ HIDDEN = 0.001
 BUSY = 0.5
 
 
-def _hides_busy(c, link):
+def _hides_busy(c, link, estimated=False):
     """True if plan c hides every copy (HIDDEN) under a compute its copies
-    keep the link BUSY for."""
+    keep the link BUSY for (estimated: the compute is the cold forward's
+    estimate, an overstatement, so how busy cannot be told: hiding is
+    enough)."""
     return (bool(link) and c.predicted <= c.all_resident * (1 + HIDDEN)
-            and c.streamed / link >= BUSY * c.all_resident)
+            and (estimated or c.streamed / link >= BUSY * c.all_resident))
 
 
-def pick_ring(candidates, link):
+def pick_ring(candidates, link, estimated=False):
     """The (ring, Schedule) to use among `candidates` (ring sizes tried
     with their plans) at `link` bytes/s. Of those predicted within
     RING_TIE of the fastest: if some hide all their copies under a
@@ -94,11 +96,17 @@ def pick_ring(candidates, link):
     copies the fewest bytes a forward (more stays resident), then the
     largest ring (node Flux 4 GiB on the H200, link-bound: 448 MiB
     predicted 0.2% faster than 378 MiB ran 1.120 x L, 378 MiB
-    1.049-1.060)."""
+    1.049-1.060). estimated: the work is the cold forward's estimate
+    (coldwork.py), which overstates the compute: of the plans that hide
+    their copies, the largest ring, busy or not (GGUF Q8_0 Flux on the
+    H100: estimated 204 ms for a 113 ms step, the link "44% busy", 160
+    MiB ran 1.164 x L, its ring waits pacing the host and the work
+    measured after it; 512 MiB 1.012)."""
     fastest = min(c.predicted for _, c in candidates)
     close = [(i, ring, c) for i, (ring, c) in enumerate(candidates)
              if c.predicted <= fastest * (1 + RING_TIE)]
-    deep = [(-ring, i) for i, ring, c in close if _hides_busy(c, link)]
+    deep = [(-ring, i) for i, ring, c in close
+            if _hides_busy(c, link, estimated)]
     if deep:
         return candidates[min(deep)[1]]
     return candidates[min((c.streamed, -ring, i) for i, ring, c in close)[2]]
@@ -643,7 +651,7 @@ def ring_fields(work, sizes, total, rings, page, link, align, spare_pages,
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
              spare_pages, per_copy, margin, old_resident, old_ring,
-             keep=None, near_within=None, cands=None):
+             keep=None, near_within=None, cands=None, estimated=False):
     """All the arithmetic of a plan's application, as plain data (the
     planner's process returns it): "cands", plan_rings' [(ring, Schedule
     fields)]; "pick", the index pick_ring chooses and its windows merged
@@ -654,13 +662,13 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     predicted seconds, windows, merged windows) of the set nearest the old
     one (nearest) if it is predicted within near_within of the pick, else
     None. keep: plan()'s. cands: ring_fields() for `rings`, if made
-    already."""
+    already. estimated: pick_ring's."""
     if cands is None:
         cands = plan_rings(work, sizes, total, rings, page, link, align,
                            spare_pages, per_copy, margin, keep)
     else:
         cands = [(r, Schedule(*f)) for r, f in cands]
-    ring, sch = pick_ring(cands, link)
+    ring, sch = pick_ring(cands, link, estimated)
     i = [c for _, c in cands].index(sch)
     win = merged_windows(sch.window, works, sizes, sch.resident, link,
                          int(ring * FRAGMENTATION), per_copy, margin)

@@ -366,6 +366,7 @@ class Tuner:
         self.relocated_bytes = 0    # the last placement's device copies
         self.first_now = False      # the first plan made at its forward's end
         self.cache_key = None       # plancache's key, once a forward ran
+        self.estimated = False      # planning from coldwork's estimate
         self.remembered = False     # the first plan made from plancache's
 
     def install(self):
@@ -807,6 +808,7 @@ class Tuner:
                                                    sum(raw.values()) * 1e3))
         if self._measured(work, False, self._free_to_wait()):
             self.fill_now = self.first_now = True
+            self.estimated = not self.remembered
             try:
                 # Each ring size in a planner's process at once (SDXL's
                 # 794 units: 718 ms on this thread, one ring after the
@@ -814,12 +816,14 @@ class Tuner:
                 planned = None
                 if self.planner is not None and planproc.WIDTH > 1:
                     t0 = time.perf_counter()
-                    planned = self._plan_from(self._inputs(), work, [work])
+                    inputs = self._inputs()
+                    inputs["estimated"] = self.estimated
+                    planned = self._plan_from(inputs, work, [work])
                     self._trace("planned in the planner's processes in "
                                 "%.1f ms" % ((time.perf_counter() - t0) * 1e3))
                 self._apply_safely(work, planned)
             finally:
-                self.fill_now = False
+                self.fill_now = self.estimated = False
         # Later forwards merge with what was measured (and remembered).
         self.work = self._merge(raw, work)[0] if self.remembered else raw
 
@@ -936,7 +940,8 @@ class Tuner:
             [[wk.get(u, 0.0) for u in units] for wk in works],
             inputs["sizes"], inputs["total"], inputs["rings"],
             inputs["page"], inputs["link"], inputs["align"], inputs["old"],
-            inputs["old_ring"], inputs["keep"], remote=True)
+            inputs["old_ring"], inputs["keep"], remote=True,
+            estimated=inputs.get("estimated", False))
 
     def _submit(self, calls, start, end):
         """Hand a measured forward to the planner (its work read from its
@@ -1115,7 +1120,8 @@ class Tuner:
             self.roomier = None
         self.planned_for = total
         self.rings = cands
-        ring, sch = schedule.pick_ring(self.rings, self.link)
+        ring, sch = schedule.pick_ring(self.rings, self.link,
+                                       self.estimated)
         return sch, ring
 
     def _fits(self, sch):
@@ -1714,8 +1720,10 @@ class Planned:
 
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
-             old_resident, old_ring, keep=None, remote=False):
-    """Planned: schedule.plan_job() with the tuner's constants. remote: in
+             old_resident, old_ring, keep=None, remote=False,
+             estimated=False):
+    """Planned: schedule.plan_job() with the tuner's constants (estimated:
+    pick_ring's). remote: in
     the planner's processes (planproc.py: interpreters of their own, so
     the plan's pure-Python seconds take no GIL from the forward's thread;
     each ring size in one), computed here if they cannot be had."""
@@ -1729,8 +1737,9 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
              PER_COPY, MARGIN, keep) for r in rings]) \
             if len(rings) > 1 else None
         got = planproc.call("plan_job", *args, None if each is None else
-                            [c for cs in each for c in cs])
-    out = got[0] if got is not None else schedule.plan_job(*args)
+                            [c for cs in each for c in cs], estimated)
+    out = got[0] if got is not None else \
+        schedule.plan_job(*args, estimated=estimated)
     return Planned(total, out, old_resident, old_ring, keep)
 
 
