@@ -2433,7 +2433,7 @@ def test_a_later_plan_may_grow_the_ring_back():
     saved = schedule.RING_SECONDS, tuner.schedule.pick_ring, tuner.ROUNDS_MAX
     picks = []
 
-    def pick(cands, link):          # smallest first, then the largest
+    def pick(cands, link, estimated=False):  # smallest first, the largest
         c = min(cands, key=lambda rc: rc[0]) if not picks else \
             max(cands, key=lambda rc: rc[0])
         picks.append([r for r, _ in cands])
