@@ -286,10 +286,11 @@ def test_pick_ring_takes_the_deepest_ring_when_copies_hide():
 
 def test_pick_ring_from_the_cold_estimate_takes_the_deepest_hidden_ring():
     """A plan from the cold forward's estimated work (an overstatement:
-    the link looks idler than it is) takes the largest ring whose plan
-    hides its copies, busy or not; one whose copies show still does not
-    count. The candidates: the node's GGUF Q8_0 Flux on an H100, its cold
-    plan (204 ms estimated for a 113 ms step)."""
+    the link looks idler than it is) counts its link busy at COLD_OVER
+    times less: the largest ring whose plan hides its copies; one whose
+    copies show still does not count, and a link idle even so takes the
+    fewest bytes. The candidates: the node's GGUF Q8_0 Flux on an H100,
+    its cold plan (204 ms estimated for a 113 ms step)."""
     LINK = 55.15e9
 
     def cand(ring_mib, ms, gb, all_ms):
@@ -303,6 +304,8 @@ def test_pick_ring_from_the_cold_estimate_takes_the_deepest_hidden_ring():
     assert S.pick_ring(cold, LINK, estimated=True) is cold[0]
     shows = [cand(512, 205.0, 4.366, 204.114)] + cold[1:]
     assert S.pick_ring(shows, LINK, estimated=True) is shows[1]
+    # A link four times as fast: 9% busy by the estimate.
+    assert S.pick_ring(cold, 4 * LINK, estimated=True) is cold[3]
     # schedule.plan_job picks the same (the planner's process).
     work = [2 * MS] * 4
     sizes = [[64 * MB]] * 4

@@ -75,15 +75,19 @@ HIDDEN = 0.001
 # finish far ahead whatever the ring, and fewer streamed weights mean
 # less host work a step (SDXL's steps are the host's).
 BUSY = 0.5
+# The cold forward's estimated work (coldwork.py) runs up to this many
+# times the step it stands for (GGUF Q8_0 Flux on the H100: 204 ms for a
+# 113 ms step), so a plan made from it counts as BUSY at this share less.
+COLD_OVER = 2.0
 
 
 def _hides_busy(c, link, estimated=False):
     """True if plan c hides every copy (HIDDEN) under a compute its copies
     keep the link BUSY for (estimated: the compute is the cold forward's
-    estimate, an overstatement, so how busy cannot be told: hiding is
-    enough)."""
+    estimate, COLD_OVER)."""
+    busy = BUSY / COLD_OVER if estimated else BUSY
     return (bool(link) and c.predicted <= c.all_resident * (1 + HIDDEN)
-            and (estimated or c.streamed / link >= BUSY * c.all_resident))
+            and c.streamed / link >= busy * c.all_resident)
 
 
 def pick_ring(candidates, link, estimated=False):
@@ -97,11 +101,11 @@ def pick_ring(candidates, link, estimated=False):
     largest ring (node Flux 4 GiB on the H200, link-bound: 448 MiB
     predicted 0.2% faster than 378 MiB ran 1.120 x L, 378 MiB
     1.049-1.060). estimated: the work is the cold forward's estimate
-    (coldwork.py), which overstates the compute: of the plans that hide
-    their copies, the largest ring, busy or not (GGUF Q8_0 Flux on the
-    H100: estimated 204 ms for a 113 ms step, the link "44% busy", 160
-    MiB ran 1.164 x L, its ring waits pacing the host and the work
-    measured after it; 512 MiB 1.012)."""
+    (coldwork.py), which overstates the compute, so the link counts as
+    busy at COLD_OVER times less (GGUF Q8_0 Flux on the H100: estimated
+    204 ms for a 113 ms step, its copies 36% of that, the fewest bytes
+    took 160 MiB and ran 1.164 x L, its ring waits pacing the host and
+    the work measured after it; 512 MiB ran 1.012)."""
     fastest = min(c.predicted for _, c in candidates)
     close = [(i, ring, c) for i, (ring, c) in enumerate(candidates)
              if c.predicted <= fastest * (1 + RING_TIE)]
