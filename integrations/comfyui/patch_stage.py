@@ -9,9 +9,10 @@ loaded it, a pageable copy: the host waits until the copy ran in stream
 order, so the forward's launches stop behind every patched unit until the
 GPU drained. From a weight's second fill of one patch set (it streams, or
 it was evicted and came back: likely to be again) its patch tensors are
-copied to the device once, and its later fills compute from those. They are torch's memory: the device's Governor counts them as
-torch's (the weights' room shrinks by them), and they go when the patch set
-changes or the model is unloaded (the engine drops the stage).
+copied to the device once, and its later fills compute from those. They
+are torch's memory: the device's Governor counts them as torch's (the
+weights' room shrinks by them), and they go when the patch set changes or
+the model is unloaded (the engine drops the stage).
 
 Imports nothing of ComfyUI: a patch set is ComfyUI's list of tuples whose
 tensors, tuples, lists and weight adapters (an object with `loaded_keys`
