@@ -91,10 +91,12 @@ def read_log(path):
     return units, cold, warm, total, link
 
 
-def planned(work, sizes, total, link):
-    """(ring, Schedule) the tuner would pick for `work`."""
+def planned(work, sizes, total, link, estimated=False):
+    """(ring, Schedule) the tuner would pick for `work` (estimated: the
+    cold forward's, pick_ring's)."""
     return schedule.pick_ring(tuner.plan_rings(work, sizes, total, RINGS,
-                                               PAGE, link, ALIGN), link)
+                                               PAGE, link, ALIGN), link,
+                              estimated)
 
 
 def compare(path):
@@ -131,7 +133,7 @@ def compare(path):
                      [medians_only[u] for u in units]),
                     ("cold, coldwork.warm_work",
                      [capped[u] for u in units])):
-        r, sch = planned(w, sizes, total, link)
+        r, sch = planned(w, sizes, total, link, estimated=True)
         t = under_warm(r, sch)
         diff = sum(s[0] for s, a, b in zip(sizes, sch.resident,
                                            best.resident) if a != b)

@@ -1621,12 +1621,13 @@ class Tuner:
         if env.flag("VPAGER_SCHEDULE_LOG", False):
             sys.stderr.write(
                 "vpager.torch schedule (forward %d): %r; ring %d (tried: "
-                "%s); link %.2f GB/s; units %d (%d held); work %.3f ms; "
+                "%s); link %.2f GB/s; units %d (%d held); work %.3f ms%s; "
                 "windows (KiB) %s\n"
                 % (self.rounds, sch, ring, ", ".join(
                     "%d MiB %.3f ms" % (r >> 20, c.predicted * 1e3)
                     for r, c in self.rings), self.link / 1e9, len(units),
                    len(self.model.held()), sum(w) * 1e3,
+                   " (the cold forward's estimate)" if self.estimated else "",
                    " ".join("%d" % (x >> 10) for x in sch.window[:48])))
 
     def warm(self, entries, resident, ring, window):
