@@ -1003,6 +1003,29 @@ def test_real_comfyui_gguf_paged_bitwise():
         del model, q, core, m
 
 
+def test_bench_gguf_worst_prompt_against_its_limit():
+    """bench_gguf.worst_vs_L: the node's worst prompt after the first,
+    each against resident's steady step of the same prompt or the link
+    term, whichever is longer (a summary.json cell of call 10's shape)."""
+    sys.path.insert(0, os.path.join(_runner.REPO, "bench"))
+    import comfyui_run as cr
+
+    def reps(**steady):
+        return {"reps": [{"label": k, "steps_ms": [900.0, v, v, v]}
+                         for k, v in steady.items()]}
+    cell = {"runs": {"resident": reps(base=113.5, lora_a=125.1,
+                                      removed=80.0),
+                     "nodehalf": reps(base=190.0, lora_a=143.2,
+                                      removed=90.0)},
+            "table": {"nodehalf": {"link_term_ms": 85.0}}}
+    got = bench_gguf().worst_vs_L(cr, cell)
+    assert abs(got - 143.2 / 125.1) < 1e-9, got
+    cell["runs"]["nodehalf"] = reps(base=120.0, removed=100.0)
+    assert abs(bench_gguf().worst_vs_L(cr, cell) - 100 / 85) < 1e-9
+    del cell["runs"]["resident"]
+    assert bench_gguf().worst_vs_L(cr, cell) is None
+
+
 def test_bench_gguf_files():
     """bench_gguf's GGUF files (the bench's checkpoint as ComfyUI-GGUF
     models): weights that fill whole blocks quantized (Q8_0 as gguf's own
