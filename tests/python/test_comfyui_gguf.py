@@ -538,23 +538,12 @@ def test_gguf_carried_patches_staged_on_device():
     from comfyui import patch_stage
     copies = []
 
-    def cloning(value, device):
-        if isinstance(value, torch.Tensor):
-            c = value.clone()
-            copies.append(c)
-            return c, c.numel() * c.element_size()
-        if isinstance(value, (tuple, list)):
-            out = [cloning(v, device) for v in value]
-            items = [c for c, _n in out]
-            return (type(value)(items), sum(n for _c, n in out))
-        return value, 0
-
     def carried(op):
         return [x for ps, _k in op.weight.patches for p in ps
                 for x in p[1][1]]
 
     real = patch_stage.on_device
-    patch_stage.on_device = cloning
+    patch_stage.on_device = t.cloning(copies)
     try:
         with GGUFEnv(adopt=True, capacity=192 * t.K, staging=128 * t.K) \
                 as e, gguf_module() as mod:

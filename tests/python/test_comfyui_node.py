@@ -948,6 +948,23 @@ def test_streamed_patches_kept_on_the_host():
         assert pager.host_bytes() == host0
 
 
+def cloning(copies):
+    """patch_stage.on_device for the simulated device, whose memory is
+    the host's: each tensor of a patch set cloned (and added to
+    `copies`), as a copy to the GPU would be."""
+    def on_device(value, device):
+        if isinstance(value, torch.Tensor):
+            c = value.clone()
+            copies.append(c)
+            return c, c.numel() * c.element_size()
+        if isinstance(value, (tuple, list)):
+            out = [on_device(v, device) for v in value]
+            items = [c for c, _n in out]
+            return (type(value)(items), sum(n for _c, n in out))
+        return value, 0
+    return on_device
+
+
 def test_streamed_patches_staged_on_device():
     """A streamed weight's patch set is copied to the device at its second
     fill (patch_stage: ComfyUI's math would otherwise copy each LoRA
@@ -957,22 +974,8 @@ def test_streamed_patches_staged_on_device():
     each fill; free_memory beyond the pages and a new patch set drop the
     copies. The simulated device is the host: the copy here is a clone,
     as a copy to the GPU would be."""
-    copies = []
-
-    def cloning(value, device):
-        if isinstance(value, torch.Tensor):
-            c = value.clone()
-            copies.append(c)
-            return c, c.numel() * c.element_size()
-        if isinstance(value, (tuple, list)):
-            out = [cloning(v, device) for v in value]
-            items = [c for c, _n in out]
-            return (tuple(items) if isinstance(value, tuple) else items,
-                    sum(n for _c, n in out))
-        return value, 0
-
     real = patch_stage.on_device
-    patch_stage.on_device = cloning
+    patch_stage.on_device = cloning([])
     try:
         with env(capacity=320 * K, staging=128 * K) as e:
             m = DiT(op=CastLinear, dtype=torch.bfloat16)
