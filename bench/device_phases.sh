@@ -33,11 +33,10 @@
 #   quant   bench_node --quant scaled_fp8 --shape small --fp8-lora on, then
 #           bench_gguf --qtypes Q4_K --gguf-lora both --shape small
 #           (QUANT_SHAPE=flux: both on the Flux shape; GGUF_QTYPES=...:
-#           other qtypes; GGUF_LORA=on or off: one of the two cells:
-#           Q8_0's half leaves room beside torch's peak at
-#           1024², Q4_K's does not; QUANT_RUNS=gguf or sfp8: one of
-#           the two; GGUF_RUNS=resident,nodehalf: bench_gguf's --runs)
-#           (issue 26 points 3-4)
+#           other qtypes: Q8_0's half leaves room beside torch's peak
+#           at 1024², Q4_K's does not; GGUF_LORA=on or off: one of the
+#           two cells; GGUF_RUNS=resident,nodehalf: bench_gguf's --runs;
+#           QUANT_RUNS=gguf or sfp8: one of the two) (issue 26 points 3-4)
 #   before  BEFORE's tree against this one in one lease: bench_torch
 #           --only 4,5,6 and the node's Flux run (issue 27)
 #   node_ab BEFORE's tree against this one, the node's Flux run only
@@ -212,8 +211,8 @@ for PH in ${PHASES//+/ }; do
         --fp8-lora on --out "$L/sfp8" ;; esac
     case " ${QUANT_RUNS:-sfp8 gguf} " in *" gguf "*)
       TAILN=60 step gguf "$(cap)" python3 bench/bench_gguf.py \
-        --comfyui "$C/ComfyUI" --qtypes "${GGUF_QTYPES:-Q4_K}" --gguf-lora "${GGUF_LORA:-both}" \
-        --shape "${QUANT_SHAPE:-small}" --timeout 400 \
+        --comfyui "$C/ComfyUI" --qtypes "${GGUF_QTYPES:-Q4_K}" \
+        --gguf-lora "${GGUF_LORA:-both}" --shape "${QUANT_SHAPE:-small}" --timeout 400 \
         ${GGUF_RUNS:+--runs "$GGUF_RUNS"} ;; esac ;;
   before)
     GREP='ms|x L|settled|Error|Traceback|MET|MISSED'

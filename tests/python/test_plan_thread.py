@@ -553,6 +553,33 @@ def test_cold_work_plans_at_the_first_forwards_end():
         h.unload()
 
 
+def test_only_the_cold_plan_picks_its_ring_as_estimated():
+    """VPAGER_COLD_WORK=1: the plan made from the cold forward's estimated
+    work picks its ring with schedule.pick_ring's estimated (its compute
+    overstated: COLD_OVER), on the forward's thread and in the planner's
+    job alike; the plans from measured forwards after it do not. Outputs
+    bitwise."""
+    real = schedule.pick_ring
+    seen = []
+
+    def pick(cands, link, estimated=False):
+        seen.append(estimated)
+        return real(cands, link, estimated)
+    schedule.pick_ring = pick
+    try:
+        with environ(VPAGER_COLD_WORK="1"):
+            m, x, want, h = _threaded_mlp()
+            assert torch.equal(m(x), want)
+            assert h.tuner.rounds == 1 and seen and all(seen), seen
+            cold = len(seen)
+            assert not h.tuner.estimated
+            _settle(m, x, want, h)
+            assert len(seen) > cold and not any(seen[cold:]), seen
+            h.unload()
+    finally:
+        schedule.pick_ring = real
+
+
 def test_after_a_cold_plan_each_forward_measured_is_planned_for():
     """VPAGER_COLD_WORK=1: after the plan made at the cold forward's end
     (its work guessed, coldwork.py) each forward measured is planned for,

@@ -816,9 +816,7 @@ class Tuner:
                 planned = None
                 if self.planner is not None and planproc.WIDTH > 1:
                     t0 = time.perf_counter()
-                    inputs = self._inputs()
-                    inputs["estimated"] = self.estimated
-                    planned = self._plan_from(inputs, work, [work])
+                    planned = self._plan_from(self._inputs(), work, [work])
                     self._trace("planned in the planner's processes in "
                                 "%.1f ms" % ((time.perf_counter() - t0) * 1e3))
                 self._apply_safely(work, planned)
@@ -928,7 +926,7 @@ class Tuner:
                 "page": dev.page_size,
                 "link": self.link, "align": lay.align,
                 "old": None if old is None else list(old.resident),
-                "old_ring": self.ring}
+                "old_ring": self.ring, "estimated": self.estimated}
 
     @staticmethod
     def _plan_from(inputs, work, works):
@@ -941,7 +939,7 @@ class Tuner:
             inputs["sizes"], inputs["total"], inputs["rings"],
             inputs["page"], inputs["link"], inputs["align"], inputs["old"],
             inputs["old_ring"], inputs["keep"], remote=True,
-            estimated=inputs.get("estimated", False))
+            estimated=inputs["estimated"])
 
     def _submit(self, calls, start, end):
         """Hand a measured forward to the planner (its work read from its
@@ -1724,10 +1722,10 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
              old_resident, old_ring, keep=None, remote=False,
              estimated=False):
     """Planned: schedule.plan_job() with the tuner's constants (estimated:
-    pick_ring's). remote: in
-    the planner's processes (planproc.py: interpreters of their own, so
-    the plan's pure-Python seconds take no GIL from the forward's thread;
-    each ring size in one), computed here if they cannot be had."""
+    pick_ring's). remote: in the planner's processes (planproc.py:
+    interpreters of their own, so the plan's pure-Python seconds take no
+    GIL from the forward's thread; each ring size in one), computed here
+    if they cannot be had."""
     args = (work, works, sizes, total, rings, page, link, align, SPARE_PAGES,
             PER_COPY, MARGIN, old_resident, old_ring, keep, NEAR)
     got = None
