@@ -996,7 +996,7 @@ def test_bench_gguf_worst_prompt_against_its_limit():
     """bench_gguf.worst_vs_L: the node's worst prompt after the first,
     each against resident's steady step of the same prompt or the link
     term, whichever is longer (a summary.json cell of call 10's shape)."""
-    sys.path.insert(0, os.path.join(_runner.REPO, "bench"))
+    b = bench_gguf()                # (puts bench/ on the path)
     import comfyui_run as cr
 
     def reps(**steady):
@@ -1007,12 +1007,12 @@ def test_bench_gguf_worst_prompt_against_its_limit():
                      "nodehalf": reps(base=190.0, lora_a=143.2,
                                       removed=90.0)},
             "table": {"nodehalf": {"link_term_ms": 85.0}}}
-    got = bench_gguf().worst_vs_L(cr, cell)
+    got = b.worst_vs_L(cr, cell)
     assert abs(got - 143.2 / 125.1) < 1e-9, got
     cell["runs"]["nodehalf"] = reps(base=120.0, removed=100.0)
-    assert abs(bench_gguf().worst_vs_L(cr, cell) - 100 / 85) < 1e-9
+    assert abs(b.worst_vs_L(cr, cell) - 100 / 85) < 1e-9
     del cell["runs"]["resident"]
-    assert bench_gguf().worst_vs_L(cr, cell) is None
+    assert b.worst_vs_L(cr, cell) is None
 
 
 def test_bench_gguf_files():
