@@ -136,16 +136,20 @@ def by_name(rows):
     return out
 
 
-def read(path):
-    """The last timeline a child log holds: (label, rows)."""
+def read(path, prompt=None):
+    """The last timeline a child log holds, or the last of prompt
+    `prompt` (its label's first field): (label, rows)."""
     found = None
     with open(path, errors="replace") as f:
         for line in f:
             if line.startswith(TAG):
-                found = json.loads(line[len(TAG):])
+                t = json.loads(line[len(TAG):])
+                if prompt is None or t["label"].split(",")[0] == prompt:
+                    found = t
     if found is None:
-        raise SystemExit("%s: no %sline (run with VPAGER_BENCH_TIMELINE=N)"
-                         % (path, TAG.strip()))
+        raise SystemExit("%s: no %sline%s (run with VPAGER_BENCH_TIMELINE=N)"
+                         % (path, TAG.strip(), "" if prompt is None else
+                            " of prompt %r" % prompt))
     return found["label"], found["rows"]
 
 
@@ -182,9 +186,11 @@ def main(argv=None):
     p.add_argument("a", help="the baseline's child log (resident)")
     p.add_argument("b", help="the compared child log (the node's)")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--prompt", help="the prompt whose step to compare "
+                   "(e.g. lora_a); default: the log's last timeline")
     a = p.parse_args(argv)
-    la, ra = read(a.a)
-    lb, rb = read(a.b)
+    la, ra = read(a.a, a.prompt)
+    lb, rb = read(a.b, a.prompt)
     print("a: %s (%s), b: %s (%s)" % (a.a, la, a.b, lb))
     for line in compare(ra, rb, a.top):
         print(line)

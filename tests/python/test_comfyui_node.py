@@ -19,6 +19,7 @@ import contextlib
 import collections
 import copy
 import gc
+import json
 import importlib
 import logging
 import os
@@ -677,6 +678,21 @@ def test_bench_step_timeline():
     # A log from before leads were kept compares without the host lines.
     old = [{k: v for k, v in r.items() if k != "lead_ms"} for r in tl.rows]
     assert len(st.compare(old, old, top=3)) == 5
+    # A child log with a timeline per prompt: the last, or a prompt's.
+    with tempfile.TemporaryDirectory() as d:
+        log = os.path.join(d, "run.log")
+        with open(log, "w") as f:
+            for label in ("base, rep 0, step 2", "lora_a, rep 1, step 2",
+                          "lora_a@0.5, rep 2, step 2"):
+                f.write(st.TAG + json.dumps({"label": label,
+                                             "rows": tl.rows}) + "\n")
+        assert st.read(log)[0].startswith("lora_a@0.5,")
+        assert st.read(log, "lora_a")[0] == "lora_a, rep 1, step 2"
+        try:
+            st.read(log, "removed")
+            raise AssertionError("a prompt without a timeline was read")
+        except SystemExit as e:
+            assert "of prompt 'removed'" in str(e), e
 
 
 def test_ledger():
