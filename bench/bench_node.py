@@ -495,10 +495,13 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
             ok = []
             for x in reps[1:]:
                 d = x.get("vpager_delta") or {}
-                ok.append(d.get("refills") == x["patch_changed"]["weights"])
+                pc = x["patch_changed"]
+                ok.append(d.get("refills") ==
+                          pc["weights"] - pc.get("at_use", 0))
             row["refilled_only_changed"] = ok
             say("%s: LoRA prompts: refilled exactly the weights whose patch "
-                "set changed %s (per prompt after the first)" % (run, ok))
+                "set changed %s (per prompt after the first; a weight its "
+                "op patches at each use, none)" % (run, ok))
         if a.lora:
             lora_change(cr, run, reps, row)
         if a.switch_shape is not None:

@@ -936,11 +936,14 @@ def _same_patches(x, y):
 
 def patch_change(prev, cur):
     """Weights whose patch set differs between two patchers (what must be
-    refilled from new bytes): (count, bytes, keys patched now)."""
+    refilled from new bytes): (count, bytes, keys patched now, how many
+    of the count their op patches at each use: a quantized ComfyUI-GGUF
+    weight through the node, whose bytes never change)."""
     pp = prev.patches if prev is not None else {}
     cp = cur.patches
     params = dict(cur.model.named_parameters())
-    n = b = 0
+    at_use = getattr(cur, "_ggml", None)
+    n = b = u = 0
     for k in set(pp) | set(cp):
         if _same_patches(pp.get(k), cp.get(k)):
             continue
@@ -948,7 +951,8 @@ def patch_change(prev, cur):
         t = params.get(k)
         if t is not None:
             b += t.numel() * t.element_size()
-    return n, b, len(cp)
+            u += at_use is not None and bool(at_use(t))
+    return n, b, len(cp), u
 
 
 def _delta(after, before):
@@ -1090,8 +1094,9 @@ def child_sample(a):
                     {"label": "%s, rep %d, step %d" % (label, rep, TIMELINE),
                      "rows": tl.rows}))
         if a.lora:
-            n, b, k = patch_change(prev, p)
-            r["patch_changed"] = {"weights": n, "bytes": b, "patched": k}
+            n, b, k, u = patch_change(prev, p)
+            r["patch_changed"] = {"weights": n, "bytes": b, "patched": k,
+                                  "at_use": u}
             r["vpager_delta"] = _delta(r.get("vpager"), before.get("vpager"))
             r["node_refilled"] = getattr(p, "_vp_refilled", None)
         prev = p

@@ -560,11 +560,25 @@ def test_gguf_carried_patches_staged_on_device():
             b = {k: v for k, v in diffs(seed=9).items()
                  if k.startswith(OPS[0]) or k.startswith(OPS[7])}
             want0 = legacy_run(mod)
+            bench_gguf()
+            import comfyui_run as cr
+            prev = model
             for d, strength in ((a, 1.0), (a, 0.5), (b, 1.0), (a, 1.0)):
                 q = model.clone()
                 q.add_patches({k: ("diff", (v,)) for k, v in d.items()},
                               strength)
+                refills = pager.stats()["model"]["refills"]
                 q.partially_load(CPU)
+                # The bench's count: every changed quantized weight is
+                # patched at use, none refilled.
+                n, _b, _k, at_use = cr.patch_change(prev, q)
+                changed = set(prev.patches) | set(q.patches)  # each differs
+                assert n == len(changed), (n, changed)
+                assert at_use == sum(bool(ggml_quantized(params[k]))
+                                     for k in changed) > 0, at_use
+                assert pager.stats()["model"]["refills"] - refills == \
+                    n - at_use, (n, at_use)
+                prev = q
                 want = legacy_run(mod, q.patches)
                 assert (carried(op) == []) == (d is b), d is b
                 assert all(any(x is c for c in copies)
