@@ -185,6 +185,7 @@ check-python: $(BUILD)/libvpager.so
 	  $(PYTHON) tests/python/test_bench_torch.py
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_load.py --dry-run >/dev/null
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_kept_copy.py --dry-run >/dev/null
+	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_marks.py --dry-run >/dev/null
 
 # `make install PREFIX=...` after a plain `make` installs a .pc naming
 # that PREFIX.
