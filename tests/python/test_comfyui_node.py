@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import types
 import uuid
 
@@ -2200,6 +2201,34 @@ def test_activations_first():
     gov.declare_flags(256 * M, None)
     gov.declare_torch(600 * M, 900 * M)
     assert [c[0] for c in dev.calls] == ["shared", "headroom"]
+
+
+def test_threads_share_a_node_model():
+    """Four threads x 50 forwards of one model the node loaded, under a
+    budget that streams part of it: every output bitwise the
+    single-threaded one (vpager.torch runs one model's forwards one at a
+    time: python/README, Threads)."""
+    with env(capacity=6 * PAGE) as e:
+        m = DiT()
+        p = e.patcher(m)
+        p.partially_load(CPU)
+        want = run(m)
+        same, errors = [], []
+
+        def work():
+            try:
+                for _ in range(50):
+                    same.append(torch.equal(run(m), want))
+            except BaseException as ex:     # noqa: BLE001 (reported below)
+                errors.append(ex)
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert len(same) == 200 and all(same), same.count(False)
+        assert m._vpager_pager.stats()["model"]["misses"] > 0  # streamed
 
 
 def test_host_copy_threads():
