@@ -223,9 +223,13 @@ class HotPath:
         @functools.wraps(fwd)
         def bare(*args, **kwargs):
             # Another thread waits in `forward` for the model's lock.
-            if grad_enabled() or stream() != self.holding \
+            s = stream()
+            if grad_enabled() or s != self.holding \
                     or ident() != self.holder:
                 return forward(*args, **kwargs)
+            tuner = self.tuner
+            if tuner.on:        # a measured forward: its one mark
+                tuner.held(unit, s)
             try:
                 return fwd(*args, **kwargs)
             except Exception as e:
@@ -502,7 +506,7 @@ class HotPath:
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
             if (self.held is None or self.holding is not None
-                    or self.tuner.on or grad_enabled()
+                    or grad_enabled()
                     or self.recorder.rec is not None or not self.hold()):
                 return fwd(*args, **kwargs)
             try:
