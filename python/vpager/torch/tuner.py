@@ -1624,8 +1624,12 @@ class Tuner:
                 and not u.buffers
                 and all(resident.get(id(e)) and count[id(e)] == 1
                         for e in u.entries)]
+        # A plan from the cold forward's estimate (up to COLD_OVER times
+        # the step: SDXL's 115.7 ms for 83) would hold none of SDXL's 360
+        # resident units, so its first prompt ran unheld.
+        step = sch.predicted / (schedule.COLD_OVER if self.estimated else 1)
         if (not env.flag("VPAGER_HOLD", True)
-                or len(held) * UNIT_HOST < HOLD_SHARE * sch.predicted):
+                or len(held) * UNIT_HOST < HOLD_SHARE * step):
             held = []
         return self.model.hold(held)    # (it keeps Parameters only)
 
