@@ -681,15 +681,19 @@ class Tuner:
         """Whether the GPU ran the work before `mark` (CUDA: its event)."""
         return not self.cuda or mark.query()
 
+    def _lost(self):
+        """True (marking stopped) when a measured forward raised (its end
+        hook never ran) and units ran outside one since: the next forward
+        measures."""
+        if len(self.calls) < LOST_CALLS * len(self.layout.units):
+            return False
+        self.on = False
+        self.calls.clear()
+        return True
+
     def before(self, unit, stream=None):
-        calls = self.calls
-        if len(calls) >= LOST_CALLS * len(self.layout.units):
-            # A measured forward raised (its end hook never ran) and units
-            # run outside one since: stop marking, the next forward measures.
-            self.on = False
-            calls.clear()
-            return
-        calls.append([unit, self._mark(stream), None])
+        if not self._lost():
+            self.calls.append([unit, self._mark(stream), None])
 
     def after(self, stream=None):
         if self.calls:
@@ -701,13 +705,9 @@ class Tuner:
         start and where its work begins. On the node's SDXL (host-bound)
         a measured forward that took every unit through enter() instead
         ran 17-24 ms over an 83 ms step."""
-        calls = self.calls
-        if len(calls) >= LOST_CALLS * len(self.layout.units):
-            self.on = False
-            calls.clear()
-            return
-        m = self._mark(stream)
-        calls.append([unit, m, m])
+        if not self._lost():
+            m = self._mark(stream)
+            self.calls.append([unit, m, m])
 
     # ------------------------------------------------------------ hooks
     def _trace(self, what):
