@@ -39,11 +39,12 @@ from vpager.torch import tuner as tuner_mod  # noqa: E402
 
 
 def fake_tuner(cuda, units, target):
-    """The state Tuner.before/after/_mark read, without a model."""
+    """The state Tuner.before/after (and what they call) read, without a
+    model."""
     t = types.SimpleNamespace(cuda=cuda, events=[], streams={},
                               target=target, calls=[], on=True,
                               layout=types.SimpleNamespace(units=units))
-    for name in ("before", "after", "_mark"):
+    for name in ("before", "after", "_mark", "_lost"):
         setattr(t, name, types.MethodType(
             getattr(tuner_mod.Tuner, name), t))
     return t
