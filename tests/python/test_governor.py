@@ -237,6 +237,44 @@ def test_derived_limit_is_the_smallest_input():
         dev.close()
 
 
+def test_the_margin_settles_while_torchs_peak_holds():
+    """The margin is 5% of torch's peak while the peak still rises, 1%
+    once STEADY_READS reads in a row found it where it was (the limit and
+    the learned headroom give the weights the rest), 5% again when it
+    rises; an OOM margin stays above both."""
+    from vpager import governor as G
+    dev = sim()
+    try:
+        gov = governor(dev)
+        gov.declare_flags(0, 5000 * M)
+        gov.declare_torch(600 * M, 900 * M)
+        assert gov.margin() == 900 * M // 20
+        for _ in range(G.STEADY_READS - 1):
+            gov.declare_torch(600 * M, 900 * M)
+        assert gov.margin() == 900 * M // 20
+        assert gov.limit == 5000 * M - 900 * M - 900 * M // 20
+        gov.declare_torch(300 * M, 900 * M)     # (what it holds may move)
+        assert gov.steady_reads == G.STEADY_READS
+        assert gov.margin() == 900 * M // 100
+        assert gov.limit == 5000 * M - 900 * M - 900 * M // 100
+        assert gov.learned == 600 * M + 900 * M // 100
+        assert gov.stats()["margin"] == 900 * M // 100
+        gov.declare_torch(600 * M, 950 * M)     # a higher peak: 5% again
+        assert gov.steady_reads == 0
+        assert gov.margin() == 950 * M // 20
+        assert gov.limit == 5000 * M - 950 * M - 950 * M // 20
+        for _ in range(G.STEADY_READS):
+            gov.declare_torch(600 * M, 950 * M)
+        assert gov.margin() == 950 * M // 100
+        gov.raise_oom_margin()
+        gov.declare_torch(600 * M, 950 * M)
+        assert gov.margin() == 512 * M
+        gov.forget_torch_peak()
+        assert gov.steady_reads == 0
+    finally:
+        dev.close()
+
+
 def _torch():
     try:
         import torch

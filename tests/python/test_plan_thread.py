@@ -318,9 +318,16 @@ def test_the_planners_process_plans_as_this_one():
         (work, sizes, 6 << 20, [r], 64 << 10, 10e9, 512, 1, 4e-6, 5e-4)
         for r in rings])
     assert [r for cs in each for r, _ in cs] == rings
+    # (and those between the pick and the next smaller: the caller's)
+    cands = [c for cs in each for c in cs]
+    more = schedule.rings_between(
+        [(r, schedule.Schedule(*f)) for r, f in cands], 10e9, 64 << 10)
+    cands = sorted(cands + [c for r in more for c in planproc.call(
+        "ring_fields", work, sizes, 6 << 20, [r], 64 << 10, 10e9, 512, 1,
+        4e-6, 5e-4)[0]], key=lambda c: -c[0])
     here = schedule.plan_job(*args)
-    assert planproc.call("plan_job", *args, None, None,
-                         [c for cs in each for c in cs])[0] == here
+    assert [r for r, _ in here["cands"]] == [r for r, _ in cands]
+    assert planproc.call("plan_job", *args, None, None, cands)[0] == here
     remote = tuner.plan_job(*args[:8], old, 1 << 20, remote=True)
     assert remote.cands[here["pick"][0]][1].resident == \
         here["cands"][here["pick"][0]][1][0]

@@ -405,5 +405,72 @@ def test_copy_bound_streams_the_minimum():
     assert sch.predicted <= (sch.streamed / LINK) * 1.05 + sum(work), sch
 
 
+
+def _blocks():
+    """Flux's single blocks in miniature: modulation (little compute),
+    linear1, linear2, 16 times over, in MiB."""
+    MiB = 1 << 20
+    sizes, work = [], []
+    for _ in range(16):
+        sizes += [[54 * MiB], [126 * MiB], [90 * MiB]]
+        work += [0.5 * MS, 1.2 * MS, 1.5 * MS]
+    return sizes, work
+
+
+def test_rings_between_the_pick_and_the_next_smaller_are_tried():
+    # With 32 MiB pages the coarse sizes pick 384 MiB; 320 MiB holds a
+    # modulation, a linear1 and a linear2 twice over too and leaves 64
+    # MiB more for resident weights: predicted 2% faster.
+    MiB = 1 << 20
+    page = 32 * MiB
+    sizes, work = _blocks()
+    total = sum(s[0] for s in sizes) // 2
+    coarse = S.plan_rings(work, sizes, total, [r * MiB for r in
+                                               (512, 384, 288, 256)],
+                          page, LINK, 512, 1)
+    assert S.pick_ring(coarse, LINK)[0] == 384 * MiB
+    assert S.rings_between(coarse, LINK, page) == [352 * MiB, 320 * MiB]
+    both = S.plan_rings_between(coarse, work, sizes, total, page, LINK,
+                                512, 1)
+    assert [r // MiB for r, _ in both] == [512, 384, 352, 320, 288, 256]
+    ring, sch = S.pick_ring(both, LINK)
+    assert ring == 320 * MiB
+    assert sch.predicted < 0.99 * dict(coarse)[384 * MiB].predicted
+    # plan_job (the planner's processes' whole job) tries them too
+    out = S.plan_job(work, [work], sizes, total, [r * MiB for r in
+                                                  (512, 384, 288, 256)],
+                     page, LINK, 512, 1, 0.0, 5e-4, None, None)
+    i, _ = out["pick"]
+    assert out["cands"][i][0] == 320 * MiB
+
+
+def test_rings_between_none_for_one_ring_or_the_smallest():
+    MiB = 1 << 20
+    page = 32 * MiB
+    sizes, work = _blocks()
+    total = sum(s[0] for s in sizes) // 2
+    one = S.plan_rings(work, sizes, total, [384 * MiB], page, LINK, 512, 1)
+    assert S.rings_between(one, LINK, page) == []
+    # every copy hidden: the deepest ring is wanted, nothing between
+    # (1.5 ms a unit: 72 ms of compute, 57 ms of copies under it)
+    hidden = S.plan_rings([1.5 * MS] * len(work), sizes, total,
+                          [512 * MiB, 256 * MiB], page, LINK, 512, 1)
+    assert S.pick_ring(hidden, LINK)[0] == 512 * MiB
+    assert S.rings_between(hidden, LINK, page) == []
+    # the smallest ring picked: nothing smaller to try
+    light = S.plan_rings([50 * MS] * len(work), sizes, total,
+                         [512 * MiB, 256 * MiB], page, LINK, 512, 1)
+    assert S.pick_ring(light, LINK)[0] == 256 * MiB
+    assert S.rings_between(light, LINK, page) == []
+    # (and a 2 MiB page: at most BETWEEN sizes, spread, whole pages)
+    coarse = S.plan_rings(work, sizes, total, [384 * MiB, 288 * MiB],
+                          PAGE, LINK, 512, 1)
+    more = S.rings_between(coarse, LINK, PAGE)
+    if S.pick_ring(coarse, LINK)[0] == 384 * MiB:
+        assert len(more) == S.BETWEEN, more
+        assert all(288 * MiB < r < 384 * MiB and r % PAGE == 0
+                   for r in more), more
+
+
 if __name__ == "__main__":
     main(globals())

@@ -106,6 +106,11 @@ def pick_ring(candidates, link, estimated=False):
     204 ms for a 113 ms step, its copies 36% of that, the fewest bytes
     took 160 MiB and ran 1.164 x L, its ring waits pacing the host and
     the work measured after it; 512 MiB ran 1.012)."""
+    return _picked(candidates, link, estimated)
+
+
+def _picked(candidates, link, estimated):
+    """pick_ring()'s rule (rings_between asks it too)."""
     fastest = min(c.predicted for _, c in candidates)
     close = [(i, ring, c) for i, (ring, c) in enumerate(candidates)
              if c.predicted <= fastest * (1 + RING_TIE)]
@@ -114,6 +119,41 @@ def pick_ring(candidates, link, estimated=False):
     if deep:
         return candidates[min(deep)[1]]
     return candidates[min((c.streamed, -ring, i) for i, ring, c in close)[2]]
+
+
+# Between two ring sizes the plans change in steps, not smoothly: a ring
+# that holds one more run of consecutive streamed weights twice over keeps
+# the link from waiting for a slot. Flux 9.4 GiB at 6 GiB, replanned from
+# the H100's logs with 32 MiB pages (bench/cold_plan.py --rings): 378 MiB
+# 97.7 ms, 288 MiB 100.9, 320 MiB 96.7, none of them tried before. So once
+# the rings are planned, up to BETWEEN more sizes between the pick and the
+# next smaller ring tried are.
+BETWEEN = 3
+
+
+def rings_between(candidates, link, page, estimated=False):
+    """Ring sizes to try after `candidates` ([(ring, Schedule)] planned):
+    up to BETWEEN whole pages strictly between pick_ring's pick and the
+    next smaller ring tried, evenly spread, none tried already. None when
+    one ring was tried (a plan for another room or a LoRA's fills keeps
+    the ring in use), the pick is the smallest, or it hides every copy
+    under a compute its copies keep busy (pick_ring then wants the
+    largest ring, not fewer bytes)."""
+    if len(candidates) < 2:
+        return []
+    ring, sch = _picked(candidates, link, estimated)
+    below = [r for r, _ in candidates if r < ring]
+    if not below or _hides_busy(sch, link, estimated):
+        return []
+    tried = {r for r, _ in candidates}
+    page = max(page, 1)
+    between = [r for r in range(_round(max(below) + 1, page), ring, page)
+               if r not in tried]
+    if len(between) <= BETWEEN:
+        return between[::-1]
+    step = len(between) / (BETWEEN + 1)
+    return sorted({between[int(round(step * (k + 1)))]
+                   for k in range(BETWEEN)}, reverse=True)
 
 
 class Schedule:
@@ -643,6 +683,18 @@ def nearest_within(work, sizes, old, sch, total, ring, page, align,
     return (res, t) if t <= sch.predicted * (1 + within) else None
 
 
+def plan_rings_between(candidates, work, sizes, total, page, link, align,
+                       spare_pages, per_copy=0.0, margin=5e-4, keep=None,
+                       estimated=False):
+    """`candidates` ([(ring, Schedule)], plan_rings') with the plans of
+    rings_between() added, largest ring first."""
+    more = rings_between(candidates, link, page, estimated)
+    out = list(candidates) + plan_rings(work, sizes, total, more, page,
+                                        link, align, spare_pages, per_copy,
+                                        margin, keep)
+    return sorted(out, key=lambda c: -c[0])
+
+
 def ring_fields(work, sizes, total, rings, page, link, align, spare_pages,
                 per_copy=0.0, margin=5e-4, keep=None):
     """plan_rings() as plain data, plan_job's "cands" (the planner's
@@ -665,11 +717,15 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     keeps another resident set and near_within is given: (resident flags,
     predicted seconds, windows, merged windows) of the set nearest the old
     one (nearest) if it is predicted within near_within of the pick, else
-    None. keep: plan()'s. cands: ring_fields() for `rings`, if made
-    already. estimated: pick_ring's."""
+    None. keep: plan()'s. cands: ring_fields() for `rings` and those of
+    rings_between(), if made already (else both are planned here).
+    estimated: pick_ring's."""
     if cands is None:
-        cands = plan_rings(work, sizes, total, rings, page, link, align,
-                           spare_pages, per_copy, margin, keep)
+        cands = plan_rings_between(
+            plan_rings(work, sizes, total, rings, page, link, align,
+                       spare_pages, per_copy, margin, keep),
+            work, sizes, total, page, link, align, spare_pages, per_copy,
+            margin, keep, estimated)
     else:
         cands = [(r, Schedule(*f)) for r, f in cands]
     ring, sch = pick_ring(cands, link, estimated)

@@ -1121,6 +1121,10 @@ class Tuner:
                                rings or self._rings(dev, need),
                                dev.page_size, self.link, self.layout.align,
                                keep)
+            cands = schedule.plan_rings_between(
+                cands, work, sizes, total, dev.page_size, self.link,
+                self.layout.align, SPARE_PAGES, PER_COPY, MARGIN, keep,
+                self.estimated)
         else:
             total, cands = planned.total, planned.cands
         # (A guess's budget, before torch's peak was learned, is no room
@@ -1748,16 +1752,31 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
             PER_COPY, MARGIN, old_resident, old_ring, keep, NEAR)
     got = None
     if remote:
-        # Each ring size in a process of its own, then the pick's windows.
-        each = planproc.call_each("ring_fields", [
-            (work, sizes, total, [r], page, link, align, SPARE_PAGES,
-             PER_COPY, MARGIN, keep) for r in rings]) \
-            if len(rings) > 1 else None
-        got = planproc.call("plan_job", *args, None if each is None else
-                            [c for cs in each for c in cs], estimated)
+        # Each ring size in a process of its own, then those between
+        # (schedule.rings_between), then the pick's windows.
+        cands = _ring_fields(work, sizes, total, rings, page, link, align,
+                             keep) if len(rings) > 1 else None
+        if cands is not None:
+            more = schedule.rings_between(
+                [(r, schedule.Schedule(*f)) for r, f in cands], link, page,
+                estimated)
+            extra = _ring_fields(work, sizes, total, more, page, link,
+                                 align, keep) if more else []
+            cands = None if extra is None else \
+                sorted(cands + extra, key=lambda c: -c[0])
+        got = planproc.call("plan_job", *args, cands, estimated)
     out = got[0] if got is not None else \
         schedule.plan_job(*args, estimated=estimated)
     return Planned(total, out, old_resident, old_ring, keep)
+
+
+def _ring_fields(work, sizes, total, rings, page, link, align, keep):
+    """schedule.ring_fields() of each ring in `rings`, each in a planner's
+    process of its own; None if they cannot be had."""
+    each = planproc.call_each("ring_fields", [
+        (work, sizes, total, [r], page, link, align, SPARE_PAGES, PER_COPY,
+         MARGIN, keep) for r in rings])
+    return None if each is None else [c for cs in each for c in cs]
 
 
 def carried(units, window, held):
