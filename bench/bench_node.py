@@ -220,6 +220,10 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "move": {"VPAGER_RELOCATE": "1"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
+# "ring320": the staging ring fixed at 320 MiB (the plan tries no other):
+# which ring runs best on one machine, beside what the plans predict.
+SUFFIXES.update(("ring%d" % r, {"VPAGER_STAGING": "%dM" % r})
+                for r in (224, 256, 288, 320, 352, 378, 448, 512))
 
 
 def _named(run):

@@ -6,8 +6,7 @@ budget the plan was made for and the link, as vpager.torch logs them.
 
 For each way of taking the cold work (as measured; coldwork.warm_work,
 each unit at most its kind's median and a singleton at most the largest
-median) it plans as the tuner does (tuner.plan_rings, the rings between,
-schedule.pick_ring)
+median) it plans as the tuner does (tuner.plan_rings, schedule.pick_ring)
 and prints that plan's time under the warm work against the plan made
 from the warm work itself (the settled one): 1.000 is a cold plan the
 settled one would not replace (the tuner places anew only for 2%), and
@@ -95,11 +94,9 @@ def read_log(path):
 def planned(work, sizes, total, link, estimated=False):
     """(ring, Schedule) the tuner would pick for `work` (estimated: the
     cold forward's, pick_ring's)."""
-    cands = schedule.plan_rings_between(
-        tuner.plan_rings(work, sizes, total, RINGS, PAGE, link, ALIGN),
-        work, sizes, total, PAGE, link, ALIGN, tuner.SPARE_PAGES,
-        tuner.PER_COPY, tuner.MARGIN, None, estimated)
-    return schedule.pick_ring(cands, link, estimated)
+    return schedule.pick_ring(tuner.plan_rings(work, sizes, total, RINGS,
+                                               PAGE, link, ALIGN), link,
+                              estimated)
 
 
 def compare(path):

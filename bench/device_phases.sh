@@ -52,6 +52,11 @@
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
 #           compared by bench/step_timeline.py: where the steps run over
 #           the plan's prediction (issue 29's 1.05 x L)
+#   flux_rings the node's Flux at 6 GiB beside resident, as it picks its
+#           ring and with the ring fixed (bench_node's ring<MiB> runs;
+#           FLUX_RINGS="288 320 378 512" by default), 4 prompts each: which
+#           ring runs best on one machine against what each plan predicts
+#           (issue 29's 1.05 x L)
 #   flux22_ab  BEFORE's node run of the 22 GiB model at 8 GiB, then this
 #           tree's with resident and ComfyUI's path (--reps 4): issue 28's
 #           RSS rows and the step against the tree before it
@@ -87,7 +92,7 @@ OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
 KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag prompts"
-KNOWN="$KNOWN fp8_rings"
+KNOWN="$KNOWN fp8_rings flux_rings"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -251,6 +256,15 @@ for PH in ${PHASES//+/ }; do
     GREP='steady|x L|latents|apart|Error|Traceback'
     TAILN=40 step prompts "$(cap)" $N --runs resident,node6,6 --reps 10 \
       --out "$L/prompts" ;;
+  flux_rings)
+    GREP='steady|x L|latents|Error|Traceback'
+    RR=resident,node6
+    for r in ${FLUX_RINGS:-288 320 378 512}; do RR=$RR,node6ring$r; done
+    TAILN=40 VPAGER_SCHEDULE_LOG=1 step flux_rings "$(cap)" $N --runs "$RR" \
+      --reps 4 --out "$L/flux_rings"
+    GREP='schedule \(forward'
+    TAILN=40 step flux_rings_plans 10 sh -c \
+      "grep -o 'schedule (forward [0-9]*): <[^>]*>; ring [0-9]*' $L/flux_rings/run_node6*.log" ;;
   flux_diag)
     GREP='steady|x L|latents|Error|Traceback'
     TAILN=30 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_STEP_STATS=1 \

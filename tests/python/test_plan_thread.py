@@ -42,8 +42,9 @@ torch = _runner.require_torch(__name__)
 import vpager.torch as vt  # noqa: E402
 from vpager.torch import (  # noqa: E402
     devices, plancache, planproc, schedule, tuner)
-from test_torch import _scheduled_mlp, delta, environ, mlp  # noqa: E402
+from test_torch import PAGE, _scheduled_mlp, delta, environ, mlp  # noqa: E402
 from _runner import raises  # noqa: E402
+from vpager.governor import governor  # noqa: E402
 
 WAIT = 60.0                 # seconds: only a hung planner reaches it
 PLAN_COST = 1.0             # fake seconds a plan charges its thread
@@ -735,6 +736,39 @@ def test_a_placement_kept_over_a_faster_plan_is_placed_at_a_pause():
         raises(RuntimeError, h.refine)      # its offload was undone
     finally:
         tuner.REFINE = saved
+
+
+def test_a_budget_grown_since_the_plan_is_planned_for_at_a_pause():
+    """The budget grows by less than the watch's GROW (the Governor's
+    margin settled: 4% of torch's peak): nothing is planned anew at the
+    forwards; at the client's next pause (refine()) the schedule is made
+    for the new budget, once, and more stays resident. Outputs bitwise."""
+    m, x, want, h = _threaded_mlp()
+    t, dev = h.tuner, h.device
+    full = dev.info()["budget"]
+    governor(dev).declare_budget(full - PAGE)
+    _settle(m, x, want, h)
+    t.better = False
+    was = t.planned_for
+    resident = h.stats()["model"]["resident_bytes"]
+    assert not h.refine()                   # the budget as planned for
+    governor(dev).declare_budget(full)
+    replans = t.replans
+    for _ in range(3):                      # within GROW: no plan
+        assert torch.equal(m(x), want)
+        assert h.tuner.planner.wait(WAIT)
+    assert t.replans == replans and t.planned_for == was
+    assert h.refine() and t.replans == replans + 1
+    assert not h.refine()                   # asked once
+    assert h.tuner.planner.wait(WAIT)
+    assert torch.equal(m(x), want)          # takes and places it
+    assert t.planned_for >= was + PAGE, (t.planned_for, was)
+    for _ in range(2):
+        assert torch.equal(m(x), want)
+        assert h.tuner.planner.wait(WAIT)
+    assert h.stats()["model"]["resident_bytes"] > resident
+    assert not h.refine()
+    h.unload()
 
 
 def test_the_schedule_says_when_it_settled():

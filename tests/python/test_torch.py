@@ -2477,13 +2477,15 @@ def test_a_later_plan_may_grow_the_ring_back():
     """The first measured forward runs cold, so the ring its plan picks
     does not bind the next plan: that one tries every size up to the ring
     there was before the first (here the first plan is made to take the
-    smallest candidate and the second the largest). The ring grows back,
-    after a resident set was placed for the small one; outputs bitwise,
-    no pages left pinned."""
+    smallest candidate and the second the largest; RING_KEEP off, which
+    would keep the placement in hand where it is predicted as fast). The
+    ring grows back, after a resident set was placed for the small one;
+    outputs bitwise, no pages left pinned."""
     from vpager.torch import schedule
     dev = vt.open_device("sim", budget=2560 * K,
                          **dict(sim_opts(), sim_capacity=8192 * K))
-    saved = schedule.RING_SECONDS, tuner.schedule.pick_ring, tuner.ROUNDS_MAX
+    saved = (schedule.RING_SECONDS, tuner.schedule.pick_ring,
+             tuner.ROUNDS_MAX, tuner.RING_KEEP)
     picks = []
 
     def pick(cands, link, estimated=False):  # smallest first, the largest
@@ -2494,6 +2496,7 @@ def test_a_later_plan_may_grow_the_ring_back():
     schedule.RING_SECONDS = 0.0
     tuner.schedule.pick_ring = pick
     tuner.ROUNDS_MAX = 2            # the second plan at the second forward
+    tuner.RING_KEEP = -1.0
     try:
         small = mlp(depth=8)
         ref = frozen_copy(small)
@@ -2515,7 +2518,61 @@ def test_a_later_plan_may_grow_the_ring_back():
         h.unload()
     finally:
         (schedule.RING_SECONDS, tuner.schedule.pick_ring,
-         tuner.ROUNDS_MAX) = saved
+         tuner.ROUNDS_MAX, tuner.RING_KEEP) = saved
+        dev.close()
+
+
+def test_another_ring_waits_for_the_pause():
+    """A forward measured again whose plan picks another ring keeps the
+    ring and placement in hand when they are predicted within RING_KEEP
+    of it (here: always) and marks the plan better (REFINE: here any); the
+    client's next pause (refine()) places the pick with its ring, and the
+    forwards between place nothing. Outputs bitwise."""
+    from vpager.torch import schedule
+    dev = vt.open_device("sim", budget=2560 * K,
+                         **dict(sim_opts(), sim_capacity=8192 * K))
+    saved = (schedule.RING_SECONDS, tuner.schedule.pick_ring,
+             tuner.ROUNDS_MAX, tuner.RING_KEEP, tuner.REFINE)
+    picks = []
+
+    def pick(cands, link, estimated=False):  # smallest first, the largest
+        c = min(cands, key=lambda rc: rc[0]) if not picks else \
+            max(cands, key=lambda rc: rc[0])
+        picks.append([r for r, _ in cands])
+        return c
+    schedule.RING_SECONDS = 0.0
+    tuner.schedule.pick_ring = pick
+    tuner.ROUNDS_MAX = 2
+    tuner.RING_KEEP, tuner.REFINE = 1e9, -1.0
+    try:
+        small = mlp(depth=8)
+        ref = frozen_copy(small)
+        x = torch.randn(4, 64)
+        with environ(VPAGER_COLD_WORK="0"):
+            h = vt.offload(small, dev=dev, schedule=True)
+        top = dev.options["staging_size"]
+        assert torch.equal(small(x), ref(x))        # plan 1: the smallest
+        low = dev.options["staging_size"]
+        assert low == min(picks[0]) < top
+        assert torch.equal(small(x), ref(x))        # plan 2: the largest
+        assert len(picks) == 2 and max(picks[1]) == top, picks
+        assert dev.options["staging_size"] == low and h.tuner.better
+        s0 = h.stats()["device"]
+        for _ in range(2):
+            assert torch.equal(small(x), ref(x))
+        d = delta(h.stats()["device"], s0, "pages_committed", "pages_evicted")
+        assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+        assert dev.options["staging_size"] == low
+        assert h.refine()
+        for _ in range(3):
+            assert torch.equal(small(x), ref(x))
+        assert dev.options["staging_size"] == top
+        assert h.schedule()["staging"] == top
+        assert no_pins(h)
+        h.unload()
+    finally:
+        (schedule.RING_SECONDS, tuner.schedule.pick_ring,
+         tuner.ROUNDS_MAX, tuner.RING_KEEP, tuner.REFINE) = saved
         dev.close()
 
 

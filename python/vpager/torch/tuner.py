@@ -187,6 +187,15 @@ PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =1: a placement in steps
 # plan's placement, predicted 1.0% slower than the settled one: every
 # later step 97 ms against 93.7 for the tree that placed anew.
 REFINE = 0.005
+# A forward measured again whose plan picks another ring keeps the ring
+# and placement in hand when they are predicted within RING_KEEP of it,
+# the pick placed at the next pause (refine()): the node's Flux at 6 GiB
+# on the H100 placed its warm plan's 320 MiB ring over the cold plan's
+# 416 in the first prompt's 4th step (135 ms against a 92 ms step).
+RING_KEEP = 0.05
+# ... and so is a plan for a budget grown by REFINE (and a page) since the
+# schedule's (the Governor's margin settled once torch's peak held, or
+# another process left): the watch moves for GROW only.
 
 
 def measure_link(index, device):
@@ -602,13 +611,15 @@ class Tuner:
     def refine(self):
         """At a pause of the client's (the node: a prompt's load), once
         the schedule has settled: if its placement was kept over a plan
-        predicted at least REFINE faster (apply()), plan again from the
+        predicted at least REFINE faster (apply()), or the budget grew by
+        REFINE since it was planned (_room_grew), plan again from the
         work measured (on the planner, if there is one: taken at the next
         forward's start) and place that plan, so that the next forward
         pays the placement once, not the forwards of a first prompt. Not
         while a weight has a fill. True if a plan was asked for."""
-        if not self.better or self.schedule is None or not self.done or \
+        if self.schedule is None or not self.done or \
                 self.heading is not None or self._planning() or \
+                not (self.better or self._room_grew()) or \
                 not self.model.may_replace():
             return False
         # Not with fills (a LoRA's): their own replans keep the weights
@@ -634,6 +645,15 @@ class Tuner:
                           "again for the device's new room (%s: %s); no "
                           "more tries" % (type(e).__name__, e),
                           RuntimeWarning)
+
+    def _room_grew(self):
+        """True if the device's budget is REFINE (and a page) above what
+        the schedule was planned for."""
+        if self.planned_for is None:
+            return False
+        dev = self.layout.device
+        grown = dev.info()["budget"] - self.planned_for
+        return grown >= max(dev.page_size, self.planned_for * REFINE)
 
     def _room_moved(self):
         """True if the room for weights (the budget less the ring: another
@@ -1183,15 +1203,18 @@ class Tuner:
         if replan and old is not None and ring == self.ring and \
                 sch.resident == old.resident and self._fits(old):
             return                  # the same plan: nothing to move
+        other_ring = ring != self.ring and not self.first_now
         if old is not None and replan not in ("room", "refine") and \
-                (ring == self.ring or self.first_now) \
+                (not other_ring or (replan is None and not self.guessed)) \
                 and self._fits(old) and (keep is None or all(
                     r for r, k in zip(old.resident, keep) if k)):
             # Measured again, or fills changed, the same ring: place anew
             # only for a clear gain (2%), else keep the placement (if it
             # still fits the budget: torch's activations may have taken
-            # some since) and take new windows. Another ring is placed
-            # anew: the plan before was made from a cold forward (_rings).
+            # some since) and take new windows. Measured again, another
+            # ring: the same within RING_KEEP (a ring's change places
+            # every streamed weight anew: at a pause, not in a forward),
+            # unless the placement is the guess made before any forward.
             eff = int(self.ring * schedule.FRAGMENTATION)
             got = (planned.kept(old.resident, self.ring)
                    if planned is not None else None)
@@ -1201,7 +1224,8 @@ class Tuner:
                 base = merged = None
             else:
                 t_old, base, merged = got
-            if t_old <= sch.predicted * 1.02:
+            if t_old <= sch.predicted * (1 + (RING_KEEP if other_ring
+                                              else 0.02)):
                 self.better = t_old > sch.predicted * (1 + REFINE)
                 if base is None:
                     base = schedule.windows(w, sizes, old.resident, self.link,
