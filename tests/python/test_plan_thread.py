@@ -771,6 +771,43 @@ def test_a_budget_grown_since_the_plan_is_planned_for_at_a_pause():
     h.unload()
 
 
+def test_a_refined_placement_no_faster_is_not_placed():
+    """refine() plans for a grown budget, but the placement that plan
+    comes to (here made to predict a forward slower than the one in
+    hand: _placed's set kept in place to spare fills streams more) is
+    not placed: the forward after commits and evicts nothing and keeps
+    the resident set it had. Outputs bitwise."""
+    m, x, want, h = _threaded_mlp()
+    t, dev = h.tuner, h.device
+    full = dev.info()["budget"]
+    governor(dev).declare_budget(full - PAGE)
+    _settle(m, x, want, h)
+    t.better = False
+    resident = list(t.schedule.resident)
+    governor(dev).declare_budget(full)
+    real = tuner.Tuner._placed
+
+    def slower(self, *a, **kw):
+        sch, placed = real(self, *a, **kw)
+        return schedule.Schedule(sch.resident, sch.window, 1e9, sch.streamed,
+                                 sch.resident_bytes, sch.all_resident), placed
+    tuner.Tuner._placed = slower
+    try:
+        assert h.refine()
+        assert h.tuner.planner.wait(WAIT)
+        s0 = h.stats()["device"]
+        assert torch.equal(m(x), want)      # takes the plan: kept
+        d = delta(h.stats()["device"], s0, "pages_committed",
+                  "pages_evicted")
+    finally:
+        tuner.Tuner._placed = real
+    assert d == {"pages_committed": 0, "pages_evicted": 0}, d
+    assert list(t.schedule.resident) == resident
+    for _ in range(2):
+        assert torch.equal(m(x), want)
+    h.unload()
+
+
 def test_the_schedule_says_when_it_settled():
     """schedule()["settled"] (what a benchmark waits for before it times
     the steady state: bench/benchlib.settle): not while a plan is being
