@@ -30,8 +30,9 @@ stats() shows the inputs and the result:
 learned is what torch may still grab in the forward about to run: its
 peak reservation (the largest read) less what it holds now, plus the OOM
 margin (5% of the peak, at most 256 MiB; 1% once the peak held for
-STEADY_READS reads; raised by each out-of-memory retry). Torch is never imported here: its numbers are declared
-(TorchMemory) by vpager.torch, which reads them.
+STEADY_READS reads; raised by each out-of-memory retry). Torch is never
+imported here: its numbers are declared (TorchMemory) by vpager.torch,
+which reads them.
 
 The user's headroom is the device's own until declared: a device opened
 without one keeps the C library's default free (on a GPU the larger of

@@ -187,15 +187,16 @@ PLACE_STEPS = "VPAGER_PLACE_STEPS"      # =1: a placement in steps
 # plan's placement, predicted 1.0% slower than the settled one: every
 # later step 97 ms against 93.7 for the tree that placed anew.
 REFINE = 0.005
+# ... and so is a plan for a budget grown by REFINE (and a page) since the
+# schedule's (the Governor's margin settled once torch's peak held, or
+# another process left: the watch moves for GROW only), if predicted
+# faster than the placement in hand.
 # A forward measured again whose plan picks another ring keeps the ring
 # and placement in hand when they are predicted within RING_KEEP of it,
 # the pick placed at the next pause (refine()): the node's Flux at 6 GiB
 # on the H100 placed its warm plan's 320 MiB ring over the cold plan's
 # 416 in the first prompt's 4th step (135 ms against a 92 ms step).
 RING_KEEP = 0.05
-# ... and so is a plan for a budget grown by REFINE (and a page) since the
-# schedule's (the Governor's margin settled once torch's peak held, or
-# another process left): the watch moves for GROW only.
 
 
 def measure_link(index, device):
