@@ -738,17 +738,24 @@ def test_a_placement_kept_over_a_faster_plan_is_placed_at_a_pause():
         tuner.REFINE = saved
 
 
+def _settled_a_page_below():
+    """The threaded MLP settled under its budget less a page, no plan
+    marked better: (m, x, want, h, the full budget)."""
+    m, x, want, h = _threaded_mlp()
+    full = h.device.info()["budget"]
+    governor(h.device).declare_budget(full - PAGE)
+    _settle(m, x, want, h)
+    h.tuner.better = False
+    return m, x, want, h, full
+
+
 def test_a_budget_grown_since_the_plan_is_planned_for_at_a_pause():
     """The budget grows by less than the watch's GROW (the Governor's
     margin settled: 4% of torch's peak): nothing is planned anew at the
     forwards; at the client's next pause (refine()) the schedule is made
     for the new budget, once, and more stays resident. Outputs bitwise."""
-    m, x, want, h = _threaded_mlp()
+    m, x, want, h, full = _settled_a_page_below()
     t, dev = h.tuner, h.device
-    full = dev.info()["budget"]
-    governor(dev).declare_budget(full - PAGE)
-    _settle(m, x, want, h)
-    t.better = False
     was = t.planned_for
     resident = h.stats()["model"]["resident_bytes"]
     assert not h.refine()                   # the budget as planned for
@@ -777,12 +784,8 @@ def test_a_refined_placement_no_faster_is_not_placed():
     hand: _placed's set kept in place to spare fills streams more) is
     not placed: the forward after commits and evicts nothing and keeps
     the resident set it had. Outputs bitwise."""
-    m, x, want, h = _threaded_mlp()
+    m, x, want, h, full = _settled_a_page_below()
     t, dev = h.tuner, h.device
-    full = dev.info()["budget"]
-    governor(dev).declare_budget(full - PAGE)
-    _settle(m, x, want, h)
-    t.better = False
     resident = list(t.schedule.resident)
     governor(dev).declare_budget(full)
     real = tuner.Tuner._placed

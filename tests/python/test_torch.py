@@ -2473,6 +2473,20 @@ def test_measuring_goes_on_until_the_work_settles():
         tuner.ROUNDS_MAX, tuner.SETTLED = saved
 
 
+def _smallest_then_largest():
+    """(picks, a pick_ring stand-in): the first plan takes the smallest
+    ring tried, every later one the largest; picks lists the rings each
+    plan tried."""
+    picks = []
+
+    def pick(cands, link, estimated=False):
+        c = min(cands, key=lambda rc: rc[0]) if not picks else \
+            max(cands, key=lambda rc: rc[0])
+        picks.append([r for r, _ in cands])
+        return c
+    return picks, pick
+
+
 def test_a_later_plan_may_grow_the_ring_back():
     """The first measured forward runs cold, so the ring its plan picks
     does not bind the next plan: that one tries every size up to the ring
@@ -2486,13 +2500,7 @@ def test_a_later_plan_may_grow_the_ring_back():
                          **dict(sim_opts(), sim_capacity=8192 * K))
     saved = (schedule.RING_SECONDS, tuner.schedule.pick_ring,
              tuner.ROUNDS_MAX, tuner.RING_KEEP)
-    picks = []
-
-    def pick(cands, link, estimated=False):  # smallest first, the largest
-        c = min(cands, key=lambda rc: rc[0]) if not picks else \
-            max(cands, key=lambda rc: rc[0])
-        picks.append([r for r, _ in cands])
-        return c
+    picks, pick = _smallest_then_largest()
     schedule.RING_SECONDS = 0.0
     tuner.schedule.pick_ring = pick
     tuner.ROUNDS_MAX = 2            # the second plan at the second forward
@@ -2533,13 +2541,7 @@ def test_another_ring_waits_for_the_pause():
                          **dict(sim_opts(), sim_capacity=8192 * K))
     saved = (schedule.RING_SECONDS, tuner.schedule.pick_ring,
              tuner.ROUNDS_MAX, tuner.RING_KEEP, tuner.REFINE)
-    picks = []
-
-    def pick(cands, link, estimated=False):  # smallest first, the largest
-        c = min(cands, key=lambda rc: rc[0]) if not picks else \
-            max(cands, key=lambda rc: rc[0])
-        picks.append([r for r, _ in cands])
-        return c
+    picks, pick = _smallest_then_largest()
     schedule.RING_SECONDS = 0.0
     tuner.schedule.pick_ring = pick
     tuner.ROUNDS_MAX = 2
