@@ -811,6 +811,30 @@ def test_a_refined_placement_no_faster_is_not_placed():
     h.unload()
 
 
+def test_a_refine_no_faster_than_the_placement_in_hand_places_nothing():
+    """refine()'s plan for a grown budget predicted no REFINE faster than
+    the placement in hand (here: that one predicted to take no time) is
+    not placed, nor is a placement even chosen for it (_placed's host
+    time, 20 ms of a step for the node's Flux)."""
+    m, x, want, h, full = _settled_a_page_below()
+    t = h.tuner
+    resident = list(t.schedule.resident)
+    governor(h.device).declare_budget(full)
+    saved = tuner.Tuner._predicted, tuner.Tuner._placed
+    chosen = []
+    tuner.Tuner._predicted = lambda self, old, w, sizes: 0.0
+    tuner.Tuner._placed = lambda self, *a: chosen.append(a) or \
+        saved[1](self, *a)
+    try:
+        assert h.refine()
+        assert h.tuner.planner.wait(WAIT)
+        assert torch.equal(m(x), want)      # takes the plan: kept
+    finally:
+        tuner.Tuner._predicted, tuner.Tuner._placed = saved
+    assert chosen == [] and list(t.schedule.resident) == resident
+    h.unload()
+
+
 def test_the_schedule_says_when_it_settled():
     """schedule()["settled"] (what a benchmark waits for before it times
     the steady state: bench/benchlib.settle): not while a plan is being
