@@ -1220,8 +1220,7 @@ class Tuner:
             got = (planned.kept(old.resident, self.ring)
                    if planned is not None else None)
             if got is None:
-                t_old = schedule.simulate(w, sizes, old.resident, self.link,
-                                          eff, PER_COPY)
+                t_old = self._predicted(old, w, sizes)
                 base = merged = None
             else:
                 t_old, base, merged = got
