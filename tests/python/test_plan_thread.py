@@ -556,8 +556,13 @@ def test_cold_work_plans_at_the_first_forwards_end():
                        for c, moved in got[1:]), got
         else:
             # A later plan 2% faster on the measured times (the simulated
-            # device's compute is the host's: noise) placed anew: once.
-            assert sum(1 for c, _ in got[1:] if c != steady) <= 1, got
+            # device's compute is the host's: noise; on a GPU the cold
+            # forward's times are the first kernels') placed anew, once:
+            # the copies change at its forward and the one after, then
+            # hold.
+            changes = sum(1 for (a, _), (b, _) in zip(got[1:], got[2:])
+                          if a != b)
+            assert changes <= 2 and got[-2][0] == steady, got
         assert h.schedule()["settled"]
         h.unload()
 
@@ -738,12 +743,12 @@ def test_a_placement_kept_over_a_faster_plan_is_placed_at_a_pause():
         tuner.REFINE = saved
 
 
-def _settled_a_page_below():
-    """The threaded MLP settled under its budget less a page, no plan
-    marked better: (m, x, want, h, the full budget)."""
+def _settled_a_page_below(pages=1):
+    """The threaded MLP settled under its budget less `pages` pages, no
+    plan marked better: (m, x, want, h, the full budget)."""
     m, x, want, h = _threaded_mlp()
     full = h.device.info()["budget"]
-    governor(h.device).declare_budget(full - PAGE)
+    governor(h.device).declare_budget(full - pages * PAGE)
     _settle(m, x, want, h)
     h.tuner.better = False
     return m, x, want, h, full
@@ -754,7 +759,22 @@ def test_a_budget_grown_since_the_plan_is_planned_for_at_a_pause():
     margin settled: 4% of torch's peak): nothing is planned anew at the
     forwards; at the client's next pause (refine()) the schedule is made
     for the new budget, once, and more stays resident. Outputs bitwise."""
-    m, x, want, h, full = _settled_a_page_below()
+    real, grow = tuner.Tuner._work, tuner.GROW
+    # Each unit's work fixed and short, so that more resident is predicted
+    # faster whatever the host's speed (the simulated device computes on
+    # it: on a quick host the MLP's measured work hides a page's copy, and
+    # the refine rightly keeps the placement); the budget grown by a
+    # weight's pages, the watch's GROW widened to match.
+    tuner.Tuner._work = lambda self, *a: dict.fromkeys(real(self, *a), 1e-5)
+    tuner.GROW = 3.0
+    try:
+        _a_budget_grown_is_planned_for_at_a_pause()
+    finally:
+        tuner.Tuner._work, tuner.GROW = real, grow
+
+
+def _a_budget_grown_is_planned_for_at_a_pause():
+    m, x, want, h, full = _settled_a_page_below(pages=5)
     t, dev = h.tuner, h.device
     was = t.planned_for
     resident = h.stats()["model"]["resident_bytes"]
@@ -769,7 +789,7 @@ def test_a_budget_grown_since_the_plan_is_planned_for_at_a_pause():
     assert not h.refine()                   # asked once
     assert h.tuner.planner.wait(WAIT)
     assert torch.equal(m(x), want)          # takes and places it
-    assert t.planned_for >= was + PAGE, (t.planned_for, was)
+    assert t.planned_for >= was + 5 * PAGE, (t.planned_for, was)
     for _ in range(2):
         assert torch.equal(m(x), want)
         assert h.tuner.planner.wait(WAIT)
