@@ -161,6 +161,8 @@ class Weights(Handle):
         self.offsets = tuple(offsets)
         self.sizes = tuple(sizes)
         self._alive = [True] * n
+        # Each weight's window as last set (vp_weight_set_lookahead's value)
+        self._windows = [_lib.VP_LOOKAHEAD_DEVICE] * n
 
     @property
     def handles(self):
@@ -272,7 +274,11 @@ class Weights(Handle):
         hs = self._handle()
         if not self._alive[i]:
             raise closed_error("weight %d of this vpager.Weights" % i)
-        check(C.vp_weight_set_lookahead(hs[i], _window(nbytes)))
+        n = _window(nbytes)
+        if n == self._windows[i]:
+            return      # as set (each plan applied sets every weight's)
+        check(C.vp_weight_set_lookahead(hs[i], n))
+        self._windows[i] = n
 
     def window(self, i):
         """Weight i's own prefetch window (vp_weight_get_lookahead); None:

@@ -580,7 +580,8 @@ def test_a_plan_from_the_cold_estimate_holds_as_the_step_would():
     for estimated, want in ((False, 0), (True, n)):
         fake = types.SimpleNamespace(
             estimated=estimated, _costs=lambda w: (None, None, None, es),
-            model=types.SimpleNamespace(hold=lambda held: held))
+            holdable=None, model=types.SimpleNamespace(
+                hold=lambda held: held, held=lambda: ()))
         held = tuner.Tuner._hold(fake, units, sch)
         assert len(held) == want, (estimated, len(held))
 

@@ -75,12 +75,15 @@ MARK_EVENTS = 4             # events kept for marks, per unit call
 MARGIN = 5e-4               # seconds: windows start copies this early
 SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 # Holding the wholly resident units for the whole forward (HotPath.hold)
-# saves each of their calls an acquire and a release (~5 us of host time
-# per unit on the H200's host, bench_torch section 5, 2026-12-01): done
-# when that adds up to HOLD_SHARE of the predicted forward (1536 small
-# layers: 7%; a Flux-class DiT's 202 units: 1%, left as they are).
-# VPAGER_HOLD=0 turns it off.
-UNIT_HOST = 5e-6
+# saves each of their calls the per-unit path: an acquire and a release
+# (~5 us of host time a unit for plain modules on the H200's host,
+# bench_torch section 5, 2026-12-01), and under the ComfyUI node ~30 us
+# (the hooks around ComfyUI's ops; a cProfile of SDXL's host-bound step
+# on the H100, 2026-12-06): done when that adds up to HOLD_SHARE of the
+# predicted forward. Judged at 5 us, SDXL's 362 resident units fell
+# under 2% of a 93 ms prediction and went unheld: its steady step 1.36 x
+# resident's, 0.96 x held. VPAGER_HOLD=0 turns it off.
+UNIT_HOST = 30e-6
 HOLD_SHARE = 0.02
 # After the schedule: at a root forward's start, at most once a second,
 # the device's budget (what this device may commit: its limit, or free
@@ -356,6 +359,7 @@ class Tuner:
         self.streams = {}           # raw stream handle -> its Stream (_mark)
         self.events = []            # timing events read, for marks again
         self.shape = None           # _costs()'s lists, with what made them
+        self.holdable = None        # _hold()'s (units, resident, candidates)
         self.unread = None          # marks whose forward the GPU still runs
         self.filling = None         # (planned windows, held units) to restore
         self.kept_bytes = 0         # resident bytes the last placement kept
@@ -1667,16 +1671,23 @@ class Tuner:
         weights are all resident, their own (no other unit lists one) and
         no buffers (written back per call), where it pays (HOLD_SHARE).
         Returns those held."""
-        count = {}
-        for u in units:
-            for e in (u.entries if u is not None else ()):
-                count[id(e)] = count.get(id(e), 0) + 1
-        flat = self._costs({})[3]       # the order of sch.resident
-        resident = {id(e): r for e, r in zip(flat, sch.resident)}
-        held = [u for u in units if u is not None and u.entries
+        # Which units qualify changes with the units and the resident set
+        # only (each plan applied asks: 7 ms of SDXL's host-bound step).
+        key = (units, tuple(sch.resident))
+        if self.holdable is None or self.holdable[0] is not units or \
+                self.holdable[1] != key[1]:
+            count = {}
+            for u in units:
+                for e in (u.entries if u is not None else ()):
+                    count[id(e)] = count.get(id(e), 0) + 1
+            flat = self._costs({})[3]       # the order of sch.resident
+            resident = {id(e): r for e, r in zip(flat, sch.resident)}
+            self.holdable = key + ([
+                u for u in units if u is not None and u.entries
                 and not u.buffers
                 and all(resident.get(id(e)) and count[id(e)] == 1
-                        for e in u.entries)]
+                        for e in u.entries)],)
+        held = self.holdable[2]
         # A plan from the cold forward's estimate (up to COLD_OVER times
         # the step: SDXL's 115.7 ms for 83) would hold none of SDXL's 360
         # resident units, so its first prompt ran unheld.
@@ -1684,6 +1695,9 @@ class Tuner:
         if (not env.flag("VPAGER_HOLD", True)
                 or len(held) * UNIT_HOST < HOLD_SHARE * step):
             held = []
+        now = self.model.held()
+        if len(now) == len(held) and all(a is b for a, b in zip(now, held)):
+            return now                  # as held (its batch stays)
         return self.model.hold(held)    # (it keeps Parameters only)
 
     def _log(self, sch, ring, units, w):
