@@ -271,14 +271,21 @@ class Weights(Handle):
         acquire that ends with it runs `nbytes` ahead (0: none) instead of
         the device's lookahead; None: the device's again. Allowed while
         acquired."""
+        self.set_windows(((i, nbytes),))
+
+    def set_windows(self, pairs):
+        """set_window(i, nbytes) for each (i, nbytes) of `pairs`, in order;
+        a weight's window as already set costs no call (each plan applied
+        sets every weight's: SDXL's 1168)."""
         hs = self._handle()
-        if not self._alive[i]:
-            raise closed_error("weight %d of this vpager.Weights" % i)
-        n = _window(nbytes)
-        if n == self._windows[i]:
-            return      # as set (each plan applied sets every weight's)
-        check(C.vp_weight_set_lookahead(hs[i], n))
-        self._windows[i] = n
+        alive, now = self._alive, self._windows
+        for i, nbytes in pairs:
+            if not alive[i]:
+                raise closed_error("weight %d of this vpager.Weights" % i)
+            n = _window(nbytes)
+            if n != now[i]:
+                check(C.vp_weight_set_lookahead(hs[i], n))
+                now[i] = n
 
     def window(self, i):
         """Weight i's own prefetch window (vp_weight_get_lookahead); None:

@@ -121,12 +121,10 @@ class Layout:
         and the device's setting is left alone. While the host copy fills
         behind offload() every window is 0 (no weight is copied before its
         own unit waited for it) and unit.window waits for its end."""
-        ws = self.weights
         closed = self.copying
-        for u in units:
-            if u is not None:
-                for e in u.entries:
-                    ws.set_window(e.index, 0 if closed else u.window)
+        self.weights.set_windows(
+            (e.index, 0 if closed else u.window)
+            for u in units if u is not None for e in u.entries)
 
     @property
     def copying(self):

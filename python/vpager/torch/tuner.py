@@ -972,7 +972,7 @@ class Tuner:
         dev = lay.device
         self._measure_link()
         units, _, sizes, flat = self._costs({})
-        need = max(staging_need(u.entries) for u in lay.units)
+        need = self._need()
         old = self._old()
         self.fills_planned = lay.fill_changes
         return {"units": units, "sizes": sizes, "keep": _keep(flat),
@@ -1112,7 +1112,8 @@ class Tuner:
         return units, [work.get(u, 0.0) for u in units], got[3], got[4]
 
     def _shape(self):
-        """_costs()'s units, sizes and entries, made from the layout."""
+        """_costs()'s units, sizes and entries, and _need()'s ring, made
+        from the layout."""
         units = list(self.layout.units)
         seen = set()
         sizes, flat = [], []
@@ -1129,7 +1130,14 @@ class Tuner:
             units.append(None)
             sizes.append([e.size for e in rest])
             flat += rest
-        return units, sizes, flat
+        return units, sizes, flat, max(
+            staging_need(u.entries) for u in self.layout.units)
+
+    def _need(self):
+        """The ring the largest unit needs (staging_need), made with
+        _costs()'s lists."""
+        self._costs({})
+        return self.shape[5]
 
     def _rings(self, dev, need):
         """Ring sizes to try: the current one and, when vpager.torch sized
@@ -1206,7 +1214,7 @@ class Tuner:
         dev = lay.device
         self._measure_link()
         units, w, sizes, flat = self._costs(work)
-        need = max(staging_need(u.entries) for u in lay.units)
+        need = self._need()
         if planned is None:
             self.fills_planned = lay.fill_changes
         keep = _keep(flat)
