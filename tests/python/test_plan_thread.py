@@ -1026,43 +1026,49 @@ def test_a_remembered_plan_is_placed_at_the_first_forwards_end():
         h.unload()
 
 
-def test_the_work_measured_is_remembered_at_a_pause_before_it_settles():
+def test_the_work_measured_is_remembered_before_it_settles():
     """VPAGER_PLAN_CACHE with a schedule that has not settled (SDXL's
     host-bound forwards, measured 6% apart, had not after two prompts):
-    the client's pause (refine()) writes the work merged so far, once a
-    forward after the cold one was measured, and once for that work; the
-    model offloaded again plans from it at its first forward's end."""
+    the work merged so far is written once a forward after the cold one
+    was measured, by the planner's job (no forward's time), or without
+    the planner's thread at the client's pause (refine()), once for each
+    work; the model offloaded again plans from it at its first
+    forward's end."""
     saved = tuner.ROUNDS, tuner.ROUNDS_MAX
     tuner.ROUNDS = tuner.ROUNDS_MAX = 1000          # never settles here
-    files = lambda: glob.glob(os.path.join(tmp, "plan-*.json"))  # noqa
     try:
-        with tempfile.TemporaryDirectory() as tmp, \
-                environ(VPAGER_PLAN_CACHE=tmp):
-            m, x, want, h = _threaded_mlp()
-            assert torch.equal(m(x), want)
-            h.refine()
-            assert files() == []            # the cold forward's alone
-            for _ in range(6):
+        for thread in (True, False):
+            with tempfile.TemporaryDirectory() as tmp, \
+                    environ(VPAGER_PLAN_CACHE=tmp):
+                files = os.path.join(tmp, "plan-*.json")
+                m, x, want, h = (_threaded_mlp() if thread
+                                 else _scheduled_mlp())
+                t = h.tuner
                 assert torch.equal(m(x), want)
-                assert h.tuner.planner.wait(WAIT)
-            assert h.tuner.rounds >= 2 and not h.tuner.done
-            h.refine()
-            assert len(files()) == 1, files()
-            with open(files()[0]) as f:
-                got = json.load(f)
-            assert got["work"] == [h.tuner.work[u] for u in h.tuner.work]
-            os.remove(files()[0])
-            h.refine()                          # the same work: not again
-            assert files() == []
-            assert torch.equal(m(x), want)
-            assert h.tuner.planner.wait(WAIT)
-            h.refine()
-            assert len(files()) == 1
-            h.unload()
-            m, x, want, h = _threaded_mlp()
-            assert torch.equal(m(x), want)
-            assert h.schedule()["remembered"]
-            h.unload()
+                h.refine()
+                assert glob.glob(files) == []   # the cold forward's alone
+                while t.rounds < 3:
+                    assert torch.equal(m(x), want)
+                    assert t.planner is None or t.planner.wait(WAIT)
+                assert not t.done
+                if not thread:
+                    assert glob.glob(files) == []
+                    h.refine()
+                    path, = glob.glob(files)
+                    os.remove(path)
+                    h.refine()                  # the same work: not again
+                    assert glob.glob(files) == []
+                    assert torch.equal(m(x), want)
+                    h.refine()
+                path, = glob.glob(files)
+                with open(path) as f:
+                    got = json.load(f)
+                assert got["units"] == [u.name for u in t.work]
+                h.unload()
+                m, x, want, h = _threaded_mlp()
+                assert torch.equal(m(x), want)
+                assert h.schedule()["remembered"], thread
+                h.unload()
     finally:
         tuner.ROUNDS, tuner.ROUNDS_MAX = saved
 

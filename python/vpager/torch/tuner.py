@@ -622,10 +622,11 @@ class Tuner:
         work measured (on the planner, if there is one: taken at the next
         forward's start) and place that plan, so that the next forward
         pays the placement once, not the forwards of a first prompt. Not
-        while a weight has a fill. True if a plan was asked for. Before
-        the schedule settles, the work measured so far is remembered
-        (plancache) for the next process, as settling would."""
-        self._remember()
+        while a weight has a fill. True if a plan was asked for. Without
+        the planner's thread (whose jobs do it), the work measured so far
+        is remembered (plancache) before the schedule settles."""
+        if self.planner is None and self.rounds >= 2:
+            self._remember(self.work)
         if self.schedule is None or not self.done or \
                 self.heading is not None or self._planning() or \
                 not (self.better or self._room_grew()) or \
@@ -644,17 +645,18 @@ class Tuner:
         self._plan_soon("refine")
         return True
 
-    def _remember(self):
-        """The work merged so far saved under the plan cache's key, once a
-        forward after the cold one was measured and until _done() saves
-        the settled work: SDXL's host-bound forwards, measured 6% apart,
-        had not settled after two prompts, and the next process planned
-        from its cold forward again."""
-        if self.done or self.cache_key is None or self.rounds < 2 or \
-                not self.work or self.work is self.remembered_work:
+    def _remember(self, work):
+        """The work merged so far (a forward after the cold one measured)
+        saved under the plan cache's key until _done() saves the settled
+        work: SDXL's host-bound forwards, measured 6% apart, had not
+        settled after two prompts, and the next process planned from its
+        cold forward again. Once for each work; on the planner's thread
+        where there is one (a file written is no forward's time)."""
+        if self.done or self.cache_key is None or not work or \
+                work is self.remembered_work:
             return
-        if plancache.save(self.cache_key, self.work):
-            self.remembered_work = self.work
+        if plancache.save(self.cache_key, work):
+            self.remembered_work = work
 
     def _replan(self, reason, planned, rings=None):
         try:
@@ -1042,6 +1044,8 @@ class Tuner:
 
         def measured():
             work, settled = self._merge(raw, least)
+            if rounds >= 2:
+                self._remember(work)
             if not (rounds >= ROUNDS_MAX or (rounds >= ROUNDS and settled)) \
                     and rounds != first and free_to_wait:
                 return "measured", raw, work, settled, None
