@@ -81,8 +81,8 @@ SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 # (the hooks around ComfyUI's ops; a cProfile of SDXL's host-bound step
 # on the H100, 2026-12-06): done when that adds up to HOLD_SHARE of the
 # predicted forward. Judged at 5 us, SDXL's 362 resident units fell
-# under 2% of a 93 ms prediction and went unheld: its steady step 1.36 x
-# resident's, 0.96 x held. VPAGER_HOLD=0 turns it off.
+# under 2% of a 93 ms prediction and went unheld: its steady step 1.27-
+# 1.36 x resident's, 1.09-1.11 held. VPAGER_HOLD=0 turns it off.
 UNIT_HOST = 30e-6
 HOLD_SHARE = 0.02
 # After the schedule: at a root forward's start, at most once a second,
@@ -1701,20 +1701,20 @@ class Tuner:
         Returns those held."""
         # Which units qualify changes with the units and the resident set
         # only (each plan applied asks: 7 ms of SDXL's host-bound step).
-        key = (units, tuple(sch.resident))
+        resident = tuple(sch.resident)
         if self.holdable is None or self.holdable[0] is not units or \
-                self.holdable[1] != key[1]:
+                self.holdable[1] != resident:
             count = {}
             for u in units:
                 for e in (u.entries if u is not None else ()):
                     count[id(e)] = count.get(id(e), 0) + 1
             flat = self._costs({})[3]       # the order of sch.resident
-            resident = {id(e): r for e, r in zip(flat, sch.resident)}
-            self.holdable = key + ([
+            on = {id(e): r for e, r in zip(flat, resident)}
+            self.holdable = (units, resident, [
                 u for u in units if u is not None and u.entries
                 and not u.buffers
-                and all(resident.get(id(e)) and count[id(e)] == 1
-                        for e in u.entries)],)
+                and all(on.get(id(e)) and count[id(e)] == 1
+                        for e in u.entries)])
         held = self.holdable[2]
         # A plan from the cold forward's estimate (up to COLD_OVER times
         # the step: SDXL's 115.7 ms for 83) would hold none of SDXL's 360
