@@ -1231,6 +1231,17 @@ def test_marks_reuse_their_stream_and_events():
         assert _FakeEvent.made == made and not t.events
         assert len(asked) == 5          # the start and end marks only
         assert t._work(calls, start, end) == work
+        # A held unit's call: one event for both its marks (hotpath.hold),
+        # pooled once, so no later mark records over another's.
+        calls, start, end = forward()
+        m = t._mark(7)
+        calls[1][1:] = [m, m]
+        t.events.clear()
+        t._work(calls, start, end)
+        assert len({id(e) for e in t.events}) == len(t.events) == 7, \
+            len(t.events)
+        calls, start, end = forward()
+        assert t._work(calls, start, end) == work
         # A handle the current stream does not have (the stand-in's is 7):
         # nothing kept under it.
         t._mark(9)
