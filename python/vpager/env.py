@@ -83,7 +83,8 @@ VARIABLES: Dict[str, Variable] = {
                                   "remembered there, and a later process "
                                   "running the same model on the same GPU "
                                   "with inputs of the same shapes plans "
-                                  "its first forward from it (default: "
+                                  "its first forward from it, measuring "
+                                  "no later forward (default: "
                                   "vpager/plans in the user's cache "
                                   "folder; 0 or off: none)"),
     "VPAGER_RELOCATE": Variable("flag", "1: a placement made anew copies "

@@ -990,6 +990,7 @@ def _remembering(tmp):
     assert len(files) == 1, files
     with open(files[0]) as f:
         got = json.load(f)
+    assert got["settled"] is True, got
     return files[0], dict(zip(got["units"], got["work"]))
 
 
@@ -1000,7 +1001,9 @@ def test_a_remembered_plan_is_placed_at_the_first_forwards_end():
     first forward's end (schedule()["remembered"]), not from the cold
     forward's, and from the second forward on each copies what the last
     does (at most one later plan 2% faster on the simulated device's
-    noisy times). Outputs bitwise."""
+    noisy times). The work remembered settled is trusted: no forward
+    after the cold one measured (marks cost a host-bound step). Outputs
+    bitwise."""
     real_apply = tuner.Tuner.apply
     with tempfile.TemporaryDirectory() as tmp:
         _, remembered = _remembering(tmp)
@@ -1017,7 +1020,11 @@ def test_a_remembered_plan_is_placed_at_the_first_forwards_end():
                 assert h.schedule() is not None, "no plan at forward 1"
                 assert h.schedule()["remembered"] and h.tuner.rounds == 1
                 assert seen[0] == remembered, (seen[0], remembered)
+                assert h.tuner.done
+                marks = []
+                h.tuner._mark = lambda *a: marks.append(a)
                 got += _copies(m, x, want, h, 7)
+                assert h.tuner.rounds == 1 and not marks, len(marks)
         finally:
             tuner.Tuner.apply = real_apply
         steady = got[-1][0]
@@ -1064,10 +1071,17 @@ def test_the_work_measured_is_remembered_before_it_settles():
                 with open(path) as f:
                     got = json.load(f)
                 assert got["units"] == [u.name for u in t.work]
+                assert got["settled"] is False
                 h.unload()
                 m, x, want, h = _threaded_mlp()
                 assert torch.equal(m(x), want)
                 assert h.schedule()["remembered"], thread
+                # Not settled: measured on.
+                assert not h.tuner.done
+                for _ in range(3):
+                    assert torch.equal(m(x), want)
+                    assert h.tuner.planner.wait(WAIT)
+                assert h.tuner.rounds > 1
                 h.unload()
     finally:
         tuner.ROUNDS, tuner.ROUNDS_MAX = saved
