@@ -208,7 +208,10 @@ def child(cr, a):
 # plans/ (VPAGER_PLAN_CACHE, emptied when the bench starts): both read a
 # plan there if one is (a model's plan is the same for any budget) and
 # write theirs; named "cache" where it is the first, "cached" after one,
-# as a process started again. Suffixes combine: "node6warmsteps"; a name
+# as a process started again. "allmarks" marks every unit call of each
+# measured forward (VPAGER_MARK_CALLS=0; by default a model with more than
+# 300 calls is measured a span of them a forward, the spans of several
+# forwards read as one). Suffixes combine: "node6warmsteps"; a name
 # may end in a repeat mark, "node6warm.2" (_named).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
@@ -218,6 +221,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "warm": {"VPAGER_COLD_WORK": "1"},
             "nowarm": {"VPAGER_COLD_WORK": "0"},
             "move": {"VPAGER_RELOCATE": "1"},
+            "allmarks": {"VPAGER_MARK_CALLS": "0"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
 # "ring320": the staging ring fixed at 320 MiB (the plan tries no other):

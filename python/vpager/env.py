@@ -87,6 +87,11 @@ VARIABLES: Dict[str, Variable] = {
                                   "no later forward (default: "
                                   "vpager/plans in the user's cache "
                                   "folder; 0 or off: none)"),
+    "VPAGER_MARK_CALLS": Variable("count", "unit calls a measured "
+                                  "forward marks, at most about: a model "
+                                  "with more is measured a span of its "
+                                  "calls a forward (default 300; 0: every "
+                                  "call)", low=0, high=1 << 30),
     "VPAGER_RELOCATE": Variable("flag", "1: a placement made anew copies "
                                 "the resident weights it moves on the "
                                 "device, not again from the host "

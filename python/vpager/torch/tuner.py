@@ -70,6 +70,16 @@ ROUNDS_MAX = 5
 SETTLED = 0.05
 SETTLED_ABS = 2e-3
 LOST_CALLS = 64             # unit calls per unit in one forward, at most
+# A measured forward marks at most about MARK_CALLS unit calls (a timing
+# event before and after each): a model with more is measured a span of
+# its calls a forward, the spans of ceil(calls / MARK_CALLS) forwards
+# read as one measured forward (each span's last unit ends at a mark on
+# the next call). On a host-bound step every mark costs: SDXL's 794
+# units (~1230 marks) measured forwards 2-4 of the first prompt at
+# 1.15-1.23 x the steady step on the H100. VPAGER_MARK_CALLS=0: every
+# call in every measured forward.
+MARK_CALLS = 300
+MARK_CALLS_ENV = "VPAGER_MARK_CALLS"
 MARK_STREAMS = 64           # streams whose Stream object _mark keeps
 MARK_EVENTS = 4             # events kept for marks, per unit call
 MARGIN = 5e-4               # seconds: windows start copies this early
@@ -332,6 +342,21 @@ class Tuner:
         self.done = False
         self.calls = []
         self.start = None
+        # Spans (MARK_CALLS): this forward's unit calls so far, the span
+        # of them it marks [lo, hi) (hi's start marked too: where the
+        # span's last unit ends), whether the call before() saw is marked,
+        # the spans marked so far (their calls, then [None, mark, mark]
+        # entries: the span's end and its forward's marks to pool), one
+        # entry a span (the first span's start, then None), and how many
+        # calls a forward makes.
+        self.ncall = 0
+        self.span = None
+        self.marking = False
+        self.parts = []
+        self.parts_ends = []
+        self.call_count = None
+        got = env.count(MARK_CALLS_ENV)
+        self.mark_calls = MARK_CALLS if got is None else got
         self.schedule = None        # the Schedule applied, once done
         self.ring = None            # the ring it chose
         self.ring_top = None        # the ring before the first plan
@@ -541,6 +566,7 @@ class Tuner:
         self.root_hooks.clear("measure")
         self.on = False
         self.calls = []
+        self.parts, self.parts_ends = [], []
         self.backlog = None
         self.unread = None
 
@@ -729,18 +755,33 @@ class Tuner:
         """True (marking stopped) when a measured forward raised (its end
         hook never ran) and units ran outside one since: the next forward
         measures."""
-        if len(self.calls) < LOST_CALLS * len(self.layout.units):
+        if self.ncall < LOST_CALLS * len(self.layout.units):
             return False
         self.on = False
         self.calls.clear()
         return True
 
+    def _marks(self, stream):
+        """Whether this call is marked (its index in the forward's span),
+        counting it; the call at the span's end gets an end mark alone."""
+        i = self.ncall
+        self.ncall = i + 1
+        span = self.span
+        if span is None or span[0] <= i < span[1]:
+            return True
+        if i == span[1]:
+            self.calls.append([None, self._mark(stream), None])
+        return False
+
     def before(self, unit, stream=None):
+        self.marking = False
         if not self._lost():
-            self.calls.append([unit, self._mark(stream), None])
+            if self._marks(stream):
+                self.calls.append([unit, self._mark(stream), None])
+                self.marking = True
 
     def after(self, stream=None):
-        if self.calls:
+        if self.marking:
             self.calls[-1][2] = self._mark(stream)
 
     def held(self, unit, stream=None):
@@ -750,8 +791,9 @@ class Tuner:
         a measured forward that took every unit through enter() instead
         ran 17-24 ms over an 83 ms step."""
         if not self._lost():
-            m = self._mark(stream)
-            self.calls.append([unit, m, m])
+            if self._marks(stream):
+                m = self._mark(stream)
+                self.calls.append([unit, m, m])
 
     # ------------------------------------------------------------ hooks
     def _trace(self, what):
@@ -797,40 +839,92 @@ class Tuner:
             self._trace("not measured: the host copy runs")
             return
         self.calls = []
+        self.ncall = 0
+        self.span = self._span()
         self.start = self._mark()
         self.on = True
+
+    def _span(self):
+        """The calls [lo, hi) the forward marks (MARK_CALLS), the next
+        span of the last forward's calls; None: every call."""
+        n, per = self.call_count, self.mark_calls
+        if not per or n is None or n <= per:
+            return None
+        k = -(-n // per)
+        i = len(self.parts_ends)
+        return (i * n // k, (i + 1) * n // k)
+
+    def _spans_read(self, calls, end):
+        """(calls, start) of the forward measured, or None while the spans
+        of one are being marked (kept in self.parts: each span's calls,
+        its end, its forward's marks; the last span's end is `end`)."""
+        span, n = self.span, self.ncall
+        self.span = None
+        if span is None:
+            self.call_count = n
+            self.parts, self.parts_ends = [], []
+            return calls, self.start
+        if n != self.call_count:
+            # Another number of calls (another input shape, a branch): its
+            # spans start again.
+            self._trace("its calls changed (%d, were %d): spans dropped"
+                        % (n, self.call_count))
+            self.call_count = n
+            self.parts, self.parts_ends = [], []
+            return None
+        ends = self.parts_ends
+        if span[1] < n:
+            # A span's entries: its calls, its end (the next call's mark),
+            # then [None, this forward's end, its start] (pooled only).
+            self.parts += calls
+            self.parts.append([None, end, self.start if ends else None])
+            ends.append(self.start if not ends else None)
+            self._trace("calls %d-%d of %d marked" % (span[0], span[1] - 1,
+                                                       n))
+            return None
+        calls = self.parts + [[None, self.start, None]] + calls
+        start = ends[0]
+        self.parts, self.parts_ends = [], []
+        self._trace("calls %d-%d of %d marked: %d forwards read as one"
+                    % (span[0], n - 1, n, len(ends) + 1))
+        return calls, start
 
     def _end(self, module, args, out):
         if not self.on:
             return
         self.on = False
         calls, self.calls = self.calls, []
-        if not calls or any(c[2] is None for c in calls) or \
+        if not calls or any(c[0] is not None and c[2] is None
+                            for c in calls) or \
                 not self.model.may_replace():
             self._trace("its marks dropped (%d calls)" % len(calls))
             return                  # the next forward measures
         end = self._mark()
+        got = self._spans_read(calls, end)
+        if got is None:
+            return
+        calls, start = got
         if not self.rounds and plancache.folder() is not None:
             self.cache_key = plancache.key(
                 plancache.device_name(self.target, self.model.cuda_index),
                 self.layout.units, args)
         if not self.rounds and not self._planning() and (
                 self.cold_work or plancache.exists(self.cache_key)):
-            self._plan_now(calls, self.start, end)
+            self._plan_now(calls, start, end)
             return
         if self.planner is not None:
             if self._planning():        # handed over once it is taken
-                self.backlog = (calls, self.start, end)
+                self.backlog = (calls, start, end)
                 self._trace("measured while a plan is made")
             else:
                 # Handed over at the next root forward's start, after the
                 # learn hook read torch's peak of this one: the node's
                 # Flux's first plan, made for a room 0.9 GB too large,
                 # was placed anew at the next forward (2x a steady one).
-                self.unread = (calls, self.start, end)
+                self.unread = (calls, start, end)
                 self._trace("measured")
             return
-        work = self._work(calls, self.start, end)
+        work = self._work(calls, start, end)
         work, settled = self._merge(work)
         if self._measured(work, settled, self._free_to_wait()):
             self._apply_safely(work)
@@ -901,6 +995,8 @@ class Tuner:
         work = {}
         cur = None
         for i, (u, _, e) in enumerate(calls):
+            if u is None:           # a span's end (_spans_read)
+                continue
             nxt = calls[i + 1][1] if i + 1 < len(calls) else end
             if u not in work:
                 work[u] = 0.0
