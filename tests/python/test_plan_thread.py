@@ -1310,26 +1310,60 @@ def test_a_forward_marks_a_span_of_its_calls():
 
 
 def test_spans_read_as_one_forward():
-    """The work of spans marked in three forwards (host-clock marks, by
-    hand): each unit from its work's start to the next call's start, the
-    span's last to its end mark, the cyclic remainder (the first span's
-    start to its first call) to the last unit; the other forwards' own
-    start and end marks count for nothing."""
-    t = tuner.Tuner.__new__(tuner.Tuner)
-    t.cuda = False
-    calls = [["a", 0.0, 0.1], ["b", 0.3, 0.3], [None, 0.5, None],
-             [None, 0.6, None],                     # span 1 ends
-             ["c", 7.0, 7.5], [None, 8.0, None],
-             [None, 8.5, 6.0],                      # span 2 ends
-             [None, 20.0, None],                    # span 3 starts
-             ["b", 20.5, 20.6], ["d", 21.0, 21.5]]
-    work = t._work(calls, -0.25, 22.0)
-    # b called again (in span 3) counts to c, the unit current there, as
-    # in a forward marked whole.
-    want = {"a": 0.2, "b": 0.2, "c": 0.5 + 0.4, "d": 0.5 + 0.25}
-    assert work.keys() == want.keys() and all(
-        abs(work[u] - want[u]) < 1e-9 for u in want), work
+    """A CUDA model of 4 unit calls marked 2 a forward (MARK_CALLS): the
+    first span (calls 0-1 and the start of call 2) read at the next
+    forward's start, its events pooled, the second (calls 2-3, the
+    forward's end) read with it as one forward: each unit's work as a
+    forward marked whole reads it (the held unit's one mark too; the
+    waits in the acquires left out; the cyclic start to the last unit).
+    No GPU: torch.cuda's Event and current_stream stand-ins (each mark
+    advances their clock 1 ms), the Tuner's methods on a bare object."""
+    real = torch.cuda.Event, torch.cuda.current_stream
+    torch.cuda.Event = _FakeEvent
+    torch.cuda.current_stream = lambda *a: _FakeStream(7)
+    try:
+        t = tuner.Tuner.__new__(tuner.Tuner)
+        t.cuda, t.target, t.tracing = True, torch.device("cuda", 0), False
+        t.streams, t.events, t.calls = {}, [], []
+        t.layout = types.SimpleNamespace(units=list("abcd"))
+        t._drop_spans()
+        compute = {"a": 10.0, "b": 20.0, "c": 30.0, "d": 40.0}
 
+        def forward():
+            t.calls, t.ncall, t.span = [], 0, t._span()
+            t.start = t._mark()
+            _FakeEvent.clock += 5.0             # before the first unit
+            for u in "abcd":
+                if u == "b":
+                    t.held(u, 7)
+                else:
+                    t.before(u, 7)
+                    _FakeEvent.clock += 3.0     # its wait for a copy
+                    t.after(7)
+                _FakeEvent.clock += compute[u]
+            end = t._mark()
+            return t._spans_read(t.calls, end), end
+
+        t.mark_calls, t.call_count = 0, None
+        (calls, start), end = forward()
+        assert len(calls) == 4 and t.call_count == 4
+        whole = t._work(calls, start, end)
+        assert whole == {"a": 0.011, "b": 0.021, "c": 0.031,
+                         "d": 0.047}, whole
+        t.mark_calls = 2
+        for _ in range(2):
+            made = _FakeEvent.made
+            got, _ = forward()
+            assert got is None and t.part_unread is not None
+            assert [c[0] for c in t.part_unread[0]] == ["a", "b", None]
+            t._read_span()                      # the next forward's start
+            assert t.part_unread is None and t.nparts == 1
+            (calls, start), end = forward()
+            assert t.nparts == 0 and t.parts == []
+            assert t._work(calls, start, end) == whole
+            assert _FakeEvent.made == made      # every mark from the pool
+    finally:
+        torch.cuda.Event, torch.cuda.current_stream = real
 
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))

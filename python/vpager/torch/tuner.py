@@ -345,15 +345,16 @@ class Tuner:
         # Spans (MARK_CALLS): this forward's unit calls so far, the span
         # of them it marks [lo, hi) (hi's start marked too: where the
         # span's last unit ends), whether the call before() saw is marked,
-        # the spans marked so far (their calls, then [None, mark, mark]
-        # entries: the span's end and its forward's marks to pool), one
-        # entry a span (the first span's start, then None), and how many
-        # calls a forward makes.
+        # the spans read so far (their calls' marks as seconds, _read_span),
+        # how many, the first one's start, the last one marked while the
+        # GPU may still run it, and how many calls a forward makes.
         self.ncall = 0
         self.span = None
         self.marking = False
         self.parts = []
-        self.parts_ends = []
+        self.nparts = 0
+        self.parts_start = None
+        self.part_unread = None
         self.call_count = None
         got = env.count(MARK_CALLS_ENV)
         self.mark_calls = MARK_CALLS if got is None else got
@@ -566,7 +567,7 @@ class Tuner:
         self.root_hooks.clear("measure")
         self.on = False
         self.calls = []
-        self.parts, self.parts_ends = [], []
+        self._drop_spans()
         self.backlog = None
         self.unread = None
 
@@ -743,7 +744,7 @@ class Tuner:
         return time.perf_counter()
 
     def _seconds(self, a, b):
-        if self.cuda:
+        if self.cuda and not isinstance(a, float):      # (float: _read_span)
             return max(a.elapsed_time(b), 0.0) / 1e3
         return max(b - a, 0.0)
 
@@ -818,6 +819,7 @@ class Tuner:
             return
         self.forwards += 1
         self._filled()
+        self._read_span()
         if self.unread is not None:
             self._submit(*self.unread)      # to the planner, if it ran
         if self._planning() and self._take():
@@ -851,18 +853,22 @@ class Tuner:
         if not per or n is None or n <= per:
             return None
         k = -(-n // per)
-        i = len(self.parts_ends)
+        i = self.nparts + (self.part_unread is not None)
         return (i * n // k, (i + 1) * n // k)
+
+    def _drop_spans(self):
+        self.parts, self.nparts = [], 0
+        self.parts_start = self.part_unread = None
 
     def _spans_read(self, calls, end):
         """(calls, start) of the forward measured, or None while the spans
-        of one are being marked (kept in self.parts: each span's calls,
-        its end, its forward's marks; the last span's end is `end`)."""
+        of one are being marked (each kept unread until the GPU ran it,
+        then read as seconds: _read_span); the last span's are marks."""
         span, n = self.span, self.ncall
         self.span = None
         if span is None:
             self.call_count = n
-            self.parts, self.parts_ends = [], []
+            self._drop_spans()
             return calls, self.start
         if n != self.call_count:
             # Another number of calls (another input shape, a branch): its
@@ -870,24 +876,55 @@ class Tuner:
             self._trace("its calls changed (%d, were %d): spans dropped"
                         % (n, self.call_count))
             self.call_count = n
-            self.parts, self.parts_ends = [], []
+            self._drop_spans()
             return None
-        ends = self.parts_ends
+        self._read_span(wait=True)
         if span[1] < n:
-            # A span's entries: its calls, its end (the next call's mark),
-            # then [None, this forward's end, its start] (pooled only).
-            self.parts += calls
-            self.parts.append([None, end, self.start if ends else None])
-            ends.append(self.start if not ends else None)
+            self.part_unread = (calls, self.start, end)
             self._trace("calls %d-%d of %d marked" % (span[0], span[1] - 1,
                                                        n))
             return None
+        # The last span's start, between the spans read and its calls: a
+        # mark for the pool only.
         calls = self.parts + [[None, self.start, None]] + calls
-        start = ends[0]
-        self.parts, self.parts_ends = [], []
+        start, k = self.parts_start, self.nparts + 1
+        self._drop_spans()
         self._trace("calls %d-%d of %d marked: %d forwards read as one"
-                    % (span[0], n - 1, n, len(ends) + 1))
+                    % (span[0], n - 1, n, k))
         return calls, start
+
+    def _read_span(self, wait=False):
+        """The span marked last, once the GPU ran it (wait: now), into
+        self.parts: each call's marks as seconds on a clock of its own,
+        [u, s, s], the next call's at s + its work, so _work reads them
+        as it reads marks; its span's end [None, s, None]. Its events go
+        back to the pool. A forward reads the span before it (~0.4 ms
+        for 100 calls), not every span's at once."""
+        got = self.part_unread
+        if got is None:
+            return
+        calls, start, end = got
+        if self.cuda:
+            if not self._ran(end):
+                if not wait:
+                    return
+                end.synchronize()
+            read, s = [], 0.0
+            for i, (u, _, e) in enumerate(calls):
+                if u is None:
+                    read.append([None, s, None])
+                    continue
+                read.append([u, s, s])
+                nxt = calls[i + 1][1] if i + 1 < len(calls) else end
+                s += self._seconds(e, nxt)
+            first = -self._seconds(start, calls[0][1])
+            self._pool(calls, start, end)
+            calls, start = read, first
+        self.parts += calls
+        if not self.nparts:
+            self.parts_start = start
+        self.nparts += 1
+        self.part_unread = None
 
     def _end(self, module, args, out):
         if not self.on:
@@ -1004,19 +1041,26 @@ class Tuner:
             work[cur] += self._seconds(e, nxt)
         # What runs before the first unit follows the last one (cyclic).
         work[cur] += self._seconds(start, calls[0][1])
-        if self.cuda and len(self.events) < MARK_EVENTS * len(calls):
-            # Read, and the GPU is past them all: marks again. A held
-            # unit's call has one event for both marks: pooled once (twice,
-            # it was recorded twice in a later forward, the first time lost,
-            # and units read 0 ms: Flux's all-resident work fell from 82 to
-            # 31 ms over four forwards on the H100).
-            pool = self.events
-            for _, a, b in calls:
-                pool.append(a)
-                if b is not None and b is not a:
-                    pool.append(b)
-            pool.extend((start, end))
+        self._pool(calls, start, end)
         return work
+
+    def _pool(self, calls, start, end):
+        """Marks read, and the GPU is past them all: for marks again (CUDA;
+        a span's seconds are not marks). A held unit's call has one event
+        for both marks: pooled once (twice, it was recorded twice in a
+        later forward, the first time lost, and units read 0 ms: Flux's
+        all-resident work fell from 82 to 31 ms over four forwards on the
+        H100)."""
+        pool = self.events
+        if not self.cuda or len(pool) >= MARK_EVENTS * len(calls):
+            return
+        for _, a, b in calls:
+            if isinstance(a, float):
+                continue
+            pool.append(a)
+            if b is not None and b is not a:
+                pool.append(b)
+        pool.extend(m for m in (start, end) if not isinstance(m, float))
 
     def _merge(self, raw, least=None):
         """(work, settled): the least of raw and the forwards measured
