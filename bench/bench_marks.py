@@ -43,8 +43,9 @@ def fake_tuner(cuda, units, target):
     model."""
     t = types.SimpleNamespace(cuda=cuda, events=[], streams={},
                               target=target, calls=[], on=True,
+                              ncall=0, span=None, marking=False,
                               layout=types.SimpleNamespace(units=units))
-    for name in ("before", "after", "_mark", "_lost"):
+    for name in ("before", "after", "_mark", "_lost", "_marks"):
         setattr(t, name, types.MethodType(
             getattr(tuner_mod.Tuner, name), t))
     return t
@@ -98,6 +99,7 @@ def main(argv=None):
 
     def tuner():
         tn.calls.clear()
+        tn.ncall = 0
         for u in units:
             tn.before(u, raw)
             x.add_(1)
