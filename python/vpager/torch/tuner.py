@@ -898,8 +898,9 @@ class Tuner:
         self.parts: each call's marks as seconds on a clock of its own,
         [u, s, s], the next call's at s + its work, so _work reads them
         as it reads marks; its span's end [None, s, None]. Its events go
-        back to the pool. A forward reads the span before it (~0.4 ms
-        for 100 calls), not every span's at once."""
+        back to the pool. A forward reads the span before it, not every
+        span's at once (~4 us a call on the H100: SDXL's 794 read in 3.1
+        ms)."""
         got = self.part_unread
         if got is None:
             return
