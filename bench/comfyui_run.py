@@ -84,6 +84,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # bench_node.py loads this file by path: its folder is not on sys.path.
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+import copy_trace  # noqa: E402
 import step_timeline  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
@@ -110,6 +111,10 @@ STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
 # VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
 # (bench/step_timeline.py, which also compares two runs' logs).
 TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
+# VPAGER_BENCH_KINETO=N: step N of each prompt under torch.profiler's CUDA
+# activity, its copies and kernels summed up (bench/copy_trace.py): whether
+# the link ran slow or stood idle.
+KINETO = _step_env("VPAGER_BENCH_KINETO")
 # VPAGER_BENCH_PROFILE=N: step N of each prompt under cProfile, its host
 # functions by own time printed (PROFILE_TOP of them): where a host-bound
 # step's time goes (the step_timeline's leads tell that it is one).
@@ -1047,6 +1052,7 @@ def child_sample(a):
         snaps = [vstats()] if vstats is not None else []
         tl = step_timeline.StepTimeline(p.model.diffusion_model,
                                         TIMELINE) if TIMELINE else None
+        ct = copy_trace.CopyTrace(KINETO) if KINETO else None
         prof = cProfile.Profile() if PROFILE else None
 
         def cb(step, x0, x, total_steps):
@@ -1059,6 +1065,8 @@ def child_sample(a):
                 snaps.append(vstats())
             if tl is not None:
                 tl.step_done(step)
+            if ct is not None:
+                ct.step_done(step)
             if prof is not None and step + 1 == PROFILE:
                 prof.disable()
                 say_profile("%s, rep %d, step %d" % (label, rep, PROFILE),
@@ -1087,6 +1095,12 @@ def child_sample(a):
         r.update(memory(p, torch))
         if len(snaps) > 1:
             say_step_stats(label, r["steps_ms"], snaps)
+        if ct is not None:
+            ct.remove()
+            if ct.summary is not None:
+                say(copy_trace.TAG + json.dumps(
+                    dict(ct.summary, label="%s, rep %d, step %d"
+                         % (label, rep, KINETO))))
         if tl is not None:
             tl.remove()
             if tl.rows:

@@ -50,6 +50,8 @@
 #   flux_diag  the node's Flux at 6 GiB beside resident, 10 steps, with
 #           VPAGER_BENCH_STEP_STATS (each step's ring and stream waits)
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
+#           VPAGER_BENCH_KINETO=7 (step 7's copies and kernels as the GPU
+#           ran them: the link slow or idle, bench/copy_trace.py),
 #           compared by bench/step_timeline.py: where the steps run over
 #           the plan's prediction (issue 29's 1.05 x L)
 #   flux_rings the node's Flux at 6 GiB beside resident, as it picks its
@@ -268,12 +270,14 @@ for PH in ${PHASES//+/ }; do
   flux_diag)
     GREP='steady|x L|latents|Error|Traceback'
     TAILN=30 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_STEP_STATS=1 \
-      VPAGER_BENCH_TIMELINE=5 step flux_diag "$(cap)" $N --steps 10 \
+      VPAGER_BENCH_TIMELINE=5 VPAGER_BENCH_KINETO=7 step flux_diag "$(cap)" $N --steps 10 \
       --runs resident,node6 --out "$L/flux_diag"
     GREP='step [0-9]+ \(|schedule \(forward'
     TAILN=40 step flux_steps 10 cat "$L/flux_diag/run_node6.log"
     GREP='.'
     TAILN=40 step flux_timeline 30 python3 bench/step_timeline.py \
+      "$L/flux_diag/run_resident.log" "$L/flux_diag/run_node6.log"
+    TAILN=10 step flux_copies 10 python3 bench/copy_trace.py \
       "$L/flux_diag/run_resident.log" "$L/flux_diag/run_node6.log" ;;
   flux22_ab|switch_ab)
     GREP='steady|x L|latents|RSS|budget|switch|Error|Traceback'

@@ -21,6 +21,7 @@ import copy
 import gc
 import json
 import importlib
+import io
 import logging
 import os
 import subprocess
@@ -694,6 +695,52 @@ def test_bench_step_timeline():
             raise AssertionError("a prompt without a timeline was read")
         except SystemExit as e:
             assert "of prompt 'removed'" in str(e), e
+
+
+def test_bench_copy_trace():
+    """bench/copy_trace.py (VPAGER_BENCH_KINETO) sums a step's trace: the
+    copy engine's busy time (overlapping copies once), its rate while
+    busy, its idle gaps within the span of the GPU's events."""
+    ct = bench_module("copy_trace")
+    mib = 1 << 20
+
+    def ev(cat, name, ts, dur, nbytes=None):
+        e = {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {}}
+        if nbytes is not None:
+            e["args"]["bytes"] = nbytes
+        return e
+    h2d = "Memcpy HtoD (Pinned -> Device)"
+    # 50 MB in 1000 us = 50 GB/s; two copies overlap by 500 us.
+    events = [ev("kernel", "k0", 0.0, 3000.0),
+              ev("gpu_memcpy", h2d, 100.0, 1000.0, 50 * 10**6),
+              ev("gpu_memcpy", h2d, 600.0, 1000.0, 50 * 10**6),
+              ev("gpu_memcpy", h2d, 2500.0, 1000.0, 50 * 10**6),
+              ev("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 3500.0,
+                 10.0, mib),
+              {"ph": "M", "name": "process_name"},     # no ts: skipped
+              ev("cpu_op", "aten::mm", 0.0, 5000.0)]
+    s = ct.summarize(events)
+    assert s["span_ms"] == 3.5 and s["kernels"] == 1, s
+    assert s["kernel_busy_ms"] == 3.0 and s["htod_copies"] == 3, s
+    assert s["htod_busy_ms"] == 2.5 and s["htod_bytes"] == 150 * 10**6, s
+    assert s["htod_gbps_busy"] == 60.0 and s["other_copies"] == 1, s
+    assert s["copy_gbps_quartiles"] == [50.0, 50.0, 50.0], s
+    # Idle: 0-100 us (under GAP_US, not listed) and 1600-2500 us.
+    assert s["copy_idle_ms"] == 1.0 and s["copy_gaps"] == [[1.6, 0.9]], s
+    assert ct.summarize([ev("cpu_op", "x", 0.0, 1.0)]) == {"gpu_events": 0}
+    with tempfile.TemporaryDirectory() as d:
+        log = os.path.join(d, "run.log")
+        with open(log, "w") as f:
+            f.write("noise\n" + ct.TAG + json.dumps(s) + "\n")
+        trace = os.path.join(d, "t.json")
+        with open(trace, "w") as f:
+            json.dump({"traceEvents": events}, f)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            ct.main([log, trace])
+        lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and all(json.loads(ln.split(" ", 1)[1]) == s
+                                   for ln in lines), lines
 
 
 def test_ledger():
