@@ -344,11 +344,13 @@ def report(cr, name, r):
         if "rss" in rep:
             hb = r.get("host_before_load") or {}
             pin = rep.get("pinned") or {}
-            say("      host: RSS %.2f GiB (before load %.2f; anon %.2f, "
-                "files %.2f, shmem %.2f), MemAvailable %.2f GiB (before "
-                "load %.2f), pinned %.2f GiB (machine %.2f)"
+            say("      host: RSS %.2f GiB (before load %.2f; anon %.2f "
+                "(huge pages %.2f), files %.2f, shmem %.2f), MemAvailable "
+                "%.2f GiB (before load %.2f), pinned %.2f GiB (machine %.2f)"
                 % (rep["rss"] / GiB, hb.get("rss", 0) / GiB,
-                   rep.get("rss_anon", 0) / GiB, rep.get("rss_file", 0) / GiB,
+                   rep.get("rss_anon", 0) / GiB,
+                   rep.get("rss_anon_huge", 0) / GiB,
+                   rep.get("rss_file", 0) / GiB,
                    rep.get("rss_shmem", 0) / GiB,
                    rep.get("mem_available", 0) / GiB,
                    hb.get("mem_available", 0) / GiB,

@@ -1163,15 +1163,18 @@ def memory(patcher, torch):
 
 def host_memory():
     """The process's RSS, its peak (VmHWM), its parts (anonymous, mapped
-    files: model files and libraries' code, shared memory) and the
-    machine's MemAvailable, bytes (issue 28: one copy of a model in
-    RAM; the parts say where RSS grew)."""
+    files: model files and libraries' code, shared memory; the anonymous
+    bytes in transparent huge pages) and the machine's MemAvailable,
+    bytes (issue 28: one copy of a model in RAM; the parts say where RSS
+    grew; a pinned copy in 4 KiB pages is DMA'd page by page)."""
     out = {}
     for path, key, name in (("/proc/self/status", "VmRSS:", "rss"),
                             ("/proc/self/status", "VmHWM:", "rss_peak"),
                             ("/proc/self/status", "RssAnon:", "rss_anon"),
                             ("/proc/self/status", "RssFile:", "rss_file"),
                             ("/proc/self/status", "RssShmem:", "rss_shmem"),
+                            ("/proc/self/smaps_rollup", "AnonHugePages:",
+                             "rss_anon_huge"),
                             ("/proc/meminfo", "MemAvailable:",
                              "mem_available")):
         try:
