@@ -53,7 +53,8 @@
 #           VPAGER_BENCH_KINETO=7 (step 7's copies and kernels as the GPU
 #           ran them: the link slow or idle, bench/copy_trace.py),
 #           compared by bench/step_timeline.py: where the steps run over
-#           the plan's prediction (issue 29's 1.05 x L)
+#           the plan's prediction (issue 29's 1.05 x L); DIAG_RUNS=...:
+#           other runs (the timeline compares run_resident and run_node6)
 #   flux_rings the node's Flux at 6 GiB beside resident, as it picks its
 #           ring and with the ring fixed (bench_node's ring<MiB> runs;
 #           FLUX_RINGS="288 320 378 512" by default), 4 prompts each: which
@@ -271,7 +272,7 @@ for PH in ${PHASES//+/ }; do
     GREP='steady|x L|latents|Error|Traceback'
     TAILN=30 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_STEP_STATS=1 \
       VPAGER_BENCH_TIMELINE=5 VPAGER_BENCH_KINETO=7 step flux_diag "$(cap)" $N --steps 10 \
-      --runs resident,node6 --out "$L/flux_diag"
+      --runs "${DIAG_RUNS:-resident,node6}" --out "$L/flux_diag"
     GREP='step [0-9]+ \(|schedule \(forward'
     TAILN=40 step flux_steps 10 cat "$L/flux_diag/run_node6.log"
     GREP='.'

@@ -92,9 +92,13 @@ SIM_LINK = 10e9             # bytes/s assumed on the simulated device
 # on the H100, 2026-12-06): done when that adds up to HOLD_SHARE of the
 # predicted forward. Judged at 5 us, SDXL's 362 resident units fell
 # under 2% of a 93 ms prediction and went unheld: its steady step 1.27-
-# 1.36 x resident's, 1.09-1.11 held. VPAGER_HOLD=0 turns it off.
+# 1.36 x resident's, 1.09-1.11 held. Judged at 2%, Flux's 56 resident
+# units (1.7 ms) went unheld in every measured plan, though its double
+# blocks ran host-bound on a slow H100 host (the GPU reached each call as
+# the host queued it; 10 ms a step over resident's there, step_timeline,
+# 2026-12-07). VPAGER_HOLD=0 turns it off.
 UNIT_HOST = 30e-6
-HOLD_SHARE = 0.02
+HOLD_SHARE = 0.005
 # After the schedule: at a root forward's start, at most once a second,
 # the device's budget (what this device may commit: its limit, or free
 # memory less the headroom, which other processes and torch change) less
