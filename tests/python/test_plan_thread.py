@@ -1365,5 +1365,85 @@ def test_spans_read_as_one_forward():
     finally:
         torch.cuda.Event, torch.cuda.current_stream = real
 
+
+def test_between_takes_the_least_recent_gap():
+    """between.Between on a fake clock: a gap from a measured forward's
+    end to the next forward's start, read once the GPU ran it; none
+    across a forward that was not marked; the least of the last SAMPLES
+    used, at most SHARE of the forward (a pause between prompts is no
+    step's)."""
+    from vpager.torch import between
+    now = [0.0]
+    ran = [True]
+    b = between.Between(lambda: now[0], lambda a, c: c - a,
+                        lambda m: ran[0])
+    assert b.gap(1.0) == 0.0
+    b.ended(1)
+    now[0] = 0.010
+    b.began(2)
+    assert b.samples == [], b.samples      # read at a later call
+    b.read()
+    assert b.samples == [0.010], b.samples
+    b.ended(2)
+    now[0] = 1.0
+    b.began(4)                  # forward 3 began and ended unmarked
+    assert b.samples == [0.010] and b.pair is None, b.samples
+    b.ended(4)
+    now[0] = 6.0                # a pause: a decode, the next prompt
+    ran[0] = False
+    b.began(5)
+    assert b.samples == [0.010] and b.pair is not None
+    b.ended(5)
+    b.began(6)                  # one pair unread at a time: no new one
+    assert b.samples == [0.010] and b.pair[1] == 6.0, b.pair
+    ran[0] = True
+    b.read()
+    assert b.samples == [0.010, 5.0], b.samples
+    assert b.gap(1.0) == 0.010 and b.gap(0.02) == 0.02 * between.SHARE
+    # SAMPLES gaps of 0.5 s later the 10 ms one is no longer among them.
+    for k in range(7, 7 + between.SAMPLES):
+        b.ended(k - 1)
+        now[0] += 0.5
+        b.began(k)
+    b.read()
+    assert b.samples == [0.5] * between.SAMPLES and b.gap(10.0) == 0.5, \
+        b.samples
+    with environ(VPAGER_BETWEEN="0"):       # forwards back to back
+        off = between.Between(lambda: now[0], lambda a, c: c - a,
+                              lambda m: True)
+    off.samples = [0.5]
+    assert off.gap(10.0) == 0.0
+
+
+def test_the_gap_between_forwards_is_planned_for():
+    """The scheduled MLP measured with a pause between its forwards (a
+    sampler's own work): the tuner reads each gap and plans for the
+    least of them after the last unit (cyclic), in the work lists it
+    plans and sets windows from, not in the work it keeps or settles
+    on; outputs bitwise."""
+    import time as _time
+    pause = 0.02
+    m, x, want, h = _threaded_mlp()
+    t = h.tuner
+    assert torch.equal(m(x), want)
+    while not t.done:
+        _time.sleep(pause)
+        assert torch.equal(m(x), want)
+        assert t.planner.wait(WAIT)
+    assert t.between.samples and min(t.between.samples) >= pause, \
+        t.between.samples
+    gap = t._between()
+    assert 0 < gap <= min(t.between.samples), gap
+    units, w, _, _ = t._costs(t.work)
+    plain = [t.work.get(u, 0.0) for u in units]
+    assert w[:-1] == plain[:-1] and abs(w[-1] - plain[-1] - gap) < 1e-12
+    assert t._costs({})[1] == [0.0] * len(units)
+    assert sum(t.work.values()) == sum(plain)      # kept without it
+    inputs = t._inputs()
+    assert inputs["between"] == gap
+    assert torch.equal(m(x), want)
+    h.unload()
+
+
 if __name__ == "__main__":
     sys.exit(_runner.main(globals()))

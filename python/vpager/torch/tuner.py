@@ -41,6 +41,7 @@ from ..errors import BusyError, Error
 from ..hostbuf import HostBuf
 from ..weights import WeightBatch
 from . import coldwork, plancache, planproc, relocate, schedule, views
+from .between import Between
 from .devices import learn_headroom, ring_pages
 from .placement import (pages_touched, place_apart, place_moving_least,
                         place_streaming_least,
@@ -360,6 +361,9 @@ class Tuner:
         self.parts_start = None
         self.part_unread = None
         self.call_count = None
+        # The GPU's time between two root forwards (between.py): the plan
+        # adds it to the last unit's work.
+        self.between = Between(self._mark, self._seconds, self._ran)
         got = env.count(MARK_CALLS_ENV)
         self.mark_calls = MARK_CALLS if got is None else got
         self.schedule = None        # the Schedule applied, once done
@@ -822,6 +826,7 @@ class Tuner:
         if self.model.busy():
             return
         self.forwards += 1
+        self.between.began(self.forwards)
         self._filled()
         self._read_span()
         if self.unread is not None:
@@ -935,6 +940,10 @@ class Tuner:
         if not self.on:
             return
         self.on = False
+        self._end_measured(args)
+        self.between.ended(self.forwards)   # after what it placed
+
+    def _end_measured(self, args):
         calls, self.calls = self.calls, []
         if not calls or any(c[0] is not None and c[2] is None
                             for c in calls) or \
@@ -1142,6 +1151,7 @@ class Tuner:
         old = self._old()
         self.fills_planned = lay.fill_changes
         return {"units": units, "sizes": sizes, "keep": _keep(flat),
+                "between": self._between(),
                 "total": dev.info()["budget"],
                 "rings": rings or self._rings(dev, need),
                 "page": dev.page_size,
@@ -1153,10 +1163,10 @@ class Tuner:
     def _plan_from(inputs, work, works):
         """Planned for `work` (unit -> seconds) and the measured forwards'
         `works`, from _inputs(): on the planner's thread."""
-        units = inputs["units"]
+        units, gap = inputs["units"], inputs.get("between", 0.0)
         return plan_job(
-            [work.get(u, 0.0) for u in units],
-            [[wk.get(u, 0.0) for u in units] for wk in works],
+            _listed(work, units, gap),
+            [_listed(wk, units, gap) for wk in works],
             inputs["sizes"], inputs["total"], inputs["rings"],
             inputs["page"], inputs["link"], inputs["align"], inputs["old"],
             inputs["old_ring"], inputs["keep"], remote=True,
@@ -1277,7 +1287,13 @@ class Tuner:
         if got is None or got[0] is not lay.units or got[1] is not lay.entries:
             got = self.shape = (lay.units, lay.entries) + self._shape()
         units = got[2]
-        return units, [work.get(u, 0.0) for u in units], got[3], got[4]
+        gap = self._between() if work else 0.0
+        return units, _listed(work, units, gap), got[3], got[4]
+
+    def _between(self):
+        """Seconds between two forwards to plan for (between.py)."""
+        return self.between.gap(sum(self.work.values()) if self.work
+                                else 0.0)
 
     def _shape(self):
         """_costs()'s units, sizes and entries, and _need()'s ring, made
@@ -1844,8 +1860,9 @@ class Tuner:
         then decode steps: a window long enough for each); merged: those
         windows as the planner computed them."""
         if merged is None:
+            gap = self._between()
             merged = schedule.merged_windows(
-                sch.window, [[work.get(u, 0.0) for u in units]
+                sch.window, [_listed(work, units, gap)
                              for work in self.works],
                 sizes, sch.resident, self.link,
                 int(ring * schedule.FRAGMENTATION), PER_COPY, MARGIN)
@@ -2032,6 +2049,16 @@ def _ring_fields(work, sizes, total, rings, page, link, align, keep):
         (work, sizes, total, [r], page, link, align, SPARE_PAGES, PER_COPY,
          MARGIN, keep) for r in rings])
     return None if each is None else [c for cs in each for c in cs]
+
+
+def _listed(work, units, gap=0.0):
+    """unit -> seconds as a list in `units`' order, `gap` (the time
+    between two forwards, between.py) added to the last: what follows it
+    in the cyclic model."""
+    out = [work.get(u, 0.0) for u in units]
+    if gap and out:
+        out[-1] += gap
+    return out
 
 
 def carried(units, window, held):
