@@ -213,8 +213,9 @@ def child(cr, a):
 # 300 calls is measured a span of them a forward, the spans of several
 # forwards read as one). "nohold" holds no unit for the whole forward
 # (VPAGER_HOLD=0: every unit takes the per-unit path); "nogap" plans for
-forwards back to back (VPAGER_BETWEEN=0). Suffixes combine: "node6warmsteps"; a name
-# may end in a repeat mark, "node6warm.2" (_named).
+# forwards back to back (VPAGER_BETWEEN=0). Suffixes combine:
+# "node6warmsteps"; a name may end in a repeat mark, "node6warm.2"
+# (_named).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "onestep": {"VPAGER_PLACE_STEPS": "0"},
             "steps": {"VPAGER_PLACE_STEPS": "1"},
