@@ -57,9 +57,9 @@ VARIABLES: Dict[str, Variable] = {
                                    "start)"),
     "VPAGER_HOLD": Variable("flag", "0: a schedule holds no units for the "
                             "whole forward (default 1)"),
-    "VPAGER_BETWEEN": Variable("flag", "0: a schedule plans for forwards "
-                               "back to back, not for the GPU's time "
-                               "measured between two (default 1)"),
+    "VPAGER_BETWEEN": Variable("flag", "1: a schedule plans for the "
+                               "GPU's time measured between two forwards "
+                               "(default 0: forwards back to back)"),
     "VPAGER_PLACE_EARLY": Variable("flag", "0: no placement for a schedule "
                                    "guessed from the weights' sizes before "
                                    "the first forward (default 1)"),

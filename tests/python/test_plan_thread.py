@@ -29,6 +29,7 @@ import sys
 import tempfile
 import types
 import threading
+import time
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1371,12 +1372,13 @@ def test_between_takes_the_least_recent_gap():
     end to the next forward's start, read once the GPU ran it; none
     across a forward that was not marked; the least of the last SAMPLES
     used, at most SHARE of the forward (a pause between prompts is no
-    step's)."""
+    step's); none used unless VPAGER_BETWEEN=1."""
     from vpager.torch import between
     now = [0.0]
     ran = [True]
-    b = between.Between(lambda: now[0], lambda a, c: c - a,
-                        lambda m: ran[0])
+    with environ(VPAGER_BETWEEN="1"):
+        b = between.Between(lambda: now[0], lambda a, c: c - a,
+                            lambda m: ran[0])
     assert b.gap(1.0) == 0.0
     b.ended(1)
     now[0] = 0.010
@@ -1408,9 +1410,9 @@ def test_between_takes_the_least_recent_gap():
     b.read()
     assert b.samples == [0.5] * between.SAMPLES and b.gap(10.0) == 0.5, \
         b.samples
-    with environ(VPAGER_BETWEEN="0"):       # forwards back to back
-        off = between.Between(lambda: now[0], lambda a, c: c - a,
-                              lambda m: True)
+    # By default forwards are planned back to back.
+    off = between.Between(lambda: now[0], lambda a, c: c - a,
+                          lambda m: True)
     off.samples = [0.5]
     assert off.gap(10.0) == 0.0
 
@@ -1420,14 +1422,14 @@ def test_the_gap_between_forwards_is_planned_for():
     sampler's own work): the tuner reads each gap and plans for the
     least of them after the last unit (cyclic), in the work lists it
     plans and sets windows from, not in the work it keeps or settles
-    on; outputs bitwise."""
-    import time as _time
+    on; outputs bitwise. VPAGER_BETWEEN=1 (off by default)."""
     pause = 0.02
-    m, x, want, h = _threaded_mlp()
+    with environ(VPAGER_BETWEEN="1"):
+        m, x, want, h = _threaded_mlp()
     t = h.tuner
     assert torch.equal(m(x), want)
     while not t.done:
-        _time.sleep(pause)
+        time.sleep(pause)
         assert torch.equal(m(x), want)
         assert t.planner.wait(WAIT)
     assert t.between.samples and min(t.between.samples) >= pause, \

@@ -9,14 +9,17 @@ as far as the staging ring has room, and the ring is full of the next
 forward's first streamed weights. Flux 9.4 GiB at 6 GiB under the
 ComfyUI node on the H100 (bench/RESULTS.md, forty-second session): the
 copy engine idle 5 ms at each step's start, the step 97-98 ms against a
-plan's 92.3-92.6. The tuner adds the gap to the forward's last unit
-(the model is cyclic: what follows it comes before the first unit).
+plan's 92.3-92.6. With VPAGER_BETWEEN=1 the tuner adds the gap to the
+forward's last unit (the model is cyclic: what follows it comes before
+the first unit). Off by default until measured on a GPU: with the gap
+the plans may favour larger rings (more copies ahead across it), and on
+the H100 Flux's 378 and 512 MiB rings ran 2-3% slower than 320.
 
 Measured from a mark at one measured forward's end (after whatever the
 tuner placed there) to a mark at the next root forward's start; read
 once the GPU ran both. The gap used is the least of the last SAMPLES,
 at most SHARE of the forward's work: a pause between prompts (a decode,
-a load) is no step's. VPAGER_BETWEEN=0: none (forwards back to back)."""
+a load) is no step's."""
 
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -41,7 +44,7 @@ class Between:
         self.end: Optional[Tuple[Any, int]] = None  # (mark, its forward)
         self.pair: Optional[Tuple[Any, Any]] = None     # marked, not read
         self.samples: List[float] = []
-        self.on = env.flag(BETWEEN, True)
+        self.on = env.flag(BETWEEN, False)
 
     def ended(self, forward: int) -> None:
         """Measured forward number `forward` ended (its placement, if it

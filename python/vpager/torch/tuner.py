@@ -361,8 +361,8 @@ class Tuner:
         self.parts_start = None
         self.part_unread = None
         self.call_count = None
-        # The GPU's time between two root forwards (between.py): the plan
-        # adds it to the last unit's work.
+        # The GPU's time between two root forwards (between.py): with
+        # VPAGER_BETWEEN=1 the plan adds it to the last unit's work.
         self.between = Between(self._mark, self._seconds, self._ran)
         got = env.count(MARK_CALLS_ENV)
         self.mark_calls = MARK_CALLS if got is None else got
