@@ -1410,11 +1410,14 @@ def test_between_takes_the_least_recent_gap():
     b.read()
     assert b.samples == [0.5] * between.SAMPLES and b.gap(10.0) == 0.5, \
         b.samples
-    # By default forwards are planned back to back.
+    # By default forwards are planned back to back: nothing marked.
     off = between.Between(lambda: now[0], lambda a, c: c - a,
                           lambda m: True)
-    off.samples = [0.5]
-    assert off.gap(10.0) == 0.0
+    off.ended(1)
+    now[0] += 0.5
+    off.began(2)
+    off.read()
+    assert off.end is None and off.pair is None and off.gap(10.0) == 0.0
 
 
 def test_the_gap_between_forwards_is_planned_for():

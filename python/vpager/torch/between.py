@@ -49,12 +49,15 @@ class Between:
     def ended(self, forward: int) -> None:
         """Measured forward number `forward` ended (its placement, if it
         made one, queued)."""
-        self.read()
-        self.end = (self.mark(), forward)
+        if self.on:
+            self.read()
+            self.end = (self.mark(), forward)
 
     def began(self, forward: int) -> None:
         """Root forward number `forward` begins: a gap if the one before
         it ended marked."""
+        if not self.on:
+            return
         self.read()
         end, self.end = self.end, None
         if end is not None and self.pair is None and end[1] == forward - 1:
@@ -70,6 +73,6 @@ class Between:
 
     def gap(self, work: float) -> float:
         """Seconds to add to a forward of `work` seconds (0: none read)."""
-        if not self.samples or not self.on:
+        if not self.samples:
             return 0.0
         return min(min(self.samples), SHARE * work)
