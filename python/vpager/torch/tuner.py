@@ -1291,7 +1291,10 @@ class Tuner:
         return units, _listed(work, units, gap), got[3], got[4]
 
     def _between(self):
-        """Seconds between two forwards to plan for (between.py)."""
+        """Seconds between two forwards to plan for (between.py): none
+        read (off by default), no sum over the work."""
+        if not self.between.samples:
+            return 0.0
         return self.between.gap(sum(self.work.values()) if self.work
                                 else 0.0)
 
