@@ -111,6 +111,10 @@ STEP_KEYS = ("misses", "hits", "weight_staged", "staged_bytes",
 # VPAGER_BENCH_TIMELINE=N: step N of each prompt timed module by module
 # (bench/step_timeline.py, which also compares two runs' logs).
 TIMELINE = _step_env("VPAGER_BENCH_TIMELINE")
+# VPAGER_BENCH_START_PROFILE=1: with the timeline, the host's work from
+# that step's start to its first module call under cProfile (what the GPU
+# waited for before the step's first kernel).
+START_PROFILE = os.environ.get("VPAGER_BENCH_START_PROFILE") == "1"
 # VPAGER_BENCH_KINETO=N: step N of each prompt under torch.profiler's CUDA
 # activity, its copies and kernels summed up (bench/copy_trace.py): whether
 # the link ran slow or stood idle.
@@ -1050,8 +1054,9 @@ def child_sample(a):
 
         vstats = getattr(p, "vpager_stats", None) if STEP_STATS else None
         snaps = [vstats()] if vstats is not None else []
-        tl = step_timeline.StepTimeline(p.model.diffusion_model,
-                                        TIMELINE) if TIMELINE else None
+        tl = step_timeline.StepTimeline(
+            p.model.diffusion_model, TIMELINE,
+            profile_start=START_PROFILE) if TIMELINE else None
         ct = copy_trace.CopyTrace(KINETO) if KINETO else None
         prof = cProfile.Profile() if PROFILE else None
 
@@ -1103,6 +1108,9 @@ def child_sample(a):
                          % (label, rep, KINETO))))
         if tl is not None:
             tl.remove()
+            if tl.start_profile is not None:
+                say_profile("%s, rep %d, step %d's start" % (
+                    label, rep, TIMELINE), tl.start_profile)
             if tl.rows:
                 say(step_timeline.TAG + json.dumps(
                     {"label": "%s, rep %d, step %d" % (label, rep, TIMELINE),

@@ -53,6 +53,8 @@
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
 #           VPAGER_BENCH_KINETO=7 (step 7's copies and kernels as the GPU
 #           ran them: the link slow or idle, bench/copy_trace.py),
+#           VPAGER_BENCH_START_PROFILE=1 (the host's work from step 5's
+#           start to its first call, under cProfile: COMFYUI_PROFILE),
 #           compared by bench/step_timeline.py: where the steps run over
 #           the plan's prediction (issue 29's 1.05 x L); DIAG_RUNS=...:
 #           other runs (the timeline compares run_resident and run_node6)
@@ -272,7 +274,8 @@ for PH in ${PHASES//+/ }; do
   flux_diag)
     GREP='steady|x L|latents|Error|Traceback'
     TAILN=30 VPAGER_SCHEDULE_LOG=1 VPAGER_BENCH_STEP_STATS=1 \
-      VPAGER_BENCH_TIMELINE=5 VPAGER_BENCH_KINETO=7 step flux_diag "$(cap)" $N --steps 10 \
+      VPAGER_BENCH_TIMELINE=5 VPAGER_BENCH_START_PROFILE=1 \
+      VPAGER_BENCH_KINETO=7 step flux_diag "$(cap)" $N --steps 10 \
       --runs "${DIAG_RUNS:-resident,node6}" --out "$L/flux_diag"
     GREP='step [0-9]+ \(|schedule \(forward'
     TAILN=40 step flux_steps 10 cat "$L/flux_diag/run_node6.log"

@@ -34,7 +34,7 @@ class StepTimeline:
     ends). Rows are in call order; a call inside another such call counts
     in both (in ComfyUI's diffusion models those modules are leaf ops)."""
 
-    def __init__(self, model, step, cuda=None):
+    def __init__(self, model, step, cuda=None, profile_start=False):
         # Marks as the benchmarks take them: CUDA events on the current
         # stream when there is a GPU (not judged by the parameters: a
         # paged model's are CPU placeholders between calls), else the clock.
@@ -47,6 +47,12 @@ class StepTimeline:
         self.start = None           # (mark, host clock) of the step's start
         self.calls = []             # [name, start mark, end mark, host]
         self.rows = None
+        # profile_start: the host's work from the step's start to its
+        # first call, under cProfile (pstats.Stats in start_profile):
+        # what the host did while the GPU waited for the first call.
+        self.profile_start = profile_start
+        self._prof = None
+        self.start_profile = None
         self.hooks = []
         for name, m in model.named_modules():
             if next(m.parameters(recurse=False), None) is None:
@@ -58,6 +64,9 @@ class StepTimeline:
     def _before(self, name):
         def hook(_module, _args):
             if self.on:
+                if self._prof is not None:
+                    self._prof.disable()
+                    self.start_profile, self._prof = self._prof, None
                 self.calls.append([name, self.ctx.mark(), None,
                                    time.perf_counter()])
         return hook
@@ -79,6 +88,10 @@ class StepTimeline:
         elif step + 2 == self.step:
             self.on = True
             self.start = (self.ctx.mark(), time.perf_counter())
+            if self.profile_start:
+                import cProfile
+                self._prof = cProfile.Profile()
+                self._prof.enable()
 
     def _rows(self, end):
         calls = [c for c in self.calls if c[2] is not None]
