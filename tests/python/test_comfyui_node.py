@@ -656,13 +656,20 @@ def test_bench_step_timeline():
         m = DiT()
         p = e.patcher(m)
         p.partially_load(CPU)
-        tl = st.StepTimeline(m.diffusion_model, 2, cuda=False)
+        tl = st.StepTimeline(m.diffusion_model, 2, cuda=False,
+                             profile_start=True)
         for step in range(3):
             run(m)
             tl.step_done(step)
             assert (tl.rows is not None) == (step >= 1), step
         tl.remove()
         run(m)
+    # The host's work from step 2's start to its first call, profiled
+    # (VPAGER_BENCH_START_PROFILE): the root's forward is in it, the
+    # calls after the first are not.
+    import pstats
+    called = {f[2] for f in pstats.Stats(tl.start_profile).stats}
+    assert "forward" in called, sorted(called)
     names = [r["name"] for r in tl.rows]
     want = ["blocks.%d.%s" % (i, k) for i in range(6)
             for k in ("norm", "up", "down")]
