@@ -1111,6 +1111,8 @@ def child_sample(a):
             if tl.start_profile is not None:
                 say_profile("%s, rep %d, step %d's start" % (
                     label, rep, TIMELINE), tl.start_profile)
+                say("COMFYUI_START_GC %s, rep %d, step %d: %s (generation, "
+                    "ms)" % (label, rep, TIMELINE, tl.start_gc))
             if tl.rows:
                 say(step_timeline.TAG + json.dumps(
                     {"label": "%s, rep %d, step %d" % (label, rep, TIMELINE),

@@ -18,6 +18,7 @@ bench/bench_node.py): totals, and the modules whose time
 grew the most.
 """
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -50,9 +51,14 @@ class StepTimeline:
         # profile_start: the host's work from the step's start to its
         # first call, under cProfile (pstats.Stats in start_profile):
         # what the host did while the GPU waited for the first call.
+        # With it, the garbage collector's passes in that stretch (a
+        # pass's time falls on whatever function it interrupted):
+        # start_gc = [(generation, ms)].
         self.profile_start = profile_start
         self._prof = None
         self.start_profile = None
+        self.start_gc = []
+        self._gc_at = None
         self.hooks = []
         for name, m in model.named_modules():
             if next(m.parameters(recurse=False), None) is None:
@@ -67,9 +73,18 @@ class StepTimeline:
                 if self._prof is not None:
                     self._prof.disable()
                     self.start_profile, self._prof = self._prof, None
+                    gc.callbacks.remove(self._gc)
                 self.calls.append([name, self.ctx.mark(), None,
                                    time.perf_counter()])
         return hook
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        elif self._gc_at is not None:
+            self.start_gc.append((info.get("generation"),
+                                  (time.perf_counter() - self._gc_at) * 1e3))
+            self._gc_at = None
 
     def _after(self, _module, _args, _out):
         if self.on:
@@ -91,6 +106,8 @@ class StepTimeline:
             if self.profile_start:
                 import cProfile
                 self._prof = cProfile.Profile()
+                self.start_gc = []
+                gc.callbacks.append(self._gc)
                 self._prof.enable()
 
     def _rows(self, end):

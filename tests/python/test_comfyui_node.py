@@ -670,6 +670,7 @@ def test_bench_step_timeline():
     import pstats
     called = {f[2] for f in pstats.Stats(tl.start_profile).stats}
     assert "forward" in called, sorted(called)
+    assert isinstance(tl.start_gc, list) and tl._gc not in gc.callbacks
     names = [r["name"] for r in tl.rows]
     want = ["blocks.%d.%s" % (i, k) for i in range(6)
             for k in ("norm", "up", "down")]
