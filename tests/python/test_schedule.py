@@ -240,6 +240,23 @@ def test_window_in_time_not_bytes():
     assert win2[1] >= 10 * MB
 
 
+def test_the_last_acquires_fill_the_ring_with_the_next_forward():
+    # From the unit of the forward's last streamed weight on, the next
+    # acquire is the next forward's first, after the host's time between
+    # forwards: those acquires prefetch what the ring holds of the next
+    # forward's first weights, however early their copies would start.
+    link = 10e9
+    work = [1 * MS] * 6
+    sizes = [[10 * MB]] * 6
+    res = [True, False, False, True, False, True]
+    for ring in (25 * MB, 35 * MB):
+        win = S.windows(work, sizes, res, link, ring=ring)
+        fits = (ring // (10 * MB)) * 10 * MB
+        assert win[4] == win[5] == fits, (ring, win)
+    # The ring holds the whole streamed set: the acquires take it all.
+    assert S.windows(work, sizes, res, link, ring=64 * MB)[5] == 30 * MB
+
+
 def test_pick_ring_prefers_fewer_bytes_among_ties():
     """Rings whose plans predict within RING_TIE of the fastest are as
     fast: the one copying the fewest bytes is used (the node's Flux 4 GiB
