@@ -58,6 +58,10 @@
 #           compared by bench/step_timeline.py: where the steps run over
 #           the plan's prediction (issue 29's 1.05 x L); DIAG_RUNS=...:
 #           other runs (the timeline compares run_resident and run_node6)
+#   forward_start  bench_forward_start.py: a root forward's host time
+#           before its first unit, resident against paged, and the
+#           driver's memory queries with vpager's pages mapped (no
+#           ComfyUI)
 #   flux_rings the node's Flux at 6 GiB beside resident, as it picks its
 #           ring and with the ring fixed (bench_node's ring<MiB> runs;
 #           FLUX_RINGS="288 320 378 512" by default), 4 prompts each: which
@@ -98,7 +102,7 @@ OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
 KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag prompts"
-KNOWN="$KNOWN fp8_rings flux_rings"
+KNOWN="$KNOWN fp8_rings flux_rings forward_start"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -158,6 +162,9 @@ N="python3 bench/bench_node.py --comfyui $C/ComfyUI"
 
 for PH in ${PHASES//+/ }; do
   case $PH in
+  forward_start)
+    GREP='.'
+    TAILN=8 step forward_start 120 python3 bench/bench_forward_start.py ;;
   suites)
     GREP='passed|failed|FAIL|Error|error:|Traceback'
     make -j16 build/tests/runner > "$L/build-runner.log" 2>&1 ||
