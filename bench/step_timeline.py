@@ -18,6 +18,7 @@ bench/bench_node.py): totals, and the modules whose time
 grew the most.
 """
 import argparse
+import cProfile
 import gc
 import json
 import statistics
@@ -104,7 +105,6 @@ class StepTimeline:
             self.on = True
             self.start = (self.ctx.mark(), time.perf_counter())
             if self.profile_start:
-                import cProfile
                 self._prof = cProfile.Profile()
                 self.start_gc = []
                 gc.callbacks.append(self._gc)
@@ -132,6 +132,10 @@ class StepTimeline:
         return rows
 
     def remove(self):
+        if self._prof is not None:      # the step's first call never came
+            self._prof.disable()
+            self._prof = None
+            gc.callbacks.remove(self._gc)
         for h in self.hooks:
             h.remove()
         self.hooks = []

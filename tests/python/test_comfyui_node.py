@@ -665,8 +665,8 @@ def test_bench_step_timeline():
         tl.remove()
         run(m)
     # The host's work from step 2's start to its first call, profiled
-    # (VPAGER_BENCH_START_PROFILE): the root's forward is in it, the
-    # calls after the first are not.
+    # (VPAGER_BENCH_START_PROFILE): the root's forward is in it; the
+    # collector's callback is gone once that call came.
     import pstats
     called = {f[2] for f in pstats.Stats(tl.start_profile).stats}
     assert "forward" in called, sorted(called)

@@ -255,6 +255,9 @@ def test_the_last_acquires_fill_the_ring_with_the_next_forward():
         assert win[4] == win[5] == fits, (ring, win)
     # The ring holds the whole streamed set: the acquires take it all.
     assert S.windows(work, sizes, res, link, ring=64 * MB)[5] == 30 * MB
+    # A ring smaller than the next forward's first weight: their windows
+    # stay as the timing gives them (at least that weight).
+    assert S.windows(work, sizes, res, link, ring=5 * MB)[5] >= 10 * MB
 
 
 def test_pick_ring_prefers_fewer_bytes_among_ties():

@@ -614,7 +614,7 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
     # would queue more is that forward's first: after the sampler, the
     # client's callback and the host's way back into the model (Flux
     # under the node, H100: 5.4 ms of each step, the copy engine idle
-    # with the ring a third empty). Those acquires fill the ring instead.
+    # with the ring a third empty). Those acquires take what the ring holds.
     wrap, used = 0, 0
     for _, size in streamed:
         used += _round(size, SLOT_ALIGN)
@@ -624,9 +624,6 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
     last = streamed[-1][0]
     out = []
     for i in range(n):
-        if i >= last:
-            out.append(wrap)
-            continue
         j = i + 2
         deadline = (starts[j] if j < n else period + starts[j - n]) + margin
         k0 = first_after[i]
@@ -639,7 +636,7 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
             if t > deadline and (streamed[k][0] != first_unit or step >= m):
                 break
             total += streamed[k][1]
-        out.append(total)
+        out.append(max(total, wrap) if i >= last else total)
     return out
 
 
