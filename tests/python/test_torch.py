@@ -1368,6 +1368,37 @@ def test_held_units_fall_back_when_not_resident():
         h.unload()
 
 
+def test_held_units_take_their_path_while_a_page_is_evicted():
+    """Pages of the held weights evicted between forwards (another model
+    took them; the eviction lowers the VBAR's watermark): each forward
+    runs the units on the per-unit path until their pages are back (the
+    model on top again lifts the watermark, the per-unit path fills
+    them), then holds them again; they stay the held units throughout.
+    Outputs bitwise."""
+    m, x, want, h, ref = _held_setup()
+    hot = h.hot_path
+    held = hot.held_units
+    assert held and not hot._held_evicted()
+    assert h.device.free_memory(1 << 40) > 0    # every unpinned page
+    assert hot._held_evicted()
+    holds = []
+    real = hot.hold
+    hot.hold = lambda: holds.append(real()) or holds[-1]
+    try:
+        with torch.no_grad():
+            assert torch.equal(m(x), want)
+            assert holds == [False] and hot.held_units == held
+            h.vbar.prioritize()         # on top again: its watermark up
+            assert torch.equal(m(x), want)
+            assert not hot._held_evicted()      # filled on their path
+            assert torch.equal(m(x), want)
+    finally:
+        hot.hold = real
+    assert holds == [False, False, True], holds
+    assert hot.held_units == held and hot.holding is None and no_pins(h)
+    h.unload()
+
+
 def test_schedule_after_a_forward_that_raised():
     """A measured forward that raises leaves the measuring on (its end
     hook never runs); units called outside a forward then stop adding

@@ -44,6 +44,11 @@ KEEP_WAITS = 12
 _RESIDENT = ACQUIRED_RESIDENT
 _COPIED = ACQUIRED_COPIED
 _PAGE_RESIDENT = PAGE_RESIDENT
+# bytes.translate tables: a flag byte to 1 where the bit is missing, so
+# that a run of flags is checked in C ("1 in ...") rather than a flag at
+# a time (hold() checks every held weight and page at each forward).
+_NOT_PAGE_RESIDENT = bytes(0 if v & PAGE_RESIDENT else 1 for v in range(256))
+_NOT_RESIDENT = bytes(0 if v & ACQUIRED_RESIDENT else 1 for v in range(256))
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
 
@@ -108,6 +113,9 @@ class HotPath:
         self.holding = None         # the stream, while they are held
         self._held_of = None        # the placement `held` was made for
         self._held_pages = []       # the VBAR pages the held weights lie in
+        self._held_runs = []        # those pages as [first, end) runs
+        self._held_swaps = []       # (module dict, wrapped, bare, unit)
+        self._held_cur = []         # (Entry, address) as last acquired
         self._bared = []            # held units running bare, while held
         self._held_span = (0, 0)    # [lowest, highest) held address
         self._held_entries = []     # the held weights' Entries, in order
@@ -484,6 +492,15 @@ class HotPath:
                 p for e in entries if e.size
                 for p in range(e.offset // page,
                                (e.offset + e.size - 1) // page + 1)})
+            runs = []
+            for p in self._held_pages:
+                if runs and runs[-1][1] == p:
+                    runs[-1][1] = p + 1
+                else:
+                    runs.append([p, p + 1])
+            self._held_runs = runs
+            self._held_swaps = [(u.module.__dict__, u.wrapped, u.bare, u)
+                                for u in self.held_units]
             self._held_of = lay.placed
         return self.held
 
@@ -496,7 +513,8 @@ class HotPath:
         if not pages:
             return False
         flags = self.vbar.residency(pages[-1] + 1)
-        return not all(flags[p] & _PAGE_RESIDENT for p in pages)
+        return any(1 in flags[a:b].translate(_NOT_PAGE_RESIDENT)
+                   for a, b in self._held_runs)
 
     def wrap_root(self, fwd):
         """The root module's forward: around an inference forward, the
@@ -564,7 +582,7 @@ class HotPath:
             batch.release(stream)
             refill(self.layout, self._held_entries)
             raise
-        if not all(flags[i] & _RESIDENT for i in range(batch.n)):
+        if 1 in bytes(flags).translate(_NOT_RESIDENT):
             batch.release(stream)
             self.set_held(())
             return False
@@ -573,17 +591,16 @@ class HotPath:
         try:
             if bytes(ptrs) != self._held_ptrs:  # placed anew: new views
                 self._held_params(ptrs)
-            for e, p in zip(self._held_entries, ptrs):
+            for e, p in self._held_cur:
                 e.cur = p       # acquired; e.tensor keeps its placeholder
             for d, key, t, e in flat:
                 d[key] = e.hparam
             # Bare, unless something else sits in the module's forward
             # (the root's own wrapper, when the root is a held unit).
             bared = self._bared
-            for u in self.held_units:
-                d = u.module.__dict__
-                if d.get("forward") is u.wrapped:
-                    d["forward"] = u.bare
+            for d, wrapped, bare, u in self._held_swaps:
+                if d.get("forward") is wrapped:
+                    d["forward"] = bare
                     bared.append(u)
         except BaseException:
             self.unhold()
@@ -602,6 +619,7 @@ class HotPath:
             lo, hi = min(lo, p), max(hi, p + e.size)
         self._held_span = (lo, hi)
         self._held_ptrs = bytes(ptrs)
+        self._held_cur = list(zip(self._held_entries, list(ptrs)))
 
     def unhold(self):
         """The modules' own Parameters (placeholders) back, and the held
