@@ -60,6 +60,19 @@ class _NoTuner:
 _NO_TUNER = _NoTuner()
 
 
+def _page_runs(entries, page):
+    """The pages the entries' bytes lie in, as [first, end) runs."""
+    runs = []
+    for p in sorted({p for e in entries if e.size
+                     for p in range(e.offset // page,
+                                    (e.offset + e.size - 1) // page + 1)}):
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return runs
+
+
 def is_oom(e):
     """torch's OutOfMemoryError, or a RuntimeError saying "out of memory"
     (what CUDA errors raised outside the caching allocator say)."""
@@ -112,8 +125,7 @@ class HotPath:
         self.held_units = ()        # the units whose weights hold() takes
         self.holding = None         # the stream, while they are held
         self._held_of = None        # the placement `held` was made for
-        self._held_pages = []       # the VBAR pages the held weights lie in
-        self._held_runs = []        # those pages as [first, end) runs
+        self._held_runs = []        # their VBAR pages, as [first, end) runs
         self._held_swaps = []       # (module dict, wrapped, bare, unit)
         self._held_cur = []         # (Entry, address) as last acquired
         self._bared = []            # held units running bare, while held
@@ -487,18 +499,7 @@ class HotPath:
                                 for u in self.held_units
                                 for d, key, t, _ in u.slots]
             self._held_ptrs = None
-            page = lay.device.page_size
-            self._held_pages = sorted({
-                p for e in entries if e.size
-                for p in range(e.offset // page,
-                               (e.offset + e.size - 1) // page + 1)})
-            runs = []
-            for p in self._held_pages:
-                if runs and runs[-1][1] == p:
-                    runs[-1][1] = p + 1
-                else:
-                    runs.append([p, p + 1])
-            self._held_runs = runs
+            self._held_runs = _page_runs(entries, lay.device.page_size)
             self._held_swaps = [(u.module.__dict__, u.wrapped, u.bare, u)
                                 for u in self.held_units]
             self._held_of = lay.placed
@@ -509,12 +510,12 @@ class HotPath:
         model took it since. Their acquire would then refill them all
         before the first unit; the per-unit path refills each under the
         compute before it."""
-        pages = self._held_pages
-        if not pages:
+        runs = self._held_runs
+        if not runs:
             return False
-        flags = self.vbar.residency(pages[-1] + 1)
+        flags = self.vbar.residency(runs[-1][1])
         return any(1 in flags[a:b].translate(_NOT_PAGE_RESIDENT)
-                   for a, b in self._held_runs)
+                   for a, b in runs)
 
     def wrap_root(self, fwd):
         """The root module's forward: around an inference forward, the
