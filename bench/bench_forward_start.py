@@ -128,6 +128,7 @@ def main(argv=None):
     if cuda:
         torch.cuda.empty_cache()
     h = vt.offload(m, device=dev, budget=int(a.budget_gib * GiB))
+
     def forward():
         with torch.no_grad():
             m(x)
