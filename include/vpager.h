@@ -691,6 +691,28 @@ VP_API int vp_device_set_lookahead(vp_device_t dev, uint64_t bytes);
  * waits for them), and the next miss opens it at the new size. VP_EBUSY
  * while a staged weight is acquired. */
 VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
+/* Lend the staging ring device memory of the caller's, [addr, +size)
+ * (256-byte aligned; up to VP_LENT_RANGES ranges at once, each its own
+ * call), until vp_device_reclaim_staging: e.g. blocks of a framework's
+ * allocator cache, idle between two forwards. Not charged to the budget.
+ * When the ring is full a prefetch stages the next weights there instead
+ * of stopping, and every window the ring had cut short goes on at once.
+ * Copies into the range wait for the work queued on `stream` so far (its
+ * last users). The first acquire that takes a weight staged there closes
+ * the loan to new slots (a loan bridges a pause between forwards). With
+ * no ring open (nothing streamed yet) nothing is lent. */
+#define VP_LENT_RANGES 8
+VP_API int vp_device_lend_staging(vp_device_t dev, uint64_t addr,
+                                  uint64_t size, vp_stream_t stream);
+/* End the loan: no new slot goes there. VP_EBUSY while an acquire holds a
+ * weight staged there, or (force 0) a weight staged there waits for its
+ * acquire: call again later. Otherwise the weights staged there and not
+ * acquired are dropped (staged again when needed), `stream` waits on the
+ * device for every copy into the ranges and every reader of them, and the
+ * ranges are the caller's again for work queued on `stream` after the
+ * call. VP_OK with nothing lent. */
+VP_API int vp_device_reclaim_staging(vp_device_t dev, vp_stream_t stream,
+                                     int force);
 
 /* ----------------------------------------------------------------- files */
 

@@ -548,8 +548,15 @@ struct vp__slot {
   vp__fence_t *fence;  /* release fence: readers of the slot */
   uint32_t refs;       /* acquires holding it */
   bool prefetched;     /* filled ahead of need and not acquired yet */
+  bool lent;           /* in lent memory: off is its device address */
   uint64_t used;       /* when last acquired or released (LRU) */
 };
+
+/* A range of the caller's device memory lent to the ring
+ * (vp_device_lend_staging): slots are cut from it in order, never reused. */
+typedef struct vp__lent {
+  uint64_t addr, size, next;
+} vp__lent_t;
 
 typedef struct vp__staging {
   vp__vbar_t *vb;    /* internal VBAR, every page pinned */
@@ -560,6 +567,11 @@ typedef struct vp__staging {
   uint64_t taken;    /* bytes in slots: no gap fits more than size - taken */
   uint64_t next;     /* where the last slot ended: prefetch allocates on
                         from here, so a batch's slots follow each other */
+  vp__lent_t lent[VP_LENT_RANGES]; /* lent memory, nlent ranges */
+  size_t nlent;
+  bool lent_open;    /* a full ring's prefetch may stage in it */
+  vp__slot_t **lslots; /* the slots in lent memory, in order cut */
+  size_t nlslots, lcap;
 } vp__staging_t;
 
 
@@ -617,6 +629,10 @@ bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size);
 /* The device range [addr, +size) a caller may write or read: all pinned in
  * one VBAR, or in a staging slot an acquire holds (VP_ENOTPINNED/ERANGE). */
 int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size);
+/* Lent memory (vp_device_lend_staging, vp_device_reclaim_staging). */
+int vp__staging_lend(vp__device_t *dev, uint64_t addr, uint64_t size,
+                     vp_stream_t stream);
+int vp__staging_reclaim(vp__device_t *dev, vp_stream_t stream, bool force);
 /* The ring given back, once the copy stream and the ring's readers are
  * done (the copy stream stays); VP_EBUSY while an acquire holds a slot. */
 int vp__staging_free(vp__device_t *dev);

@@ -76,6 +76,20 @@ fail:
   return rc;
 }
 
+/* Forget slot s, its copies and readers done or waited for: its weight
+ * stages again when next needed. */
+static void slot_drop(vp__device_t *dev, vp__slot_t *s) {
+  if (s->fence) vp__fence_put(dev, s->fence);
+  if (s->owner) {
+    if (s->prefetched)
+      VP__COUNT(s->owner->vb, prefetch_dropped_bytes, s->owner->size);
+    s->owner->slot = NULL;
+    s->owner->vb->prefetch_idle = false;
+    s->owner->vb->win_ok = false;
+  }
+  free(s);
+}
+
 /* Free slot k: its next user writes it on the copy stream, so the copy
  * stream waits (on the device) for the readers' release fence. */
 static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
@@ -89,17 +103,9 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
       if (rc) return rc;
       dev->stats.ring_waits++;
     }
-    vp__fence_put(dev, s->fence);
-  }
-  if (s->owner) {
-    if (s->prefetched)
-      VP__COUNT(s->owner->vb, prefetch_dropped_bytes, s->owner->size);
-    s->owner->slot = NULL;
-    s->owner->vb->prefetch_idle = false;
-    s->owner->vb->win_ok = false;
   }
   st->taken -= s->size;
-  free(s);
+  slot_drop(dev, s);
   memmove(&st->slots[k], &st->slots[k + 1],
           (st->n - k - 1) * sizeof *st->slots);
   st->n--;
@@ -191,6 +197,30 @@ static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
   }
 }
 
+/* A slot in lent memory for a prefetch the full ring has no room for, cut
+ * where the last one ended; VP_MISS when no lent range has room. */
+static int lent_alloc(vp__device_t *dev, vp__staging_t *st, vp__weight_t *w,
+                      uint64_t size, vp__slot_t **out) {
+  if (!st->lent_open) return VP_MISS;
+  for (size_t r = 0; r < st->nlent; r++) {
+    vp__lent_t *l = &st->lent[r];
+    if (l->size - l->next < size) continue;
+    vp__slot_t *s = NULL;
+    int rc = vp__grow(dev, (void **)&st->lslots, &st->lcap, st->nlslots,
+                      sizeof s);
+    if (rc || vp__inject_fail(&dev->inject) || !(s = calloc(1, sizeof *s)))
+      return rc ? rc : vp__err(VP_ENOMEM, "no memory for a slot");
+    *s = (vp__slot_t){.off = l->addr + l->next, .size = size, .owner = w,
+                      .lent = true, .used = ++st->clock};
+    l->next += size;
+    st->lslots[st->nlslots++] = s;
+    w->slot = s;
+    *out = s;
+    return VP_OK;
+  }
+  return VP_MISS;
+}
+
 /* A staging slot for w. VP_MISS when the ring has no room for a prefetch
  * (which never drops other prefetched slots); VP_ELIMIT for an acquire. */
 int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
@@ -211,7 +241,7 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
    * prefetch may take, so reclaiming them one by one cannot make any: it
    * would only drop what they hold and make the copy stream wait for
    * their readers. */
-  if (k == SIZE_MAX && prefetch) return VP_MISS;
+  if (k == SIZE_MAX && prefetch) return lent_alloc(dev, st, w, size, out);
   while (k == SIZE_MAX) {
     if ((victim = ring_victim(st)) == SIZE_MAX)
       return vp__err(VP_ELIMIT, "a weight of %llu bytes does not fit in the "
@@ -239,7 +269,7 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
 }
 
 uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s) {
-  return dev->staging->vb->va + s->off;
+  return s->lent ? s->off : dev->staging->vb->va + s->off;
 }
 
 /* True if [addr, +size) lies in a staging slot an acquire holds (the
@@ -282,24 +312,29 @@ int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size) {
   return vp__err(VP_ERANGE, "0x%llx is in no VBAR of this device", ULL(addr));
 }
 
+/* The lent slots and ranges forgotten (the caller ordered their copies
+ * and readers before the memory's next use). */
+static void lent_drop(vp__device_t *dev, vp__staging_t *st) {
+  for (size_t k = 0; k < st->nlslots; k++) slot_drop(dev, st->lslots[k]);
+  st->nlslots = st->nlent = 0;
+  st->lent_open = false;
+}
+
 /* Wait for the copy stream and every staging reader, then free the ring
- * (the copy stream stays). */
+ * and forget the lent memory (the copy stream stays). */
 static void ring_free(vp__device_t *dev) {
   if (dev->copy_stream) vp__be_stream_synchronize(dev, dev->copy_stream);
   vp__staging_t *st = dev->staging;
   if (!st) return;
+  for (size_t k = 0; k < st->nlslots; k++)
+    if (st->lslots[k]->fence) vp__fence_wait(dev, st->lslots[k]->fence);
+  lent_drop(dev, st);
+  free(st->lslots);
   for (size_t k = 0; k < st->n; k++) {
     vp__slot_t *s = st->slots[k];
-    if (s->fence) {
-      vp__fence_wait(dev, s->fence);
-      vp__fence_put(dev, s->fence);
-    }
-    if (s->owner) {
-      s->owner->slot = NULL;
-      s->owner->vb->prefetch_idle = false;
-      s->owner->vb->win_ok = false;
-    }
-    free(s);
+    if (s->fence) vp__fence_wait(dev, s->fence);
+    s->prefetched = false; /* not counted dropped, as before */
+    slot_drop(dev, s);
   }
   vp__unpin_nofence(st->vb, 0, st->vb->npages);
   vp__vbar_free(st->vb);
@@ -311,11 +346,90 @@ static void ring_free(vp__device_t *dev) {
 int vp__staging_free(vp__device_t *dev) {
   vp__staging_t *st = dev->staging;
   if (!st) return VP_OK;
-  for (size_t k = 0; k < st->n; k++)
-    if (st->slots[k]->refs)
+  for (size_t k = 0; k < st->n + st->nlslots; k++)
+    if ((k < st->n ? st->slots[k] : st->lslots[k - st->n])->refs)
       return vp__err(VP_EBUSY, "a staged weight is acquired; release it "
                      "first");
   ring_free(dev);
+  return VP_OK;
+}
+
+/* `a` waits on the device for the work queued on `b` so far. */
+static int stream_after(vp__device_t *dev, vp_stream_t a, vp_stream_t b) {
+  if (a == b) return VP_OK;
+  vp__fence_t *f = NULL;
+  int rc = vp__fence_get(dev, b, &f);
+  if (rc == VP_OK) {
+    rc = vp__be_stream_wait_event(dev, a, f->event);
+    vp__fence_put(dev, f);
+  }
+  return rc;
+}
+
+static bool overlaps(uint64_t a, uint64_t an, uint64_t b, uint64_t bn) {
+  return a < b + bn && b < a + an;
+}
+
+int vp__staging_lend(vp__device_t *dev, uint64_t addr, uint64_t size,
+                     vp_stream_t stream) {
+  if (!addr || !size || addr % SLOT_ALIGN || size > UINT64_MAX - addr)
+    return vp__err(VP_EINVAL, "the range at 0x%llx of %llu bytes is empty, "
+                   "not %d-byte aligned or wraps", ULL(addr), ULL(size),
+                   SLOT_ALIGN);
+  vp__staging_t *st = dev->staging;
+  if (!st) return VP_OK; /* nothing streamed yet: nothing to stage */
+  if (st->nlent && !st->lent_open)
+    return vp__err(VP_EBUSY, "the loan was closed (an acquire took a weight "
+                   "staged there); reclaim it first");
+  if (st->nlent == VP_LENT_RANGES)
+    return vp__err(VP_EBUSY, "%d ranges are lent already; reclaim them first",
+                   VP_LENT_RANGES);
+  if (overlaps(addr, size, st->vb->va, st->vb->size))
+    return vp__err(VP_EINVAL, "the range at 0x%llx overlaps the staging ring",
+                   ULL(addr));
+  for (size_t r = 0; r < st->nlent; r++)
+    if (overlaps(addr, size, st->lent[r].addr, st->lent[r].size))
+      return vp__err(VP_EINVAL, "the range at 0x%llx overlaps one lent "
+                     "already", ULL(addr));
+  vp_stream_t cs = 0;
+  int rc = vp__copy_stream(dev, &cs);
+  if (rc == VP_OK && (rc = stream_after(dev, cs, stream)))
+    rc = vp__err(rc, "the copy stream cannot wait for stream 0x%llx",
+                 ULL(stream));
+  if (rc) return rc;
+  st->lent[st->nlent++] = (vp__lent_t){.addr = addr, .size = size};
+  st->lent_open = true;
+  return VP_OK;
+}
+
+int vp__staging_reclaim(vp__device_t *dev, vp_stream_t stream, bool force) {
+  vp__staging_t *st = dev->staging;
+  if (!st || !st->nlent) return VP_OK;
+  st->lent_open = false;
+  for (size_t k = 0; k < st->nlslots; k++) {
+    const vp__slot_t *s = st->lslots[k];
+    if (s->refs)
+      return vp__err(VP_EBUSY, "a weight staged in lent memory is acquired; "
+                     "release it first");
+    if (!force && s->prefetched && s->owner)
+      return vp__err(VP_EBUSY, "a weight staged in lent memory waits for its "
+                     "acquire");
+  }
+  /* The copies into the ranges, then their readers, before the caller's
+   * next use of the memory. */
+  vp_stream_t cs = 0;
+  int rc = vp__copy_stream(dev, &cs);
+  if (rc == VP_OK) rc = stream_after(dev, stream, cs);
+  for (size_t k = 0; k < st->nlslots && rc == VP_OK; k++) {
+    const vp__fence_t *f = st->lslots[k]->fence;
+    if (f && f->stream != stream &&
+        vp__be_event_query(dev, f->event) != VP_OK)
+      rc = vp__be_stream_wait_event(dev, stream, f->event);
+  }
+  if (rc)
+    return vp__err(rc, "stream 0x%llx cannot wait for the lent memory's "
+                   "copies and readers", ULL(stream));
+  lent_drop(dev, st);
   return VP_OK;
 }
 

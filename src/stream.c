@@ -214,6 +214,7 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
       s->prefetched = false;
       VP__COUNT(w->vb, prefetch_used_bytes, w->size);
     }
+    if (s->lent) dev->staging->lent_open = false; /* the pause is over */
     wait_for_copy(dev, w, wait);
   } else {
     int rc = vp__ring_alloc(dev, w, false, &s);
@@ -586,6 +587,38 @@ int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
   }
   if (ws != few) free(ws);
   return rc;
+}
+
+
+/* ------------------------------------------------------------ lending */
+
+int vp_device_lend_staging(vp_device_t h, uint64_t addr, uint64_t size,
+                           vp_stream_t stream) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  rc = vp__staging_lend(dev, addr, size, stream);
+  /* The windows the full ring cut short go on into the loan now: the
+   * copy engine would otherwise stand idle until the next acquire. */
+  for (vp__vbar_t *vb = dev->top; rc == VP_OK && vb; vb = vb->down) {
+    if (!vb->win_ok || !vb->win_ring || vb->win_all ||
+        vb->win_epoch != vb->epoch || vb->acq_index >= vb->nweights)
+      continue;
+    uint64_t lookahead = acquired_window(dev, vb);
+    if (!lookahead) continue;
+    vb->win_ok = false;
+    prefetch(dev, vb->use[vb->acq_index], lookahead);
+  }
+  return vp__unlock(dev, rc);
+}
+
+int vp_device_reclaim_staging(vp_device_t h, vp_stream_t stream, int force) {
+  VP__ENTER();
+  vp__device_t *dev = NULL;
+  int rc = vp__dev_enter(h, &dev);
+  if (rc) return rc;
+  return vp__unlock(dev, vp__staging_reclaim(dev, stream, force != 0));
 }
 
 

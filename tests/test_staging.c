@@ -503,3 +503,104 @@ TEST(stream_ring_over_limit, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }
+
+/* ------------------------------------------------------------ lent memory */
+
+/* Memory lent to the ring (vp_device_lend_staging): a full ring's window
+ * goes on into it at once, the weights staged there arrive whole, the
+ * first acquire of one closes the loan, and reclaiming it waits for the
+ * acquires (force: drops the ones not acquired) and orders the caller's
+ * next use after every copy into it and every reader. The lent memory is
+ * a pinned range of a second VBAR (on a GPU: blocks of torch's cache). */
+TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 6); /* ring of 2 pages */
+  uint64_t ps = m.size[0];
+  vp_vbar_t lv;
+  uint64_t lent = 0;
+  ASSERT_OK(vp_vbar_create(dev, 8 * ps, &lv));
+  ASSERT_OK(vp_fault(lv, 0, 8 * ps, NULL, 0));
+  ASSERT_OK(vp_vbar_base(lv, &lent));
+  vp_stream_t s = 0, s2 = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_stream_create(dev, &s2));
+  /* Nothing streamed yet, no ring: nothing is lent. */
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 4 * ps, s));
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
+
+  ASSERT_OK(vp_device_set_lookahead(dev, 6 * ps));
+  uint64_t p[6] = {0};
+  uint8_t f[6] = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0]));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  uint64_t before = dstats(dev).prefetch_bytes; /* the ring: w1, w2 */
+
+  /* Bad ranges, refused with the call's name. */
+  ASSERT_RC(vp_device_lend_staging(dev, 0, ps, s), VP_EINVAL);
+  ASSERT_RC(vp_device_lend_staging(dev, lent + 8, ps, s), VP_EINVAL);
+  ASSERT_RC(vp_device_lend_staging(dev, lent, 0, s), VP_EINVAL);
+  ASSERT_TRUE(strstr(vp_last_error(), "vp_device_lend_staging") != NULL);
+  ASSERT_RC(vp_device_lend_staging(dev, p[0], ps, s), VP_EINVAL); /* ring */
+
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 2 * ps, s));
+  ASSERT_RC(vp_device_lend_staging(dev, lent + ps, 2 * ps, s), VP_EINVAL);
+  ASSERT_OK(vp_device_lend_staging(dev, lent + 4 * ps, 2 * ps, s));
+  /* w3, w4 and w5 staged there without an acquire. */
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - before, 3 * ps);
+
+  checks_t c = {0};
+  for (int i = 1; i <= 3; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
+    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    ASSERT_EQ_INT(p[i] >= lent && p[i] < lent + 8 * ps, i == 3);
+    launch_check(dev, s, p[i], m.srcs[i].host, ps, &c);
+  }
+  /* The loan closed at w3's acquire. */
+  ASSERT_RC(vp_device_lend_staging(dev, lent + 6 * ps, ps, s), VP_EBUSY);
+  slow_t k = {.ptr = p[3], .size = ps, .ms = 200, .expect = m.srcs[3].host};
+  ASSERT_OK(vp_sim_launch(dev, s, slow_fn, &k));
+  ASSERT_RC(vp_device_reclaim_staging(dev, s2, 1), VP_EBUSY); /* w3 held */
+  for (int i = 1; i <= 3; i++) ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  /* w4 and w5 wait for their acquires; force drops them. */
+  ASSERT_RC(vp_device_reclaim_staging(dev, s2, 0), VP_EBUSY);
+  ASSERT_OK(vp_device_reclaim_staging(dev, s2, 1));
+  /* The caller's next use of the memory, on s2, comes after w3's reader. */
+  unsigned char junk[256];
+  memset(junk, 0xA5, sizeof junk);
+  ASSERT_OK(vp_copy_to_device(dev, p[3], junk, sizeof junk, s2));
+  ASSERT_OK(vp_stream_synchronize(dev, s2));
+  ASSERT_TRUE(slow_done(&k));
+  ASSERT_TRUE(slow_ok(&k));
+  ASSERT_OK(vp_device_reclaim_staging(dev, s2, 0)); /* nothing lent */
+
+  /* w4 stages again, in the ring, whole. */
+  ASSERT_OK(vp_acquire(dev, &m.w[4], 1, s, &p[4], &f[4]));
+  ASSERT_TRUE(p[4] < lent || p[4] >= lent + 8 * ps);
+  ASSERT_EQ_INT(f[4] & VP_ACQUIRED_COPIED, VP_ACQUIRED_COPIED);
+  launch_check(dev, s, p[4], m.srcs[4].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[4], 1, s));
+  checks_expect_clean(dev, s, &c);
+
+  /* A ring freed with memory lent forgets the loan, after its copies. */
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 8 * ps, s));
+  ASSERT_OK(vp_device_set_staging_size(dev, 2 * ps));
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
+  for (int i = 0; i < VP_LENT_RANGES + 1 && i < 6; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  }
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  for (int i = 0; i < VP_LENT_RANGES; i++)
+    ASSERT_OK(vp_device_lend_staging(dev, lent + i * 256, 256, s));
+  ASSERT_RC(vp_device_lend_staging(dev, lent + 4 * ps, 256, s), VP_EBUSY);
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 1));
+
+  ASSERT_OK(vp_unpin(lv, 0, 8 * ps, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_stream_destroy(dev, s2));
+  ASSERT_OK(vp_vbar_destroy(lv));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}

@@ -367,6 +367,8 @@ PROTOTYPES = {
     "vp_prefetch": (_i, [_dev, _w]),
     "vp_device_set_lookahead": (_i, [_dev, _u64]),
     "vp_device_set_staging_size": (_i, [_dev, _u64]),
+    "vp_device_lend_staging": (_i, [_dev, _u64, _u64, _s]),
+    "vp_device_reclaim_staging": (_i, [_dev, _s, _i]),
     # files
     "vp_file_read_to_device": (_i, [_dev, _i, _u64, _u64, _u64, _s]),
     "vp_file_read_to_address": (_i, [_dev, _i, _u64, _u64, _u64, _s,

@@ -143,6 +143,23 @@ class Device(Handle):
         check(C.vp_device_set_staging_size(self._handle(), nbytes))
         self.options["staging_size"] = nbytes
 
+    def lend_staging(self, addr, nbytes, stream=0):
+        """vp_device_lend_staging: [addr, +nbytes) of the caller's device
+        memory (idle between two forwards) for the staging ring until
+        reclaim_staging; copies into it wait for `stream`'s work so far."""
+        check(C.vp_device_lend_staging(self._handle(), addr, nbytes, stream))
+
+    def reclaim_staging(self, stream=0, force=False):
+        """vp_device_reclaim_staging: True once the lent memory is the
+        caller's again for work queued on `stream` after this call; False
+        while a weight staged there is acquired, or (force False) waits
+        for its acquire."""
+        rc = C.vp_device_reclaim_staging(self._handle(), stream, int(force))
+        if rc == _lib.VP_EBUSY:
+            return False
+        check(rc)
+        return True
+
     def set_pin_budget(self, nbytes):
         check(C.vp_device_set_pin_budget(self._handle(), nbytes))
 
