@@ -213,7 +213,9 @@ def child(cr, a):
 # 300 calls is measured a span of them a forward, the spans of several
 # forwards read as one). "nohold" holds no unit for the whole forward
 # (VPAGER_HOLD=0: every unit takes the per-unit path); "gap" plans for
-# the time between two forwards (VPAGER_BETWEEN=1). Suffixes combine:
+# the time between two forwards (VPAGER_BETWEEN=1); "lend" lends torch's
+# free cache to the staging ring between forwards (VPAGER_LEND=1).
+# Suffixes combine:
 # "node6warmsteps"; a name may end in a repeat mark, "node6warm.2"
 # (_named).
 SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
@@ -227,6 +229,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "allmarks": {"VPAGER_MARK_CALLS": "0"},
             "nohold": {"VPAGER_HOLD": "0"},
             "gap": {"VPAGER_BETWEEN": "1"},
+            "lend": {"VPAGER_LEND": "1"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
 # "ring320": the staging ring fixed at 320 MiB (the plan tries no other):

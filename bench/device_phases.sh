@@ -57,7 +57,7 @@
 #           start to its first call, under cProfile: COMFYUI_PROFILE),
 #           compared by bench/step_timeline.py: where the steps run over
 #           the plan's prediction (issue 29's 1.05 x L); DIAG_RUNS=...:
-#           other runs (the timeline compares run_resident and run_node6)
+#           other runs (the timeline compares run_resident and the last)
 #   forward_start  bench_forward_start.py: a root forward's host time
 #           before its first unit, resident against paged, and the
 #           driver's memory queries with vpager's pages mapped (no
@@ -284,13 +284,14 @@ for PH in ${PHASES//+/ }; do
       VPAGER_BENCH_TIMELINE=5 VPAGER_BENCH_START_PROFILE=1 \
       VPAGER_BENCH_KINETO=7 step flux_diag "$(cap)" $N --steps 10 \
       --runs "${DIAG_RUNS:-resident,node6}" --out "$L/flux_diag"
+    NR=${DIAG_RUNS:-resident,node6}; NR=run_${NR##*,}.log
     GREP='step [0-9]+ \(|schedule \(forward'
-    TAILN=40 step flux_steps 10 cat "$L/flux_diag/run_node6.log"
+    TAILN=40 step flux_steps 10 cat "$L/flux_diag/$NR"
     GREP='.'
     TAILN=40 step flux_timeline 30 python3 bench/step_timeline.py \
-      "$L/flux_diag/run_resident.log" "$L/flux_diag/run_node6.log"
+      "$L/flux_diag/run_resident.log" "$L/flux_diag/$NR"
     TAILN=10 step flux_copies 10 python3 bench/copy_trace.py \
-      "$L/flux_diag/run_resident.log" "$L/flux_diag/run_node6.log" ;;
+      "$L/flux_diag/run_resident.log" "$L/flux_diag/$NR" ;;
   flux22_ab|switch_ab)
     GREP='steady|x L|latents|RSS|budget|switch|Error|Traceback'
     if [ "$PH" = flux22_ab ]; then BUD=8; MORE="--double 19 --single 38"

@@ -56,6 +56,7 @@ BACKENDS = {"auto": 0, "cuda": 1, "sim": 2, "hip": 3}
 VP_ORDER_TAIL_FIRST, VP_ORDER_INTERLEAVED, VP_ORDER_CUSTOM = 0, 1, 2
 ORDERS = {"tail": 0, "interleaved": 1}
 VP_SIM_SYNC, VP_SIM_WORKER = 0, 1
+VP_LENT_RANGES = 8      # vp_device_lend_staging: ranges lent at once
 # vp_weight_set_lookahead: the weight uses the device's lookahead
 VP_LOOKAHEAD_DEVICE = (1 << 64) - 1
 SIM_STREAMS = {"sync": 0, "worker": 1}

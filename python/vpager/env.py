@@ -60,6 +60,9 @@ VARIABLES: Dict[str, Variable] = {
     "VPAGER_BETWEEN": Variable("flag", "1: a schedule plans for the "
                                "GPU's time measured between two forwards "
                                "(default 0: forwards back to back)"),
+    "VPAGER_LEND": Variable("flag", "1: torch's free cache is lent to "
+                            "the staging ring between two forwards "
+                            "(default 0)"),
     "VPAGER_PLACE_EARLY": Variable("flag", "0: no placement for a schedule "
                                    "guessed from the weights' sizes before "
                                    "the first forward (default 1)"),

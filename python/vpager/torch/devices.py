@@ -17,6 +17,7 @@ from ..errors import BusyError, Error
 from ..governor import governor
 from ..options import default_options, parse_size
 from .config import Size, size_argument, torch_device, warn_budget_over
+from .lend import Lender
 from .placement import round_up
 
 __all__ = ["open_device"]
@@ -122,7 +123,8 @@ class DevState:
     """What vpager.torch keeps per vpager.Device (its limit, headroom and
     lookahead are its Governor's: gov)."""
 
-    __slots__ = ("_top", "users", "owned", "sync", "gov", "__weakref__")
+    __slots__ = ("_top", "users", "owned", "sync", "gov", "lender",
+                 "__weakref__")
 
     def __init__(self, dev, owned):
         self._top = None           # the Offloaded whose VBAR is on top
@@ -138,6 +140,8 @@ class DevState:
         # Activations first (CUDA), the budget, the prefetch windows: the
         # device's one Governor (vpager.governor) derives and writes them.
         self.gov = governor(dev)
+        # torch's idle cache lent to the ring between forwards (lend.py).
+        self.lender = Lender(dev)
 
     @property
     def top(self):
@@ -202,6 +206,12 @@ def torch_reserved(index):
             pass
     return (torch.cuda.memory_reserved(index),
             torch.cuda.max_memory_reserved(index))
+
+
+def torch_reserved_now(index):
+    """The bytes torch's caching allocator holds on CUDA device `index`
+    now (through the seam, vpager.torch._torch_reserved)."""
+    return sys.modules[__package__]._torch_reserved(index)[0]
 
 
 def torch_peak(dev, index):

@@ -94,6 +94,7 @@ class Offloaded:
         if self.hot_path.busy():
             raise RuntimeError("vpager.torch: %s() inside the module's "
                                "forward" % what)
+        self.hot_path.give_back()
 
     # ------------------------------------------------------------ public
     def __repr__(self) -> str:

@@ -24,7 +24,8 @@ import torch
 from .. import ACQUIRED_COPIED, ACQUIRED_RESIDENT, PAGE_RESIDENT
 from ..errors import Error
 from ..weights import WeightBatch
-from .devices import LEARN_EVERY, cuda_index, learn_headroom, torch_peak
+from .devices import (LEARN_EVERY, cuda_index, learn_headroom, torch_peak,
+                      torch_reserved_now)
 from .layout import ALL
 from .patches import refill
 from .serial import new_lock
@@ -160,11 +161,17 @@ class HotPath:
         # forward and the handle's changes take it.
         self.lock = new_lock()
         self.holder = None          # the thread whose forward holds
+        # The device's loans of torch's cache to the ring (lend.py), and
+        # whether this root forward streamed a weight (a loan's reason).
+        self.lender = ds.lender
+        self.streamed = False
         if target.type == "cuda":
             self.index = cuda_index(target)
             self.stream = (functools.partial(_RAW_STREAM, self.index)
                            if _RAW_STREAM is not None else
                            functools.partial(_cuda_stream, target))
+            ds.lender.use(target, self.index, functools.partial(
+                torch_reserved_now, self.index))
         else:
             self.stream = int           # int() == 0: the default stream
             self.index = 0
@@ -179,6 +186,7 @@ class HotPath:
         unit.pack = functools.partial(self.pack, unit)
         run_held = self.run_held
         lock = self.lock
+        lender = self.lender
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
@@ -224,6 +232,8 @@ class HotPath:
             finally:
                 unit.depth = 0
                 leave(unit, stream, prev, ok)
+                if lender.pieces:   # lent memory back once it is unused
+                    lender.released(stream)
             return out
 
         forward._vpager_unit = unit
@@ -290,6 +300,9 @@ class HotPath:
             self.layout.on_top()
             ds.top = self.owner
         stream = self.stream()
+        lender = self.lender
+        if lender.pieces and lender.owner is not self:
+            lender.take_back(stream)    # another model's forward lent it
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
         try:
@@ -321,13 +334,17 @@ class HotPath:
                         v = e.rview = self.resident_views.view(
                             p, e.dtype, e.shape)
                 else:
+                    self.streamed = True
                     k = (p, e.dtype, e.shape)
                     v = staged.get(k)
                     if v is None:
                         if len(staged) >= _STAGED_VIEWS:
                             staged.clear()
-                        v = staged[k] = self.staged_views.view(
-                            p, e.dtype, e.shape)
+                        # (lent memory: its own view, the ring's base kept)
+                        v = staged[k] = (
+                            view(p, e.dtype, e.shape, self.target)
+                            if lender.holds(p) else
+                            self.staged_views.view(p, e.dtype, e.shape))
                 e.tensor.data = v
                 e.cur, e.curv = p, v
                 # Bytes fresh from the source, rewritten on the device
@@ -524,15 +541,21 @@ class HotPath:
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
+            self.streamed = False
             if (self.held is None or self.holding is not None
                     or grad_enabled()
                     or self.recorder.rec is not None or not self.hold()):
-                return fwd(*args, **kwargs)
-            try:
-                return self._escape(fwd(*args, **kwargs), self._aliases_held,
-                                    None)
-            finally:
-                self.unhold()
+                out = fwd(*args, **kwargs)
+            else:
+                try:
+                    out = self._escape(fwd(*args, **kwargs),
+                                       self._aliases_held, None)
+                finally:
+                    self.unhold()
+            if (self.streamed and self.lender.cache is not None
+                    and not grad_enabled() and self.recorder.rec is None):
+                self.lender.lend(self, self.stream())
+            return out
 
         return forward
 
@@ -641,6 +664,11 @@ class HotPath:
             e.cur = 0
         self.held.release(stream)
 
+    def give_back(self):
+        """The loan this model's forward made of torch's cache, back."""
+        if self.lender.owner is self:
+            self.lender.take_back(self.stream())
+
     def run_held(self, unit, fwd, args, kwargs):
         """A held unit's call that is not bare (the root is the unit): the
         prefetch its acquire would run (its weights' window), then its
@@ -664,6 +692,7 @@ class HotPath:
         """After an out-of-memory error: vpager's unpinned pages evicted,
         torch's cache emptied, the learned headroom's margin raised (if
         `margin`); returns the bytes evicted."""
+        self.lender.take_back(self.stream())  # torch's blocks, if lent
         freed = self.device.free_memory(ALL)
         # The eviction lowered the watermarks: the next acquire puts the
         # model on top again, so its weights are filled, not only staged.

@@ -1,0 +1,194 @@
+"""Torch's idle cache lent to the staging ring across the pause between
+two forwards (VPAGER_LEND=1; off by default until a GPU measures it).
+
+Between a sampler's steps the GPU waits for the host (the sampler, the
+client's callback, the next step's inputs: Flux under the ComfyUI node on
+the H100, 5.4 ms a step). The ring is then full of the next forward's
+first streamed weights and the copy engine stands idle, while torch's
+allocator holds the forward's activations' blocks free (~0.9 GiB for
+Flux at 1024²). At the end of a forward that streamed, the device's
+Lender borrows the largest of those blocks (torch.empty on the forward's
+stream: torch's own stream order keeps them from its other users) and
+lends them to the ring (vp_device_lend_staging), whose prefetch goes on
+into them across the pause. After each streamed unit of the next forward
+it asks for them back (vp_device_reclaim_staging: not while a weight
+staged there is acquired or still waits for its acquire); the forward's
+stream then waits for their copies and readers, and the blocks go back
+to torch's cache. Before another model's unit, at an out-of-memory
+retry, or at the next loan they are taken back whatever they hold.
+
+A loan during which torch's allocator reserved more (it wanted a block
+the loan held, or found none free of a borrowed size) ends lending on the
+device: torch's cache is emptied once, so the extra reservation goes.
+The block sizes are read once, from torch's memory snapshot at the first
+loan's forward end: the same forwards free the same blocks."""
+
+import logging
+import os
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .. import env
+from .._lib import VP_LENT_RANGES
+
+LEND = "VPAGER_LEND"
+log = logging.getLogger("vpager")
+
+MIN_PIECE = 8 << 20         # smaller free blocks are not worth a range
+PIECE_ALIGN = 512           # torch's block granularity
+
+
+def enabled() -> bool:
+    return env.flag(LEND, False)
+
+
+class TorchCache:
+    """torch's CUDA caching allocator on one device, as a Lender borrows
+    from it. reserved: () -> the bytes it holds now."""
+
+    def __init__(self, target: torch.device, index: int,
+                 reserved: Callable[[], int]):
+        self.target, self.index, self.reserved = target, index, reserved
+
+    @staticmethod
+    def usable() -> bool:
+        """Blocks of torch's native allocator without expandable segments
+        (whose free blocks the snapshot lists as lendable ranges)."""
+        backend = getattr(torch.cuda, "get_allocator_backend", None)
+        if backend is not None and backend() != "native":
+            return False
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        return "expandable_segments:true" not in conf.replace(
+            " ", "").lower()
+
+    def free_blocks(self, stream: int) -> List[int]:
+        """Sizes of the free blocks of this device's large segments that
+        allocations on `stream` may take, largest first."""
+        out = []
+        for seg in torch.cuda.memory_snapshot():
+            if (seg.get("device") != self.index
+                    or seg.get("segment_type") != "large"
+                    or int(seg.get("stream", 0)) != stream):
+                continue
+            out.extend(int(b["size"]) for b in seg.get("blocks", ())
+                       if b.get("state") == "inactive")
+        return sorted(out, reverse=True)
+
+    def borrow(self, nbytes: int) -> Tuple[Any, int]:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.target)
+        return t, t.data_ptr()
+
+    def shrink(self) -> None:
+        torch.cuda.empty_cache()
+
+
+def piece_sizes(free: List[int], cap: int) -> List[int]:
+    """What to borrow of free blocks (largest first): up to cap bytes in
+    at most VP_LENT_RANGES pieces, each at least MIN_PIECE."""
+    out, total = [], 0
+    for b in free:
+        n = min(b, cap - total) // PIECE_ALIGN * PIECE_ALIGN
+        if n < MIN_PIECE or len(out) == VP_LENT_RANGES:
+            break
+        out.append(n)
+        total += n
+    return out
+
+
+class Lender:
+    """The device's loans of torch's cache to its staging ring (module
+    doc). Off (cache None) until a CUDA model's hot path brings torch's
+    allocator (use()) with VPAGER_LEND=1."""
+
+    __slots__ = ("dev", "cache", "sizes", "pieces", "reserved", "owner",
+                 "loans", "returned", "forced")
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.cache: Optional[TorchCache] = None
+        self.sizes: Optional[List[int]] = None  # learned at the first loan
+        self.pieces: List[Tuple[Any, int, int]] = []  # (keep, addr, bytes)
+        self.reserved = 0           # torch's reservation at the loan
+        self.owner: Any = None      # the hot path whose forward lent
+        self.loans = self.returned = 0     # made, come back
+        self.forced = 0             # taken back whatever they held
+
+    @property
+    def out(self) -> bool:
+        return bool(self.pieces)
+
+    def use(self, target: torch.device, index: int,
+            reserved: Callable[[], int]) -> None:
+        """Lend from torch's cache on `target` (once per device; nothing
+        unless VPAGER_LEND=1 and torch's allocator has lendable blocks)."""
+        if self.cache is None and enabled() and TorchCache.usable():
+            self.cache = TorchCache(target, index, reserved)
+
+    def lend(self, owner: Any, stream: int) -> None:
+        """At the end of owner's forward that streamed, on its stream."""
+        cache = self.cache
+        if cache is None:
+            return
+        if self.pieces:
+            self.take_back(stream, force=True)
+        if self.sizes is None:
+            self.sizes = piece_sizes(cache.free_blocks(stream),
+                                     int(self.dev.options["staging_size"]))
+        if not self.sizes:
+            return
+        before = cache.reserved()
+        pieces = []
+        for n in self.sizes:
+            keep, addr = cache.borrow(n)
+            pieces.append((keep, addr, n))
+        if cache.reserved() != before:      # no free block of that size
+            del pieces
+            self._stop("a block of %s was not free"
+                       % ", ".join(str(n) for n in self.sizes))
+            return
+        self.reserved, self.owner = before, owner
+        try:
+            for keep, addr, n in pieces:
+                self.pieces.append((keep, addr, n))
+                self.dev.lend_staging(addr, n, stream)
+        except BaseException:
+            self.take_back(stream, force=True)
+            raise
+        self.loans += 1
+
+    def released(self, stream: int) -> None:
+        """After a streamed unit's release: the loan back if nothing
+        staged there waits any more."""
+        if self.dev.reclaim_staging(stream):
+            self._returned()
+
+    def take_back(self, stream: int, force: bool = True) -> bool:
+        """The loan back now (force: the weights staged there and not
+        acquired dropped); False while an acquire holds one of them."""
+        if not self.pieces:
+            return True
+        if not self.dev.reclaim_staging(stream, force):
+            return False
+        self.forced += force
+        self._returned()
+        return True
+
+    def holds(self, addr: int) -> bool:
+        return any(a <= addr < a + n for _, a, n in self.pieces)
+
+    def _returned(self) -> None:
+        self.pieces = []        # the blocks back to torch, in stream order
+        self.owner = None
+        self.returned += 1
+        cache = self.cache
+        if cache is not None and cache.reserved() > self.reserved:
+            self._stop("torch's allocator reserved more while it was out")
+
+    def _stop(self, why: str) -> None:
+        log.info("vpager.torch: torch's cache is no longer lent to the staging "
+            "ring (%s): %s is on, lending is off for this device" % (why,
+                                                                    LEND))
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            cache.shrink()

@@ -1,0 +1,240 @@
+"""torch's idle cache lent to the staging ring between forwards (lend.py,
+VPAGER_LEND=1), on the simulated device: the "cache" is a pinned range
+of a second VBAR on the model's device (on a GPU, blocks of torch's
+caching allocator), brought in through the Lender's seam.
+
+* a forward that streamed lends it at its end: the prefetch goes on into
+  it at once (the next forward's first streamed weights are there);
+* the next forward takes those weights from it, and the loan comes back
+  during that forward, after its streamed units used them, not forced;
+* outputs stay bitwise the resident model's, prompt after prompt;
+* another model's forward and unload() take it back; a loan during which torch's allocator reserved more ends lending
+  for the device (its cache emptied once);
+* nothing is lent unless VPAGER_LEND=1 and torch's allocator is native.
+No timed assertions.
+
+    make && PYTHONPATH=python python3 tests/python/test_lend.py
+"""
+import os
+import sys
+import weakref
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _runner  # noqa: E402
+
+_runner.add_paths("python")
+
+torch = _runner.require_torch(__name__)
+
+import vpager.torch as vt  # noqa: E402
+from vpager.torch import devices, lend  # noqa: E402
+from test_torch import (  # noqa: E402
+    PAGE, K, environ, frozen_copy, mlp, offload_sim, sim_opts)
+
+LENT = 640 * K              # the fake cache's free bytes
+lend.MIN_PIECE = 64 * K     # blocks of a small model's size lent too
+
+
+class Piece:
+    """A borrowed block: its return is the last reference going (the
+    cache's `out` holds it weakly)."""
+
+    def __init__(self, cache, addr, n):
+        self.addr, self.n = addr, n
+        cache.out.add(self)
+
+
+class FakeCache:
+    """torch's cache as a Lender sees it, over a pinned range of a VBAR
+    of the model's device: two free blocks; reserved() grows when `grow`
+    says a borrow found no free block."""
+
+    def __init__(self, dev):
+        self.vbar = dev.create_vbar(LENT)
+        self.vbar.fault(0, LENT, gens=False)
+        self.base = self.vbar.base
+        self.out = weakref.WeakSet()
+        self.reserved_now = 10 << 20
+        self.grow = False
+        self.shrinks = 0
+
+    def reserved(self):
+        return self.reserved_now
+
+    def free_blocks(self, stream):
+        return [LENT // 2, LENT // 2]
+
+    def borrow(self, n):
+        at = sum(p.n for p in self.out)
+        assert at + n <= LENT, "the fake cache lent more than it holds"
+        if self.grow:
+            self.reserved_now += n
+        p = Piece(self, self.base + at, n)
+        return p, p.addr
+
+    def shrink(self):
+        self.shrinks += 1
+
+    def close(self, stream=0):
+        self.vbar.unpin(0, LENT, stream)
+
+
+def _offload(m):
+    """m offloaded as test_torch's _scheduled_mlp() offloads it (900 KiB
+    for it, ring 320 KiB), the device's budget larger by the fake
+    cache's pages."""
+    opts = dict(sim_opts(), page_size=PAGE)
+    del opts["lookahead"]
+    return vt.offload(m, device="cpu", budget=900 * K + LENT,
+                      staging_size=320 * K, **opts)
+
+
+def _lending(h):
+    """h's device's Lender with a FakeCache in it: (lender, cache)."""
+    ds = devices.devstate(h.device)
+    cache = FakeCache(h.device)
+    ds.lender.cache = cache
+    ds.lender.sizes = None
+    return ds.lender, cache
+
+
+def _finish(lender, cache, *handles):
+    """The loan back, the fake cache's pages unpinned, the models
+    unloaded (the device closes with the last)."""
+    lender.take_back(0)
+    assert not lender.out and not cache.out
+    cache.close()
+    for h in handles:
+        if h is not None:
+            h.unload()
+
+
+def _weight_bytes(m):
+    return [p.detach().numpy().tobytes() for p in m.parameters()
+            if p.dim() == 2]
+
+
+def test_a_forward_lends_and_the_next_takes_it_back():
+    """The loan made at a forward's end holds the next forward's first
+    streamed weights (their bytes are in it), the next forward takes
+    them from it and gives it back before its end, unforced; outputs
+    bitwise over six forwards."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    ref = frozen_copy(m)
+    want = ref(x)
+    weights = _weight_bytes(ref)
+    h = _offload(m)
+    lender, cache = _lending(h)
+    other = None
+    try:
+        assert torch.equal(m(x), want)      # the first: recorded
+        for i in range(6):
+            returned, forced = lender.returned, lender.forced
+            assert torch.equal(m(x), want), "forward %d" % i
+            assert lender.out, "forward %d lent nothing" % i
+            if i:       # the loan before it came back inside it
+                assert lender.returned == returned + 1
+                assert lender.forced == forced
+            h.device.synchronize()
+            held = h.device.read(cache.base, LENT)
+            assert any(w[:4096] in held for w in weights), \
+                "the loan holds no weight's bytes after forward %d" % i
+        assert lender.loans == 6
+        # unload() gives the loan back (another model keeps the device
+        # and the fake cache open).
+        other = vt.offload(mlp(seed=3, depth=1), device=h.device)
+        h.unload()
+        assert not lender.out and not cache.out
+    finally:
+        _finish(lender, cache, h, other)
+
+
+def test_another_model_takes_the_loan_back():
+    """A loan made by one model's forward is taken back (forced) before
+    another model's unit runs on the device; both stay bitwise."""
+    m1, m2 = mlp(seed=1, depth=8), mlp(seed=2, depth=8)
+    x = torch.randn(8, 64)
+    w1, w2 = frozen_copy(m1)(x), frozen_copy(m2)(x)
+    h1 = _offload(m1)
+    h2 = vt.offload(m2, device=h1.device)
+    lender, cache = _lending(h1)
+    try:
+        assert torch.equal(m1(x), w1)       # the first: recorded
+        for _ in range(3):
+            assert torch.equal(m1(x), w1)
+            assert lender.out and lender.owner is h1.hot_path
+            forced = lender.forced
+            assert torch.equal(m2(x), w2)
+            assert lender.forced == forced + 1
+            assert not lender.out or lender.owner is h2.hot_path
+    finally:
+        _finish(lender, cache, h2, h1)
+
+
+def test_a_loan_that_grew_torch_ends_lending():
+    """torch's allocator reserving more across a loan (here: at the
+    borrow, as if no free block fitted) ends lending on the device and
+    empties torch's cache once; the model runs on, bitwise."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    h = _offload(m)
+    lender, cache = _lending(h)
+    cache.grow = True
+    try:
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        assert lender.cache is None and cache.shrinks == 1
+        assert not cache.out and lender.loans == 0
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_nothing_is_lent_by_default():
+    """Without VPAGER_LEND=1 (and on the simulated device, whatever it
+    says) the device's Lender has no cache and no forward lends."""
+    with environ(VPAGER_LEND="0"):
+        assert not lend.enabled()
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    h = offload_sim(m, 900 * K, 320 * K)
+    try:
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+        lender = devices.devstate(h.device).lender
+        assert lender.cache is None and not lender.out
+    finally:
+        h.unload()
+
+
+def test_piece_sizes():
+    """The largest free blocks, up to the cap, at most VP_LENT_RANGES of
+    at least MIN_PIECE, each a multiple of 512."""
+    M = 1 << 20
+    lend.MIN_PIECE = 8 * M
+    assert lend.piece_sizes([100 * M, 50 * M, 30 * M], 128 * M) == \
+        [100 * M, 28 * M]
+    assert lend.piece_sizes([4 * M, 2 * M], 128 * M) == []
+    assert lend.piece_sizes([9 * M] * 20, 1 << 40) == [9 * M] * 8
+    assert all(n % 512 == 0
+               for n in lend.piece_sizes([10 * M + 700], 20 * M))
+    lend.MIN_PIECE = 64 * K
+
+
+def _no_grad(fn):
+    """Inference, as a sampler runs it (a loan needs no autograd)."""
+    def run():
+        with torch.no_grad():
+            fn()
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    return run
+
+
+for _name in [n for n in list(globals()) if n.startswith("test_")]:
+    globals()[_name] = _no_grad(globals()[_name])
+
+if __name__ == "__main__":
+    sys.exit(_runner.main(globals()))
