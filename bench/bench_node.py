@@ -169,7 +169,7 @@ def child(cr, a):
         stats = getattr(patcher, "vpager_stats", None)
         s = stats() if stats is not None else None
         if s is not None:
-            sch, dv = s["schedule"], s["device"]
+            sch, dv, lent = s["schedule"], s["device"], s.get("lend")
             m["pinned"] = {k: dv.get(k) for k in (
                 "host_pinned_bytes", "machine_pinned_bytes",
                 "pin_fallback_bytes")}
@@ -185,6 +185,8 @@ def child(cr, a):
                 "patch_fill_bytes", "set_sources", "kept_fills",
                 "kept_fill_bytes", "replaced", "schedule", "host_by_kind", "host_policy")
                 if k in s}
+            if lent and lent["on"]:
+                m["vpager"]["lend"] = lent
         m["node"] = info.get("node")
         return m
 

@@ -76,7 +76,8 @@ def handle_stats(handle, layout, gov) -> Dict[str, Any]:
     # included); 0 before a forward and on the simulated device.
     device["activation_headroom"] = gov.learned
     return {"model": model, "device": device,
-            "schedule": handle.schedule(), "governor": gov.stats()}
+            "schedule": handle.schedule(), "governor": gov.stats(),
+            "lend": handle._ds.lender.stats()}
 
 
 def residency_map(flags: bytes) -> str:

@@ -25,7 +25,7 @@ loan's forward end: the same forwards free the same blocks."""
 
 import logging
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -173,6 +173,13 @@ class Lender:
         self.forced += force
         self._returned()
         return True
+
+    def stats(self) -> Dict[str, Any]:
+        """{"on": lending, "bytes": a loan's, "loans", "returned",
+        "forced": loans made, come back, taken back whatever they held}."""
+        return {"on": self.cache is not None,
+                "bytes": sum(self.sizes or ()), "loans": self.loans,
+                "returned": self.returned, "forced": self.forced}
 
     def holds(self, addr: int) -> bool:
         return any(a <= addr < a + n for _, a, n in self.pieces)
