@@ -172,7 +172,7 @@ for PH in ${PHASES//+/ }; do
     TAILN=12 step test_compat 150 $PP python3 tests/python/test_compat.py
     TAILN=8 step runner 150 build/tests/runner
     for t in test_torch test_threads test_plan_thread test_replan \
-             test_kept_fills test_comfyui_gguf test_binding; do
+             test_kept_fills test_lend test_comfyui_gguf test_binding; do
       TAILN=12 step $t 120 $PP python3 tests/python/$t.py
     done ;;
   lora)

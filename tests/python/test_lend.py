@@ -29,6 +29,7 @@ torch = _runner.require_torch(__name__)
 
 import vpager.torch as vt  # noqa: E402
 from vpager.torch import devices, lend  # noqa: E402
+from _runner import skip  # noqa: E402
 from test_torch import (  # noqa: E402
     PAGE, K, environ, frozen_copy, mlp, offload_sim, sim_opts)
 
@@ -222,6 +223,35 @@ def test_piece_sizes():
     assert all(n % 512 == 0
                for n in lend.piece_sizes([10 * M + 700], 20 * M))
     lend.MIN_PIECE = 64 * K
+
+
+def test_cuda_lends_torchs_cache():
+    """On a GPU: 12 layers of 2048x2048 float32 (192 MiB) at a 96 MiB
+    budget with VPAGER_LEND=1 and activations of 32 MiB: forwards lend
+    torch's freed blocks and take them back, bitwise, and torch's
+    allocator reserves no more for it."""
+    if not torch.cuda.is_available():
+        skip("no CUDA")
+    M = 1 << 20
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048)
+                              for _ in range(12)]).eval()
+    ref = frozen_copy(m).cuda()
+    x = torch.randn(4096, 2048, device="cuda")
+    want = ref(x)
+    with environ(VPAGER_LEND="1"):
+        h = vt.offload(m, device="cuda", budget=96 * M,
+                       staging_size=32 * M, page_size=2 * M)
+    try:
+        for i in range(10):
+            assert torch.equal(m(x), want), "forward %d" % i
+        torch.cuda.synchronize()
+        st = h.stats()["lend"]
+        print("    lend: %s" % st)
+        assert st["on"] and st["loans"] >= 5, st
+        assert st["returned"] >= st["loans"] - 1, st
+    finally:
+        h.unload()
 
 
 def _no_grad(fn):
