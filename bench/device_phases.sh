@@ -12,7 +12,7 @@
 #
 #   suites  the GPU suites: test_compat, the C runner, test_torch,
 #           test_threads, test_plan_thread, test_replan, test_kept_fills,
-#           test_comfyui_gguf, test_binding (issue 30)
+#           test_lend, test_comfyui_gguf, test_binding (issue 30)
 #   lora    bench_node --lora --runs legacy,node6,6 (issues 28, 29)
 #   switch  bench_node --switch 19x38 --runs resident,node12,12 (issue 29)
 #   flux22  bench_node --double 19 --single 38 --runs resident,node8,8
