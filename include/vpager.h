@@ -696,8 +696,8 @@ VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
  * call), until vp_device_reclaim_staging: e.g. blocks of a framework's
  * allocator cache, idle between two forwards. Not charged to the budget.
  * When the ring is full a prefetch stages the next weights there instead
- * of stopping, and every window the ring had cut short goes on at once,
- * by the bytes lent beyond its own.
+ * of stopping, and every window that did not reach round its VBAR goes on
+ * at once, by the bytes lent beyond its own.
  * Copies into the range wait for the work queued on `stream` so far (its
  * last users). The first acquire that takes a weight staged there closes
  * the loan to new slots (a loan bridges a pause between forwards). With

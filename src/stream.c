@@ -599,17 +599,17 @@ int vp_device_lend_staging(vp_device_t h, uint64_t addr, uint64_t size,
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   rc = vp__staging_lend(dev, addr, size, stream);
-  /* The windows the full ring cut short go on into the loan now, by the
-   * loan's bytes beyond their own: the copy engine would otherwise stand
-   * idle until the next acquire, and a window sized to the ring would
-   * not reach past it. */
+  /* Every window that did not reach round the VBAR goes on into the loan
+   * now, by the loan's bytes beyond its own: the copy engine would
+   * otherwise stand idle until the next acquire, and a window sized to
+   * the ring (a forward's last acquires') would not reach past it. */
   uint64_t lent = 0;
   for (size_t r = 0; rc == VP_OK && dev->staging &&
                      r < dev->staging->nlent; r++)
     lent += dev->staging->lent[r].size;
   for (vp__vbar_t *vb = dev->top; lent && vb; vb = vb->down) {
-    if (!vb->win_ok || !vb->win_ring || vb->win_all ||
-        vb->win_epoch != vb->epoch || vb->acq_index >= vb->nweights)
+    if (!vb->win_ok || vb->win_all || vb->win_epoch != vb->epoch ||
+        vb->acq_index >= vb->nweights)
       continue;
     uint64_t lookahead = acquired_window(dev, vb);
     if (!lookahead) continue;

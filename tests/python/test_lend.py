@@ -8,8 +8,9 @@ caching allocator), brought in through the Lender's seam.
 * the next forward takes those weights from it, and the loan comes back
   during that forward, after its streamed units used them, not forced;
 * outputs stay bitwise the resident model's, prompt after prompt;
-* another model's forward and unload() take it back; a loan during which torch's allocator reserved more ends lending
-  for the device (its cache emptied once);
+* another model's forward and unload() take it back; a loan during
+  which torch's allocator reserved more halves the loans after it (its
+  cache emptied), down to none;
 * nothing is lent unless VPAGER_LEND=1 and torch's allocator is native.
 No timed assertions.
 
@@ -174,10 +175,11 @@ def test_another_model_takes_the_loan_back():
         _finish(lender, cache, h2, h1)
 
 
-def test_a_loan_that_grew_torch_ends_lending():
-    """torch's allocator reserving more across a loan (here: at the
-    borrow, as if no free block fitted) ends lending on the device and
-    empties torch's cache once; the model runs on, bitwise."""
+def test_a_loan_that_grew_torch_halves_the_loans():
+    """torch's allocator reserving more across a loan (here: at each
+    borrow, as if no free block fitted) halves the loans after it and
+    empties torch's cache each time, until a loan would be under
+    MIN_PIECE: lending ends on the device; the model runs on, bitwise."""
     m = mlp(depth=8)
     x = torch.randn(8, 64)
     want = frozen_copy(m)(x)
@@ -185,9 +187,13 @@ def test_a_loan_that_grew_torch_ends_lending():
     lender, cache = _lending(h)
     cache.grow = True
     try:
-        for _ in range(3):
+        assert torch.equal(m(x), want)      # the first: recorded
+        caps = []
+        for _ in range(4):      # 320 KiB, 160, 80: 40 is under 64
             assert torch.equal(m(x), want)
-        assert lender.cache is None and cache.shrinks == 1
+            caps.append(lender.cap)
+        assert caps == [160 * K, 80 * K, 40 * K, 40 * K], caps
+        assert lender.cache is None and cache.shrinks == lender.halved == 3
         assert not cache.out and lender.loans == 0
     finally:
         _finish(lender, cache, h)

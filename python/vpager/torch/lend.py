@@ -18,10 +18,12 @@ to torch's cache. Before another model's unit, at an out-of-memory
 retry, or at the next loan they are taken back whatever they hold.
 
 A loan during which torch's allocator reserved more (it wanted a block
-the loan held, or found none free of a borrowed size) ends lending on the
-device: torch's cache is emptied once, so the extra reservation goes.
-The block sizes are read once, from torch's memory snapshot at the first
-loan's forward end: the same forwards free the same blocks."""
+the loan held before the loan came back, or found none free of a
+borrowed size) halves the loans after it, and ends lending on the device
+below MIN_PIECE; torch's cache is emptied, so the extra reservation goes
+(one GPU synchronize each time). The block sizes are read from torch's
+memory snapshot at the first loan's forward end and after each halving:
+the same forwards free the same blocks."""
 
 import logging
 import os
@@ -101,18 +103,20 @@ class Lender:
     doc). Off (cache None) until a CUDA model's hot path brings torch's
     allocator (use()) with VPAGER_LEND=1."""
 
-    __slots__ = ("dev", "cache", "sizes", "pieces", "reserved", "owner",
-                 "loans", "returned", "forced")
+    __slots__ = ("dev", "cache", "sizes", "cap", "pieces", "reserved",
+                 "owner", "loans", "returned", "forced", "halved")
 
     def __init__(self, dev):
         self.dev = dev
         self.cache: Optional[TorchCache] = None
         self.sizes: Optional[List[int]] = None  # learned at the first loan
+        self.cap: Optional[int] = None  # a loan's most bytes (the ring's)
         self.pieces: List[Tuple[Any, int, int]] = []  # (keep, addr, bytes)
         self.reserved = 0           # torch's reservation at the loan
         self.owner: Any = None      # the hot path whose forward lent
         self.loans = self.returned = 0     # made, come back
         self.forced = 0             # taken back whatever they held
+        self.halved = 0             # loans halved: torch reserved more
 
     @property
     def out(self) -> bool:
@@ -133,8 +137,9 @@ class Lender:
         if self.pieces:
             self.take_back(stream, force=True)
         if self.sizes is None:
-            self.sizes = piece_sizes(cache.free_blocks(stream),
-                                     int(self.dev.options["staging_size"]))
+            if self.cap is None:
+                self.cap = int(self.dev.options["staging_size"])
+            self.sizes = piece_sizes(cache.free_blocks(stream), self.cap)
         if not self.sizes:
             return
         before = cache.reserved()
@@ -144,8 +149,8 @@ class Lender:
             pieces.append((keep, addr, n))
         if cache.reserved() != before:      # no free block of that size
             del pieces
-            self._stop("a block of %s was not free"
-                       % ", ".join(str(n) for n in self.sizes))
+            self._halve("a block of %s was not free"
+                        % ", ".join(str(n) for n in self.sizes))
             return
         self.reserved, self.owner = before, owner
         try:
@@ -176,10 +181,12 @@ class Lender:
 
     def stats(self) -> Dict[str, Any]:
         """{"on": lending, "bytes": a loan's, "loans", "returned",
-        "forced": loans made, come back, taken back whatever they held}."""
+        "forced": loans made, come back, taken back whatever they held,
+        "halved": times torch reserved more across a loan}."""
         return {"on": self.cache is not None,
                 "bytes": sum(self.sizes or ()), "loans": self.loans,
-                "returned": self.returned, "forced": self.forced}
+                "returned": self.returned, "forced": self.forced,
+                "halved": self.halved}
 
     def holds(self, addr: int) -> bool:
         return any(a <= addr < a + n for _, a, n in self.pieces)
@@ -190,12 +197,19 @@ class Lender:
         self.returned += 1
         cache = self.cache
         if cache is not None and cache.reserved() > self.reserved:
-            self._stop("torch's allocator reserved more while it was out")
+            self._halve("torch's allocator reserved more while it was out")
 
-    def _stop(self, why: str) -> None:
-        log.info("vpager.torch: torch's cache is no longer lent to the staging "
-            "ring (%s): %s is on, lending is off for this device" % (why,
-                                                                    LEND))
-        cache, self.cache = self.cache, None
-        if cache is not None:
-            cache.shrink()
+    def _halve(self, why: str) -> None:
+        """The loans after this one half as large (off below MIN_PIECE),
+        torch's extra reservation given back."""
+        self.halved += 1
+        self.cap = sum(self.sizes or ()) // 2
+        self.sizes = None
+        cache = self.cache
+        if self.cap < MIN_PIECE:
+            self.cache = None
+        log.info("vpager.torch (%s=1): %s; %s", LEND, why,
+                 "lending torch's cache to the staging ring is off for "
+                 "this device" if self.cache is None else
+                 "a loan is at most %d bytes from now" % self.cap)
+        cache.shrink()
