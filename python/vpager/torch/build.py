@@ -102,7 +102,9 @@ class Parts:
         self.install.undo()
 
     def free(self, device: Any, owner: Any) -> None:
-        """free(): unload(), close()."""
+        """free(): unload(), close(); torch's blocks lent by the model's
+        last forward given back first (lend.py)."""
+        self.hot_path.give_back()
         if self.kept is not None:
             self.kept.close()
         free(self.layout, self.ds, device, owner)

@@ -51,8 +51,9 @@ MODEL_SIZES = {
 }
 
 
-def handle_stats(handle, layout, gov) -> Dict[str, Any]:
-    """stats() of an open Offloaded handle (its Layout and Governor)."""
+def handle_stats(handle, layout, gov, lender) -> Dict[str, Any]:
+    """stats() of an open Offloaded handle (its Layout, its device's
+    Governor and Lender)."""
     model = {k: v for k, v in handle.vbar.stats().items()
              if k not in DEVICE_ONLY}
     entries = layout.entries
@@ -77,7 +78,7 @@ def handle_stats(handle, layout, gov) -> Dict[str, Any]:
     device["activation_headroom"] = gov.learned
     return {"model": model, "device": device,
             "schedule": handle.schedule(), "governor": gov.stats(),
-            "lend": handle._ds.lender.stats()}
+            "lend": lender.stats()}
 
 
 def residency_map(flags: bytes) -> str:

@@ -94,7 +94,6 @@ class Offloaded:
         if self.hot_path.busy():
             raise RuntimeError("vpager.torch: %s() inside the module's "
                                "forward" % what)
-        self.hot_path.give_back()
 
     # ------------------------------------------------------------ public
     def __repr__(self) -> str:
@@ -189,7 +188,8 @@ class Offloaded:
         "governor": the device's Governor}: counters.py, and
         python/README.md's "stats()" for every key."""
         self._check_open()
-        return counters.handle_stats(self, self.vbar_layout, self._ds.gov)
+        ds = self._ds
+        return counters.handle_stats(self, self.vbar_layout, ds.gov, ds.lender)
 
     def schedule(self) -> Optional[Dict[str, Any]]:
         """What the schedule chose after the first forward, or None (not
