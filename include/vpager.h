@@ -695,13 +695,14 @@ VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
  * (256-byte aligned; up to VP_LENT_RANGES ranges at once, each its own
  * call), until vp_device_reclaim_staging: e.g. blocks of a framework's
  * allocator cache, idle between two forwards. Not charged to the budget.
- * When the ring is full a prefetch stages the next weights there instead
- * of stopping, and every window that did not reach round its VBAR goes on
- * at once, by the bytes lent beyond its own.
- * Copies into the range wait for the work queued on `stream` so far (its
- * last users). The first acquire that takes a weight staged there closes
- * the loan to new slots (a loan bridges a pause between forwards). With
- * no ring open (nothing streamed yet) nothing is lent. */
+ * While the loan is open a prefetch stages the next weights there first,
+ * then in the ring, its window larger by the room left there. Copies into
+ * the range wait for the work queued on `stream` so far (its last users).
+ * The first acquire that takes a weight staged there closes the loan to
+ * new slots (a loan bridges a pause between forwards: lent before the
+ * prefetch of a forward's last streamed weights, the next forward's first
+ * weights go there and are used first). With no ring open (nothing
+ * streamed yet) nothing is lent. */
 #define VP_LENT_RANGES 8
 VP_API int vp_device_lend_staging(vp_device_t dev, uint64_t addr,
                                   uint64_t size, vp_stream_t stream);

@@ -197,8 +197,8 @@ static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
   }
 }
 
-/* A slot in lent memory for a prefetch the full ring has no room for, cut
- * where the last one ended; VP_MISS when no lent range has room. */
+/* A slot in lent memory for a prefetch, cut where the last one ended;
+ * VP_MISS when no lent range has room. */
 static int lent_alloc(vp__device_t *dev, vp__staging_t *st, vp__weight_t *w,
                       uint64_t size, vp__slot_t **out) {
   if (!st->lent_open) return VP_MISS;
@@ -233,6 +233,14 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   /* Free room first (at st->next, else the first gap): what the ring
    * holds may be acquired again without a copy. Then, for prefetch, the
    * clock hand; for an acquire, the least recently used slots. */
+  /* While a loan is open a prefetch stages there first: the weights it
+   * copies then are the next forward's first, used (and the loan given
+   * back) before those the ring takes after them. */
+  if (prefetch && st->lent_open) {
+    rc = lent_alloc(dev, st, w, size, out);
+    if (rc != VP_MISS) return rc;
+    rc = VP_OK;
+  }
   size_t victim, k = ring_next(dev, st, size, false, &off, &rc);
   if (k == SIZE_MAX) k = ring_fit(st, size, &off);
   if (k == SIZE_MAX && prefetch) k = ring_next(dev, st, size, true, &off, &rc);
@@ -241,7 +249,7 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
    * prefetch may take, so reclaiming them one by one cannot make any: it
    * would only drop what they hold and make the copy stream wait for
    * their readers. */
-  if (k == SIZE_MAX && prefetch) return lent_alloc(dev, st, w, size, out);
+  if (k == SIZE_MAX && prefetch) return VP_MISS;
   while (k == SIZE_MAX) {
     if ((victim = ring_victim(st)) == SIZE_MAX)
       return vp__err(VP_ELIMIT, "a weight of %llu bytes does not fit in the "

@@ -599,23 +599,6 @@ int vp_device_lend_staging(vp_device_t h, uint64_t addr, uint64_t size,
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   rc = vp__staging_lend(dev, addr, size, stream);
-  /* Every window that did not reach round the VBAR goes on into the loan
-   * now, by the loan's bytes beyond its own: the copy engine would
-   * otherwise stand idle until the next acquire, and a window sized to
-   * the ring (a forward's last acquires') would not reach past it. */
-  uint64_t lent = 0;
-  for (size_t r = 0; rc == VP_OK && dev->staging &&
-                     r < dev->staging->nlent; r++)
-    lent += dev->staging->lent[r].size;
-  for (vp__vbar_t *vb = dev->top; lent && vb; vb = vb->down) {
-    if (!vb->win_ok || vb->win_all || vb->win_epoch != vb->epoch ||
-        vb->acq_index >= vb->nweights)
-      continue;
-    uint64_t lookahead = acquired_window(dev, vb);
-    if (!lookahead) continue;
-    vb->win_ok = false;
-    prefetch(dev, vb->use[vb->acq_index], lookahead + lent);
-  }
   return vp__unlock(dev, rc);
 }
 
@@ -759,6 +742,11 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
 static void prefetch(vp__device_t *dev, vp__weight_t *last,
                      uint64_t lookahead) {
   vp__vbar_t *vb = last->vb;
+  /* An open loan's room comes on top of the window: it holds what the
+   * window would have the ring hold first. */
+  const vp__staging_t *st = dev->staging;
+  for (size_t r = 0; st && st->lent_open && r < st->nlent; r++)
+    lookahead += st->lent[r].size - st->lent[r].next;
   /* All resident and filled at the last scan, and no page changed since:
    * nothing to scan. */
   if (vb->prefetch_idle && vb->prefetch_epoch == vb->epoch) return;

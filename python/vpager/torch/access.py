@@ -6,7 +6,7 @@ schedule, tuner.py) may do to it. The handle keeps the state behind both;
 no part sees the handle's fields."""
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from .units import Unit
 
@@ -20,8 +20,11 @@ class ModelAccess:
     on top of the device); scheduled():
     the VBAR's eviction order became the schedule's; hold(units): the units
     the root forward holds from now on, returns those it took (HotPath.
-    set_held); held(): those units; stream(): the compute stream's handle;
-    cuda_index: the CUDA device's index (0 on the simulated device)."""
+    set_held); held(): those units; lend_at(unit): the unit before whose
+    acquire a forward lends torch's free cache to the ring (lend.py: the
+    forward's last with a streamed weight; None: none); stream(): the
+    compute stream's handle; cuda_index: the CUDA device's index (0 on
+    the simulated device)."""
 
     busy: Callable[[], bool]
     may_replace: Callable[[], bool]
@@ -29,6 +32,7 @@ class ModelAccess:
     scheduled: Callable[[], None]
     hold: Callable[[Sequence[Unit]], Tuple[Unit, ...]]
     held: Callable[[], Tuple[Unit, ...]]
+    lend_at: Callable[[Optional[Unit]], None]
     stream: Callable[[], int]
     cuda_index: int
 

@@ -174,7 +174,8 @@ def _parts(plan: Any, lay: Layout, ds: Any, owned: bool,
         access = ModelAccess(
             busy=hot.busy, may_replace=life.may_replace, swap=life.swap,
             scheduled=life.scheduled, hold=hold,
-            held=lambda: hot.held_units, stream=hot.stream,
+            held=lambda: hot.held_units, lend_at=hot.lend_at,
+            stream=hot.stream,
             cuda_index=hot.index)
         windows, resize = tuner_freedom(s, lay.device, owned)
         tune = hot.tuner = tuner.Tuner(access, hooks, lay, ds, plan.target,

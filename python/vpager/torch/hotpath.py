@@ -161,10 +161,10 @@ class HotPath:
         # forward and the handle's changes take it.
         self.lock = new_lock()
         self.holder = None          # the thread whose forward holds
-        # The device's loans of torch's cache to the ring (lend.py), and
-        # whether this root forward streamed a weight (a loan's reason).
+        # The device's loans of torch's cache to the ring (lend.py), made
+        # before the acquire of the forward's last unit that streams.
         self.lender = ds.lender
-        self.streamed = False
+        self.lend_unit = None
         if target.type == "cuda":
             self.index = cuda_index(target)
             self.stream = (functools.partial(_RAW_STREAM, self.index)
@@ -303,6 +303,10 @@ class HotPath:
         lender = self.lender
         if lender.pieces and lender.owner is not self:
             lender.take_back(stream)    # another model's forward lent it
+        if unit is self.lend_unit and lender.cache is not None \
+                and self.recorder.rec is None \
+                and not torch.is_grad_enabled():
+            lender.lend(self, stream)   # the next forward's first weights
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
         try:
@@ -334,7 +338,6 @@ class HotPath:
                         v = e.rview = self.resident_views.view(
                             p, e.dtype, e.shape)
                 else:
-                    self.streamed = True
                     k = (p, e.dtype, e.shape)
                     v = staged.get(k)
                     if v is None:
@@ -541,21 +544,15 @@ class HotPath:
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
-            self.streamed = False
             if (self.held is None or self.holding is not None
                     or grad_enabled()
                     or self.recorder.rec is not None or not self.hold()):
-                out = fwd(*args, **kwargs)
-            else:
-                try:
-                    out = self._escape(fwd(*args, **kwargs),
-                                       self._aliases_held, None)
-                finally:
-                    self.unhold()
-            if (self.streamed and self.lender.cache is not None
-                    and not grad_enabled() and self.recorder.rec is None):
-                self.lender.lend(self, self.stream())
-            return out
+                return fwd(*args, **kwargs)
+            try:
+                return self._escape(fwd(*args, **kwargs), self._aliases_held,
+                                    None)
+            finally:
+                self.unhold()
 
         return forward
 
@@ -663,6 +660,10 @@ class HotPath:
         for e in self._held_entries:
             e.cur = 0
         self.held.release(stream)
+
+    def lend_at(self, unit):
+        """The unit before whose acquire a forward lends (ModelAccess)."""
+        self.lend_unit = unit
 
     def give_back(self):
         """The loan this model's forward made of torch's cache, back."""

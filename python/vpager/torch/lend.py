@@ -6,24 +6,28 @@ client's callback, the next step's inputs: Flux under the ComfyUI node on
 the H100, 5.4 ms a step). The ring is then full of the next forward's
 first streamed weights and the copy engine stands idle, while torch's
 allocator holds the forward's activations' blocks free (~0.9 GiB for
-Flux at 1024²). At the end of a forward that streamed, the device's
-Lender borrows the largest of those blocks (torch.empty on the forward's
-stream: torch's own stream order keeps them from its other users) and
-lends them to the ring (vp_device_lend_staging), whose prefetch goes on
-into them across the pause. After each streamed unit of the next forward
-it asks for them back (vp_device_reclaim_staging: not while a weight
-staged there is acquired or still waits for its acquire); the forward's
-stream then waits for their copies and readers, and the blocks go back
-to torch's cache. Before another model's unit, at an out-of-memory
-retry, or at the next loan they are taken back whatever they hold.
+Flux at 1024²). Before the acquire of a forward's last unit that
+streams (tuner.py names it), the device's Lender borrows the largest of
+the blocks free then (torch.empty on the forward's stream: torch's own
+stream order keeps them from its other users) and lends them to the ring
+(vp_device_lend_staging): that acquire's prefetch stages the next
+forward's first streamed weights there, and the ring takes those after
+them, its room free across the pause. The next forward uses the lent
+blocks' weights first; after each of its streamed units the Lender asks
+for them back (vp_device_reclaim_staging: not while a weight staged
+there is acquired or still waits for its acquire), the forward's stream
+then waits for their copies and readers, and the blocks go back to
+torch's cache before the forward's larger activations come. Before
+another model's unit, at an out-of-memory retry, at the next loan or
+when the model is unloaded they are taken back whatever they hold.
 
 A loan during which torch's allocator reserved more (it wanted a block
 the loan held before the loan came back, or found none free of a
 borrowed size) halves the loans after it, and ends lending on the device
 below MIN_PIECE; torch's cache is emptied, so the extra reservation goes
 (one GPU synchronize each time). The block sizes are read from torch's
-memory snapshot at the first loan's forward end and after each halving:
-the same forwards free the same blocks."""
+memory snapshot at the first loan and after each halving: the same
+forwards free the same blocks."""
 
 import logging
 import os
@@ -130,7 +134,8 @@ class Lender:
             self.cache = TorchCache(target, index, reserved)
 
     def lend(self, owner: Any, stream: int) -> None:
-        """At the end of owner's forward that streamed, on its stream."""
+        """Before the acquire of owner's last streamed unit, on its
+        forward's stream."""
         cache = self.cache
         if cache is None:
             return

@@ -1871,12 +1871,21 @@ class Tuner:
                 int(ring * schedule.FRAGMENTATION), PER_COPY, MARGIN)
         sch.window = list(merged)
         held = self._hold(units, sch)
+        self.model.lend_at(self._last_streamed(units, sch))
         if self.windows:
             for u, win in zip(units, smooth(carried(units, sch.window,
                                                     held))):
                 if u is not None:
                     u.window = win
             self.layout.set_windows(units)
+
+    def _last_streamed(self, units, sch):
+        """The forward's last unit with a weight the schedule streams (a
+        loan of torch's cache comes before its acquire: lend.py)."""
+        flat = self._costs({})[3]       # the order of sch.resident
+        streams = {id(e) for e, r in zip(flat, sch.resident) if not r}
+        return next((u for u in reversed(units) if u is not None and any(
+            id(e) in streams for e in u.entries)), None)
 
     def _hold(self, units, sch):
         """Units held for the whole forward (HotPath.hold): those whose
