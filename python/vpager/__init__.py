@@ -100,6 +100,8 @@ ACQUIRED_RESIDENT = _lib.VP_ACQUIRED_RESIDENT
 ACQUIRED_STAGED = _lib.VP_ACQUIRED_STAGED
 ACQUIRED_COPIED = _lib.VP_ACQUIRED_COPIED
 ACQUIRED_EMPTY = _lib.VP_ACQUIRED_EMPTY
+# vp_device_lend_staging: ranges lent at once.
+LENT_RANGES = _lib.VP_LENT_RANGES
 
 
 def set_log_level(level):

@@ -35,8 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import env
-from .._lib import VP_LENT_RANGES
+from .. import LENT_RANGES, env
 
 LEND = "VPAGER_LEND"
 log = logging.getLogger("vpager")
@@ -91,11 +90,11 @@ class TorchCache:
 
 def piece_sizes(free: List[int], cap: int) -> List[int]:
     """What to borrow of free blocks (largest first): up to cap bytes in
-    at most VP_LENT_RANGES pieces, each at least MIN_PIECE."""
+    at most LENT_RANGES pieces, each at least MIN_PIECE."""
     out, total = [], 0
     for b in free:
         n = min(b, cap - total) // PIECE_ALIGN * PIECE_ALIGN
-        if n < MIN_PIECE or len(out) == VP_LENT_RANGES:
+        if n < MIN_PIECE or len(out) == LENT_RANGES:
             break
         out.append(n)
         total += n
