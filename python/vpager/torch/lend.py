@@ -1,5 +1,8 @@
 """Torch's idle cache lent to the staging ring across the pause between
-two forwards (VPAGER_LEND=1; off by default until a GPU measures it).
+two forwards (VPAGER_LEND=1; off by default: on the H100, Flux at 6 GiB
+under the ComfyUI node, torch's allocator reserved more in most loans,
+which halved to a few MiB, and no step was faster: bench/RESULTS.md,
+forty-fourth session).
 
 Between a sampler's steps the GPU waits for the host (the sampler, the
 client's callback, the next step's inputs: Flux under the ComfyUI node on
