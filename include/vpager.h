@@ -696,7 +696,7 @@ VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
  * call), until vp_device_reclaim_staging: e.g. blocks of a framework's
  * allocator cache, idle between two forwards. Not charged to the budget.
  * While the loan is open a prefetch stages the next weights there first,
- * then in the ring, its window larger by the room left there. Copies into
+ * then in the ring, its window larger by the bytes lent. Copies into
  * the range wait for the work queued on `stream` so far (its last users).
  * The first acquire that takes a weight staged there closes the loan to
  * new slots (a loan bridges a pause between forwards: lent before the

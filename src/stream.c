@@ -742,11 +742,13 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
 static void prefetch(vp__device_t *dev, vp__weight_t *last,
                      uint64_t lookahead) {
   vp__vbar_t *vb = last->vb;
-  /* An open loan's room comes on top of the window: it holds what the
-   * window would have the ring hold first. */
+  /* An open loan's bytes come on top of the window: the weights staged
+   * there are the window's first, and the ring is to take as many after
+   * them as the window would have it take (a top-up after a release
+   * counts them too). */
   const vp__staging_t *st = dev->staging;
   for (size_t r = 0; st && st->lent_open && r < st->nlent; r++)
-    lookahead += st->lent[r].size - st->lent[r].next;
+    lookahead += st->lent[r].size;
   /* All resident and filled at the last scan, and no page changed since:
    * nothing to scan. */
   if (vb->prefetch_idle && vb->prefetch_epoch == vb->epoch) return;

@@ -507,8 +507,8 @@ TEST(stream_ring_over_limit, TEST_SIM_ONLY) {
 /* ------------------------------------------------------------ lent memory */
 
 /* Memory lent to the ring (vp_device_lend_staging): while the loan is
- * open a prefetch stages there first, its window larger by the loan's
- * room; the weights staged there arrive whole, the first acquire of one
+ * open a prefetch stages there first, its window larger by the bytes
+ * lent; the weights staged there arrive whole, the first acquire of one
  * closes the loan, and reclaiming it waits for the acquires (force: drops
  * the ones not acquired) and orders the caller's next use after every
  * copy into it and every reader. The lent memory is a pinned range of a
@@ -546,8 +546,8 @@ TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_lend_staging(dev, lent, 2 * ps, s));
   ASSERT_RC(vp_device_lend_staging(dev, lent + ps, 2 * ps, s), VP_EINVAL);
   ASSERT_OK(vp_device_lend_staging(dev, lent + 4 * ps, ps, s));
-  /* w1's acquire prefetches its page of window and the loan's three:
-   * w2, w3, w4 there, then w5 in the ring. */
+  /* w1's acquire prefetches the loan's three pages and its page of
+   * window: w2, w3, w4 there, then w5 in the ring. */
   uint64_t before = dstats(dev).prefetch_bytes;
   ASSERT_OK(vp_acquire(dev, &m.w[1], 1, s, &p[1], &f[1]));
   ASSERT_EQ_U64(dstats(dev).prefetch_bytes - before, 4 * ps);
@@ -604,6 +604,50 @@ TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
   ASSERT_OK(vp_stream_synchronize(dev, s));
   ASSERT_OK(vp_stream_destroy(dev, s));
   ASSERT_OK(vp_stream_destroy(dev, s2));
+  ASSERT_OK(vp_vbar_destroy(lv));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
+/* A window topped up after a release while a loan is open counts the
+ * weights staged there: the ring then takes its own share after them.
+ * Ring of 2 pages, a window of 1, a loan of 2: w1's acquire stages w2
+ * and w3 in the loan and finds the ring full (w0 and w1 held); w0's
+ * release tops the window up with w4 in the ring. */
+TEST(stream_ring_lent_memory_topped_up, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 6);
+  uint64_t ps = m.size[0];
+  vp_vbar_t lv;
+  uint64_t lent = 0;
+  ASSERT_OK(vp_vbar_create(dev, 2 * ps, &lv));
+  ASSERT_OK(vp_fault(lv, 0, 2 * ps, NULL, 0));
+  ASSERT_OK(vp_vbar_base(lv, &lent));
+  vp_stream_t s = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  uint64_t p[5] = {0};
+  uint8_t f[5] = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* w1 ahead */
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 2 * ps, s));
+  uint64_t before = dstats(dev).prefetch_bytes;
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, s, &p[1], &f[1]));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - before, 2 * ps); /* w2, w3 */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - before, 3 * ps); /* w4 */
+  checks_t c = {0};
+  for (int i = 2; i <= 4; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
+    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    ASSERT_EQ_INT(p[i] >= lent && p[i] < lent + 2 * ps, i < 4);
+    launch_check(dev, s, p[i], m.srcs[i].host, ps, &c);
+  }
+  for (int i = 1; i <= 4; i++) ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
+  checks_expect_clean(dev, s, &c);
+  ASSERT_OK(vp_unpin(lv, 0, 2 * ps, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_OK(vp_stream_destroy(dev, s));
   ASSERT_OK(vp_vbar_destroy(lv));
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
