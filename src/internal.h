@@ -569,7 +569,7 @@ typedef struct vp__staging {
                         from here, so a batch's slots follow each other */
   vp__lent_t lent[VP_LENT_RANGES]; /* lent memory, nlent ranges */
   size_t nlent;
-  bool lent_open;    /* a full ring's prefetch may stage in it */
+  bool lent_open;    /* a prefetch stages there first */
   vp__slot_t **lslots; /* the slots in lent memory, in order cut */
   size_t nlslots, lcap;
 } vp__staging_t;

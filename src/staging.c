@@ -230,9 +230,6 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   vp__staging_t *st = dev->staging;
   uint64_t size = (w->size + SLOT_ALIGN - 1) & ~(uint64_t)(SLOT_ALIGN - 1);
   uint64_t off = 0;
-  /* Free room first (at st->next, else the first gap): what the ring
-   * holds may be acquired again without a copy. Then, for prefetch, the
-   * clock hand; for an acquire, the least recently used slots. */
   /* While a loan is open a prefetch stages there first: the weights it
    * copies then are the next forward's first, used (and the loan given
    * back) before those the ring takes after them. */
@@ -241,6 +238,9 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
     if (rc != VP_MISS) return rc;
     rc = VP_OK;
   }
+  /* Free room first (at st->next, else the first gap): what the ring
+   * holds may be acquired again without a copy. Then, for prefetch, the
+   * clock hand; for an acquire, the least recently used slots. */
   size_t victim, k = ring_next(dev, st, size, false, &off, &rc);
   if (k == SIZE_MAX) k = ring_fit(st, size, &off);
   if (k == SIZE_MAX && prefetch) k = ring_next(dev, st, size, true, &off, &rc);
