@@ -11,6 +11,7 @@ caching allocator), brought in through the Lender's seam.
 * another model's forward and unload() take it back; a loan during
   which torch's allocator reserved more halves the loans after it (its
   cache emptied), down to none;
+* a loan the library refuses does not fail the forward: lending ends;
 * nothing is lent unless VPAGER_LEND=1 and torch's allocator is native.
 No timed assertions.
 
@@ -59,6 +60,7 @@ class FakeCache:
         self.out = weakref.WeakSet()
         self.reserved_now = 10 << 20
         self.grow = False
+        self.skew = 0           # bytes off the block's start (a bad one)
         self.shrinks = 0
 
     def reserved(self):
@@ -72,7 +74,7 @@ class FakeCache:
         assert at + n <= LENT, "the fake cache lent more than it holds"
         if self.grow:
             self.reserved_now += n
-        p = Piece(self, self.base + at, n)
+        p = Piece(self, self.base + at + self.skew, n)
         return p, p.addr
 
     def shrink(self):
@@ -195,6 +197,25 @@ def test_a_loan_that_grew_torch_halves_the_loans():
         assert caps == [160 * K, 80 * K, 40 * K, 40 * K], caps
         assert lender.cache is None and cache.shrinks == lender.halved == 3
         assert not cache.out and lender.loans == 0
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_a_loan_the_library_refuses_ends_lending():
+    """A loan vp_device_lend_staging refuses (here: a block that is not
+    256-byte aligned) does not fail the forward: nothing stays lent,
+    lending is off for the device, the outputs stay bitwise."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    h = _offload(m)
+    lender, cache = _lending(h)
+    cache.skew = 8
+    try:
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        assert lender.cache is None and not lender.out
+        assert lender.loans == 0 and not cache.out
     finally:
         _finish(lender, cache, h)
 

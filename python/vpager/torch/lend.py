@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import LENT_RANGES, env
+from ..errors import Error
 
 LEND = "VPAGER_LEND"
 log = logging.getLogger("vpager")
@@ -141,8 +142,8 @@ class Lender:
         cache = self.cache
         if cache is None:
             return
-        if self.pieces:
-            self.take_back(stream, force=True)
+        if self.pieces and not self.take_back(stream, force=True):
+            return              # a weight staged there is acquired still
         if self.sizes is None:
             if self.cap is None:
                 self.cap = int(self.dev.options["staging_size"])
@@ -154,19 +155,24 @@ class Lender:
         for n in self.sizes:
             keep, addr = cache.borrow(n)
             pieces.append((keep, addr, n))
+        del keep
         if cache.reserved() != before:      # no free block of that size
-            del pieces
+            del pieces                      # (before torch's cache empties)
             self._halve("a block of %s was not free"
                         % ", ".join(str(n) for n in self.sizes))
             return
         self.reserved, self.owner = before, owner
         try:
-            for keep, addr, n in pieces:
-                self.pieces.append((keep, addr, n))
-                self.dev.lend_staging(addr, n, stream)
-        except BaseException:
+            for piece in pieces:
+                self.dev.lend_staging(piece[1], piece[2], stream)
+                self.pieces.append(piece)
+        except Error as e:      # a forward goes on without a loan
             self.take_back(stream, force=True)
-            raise
+            self.cache = None
+            log.warning("vpager.torch (%s=1): lending torch's cache to the "
+                        "staging ring failed, off for this device: %s",
+                        LEND, e)
+            return
         self.loans += 1
 
     def released(self, stream: int) -> None:
