@@ -47,7 +47,8 @@
 #   prompts the node's Flux at 6 GiB beside resident and ComfyUI's path,
 #           10 prompts (--reps 10): prompts 2..10's steady steps, how far
 #           apart (issue 29's stable prompts, 2%); PROMPTS_RUNS=...,
-#           PROMPTS_REPS=N: other runs, another number of prompts
+#           PROMPTS_REPS=N: other runs, another number of prompts; each
+#           run's plans logged (VPAGER_SCHEDULE_LOG: a slow one replayed)
 #   flux_diag  the node's Flux at 6 GiB beside resident, 10 steps, with
 #           VPAGER_BENCH_STEP_STATS (each step's ring and stream waits)
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
@@ -267,7 +268,8 @@ for PH in ${PHASES//+/ }; do
     TAILN=20 step lora_limit 10 cat "$L/lora_after/run_node6.log" ;;
   prompts)
     GREP='steady|x L|latents|apart|Error|Traceback'
-    TAILN=40 step prompts "$(cap)" $N --runs "${PROMPTS_RUNS:-resident,node6,6}" \
+    TAILN=40 VPAGER_SCHEDULE_LOG=1 step prompts "$(cap)" $N \
+      --runs "${PROMPTS_RUNS:-resident,node6,6}" \
       --reps "${PROMPTS_REPS:-10}" --out "$L/prompts" ;;
   flux_rings)
     GREP='steady|x L|latents|Error|Traceback'
