@@ -394,6 +394,7 @@ class Tuner:
         self.events = []            # timing events read, for marks again
         self.shape = None           # _costs()'s lists, with what made them
         self.holdable = None        # _hold()'s (units, resident, candidates)
+        self.last_streamed = None   # ... and _last_streamed()'s unit
         self.unread = None          # marks whose forward the GPU still runs
         self.filling = None         # (planned windows, held units) to restore
         self.kept_bytes = 0         # resident bytes the last placement kept
@@ -1881,11 +1882,18 @@ class Tuner:
 
     def _last_streamed(self, units, sch):
         """The forward's last unit with a weight the schedule streams (a
-        loan of torch's cache comes before its acquire: lend.py)."""
-        flat = self._costs({})[3]       # the order of sch.resident
-        streams = {id(e) for e, r in zip(flat, sch.resident) if not r}
-        return next((u for u in reversed(units) if u is not None and any(
-            id(e) in streams for e in u.entries)), None)
+        loan of torch's cache comes before its acquire: lend.py); made
+        again only when the units or the resident set change, as _hold's
+        candidates are."""
+        resident = tuple(sch.resident)
+        got = self.last_streamed
+        if got is None or got[0] is not units or got[1] != resident:
+            flat = self._costs({})[3]       # the order of sch.resident
+            streams = {id(e) for e, r in zip(flat, resident) if not r}
+            got = self.last_streamed = (units, resident, next(
+                (u for u in reversed(units) if u is not None and any(
+                    id(e) in streams for e in u.entries)), None))
+        return got[2]
 
     def _hold(self, units, sch):
         """Units held for the whole forward (HotPath.hold): those whose
