@@ -506,6 +506,27 @@ TEST(stream_ring_over_limit, TEST_SIM_ONLY) {
 
 /* ------------------------------------------------------------ lent memory */
 
+/* `pages` pages of a second VBAR of dev, pinned: the caller's memory to
+ * lend (on a GPU: blocks of torch's cache); its address. */
+static uint64_t lent_setup(vp_device_t dev, uint64_t pages, vp_vbar_t *lv) {
+  uint64_t ps = 0, addr = 0;
+  vp_device_info_t info;
+  ASSERT_OK(vp_device_info(dev, &info));
+  ps = info.page_size;
+  ASSERT_OK(vp_vbar_create(dev, pages * ps, lv));
+  ASSERT_OK(vp_fault(*lv, 0, pages * ps, NULL, 0));
+  ASSERT_OK(vp_vbar_base(*lv, &addr));
+  return addr;
+}
+
+/* lent_setup's VBAR unpinned behind `s`'s work and freed. */
+static void lent_teardown(vp_device_t dev, vp_vbar_t lv, uint64_t size,
+                          vp_stream_t s) {
+  ASSERT_OK(vp_unpin(lv, 0, size, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_OK(vp_vbar_destroy(lv));
+}
+
 /* Memory lent to the ring (vp_device_lend_staging): while the loan is
  * open a prefetch stages there first, its window larger by the bytes
  * lent; the weights staged there arrive whole, the first acquire of one
@@ -518,10 +539,7 @@ TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
   vp_device_t dev = ring_setup(ctx, &m, 6); /* ring of 2 pages */
   uint64_t ps = m.size[0];
   vp_vbar_t lv;
-  uint64_t lent = 0;
-  ASSERT_OK(vp_vbar_create(dev, 8 * ps, &lv));
-  ASSERT_OK(vp_fault(lv, 0, 8 * ps, NULL, 0));
-  ASSERT_OK(vp_vbar_base(lv, &lent));
+  uint64_t lent = lent_setup(dev, 8, &lv);
   vp_stream_t s = 0, s2 = 0;
   ASSERT_OK(vp_stream_create(dev, &s));
   ASSERT_OK(vp_stream_create(dev, &s2));
@@ -600,11 +618,9 @@ TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
   ASSERT_RC(vp_device_lend_staging(dev, lent + 4 * ps, 256, s), VP_EBUSY);
   ASSERT_OK(vp_device_reclaim_staging(dev, s, 1));
 
-  ASSERT_OK(vp_unpin(lv, 0, 8 * ps, s));
-  ASSERT_OK(vp_stream_synchronize(dev, s));
+  lent_teardown(dev, lv, 8 * ps, s);
   ASSERT_OK(vp_stream_destroy(dev, s));
   ASSERT_OK(vp_stream_destroy(dev, s2));
-  ASSERT_OK(vp_vbar_destroy(lv));
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }
@@ -619,10 +635,7 @@ TEST(stream_ring_lent_memory_topped_up, TEST_SIM_ONLY) {
   vp_device_t dev = ring_setup(ctx, &m, 6);
   uint64_t ps = m.size[0];
   vp_vbar_t lv;
-  uint64_t lent = 0;
-  ASSERT_OK(vp_vbar_create(dev, 2 * ps, &lv));
-  ASSERT_OK(vp_fault(lv, 0, 2 * ps, NULL, 0));
-  ASSERT_OK(vp_vbar_base(lv, &lent));
+  uint64_t lent = lent_setup(dev, 2, &lv);
   vp_stream_t s = 0;
   ASSERT_OK(vp_stream_create(dev, &s));
   ASSERT_OK(vp_device_set_lookahead(dev, ps));
@@ -645,10 +658,8 @@ TEST(stream_ring_lent_memory_topped_up, TEST_SIM_ONLY) {
   for (int i = 1; i <= 4; i++) ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
   ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
   checks_expect_clean(dev, s, &c);
-  ASSERT_OK(vp_unpin(lv, 0, 2 * ps, s));
-  ASSERT_OK(vp_stream_synchronize(dev, s));
+  lent_teardown(dev, lv, 2 * ps, s);
   ASSERT_OK(vp_stream_destroy(dev, s));
-  ASSERT_OK(vp_vbar_destroy(lv));
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }
