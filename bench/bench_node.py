@@ -216,7 +216,9 @@ def child(cr, a):
 # forwards read as one). "nohold" holds no unit for the whole forward
 # (VPAGER_HOLD=0: every unit takes the per-unit path); "gap" plans for
 # the time between two forwards (VPAGER_BETWEEN=1); "lend" lends torch's
-# free cache to the staging ring between forwards (VPAGER_LEND=1).
+# free cache to the staging ring between forwards (VPAGER_LEND=1);
+# "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
+# default 32 MiB: a plan's spare page and its rounding cost a page each).
 # Suffixes combine:
 # "node6warmsteps"; a name may end in a repeat mark, "node6warm.2"
 # (_named).
@@ -232,6 +234,8 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "nohold": {"VPAGER_HOLD": "0"},
             "gap": {"VPAGER_BETWEEN": "1"},
             "lend": {"VPAGER_LEND": "1"},
+            "page8": {"VPAGER_PAGE_SIZE": "8M"},
+            "page16": {"VPAGER_PAGE_SIZE": "16M"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
 # "ring320": the staging ring fixed at 320 MiB (the plan tries no other):

@@ -293,6 +293,49 @@ def test_kept_weights_all_stay_and_a_joiner_streams_instead():
                                  200 * K) is None       # past the VBAR
 
 
+def test_a_refine_fills_again_what_its_faster_forwards_pay_for():
+    """Tuner._placed where the plan's own set fills some weights resident
+    now again and keeping every one in place streams a little more
+    (within NEAR): a placement made in a forward keeps them in place; a
+    refine (the client's pause) fills them again when the forwards it
+    speeds pay for the fill within PAYBACK, else keeps them too."""
+    from types import SimpleNamespace as NS
+    from vpager.torch import schedule
+    n, link, fill = 4, 1e9, 10 << 20         # 10 ms to fill again
+    es = [NS(size=fill, offset=i * fill) for i in range(n)]
+    sch = schedule.Schedule([True, True, False, False], [0] * n, 0.100,
+                            2 * fill, 2 * fill, 0.09)
+    lay = NS(vbar=NS(loaded_size=lambda: 2 * fill, size=1 << 30), align=512,
+             device=NS(page_size=fill))
+    placed = ([0, fill, 0, 0], 2 * fill, [True, False, False, False])
+
+    def tuner_for(slower):
+        other = schedule.Schedule([True, False, True, False], [0] * n,
+                                  0.100 + slower, 3 * fill, 2 * fill, 0.09)
+        return NS(schedule=sch, relocate=False, heading=None, fill_now=False,
+                  link=link, _trace=lambda msg: None,
+                  _now=lambda lay, flat, res: [True, True, False, False],
+                  _placement=lambda *a: placed, _room_pages=lambda ring: 2,
+                  _schedule_for=lambda *a: other), other
+    alt = ([True, False, True, False], [0, 0, fill, 0], 2 * fill,
+           [True, False, True, False])
+    saved = tuner.place_streaming_least
+    tuner.place_streaming_least = lambda *a: alt
+    try:
+        for slower, refine, want in (
+                (0.0015, False, "kept"),    # 15 ms in 10 forwards, in one
+                (0.0015, True, "filled"),   # ... pays the 10 ms fill
+                (0.0005, True, "kept"),     # 5 ms: does not
+                (0.0030, False, "filled")):     # beyond NEAR (2%)
+            t, other = tuner_for(slower)
+            got = tuner.Tuner._placed(t, lay, es, sch, [], [], 0, None,
+                                      refine)
+            assert got == ((sch, placed) if want == "filled" else
+                           (other, alt[1:])), (slower, refine, got)
+    finally:
+        tuner.place_streaming_least = saved
+
+
 def _copied(d):
     return d["fill_bytes"] + d["prefetch_bytes"] + d["staged_bytes"] - \
         d["prefetch_dropped_bytes"]
