@@ -745,6 +745,45 @@ def test_a_placement_kept_over_a_faster_plan_is_placed_at_a_pause():
         tuner.REFINE = saved
 
 
+def test_a_placement_kept_in_place_is_marked_for_the_pause():
+    """A placement in a forward whose set _placed kept in place, predicted
+    REFINE slower than the plan's own (here made so), marks the plan
+    better: the client's next pause (refine()) plans again, there to
+    fill what its own set moves if that pays (PAYBACK); a refine's own
+    placement marks nothing. Outputs bitwise."""
+    real = tuner.Tuner._placed
+
+    def kept_slower(self, lay, flat, sch, w, sizes, ring, keep,
+                    refine=False):
+        got, placed = real(self, lay, flat, sch, w, sizes, ring, keep,
+                           refine)
+        if refine:
+            return got, placed
+        return schedule.Schedule(
+            got.resident, got.window, sch.predicted * (1 + 2 * tuner.REFINE)
+            + 1e-6, got.streamed, got.resident_bytes,
+            got.all_resident), placed
+    tuner.Tuner._placed = kept_slower
+    try:
+        m, x, want, h, full = _settled_a_page_below()
+        t = h.tuner
+        # A placement for less room (apply()'s "room": no keep path that
+        # marks a plan of its own) made between two forwards.
+        governor(h.device).declare_budget(full - 4 * PAGE)
+        assert t.planner.wait(WAIT) and not t.better
+        t.apply(t.work, replan="room")
+        assert t.better, "a placement kept in place was not marked"
+        assert h.refine() and not t.better
+        assert t.planner.wait(WAIT)
+        assert torch.equal(m(x), want)      # the refine taken
+        assert not t.better and not h.refine()
+        for _ in range(2):
+            assert torch.equal(m(x), want)
+        h.unload()
+    finally:
+        tuner.Tuner._placed = real
+
+
 def _settled_a_page_below(pages=1):
     """The threaded MLP settled under its budget less `pages` pages, no
     plan marked better: (m, x, want, h, the full budget)."""

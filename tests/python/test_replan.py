@@ -301,7 +301,7 @@ def test_a_refine_fills_again_what_its_faster_forwards_pay_for():
     speeds pay for the fill within PAYBACK, else keeps them too."""
     from types import SimpleNamespace as NS
     from vpager.torch import schedule
-    n, link, fill = 4, 1e9, 10 << 20         # 10 ms to fill again
+    n, link, fill = 4, 1e9, 10 << 20         # 10.5 ms to fill again
     es = [NS(size=fill, offset=i * fill) for i in range(n)]
     sch = schedule.Schedule([True, True, False, False], [0] * n, 0.100,
                             2 * fill, 2 * fill, 0.09)
@@ -322,11 +322,13 @@ def test_a_refine_fills_again_what_its_faster_forwards_pay_for():
     saved = tuner.place_streaming_least
     tuner.place_streaming_least = lambda *a: alt
     try:
+        pays = fill / link / tuner.PAYBACK     # a forward's share of it
         for slower, refine, want in (
-                (0.0015, False, "kept"),    # 15 ms in 10 forwards, in one
-                (0.0015, True, "filled"),   # ... pays the 10 ms fill
-                (0.0005, True, "kept"),     # 5 ms: does not
+                (1.5 * pays, False, "kept"),    # in a forward: in place
+                (1.5 * pays, True, "filled"),   # a refine: pays the fill
+                (0.5 * pays, True, "kept"),     # ... not within PAYBACK
                 (0.0030, False, "filled")):     # beyond NEAR (2%)
+            assert 1.5 * pays < 0.100 * tuner.NEAR < 0.0030
             t, other = tuner_for(slower)
             got = tuner.Tuner._placed(t, lay, es, sch, [], [], 0, None,
                                       refine)

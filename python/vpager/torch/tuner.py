@@ -185,11 +185,12 @@ PLACE_EARLY = "VPAGER_PLACE_EARLY"      # =0: no placement before a forward
 # to place anew at all).
 NEAR = 0.02
 # ... but a refine (at the client's pause) fills again what its own set
-# moves when the forwards it speeds pay for that fill within this many:
-# the node's Flux at 6 GiB kept every weight in place at the margin's
-# settling (38 MB more room) and streamed 37 MB a step more than the
-# plan (0.7 ms, 1% of every later step) to spare one 144 MB fill (2.6 ms).
-PAYBACK = 10
+# moves when the forwards it speeds pay for that fill within this many
+# (a prompt or two: 20-30 steps each are usual): the node's Flux at 6 GiB
+# kept every weight in place, in the first prompt and at the margin's
+# settling, and streamed 54 MB a step more than its plan (1.0 ms, 1.1%
+# of every later step) to spare one 720 MB fill (13 ms).
+PAYBACK = 30
 # VPAGER_PLACE_STEPS=1: a placement moves toward its schedule in steps
 # (schedule.toward): each forward that takes one copies again what leaves
 # the resident set, at most this share of a steady forward's copies.
@@ -388,7 +389,8 @@ class Tuner:
         self.roomier = None
         self.replans = 0            # schedules made again for the room
         # A placement kept though a plan predicted REFINE faster was made
-        # (apply()): placed at refine().
+        # (apply(): a measured plan's, or its own set's kept in place):
+        # placed at refine().
         self.better = False
         self.watch_at = 0.0
         self.fills_planned = 0      # layout.fill_changes the plan knew
@@ -1498,10 +1500,16 @@ class Tuner:
                             "the placement in hand; kept"
                             % (kept.predicted * 1e3))
                 return
+            own = sch
             if kept is not sch:
                 sch, merged = kept, None
             self._place(lay, dev, flat, units, w, sizes, sch, ring, merged,
                         placed=placed)
+            # Kept in place in a forward though the plan's own set is
+            # REFINE faster: placed at the client's next pause (refine()),
+            # if its forwards pay for the fill there (PAYBACK).
+            self.better = replan != "refine" and \
+                sch.predicted > own.predicted * (1 + REFINE)
         except _NoRoom:
             if dev.options["staging_size"] != cur:
                 dev.set_staging_size(cur)
