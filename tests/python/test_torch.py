@@ -1373,11 +1373,12 @@ def test_held_units_take_their_path_while_a_page_is_evicted():
     took them; the eviction lowers the VBAR's watermark): each forward
     runs the units on the per-unit path until their pages are back (the
     model on top again lifts the watermark, the per-unit path fills
-    them), then holds them again; they stay the held units throughout.
-    Outputs bitwise."""
+    them), then holds them again; they stay the held units throughout;
+    stats() counts those forwards (unheld_forwards). Outputs bitwise."""
     m, x, want, h, ref = _held_setup()
     hot = h.hot_path
     held = hot.held_units
+    before = h.stats()["model"]["unheld_forwards"]
     assert held and not hot._held_evicted()
     assert h.device.free_memory(1 << 40) > 0    # every unpinned page
     assert hot._held_evicted()
@@ -1396,6 +1397,8 @@ def test_held_units_take_their_path_while_a_page_is_evicted():
         hot.hold = real
     assert holds == [False, False, True], holds
     assert hot.held_units == held and hot.holding is None and no_pins(h)
+    after = h.stats()["model"]["unheld_forwards"]
+    assert after == dict(before, evicted=before["evicted"] + 2), after
     h.unload()
 
 

@@ -48,6 +48,9 @@ MODEL_SIZES = {
                     "place\" (the mapped file), \"pinned copy\" (vpager's), "
                     "\"file\" (read from it)",
     "host_policy": "the line offload() logged saying what it chose and why",
+    "unheld_forwards": "forwards whose held units (a schedule's) took the "
+                       "per-unit path, by why: changed, evicted, failed, "
+                       "staged",
 }
 
 
@@ -71,7 +74,8 @@ def handle_stats(handle, layout, gov, lender) -> Dict[str, Any]:
         load_seconds=dict(layout.load_times),
         host_by_kind=(layout.hbytes.by_kind(entries)
                       if layout.hbytes is not None else {}),
-        host_policy=layout.hbytes.line if layout.hbytes is not None else "")
+        host_policy=layout.hbytes.line if layout.hbytes is not None else "",
+        unheld_forwards=dict(handle.hot_path.unheld))
     device = handle.device.stats()
     # CUDA: what the last forward learned torch may still grab (margin
     # included); 0 before a forward and on the simulated device.

@@ -52,6 +52,10 @@ _NOT_PAGE_RESIDENT = bytes(0 if v & PAGE_RESIDENT else 1 for v in range(256))
 _NOT_RESIDENT = bytes(0 if v & ACQUIRED_RESIDENT else 1 for v in range(256))
 
 _OOM = getattr(torch.cuda, "OutOfMemoryError", None)
+# Why hold() let a forward's held units take the per-unit path: a tensor
+# was changed (enter() says how), a page was evicted, the acquire failed,
+# or it staged a weight (the budget shrank since the schedule).
+UNHELD = ("changed", "evicted", "failed", "staged")
 
 
 class _NoTuner:
@@ -125,6 +129,10 @@ class HotPath:
         self.held = None            # WeightBatch of the held units' weights
         self.held_units = ()        # the units whose weights hold() takes
         self.holding = None         # the stream, while they are held
+        # Forwards whose held units took the per-unit path, by why (hold():
+        # stats()["model"]["unheld_forwards"]): a slow steady state shows
+        # whether the held units ran held.
+        self.unheld = dict.fromkeys(UNHELD, 0)
         self._held_of = None        # the placement `held` was made for
         self._held_runs = []        # their VBAR pages, as [first, end) runs
         self._held_swaps = []       # (module dict, wrapped, bare, unit)
@@ -525,6 +533,10 @@ class HotPath:
             self._held_of = lay.placed
         return self.held
 
+    def _unheld(self, why):
+        self.unheld[why] += 1
+        return False
+
     def _held_evicted(self):
         """True if a page of the held weights is not resident: another
         model took it since. Their acquire would then refill them all
@@ -569,9 +581,9 @@ class HotPath:
         flat = self._held_slots
         for d, key, t, e in flat:
             if d.get(key) is not t or e.cur or t.data_ptr() != e.ph_ptr:
-                return False            # enter() says what changed
+                return self._unheld("changed")  # enter() says what
         if self._held_evicted():
-            return False
+            return self._unheld("evicted")
         ds = self.ds
         if ds.top is not self.owner:    # as enter() does
             self.layout.on_top()
@@ -583,7 +595,7 @@ class HotPath:
         except Error:           # e.g. misses the ring cannot hold at once
             refill(self.layout, self._held_entries)     # as enter()
             self.set_held(())
-            return False        # the per-unit path meets it, if it stays
+            return self._unheld("failed")   # the per-unit path meets it
         flags = batch.flags
         try:
             if self.fill_marks:
@@ -606,7 +618,7 @@ class HotPath:
         if 1 in bytes(flags).translate(_NOT_RESIDENT):
             batch.release(stream)
             self.set_held(())
-            return False
+            return self._unheld("staged")
         self.holding = stream
         self.holder = threading.get_ident()
         try:
