@@ -183,7 +183,8 @@ def child(cr, a):
                 "refills", "host_patched_weights", "host_patched_bytes",
                 "patch_fills", "patch_staged_bytes",
                 "patch_fill_bytes", "set_sources", "kept_fills",
-                "kept_fill_bytes", "replaced", "schedule", "host_by_kind", "host_policy")
+                "kept_fill_bytes", "replaced", "unheld_forwards", "schedule",
+                "host_by_kind", "host_policy")
                 if k in s}
             if lent and lent["on"]:
                 m["vpager"]["lend"] = lent
@@ -483,6 +484,12 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
                 "ms (last prompt) = %.3f x L" % (run, bb / GiB, peak / GiB,
                                                  B / GiB, res_ms, link_ms,
                                                  lim, st, st / lim))
+            # A slow settled run: did its held units run held?
+            unheld = (reps[-1].get("vpager") or {}).get("unheld_forwards")
+            if unheld is not None:
+                row["unheld_forwards"] = unheld
+                say("%s: forwards whose held units took the per-unit path "
+                    "(by why): %s" % (run, unheld))
             if a.lora:
                 lora_vs_L(cr, run, reps, runs.get("legacy"), link_ms, row)
         if bs is not None:

@@ -267,7 +267,7 @@ for PH in ${PHASES//+/ }; do
     GREP='governor: limit'
     TAILN=20 step lora_limit 10 cat "$L/lora_after/run_node6.log" ;;
   prompts)
-    GREP='steady|x L|latents|apart|Error|Traceback'
+    GREP='steady|x L|latents|apart|per-unit path|Error|Traceback'
     TAILN=40 VPAGER_SCHEDULE_LOG=1 step prompts "$(cap)" $N \
       --runs "${PROMPTS_RUNS:-resident,node6,6}" \
       --reps "${PROMPTS_REPS:-10}" --out "$L/prompts" ;;
