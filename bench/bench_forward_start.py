@@ -25,8 +25,14 @@ against the same model paged, settled (--settle forwards first).
     /usr/bin/python3 bench/bench_forward_start.py --dry-run
 
 --dry-run: the simulated device, a small model, no driver calls:
-checks the script runs."""
+checks the script runs. --profile N: the paged model's root call to
+first unit call under cProfile, the N functions with the most own time
+(the profiler's cost included: which of vpager's calls the step's start
+waits for, not their exact cost)."""
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import time
 
@@ -73,11 +79,16 @@ def model(gib, width, dtype):
     return torch.nn.Sequential(*layers).eval()
 
 
-def start_ms(m, x, sync, reps):
-    """Median ms from m(x)'s call to its first layer's call (the host)."""
+def start_ms(m, x, sync, reps, prof=None):
+    """Median ms from m(x)'s call to its first layer's call (the host);
+    prof: a cProfile.Profile that runs over that stretch of each call."""
     at = []
-    h = m[0].register_forward_pre_hook(
-        lambda _m, _a: at.append(time.perf_counter()))
+
+    def first(_m, _a):
+        if prof is not None:
+            prof.disable()
+        at.append(time.perf_counter())
+    h = m[0].register_forward_pre_hook(first)
     times = []
     try:
         with torch.no_grad():
@@ -85,6 +96,8 @@ def start_ms(m, x, sync, reps):
                 sync()
                 at.clear()
                 t0 = time.perf_counter()
+                if prof is not None:
+                    prof.enable()
                 m(x)
                 times.append((at[0] - t0) * 1e3)
     finally:
@@ -101,6 +114,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--settle", type=int, default=30)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--profile", type=int, default=0, metavar="N")
     a = p.parse_args(argv)
     if a.dry_run:
         a.gib, a.budget_gib, a.width, a.tokens = 0.004, 0.003, 64, 8
@@ -144,6 +158,16 @@ def main(argv=None):
               " (x %.2f)" % (k, before[k], after[k], after[k] / before[k]))
     print("root call -> first unit call: resident %.3f ms, paged %.3f ms "
           "(+%.3f ms)" % (resident, paged, paged - resident))
+    if a.profile:
+        prof = cProfile.Profile()
+        start_ms(m, x, sync, a.reps, prof)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(
+            a.profile)
+        print("paged root call -> first unit call under cProfile, %d calls:"
+              % a.reps)
+        print("\n".join(line for line in out.getvalue().splitlines()
+                        if line.strip()))
     h.unload()
     return 0
 
