@@ -373,6 +373,33 @@ def test_l_row_from_legacy():
         and "steady 90.2 ms (lora_b_again) = " in row[0], lines
 
 
+def test_l_at_the_least_peak_of_a_budget():
+    """A run whose torch peak is above another run's of the same budget
+    (a loan of torch's cache made torch reserve more) is also judged
+    against the L of the lesser peak; the run at that peak is not."""
+    import types
+    ns, cr = _bench()
+    a = types.SimpleNamespace(weight_dtype="default", vae=False, lora=False,
+                              switch_shape=None)
+    gen = {"bytes": 10 * GiB, "w_max": 126 << 20, "link_GBps": 55.0}
+
+    def run(step, peak):
+        return {"reps": [{"label": "p", "steps_ms": [500.0, step, step],
+                          "latent_sha256": "x", "torch_peak_reserved": peak}]}
+    summary = {"runs": {"resident": run(80.0, GiB),
+                        "node6": run(95.0, GiB),
+                        "node6lend": run(92.0, GiB + 256 * MiB)}}
+    with _said(ns["compare"]) as lines:
+        ns["compare"](cr, a, gen, summary)
+    least = [x for x in lines if "least torch peak" in x]
+    assert len(least) == 1 and least[0].startswith("node6lend: ") \
+        and "(1.00 GiB, another run's)" in least[0], lines
+    lend = [x for x in lines if x.startswith("node6lend: budget")][0]
+    l_own = float(lend.split(") = ")[1].split(" ms")[0])
+    l_least = float(least[0].split("L = ")[1].split(" ms")[0])
+    assert l_least < l_own, (l_least, l_own)
+
+
 def _cap_or_skip(limit):
     try:
         return memcap.open_cap(limit, "vp-test")
