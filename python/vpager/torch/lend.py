@@ -24,17 +24,11 @@ torch's cache before the forward's larger activations come. Before
 another model's unit, at an out-of-memory retry, at the next loan or
 when the model is unloaded they are taken back whatever they hold.
 
-A borrow that finds no free block of its size halves the loans after
-it. A loan during which torch's allocator reserved more (it wanted a
-block the loan held before the loan came back) is let grow torch's cache
-GROWN_KEPT times: the segment torch took stays, so the next loans of the
-same size find room beside them (the Governor reads the raised peak and
-vpager's limit gives it up); emptying it made torch take it again at
-every loan (forty-fifth session: loans halved 3-5 times a prompt, the
-copies' idle at a step's start left as it was). A growth after those
-halves the loans after it, and ends lending on the device below
-MIN_PIECE; torch's cache is emptied, so the extra reservation goes (one
-GPU synchronize each time). The block sizes are read from torch's
+A loan during which torch's allocator reserved more (it wanted a block
+the loan held before the loan came back, or found none free of a
+borrowed size) halves the loans after it, and ends lending on the device
+below MIN_PIECE; torch's cache is emptied, so the extra reservation goes
+(one GPU synchronize each time). The block sizes are read from torch's
 memory snapshot at the first loan and after each halving: the same
 forwards free the same blocks."""
 
@@ -51,7 +45,6 @@ LEND = "VPAGER_LEND"
 log = logging.getLogger("vpager")
 
 MIN_PIECE = 8 << 20         # smaller free blocks are not worth a range
-GROWN_KEPT = 1              # loans that grew torch's cache, kept (above)
 PIECE_ALIGN = 512           # torch's block granularity
 
 
@@ -118,8 +111,7 @@ class Lender:
     allocator (use()) with VPAGER_LEND=1."""
 
     __slots__ = ("dev", "cache", "sizes", "cap", "pieces", "reserved",
-                 "owner", "loans", "returned", "forced", "halved",
-                 "grown")
+                 "owner", "loans", "returned", "forced", "halved")
 
     def __init__(self, dev):
         self.dev = dev
@@ -132,7 +124,6 @@ class Lender:
         self.loans = self.returned = 0     # made, come back
         self.forced = 0             # taken back whatever they held
         self.halved = 0             # loans halved: torch reserved more
-        self.grown = 0              # loans that grew torch's cache, kept
 
     @property
     def out(self) -> bool:
@@ -204,12 +195,11 @@ class Lender:
     def stats(self) -> Dict[str, Any]:
         """{"on": lending, "bytes": a loan's, "loans", "returned",
         "forced": loans made, come back, taken back whatever they held,
-        "halved": loans halved (torch reserved more), "grown": loans
-        that grew torch's cache, kept}."""
+        "halved": times torch reserved more across a loan}."""
         return {"on": self.cache is not None,
                 "bytes": sum(self.sizes or ()), "loans": self.loans,
                 "returned": self.returned, "forced": self.forced,
-                "halved": self.halved, "grown": self.grown}
+                "halved": self.halved}
 
     def holds(self, addr: int) -> bool:
         return any(a <= addr < a + n for _, a, n in self.pieces)
@@ -219,15 +209,8 @@ class Lender:
         self.owner = None
         self.returned += 1
         cache = self.cache
-        if cache is None or cache.reserved() <= self.reserved:
-            return
-        if self.grown < GROWN_KEPT:
-            self.grown += 1
-            log.info("vpager.torch (%s=1): torch's allocator reserved %d "
-                     "bytes more while a loan was out; kept", LEND,
-                     cache.reserved() - self.reserved)
-            return
-        self._halve("torch's allocator reserved more while it was out")
+        if cache is not None and cache.reserved() > self.reserved:
+            self._halve("torch's allocator reserved more while it was out")
 
     def _halve(self, why: str) -> None:
         """The loans after this one half as large (off below MIN_PIECE),
