@@ -5,6 +5,7 @@ device, no torch needed to decide; the module is imported on its own).
 
 import importlib.util
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -13,6 +14,7 @@ from _runner import main  # noqa: E402
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _PATH = os.path.join(_HERE, "..", "..", "python", "vpager", "torch",
                      "schedule.py")
+_REPO = os.path.join(_HERE, "..", "..")
 _spec = importlib.util.spec_from_file_location("vp_schedule", _PATH)
 S = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(S)     # pure: no vpager library, no torch
@@ -490,6 +492,25 @@ def test_rings_between_none_for_one_ring_or_the_smallest():
         assert len(more) == S.BETWEEN, more
         assert all(288 * MiB < r < 384 * MiB and r % PAGE == 0
                    for r in more), more
+
+
+def test_pause_replan_runs():
+    """bench/pause_replan.py (the pause's figures in bench/RESULTS.md)
+    runs as written on a stored trace: a pause costs the plan its length
+    with the ring at its first-fit share, less with the whole ring."""
+    import subprocess
+    out = subprocess.run(
+        [sys.executable, os.path.join(_REPO, "bench", "pause_replan.py"),
+         os.path.join(_REPO, "bench", "data",
+                      "flux6_diag_node6_h100_s42c10.log"),
+         "--ring", "320", "--gaps", "0", "5.4"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ms = [[float(x) for x in re.findall(r"(?:share|ring) ([0-9.]+) ms", ln)]
+          for ln in out.stdout.splitlines() if ln.startswith("  pause ")]
+    (share0, whole0), (share, whole) = ms
+    assert abs(share - share0 - 5.4) < 0.05, out.stdout
+    assert whole < share, out.stdout
 
 
 if __name__ == "__main__":
