@@ -51,7 +51,9 @@ host_policy among its counters); then each run's latents
 against the resident run's (sha256 of the float32 bytes, prompt by
 prompt); for runs under a budget the limit L = max(resident, (W - B +
 2 w_max) / link) (B: the budget less torch's peak reservation in that run,
-link: measured in the checkpoint's process) and steady / L, and for node
+link: measured in the checkpoint's process) and steady / L (and, for a
+run whose torch peak is above another run's of its budget, against the L
+of that lesser peak: a loan of torch's cache that grows it), and for node
 runs the budget use (weights resident after the last prompt / (budget -
 torch's peak - the staging ring), target >= 0.95); with three
 prompts or more (not --lora, not --switch), how far apart prompts

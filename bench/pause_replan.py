@@ -8,8 +8,9 @@ the forward's last unit (the sampler and the host's way back into the
 model: the copy engine runs on, the compute waits), modelled as a unit
 of its own with no weights. Per pause it prints the step with the ring
 filled to its first-fit share (FRAGMENTATION, as the plans and windows
-count it) and to its whole size, and which of the next forward's first
-streamed weights are staged before it starts. Needs no torch and no GPU.
+count it) and to its whole size, and how much of the next forward's
+first streamed weights is staged before it starts. Needs no torch and no
+GPU.
 
     python3 bench/pause_replan.py \\
         bench/data/flux6_diag_node6_h100_s42c10.log --ring 320 --gaps 0 3 5.4
