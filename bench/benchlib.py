@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -409,6 +410,29 @@ def stream_limit_ms(resident_ms, wbytes, budget, w_max, link_GBps):
     copy. (L ms, the link term ms)."""
     link_ms = max(0, wbytes - budget + 2 * w_max) / (link_GBps * GB) * 1e3
     return max(resident_ms, link_ms), link_ms
+
+
+def schedule_trace(path):
+    """A VPAGER_SCHEDULE_LOG trace's plan inputs: (units [(name, bytes)],
+    every per-unit work line in order [[seconds]], the first budget a plan
+    was made for (bytes), the first link (B/s)); None where not logged."""
+    units, works, total, link = None, [], None, None
+    with open(path) as f:
+        for line in f:
+            if "units (name:bytes):" in line and units is None:
+                units = [(u.rsplit(":", 1)[0], int(u.rsplit(":", 1)[1]))
+                         for u in line.split("units (name:bytes): ")[1]
+                         .split()]
+            elif "work (ms):" in line:
+                works.append([float(x) / 1e3 for x in
+                              line.split("work (ms): ")[1].split()])
+            m = re.search(r"planned for (\d+)", line)
+            if m and total is None:
+                total = int(m.group(1))
+            m = re.search(r"link ([0-9.]+) GB/s", line)
+            if m and link is None:
+                link = float(m.group(1)) * 1e9
+    return units, works, total, link
 
 
 class WaitProbe:

@@ -31,7 +31,6 @@ unit's total; its biases are a rounding here)."""
 
 import glob
 import os
-import re
 import statistics
 import sys
 import time
@@ -65,30 +64,12 @@ class _Unit:
 
 def read_log(path):
     """(units, cold seconds, warm seconds, planned-for bytes, link B/s)."""
-    units = cold = warm = None
-    total = link = None
-    with open(path) as f:
-        for line in f:
-            if "units (name:bytes):" in line and units is None:
-                units = [_Unit(*u.rsplit(":", 1)[:1] +
-                               [int(u.rsplit(":", 1)[1])])
-                         for u in line.split("units (name:bytes): ")[1]
-                         .split()]
-            elif "work (ms):" in line:
-                w = [float(x) / 1e3 for x in
-                     line.split("work (ms): ")[1].split()]
-                cold = w if cold is None else cold
-                warm = w
-            m = re.search(r"planned for (\d+)", line)
-            if m and total is None:
-                total = int(m.group(1))
-            m = re.search(r"link ([0-9.]+) GB/s", line)
-            if m and link is None:
-                link = float(m.group(1)) * 1e9
-    if not units or cold is None or total is None or link is None:
+    units, works, total, link = benchlib.schedule_trace(path)
+    if not units or not works or total is None or link is None:
         raise SystemExit("%s: no units, work, budget or link logged (run "
                          "with VPAGER_SCHEDULE_LOG=1)" % path)
-    return units, cold, warm, total, link
+    return ([_Unit(name, size) for name, size in units], works[0],
+            works[-1], total, link)
 
 
 def planned(work, sizes, total, link, estimated=False):

@@ -12,13 +12,15 @@ count it) and to its whole size, and how much of the next forward's
 first streamed weights is staged before it starts. Needs no torch and no
 GPU.
 
-    python3 bench/pause_replan.py \\
-        bench/data/flux6_diag_node6_h100_s42c10.log --ring 320 --gaps 0 3 5.4
+    python3 bench/pause_replan.py bench/data/flux6_diag_node6_h100_s42c10.log \\
+        --room 5482940923 --link 55.2 --ring 320 --gaps 0 3 5.4
 """
 import argparse
 import importlib.util
 import os
 import sys
+
+import benchlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEDULE = os.path.join(HERE, "..", "python", "vpager", "torch",
@@ -33,36 +35,14 @@ def load_schedule():
     return mod
 
 
-def read_trace(path, which=-1):
-    """(units [(name, bytes)], work [s]) of a schedule trace: its first
-    units line and its `which` measured work line."""
-    units, works = None, []
-    with open(path) as f:
-        for line in f:
-            if units is None and "units (name:bytes):" in line:
-                units = [(t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1]))
-                         for t in line.split("units (name:bytes):")[1].split()]
-            if "measured work (ms):" in line:
-                works.append([float(x) / 1e3 for x in
-                              line.split("measured work (ms):")[1].split()])
-    if units is None or not works:
-        raise SystemExit("%s: no units line or no measured work "
-                         "(run with VPAGER_SCHEDULE_LOG=1)" % path)
-    work = works[which]
-    if len(work) != len(units):
-        raise SystemExit("%s: %d units but %d measured works"
-                         % (path, len(units), len(work)))
-    return units, work
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
-    ap.add_argument("--room", type=int, default=5482940923,
-                    help="bytes the plan may use (the trace's planned_for; "
-                    "default: Flux 9.4 GiB at 6 GiB on the H100)")
-    ap.add_argument("--link", type=float, default=55.2,
-                    help="host-to-device GB/s (default 55.2)")
+    ap.add_argument("--room", type=int,
+                    help="bytes the plan may use (default: the first "
+                    "budget the trace planned for)")
+    ap.add_argument("--link", type=float,
+                    help="host-to-device GB/s (default: the trace's first)")
     ap.add_argument("--ring", type=int, nargs="+", default=[320],
                     help="ring sizes, MiB (default 320)")
     ap.add_argument("--gaps", type=float, nargs="+", default=[0.0, 3.0, 5.4],
@@ -70,14 +50,23 @@ def main(argv=None):
     ap.add_argument("--page", type=int, default=32, help="page MiB")
     a = ap.parse_args(argv)
     S = load_schedule()
-    units, work = read_trace(a.trace)
+    units, works, room, link = benchlib.schedule_trace(a.trace)
+    room = a.room or room
+    link = a.link * 1e9 if a.link else link
+    if not units or not works or not room or not link:
+        raise SystemExit("%s: no units, work, budget or link logged (run "
+                         "with VPAGER_SCHEDULE_LOG=1)" % a.trace)
+    work = works[-1]            # the last forward measured (warm)
+    if len(work) != len(units):
+        raise SystemExit("%s: %d units but %d works in its last line"
+                         % (a.trace, len(units), len(work)))
     sizes = [[b] for _, b in units]
-    link, page = a.link * 1e9, a.page << 20
+    page = a.page << 20
     print("trace %s: %d units, %.2f ms of work; room %.3f GB, link %.1f GB/s"
-          % (a.trace, len(units), sum(work) * 1e3, a.room / 1e9, a.link))
+          % (a.trace, len(units), sum(work) * 1e3, room / 1e9, link / 1e9))
     for mib in a.ring:
         ring = mib << 20
-        [(_, plan)] = S.plan_rings(work, sizes, a.room, [ring], page, link,
+        [(_, plan)] = S.plan_rings(work, sizes, room, [ring], page, link,
                                    512, 1, 4e-6)
         res = list(plan.resident)
         print("ring %d MiB: plan %.2f ms, %.3f GB streamed a step"

@@ -503,7 +503,8 @@ def test_pause_replan_runs():
         [sys.executable, os.path.join(_REPO, "bench", "pause_replan.py"),
          os.path.join(_REPO, "bench", "data",
                       "flux6_diag_node6_h100_s42c10.log"),
-         "--ring", "320", "--gaps", "0", "5.4"],
+         "--room", "5482940923", "--link", "55.2", "--ring", "320",
+         "--gaps", "0", "5.4"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     ms = [[float(x) for x in re.findall(r"(?:share|ring) ([0-9.]+) ms", ln)]
