@@ -8,9 +8,9 @@ the forward's last unit (the sampler and the host's way back into the
 model: the copy engine runs on, the compute waits), modelled as a unit
 of its own with no weights. Per pause it prints the step with the ring
 filled to its first-fit share (FRAGMENTATION, as the plans and windows
-count it) and to its whole size, and how much of the next forward's
-first streamed weights is staged before it starts. Needs no torch and no
-GPU.
+count it) and to its whole size, how much of the next forward's first
+streamed weights is staged before it starts, and what a plan made with
+the pause in its work predicts. Needs no torch and no GPU.
 
     python3 bench/pause_replan.py bench/data/flux6_diag_node6_h100_s42c10.log \\
         --room 5482940923 --link 55.2 --ring 320 --gaps 0 3 5.4
@@ -81,6 +81,12 @@ def main(argv=None):
                 ahead = sum(sz for (_, sz), c in zip(streamed, cst) if c < 0)
                 out.append("%s %.2f ms (%d MiB staged before it)"
                            % (name, period * 1e3, ahead >> 20))
+            # The plan made knowing the pause (its resident set may
+            # differ), at the ring's first-fit share as the planner counts.
+            [(_, knew)] = S.plan_rings(w, s, room, [ring], page, link, 512,
+                                       1, 4e-6)
+            out.append("planned with the pause %.2f ms"
+                       % (knew.predicted * 1e3))
             print("  pause %.1f ms: %s" % (g, "; ".join(out)))
     return 0
 
