@@ -219,7 +219,9 @@ def child(cr, a):
 # forwards read as one). "nohold" holds no unit for the whole forward
 # (VPAGER_HOLD=0: every unit takes the per-unit path); "gap" plans for
 # the time between two forwards (VPAGER_BETWEEN=1); "lend" lends torch's
-# free cache to the staging ring between forwards (VPAGER_LEND=1);
+# free cache to the staging ring between forwards (VPAGER_LEND=1),
+# "lendtrace" the same with torch's allocations recorded and what grew
+# torch's cache during a loan printed (VPAGER_BENCH_LEND_TRACE, comfyui_run);
 # "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
 # default 32 MiB: a plan's spare page and its rounding cost a page each).
 # Suffixes combine:
@@ -237,6 +239,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "nohold": {"VPAGER_HOLD": "0"},
             "gap": {"VPAGER_BETWEEN": "1"},
             "lend": {"VPAGER_LEND": "1"},
+            "lendtrace": {"VPAGER_LEND": "1", "VPAGER_BENCH_LEND_TRACE": "1"},
             "page8": {"VPAGER_PAGE_SIZE": "8M"},
             "page16": {"VPAGER_PAGE_SIZE": "16M"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},

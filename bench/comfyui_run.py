@@ -129,6 +129,11 @@ PROFILE_TOP = 30
 # is given and each peak it masks (a fill's), printed with its time:
 # where a replan's room came from.
 GOVERNOR_LOG = os.environ.get("VPAGER_BENCH_GOVERNOR") == "1"
+# VPAGER_BENCH_LEND_TRACE=1 (with VPAGER_LEND=1): torch's allocations
+# recorded; when a loan of torch's cache halves (torch reserved more while
+# it was out), the segments torch added since the loan was borrowed are
+# printed with the Python frames that asked for them.
+LEND_TRACE = os.environ.get("VPAGER_BENCH_LEND_TRACE") == "1"
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -986,6 +991,8 @@ def child_sample(a):
     args, shape, torch_before = comfy_init(extra)
     state = comfy_init_devices(args)
     import torch
+    if LEND_TRACE:
+        trace_lend()
     import comfy.sd
     import comfy.sample
     import comfy.utils
@@ -1412,6 +1419,71 @@ def machine(a):
                  % ("the compute stream's" if STEP_SYNC == "stream"
                     else "the device's"))
     return lines
+
+
+def _frames(ev, n=4):
+    """The innermost n Python frames of a trace event outside torch."""
+    out = []
+    for f in ev.get("frames") or ():
+        fn = f.get("filename", "")
+        if "/torch/" in fn or not fn.endswith(".py"):
+            continue
+        out.append("%s:%s %s" % (os.path.basename(fn), f.get("line"),
+                                 f.get("name")))
+        if len(out) == n:
+            break
+    return " < ".join(out)
+
+
+def _lend_growth(snap, why):
+    """What torch allocated from the last loan's borrow on (LEND_TRACE)."""
+    for dev, trace in enumerate(snap.get("device_traces") or ()):
+        borrow = [i for i, ev in enumerate(trace) if ev.get("action") ==
+                  "alloc" and any(f.get("name") == "borrow"
+                                  for f in ev.get("frames") or ())]
+        if not borrow:
+            continue
+        i0 = borrow[-1]
+        while i0 - 1 in borrow:
+            i0 -= 1
+        sys.stderr.write("lend trace (device %d): %s; the loan: %s MB\n" % (
+            dev, why, " ".join("%.1f" % (trace[i]["size"] / 1e6)
+                               for i in range(i0, borrow[-1] + 1)
+                               if i in borrow)))
+        live, peak, grown = 0, 0, 0
+        for ev in trace[borrow[-1] + 1:]:
+            a = ev.get("action")
+            if a == "alloc":
+                live += ev["size"]
+                peak = max(peak, live)
+            elif a == "free_requested":
+                live -= ev["size"]
+            elif a == "segment_alloc":
+                grown += ev["size"]
+                sys.stderr.write("lend trace:   segment +%.1f MB (stream %s, "
+                                 "%.1f MB allocated since the loan): %s\n"
+                                 % (ev["size"] / 1e6, ev.get("stream"),
+                                    live / 1e6, _frames(ev)))
+        sys.stderr.write("lend trace:   since the loan: segments +%.1f MB, "
+                         "allocations' peak +%.1f MB\n"
+                         % (grown / 1e6, peak / 1e6))
+
+
+def trace_lend():
+    """LEND_TRACE: the allocation history on, the Lender's halving hooked."""
+    import torch
+    from vpager.torch import lend
+    torch.cuda.memory._record_memory_history(max_entries=200000,
+                                             stacks="python")
+    halve = lend.Lender._halve
+
+    def on_halve(self, why):
+        try:
+            _lend_growth(torch.cuda.memory._snapshot(), why)
+        except Exception as e:      # a diagnostic must not end the run
+            sys.stderr.write("lend trace failed: %r\n" % (e,))
+        return halve(self, why)
+    lend.Lender._halve = on_halve
 
 
 def log_governor():

@@ -400,6 +400,39 @@ def test_l_at_the_least_peak_of_a_budget():
     assert l_least < l_own, (l_least, l_own)
 
 
+def test_lend_trace_names_what_grew_torch_after_a_loan():
+    """VPAGER_BENCH_LEND_TRACE's reading of torch's allocation history: the
+    segments added after the last loan's borrows, with the frames outside
+    torch that asked for them, and the allocations' peak since."""
+    import io
+    _, cr = _bench()
+
+    def ev(action, size, name="forward", filename="/m/flux.py"):
+        return {"action": action, "size": size, "stream": 0,
+                "frames": [{"filename": "/x/torch/nn/module.py", "line": 1,
+                            "name": "_call_impl"},
+                           {"filename": filename, "line": 7, "name": name}]}
+    borrow = lambda n: ev("alloc", n, "borrow", "/v/vpager/torch/lend.py")
+    trace = [borrow(64 * MiB),              # an earlier loan
+             ev("segment_alloc", 8 * MiB, "old"),
+             borrow(200 * MiB), borrow(100 * MiB),
+             ev("alloc", 30 * MiB), ev("free_requested", 30 * MiB),
+             ev("alloc", 50 * MiB, "attention"),
+             ev("segment_alloc", 52 * MiB, "attention")]
+    err, sys.stderr = sys.stderr, io.StringIO()
+    try:
+        cr._lend_growth({"device_traces": [trace]}, "reserved more")
+        out = sys.stderr.getvalue()
+    finally:
+        sys.stderr = err
+    assert "the loan: 209.7 104.9 MB" in out, out
+    grown = [x for x in out.splitlines() if "segment +" in x]
+    assert len(grown) == 1 and "+54.5 MB" in grown[0] \
+        and "flux.py:7 attention" in grown[0] and "torch" not in \
+        grown[0].split(": ", 1)[1], out
+    assert "segments +54.5 MB, allocations' peak +52.4 MB" in out, out
+
+
 def _cap_or_skip(limit):
     try:
         return memcap.open_cap(limit, "vp-test")
