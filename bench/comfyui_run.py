@@ -1443,13 +1443,14 @@ def _lend_growth(snap, why):
                                   for f in ev.get("frames") or ())]
         if not borrow:
             continue
-        i0 = borrow[-1]
-        while i0 - 1 in borrow:
-            i0 -= 1
+        loan = [borrow[-1]]     # the last run of borrows in a row
+        for i in reversed(borrow[:-1]):
+            if i != loan[0] - 1:
+                break
+            loan.insert(0, i)
         sys.stderr.write("lend trace (device %d): %s; the loan: %s MB\n" % (
             dev, why, " ".join("%.1f" % (trace[i]["size"] / 1e6)
-                               for i in range(i0, borrow[-1] + 1)
-                               if i in borrow)))
+                               for i in loan)))
         live, peak, grown = 0, 0, 0
         for ev in trace[borrow[-1] + 1:]:
             a = ev.get("action")
