@@ -412,7 +412,9 @@ def test_lend_trace_names_what_grew_torch_after_a_loan():
                 "frames": [{"filename": "/x/torch/nn/module.py", "line": 1,
                             "name": "_call_impl"},
                            {"filename": filename, "line": 7, "name": name}]}
-    borrow = lambda n: ev("alloc", n, "borrow", "/v/vpager/torch/lend.py")
+
+    def borrow(n):
+        return ev("alloc", n, "borrow", "/v/vpager/torch/lend.py")
     trace = [borrow(64 * MiB),              # an earlier loan
              ev("segment_alloc", 8 * MiB, "old"),
              borrow(200 * MiB), borrow(100 * MiB),
