@@ -63,6 +63,12 @@ VARIABLES: Dict[str, Variable] = {
     "VPAGER_LEND": Variable("flag", "1: torch's free cache is lent to "
                             "the staging ring between two forwards "
                             "(default 0)"),
+    "VPAGER_LEND_CAP": Variable("size", "with VPAGER_LEND=1, a loan's most "
+                                "bytes (default: the staging ring's)"),
+    "VPAGER_SPARE_PAGES": Variable("count", "pages of the budget a plan "
+                                   "leaves free beside the resident set "
+                                   "and the ring (default 1)",
+                                   low=0, high=64),
     "VPAGER_PLACE_EARLY": Variable("flag", "0: no placement for a schedule "
                                    "guessed from the weights' sizes before "
                                    "the first forward (default 1)"),

@@ -13,6 +13,7 @@ caching allocator), brought in through the Lender's seam.
   loans after it, down to none (torch's cache left as it is); torch
   growing again up to that peak (a client emptied its cache) does not;
 * a loan the library refuses does not fail the forward: lending ends;
+* VPAGER_LEND_CAP bounds a loan's bytes;
 * nothing is lent unless VPAGER_LEND=1 and torch's allocator is native.
 No timed assertions.
 
@@ -241,6 +242,26 @@ def test_a_loan_the_library_refuses_ends_lending():
             assert torch.equal(m(x), want)
         assert lender.cache is None and not lender.out
         assert lender.loans == 0 and not cache.out
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_a_loan_takes_at_most_its_cap():
+    """VPAGER_LEND_CAP bounds a loan's bytes below the ring's (the fake
+    cache's two free blocks would give the ring's 320 KiB); outputs stay
+    bitwise."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    h = _offload(m)
+    lender, cache = _lending(h)
+    lender.cap = None       # learned at the first loan, as from use()
+    try:
+        with environ(VPAGER_LEND_CAP="96K"):
+            for i in range(3):
+                assert torch.equal(m(x), want), "forward %d" % i
+        assert lender.loans >= 1
+        assert lender.stats()["bytes"] == 96 * K
     finally:
         _finish(lender, cache, h)
 

@@ -48,6 +48,7 @@ from .. import LENT_RANGES, env
 from ..errors import Error
 
 LEND = "VPAGER_LEND"
+LEND_CAP = "VPAGER_LEND_CAP"
 log = logging.getLogger("vpager")
 
 MIN_PIECE = 8 << 20         # smaller free blocks are not worth a range
@@ -151,7 +152,9 @@ class Lender:
             return              # a weight staged there is acquired still
         if self.sizes is None:
             if self.cap is None:
-                self.cap = int(self.dev.options["staging_size"])
+                ring = int(self.dev.options["staging_size"])
+                given = env.size(LEND_CAP)
+                self.cap = ring if given is None else min(given, ring)
             self.sizes = piece_sizes(cache.free_blocks(stream), self.cap)
         if not self.sizes:
             return

@@ -53,6 +53,14 @@ SLACK = 1.5                 # a window up to this much larger is kept
 # ring (torch may take a little between two watches, below). Each is link
 # time every forward (32 MiB: 0.6 ms on the H200): one, not two.
 SPARE_PAGES = 1
+SPARE = "VPAGER_SPARE_PAGES"
+
+
+def spare_pages():
+    """The pages a plan leaves free (VPAGER_SPARE_PAGES, else SPARE_PAGES)."""
+    given = env.count(SPARE)
+    return SPARE_PAGES if given is None else given
+
 # Forwards measured: the first fills the weights (VMM calls, copies,
 # first-use work on the host) and its device time runs long (H200: Flux
 # 2.1-2.7x, a Llama prefill 2.5-5x its resident time). The first one's
@@ -470,7 +478,7 @@ class Tuner:
                                         lay.align)
         if not flat or every + ring_pages(ring, page) <= total:
             return False        # all fit: the measured plan keeps them all
-        room = total - ring_pages(ring, page) - SPARE_PAGES * page
+        room = total - ring_pages(ring, page) - spare_pages() * page
         resident = schedule.guess(sizes, room, page, ring, lay.align)
         if resident is None or not any(resident):
             return False
@@ -1368,7 +1376,7 @@ class Tuner:
                                keep)
             cands = schedule.plan_rings_between(
                 cands, work, sizes, total, dev.page_size, self.link,
-                self.layout.align, SPARE_PAGES, PER_COPY, MARGIN, keep,
+                self.layout.align, spare_pages(), PER_COPY, MARGIN, keep,
                 self.estimated)
         else:
             total, cands = planned.total, planned.cands
@@ -1392,7 +1400,7 @@ class Tuner:
         pages than the compact one plan() counts)."""
         page = self.layout.device.page_size
         room = (self.planned_for - ring_pages(self.ring, page)
-                - SPARE_PAGES * page)
+                - spare_pages() * page)
         flat = self._costs({})[3]
         return len(pages_touched(flat, [e.offset for e in flat],
                                  sch.resident, page)) * page <= room
@@ -1548,7 +1556,7 @@ class Tuner:
         lay = self.layout
         got = schedule.nearest_within(
             w, sizes, old.resident, sch, self.planned_for, ring,
-            lay.device.page_size, lay.align, SPARE_PAGES, self.link,
+            lay.device.page_size, lay.align, spare_pages(), self.link,
             PER_COPY, NEAR, keep)
         if got is None:
             return sch
@@ -1565,7 +1573,8 @@ class Tuner:
                 not env.flag(PLACE_STEPS, False):
             return sch              # nothing resident to keep
         page = lay.device.page_size
-        room = self.planned_for - ring_pages(ring, page) - SPARE_PAGES * page
+        room = (self.planned_for - ring_pages(ring, page)
+                - spare_pages() * page)
         res = schedule.toward(old.resident, sch.resident, sizes, room, page,
                               lay.align, keep, int(STEP * sch.streamed))
         if res is None or res == sch.resident:
@@ -1758,7 +1767,7 @@ class Tuner:
         """Pages the resident set may take beside a ring of `ring` bytes."""
         page = self.layout.device.page_size
         return (self.planned_for - ring_pages(ring, page)
-                - SPARE_PAGES * page) // page
+                - spare_pages() * page) // page
 
     def _placed(self, lay, flat, sch, w, sizes, ring, keep, refine=False):
         """(schedule, _placement()'s answer) to place: sch's own, or, where
@@ -1999,7 +2008,7 @@ def plan_rings(work, sizes, total, rings, page, link, align, keep=None):
     """[(ring, Schedule)]: schedule.plan_rings() with the tuner's
     constants, on this thread."""
     return schedule.plan_rings(work, sizes, total, rings, page, link, align,
-                               SPARE_PAGES, PER_COPY, MARGIN, keep)
+                               spare_pages(), PER_COPY, MARGIN, keep)
 
 
 def _keep(flat):
@@ -2058,8 +2067,9 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     interpreters of their own, so the plan's pure-Python seconds take no
     GIL from the forward's thread; each ring size in one), computed here
     if they cannot be had."""
-    args = (work, works, sizes, total, rings, page, link, align, SPARE_PAGES,
-            PER_COPY, MARGIN, old_resident, old_ring, keep, NEAR)
+    args = (work, works, sizes, total, rings, page, link, align,
+            spare_pages(), PER_COPY, MARGIN, old_resident, old_ring, keep,
+            NEAR)
     got = None
     if remote:
         # Each ring size in a process of its own, then those between
@@ -2084,7 +2094,7 @@ def _ring_fields(work, sizes, total, rings, page, link, align, keep):
     """schedule.ring_fields() of each ring in `rings`, each in a planner's
     process of its own; None if they cannot be had."""
     each = planproc.call_each("ring_fields", [
-        (work, sizes, total, [r], page, link, align, SPARE_PAGES, PER_COPY,
+        (work, sizes, total, [r], page, link, align, spare_pages(), PER_COPY,
          MARGIN, keep) for r in rings])
     return None if each is None else [c for cs in each for c in cs]
 
