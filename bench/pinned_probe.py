@@ -7,12 +7,20 @@ Flux at 6 GiB settled 8-20 ms slower in some processes than in others
 with the same plan, and the bytes a plan streams come from that copy.
 
     python3 bench/pinned_probe.py [--gib 9.4] [--chunk-mib 128] [--reps 3]
+        [--dst torch|vbar|both] [--busy]
 
 Prints the machine (GPU, its NUMA node, the host's nodes, the huge page
 settings), the copy's huge pages and NUMA nodes (/proc/self/smaps,
 numa_maps), and per chunk its host-to-device GB/s (the median of
 --reps copies, timed with CUDA events), then the spread: the slowest
-chunks name the bytes a plan would do best not to stream."""
+chunks name the bytes a plan would do best not to stream.
+
+--dst vbar copies into a VBAR's committed pages (vpager's device, as the
+staging ring and resident weights lie) instead of torch's allocation;
+both: each chunk to each, side by side. --busy: a bf16 matmul loop runs
+on another stream meanwhile (a forward's kernels beside its copies): the
+node's copies ran at 54.4 GB/s inside a Flux step where the link read
+55.1."""
 
 import argparse
 import concurrent.futures
@@ -92,11 +100,47 @@ def cudart():
     raise SystemExit("pinned_probe: no libcudart found beside torch")
 
 
+class Busy:
+    """bf16 matmuls queued on a side stream, kept ahead of the copies."""
+
+    def __init__(self):
+        self.stream = torch.cuda.Stream()
+        self.a = torch.randn(8192, 8192, device="cuda",
+                             dtype=torch.bfloat16)
+        self.ev = None
+
+    def keep_up(self):
+        if self.ev is not None and not self.ev.query():
+            return
+        with torch.cuda.stream(self.stream):
+            for _ in range(40):         # ~40 ms of an H100's matmuls
+                self.a @ self.a
+            self.ev = torch.cuda.Event()
+            self.ev.record(self.stream)
+
+    def stop(self):
+        self.stream.synchronize()
+
+
+def report(what, rates, chunk_mib):
+    print("chunks %s: %d of %d MiB; GB/s min %.2f, median %.2f, max %.2f"
+          % (what, len(rates), chunk_mib, min(rates),
+             statistics.median(rates), max(rates)))
+    med = statistics.median(rates)
+    slow = [(i, r) for i, r in enumerate(rates) if r < 0.97 * med]
+    print("chunks 3%% or more below the median: %d %s" % (
+        len(slow), " ".join("%d:%.1f" % s for s in slow[:40])))
+    print("rates: " + " ".join("%.1f" % r for r in rates))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=9.4)
     ap.add_argument("--chunk-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dst", choices=("torch", "vbar", "both"),
+                    default="torch")
+    ap.add_argument("--busy", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pinned_probe: needs a CUDA GPU")
@@ -121,30 +165,46 @@ def main():
     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_size_t, ctypes.c_int,
                                     ctypes.c_void_p]
-    dst = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    dsts = {}
+    vdev = vbar = None
+    if a.dst in ("torch", "both"):
+        dsts["torch"] = torch.empty(chunk, dtype=torch.uint8,
+                                    device="cuda").data_ptr()
+    if a.dst in ("vbar", "both"):
+        from vpager import Device
+        vdev = Device("cuda")
+        vbar = vdev.create_vbar(chunk)
+        vbar.fault(0, chunk, gens=False)
+        dsts["vbar"] = vbar.base
     stream = torch.cuda.current_stream()
-    rates = []
-    for off in range(0, total - chunk + 1, chunk):
-        ts = []
-        for _ in range(a.reps):
-            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in "ab")
-            e0.record(stream)
-            rc = lib.cudaMemcpyAsync(dst.data_ptr(), base + off, chunk, 1,
-                                     stream.cuda_stream)
-            e1.record(stream)
-            e1.synchronize()
-            if rc:
-                raise SystemExit("pinned_probe: cudaMemcpyAsync: %d" % rc)
-            ts.append(e0.elapsed_time(e1) / 1e3)
-        rates.append(chunk / statistics.median(ts) / 1e9)
-    print("chunks: %d of %d MiB; GB/s min %.2f, median %.2f, max %.2f" % (
-        len(rates), a.chunk_mib, min(rates), statistics.median(rates),
-        max(rates)))
-    med = statistics.median(rates)
-    slow = [(i, r) for i, r in enumerate(rates) if r < 0.97 * med]
-    print("chunks 3%% or more below the median: %d %s" % (
-        len(slow), " ".join("%d:%.1f" % s for s in slow[:40])))
-    print("rates: " + " ".join("%.1f" % r for r in rates))
+    busy = Busy() if a.busy else None
+    for name, dst in dsts.items():
+        rates = []
+        for off in range(0, total - chunk + 1, chunk):
+            ts = []
+            for _ in range(a.reps):
+                if busy is not None:
+                    busy.keep_up()
+                e0, e1 = (torch.cuda.Event(enable_timing=True)
+                          for _ in "ab")
+                e0.record(stream)
+                rc = lib.cudaMemcpyAsync(dst, base + off, chunk, 1,
+                                         stream.cuda_stream)
+                e1.record(stream)
+                e1.synchronize()
+                if rc:
+                    raise SystemExit("pinned_probe: cudaMemcpyAsync: %d"
+                                     % rc)
+                ts.append(e0.elapsed_time(e1) / 1e3)
+            rates.append(chunk / statistics.median(ts) / 1e9)
+        report("to %s%s" % (name, ", matmuls beside" if busy else ""),
+               rates, a.chunk_mib)
+    if busy is not None:
+        busy.stop()
+    if vbar is not None:
+        vbar.unpin(0, chunk)
+        vbar.close()
+        vdev.close()
     rt.cudaHostUnregister(base)
 
 
