@@ -179,7 +179,7 @@ class HotPath:
                            if _RAW_STREAM is not None else
                            functools.partial(_cuda_stream, target))
             ds.lender.use(target, self.index, functools.partial(
-                torch_reserved_now, self.index), ds.gov.torch_peak)
+                torch_reserved_now, self.index))
         else:
             self.stream = int           # int() == 0: the default stream
             self.index = 0

@@ -24,19 +24,13 @@ torch's cache before the forward's larger activations come. Before
 another model's unit, at an out-of-memory retry, at the next loan or
 when the model is unloaded they are taken back whatever they hold.
 
-A loan during which torch's allocator reserved more than the most it is
-known to have held (the Governor's torch peak: it wanted a block the
-loan held before the loan came back, or found none free of a borrowed
-size) halves the loans after it, and ends lending on the device below
-MIN_PIECE. Torch growing again up to that peak is not the loan's doing
-(a client emptied torch's cache: ComfyUI at each prompt), and torch's
-cache is not emptied at a halving: the forty-sixth and forty-seventh
-sessions' loans halved to a few MiB because each emptying made the
-next forward re-grow torch's 2 MB small-block segments, which the loan
-after it then counted as its own growth (bench_node's lendtrace run:
-bench/RESULTS.md). The block sizes are read from torch's memory
-snapshot at the first loan and after each halving: the same forwards
-free the same blocks."""
+A loan during which torch's allocator reserved more (it wanted a block
+the loan held before the loan came back, or found none free of a
+borrowed size) halves the loans after it, and ends lending on the device
+below MIN_PIECE; torch's cache is emptied, so the extra reservation goes
+(one GPU synchronize each time). The block sizes are read from torch's
+memory snapshot at the first loan and after each halving: the same
+forwards free the same blocks."""
 
 import logging
 import os
@@ -61,13 +55,11 @@ def enabled() -> bool:
 
 class TorchCache:
     """torch's CUDA caching allocator on one device, as a Lender borrows
-    from it. reserved: () -> the bytes it holds now; peak: () -> the most
-    it is known to have held (the device's Governor's)."""
+    from it. reserved: () -> the bytes it holds now."""
 
     def __init__(self, target: torch.device, index: int,
-                 reserved: Callable[[], int], peak: Callable[[], int]):
-        self.target, self.index = target, index
-        self.reserved, self.peak = reserved, peak
+                 reserved: Callable[[], int]):
+        self.target, self.index, self.reserved = target, index, reserved
 
     @staticmethod
     def usable() -> bool:
@@ -96,6 +88,9 @@ class TorchCache:
     def borrow(self, nbytes: int) -> Tuple[Any, int]:
         t = torch.empty(nbytes, dtype=torch.uint8, device=self.target)
         return t, t.data_ptr()
+
+    def shrink(self) -> None:
+        torch.cuda.empty_cache()
 
 
 def piece_sizes(free: List[int], cap: int) -> List[int]:
@@ -136,11 +131,11 @@ class Lender:
         return bool(self.pieces)
 
     def use(self, target: torch.device, index: int,
-            reserved: Callable[[], int], peak: Callable[[], int]) -> None:
+            reserved: Callable[[], int]) -> None:
         """Lend from torch's cache on `target` (once per device; nothing
         unless VPAGER_LEND=1 and torch's allocator has lendable blocks)."""
         if self.cache is None and enabled() and TorchCache.usable():
-            self.cache = TorchCache(target, index, reserved, peak)
+            self.cache = TorchCache(target, index, reserved)
 
     def lend(self, owner: Any, stream: int) -> None:
         """Before the acquire of owner's last streamed unit, on its
@@ -158,15 +153,14 @@ class Lender:
             self.sizes = piece_sizes(cache.free_blocks(stream), self.cap)
         if not self.sizes:
             return
-        # Torch may hold up to its known peak while the loan is out.
-        before = max(cache.reserved(), cache.peak())
+        before = cache.reserved()
         pieces = []
         for n in self.sizes:
             keep, addr = cache.borrow(n)
             pieces.append((keep, addr, n))
         del keep
-        if cache.reserved() > before:       # no free block of that size
-            del pieces
+        if cache.reserved() != before:      # no free block of that size
+            del pieces                      # (before torch's cache empties)
             self._halve("a block of %s was not free"
                         % ", ".join(str(n) for n in self.sizes))
             return
@@ -219,19 +213,19 @@ class Lender:
         self.returned += 1
         cache = self.cache
         if cache is not None and cache.reserved() > self.reserved:
-            self._halve("torch's allocator reserved more than its known "
-                        "peak while it was out")
+            self._halve("torch's allocator reserved more while it was out")
 
     def _halve(self, why: str) -> None:
-        """The loans after this one half as large (off below MIN_PIECE).
-        Torch keeps what it reserved: its peak counts it (the Governor's),
-        and emptying its cache would make it grow again."""
+        """The loans after this one half as large (off below MIN_PIECE),
+        torch's extra reservation given back."""
         self.halved += 1
         self.cap = sum(self.sizes or ()) // 2
         self.sizes = None
+        cache = self.cache
         if self.cap < MIN_PIECE:
             self.cache = None
         log.info("vpager.torch (%s=1): %s; %s", LEND, why,
                  "lending torch's cache to the staging ring is off for "
                  "this device" if self.cache is None else
                  "a loan is at most %d bytes from now" % self.cap)
+        cache.shrink()
