@@ -437,11 +437,13 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
     base = runs.get("resident") or runs.get("legacy")
     link = gen.get("link_GBps")
     W, w_max = cr.held(gen, a.weight_dtype)
+    med = gen.get("link_GBps_median")
     say("W %.2f GiB (%.2f GB%s), w_max %.1f MiB, link %.2f GB/s (pinned "
-        "host->device, measured in the checkpoint's process)"
+        "host->device, the fastest of 7 rounds%s, measured in the "
+        "checkpoint's process)"
         % (W / GiB, W / 1e9, ", held as %s" % a.weight_dtype
            if a.weight_dtype != "default" else "", w_max / 2**20,
-           link or 0))
+           link or 0, "; their median %.2f" % med if med else ""))
     # The least torch peak of each budget's runs: a run whose own work
     # made torch reserve more (a loan of torch's cache) is judged against
     # the L of the peak it would have had, too.
