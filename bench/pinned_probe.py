@@ -7,7 +7,7 @@ Flux at 6 GiB settled 8-20 ms slower in some processes than in others
 with the same plan, and the bytes a plan streams come from that copy.
 
     python3 bench/pinned_probe.py [--gib 9.4] [--chunk-mib 128] [--reps 3]
-        [--dst torch|vbar|both] [--busy]
+        [--dst torch|vbar|both] [--busy] [--pipeline]
 
 Prints the machine (GPU, its NUMA node, the host's nodes, the huge page
 settings), the copy's huge pages and NUMA nodes (/proc/self/smaps,
@@ -20,7 +20,10 @@ staging ring and resident weights lie) instead of torch's allocation;
 both: each chunk to each, side by side. --busy: a bf16 matmul loop runs
 on another stream meanwhile (a forward's kernels beside its copies): the
 node's copies ran at 54.4 GB/s inside a Flux step where the link read
-55.1."""
+55.1. --pipeline: 1 GiB in back-to-back copies of 8-256 MiB, timed
+whole, with and without an event recorded after each (as the library
+fences a weight's copy): what each copy costs beyond its bytes when
+nothing waits between them."""
 
 import argparse
 import concurrent.futures
@@ -122,6 +125,35 @@ class Busy:
         self.stream.synchronize()
 
 
+def pipeline(lib, stream, base, total, dst, room, name):
+    """1 GiB (at most the copy) in back-to-back copies of each size up to
+    `room`, timed whole (best of 3), with and without an event after
+    each copy."""
+    span = min(1 << 30, total)
+    for mib in (8, 16, 32, 64, 128, 256):
+        n = mib * MIB
+        if n > room or n > span:
+            break
+        for fenced in (False, True):
+            best = float("inf")
+            for _ in range(3):
+                e0, e1 = (torch.cuda.Event(enable_timing=True)
+                          for _ in "ab")
+                e0.record(stream)
+                for off in range(0, span - n + 1, n):
+                    lib.cudaMemcpyAsync(dst, base + off, n, 1,
+                                        stream.cuda_stream)
+                    if fenced:
+                        torch.cuda.Event().record(stream)
+                e1.record(stream)
+                e1.synchronize()
+                best = min(best, e0.elapsed_time(e1) / 1e3)
+            copies = span // n
+            print("pipeline to %s: %d copies of %d MiB%s: %.2f GB/s"
+                  % (name, copies, mib, ", an event after each"
+                     if fenced else "", copies * n / best / 1e9))
+
+
 def report(what, rates, chunk_mib):
     print("chunks %s: %d of %d MiB; GB/s min %.2f, median %.2f, max %.2f"
           % (what, len(rates), chunk_mib, min(rates),
@@ -141,6 +173,7 @@ def main():
     ap.add_argument("--dst", choices=("torch", "vbar", "both"),
                     default="torch")
     ap.add_argument("--busy", action="store_true")
+    ap.add_argument("--pipeline", action="store_true")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("pinned_probe: needs a CUDA GPU")
@@ -177,6 +210,9 @@ def main():
         vbar.fault(0, chunk, gens=False)
         dsts["vbar"] = vbar.base
     stream = torch.cuda.current_stream()
+    if a.pipeline:
+        for name, dst in dsts.items():
+            pipeline(lib, stream, base, total, dst, chunk, name)
     busy = Busy() if a.busy else None
     for name, dst in dsts.items():
         rates = []
