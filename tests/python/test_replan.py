@@ -685,6 +685,30 @@ def test_a_tight_plan_keeps_every_weight_and_streams_a_joiner():
         h.unload()
 
 
+def test_the_spare_pages_are_the_variables():
+    """VPAGER_SPARE_PAGES sets the pages a plan leaves free beside the
+    resident set and the ring (default SPARE_PAGES); a bad value warns
+    and keeps the default. Outputs bitwise with none spare."""
+    m, x, want, h = _scheduled_mlp()
+    try:
+        for _ in range(3):      # measured, planned
+            assert torch.equal(m(x), want)
+        t = h.tuner
+        base = t._room_pages(t.ring)
+        with environ(VPAGER_SPARE_PAGES="0"):
+            assert tuner.spare_pages() == 0
+            assert t._room_pages(t.ring) == base + tuner.SPARE_PAGES
+            for _ in range(2):
+                assert torch.equal(m(x), want)
+        with environ(VPAGER_SPARE_PAGES="lots"), warnings.catch_warnings(
+                record=True) as got:
+            warnings.simplefilter("always")
+            assert tuner.spare_pages() == tuner.SPARE_PAGES
+        assert any("VPAGER_SPARE_PAGES" in str(w.message) for w in got)
+    finally:
+        h.unload()
+
+
 def test_steps_stop_short_of_a_refill_for_a_small_gain():
     """A step whose placement would fill much of the resident set again
     (the weights kept leave holes the next ones do not fit in: on the
