@@ -85,6 +85,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import copy_trace  # noqa: E402
+import idle_cache  # noqa: E402
 import step_timeline  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
@@ -119,6 +120,10 @@ START_PROFILE = os.environ.get("VPAGER_BENCH_START_PROFILE") == "1"
 # activity, its copies and kernels summed up (bench/copy_trace.py): whether
 # the link ran slow or stood idle.
 KINETO = _step_env("VPAGER_BENCH_KINETO")
+# VPAGER_BENCH_IDLE_CACHE=N: torch's allocation history over steps N and
+# N+1 of each prompt: how much of its cache no block touches across the
+# pause between them (bench/idle_cache.py; Flux only).
+IDLE_CACHE = _step_env("VPAGER_BENCH_IDLE_CACHE")
 # VPAGER_BENCH_PROFILE=N: step N of each prompt under cProfile, its host
 # functions by own time printed (PROFILE_TOP of them): where a host-bound
 # step's time goes (the step_timeline's leads tell that it is one).
@@ -1068,6 +1073,8 @@ def child_sample(a):
             p.model.diffusion_model, TIMELINE,
             profile_start=START_PROFILE) if TIMELINE else None
         ct = copy_trace.CopyTrace(KINETO) if KINETO else None
+        ic = idle_cache.IdleCache(p.model.diffusion_model, IDLE_CACHE) \
+            if IDLE_CACHE else None
         prof = cProfile.Profile() if PROFILE else None
 
         def cb(step, x0, x, total_steps):
@@ -1082,6 +1089,8 @@ def child_sample(a):
                 tl.step_done(step)
             if ct is not None:
                 ct.step_done(step)
+            if ic is not None:
+                ic.step_done(step)
             if prof is not None and step + 1 == PROFILE:
                 prof.disable()
                 say_profile("%s, rep %d, step %d" % (label, rep, PROFILE),
@@ -1116,6 +1125,12 @@ def child_sample(a):
                 say(copy_trace.TAG + json.dumps(
                     dict(ct.summary, label="%s, rep %d, step %d"
                          % (label, rep, KINETO))))
+        if ic is not None:
+            ic.remove()
+            if ic.summary is not None:
+                say(idle_cache.TAG + json.dumps(
+                    dict(ic.summary, label="%s, rep %d, steps %d-%d"
+                         % (label, rep, IDLE_CACHE, IDLE_CACHE + 1))))
         if tl is not None:
             tl.remove()
             if tl.start_profile is not None:

@@ -751,6 +751,47 @@ def test_bench_copy_trace():
                                    for ln in lines), lines
 
 
+def test_bench_idle_cache():
+    """bench/idle_cache.py (VPAGER_BENCH_IDLE_CACHE) finds the ranges of
+    torch's large segments no block alive between two marks covers: a
+    block live when the history began, one allocated and freed before
+    the window (idle in it), one allocated inside it (used)."""
+    ic = bench_module("idle_cache")
+    M = 1 << 20
+    base = 1 << 32
+    segs = [{"address": base, "total_size": 100 * M,
+             "segment_type": "large"},
+            {"address": 7 << 32, "total_size": 2 * M,
+             "segment_type": "small"}]
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size}
+    trace = [ev("alloc", base + 20 * M, 10 * M),            # before
+             ev("free_requested", base + 20 * M, 10 * M),
+             ev("free_completed", base + 20 * M, 10 * M),
+             ev("alloc", base + 90 * M, 10 * M),            # live across
+             ev("alloc", 7 << 32, ic.MARKS["end"]),         # the window
+             ev("alloc", base + 40 * M, 30 * M),            # inside it
+             ev("free_completed", base + 40 * M, 30 * M),
+             ev("alloc", (7 << 32) + 4096, ic.MARKS["head"]),
+             ev("alloc", base + 20 * M, 10 * M)]            # after it
+    live = [(base, 5 * M)]          # allocated before the history began
+    got = ic.summarize({"segments": segs, "device_traces": [trace]}, live)
+    # Idle in the window: 5-40 and 70-90 MiB of the large segment.
+    w = got["end_to_head"]
+    assert got["marks"] == ["end", "head"] and "tail_to_head" not in got
+    assert w["idle_mb"] == round(55 * M / 1e6, 1), got
+    assert w["largest_mb"] == [round(35 * M / 1e6, 1),
+                               round(20 * M / 1e6, 1)], got
+    assert w["idle_in_ranges_of_8mib_mb"] == w["idle_mb"], got
+    assert ic.summarize({"segments": segs, "device_traces": [[]]}, []) == \
+        {"error": "no allocation history recorded"}
+    snap = [{"blocks": [
+        {"address": 1, "size": 2, "state": "active_allocated"},
+        {"address": 3, "size": 4, "state": "inactive"}]}]
+    assert ic.live_blocks(snap) == [(1, 2)]
+
+
 def test_ledger():
     with env(capacity=4 << 20) as e:
         m = DiT()
