@@ -244,6 +244,12 @@ class Governor:
             self.torch = TorchMemory(t.reserved, int(before))
 
     @_one_at_a_time
+    def torch_peak(self) -> int:
+        """The most torch's allocator is known to have held (the largest
+        peak read, masked peaks as their before): 0 before any read."""
+        return self.torch.peak if self.torch is not None else 0
+
+    @_one_at_a_time
     def forget_torch_peak(self) -> None:
         """A fresh torch (tests): the largest peak read is forgotten."""
         self.torch_mask = None

@@ -9,8 +9,9 @@ caching allocator), brought in through the Lender's seam.
   during that forward, after its streamed units used them, not forced;
 * outputs stay bitwise the resident model's, prompt after prompt;
 * another model's forward and unload() take it back; a loan during
-  which torch's allocator reserved more halves the loans after it (its
-  cache emptied), down to none;
+  which torch's allocator reserved more than its known peak halves the
+  loans after it (its cache emptied), down to none; torch growing again
+  up to that peak (a client emptied its cache) does not;
 * a loan the library refuses does not fail the forward: lending ends;
 * VPAGER_LEND_CAP bounds a loan's bytes;
 * nothing is lent unless VPAGER_LEND=1 and torch's allocator is native.
@@ -60,12 +61,16 @@ class FakeCache:
         self.base = self.vbar.base
         self.out = weakref.WeakSet()
         self.reserved_now = 10 << 20
+        self.peak_now = 0       # the Governor's torch peak
         self.grow = False
         self.skew = 0           # bytes off the block's start (a bad one)
         self.shrinks = 0
 
     def reserved(self):
         return self.reserved_now
+
+    def peak(self):
+        return self.peak_now
 
     def free_blocks(self, stream):
         return [LENT // 2, LENT // 2]
@@ -121,10 +126,10 @@ def _weight_bytes(m):
 
 
 def test_a_forward_lends_and_the_next_takes_it_back():
-    """The loan made at a forward's end holds the next forward's first
-    streamed weights (their bytes are in it), the next forward takes
-    them from it and gives it back before its end, unforced; outputs
-    bitwise over six forwards."""
+    """The loan made at a forward's end (none is out while its last
+    module runs) holds weights of the next forward (their bytes are in
+    it), the next forward takes them from it and gives it back before
+    its end, unforced; outputs bitwise over six forwards."""
     m = mlp(depth=8)
     x = torch.randn(8, 64)
     ref = frozen_copy(m)
@@ -133,6 +138,9 @@ def test_a_forward_lends_and_the_next_takes_it_back():
     h = _offload(m)
     lender, cache = _lending(h)
     other = None
+    out_at_last = []
+    list(m.modules())[-1].register_forward_pre_hook(
+        lambda mod, args: out_at_last.append(lender.out))
     try:
         assert torch.equal(m(x), want)      # the first: recorded
         for i in range(6):
@@ -147,6 +155,7 @@ def test_a_forward_lends_and_the_next_takes_it_back():
             assert any(w[:4096] in held for w in weights), \
                 "the loan holds no weight's bytes after forward %d" % i
         assert lender.loans == 6
+        assert out_at_last == [False] * 7, out_at_last
         # unload() gives the loan back (another model keeps the device
         # and the fake cache open).
         other = vt.offload(mlp(seed=3, depth=1), device=h.device)
@@ -198,6 +207,30 @@ def test_a_loan_that_grew_torch_halves_the_loans():
         assert caps == [160 * K, 80 * K, 40 * K, 40 * K], caps
         assert lender.cache is None and cache.shrinks == lender.halved == 3
         assert not cache.out and lender.loans == 0
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_torch_growing_back_to_its_peak_is_not_the_loans_doing():
+    """Torch reserving more during a loan, but no more than the most it
+    is known to have held (a client emptied its cache and the forward
+    grew it back: ComfyUI at each prompt), halves nothing: every loan is
+    made whole and comes back; past that peak, the next loan halves."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    h = _offload(m)
+    lender, cache = _lending(h)
+    cache.grow = True
+    cache.peak_now = cache.reserved_now + 64 * LENT
+    try:
+        for _ in range(5):
+            assert torch.equal(m(x), want)
+        assert lender.halved == 0 and lender.loans == 4, lender.stats()
+        assert lender.returned == 3 and lender.cap == 320 * K
+        cache.peak_now = 0
+        assert torch.equal(m(x), want)
+        assert lender.halved == 1 and lender.cap == 160 * K
     finally:
         _finish(lender, cache, h)
 

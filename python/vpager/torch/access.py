@@ -20,11 +20,11 @@ class ModelAccess:
     on top of the device); scheduled():
     the VBAR's eviction order became the schedule's; hold(units): the units
     the root forward holds from now on, returns those it took (HotPath.
-    set_held); held(): those units; lend_at(unit): the unit before whose
-    acquire a forward lends torch's free cache to the ring (lend.py: the
-    forward's last with a streamed weight; None: none); stream(): the
-    compute stream's handle; cuda_index: the CUDA device's index (0 on
-    the simulated device)."""
+    set_held); held(): those units; lend_at(unit): the forward's last unit
+    with a streamed weight, whose prefetch goes on into the loan of
+    torch's free cache made at the forward's end (lend.py; None: none);
+    stream(): the compute stream's handle; cuda_index: the CUDA device's
+    index (0 on the simulated device)."""
 
     busy: Callable[[], bool]
     may_replace: Callable[[], bool]

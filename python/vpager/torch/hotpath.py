@@ -170,7 +170,8 @@ class HotPath:
         self.lock = new_lock()
         self.holder = None          # the thread whose forward holds
         # The device's loans of torch's cache to the ring (lend.py), made
-        # before the acquire of the forward's last unit that streams.
+        # at the root forward's end, where the forward's last unit that
+        # streams (lend_unit) prefetches into them (lend_after).
         self.lender = ds.lender
         self.lend_unit = None
         if target.type == "cuda":
@@ -179,7 +180,7 @@ class HotPath:
                            if _RAW_STREAM is not None else
                            functools.partial(_cuda_stream, target))
             ds.lender.use(target, self.index, functools.partial(
-                torch_reserved_now, self.index))
+                torch_reserved_now, self.index), ds.gov.torch_peak)
         else:
             self.stream = int           # int() == 0: the default stream
             self.index = 0
@@ -311,10 +312,6 @@ class HotPath:
         lender = self.lender
         if lender.pieces and lender.owner is not self:
             lender.take_back(stream)    # another model's forward lent it
-        if unit is self.lend_unit and lender.cache is not None \
-                and self.recorder.rec is None \
-                and not torch.is_grad_enabled():
-            lender.lend(self, stream)   # the next forward's first weights
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
         try:
@@ -559,14 +556,29 @@ class HotPath:
             if (self.held is None or self.holding is not None
                     or grad_enabled()
                     or self.recorder.rec is not None or not self.hold()):
-                return fwd(*args, **kwargs)
-            try:
-                return self._escape(fwd(*args, **kwargs), self._aliases_held,
-                                    None)
-            finally:
-                self.unhold()
+                out = fwd(*args, **kwargs)
+            else:
+                try:
+                    out = self._escape(fwd(*args, **kwargs),
+                                       self._aliases_held, None)
+                finally:
+                    self.unhold()
+            if self.lend_unit is not None and self.lender.cache is not None:
+                self.lend_after()
+            return out
 
         return forward
+
+    def lend_after(self):
+        """At the root forward's end: the blocks torch's cache holds free
+        then lent to the ring, and the forward's last streamed unit's
+        prefetch carried on into them (the next forward's weights after
+        those the ring holds: lend.py)."""
+        if self.recorder.rec is not None or torch.is_grad_enabled() or \
+                self.holding is not None:
+            return
+        if self.lender.lend(self, self.stream()):
+            self.lend_unit.batch.prefetch()
 
     def hold(self):
         """Acquire the held units' weights on the current stream and put
@@ -674,7 +686,8 @@ class HotPath:
         self.held.release(stream)
 
     def lend_at(self, unit):
-        """The unit before whose acquire a forward lends (ModelAccess)."""
+        """The forward's last unit that streams, whose prefetch goes on
+        into a loan made at the forward's end (ModelAccess)."""
         self.lend_unit = unit
 
     def give_back(self):

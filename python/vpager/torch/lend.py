@@ -1,36 +1,46 @@
 """Torch's idle cache lent to the staging ring across the pause between
-two forwards (VPAGER_LEND=1; off by default: on the H100, Flux at 6 GiB
-under the ComfyUI node, torch's allocator reserved more in most loans,
-which halved to a few MiB, and no step was faster: bench/RESULTS.md,
-forty-fourth session).
+two forwards (VPAGER_LEND=1; off by default until measured: bench/
+RESULTS.md, forty-fourth to forty-eighth sessions).
 
 Between a sampler's steps the GPU waits for the host (the sampler, the
 client's callback, the next step's inputs: Flux under the ComfyUI node on
-the H100, 5.4 ms a step). The ring is then full of the next forward's
-first streamed weights and the copy engine stands idle, while torch's
-allocator holds the forward's activations' blocks free (~0.9 GiB for
-Flux at 1024²). Before the acquire of a forward's last unit that
-streams (tuner.py names it), the device's Lender borrows the largest of
+the H100, 3-5 ms of copy engine idle at each step's start). The ring is
+then full of the next forward's first streamed weights and the copy
+engine stands idle, while torch's allocator holds the forward's
+activations' blocks free (~0.9 GiB for Flux at 1024²). At the end of a
+root forward that streamed, the device's Lender borrows the largest of
 the blocks free then (torch.empty on the forward's stream: torch's own
 stream order keeps them from its other users) and lends them to the ring
-(vp_device_lend_staging): that acquire's prefetch stages the next
-forward's first streamed weights there, and the ring takes those after
-them, its room free across the pause. The next forward uses the lent
-blocks' weights first; after each of its streamed units the Lender asks
-for them back (vp_device_reclaim_staging: not while a weight staged
-there is acquired or still waits for its acquire), the forward's stream
-then waits for their copies and readers, and the blocks go back to
-torch's cache before the forward's larger activations come. Before
-another model's unit, at an out-of-memory retry, at the next loan or
-when the model is unloaded they are taken back whatever they hold.
+(vp_device_lend_staging); the forward's last streamed unit's prefetch
+then goes on into them, staging the next forward's weights after those
+the ring holds (HotPath.lend_after). The next forward uses them after
+the ring's; after each of its streamed units the Lender asks for them
+back (vp_device_reclaim_staging: not while a weight staged there is
+acquired or still waits for its acquire), the forward's stream then
+waits for their copies and readers, and the blocks go back to torch's
+cache. Before another model's unit, at an out-of-memory retry, at the
+next loan or when the model is unloaded they are taken back whatever
+they hold.
 
-A loan during which torch's allocator reserved more (it wanted a block
-the loan held before the loan came back, or found none free of a
-borrowed size) halves the loans after it, and ends lending on the device
-below MIN_PIECE; torch's cache is emptied, so the extra reservation goes
-(one GPU synchronize each time). The block sizes are read from torch's
-memory snapshot at the first loan and after each halving: the same
-forwards free the same blocks."""
+Why at the forward's end: torch's allocation history over a Flux step
+under the ComfyUI node (bench/idle_cache.py, H100) left 296 MB of its
+large segments untouched (two blocks, 189 and 107 MB) from a forward's
+end to the next forward's second double block, and 7-10 MB (none in a
+piece of 8 MiB) from its last single block on: the loans made before the
+last streamed unit's acquire (the forty-fourth to forty-eighth sessions)
+held blocks torch wanted for the forward's tail, and torch grew.
+
+A loan during which torch's allocator reserved more than the most it is
+known to have held (the Governor's torch peak: it wanted a block the
+loan held before the loan came back, or found none free of a borrowed
+size) halves the loans after it, and ends lending on the device below
+MIN_PIECE; torch's cache is emptied, so the extra reservation goes (one
+GPU synchronize each time). Torch growing again up to that peak is not a
+loan's doing (a client emptied torch's cache: ComfyUI at each prompt),
+nor growth the next forward's start read as torch's peak (a client's own
+work in the pause, a VAE's decode between two prompts).
+The block sizes are read from torch's memory snapshot at the first loan
+and after each halving: the same forwards free the same blocks."""
 
 import logging
 import os
@@ -55,11 +65,13 @@ def enabled() -> bool:
 
 class TorchCache:
     """torch's CUDA caching allocator on one device, as a Lender borrows
-    from it. reserved: () -> the bytes it holds now."""
+    from it. reserved: () -> the bytes it holds now; peak: () -> the most
+    it is known to have held (the device's Governor's)."""
 
     def __init__(self, target: torch.device, index: int,
-                 reserved: Callable[[], int]):
-        self.target, self.index, self.reserved = target, index, reserved
+                 reserved: Callable[[], int], peak: Callable[[], int]):
+        self.target, self.index = target, index
+        self.reserved, self.peak = reserved, peak
 
     @staticmethod
     def usable() -> bool:
@@ -131,20 +143,20 @@ class Lender:
         return bool(self.pieces)
 
     def use(self, target: torch.device, index: int,
-            reserved: Callable[[], int]) -> None:
+            reserved: Callable[[], int], peak: Callable[[], int]) -> None:
         """Lend from torch's cache on `target` (once per device; nothing
         unless VPAGER_LEND=1 and torch's allocator has lendable blocks)."""
         if self.cache is None and enabled() and TorchCache.usable():
-            self.cache = TorchCache(target, index, reserved)
+            self.cache = TorchCache(target, index, reserved, peak)
 
-    def lend(self, owner: Any, stream: int) -> None:
-        """Before the acquire of owner's last streamed unit, on its
-        forward's stream."""
+    def lend(self, owner: Any, stream: int) -> bool:
+        """At the end of owner's root forward, on its stream; True if a
+        loan was made."""
         cache = self.cache
         if cache is None:
-            return
+            return False
         if self.pieces and not self.take_back(stream, force=True):
-            return              # a weight staged there is acquired still
+            return False        # a weight staged there is acquired still
         if self.sizes is None:
             if self.cap is None:
                 ring = int(self.dev.options["staging_size"])
@@ -152,18 +164,19 @@ class Lender:
                 self.cap = ring if given is None else min(given, ring)
             self.sizes = piece_sizes(cache.free_blocks(stream), self.cap)
         if not self.sizes:
-            return
-        before = cache.reserved()
+            return False
+        # Torch may hold up to its known peak while the loan is out.
+        before = max(cache.reserved(), cache.peak())
         pieces = []
         for n in self.sizes:
             keep, addr = cache.borrow(n)
             pieces.append((keep, addr, n))
         del keep
-        if cache.reserved() != before:      # no free block of that size
+        if cache.reserved() > before:       # no free block of that size
             del pieces                      # (before torch's cache empties)
             self._halve("a block of %s was not free"
                         % ", ".join(str(n) for n in self.sizes))
-            return
+            return False
         self.reserved, self.owner = before, owner
         try:
             for piece in pieces:
@@ -175,8 +188,9 @@ class Lender:
             log.warning("vpager.torch (%s=1): lending torch's cache to the "
                         "staging ring failed, off for this device: %s",
                         LEND, e)
-            return
+            return False
         self.loans += 1
+        return True
 
     def released(self, stream: int) -> None:
         """After a streamed unit's release: the loan back if nothing
@@ -212,8 +226,13 @@ class Lender:
         self.owner = None
         self.returned += 1
         cache = self.cache
-        if cache is not None and cache.reserved() > self.reserved:
-            self._halve("torch's allocator reserved more while it was out")
+        # The peak known now, not at the loan: a forward's learn since
+        # read what a client's work in the pause took (a VAE's decode
+        # between two prompts), which the loan did not make torch take.
+        if cache is not None and \
+                cache.reserved() > max(self.reserved, cache.peak()):
+            self._halve("torch's allocator reserved more than its known "
+                        "peak while it was out")
 
     def _halve(self, why: str) -> None:
         """The loans after this one half as large (off below MIN_PIECE),

@@ -1908,8 +1908,8 @@ class Tuner:
             self.layout.set_windows(units)
 
     def _last_streamed(self, units, sch):
-        """The forward's last unit with a weight the schedule streams (a
-        loan of torch's cache comes before its acquire: lend.py); made
+        """The forward's last unit with a weight the schedule streams (its
+        prefetch goes on into a loan of torch's cache: lend.py); made
         again only when the units or the resident set change, as _hold's
         candidates are."""
         resident = tuple(sch.resident)
