@@ -20,7 +20,9 @@ acquired or still waits for its acquire), the forward's stream then
 waits for their copies and readers, and the blocks go back to torch's
 cache. Before another model's unit, at an out-of-memory retry, at the
 next loan or when the model is unloaded they are taken back whatever
-they hold.
+they hold. Between the two forwards the client's own torch work (a
+sampler's, a VAE's decode at a prompt's end) has torch's cache less
+the loan: what it then reserves more counts as the client's, below.
 
 Why at the forward's end: torch's allocation history over a Flux step
 under the ComfyUI node (bench/idle_cache.py, H100) left 296 MB of its
