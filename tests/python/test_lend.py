@@ -109,6 +109,16 @@ def _lending(h):
     return ds.lender, cache
 
 
+def _lent_mlp():
+    """An 8-layer MLP offloaded as _offload() does, its device lending to
+    a FakeCache: (m, x, its output resident, h, lender, cache)."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    want = frozen_copy(m)(x)
+    h = _offload(m)
+    return (m, x, want, h) + _lending(h)
+
+
 def _finish(lender, cache, *handles):
     """The loan back, the fake cache's pages unpinned, the models
     unloaded (the device closes with the last)."""
@@ -192,11 +202,7 @@ def test_a_loan_that_grew_torch_halves_the_loans():
     borrow, as if no free block fitted) halves the loans after it and
     empties torch's cache each time, until a loan would be under
     MIN_PIECE: lending ends on the device; the model runs on, bitwise."""
-    m = mlp(depth=8)
-    x = torch.randn(8, 64)
-    want = frozen_copy(m)(x)
-    h = _offload(m)
-    lender, cache = _lending(h)
+    m, x, want, h, lender, cache = _lent_mlp()
     cache.grow = True
     try:
         assert torch.equal(m(x), want)      # the first: recorded
@@ -216,11 +222,7 @@ def test_torch_growing_back_to_its_peak_is_not_the_loans_doing():
     is known to have held (a client emptied its cache and the forward
     grew it back: ComfyUI at each prompt), halves nothing: every loan is
     made whole and comes back; past that peak, the next loan halves."""
-    m = mlp(depth=8)
-    x = torch.randn(8, 64)
-    want = frozen_copy(m)(x)
-    h = _offload(m)
-    lender, cache = _lending(h)
+    m, x, want, h, lender, cache = _lent_mlp()
     cache.grow = True
     cache.peak_now = cache.reserved_now + 64 * LENT
     try:
@@ -239,11 +241,7 @@ def test_a_loan_the_library_refuses_ends_lending():
     """A loan vp_device_lend_staging refuses (here: a block that is not
     256-byte aligned) does not fail the forward: nothing stays lent,
     lending is off for the device, the outputs stay bitwise."""
-    m = mlp(depth=8)
-    x = torch.randn(8, 64)
-    want = frozen_copy(m)(x)
-    h = _offload(m)
-    lender, cache = _lending(h)
+    m, x, want, h, lender, cache = _lent_mlp()
     cache.skew = 8
     try:
         for _ in range(3):
@@ -258,11 +256,7 @@ def test_a_loan_takes_at_most_its_cap():
     """VPAGER_LEND_CAP bounds a loan's bytes below the ring's (the fake
     cache's two free blocks would give the ring's 320 KiB); outputs stay
     bitwise."""
-    m = mlp(depth=8)
-    x = torch.randn(8, 64)
-    want = frozen_copy(m)(x)
-    h = _offload(m)
-    lender, cache = _lending(h)
+    m, x, want, h, lender, cache = _lent_mlp()
     lender.cap = None       # learned at the first loan, as from use()
     try:
         with environ(VPAGER_LEND_CAP="96K"):
