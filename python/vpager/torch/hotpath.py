@@ -577,8 +577,12 @@ class HotPath:
         if self.recorder.rec is not None or torch.is_grad_enabled() or \
                 self.holding is not None:
             return
-        if self.lender.lend(self, self.stream()):
-            self.lend_unit.batch.prefetch()
+        stream = self.stream()
+        if self.lender.lend(self, stream):
+            try:
+                self.lend_unit.batch.prefetch()
+            except Error:       # the forward's output stands; no loan
+                self.lender.take_back(stream)
 
     def hold(self):
         """Acquire the held units' weights on the current stream and put
