@@ -13,7 +13,9 @@ N returned) and "head" (the second double block's call in forward N+1:
 the forward's first streamed weights used, where a loan comes back).
 For the windows tail..head and end..head it prints, as TAG + JSON, the
 bytes of torch's large segments that no block alive in the window
-covers, and the largest such ranges.
+covers, and the largest such ranges (sizes and addresses: with
+VPAGER_LEND=1 a loan made at the forward's end is alive in both
+windows, and the Lender's log names its blocks' addresses).
 
     python3 bench/idle_cache.py LOG     # the TAG lines of a log
 """
@@ -112,7 +114,8 @@ def summarize(snap, live_at_start):
             "idle_mb": round(sum(b - a for a, b in rs) / 1e6, 1),
             "idle_in_ranges_of_8mib_mb": round(
                 sum(b - a for a, b in big) / 1e6, 1),
-            "largest_mb": [round((b - a) / 1e6, 1) for a, b in rs[:TOP]]}
+            "largest_mb": [round((b - a) / 1e6, 1) for a, b in rs[:TOP]],
+            "largest_at": ["0x%x" % a for a, _ in rs[:TOP]]}
     return out
 
 

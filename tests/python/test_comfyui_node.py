@@ -784,6 +784,8 @@ def test_bench_idle_cache():
     assert w["largest_mb"] == [round(35 * M / 1e6, 1),
                                round(20 * M / 1e6, 1)], got
     assert w["idle_in_ranges_of_8mib_mb"] == w["idle_mb"], got
+    assert w["largest_at"] == ["0x%x" % (base + 5 * M),
+                               "0x%x" % (base + 70 * M)], got
     assert ic.summarize({"segments": segs, "device_traces": [[]]}, []) == \
         {"error": "no allocation history recorded"}
     snap = [{"blocks": [

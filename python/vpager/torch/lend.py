@@ -159,7 +159,8 @@ class Lender:
             return False
         if self.pieces and not self.take_back(stream, force=True):
             return False        # a weight staged there is acquired still
-        if self.sizes is None:
+        learned = self.sizes is None
+        if learned:
             if self.cap is None:
                 ring = int(self.dev.options["staging_size"])
                 given = env.size(LEND_CAP)
@@ -192,6 +193,10 @@ class Lender:
                         LEND, e)
             return False
         self.loans += 1
+        if learned:     # the blocks a loan of these sizes takes
+            log.info("vpager.torch (%s=1): a loan of %d bytes: %s", LEND,
+                     sum(self.sizes), ", ".join(
+                         "%d at 0x%x" % (n, a) for _, a, n in self.pieces))
         return True
 
     def released(self, stream: int) -> None:
