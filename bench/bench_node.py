@@ -249,12 +249,12 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
 # which ring runs best on one machine, beside what the plans predict.
 SUFFIXES.update(("ring%d" % r, {"VPAGER_STAGING": "%dM" % r})
                 for r in (224, 256, 288, 320, 352, 378, 448, 512))
-# "lend282": loans of torch's cache of at most 282 MiB (the two blocks
-# bench/idle_cache.py found idle from a Flux forward's end to the next
-# one's second double block on the H100: 296 MB).
+# "lend288": loans of torch's cache of at most 288 MiB (room for the two
+# blocks bench/idle_cache.py found idle from a Flux forward's end to the
+# next one's second double block on the H100, 296 MB, and no third).
 SUFFIXES.update(("lend%d" % c, {"VPAGER_LEND": "1",
                                 "VPAGER_LEND_CAP": "%dM" % c})
-                for c in (64, 128, 192, 282))
+                for c in (64, 128, 192, 288))
 
 
 def _named(run):

@@ -73,7 +73,7 @@ class FakeCache:
         return self.peak_now
 
     def free_blocks(self, stream):
-        return [LENT // 2, LENT // 2]
+        return [256 * K, 128 * K, 96 * K, 64 * K, 64 * K, 32 * K]
 
     def borrow(self, n):
         at = sum(p.n for p in self.out)
@@ -207,10 +207,11 @@ def test_a_loan_that_grew_torch_halves_the_loans():
     try:
         assert torch.equal(m(x), want)      # the first: recorded
         caps = []
-        for _ in range(4):      # 320 KiB, 160, 80: 40 is under 64
+        for _ in range(4):      # 320 KiB, 160 (a 128 KiB block), 64: 32
+                                # is under MIN_PIECE
             assert torch.equal(m(x), want)
             caps.append(lender.cap)
-        assert caps == [160 * K, 80 * K, 40 * K, 40 * K], caps
+        assert caps == [160 * K, 64 * K, 32 * K, 32 * K], caps
         assert lender.cache is None and cache.shrinks == lender.halved == 3
         assert not cache.out and lender.loans == 0
     finally:
@@ -287,16 +288,18 @@ def test_nothing_is_lent_by_default():
 
 
 def test_piece_sizes():
-    """The largest free blocks, up to the cap, at most VP_LENT_RANGES of
-    at least MIN_PIECE, each a multiple of 512."""
+    """Whole free blocks, largest first, that fit in what is left of the
+    cap, at most VP_LENT_RANGES of at least MIN_PIECE, each a multiple of
+    512."""
     M = 1 << 20
     lend.MIN_PIECE = 8 * M
     assert lend.piece_sizes([100 * M, 50 * M, 30 * M], 128 * M) == \
-        [100 * M, 28 * M]
+        [100 * M]
+    assert lend.piece_sizes([100 * M, 50 * M, 20 * M], 128 * M) == \
+        [100 * M, 20 * M]
     assert lend.piece_sizes([4 * M, 2 * M], 128 * M) == []
     assert lend.piece_sizes([9 * M] * 20, 1 << 40) == [9 * M] * 8
-    assert all(n % 512 == 0
-               for n in lend.piece_sizes([10 * M + 700], 20 * M))
+    assert lend.piece_sizes([10 * M + 700], 20 * M) == []
     lend.MIN_PIECE = 64 * K
 
 

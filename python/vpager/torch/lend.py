@@ -108,15 +108,19 @@ class TorchCache:
 
 
 def piece_sizes(free: List[int], cap: int) -> List[int]:
-    """What to borrow of free blocks (largest first): up to cap bytes in
-    at most LENT_RANGES pieces, each at least MIN_PIECE."""
+    """What to borrow of free blocks (largest first): whole blocks that
+    fit in what is left of cap bytes, at most LENT_RANGES, each at least
+    MIN_PIECE. Whole: torch's allocator gives a request the smallest free
+    block that holds it, so a block's own size lands on that block (or
+    one as large), where a part of it would be cut from whichever block
+    fits best, a block the next forward may want."""
     out, total = [], 0
     for b in free:
-        n = min(b, cap - total) // PIECE_ALIGN * PIECE_ALIGN
-        if n < MIN_PIECE or len(out) == LENT_RANGES:
+        if len(out) == LENT_RANGES:
             break
-        out.append(n)
-        total += n
+        if MIN_PIECE <= b <= cap - total and b % PIECE_ALIGN == 0:
+            out.append(b)
+            total += b
     return out
 
 
