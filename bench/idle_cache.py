@@ -19,7 +19,6 @@ windows, and the Lender's log names its blocks' addresses).
 
     python3 bench/idle_cache.py LOG     # the TAG lines of a log
 """
-import json
 import sys
 
 TAG = "COMFYUI_IDLE_CACHE "
