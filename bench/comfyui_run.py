@@ -120,6 +120,9 @@ START_PROFILE = os.environ.get("VPAGER_BENCH_START_PROFILE") == "1"
 # activity, its copies and kernels summed up (bench/copy_trace.py): whether
 # the link ran slow or stood idle.
 KINETO = _step_env("VPAGER_BENCH_KINETO")
+# VPAGER_BENCH_KINETO_KEEP=DIR: each such trace also saved there, gzipped
+# (the runtime's calls with them: when each copy was asked for and ran).
+KINETO_KEEP = os.environ.get("VPAGER_BENCH_KINETO_KEEP", "")
 # VPAGER_BENCH_IDLE_CACHE=N: torch's allocation history over steps N and
 # N+1 of each prompt: how much of its cache no block touches across the
 # pause between them (bench/idle_cache.py; Flux only).
@@ -1072,7 +1075,9 @@ def child_sample(a):
         tl = step_timeline.StepTimeline(
             p.model.diffusion_model, TIMELINE,
             profile_start=START_PROFILE) if TIMELINE else None
-        ct = copy_trace.CopyTrace(KINETO) if KINETO else None
+        ct = copy_trace.CopyTrace(KINETO, keep=os.path.join(
+            KINETO_KEEP, "trace_%d_%s.json.gz" % (os.getpid(), label))
+            if KINETO_KEEP else None) if KINETO else None
         ic = idle_cache.IdleCache(p.model.diffusion_model, IDLE_CACHE) \
             if IDLE_CACHE else None
         prof = cProfile.Profile() if PROFILE else None

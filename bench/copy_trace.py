@@ -16,8 +16,10 @@ child's log.
     python3 bench/copy_trace.py TRACE.json   # a saved chrome trace
     python3 bench/copy_trace.py LOG          # the TAG lines of a log
 """
+import gzip
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -103,11 +105,12 @@ def summarize(events):
 
 class CopyTrace:
     """torch.profiler's CUDA activity over step `step` only (step_done()
-    is told when each step ends); summary holds summarize()'s dict."""
+    is told when each step ends); summary holds summarize()'s dict; keep:
+    a path the chrome trace is also saved to (gzipped), or None."""
 
-    def __init__(self, step):
+    def __init__(self, step, keep=None):
         from torch.profiler import ProfilerActivity, profile
-        self.step = step
+        self.step, self.keep = step, keep
         self.prof = profile(activities=[ProfilerActivity.CUDA])
         self.on = False
         self.summary = None
@@ -133,6 +136,11 @@ class CopyTrace:
                 self.prof.export_chrome_trace(path)
                 with open(path) as f:
                     self.summary = summarize(json.load(f)["traceEvents"])
+                if self.keep:
+                    with open(path, "rb") as f, \
+                            gzip.open(self.keep, "wb") as g:
+                        shutil.copyfileobj(f, g)
+                    self.summary["kept"] = self.keep
             except (OSError, ValueError, KeyError) as e:
                 self.summary = {"error": "no trace read: %s" % e}
             finally:

@@ -424,10 +424,20 @@ int vp__staging_reclaim(vp__device_t *dev, vp_stream_t stream, bool force) {
                      "acquire");
   }
   /* The copies into the ranges, then their readers, before the caller's
-   * next use of the memory. */
-  vp_stream_t cs = 0;
-  int rc = vp__copy_stream(dev, &cs);
-  if (rc == VP_OK) rc = stream_after(dev, stream, cs);
+   * next use of the memory: the newest copy still running into a slot
+   * (copy-stream fences complete in order), not the copy stream's whole
+   * queue, whose ring copies may run a window ahead. A slot its weight
+   * let go of has none running (the weight waited for it, or its batch
+   * was never issued). */
+  vp__fence_t *newest = NULL;
+  for (size_t k = 0; k < st->nlslots; k++) {
+    vp__weight_t *w = st->lslots[k]->owner;
+    if (w && vp__weight_copy_pending(dev, w) &&
+        (!newest || w->copy_fence->seq > newest->seq))
+      newest = w->copy_fence;
+  }
+  int rc = newest ? vp__be_stream_wait_event(dev, stream, newest->event)
+                  : VP_OK;
   for (size_t k = 0; k < st->nlslots && rc == VP_OK; k++) {
     const vp__fence_t *f = st->lslots[k]->fence;
     if (f && f->stream != stream &&

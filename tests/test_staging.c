@@ -1,4 +1,7 @@
 /* The staging ring: slot reuse after release fences, a full ring. */
+#include <sched.h>
+#include <stdatomic.h>
+
 #include "stream_fixture.h"
 
 /* ----------------------------------------------------- ring reuse fences */
@@ -621,6 +624,84 @@ TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
   lent_teardown(dev, lv, 8 * ps, s);
   ASSERT_OK(vp_stream_destroy(dev, s));
   ASSERT_OK(vp_stream_destroy(dev, s2));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
+/* A gate on a stream: a kernel that runs until the test opens it (or
+ * gives up after GATE_MS, which the test then fails on). */
+#define GATE_MS 10000
+typedef struct gate {
+  atomic_bool open, gave_up;
+} gate_t;
+
+static void gate_fn(void *arg) {
+  gate_t *g = arg;
+  uint64_t t0 = test_now_ms();
+  while (!atomic_load(&g->open)) {
+    if (test_now_ms() - t0 > GATE_MS) {
+      atomic_store(&g->gave_up, true);
+      return;
+    }
+    sched_yield();
+  }
+}
+
+/* Reclaiming a loan orders the caller's stream after the copies into it
+ * only, not after the ring's copies queued since (a window ahead on a
+ * GPU: the forward would stall until they land). w2 stages in the loan;
+ * w5's prefetch reuses w3's ring slot, whose reader is a gate on s3, so
+ * the copy stream waits for the gate; s2 reclaims the loan and its work
+ * runs while the gate is shut. */
+TEST(stream_ring_lent_reclaim_waits_for_its_copies_only, TEST_SIM_ONLY) {
+  model_t m;
+  vp_device_t dev = ring_setup(ctx, &m, 6); /* ring of 2 pages */
+  uint64_t ps = m.size[0];
+  vp_vbar_t lv;
+  uint64_t lent = lent_setup(dev, 1, &lv);
+  vp_stream_t s = 0, s2 = 0, s3 = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_stream_create(dev, &s2));
+  ASSERT_OK(vp_stream_create(dev, &s3));
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  uint64_t p[6] = {0};
+  uint8_t f[6] = {0};
+  checks_t c = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* w1 ahead */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_OK(vp_device_lend_staging(dev, lent, ps, s));
+  ASSERT_OK(vp_acquire(dev, &m.w[1], 1, s, &p[1], &f[1])); /* w2 lent */
+  ASSERT_OK(vp_acquire(dev, &m.w[2], 1, s, &p[2], &f[2]));
+  ASSERT_EQ_U64(p[2], lent);
+  launch_check(dev, s, p[2], m.srcs[2].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[1], 1, s));
+  ASSERT_OK(vp_release(dev, &m.w[2], 1, s));
+  checks_expect_clean(dev, s, &c);
+
+  gate_t g = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[3], 1, s3, &p[3], &f[3]));
+  ASSERT_OK(vp_sim_launch(dev, s3, gate_fn, &g));
+  ASSERT_OK(vp_release(dev, &m.w[3], 1, s3));
+  ASSERT_OK(vp_acquire(dev, &m.w[4], 1, s, &p[4], &f[4])); /* w5 gated */
+  ASSERT_OK(vp_device_reclaim_staging(dev, s2, 0));
+  ASSERT_OK(vp_stream_synchronize(dev, s2));
+  ASSERT_FALSE(atomic_load(&g.gave_up));
+  atomic_store(&g.open, true);
+
+  launch_check(dev, s, p[4], m.srcs[4].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[4], 1, s));
+  ASSERT_OK(vp_acquire(dev, &m.w[5], 1, s, &p[5], &f[5]));
+  ASSERT_EQ_U64(p[5], p[3]);
+  ASSERT_EQ_INT(f[5], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  launch_check(dev, s, p[5], m.srcs[5].host, ps, &c);
+  ASSERT_OK(vp_release(dev, &m.w[5], 1, s));
+  checks_expect_clean(dev, s, &c);
+  ASSERT_OK(vp_stream_synchronize(dev, s3));
+  lent_teardown(dev, lv, ps, s);
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_stream_destroy(dev, s2));
+  ASSERT_OK(vp_stream_destroy(dev, s3));
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
 }

@@ -3,9 +3,10 @@ VPAGER_LEND=1), on the simulated device: the "cache" is a pinned range
 of a second VBAR on the model's device (on a GPU, blocks of torch's
 caching allocator), brought in through the Lender's seam.
 
-* a forward that streamed lends it at its end: the prefetch goes on into
-  it at once (the next forward's first streamed weights are there);
-* the next forward takes those weights from it, and the loan comes back
+* a forward lends it at its start, once a plan named its last streamed
+  unit: that unit's prefetch goes on into it at once (the forward's
+  streamed weights after the ring's are there);
+* the forward takes those weights from it, and the loan comes back
   during that forward, after its streamed units used them, not forced;
 * outputs stay bitwise the resident model's, prompt after prompt;
 * another model's forward and unload() take it back; a loan during
@@ -135,11 +136,11 @@ def _weight_bytes(m):
             if p.dim() == 2]
 
 
-def test_a_forward_lends_and_the_next_takes_it_back():
-    """The loan made at a forward's end (none is out while its last
-    module runs) holds weights of the next forward (their bytes are in
-    it), the next forward takes them from it and gives it back before
-    its end, unforced; outputs bitwise over six forwards."""
+def test_a_forward_lends_at_its_start_and_takes_it_back():
+    """The loan made at a forward's start holds that forward's weights
+    when its first unit runs (their bytes are in it), the forward takes
+    them from it and gives it back before its last module runs,
+    unforced; outputs bitwise over six forwards."""
     m = mlp(depth=8)
     x = torch.randn(8, 64)
     ref = frozen_copy(m)
@@ -148,27 +149,35 @@ def test_a_forward_lends_and_the_next_takes_it_back():
     h = _offload(m)
     lender, cache = _lending(h)
     other = None
-    out_at_last = []
-    list(m.modules())[-1].register_forward_pre_hook(
+    at_first, out_at_last = [], []
+
+    def first_unit(mod, args):
+        if not lender.out:
+            at_first.append(None)
+            return
+        h.device.synchronize()
+        held = h.device.read(cache.base, LENT)
+        at_first.append(any(w[:4096] in held for w in weights))
+
+    linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+    linears[0].register_forward_pre_hook(first_unit)
+    linears[-1].register_forward_pre_hook(
         lambda mod, args: out_at_last.append(lender.out))
     try:
         assert torch.equal(m(x), want)      # the first: recorded
         for i in range(6):
             returned, forced = lender.returned, lender.forced
             assert torch.equal(m(x), want), "forward %d" % i
-            assert lender.out, "forward %d lent nothing" % i
-            if i:       # the loan before it came back inside it
-                assert lender.returned == returned + 1
-                assert lender.forced == forced
-            h.device.synchronize()
-            held = h.device.read(cache.base, LENT)
-            assert any(w[:4096] in held for w in weights), \
-                "the loan holds no weight's bytes after forward %d" % i
+            assert not lender.out, "forward %d kept its loan" % i
+            assert lender.returned == returned + 1, "forward %d" % i
+            assert lender.forced == forced
         assert lender.loans == 6
+        assert at_first == [None] + [True] * 6, at_first
         assert out_at_last == [False] * 7, out_at_last
-        # unload() gives the loan back (another model keeps the device
-        # and the fake cache open).
+        # unload() gives a loan still out back (another model keeps the
+        # device and the fake cache open).
         other = vt.offload(mlp(seed=3, depth=1), device=h.device)
+        assert h.hot_path.lend_before() is None and lender.out
         h.unload()
         assert not lender.out and not cache.out
     finally:
@@ -176,8 +185,9 @@ def test_a_forward_lends_and_the_next_takes_it_back():
 
 
 def test_another_model_takes_the_loan_back():
-    """A loan made by one model's forward is taken back (forced) before
-    another model's unit runs on the device; both stay bitwise."""
+    """A loan one model's forward still has out (lent as its forward's
+    start lends) is taken back (forced) before another model's unit runs
+    on the device; both stay bitwise."""
     m1, m2 = mlp(seed=1, depth=8), mlp(seed=2, depth=8)
     x = torch.randn(8, 64)
     w1, w2 = frozen_copy(m1)(x), frozen_copy(m2)(x)
@@ -188,6 +198,7 @@ def test_another_model_takes_the_loan_back():
         assert torch.equal(m1(x), w1)       # the first: recorded
         for _ in range(3):
             assert torch.equal(m1(x), w1)
+            h1.hot_path.lend_before()
             assert lender.out and lender.owner is h1.hot_path
             forced = lender.forced
             assert torch.equal(m2(x), w2)
@@ -230,7 +241,7 @@ def test_torch_growing_back_to_its_peak_is_not_the_loans_doing():
         for _ in range(5):
             assert torch.equal(m(x), want)
         assert lender.halved == 0 and lender.loans == 4, lender.stats()
-        assert lender.returned == 3 and lender.cap == 320 * K
+        assert lender.returned == 4 and lender.cap == 320 * K
         cache.peak_now = 0
         assert torch.equal(m(x), want)
         assert lender.halved == 1 and lender.cap == 160 * K

@@ -22,7 +22,8 @@ class ModelAccess:
     the root forward holds from now on, returns those it took (HotPath.
     set_held); held(): those units; lend_at(unit): the forward's last unit
     with a streamed weight, whose prefetch goes on into the loan of
-    torch's free cache made at the forward's end (lend.py; None: none);
+    torch's free cache made at the next forward's start (lend.py; None:
+    none);
     stream(): the compute stream's handle; cuda_index: the CUDA device's
     index (0 on the simulated device)."""
 

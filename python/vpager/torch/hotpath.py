@@ -170,8 +170,8 @@ class HotPath:
         self.lock = new_lock()
         self.holder = None          # the thread whose forward holds
         # The device's loans of torch's cache to the ring (lend.py), made
-        # at the root forward's end, where the forward's last unit that
-        # streams (lend_unit) prefetches into them (lend_after).
+        # at the root forward's start, where the last forward's last unit
+        # that streams (lend_unit) prefetches into them (lend_before).
         self.lender = ds.lender
         self.lend_unit = None
         if target.type == "cuda":
@@ -553,6 +553,8 @@ class HotPath:
 
         @functools.wraps(fwd)
         def forward(*args, **kwargs):
+            if self.lend_unit is not None and self.lender.cache is not None:
+                self.lend_before()
             if (self.held is None or self.holding is not None
                     or grad_enabled()
                     or self.recorder.rec is not None or not self.hold()):
@@ -563,16 +565,14 @@ class HotPath:
                                        self._aliases_held, None)
                 finally:
                     self.unhold()
-            if self.lend_unit is not None and self.lender.cache is not None:
-                self.lend_after()
             return out
 
         return forward
 
-    def lend_after(self):
-        """At the root forward's end: the blocks torch's cache holds free
-        then lent to the ring, and the forward's last streamed unit's
-        prefetch carried on into them (the next forward's weights after
+    def lend_before(self):
+        """At the root forward's start: the blocks torch's cache holds
+        free then lent to the ring, and the last forward's last streamed
+        unit's prefetch carried on into them (this forward's weights after
         those the ring holds: lend.py)."""
         if self.recorder.rec is not None or torch.is_grad_enabled() or \
                 self.holding is not None:
@@ -691,7 +691,7 @@ class HotPath:
 
     def lend_at(self, unit):
         """The forward's last unit that streams, whose prefetch goes on
-        into a loan made at the forward's end (ModelAccess)."""
+        into a loan made at the next forward's start (ModelAccess)."""
         self.lend_unit = unit
 
     def give_back(self):

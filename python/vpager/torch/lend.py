@@ -1,36 +1,39 @@
-"""Torch's idle cache lent to the staging ring across the pause between
-two forwards (VPAGER_LEND=1; off by default until measured: bench/
-RESULTS.md, forty-fourth to forty-eighth sessions).
+"""Torch's idle cache lent to the staging ring at a forward's start
+(VPAGER_LEND=1; off by default until measured: bench/RESULTS.md,
+forty-fourth to forty-ninth sessions).
 
 Between a sampler's steps the GPU waits for the host (the sampler, the
 client's callback, the next step's inputs: Flux under the ComfyUI node on
-the H100, 3-5 ms of copy engine idle at each step's start). The ring is
-then full of the next forward's first streamed weights and the copy
-engine stands idle, while torch's allocator holds the forward's
-activations' blocks free (~0.9 GiB for Flux at 1024²). At the end of a
-root forward that streamed, the device's Lender borrows the largest of
-the blocks free then (torch.empty on the forward's stream: torch's own
-stream order keeps them from its other users) and lends them to the ring
-(vp_device_lend_staging); the forward's last streamed unit's prefetch
-then goes on into them, staging the next forward's weights after those
-the ring holds (HotPath.lend_after). The next forward uses them after
+the H100, ~7 ms from a step's start to its forward's first large
+kernel, the same resident). The ring is full of the forward's first
+streamed weights then, and the copy engine stands idle until the first
+streamed unit releases a slot, while torch's allocator holds blocks free
+that the forward's first units do not touch. At the start of a root
+forward, once the device's Lender has a plan's last streamed unit, it
+borrows the largest of the blocks free then (torch.empty on the
+forward's stream: torch's own stream order keeps them from its other
+users) and lends them to the ring (vp_device_lend_staging); that unit's
+prefetch then goes on into them, staging the forward's weights after
+those the ring holds (HotPath.lend_before). The forward uses them after
 the ring's; after each of its streamed units the Lender asks for them
 back (vp_device_reclaim_staging: not while a weight staged there is
 acquired or still waits for its acquire), the forward's stream then
-waits for their copies and readers, and the blocks go back to torch's
-cache. Before another model's unit, at an out-of-memory retry, at the
-next loan or when the model is unloaded they are taken back whatever
-they hold. Between the two forwards the client's own torch work (a
-sampler's, a VAE's decode at a prompt's end) has torch's cache less
-the loan: what it then reserves more counts as the client's, below.
+waits for their copies (not for the ring's queued since), and the blocks
+go back to torch's cache. Before another model's unit, at an
+out-of-memory retry, at the next loan or when the model is unloaded
+they are taken back whatever they hold.
 
-Why at the forward's end: torch's allocation history over a Flux step
-under the ComfyUI node (bench/idle_cache.py, H100) left 296 MB of its
-large segments untouched (two blocks, 189 and 107 MB) from a forward's
-end to the next forward's second double block, and 7-10 MB (none in a
-piece of 8 MiB) from its last single block on: the loans made before the
-last streamed unit's acquire (the forty-fourth to forty-eighth sessions)
-held blocks torch wanted for the forward's tail, and torch grew.
+Why at the forward's start, not its end: a loan made at the end filled
+during the pause, and the client's own host-to-device copies in the
+pause (ComfyUI moves a step's conditioning, 4 MB for Flux, from pageable
+memory each step: the host waits for it) queued behind the loan's copies
+on the copy engine: the host stalled 4-5 ms, the forward started that
+much later (kineto traces, forty-ninth session). The forward's own
+inputs are on the device by its start. Torch's allocation history over
+a Flux step (bench/idle_cache.py, H100) left 296 MB of its large
+segments untouched (two blocks, 189 and 107 MB) from a forward's end to
+the next forward's second double block: a loan of those blocks at the
+start lasts until about then.
 
 A loan during which torch's allocator reserved more than the most it is
 known to have held (the Governor's torch peak: it wanted a block the
@@ -38,9 +41,7 @@ loan held before the loan came back, or found none free of a borrowed
 size) halves the loans after it, and ends lending on the device below
 MIN_PIECE; torch's cache is emptied, so the extra reservation goes (one
 GPU synchronize each time). Torch growing again up to that peak is not a
-loan's doing (a client emptied torch's cache: ComfyUI at each prompt),
-nor growth the next forward's start read as torch's peak (a client's own
-work in the pause, a VAE's decode between two prompts).
+loan's doing (a client emptied torch's cache: ComfyUI at each prompt).
 The block sizes are read from torch's memory snapshot at the first loan
 and after each halving: the same forwards free the same blocks."""
 
@@ -156,7 +157,7 @@ class Lender:
             self.cache = TorchCache(target, index, reserved, peak)
 
     def lend(self, owner: Any, stream: int) -> bool:
-        """At the end of owner's root forward, on its stream; True if a
+        """At the start of owner's root forward, on its stream; True if a
         loan was made."""
         cache = self.cache
         if cache is None:
@@ -237,9 +238,9 @@ class Lender:
         self.owner = None
         self.returned += 1
         cache = self.cache
-        # The peak known now, not at the loan: a forward's learn since
-        # read what a client's work in the pause took (a VAE's decode
-        # between two prompts), which the loan did not make torch take.
+        # The peak known now, not at the loan: the Governor may have
+        # learned a higher one since (a client's work before this
+        # forward, a VAE's decode between two prompts), not the loan's.
         if cache is not None and \
                 cache.reserved() > max(self.reserved, cache.peak()):
             self._halve("torch's allocator reserved more than its known "
