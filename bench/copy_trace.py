@@ -59,16 +59,29 @@ def summarize(events):
     ts, dur in us, args): host-to-device copies (count, bytes, engine busy
     ms, GB/s while busy, per-copy GB/s quartiles of copies of at least
     8 MiB), kernels' busy ms, the span from the first GPU event to the
-    last, and the copy engine's longest idle gaps inside it (ms from the
-    span's start, ms long)."""
+    last, the copy engine's longest idle gaps inside it (ms from the
+    span's start, ms long), and the copies the host asked for through
+    the runtime (the client's; vpager's go through the driver), each as
+    [ms from the span's start, bytes, ms from its call to its start]: a
+    pageable one holds the host until it lands, so one queued behind
+    vpager's copies stalls the step's host work."""
     htod, kern, other = [], [], 0
+    calls = {ev.get("args", {}).get("correlation"): float(ev["ts"])
+             for ev in events if ev.get("cat") == "cuda_runtime"
+             and "ts" in ev}
+    client = []
     for ev in events:
         cat = ev.get("cat", "")
         if "dur" not in ev or "ts" not in ev:
             continue
         span = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
         if cat == "gpu_memcpy" and "HtoD" in ev.get("name", ""):
-            htod.append((span, int(ev.get("args", {}).get("bytes", 0))))
+            args = ev.get("args", {})
+            htod.append((span, int(args.get("bytes", 0))))
+            call = calls.get(args.get("correlation"))
+            if call is not None:
+                client.append((span[0], int(args.get("bytes", 0)),
+                               span[0] - call))
         elif cat == "kernel":
             kern.append(span)
         elif cat in ("gpu_memcpy", "gpu_memset"):
@@ -100,6 +113,8 @@ def summarize(events):
         "copy_idle_ms": round(((hi - lo) - busy) / 1e3, 3),
         "copy_gaps": gaps[:TOP],
         "other_copies": other,
+        "client_htod": [[round((t - lo) / 1e3, 3), n, round(w / 1e3, 3)]
+                        for t, n, w in sorted(client)][:TOP],
     }
 
 

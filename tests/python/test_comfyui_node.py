@@ -708,7 +708,8 @@ def test_bench_step_timeline():
 def test_bench_copy_trace():
     """bench/copy_trace.py (VPAGER_BENCH_KINETO) sums a step's trace: the
     copy engine's busy time (overlapping copies once), its rate while
-    busy, its idle gaps within the span of the GPU's events."""
+    busy, its idle gaps within the span of the GPU's events, and how long
+    each copy the client asked for (a runtime call) waited to start."""
     ct = bench_module("copy_trace")
     mib = 1 << 20
 
@@ -735,6 +736,13 @@ def test_bench_copy_trace():
     assert s["copy_gbps_quartiles"] == [50.0, 50.0, 50.0], s
     # Idle: 0-100 us (under GAP_US, not listed) and 1600-2500 us.
     assert s["copy_idle_ms"] == 1.0 and s["copy_gaps"] == [[1.6, 0.9]], s
+    assert s["client_htod"] == [], s      # no runtime call: vpager's
+    # A client's pageable copy asked for at 200 us, run at 2500 us.
+    events[3]["args"]["correlation"] = 7
+    events.append({"cat": "cuda_runtime", "name": "cudaMemcpyAsync",
+                   "ts": 200.0, "dur": 5.0, "args": {"correlation": 7}})
+    assert ct.summarize(events)["client_htod"] == [[2.5, 50 * 10**6, 2.3]]
+    del events[-1], events[3]["args"]["correlation"]
     assert ct.summarize([ev("cpu_op", "x", 0.0, 1.0)]) == {"gpu_events": 0}
     with tempfile.TemporaryDirectory() as d:
         log = os.path.join(d, "run.log")
