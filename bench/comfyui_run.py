@@ -138,7 +138,7 @@ PROFILE_TOP = 30
 # where a replan's room came from.
 GOVERNOR_LOG = os.environ.get("VPAGER_BENCH_GOVERNOR") == "1"
 # VPAGER_BENCH_LEND_TRACE=1 (with VPAGER_LEND=1): torch's allocations
-# recorded; when a loan of torch's cache halves (torch reserved more while
+# recorded; when a loan of torch's cache shrinks (torch reserved more while
 # it was out), the segments torch added since the loan was borrowed are
 # printed with the Python frames that asked for them.
 LEND_TRACE = os.environ.get("VPAGER_BENCH_LEND_TRACE") == "1"
@@ -1494,20 +1494,20 @@ def _lend_growth(snap, why):
 
 
 def trace_lend():
-    """LEND_TRACE: the allocation history on, the Lender's halving hooked."""
+    """LEND_TRACE: the allocation history on, the Lender's shrink hooked."""
     import torch
     from vpager.torch import lend
     torch.cuda.memory._record_memory_history(max_entries=200000,
                                              stacks="python")
-    halve = lend.Lender._halve
+    shrink = lend.Lender._shrink
 
-    def on_halve(self, why):
+    def on_shrink(self, why):
         try:
             _lend_growth(torch.cuda.memory._snapshot(), why)
         except Exception as e:      # a diagnostic must not end the run
             sys.stderr.write("lend trace failed: %r\n" % (e,))
-        return halve(self, why)
-    lend.Lender._halve = on_halve
+        return shrink(self, why)
+    lend.Lender._shrink = on_shrink
 
 
 def log_governor():

@@ -10,7 +10,7 @@ caching allocator), brought in through the Lender's seam.
   during that forward, after its streamed units used them, not forced;
 * outputs stay bitwise the resident model's, prompt after prompt;
 * another model's forward and unload() take it back; a loan during
-  which torch's allocator reserved more than its known peak halves the
+  which torch's allocator reserved more than its known peak shrinks the
   loans after it (its cache emptied), down to none; torch growing again
   up to that peak (a client emptied its cache) does not;
 * a loan the library refuses does not fail the forward: lending ends;
@@ -208,22 +208,24 @@ def test_another_model_takes_the_loan_back():
         _finish(lender, cache, h2, h1)
 
 
-def test_a_loan_that_grew_torch_halves_the_loans():
+def test_a_loan_that_grew_torch_shrinks_the_loans():
     """torch's allocator reserving more across a loan (here: at each
-    borrow, as if no free block fitted) halves the loans after it and
-    empties torch's cache each time, until a loan would be under
-    MIN_PIECE: lending ends on the device; the model runs on, bitwise."""
+    borrow, as if no free block fitted) shrinks the loans after it and
+    empties torch's cache each time: a loan of two blocks loses its
+    smaller, one of a single block is halved, until a loan would be
+    under MIN_PIECE: lending ends on the device; the model runs on,
+    bitwise."""
     m, x, want, h, lender, cache = _lent_mlp()
     cache.grow = True
     try:
         assert torch.equal(m(x), want)      # the first: recorded
         caps = []
-        for _ in range(4):      # 320 KiB, 160 (a 128 KiB block), 64: 32
-                                # is under MIN_PIECE
+        for _ in range(4):      # 256 + 64 KiB lent: 256, 128, 64, 32 (under
+                                # MIN_PIECE)
             assert torch.equal(m(x), want)
             caps.append(lender.cap)
-        assert caps == [160 * K, 64 * K, 32 * K, 32 * K], caps
-        assert lender.cache is None and cache.shrinks == lender.halved == 3
+        assert caps == [256 * K, 128 * K, 64 * K, 32 * K], caps
+        assert lender.cache is None and cache.shrinks == lender.shrunk == 4
         assert not cache.out and lender.loans == 0
     finally:
         _finish(lender, cache, h)
@@ -232,19 +234,19 @@ def test_a_loan_that_grew_torch_halves_the_loans():
 def test_torch_growing_back_to_its_peak_is_not_the_loans_doing():
     """Torch reserving more during a loan, but no more than the most it
     is known to have held (a client emptied its cache and the forward
-    grew it back: ComfyUI at each prompt), halves nothing: every loan is
-    made whole and comes back; past that peak, the next loan halves."""
+    grew it back: ComfyUI at each prompt), shrinks nothing: every loan is
+    made whole and comes back; past that peak, the next loan shrinks."""
     m, x, want, h, lender, cache = _lent_mlp()
     cache.grow = True
     cache.peak_now = cache.reserved_now + 64 * LENT
     try:
         for _ in range(5):
             assert torch.equal(m(x), want)
-        assert lender.halved == 0 and lender.loans == 4, lender.stats()
+        assert lender.shrunk == 0 and lender.loans == 4, lender.stats()
         assert lender.returned == 4 and lender.cap == 320 * K
         cache.peak_now = 0
         assert torch.equal(m(x), want)
-        assert lender.halved == 1 and lender.cap == 160 * K
+        assert lender.shrunk == 1 and lender.cap == 256 * K
     finally:
         _finish(lender, cache, h)
 

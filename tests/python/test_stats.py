@@ -49,7 +49,7 @@ def test_stats_shape():
                       "lend"}, set(s)
     assert s["lend"] == {"on": False, "bytes": 0, "loans": 0,
                          "returned": 0, "forced": 0,
-                         "halved": 0}   # not on by default
+                         "shrunk": 0}   # not on by default
     for k in vpager.STAT_NAMES:
         assert k in s["device"], k
         assert (k in s["model"]) == (k not in counters.DEVICE_ONLY), k

@@ -38,12 +38,14 @@ start lasts until about then.
 A loan during which torch's allocator reserved more than the most it is
 known to have held (the Governor's torch peak: it wanted a block the
 loan held before the loan came back, or found none free of a borrowed
-size) halves the loans after it, and ends lending on the device below
-MIN_PIECE; torch's cache is emptied, so the extra reservation goes (one
-GPU synchronize each time). Torch growing again up to that peak is not a
+size) shrinks the loans after it: a loan of several blocks loses its
+smallest (Flux: 189, 107 and 27 MB lent, torch wanted the 27), one of a
+single block is halved, and lending ends on the device below MIN_PIECE;
+torch's cache is emptied, so the extra reservation goes (one GPU
+synchronize each time). Torch growing again up to that peak is not a
 loan's doing (a client emptied torch's cache: ComfyUI at each prompt).
 The block sizes are read from torch's memory snapshot at the first loan
-and after each halving: the same forwards free the same blocks."""
+and after each shrink: the same forwards free the same blocks."""
 
 import logging
 import os
@@ -131,7 +133,7 @@ class Lender:
     allocator (use()) with VPAGER_LEND=1."""
 
     __slots__ = ("dev", "cache", "sizes", "cap", "pieces", "reserved",
-                 "owner", "loans", "returned", "forced", "halved")
+                 "owner", "loans", "returned", "forced", "shrunk")
 
     def __init__(self, dev):
         self.dev = dev
@@ -143,7 +145,7 @@ class Lender:
         self.owner: Any = None      # the hot path whose forward lent
         self.loans = self.returned = 0     # made, come back
         self.forced = 0             # taken back whatever they held
-        self.halved = 0             # loans halved: torch reserved more
+        self.shrunk = 0             # loans shrunk: torch reserved more
 
     @property
     def out(self) -> bool:
@@ -182,7 +184,7 @@ class Lender:
         del keep
         if cache.reserved() > before:       # no free block of that size
             del pieces                      # (before torch's cache empties)
-            self._halve("a block of %s was not free"
+            self._shrink("a block of %s was not free"
                         % ", ".join(str(n) for n in self.sizes))
             return False
         self.reserved, self.owner = before, owner
@@ -224,11 +226,11 @@ class Lender:
     def stats(self) -> Dict[str, Any]:
         """{"on": lending, "bytes": a loan's, "loans", "returned",
         "forced": loans made, come back, taken back whatever they held,
-        "halved": times torch reserved more across a loan}."""
+        "shrunk": times torch reserved more across a loan}."""
         return {"on": self.cache is not None,
                 "bytes": sum(self.sizes or ()), "loans": self.loans,
                 "returned": self.returned, "forced": self.forced,
-                "halved": self.halved}
+                "shrunk": self.shrunk}
 
     def holds(self, addr: int) -> bool:
         return any(a <= addr < a + n for _, a, n in self.pieces)
@@ -243,14 +245,17 @@ class Lender:
         # forward, a VAE's decode between two prompts), not the loan's.
         if cache is not None and \
                 cache.reserved() > max(self.reserved, cache.peak()):
-            self._halve("torch's allocator reserved more than its known "
+            self._shrink("torch's allocator reserved more than its known "
                         "peak while it was out")
 
-    def _halve(self, why: str) -> None:
-        """The loans after this one half as large (off below MIN_PIECE),
-        torch's extra reservation given back."""
-        self.halved += 1
-        self.cap = sum(self.sizes or ()) // 2
+    def _shrink(self, why: str) -> None:
+        """The loans after this one without its smallest block (half of
+        a single one; none below MIN_PIECE), torch's extra reservation
+        given back."""
+        self.shrunk += 1
+        sizes = self.sizes or [0]
+        self.cap = (sum(sizes) - min(sizes) if len(sizes) > 1
+                    else sizes[0] // 2)
         self.sizes = None
         cache = self.cache
         if self.cap < MIN_PIECE:
