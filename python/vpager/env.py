@@ -61,7 +61,8 @@ VARIABLES: Dict[str, Variable] = {
                                "GPU's time measured between two forwards "
                                "(default 0: forwards back to back)"),
     "VPAGER_LEND": Variable("flag", "1: torch's free cache is lent to "
-                            "the staging ring between two forwards "
+                            "the staging ring at a forward's start, "
+                            "until its first streamed weights are used "
                             "(default 0)"),
     "VPAGER_LEND_CAP": Variable("size", "with VPAGER_LEND=1, a loan's most "
                                 "bytes (default: the staging ring's)"),
