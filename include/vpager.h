@@ -699,10 +699,10 @@ VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
  * then in the ring, its window larger by the bytes lent. Copies into
  * the range wait for the work queued on `stream` so far (its last users).
  * The first acquire that takes a weight staged there closes the loan to
- * new slots (a loan bridges a pause between forwards: lent before the
- * prefetch of a forward's last streamed weights, the next forward's first
- * weights go there and are used first). With no ring open (nothing
- * streamed yet) nothing is lent. */
+ * new slots (a loan bridges a forward's start: lent before a prefetch
+ * that goes on past what the ring holds, the next weights go there and
+ * are used first). With no ring open (nothing streamed yet) nothing is
+ * lent. */
 #define VP_LENT_RANGES 8
 VP_API int vp_device_lend_staging(vp_device_t dev, uint64_t addr,
                                   uint64_t size, vp_stream_t stream);
@@ -710,9 +710,9 @@ VP_API int vp_device_lend_staging(vp_device_t dev, uint64_t addr,
  * weight staged there, or (force 0) a weight staged there waits for its
  * acquire: call again later. Otherwise the weights staged there and not
  * acquired are dropped (staged again when needed), `stream` waits on the
- * device for every copy into the ranges and every reader of them, and the
- * ranges are the caller's again for work queued on `stream` after the
- * call. VP_OK with nothing lent. */
+ * device for every copy into the ranges and every reader of them (not for
+ * the ring's copies queued since), and the ranges are the caller's again
+ * for work queued on `stream` after the call. VP_OK with nothing lent. */
 VP_API int vp_device_reclaim_staging(vp_device_t dev, vp_stream_t stream,
                                      int force);
 
