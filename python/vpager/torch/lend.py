@@ -39,8 +39,9 @@ A loan during which torch's allocator reserved more than the most it is
 known to have held (the Governor's torch peak: it wanted a block the
 loan held before the loan came back, or found none free of a borrowed
 size) shrinks the loans after it: a loan of several blocks loses its
-smallest (Flux: 189, 107 and 27 MB lent, torch wanted the 27), one of a
-single block is halved, and lending ends on the device below MIN_PIECE;
+smallest (Flux: with 189, 107 and 27 MB lent torch grew, with the 189
+and 107 alone it did not), one of a single block is halved, and lending
+ends on the device below MIN_PIECE;
 torch's cache is emptied, so the extra reservation goes (one GPU
 synchronize each time). Torch growing again up to that peak is not a
 loan's doing (a client emptied torch's cache: ComfyUI at each prompt).
