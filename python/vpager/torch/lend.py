@@ -41,9 +41,8 @@ loan held before the loan came back, or found none free of a borrowed
 size) shrinks the loans after it: a loan of several blocks loses its
 smallest (Flux: with 189, 107 and 27 MB lent torch grew, with the 189
 and 107 alone it did not), one of a single block is halved, and lending
-ends on the device below MIN_PIECE;
-torch's cache is emptied, so the extra reservation goes (one GPU
-synchronize each time). Torch growing again up to that peak is not a
+ends on the device below MIN_PIECE; torch's cache is emptied, so the
+extra reservation goes (one GPU synchronize each time). Torch growing again up to that peak is not a
 loan's doing (a client emptied torch's cache: ComfyUI at each prompt).
 The block sizes are read from torch's memory snapshot at the first loan
 and after each shrink: the same forwards free the same blocks."""
