@@ -620,10 +620,19 @@ void vp__weights_close(vp__device_t *dev);
 /* staging.c: the ring and the copy stream. */
 int vp__copy_stream(vp__device_t *dev, vp_stream_t *out);
 int vp__staging_open(vp__device_t *dev);
+/* The sizes of the weights a prefetch means to stage after the one it asks
+ * a slot for, in its order (a few): in lent memory of several ranges, the
+ * slot goes where the most of them still find room. */
+#define VP_LENT_AHEAD 8
+typedef struct vp__ahead {
+  uint64_t size[VP_LENT_AHEAD];
+  size_t n;
+} vp__ahead_t;
 /* A slot for w. VP_MISS when the ring has no room (for prefetch, which never
- * drops other prefetched slots); VP_ELIMIT for an acquire. */
+ * drops other prefetched slots); VP_ELIMIT for an acquire. ahead: NULL, or
+ * what the prefetch stages next (vp__ahead_t). */
 int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
-                   vp__slot_t **out);
+                   const vp__ahead_t *ahead, vp__slot_t **out);
 uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s);
 bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size);
 /* The device range [addr, +size) a caller may write or read: all pinned in

@@ -217,7 +217,7 @@ static int acquire_staged(vp__device_t *dev, vp__weight_t *w, batch_t *b,
     if (s->lent) dev->staging->lent_open = false; /* the pause is over */
     wait_for_copy(dev, w, wait);
   } else {
-    int rc = vp__ring_alloc(dev, w, false, &s);
+    int rc = vp__ring_alloc(dev, w, false, NULL, &s);
     if (rc) return rc;
     if (w->src.kind == VP_SOURCE_NONE) {
       /* The caller writes the slot on its stream: through the copy stream
@@ -615,7 +615,8 @@ int vp_device_reclaim_staging(vp_device_t h, vp_stream_t stream, int force) {
 
 /* Fill u's pages ahead of need (pinned until the batch is issued) or stage
  * it in a free ring slot. VP_MISS: nothing more fits now. */
-static int prefetch_one(vp__device_t *dev, vp__weight_t *u, batch_t *b) {
+static int prefetch_one(vp__device_t *dev, vp__weight_t *u,
+                        const vp__ahead_t *ahead, batch_t *b) {
   int rc = vp__fault(u->vb, u->p0, u->p1, NULL);
   if (rc == VP_OK) {
     if (vp__gens_equal(u)) {
@@ -634,7 +635,7 @@ static int prefetch_one(vp__device_t *dev, vp__weight_t *u, batch_t *b) {
   }
   if (rc != VP_MISS || u->slot) return rc;
   vp__slot_t *s;
-  if ((rc = vp__ring_alloc(dev, u, true, &s))) return rc;
+  if ((rc = vp__ring_alloc(dev, u, true, ahead, &s))) return rc;
   if ((rc = batch_add(dev, b, u, vp__slot_addr(dev, s)))) {
     s->owner = NULL; /* reclaimed like any released slot */
     u->slot = NULL;
@@ -642,6 +643,29 @@ static int prefetch_one(vp__device_t *dev, vp__weight_t *u, batch_t *b) {
   }
   s->prefetched = true;
   return VP_OK;
+}
+
+/* What the scan below stages after use[i] (up to VP_LENT_AHEAD weights:
+ * not held, not resident with their bytes, not staged yet), in its order:
+ * on to `end`, then, in the first run, from the start up to `at`. The
+ * packing of a loan's ranges reads it (lent_pick). */
+static void staged_ahead(const vp__vbar_t *vb, const uint32_t *skip,
+                         uint32_t i, uint32_t end, uint32_t at, int run,
+                         vp__ahead_t *ahead) {
+  ahead->n = 0;
+  uint32_t j = i + 1;
+  for (; run < 2; run++, j = 0, end = at) {
+    for (; ahead->n < VP_LENT_AHEAD; j++) {
+      if (skip && j < end) j = skip[j];
+      if (j >= end) break;
+      const vp__weight_t *u = vb->use[j];
+      if (u->acq_resident || u->acq_staged ||
+          u->src.kind == VP_SOURCE_NONE || u->slot || u->prefetched ||
+          vp__ready_in_place(u))
+        continue;
+      ahead->size[ahead->n++] = u->size;
+    }
+  }
 }
 
 /* Issue the prefetch copies; pages filled ahead are unpinned behind their
@@ -784,7 +808,12 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last,
       bytes += u->size;
       if (u->slot || u->prefetched) continue; /* staged or filled ahead */
       size_t before = b.nfilled;
-      rc = prefetch_one(dev, u, &b);
+      vp__ahead_t ahead, *lent = NULL;
+      if (st && st->lent_open && st->nlent > 1) { /* where in the loan */
+        staged_ahead(vb, skip, i, end, at, run, &ahead);
+        lent = &ahead;
+      }
+      rc = prefetch_one(dev, u, lent, &b);
       if (b.nfilled > before) VP__COUNT(u->vb, prefetch_bytes, u->size);
       if (rc) broke = true;
     }

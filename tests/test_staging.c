@@ -706,6 +706,57 @@ TEST(stream_ring_lent_reclaim_waits_for_its_copies_only, TEST_SIM_ONLY) {
   model_free(&m);
 }
 
+/* A loan of two ranges takes as many of the next weights as fit in order,
+ * a slot never spanning two: with ranges of 10 and 6 units and weights of
+ * 3, 3, 1, 4, 4, 1 units after the ring's, the 1 goes to the second
+ * range so that both 4s fit (first fit would strand 3 units in the first
+ * range and 2 in the second, and the second 4 would wait for the ring);
+ * Flux's blocks of 189 and 107 MB and weights of 56, 56, 19, 75, 75 MB
+ * alike. Bytes checked at each acquire; the loan comes back unforced. */
+TEST(stream_ring_lent_ranges_packed, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size, u = ps / 4;
+  enum { N = 9 };
+  const uint64_t units[N] = {4, 4, 3, 3, 1, 4, 4, 1, 4};
+  uint64_t off[N], size[N];
+  for (size_t i = 0; i < N; i++) {
+    off[i] = i * ps;
+    size[i] = units[i] * u;
+  }
+  model_t m;
+  model_init(&m, dev, N * ps, N, off, size, SRC_SCATTER, 11);
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  vp_vbar_t lv;
+  uint64_t lent = lent_setup(dev, 5, &lv);
+  vp_stream_t s = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  uint64_t p[N] = {0};
+  uint8_t f[N] = {0};
+  checks_t c = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* w1 ahead */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  ASSERT_OK(vp_stream_synchronize(dev, s));
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 10 * u, s));
+  ASSERT_OK(vp_device_lend_staging(dev, lent + 12 * u, 6 * u, s));
+  for (size_t i = 1; i < N; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
+    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    /* w2..w7 (16 units) in the loan, w8 in the ring. */
+    ASSERT_EQ_INT(p[i] >= lent && p[i] < lent + 18 * u, i >= 2 && i <= 7);
+    launch_check(dev, s, p[i], m.srcs[i].host, size[i], &c);
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  }
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
+  checks_expect_clean(dev, s, &c);
+  lent_teardown(dev, lv, 5 * ps, s);
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
 /* A window topped up after a release while a loan is open counts the
  * weights staged there: the ring then takes its own share after them.
  * Ring of 2 pages, a window of 1, a loan of 2: w1's acquire stages w2
