@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Does a client's pageable host-to-device copy wait behind pinned copies
+queued on another stream, and does cutting those copies into pieces let
+it through sooner?
+
+A loan of torch's cache made at a forward's end (VPAGER_LEND) filled the
+pause between two steps, and ComfyUI's 4 MB pageable copy of a step's
+conditioning then waited 3.8-5.1 ms (0.12-0.14 ms without the loan;
+bench/RESULTS.md, forty-ninth session). Whether the copy engine takes
+queued copies from two streams in turn, copy by copy, decides whether a
+fill cut into small copies would let the client's copy in after one
+piece instead of after the whole fill.
+
+    python3 bench/copy_queue_probe.py [--fill-mib 296] [--client-mib 4]
+        [--pieces-mib 0,64,8,2] [--delay-ms 0.5] [--reps 9]
+
+For each piece size (0: the fill as one copy) the fill is queued on a
+non-blocking stream (as the library's copy stream is made) from pinned
+memory, the host spins --delay-ms, then copies --client-mib from
+pageable memory on torch's current stream as a client does
+(tensor.to(device)). Prints the client copy's host time (median and
+range of --reps), the fill's own time, and the time the fill's copies
+took to issue; the first line is the client's copy alone."""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+MIB = 1 << 20
+
+
+def spin(seconds):
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def one(dev, side, src, dst, client, piece, delay):
+    """One round: (client copy's host ms, the fill's GPU ms, issue ms)."""
+    torch.cuda.synchronize(dev)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    issue = 0.0
+    if src is not None:
+        n = src.numel()
+        step = n if piece <= 0 else piece
+        t = time.perf_counter()
+        with torch.cuda.stream(side):
+            start.record(side)
+            for off in range(0, n, step):
+                dst[off:off + step].copy_(src[off:off + step],
+                                          non_blocking=True)
+            end.record(side)
+        issue = time.perf_counter() - t
+    spin(delay)
+    t0 = time.perf_counter()
+    client.to(dev)              # pageable: the host waits for it to land
+    waited = time.perf_counter() - t0
+    torch.cuda.synchronize(dev)
+    fill = start.elapsed_time(end) if src is not None else 0.0
+    return waited * 1e3, fill, issue * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fill-mib", type=int, default=296)
+    ap.add_argument("--client-mib", type=int, default=4)
+    ap.add_argument("--pieces-mib", default="0,64,8,2")
+    ap.add_argument("--delay-ms", type=float, default=0.5)
+    ap.add_argument("--reps", type=int, default=9)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("copy_queue_probe: no CUDA device; nothing measured")
+        return 0
+    dev = torch.device("cuda", torch.cuda.current_device())
+    print("gpu: %s, torch %s, cuda %s" % (
+        torch.cuda.get_device_name(dev), torch.__version__,
+        torch.version.cuda))
+    print("fill %d MiB pinned on a non-blocking stream; client %d MiB "
+          "pageable on torch's current stream %.2f ms after; %d reps" % (
+              a.fill_mib, a.client_mib, a.delay_ms, a.reps))
+    src = torch.empty(a.fill_mib * MIB, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(a.fill_mib * MIB, dtype=torch.uint8, device=dev)
+    client = torch.randn(a.client_mib * MIB // 4)
+    side = torch.cuda.Stream(dev)
+    delay = a.delay_ms / 1e3
+    cases = [("client alone", None, 0)]
+    for p in (int(x) for x in a.pieces_mib.split(",")):
+        label = ("fill as one copy" if p <= 0
+                 else "fill in %d MiB copies" % p)
+        cases.append((label, src, p * MIB))
+    for _ in range(2):          # warm both paths
+        one(dev, side, src, dst, client, 0, delay)
+    for label, s, piece in cases:
+        rows = [one(dev, side, s, dst, client, piece, delay)
+                for _ in range(a.reps)]
+        w = sorted(r[0] for r in rows)
+        fill = statistics.median(r[1] for r in rows)
+        issue = statistics.median(r[2] for r in rows)
+        gbps = (a.fill_mib * MIB / (fill / 1e3) / 1e9) if fill else 0.0
+        print("%-24s client copy %.3f ms (%.3f-%.3f)  fill %.2f ms "
+              "(%.1f GB/s), issued in %.3f ms" % (
+                  label, statistics.median(w), w[0], w[-1], fill, gbps,
+                  issue))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
