@@ -20,6 +20,7 @@ No timed assertions.
 
     make && PYTHONPATH=python python3 tests/python/test_lend.py
 """
+import logging
 import os
 import sys
 import weakref
@@ -252,18 +253,38 @@ def test_torch_growing_back_to_its_peak_is_not_the_loans_doing():
         _finish(lender, cache, h)
 
 
+class _Kept(logging.Handler):
+    """Keeps every record, its arguments alive, as pytest's log capture
+    does."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
 def test_a_loan_the_library_refuses_ends_lending():
     """A loan vp_device_lend_staging refuses (here: a block that is not
     256-byte aligned) does not fail the forward: nothing stays lent,
-    lending is off for the device, the outputs stay bitwise."""
+    lending is off for the device, the outputs stay bitwise; the warning
+    names the setting, and keeping its record (a log capture does) keeps
+    no borrowed block alive."""
     m, x, want, h, lender, cache = _lent_mlp()
     cache.skew = 8
+    kept = _Kept()
+    logging.getLogger("vpager").addHandler(kept)
     try:
         for _ in range(3):
             assert torch.equal(m(x), want)
         assert lender.cache is None and not lender.out
         assert lender.loans == 0 and not cache.out
+        said = [r.getMessage() for r in kept.records]
+        assert any("VPAGER_LEND=1" in t and "vp_device_lend_staging" in t
+                   for t in said), said
     finally:
+        logging.getLogger("vpager").removeHandler(kept)
         _finish(lender, cache, h)
 
 

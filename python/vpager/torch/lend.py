@@ -188,16 +188,20 @@ class Lender:
                         % ", ".join(str(n) for n in self.sizes))
             return False
         self.reserved, self.owner = before, owner
+        refused = None
         try:
             for piece in pieces:
                 self.dev.lend_staging(piece[1], piece[2], stream)
                 self.pieces.append(piece)
         except Error as e:      # a forward goes on without a loan
+            refused = str(e)    # not e: its frames hold the blocks
+        if refused is not None:
+            pieces.clear()
             self.take_back(stream, force=True)
             self.cache = None
             log.warning("vpager.torch (%s=1): lending torch's cache to the "
                         "staging ring failed, off for this device: %s",
-                        LEND, e)
+                        LEND, refused)
             return False
         self.loans += 1
         if learned:     # the blocks a loan of these sizes takes
