@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 import shutil
+import statistics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -222,6 +223,9 @@ def child(cr, a):
 # free cache to the staging ring between forwards (VPAGER_LEND=1),
 # "lendtrace" the same with torch's allocations recorded and what grew
 # torch's cache during a loan printed (VPAGER_BENCH_LEND_TRACE, comfyui_run);
+# "ab" after a lend suffix ("node6lend288ab") turns the loans off and on
+# in turn from the second prompt (VPAGER_BENCH_LEND_ALTERNATE: an A/B in
+# one process, the host's drift on both);
 # "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
 # default 32 MiB: a plan's spare page and its rounding cost a page each).
 # Suffixes combine:
@@ -240,6 +244,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "gap": {"VPAGER_BETWEEN": "1"},
             "lend": {"VPAGER_LEND": "1"},
             "lendtrace": {"VPAGER_LEND": "1", "VPAGER_BENCH_LEND_TRACE": "1"},
+            "ab": {"VPAGER_BENCH_LEND_ALTERNATE": "1"},
             "spare0": {"VPAGER_SPARE_PAGES": "0"},
             "page8": {"VPAGER_PAGE_SIZE": "8M"},
             "page16": {"VPAGER_PAGE_SIZE": "16M"},
@@ -616,6 +621,17 @@ def prompts_row(cr, run, reps, row):
     say("%s: prompts 2..%d steady %s ms: %.1f%% apart (target <= %.0f%%)"
         % (run, len(steady) + 1, " ".join("%.1f" % x for x in steady),
            apart * 100, PROMPTS_APART * 100))
+    by = {"off": [], "on": []}
+    for x in reps[1:]:
+        if x.get("lending") in by and x.get("steps_ms"):
+            by[x["lending"]].append(cr.steady(x["steps_ms"]))
+    if by["off"] and by["on"]:      # VPAGER_BENCH_LEND_ALTERNATE ("ab")
+        ratio = statistics.median(by["on"]) / statistics.median(by["off"])
+        row.update(lend_ab_ms=by, lend_ab_ratio=ratio)
+        say("%s: lending off %s ms, on %s ms (one process, in turn): "
+            "median on / off = %.3f" % (
+                run, " ".join("%.1f" % x for x in by["off"]),
+                " ".join("%.1f" % x for x in by["on"]), ratio))
 
 
 # Issue 29's stable prompts: prompts 2..N's steady steps, largest over

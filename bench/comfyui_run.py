@@ -142,6 +142,12 @@ GOVERNOR_LOG = os.environ.get("VPAGER_BENCH_GOVERNOR") == "1"
 # it was out), the segments torch added since the loan was borrowed are
 # printed with the Python frames that asked for them.
 LEND_TRACE = os.environ.get("VPAGER_BENCH_LEND_TRACE") == "1"
+# VPAGER_BENCH_LEND_ALTERNATE=1 (with VPAGER_LEND=1): after the first
+# prompt, the device's loans are off and on in turn, off-on-on-off (a
+# drift in the host's speed over the run falls on both alike): an A/B of
+# lending in one process, under one plan, printed as COMFYUI_LEND_AB.
+LEND_ALTERNATE = os.environ.get("VPAGER_BENCH_LEND_ALTERNATE") == "1"
+LEND_AB_TAG = "COMFYUI_LEND_AB "
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -1069,6 +1075,7 @@ def child_sample(a):
                                              second)):
         marks = []
         starts.clear()
+        lending = lend_switch(rep, torch) if LEND_ALTERNATE else None
 
         vstats = getattr(p, "vpager_stats", None) if STEP_STATS else None
         snaps = [vstats()] if vstats is not None else []
@@ -1122,6 +1129,8 @@ def child_sample(a):
                                   if marks and starts else None),
              "torch_peak_reserved": torch.cuda.max_memory_reserved()}
         r.update(memory(p, torch))
+        if lending is not None:
+            r["lending"] = lending
         if len(snaps) > 1:
             say_step_stats(label, r["steps_ms"], snaps)
         if ct is not None:
@@ -1183,7 +1192,47 @@ def child_sample(a):
     for h in hooks:
         h.remove()
     res["reps"] = reps
+    if LEND_ALTERNATE:
+        say(LEND_AB_TAG + json.dumps(lend_ab(reps)))
     say(TAG + json.dumps(res))
+
+
+_PARKED = {}    # id(devstate) -> the Lender's cache while lending is off
+
+
+def lend_switch(rep, torch):
+    """LEND_ALTERNATE: before prompt `rep`, each device's Lender on or off
+    (none for the first prompt; then off, on, on, off, ...): "on", "off",
+    or None before the first."""
+    if rep == 0:
+        return None
+    on = (rep - 1) % 4 in (1, 2)
+    from vpager.torch import devices
+    for ds in list(devices.DEVSTATES.values()):
+        lender = getattr(ds, "lender", None)
+        if lender is None:
+            continue
+        if on and lender.cache is None and id(ds) in _PARKED:
+            lender.cache = _PARKED.pop(id(ds))
+        elif not on and lender.cache is not None:
+            lender.take_back(torch.cuda.current_stream().cuda_stream)
+            _PARKED[id(ds)] = lender.cache
+            lender.cache = None
+    return "on" if on else "off"
+
+
+def lend_ab(reps):
+    """LEND_ALTERNATE's A/B: each prompt's steady step by lending, and the
+    ratio of the medians (on / off)."""
+    by = {"on": [], "off": []}
+    for r in reps:
+        if r.get("lending") in by:
+            by[r["lending"]].append(round(steady(r["steps_ms"]), 2))
+    out = {k: v for k, v in by.items()}
+    if by["on"] and by["off"]:
+        out["on_over_off"] = round(statistics.median(by["on"])
+                                   / statistics.median(by["off"]), 4)
+    return out
 
 
 def memory(patcher, torch):

@@ -400,6 +400,62 @@ def test_l_at_the_least_peak_of_a_budget():
     assert l_least < l_own, (l_least, l_own)
 
 
+def test_lend_alternate_is_an_ab_in_one_process():
+    """VPAGER_BENCH_LEND_ALTERNATE ("ab"): no switch for the first prompt,
+    then the device's loans off, on, on, off (the Lender's cache parked
+    and given back, a loan still out taken back first); the prompts'
+    steady steps by lending, and bench_node's row of them."""
+    import types
+    ns, cr = _bench()
+    assert ns["_suffix_env"]("node6lend288ab") == {
+        "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
+        "VPAGER_BENCH_LEND_ALTERNATE": "1"}
+    from vpager.torch import devices
+
+    class Lender:
+        cache, taken = "torch's cache", 0
+
+        def take_back(self, stream):
+            self.taken += 1
+
+    class Device:       # DEVSTATES holds its devices weakly
+        pass
+
+    ds = types.SimpleNamespace(lender=Lender())
+    key = Device()
+    devices.DEVSTATES[key] = ds
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        current_stream=lambda: types.SimpleNamespace(cuda_stream=0)))
+    try:
+        said, caches = [], []
+        for rep in range(7):
+            said.append(cr.lend_switch(rep, fake_torch))
+            caches.append(ds.lender.cache)
+    finally:
+        del devices.DEVSTATES[key]
+    assert said == [None, "off", "on", "on", "off", "off", "on"], said
+    assert caches == ["torch's cache", None, "torch's cache",
+                      "torch's cache", None, None, "torch's cache"], caches
+    assert ds.lender.taken == 2
+
+    steps = lambda ms: [900.0] + [ms] * 5    # noqa: E731
+    reps = [{"steps_ms": steps(300.0)},
+            {"steps_ms": steps(100.0), "lending": "off"},
+            {"steps_ms": steps(96.0), "lending": "on"},
+            {"steps_ms": steps(98.0), "lending": "on"},
+            {"steps_ms": steps(102.0), "lending": "off"}]
+    ab = cr.lend_ab(reps)
+    assert ab == {"on": [96.0, 98.0], "off": [100.0, 102.0],
+                  "on_over_off": round(97.0 / 101.0, 4)}, ab
+    with _said(ns["prompts_row"]) as lines:
+        row = {}
+        ns["prompts_row"](cr, "node6lend288ab", reps, row)
+    assert abs(row["lend_ab_ratio"] - 97.0 / 101.0) < 1e-9, row
+    assert any("node6lend288ab: lending off 100.0 102.0 ms, on 96.0 98.0 "
+               "ms (one process, in turn): median on / off = 0.960" in x
+               for x in lines), lines
+
+
 def test_lend_trace_names_what_grew_torch_after_a_loan():
     """VPAGER_BENCH_LEND_TRACE's reading of torch's allocation history: the
     segments added after the last loan's borrows, with the frames outside
