@@ -512,6 +512,17 @@ def compare(cr, a, gen, summary, judged=lambda run: run != "legacy"):
                 "ms (last prompt) = %.3f x L" % (run, bb / GiB, peak / GiB,
                                                  B / GiB, res_ms, link_ms,
                                                  lim, st, st / lim))
+            after = r.get("link_after")
+            if after:
+                # The same limit at the link this run's process read after
+                # its prompts: a figure beside L, not L.
+                lim1, link1 = benchlib.stream_limit_ms(
+                    res_ms, W, max(B, 0), w_max, after[0])
+                row.update(link_after_GBps=after[0], L_after_ms=lim1,
+                           vs_L_after=st / lim1)
+                say("%s: the link read after its prompts %.1f GB/s (L's: "
+                    "%.1f): link term %.1f ms; steady = %.3f x max(resident, "
+                    "that)" % (run, after[0], link, link1, st / lim1))
             if peak > least_peak.get(bb, peak):
                 lim0, _ = benchlib.stream_limit_ms(
                     res_ms, W, max(bb - least_peak[bb], 0), w_max, link)

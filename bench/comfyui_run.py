@@ -1192,6 +1192,12 @@ def child_sample(a):
     for h in hooks:
         h.remove()
     res["reps"] = reps
+    # The link again, in this process after its prompts: the host's
+    # memory is shared with other tenants and its speed drifts over a
+    # phase (42-55 GB/s in one H100 host's steps); L's is read once, by
+    # the checkpoint's maker, before the runs.
+    torch.cuda.empty_cache()
+    res["link_after"] = link_gbps(torch)
     if LEND_ALTERNATE:
         say(LEND_AB_TAG + json.dumps(lend_ab(reps)))
     say(TAG + json.dumps(res))

@@ -400,6 +400,36 @@ def test_l_at_the_least_peak_of_a_budget():
     assert l_least < l_own, (l_least, l_own)
 
 
+def test_l_beside_the_link_read_after_the_prompts():
+    """A node run that read the link again after its prompts (link_after)
+    gets the same limit at that link printed beside L, L itself
+    unchanged; a run without it gets no such row."""
+    import types
+    ns, cr = _bench()
+    a = types.SimpleNamespace(weight_dtype="default", vae=False, lora=False,
+                              switch_shape=None)
+    gen = {"bytes": 10 * GiB, "w_max": 126 << 20, "link_GBps": 55.0}
+
+    def run(step, after=None):
+        r = {"reps": [{"label": "p", "steps_ms": [500.0, step, step],
+                       "latent_sha256": "x", "torch_peak_reserved": GiB}]}
+        if after:
+            r["link_after"] = [after, after - 1]
+        return r
+    summary = {"runs": {"resident": run(80.0, 55.0), "node6": run(95.0),
+                        "node6.2": run(95.0, 50.0)}}
+    with _said(ns["compare"]) as lines:
+        ns["compare"](cr, a, gen, summary)
+    after = [x for x in lines if "read after its prompts" in x]
+    assert len(after) == 1 and after[0].startswith("node6.2: ") \
+        and "50.0 GB/s (L's: 55.0)" in after[0], lines
+    rows = {x.split(":")[0]: x for x in lines if ": budget" in x}
+    assert rows["node6"].split("= ")[-1] == rows["node6.2"].split("= ")[-1]
+    l_run = float(after[0].split("link term ")[1].split(" ms")[0])
+    l_gen = float(rows["node6.2"].split("link term ")[1].split(")")[0])
+    assert abs(l_run / l_gen - 55.0 / 50.0) < 1e-3, (l_run, l_gen)
+
+
 def test_lend_alternate_is_an_ab_in_one_process():
     """VPAGER_BENCH_LEND_ALTERNATE ("ab"): no switch for the first prompt,
     then the device's loans off, on, on, off (the Lender's cache parked
