@@ -1206,15 +1206,18 @@ def child_sample(a):
 _PARKED = {}    # id(devstate) -> the Lender's cache while lending is off
 
 
-def lend_switch(rep, torch):
-    """LEND_ALTERNATE: before prompt `rep`, each device's Lender on or off
-    (none for the first prompt; then off, on, on, off, ...): "on", "off",
-    or None before the first."""
+def lend_switch(rep, torch, devstates=None):
+    """LEND_ALTERNATE: before prompt `rep`, the Lender of each device
+    (devstates: vpager.torch's, by default) on or off (none for the first
+    prompt; then off, on, on, off, ...): "on", "off", or None before the
+    first."""
     if rep == 0:
         return None
     on = (rep - 1) % 4 in (1, 2)
-    from vpager.torch import devices
-    for ds in list(devices.DEVSTATES.values()):
+    if devstates is None:
+        from vpager.torch import devices
+        devstates = devices.DEVSTATES
+    for ds in list(devstates.values()):
         lender = getattr(ds, "lender", None)
         if lender is None:
             continue

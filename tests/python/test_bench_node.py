@@ -440,7 +440,6 @@ def test_lend_alternate_is_an_ab_in_one_process():
     assert ns["_suffix_env"]("node6lend288ab") == {
         "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
         "VPAGER_BENCH_LEND_ALTERNATE": "1"}
-    from vpager.torch import devices
 
     class Lender:
         cache, taken = "torch's cache", 0
@@ -448,21 +447,13 @@ def test_lend_alternate_is_an_ab_in_one_process():
         def take_back(self, stream):
             self.taken += 1
 
-    class Device:       # DEVSTATES holds its devices weakly
-        pass
-
     ds = types.SimpleNamespace(lender=Lender())
-    key = Device()
-    devices.DEVSTATES[key] = ds
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
         current_stream=lambda: types.SimpleNamespace(cuda_stream=0)))
-    try:
-        said, caches = [], []
-        for rep in range(7):
-            said.append(cr.lend_switch(rep, fake_torch))
-            caches.append(ds.lender.cache)
-    finally:
-        del devices.DEVSTATES[key]
+    said, caches = [], []
+    for rep in range(7):
+        said.append(cr.lend_switch(rep, fake_torch, {"device": ds}))
+        caches.append(ds.lender.cache)
     assert said == [None, "off", "on", "on", "off", "off", "on"], said
     assert caches == ["torch's cache", None, "torch's cache",
                       "torch's cache", None, None, "torch's cache"], caches
