@@ -693,7 +693,8 @@ VP_API int vp_device_set_lookahead(vp_device_t dev, uint64_t bytes);
 VP_API int vp_device_set_staging_size(vp_device_t dev, uint64_t bytes);
 /* Lend the staging ring device memory of the caller's, [addr, +size)
  * (256-byte aligned; up to VP_LENT_RANGES ranges at once, each its own
- * call), until vp_device_reclaim_staging: e.g. blocks of a framework's
+ * call; a range that starts where one lent ends lengthens that one),
+ * until vp_device_reclaim_staging: e.g. blocks of a framework's
  * allocator cache, idle between two forwards. Not charged to the budget.
  * While the loan is open a prefetch stages the next weights there first,
  * then in the ring, its window larger by the bytes lent. Copies into

@@ -423,7 +423,12 @@ int vp__staging_lend(vp__device_t *dev, uint64_t addr, uint64_t size,
   if (st->nlent && !st->lent_open)
     return vp__err(VP_EBUSY, "the loan was closed (an acquire took a weight "
                    "staged there); reclaim it first");
-  if (st->nlent == VP_LENT_RANGES)
+  /* A range that continues one lent already lengthens it: its slots may
+   * run on across the seam (a loan lent in two steps). */
+  size_t grows = SIZE_MAX;
+  for (size_t r = 0; r < st->nlent && grows == SIZE_MAX; r++)
+    if (st->lent[r].addr + st->lent[r].size == addr) grows = r;
+  if (grows == SIZE_MAX && st->nlent == VP_LENT_RANGES)
     return vp__err(VP_EBUSY, "%d ranges are lent already; reclaim them first",
                    VP_LENT_RANGES);
   if (overlaps(addr, size, st->vb->va, st->vb->size))
@@ -439,7 +444,10 @@ int vp__staging_lend(vp__device_t *dev, uint64_t addr, uint64_t size,
     rc = vp__err(rc, "the copy stream cannot wait for stream 0x%llx",
                  ULL(stream));
   if (rc) return rc;
-  st->lent[st->nlent++] = (vp__lent_t){.addr = addr, .size = size};
+  if (grows != SIZE_MAX)
+    st->lent[grows].size += size;
+  else
+    st->lent[st->nlent++] = (vp__lent_t){.addr = addr, .size = size};
   st->lent_open = true;
   return VP_OK;
 }

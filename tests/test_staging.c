@@ -616,9 +616,11 @@ TEST(stream_ring_lent_memory, TEST_SIM_ONLY) {
     ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
   }
   ASSERT_OK(vp_stream_synchronize(dev, s));
-  for (int i = 0; i < VP_LENT_RANGES; i++)
-    ASSERT_OK(vp_device_lend_staging(dev, lent + i * 256, 256, s));
+  for (int i = 0; i < VP_LENT_RANGES; i++) /* apart: ranges of their own */
+    ASSERT_OK(vp_device_lend_staging(dev, lent + i * 512, 256, s));
   ASSERT_RC(vp_device_lend_staging(dev, lent + 4 * ps, 256, s), VP_EBUSY);
+  /* One that continues a range lent lengthens it: no range more. */
+  ASSERT_OK(vp_device_lend_staging(dev, lent + 256, 256, s));
   ASSERT_OK(vp_device_reclaim_staging(dev, s, 1));
 
   lent_teardown(dev, lv, 8 * ps, s);
@@ -752,6 +754,60 @@ TEST(stream_ring_lent_ranges_packed, TEST_SIM_ONLY) {
   ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
   checks_expect_clean(dev, s, &c);
   lent_teardown(dev, lv, 5 * ps, s);
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
+/* A loan lent in two steps, the second range starting where the first
+ * ends, is one range: a slot may run on across the seam. Units of 4, 4,
+ * 4, 3, 4, 4, a ring of 8 units held full (w0 acquired, w1 staged): lent
+ * [0, 6) the prefetch stages w2 at 0 and w3 finds 2 units; lent [6, 12)
+ * then, w3 goes at 4 (across 6: as a range of its own it would start at
+ * 6) and w4 at 7. Bytes checked at each acquire; back unforced. */
+TEST(stream_ring_lent_range_lengthened, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size, u = ps / 4;
+  enum { N = 6 };
+  const uint64_t units[N] = {4, 4, 4, 3, 4, 4};
+  uint64_t off[N], size[N];
+  for (size_t i = 0; i < N; i++) {
+    off[i] = i * ps;
+    size[i] = units[i] * u;
+  }
+  model_t m;
+  model_init(&m, dev, N * ps, N, off, size, SRC_SCATTER, 13);
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  vp_vbar_t lv;
+  uint64_t lent = lent_setup(dev, 3, &lv);
+  vp_stream_t s = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  ASSERT_OK(vp_device_set_lookahead(dev, ps));
+  uint64_t p[N] = {0};
+  uint8_t f[N] = {0};
+  checks_t c = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* w1 ahead */
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 6 * u, s));
+  ASSERT_OK(vp_prefetch(dev, m.w[0]));
+  uint64_t before = dstats(dev).prefetch_bytes;
+  ASSERT_OK(vp_device_lend_staging(dev, lent + 6 * u, 6 * u, s));
+  ASSERT_OK(vp_prefetch(dev, m.w[0]));
+  ASSERT_EQ_U64(dstats(dev).prefetch_bytes - before, 7 * u); /* w3, w4 */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  const uint64_t at[N] = {0, 0, 0, 4, 7, 0};
+  for (size_t i = 1; i < N; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
+    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    if (i >= 2 && i <= 4) ASSERT_EQ_U64(p[i], lent + at[i] * u);
+    else ASSERT_FALSE(p[i] >= lent && p[i] < lent + 12 * u);
+    launch_check(dev, s, p[i], m.srcs[i].host, size[i], &c);
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  }
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
+  checks_expect_clean(dev, s, &c);
+  lent_teardown(dev, lv, 3 * ps, s);
   ASSERT_OK(vp_stream_destroy(dev, s));
   ASSERT_OK(vp_device_close(dev));
   model_free(&m);
