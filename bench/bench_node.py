@@ -260,6 +260,11 @@ SUFFIXES.update(("ring%d" % r, {"VPAGER_STAGING": "%dM" % r})
 SUFFIXES.update(("lend%d" % c, {"VPAGER_LEND": "1",
                                 "VPAGER_LEND_CAP": "%dM" % c})
                 for c in (64, 128, 192, 288))
+# "early96" after a lend suffix ("node6lend288early96"): the loan
+# borrowed at a forward's end, its first 96 MiB lent then and filled in
+# the pause, the rest at the next forward's start (VPAGER_LEND_EARLY).
+SUFFIXES.update(("early%d" % e, {"VPAGER_LEND_EARLY": "%dM" % e})
+                for e in (64, 96, 128, 192))
 
 
 def _named(run):

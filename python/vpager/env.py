@@ -66,6 +66,12 @@ VARIABLES: Dict[str, Variable] = {
                             "(default 0)"),
     "VPAGER_LEND_CAP": Variable("size", "with VPAGER_LEND=1, a loan's most "
                                 "bytes (default: the staging ring's)"),
+    "VPAGER_LEND_EARLY": Variable("size", "with VPAGER_LEND=1, a loan is "
+                                  "borrowed at a root forward's end and "
+                                  "its first this many bytes lent to the "
+                                  "ring then, filled in the pause before "
+                                  "the next forward, the rest at its "
+                                  "start (default 0: all at the start)"),
     "VPAGER_SPARE_PAGES": Variable("count", "pages of the budget a plan "
                                    "leaves free beside the resident set "
                                    "and the ring (default 1)",

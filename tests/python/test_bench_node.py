@@ -440,6 +440,9 @@ def test_lend_alternate_is_an_ab_in_one_process():
     assert ns["_suffix_env"]("node6lend288ab") == {
         "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
         "VPAGER_BENCH_LEND_ALTERNATE": "1"}
+    assert ns["_suffix_env"]("node6lend288early96") == {
+        "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
+        "VPAGER_LEND_EARLY": "96M"}
 
     class Lender:
         cache, taken = "torch's cache", 0

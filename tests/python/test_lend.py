@@ -9,6 +9,8 @@ caching allocator), brought in through the Lender's seam.
 * the forward takes those weights from it, and the loan comes back
   during that forward, after its streamed units used them, not forced;
 * outputs stay bitwise the resident model's, prompt after prompt;
+* VPAGER_LEND_EARLY: a loan borrowed at a forward's end, its first
+  bytes lent and filled then, the rest lent at the next forward's start;
 * another model's forward and unload() take it back; a loan during
   which torch's allocator reserved more than its known peak shrinks the
   loans after it (its cache emptied), down to none; torch growing again
@@ -184,6 +186,71 @@ def test_a_forward_lends_at_its_start_and_takes_it_back():
         assert not lender.out and not cache.out
     finally:
         _finish(lender, cache, h, other)
+
+
+def test_a_loan_lent_in_part_at_a_forwards_end():
+    """VPAGER_LEND_EARLY: the loan is borrowed at a forward's end and only
+    its first bytes lent then: the prefetch fills those (the pause's
+    copies), nothing past them; the next forward's start lends the rest
+    and the prefetch goes on there; that forward takes the weights from
+    both and gives the loan back unforced; bitwise over six forwards."""
+    m = mlp(depth=8)
+    x = torch.randn(8, 64)
+    ref = frozen_copy(m)
+    want = ref(x)
+    weights = _weight_bytes(ref)
+    h = _offload(m)
+    lender, cache = _lending(h)
+    # Loans of the whole fake cache, 256 KiB of them (a weight's) lent
+    # at an end: the prefetch stages whole weights only.
+    lender.cap, lender.early = LENT, 256 * K
+    dev = h.device
+    zeros = bytes(LENT)
+    at_end, at_first = [], []
+
+    def held(lo, hi):
+        dev.synchronize()
+        got = dev.read(cache.base + lo, hi - lo)
+        return any(w[:4096] in got for w in weights), got == zeros[:hi - lo]
+
+    def last_unit(mod, args):       # the start's loan is back by now
+        dev.synchronize()
+        dev.copy_to_device(cache.base, zeros)
+        dev.synchronize()
+
+    def first_unit(mod, args):
+        at_first.append(held(256 * K, LENT) if lender.out else None)
+
+    linears = [x for x in m.modules() if isinstance(x, torch.nn.Linear)]
+    linears[-1].register_forward_pre_hook(last_unit)
+    linears[0].register_forward_pre_hook(first_unit)
+    try:
+        assert torch.equal(m(x), want)      # the first: recorded
+        for i in range(6):
+            returned = lender.returned
+            assert torch.equal(m(x), want), "forward %d" % i
+            assert lender.out and lender.rest, "forward %d" % i
+            at_end.append((held(0, 256 * K)[0], held(256 * K, LENT)[1]))
+            if i:
+                assert lender.returned == returned + 1, "forward %d" % i
+        # The first at a start (no end loan was out yet), one each end.
+        assert lender.forced == 0 and lender.loans == 7, lender.stats()
+        # At each end: a weight in the first 256 KiB, nothing past them.
+        assert at_end == [(True, True)] * 6, at_end
+        # At the first unit after an end loan: the rest holds weights.
+        assert [a[0] for a in at_first[2:]] == [True] * 5, at_first
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_split_ranges():
+    r = [(0, 256 * K), (1 << 20, 64 * K)]
+    assert lend.split_ranges(r, 96 * K) == (
+        [(0, 96 * K)], [(96 * K, 160 * K), (1 << 20, 64 * K)])
+    assert lend.split_ranges(r, 256 * K + 1000) == (
+        [(0, 256 * K), (1 << 20, 512)], [((1 << 20) + 512, 64 * K - 512)])
+    assert lend.split_ranges(r, 1 << 30) == (r, [])
+    assert lend.split_ranges(r, 0) == ([], r)
 
 
 def test_another_model_takes_the_loan_back():

@@ -565,6 +565,9 @@ class HotPath:
                                        self._aliases_held, None)
                 finally:
                     self.unhold()
+            if self.lender.early and self.lend_unit is not None \
+                    and self.lender.cache is not None:
+                self.lend_after()
             return out
 
         return forward
@@ -578,11 +581,35 @@ class HotPath:
                 self.holding is not None:
             return
         stream = self.stream()
-        if self.lender.lend(self, stream):
-            try:
-                self.lend_unit.batch.prefetch()
-            except Error:       # the forward's output stands; no loan
-                self.lender.take_back(stream)
+        lender = self.lender
+        if lender.rest is not None and lender.owner is self:
+            lent = lender.lend_rest(stream)     # lent in part at the end
+        else:
+            lent = lender.lend(self, stream)
+        if lent:
+            self._prefetch_into_loan(stream)
+
+    def lend_after(self):
+        """At the root forward's end (VPAGER_LEND_EARLY): the loan
+        borrowed, its first bytes lent to the ring and the prefetch
+        carried on into them, to land in the pause before the next
+        forward (copies queued longer hold up the client's own copies of
+        its inputs, which wait behind them on the copy engine: lend.py);
+        the rest is lent at the next forward's start."""
+        if self.recorder.rec is not None or torch.is_grad_enabled() or \
+                self.holding is not None:
+            return
+        stream = self.stream()
+        if self.lender.lend(self, stream, first=self.lender.early):
+            self._prefetch_into_loan(stream)
+
+    def _prefetch_into_loan(self, stream):
+        """The last streamed unit's prefetch, on into what was just lent
+        (the forward's output stands if it fails: the loan comes back)."""
+        try:
+            self.lend_unit.batch.prefetch()
+        except Error:
+            self.lender.take_back(stream)
 
     def hold(self):
         """Acquire the held units' weights on the current stream and put

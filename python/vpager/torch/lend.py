@@ -36,6 +36,16 @@ segments untouched (two blocks, 189 and 107 MB) from a forward's end to
 the next forward's second double block: a loan of those blocks at the
 start lasts until about then.
 
+With VPAGER_LEND_EARLY=N the loan is borrowed at the root forward's end
+instead and only its first N bytes lent then (HotPath.lend_after): the
+prefetch fills them in the pause before the next forward, and the rest
+is lent at that forward's start (lend_rest(); a range that continues one
+lent lengthens it). N is meant to be what the link copies before the
+client's first copy of the next step is asked for (Flux under ComfyUI:
+~2 ms into the pause, ~100 MB on an H100): a copy engine takes copies in
+the order they were queued, whatever their stream (bench/
+copy_queue_probe.py), so a longer fill holds that copy up.
+
 A loan during which torch's allocator reserved more than the most it is
 known to have held (the Governor's torch peak: it wanted a block the
 loan held before the loan came back, or found none free of a borrowed
@@ -59,6 +69,7 @@ from ..errors import Error
 
 LEND = "VPAGER_LEND"
 LEND_CAP = "VPAGER_LEND_CAP"
+LEND_EARLY = "VPAGER_LEND_EARLY"
 log = logging.getLogger("vpager")
 
 MIN_PIECE = 8 << 20         # smaller free blocks are not worth a range
@@ -111,6 +122,25 @@ class TorchCache:
         torch.cuda.empty_cache()
 
 
+def split_ranges(ranges: List[Tuple[int, int]], first: int
+                 ) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int]]]:
+    """ranges [(addr, bytes)] cut after their first `first` bytes (down to
+    PIECE_ALIGN): (those bytes' ranges, the rest's)."""
+    now, later = [], []
+    left = max(first, 0) // PIECE_ALIGN * PIECE_ALIGN
+    for a, n in ranges:
+        if left >= n:
+            now.append((a, n))
+            left -= n
+        elif left:
+            now.append((a, left))
+            later.append((a + left, n - left))
+            left = 0
+        else:
+            later.append((a, n))
+    return now, later
+
+
 def piece_sizes(free: List[int], cap: int) -> List[int]:
     """What to borrow of free blocks (largest first): whole blocks that
     fit in what is left of cap bytes, at most LENT_RANGES, each at least
@@ -133,15 +163,20 @@ class Lender:
     doc). Off (cache None) until a CUDA model's hot path brings torch's
     allocator (use()) with VPAGER_LEND=1."""
 
-    __slots__ = ("dev", "cache", "sizes", "cap", "pieces", "reserved",
-                 "owner", "loans", "returned", "forced", "shrunk")
+    __slots__ = ("dev", "cache", "sizes", "cap", "early", "pieces", "rest",
+                 "reserved", "owner", "loans", "returned", "forced",
+                 "shrunk")
 
     def __init__(self, dev):
         self.dev = dev
         self.cache: Optional[TorchCache] = None
         self.sizes: Optional[List[int]] = None  # learned at the first loan
         self.cap: Optional[int] = None  # a loan's most bytes (the ring's)
+        self.early = 0              # bytes lent at a forward's end
         self.pieces: List[Tuple[Any, int, int]] = []  # (keep, addr, bytes)
+        # An end loan's ranges borrowed and not lent yet (None: no loan
+        # lent in part at a forward's end is out)
+        self.rest: Optional[List[Tuple[int, int]]] = None
         self.reserved = 0           # torch's reservation at the loan
         self.owner: Any = None      # the hot path whose forward lent
         self.loans = self.returned = 0     # made, come back
@@ -158,9 +193,12 @@ class Lender:
         unless VPAGER_LEND=1 and torch's allocator has lendable blocks)."""
         if self.cache is None and enabled() and TorchCache.usable():
             self.cache = TorchCache(target, index, reserved, peak)
+            self.early = env.size(LEND_EARLY) or 0
 
-    def lend(self, owner: Any, stream: int) -> bool:
-        """At the start of owner's root forward, on its stream; True if a
+    def lend(self, owner: Any, stream: int,
+             first: Optional[int] = None) -> bool:
+        """At the start of owner's root forward, on its stream (or, first
+        bytes of it, at its end: the rest is lend_rest()'s); True if a
         loan was made."""
         cache = self.cache
         if cache is None:
@@ -189,20 +227,11 @@ class Lender:
                         % ", ".join(str(n) for n in self.sizes))
             return False
         self.reserved, self.owner = before, owner
-        refused = None
-        try:
-            for piece in pieces:
-                self.dev.lend_staging(piece[1], piece[2], stream)
-                self.pieces.append(piece)
-        except Error as e:      # a forward goes on without a loan
-            refused = str(e)    # not e: its frames hold the blocks
-        if refused is not None:
-            pieces.clear()
-            self.take_back(stream, force=True)
-            self.cache = None
-            log.warning("vpager.torch (%s=1): lending torch's cache to the "
-                        "staging ring failed, off for this device: %s",
-                        LEND, refused)
+        now, rest = split_ranges([(a, n) for _, a, n in pieces],
+                                 self.cap if first is None else first)
+        self.rest = None if first is None else rest
+        self.pieces, pieces = pieces, None
+        if not self._lend_ranges(now, stream):
             return False
         self.loans += 1
         if learned:     # the blocks a loan of these sizes takes
@@ -210,6 +239,34 @@ class Lender:
                      sum(self.sizes), ", ".join(
                          "%d at 0x%x" % (n, a) for _, a, n in self.pieces))
         return True
+
+    def lend_rest(self, stream: int) -> bool:
+        """At the start of the forward after one that lent the first bytes
+        of a loan at its end: the rest of it lent, on that forward's
+        stream (each range continues one lent or is a block of its own);
+        True if anything was."""
+        rest, self.rest = self.rest or [], None
+        return bool(rest) and self._lend_ranges(rest, stream)
+
+    def _lend_ranges(self, ranges: List[Tuple[int, int]],
+                     stream: int) -> bool:
+        """ranges of the borrowed blocks lent to the ring; a refusal ends
+        lending on the device (a forward goes on without a loan)."""
+        refused = None
+        try:
+            for a, n in ranges:
+                self.dev.lend_staging(a, n, stream)
+        except Error as e:
+            refused = str(e)    # not e: its frames hold the blocks
+        if refused is None:
+            return True
+        self.dev.reclaim_staging(stream, True)
+        self.pieces, self.rest, self.owner = [], None, None
+        self.cache = None
+        log.warning("vpager.torch (%s=1): lending torch's cache to the "
+                    "staging ring failed, off for this device: %s",
+                    LEND, refused)
+        return False
 
     def released(self, stream: int) -> None:
         """After a streamed unit's release: the loan back if nothing
@@ -242,6 +299,7 @@ class Lender:
 
     def _returned(self) -> None:
         self.pieces = []        # the blocks back to torch, in stream order
+        self.rest = None
         self.owner = None
         self.returned += 1
         cache = self.cache
