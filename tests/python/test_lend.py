@@ -13,8 +13,9 @@ caching allocator), brought in through the Lender's seam.
   bytes lent and filled then, the rest lent at the next forward's start;
 * another model's forward and unload() take it back; a loan during
   which torch's allocator reserved more than its known peak shrinks the
-  loans after it (its cache emptied), down to none; torch growing again
-  up to that peak (a client emptied its cache) does not;
+  loans after it (its cache emptied), down to none, as does a borrow
+  that runs out of memory; torch growing again up to that peak (a
+  client emptied its cache) does not;
 * a loan the library refuses does not fail the forward: lending ends;
 * VPAGER_LEND_CAP bounds a loan's bytes;
 * nothing is lent unless VPAGER_LEND=1 and torch's allocator is native.
@@ -68,6 +69,7 @@ class FakeCache:
         self.peak_now = 0       # the Governor's torch peak
         self.grow = False
         self.skew = 0           # bytes off the block's start (a bad one)
+        self.oom = None         # bytes a borrow past which runs out
         self.shrinks = 0
 
     def reserved(self):
@@ -82,6 +84,9 @@ class FakeCache:
     def borrow(self, n):
         at = sum(p.n for p in self.out)
         assert at + n <= LENT, "the fake cache lent more than it holds"
+        if self.oom is not None and at + n > self.oom:
+            raise RuntimeError("CUDA out of memory. Tried to allocate %d "
+                               "bytes\n(the fake cache's)" % n)
         if self.grow:
             self.reserved_now += n
         p = Piece(self, self.base + at + self.skew, n)
@@ -296,6 +301,24 @@ def test_a_loan_that_grew_torch_shrinks_the_loans():
         assert caps == [256 * K, 128 * K, 64 * K, 32 * K], caps
         assert lender.cache is None and cache.shrinks == lender.shrunk == 4
         assert not cache.out and lender.loans == 0
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_a_borrow_out_of_memory_shrinks_the_loans():
+    """torch running out of memory for a borrow (no free block of the
+    size, no memory to make one) does not fail the forward: the blocks
+    borrowed go back, the loans after it shrink as when torch grew, and
+    a loan that fits is made; bitwise."""
+    m, x, want, h, lender, cache = _lent_mlp()
+    cache.oom = 300 * K     # 256 + 64 KiB: the second borrow runs out
+    try:
+        assert torch.equal(m(x), want)      # the first: recorded
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        assert lender.shrunk == 1 and cache.shrinks == 1, lender.stats()
+        assert lender.cap == 256 * K and lender.loans == 2, lender.stats()
+        assert lender.returned == 2 and not lender.out
     finally:
         _finish(lender, cache, h)
 

@@ -216,19 +216,24 @@ class Lender:
             return False
         # Torch may hold up to its known peak while the loan is out.
         before = max(cache.reserved(), cache.peak())
-        pieces = []
-        for n in self.sizes:
-            keep, addr = cache.borrow(n)
-            pieces.append((keep, addr, n))
-        del keep
-        if cache.reserved() > before:       # no free block of that size
-            del pieces                      # (before torch's cache empties)
-            self._shrink("a block of %s was not free"
-                        % ", ".join(str(n) for n in self.sizes))
+        pieces, failed = [], None
+        try:
+            for n in self.sizes:
+                keep, addr = cache.borrow(n)
+                pieces.append((keep, addr, n))
+                del keep
+        except RuntimeError as e:   # torch's out of memory: none free,
+            failed = str(e)         # none to be had (not e: its frames)
+        if failed is not None or cache.reserved() > before:
+            pieces.clear()          # (before torch's cache empties)
+            self._shrink("a block of %s was not free%s" % (
+                ", ".join(str(n) for n in self.sizes),
+                "" if failed is None else " (%s)" % failed.split("\n")[0]))
             return False
         self.reserved, self.owner = before, owner
-        now, rest = split_ranges([(a, n) for _, a, n in pieces],
-                                 self.cap if first is None else first)
+        ranges = [(a, n) for _, a, n in pieces]
+        now, rest = (ranges, []) if first is None else \
+            split_ranges(ranges, first)
         self.rest = None if first is None else rest
         self.pieces, pieces = pieces, None
         if not self._lend_ranges(now, stream):
