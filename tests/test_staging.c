@@ -17,6 +17,26 @@ static vp_device_t ring_setup(test_ctx_t *ctx, model_t *m, size_t n) {
   return dev;
 }
 
+/* ring_setup's device (a ring of 2 pages), its model's weights a page
+ * apart, weight i of units[i] quarter pages: *u gets the quarter page. */
+static vp_device_t units_setup(test_ctx_t *ctx, model_t *m,
+                               const uint64_t *units, size_t n, uint64_t key,
+                               uint64_t *u) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size, off[16], size[16];
+  ASSERT_TRUE(n <= 16);
+  *u = ps / 4;
+  for (size_t i = 0; i < n; i++) {
+    off[i] = i * ps;
+    size[i] = units[i] * *u;
+  }
+  model_init(m, dev, n * ps, n, off, size, SRC_SCATTER, key);
+  ASSERT_OK(vp_vbar_set_watermark(m->v, 0));
+  return dev;
+}
+
 TEST(stream_ring_reuse_after_fence, TEST_SIM_ONLY) {
   model_t m;
   vp_device_t dev = ring_setup(ctx, &m, 4);
@@ -716,20 +736,12 @@ TEST(stream_ring_lent_reclaim_waits_for_its_copies_only, TEST_SIM_ONLY) {
  * Flux's blocks of 189 and 107 MB and weights of 56, 56, 19, 75, 75 MB
  * alike. Bytes checked at each acquire; the loan comes back unforced. */
 TEST(stream_ring_lent_ranges_packed, TEST_SIM_ONLY) {
-  vp_options_t o;
-  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
-  uint64_t ps = o.page_size, u = ps / 4;
   enum { N = 9 };
   const uint64_t units[N] = {4, 4, 3, 3, 1, 4, 4, 1, 4};
-  uint64_t off[N], size[N];
-  for (size_t i = 0; i < N; i++) {
-    off[i] = i * ps;
-    size[i] = units[i] * u;
-  }
   model_t m;
-  model_init(&m, dev, N * ps, N, off, size, SRC_SCATTER, 11);
-  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  uint64_t u = 0;
+  vp_device_t dev = units_setup(ctx, &m, units, N, 11, &u);
+  uint64_t ps = 4 * u, *size = m.size;
   vp_vbar_t lv;
   uint64_t lent = lent_setup(dev, 5, &lv);
   vp_stream_t s = 0;
@@ -766,20 +778,12 @@ TEST(stream_ring_lent_ranges_packed, TEST_SIM_ONLY) {
  * then, w3 goes at 4 (across 6: as a range of its own it would start at
  * 6) and w4 at 7. Bytes checked at each acquire; back unforced. */
 TEST(stream_ring_lent_range_lengthened, TEST_SIM_ONLY) {
-  vp_options_t o;
-  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
-  uint64_t ps = o.page_size, u = ps / 4;
   enum { N = 6 };
   const uint64_t units[N] = {4, 4, 4, 3, 4, 4};
-  uint64_t off[N], size[N];
-  for (size_t i = 0; i < N; i++) {
-    off[i] = i * ps;
-    size[i] = units[i] * u;
-  }
   model_t m;
-  model_init(&m, dev, N * ps, N, off, size, SRC_SCATTER, 13);
-  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  uint64_t u = 0;
+  vp_device_t dev = units_setup(ctx, &m, units, N, 13, &u);
+  uint64_t ps = 4 * u, *size = m.size;
   vp_vbar_t lv;
   uint64_t lent = lent_setup(dev, 3, &lv);
   vp_stream_t s = 0;

@@ -149,13 +149,8 @@ def test_a_forward_lends_at_its_start_and_takes_it_back():
     when its first unit runs (their bytes are in it), the forward takes
     them from it and gives it back before its last module runs,
     unforced; outputs bitwise over six forwards."""
-    m = mlp(depth=8)
-    x = torch.randn(8, 64)
-    ref = frozen_copy(m)
-    want = ref(x)
-    weights = _weight_bytes(ref)
-    h = _offload(m)
-    lender, cache = _lending(h)
+    m, x, want, h, lender, cache = _lent_mlp()
+    weights = _weight_bytes(mlp(depth=8))   # the same seed: its weights
     other = None
     at_first, out_at_last = [], []
 
@@ -199,13 +194,8 @@ def test_a_loan_lent_in_part_at_a_forwards_end():
     copies), nothing past them; the next forward's start lends the rest
     and the prefetch goes on there; that forward takes the weights from
     both and gives the loan back unforced; bitwise over six forwards."""
-    m = mlp(depth=8)
-    x = torch.randn(8, 64)
-    ref = frozen_copy(m)
-    want = ref(x)
-    weights = _weight_bytes(ref)
-    h = _offload(m)
-    lender, cache = _lending(h)
+    m, x, want, h, lender, cache = _lent_mlp()
+    weights = _weight_bytes(mlp(depth=8))   # the same seed: its weights
     # Loans of the whole fake cache, 256 KiB of them (a weight's) lent
     # at an end: the prefetch stages whole weights only.
     lender.cap, lender.early = LENT, 256 * K
