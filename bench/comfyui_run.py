@@ -145,9 +145,9 @@ LEND_TRACE = os.environ.get("VPAGER_BENCH_LEND_TRACE") == "1"
 # VPAGER_BENCH_LEND_ALTERNATE=1 (with VPAGER_LEND=1): after the first
 # prompt, the device's loans are off and on in turn, off-on-on-off (a
 # drift in the host's speed over the run falls on both alike): an A/B of
-# lending in one process, under one plan, printed as COMFYUI_LEND_AB.
+# lending in one process, under one plan (each prompt's result says which:
+# "lending"; bench_node's prompts row compares them).
 LEND_ALTERNATE = os.environ.get("VPAGER_BENCH_LEND_ALTERNATE") == "1"
-LEND_AB_TAG = "COMFYUI_LEND_AB "
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -1198,8 +1198,6 @@ def child_sample(a):
     # the checkpoint's maker, before the runs.
     torch.cuda.empty_cache()
     res["link_after"] = link_gbps(torch)
-    if LEND_ALTERNATE:
-        say(LEND_AB_TAG + json.dumps(lend_ab(reps)))
     say(TAG + json.dumps(res))
 
 
@@ -1228,20 +1226,6 @@ def lend_switch(rep, torch, devstates=None):
             _PARKED[id(ds)] = lender.cache
             lender.cache = None
     return "on" if on else "off"
-
-
-def lend_ab(reps):
-    """LEND_ALTERNATE's A/B: each prompt's steady step by lending, and the
-    ratio of the medians (on / off)."""
-    by = {"on": [], "off": []}
-    for r in reps:
-        if r.get("lending") in by:
-            by[r["lending"]].append(round(steady(r["steps_ms"]), 2))
-    out = {k: v for k, v in by.items()}
-    if by["on"] and by["off"]:
-        out["on_over_off"] = round(statistics.median(by["on"])
-                                   / statistics.median(by["off"]), 4)
-    return out
 
 
 def memory(patcher, torch):

@@ -468,9 +468,6 @@ def test_lend_alternate_is_an_ab_in_one_process():
             {"steps_ms": steps(96.0), "lending": "on"},
             {"steps_ms": steps(98.0), "lending": "on"},
             {"steps_ms": steps(102.0), "lending": "off"}]
-    ab = cr.lend_ab(reps)
-    assert ab == {"on": [96.0, 98.0], "off": [100.0, 102.0],
-                  "on_over_off": round(97.0 / 101.0, 4)}, ab
     with _said(ns["prompts_row"]) as lines:
         row = {}
         ns["prompts_row"](cr, "node6lend288ab", reps, row)
