@@ -672,6 +672,10 @@ VP_API int vp_acquire_ahead(vp_device_t dev, const vp_weight_t *w, size_t n,
  * layers' weights across several of its steps and skips their acquires.
  * A no-op with lookahead 0. */
 VP_API int vp_prefetch(vp_device_t dev, vp_weight_t after);
+/* vp_prefetch with the window given (bytes; 0: none), as vp_acquire_ahead
+ * gives its acquire's prefetch one: the prefetch that acquire would run. */
+VP_API int vp_prefetch_ahead(vp_device_t dev, vp_weight_t after,
+                             uint64_t lookahead);
 /* End the use of n acquired weights: work queued on `stream` so far may
  * still read them; their pages and staging slots are reused only after it
  * completes. Release on the stream the weight was acquired on. Close a

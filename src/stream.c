@@ -465,17 +465,28 @@ int vp_acquire_ahead(vp_device_t h, const vp_weight_t *w, size_t n,
  * caller that keeps weights acquired across several layers (vpager.torch
  * holds a model's resident layers for a whole forward) still tops the
  * window up at each of them. */
-int vp_prefetch(vp_device_t h, vp_weight_t after) {
-  VP__ENTER();
+/* vp_prefetch's work: ahead, the call's window, or NULL: the weight's. */
+static int prefetch_after(vp_device_t h, vp_weight_t after,
+                          const uint64_t *ahead) {
   vp__device_t *dev = NULL;
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   vp__weight_t *w = NULL;
   rc = vp__weights_find(dev, &after, 1, &w);
-  uint64_t lookahead = rc == VP_OK ? window_of(dev, w) : 0;
+  uint64_t lookahead = rc != VP_OK ? 0 : ahead ? *ahead : window_of(dev, w);
   if (lookahead) prefetch(dev, w, lookahead);
   vp__unlock(dev, rc);
   return rc;
+}
+
+int vp_prefetch(vp_device_t h, vp_weight_t after) {
+  VP__ENTER();
+  return prefetch_after(h, after, NULL);
+}
+
+int vp_prefetch_ahead(vp_device_t h, vp_weight_t after, uint64_t lookahead) {
+  VP__ENTER();
+  return prefetch_after(h, after, &lookahead);
 }
 
 

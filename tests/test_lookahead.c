@@ -201,6 +201,18 @@ TEST(lookahead_acquire_ahead, TEST_ALL_BACKENDS) {
     }
     ASSERT_RC(vp_acquire_ahead(dev, m.w, 0, s, &p, &f, 0), VP_EINVAL);
     ASSERT_TRUE(strncmp(vp_last_error(), "vp_acquire_ahead: ", 18) == 0);
+    /* vp_prefetch_ahead: the prefetch that acquire would run. */
+    for (uint64_t ahead = 0; ahead <= 5; ahead += 5) {
+      ASSERT_OK(vp_vbar_free_memory(m.v, NW * ps, NULL));
+      ASSERT_OK(vp_vbar_prioritize(m.v));
+      ASSERT_OK(vp_prefetch_ahead(dev, m.w[2], ahead * ps));
+      ASSERT_OK(vp_stream_synchronize(dev, s));
+      char want[NW + 1];
+      for (size_t i = 0; i < NW; i++)
+        want[i] = i > 2 && i <= 2 + ahead ? '#' : '.';
+      want[NW] = 0;
+      ASSERT_EQ_STR(resident_map(m.v), want);
+    }
     ASSERT_OK(vp_stream_synchronize(dev, s));
     ASSERT_OK(vp_stream_destroy(dev, s));
     ASSERT_OK(vp_device_close(dev));

@@ -366,6 +366,7 @@ PROTOTYPES = {
                               P(c_uint8), _u64]),
     "vp_release": (_i, [_dev, P(vp_weight_t), _sz, _s]),
     "vp_prefetch": (_i, [_dev, _w]),
+    "vp_prefetch_ahead": (_i, [_dev, _w, _u64]),
     "vp_device_set_lookahead": (_i, [_dev, _u64]),
     "vp_device_set_staging_size": (_i, [_dev, _u64]),
     "vp_device_lend_staging": (_i, [_dev, _u64, _u64, _s]),

@@ -392,6 +392,9 @@ class WeightBatch:
                              acquire_ahead(dev, hs, n, s, ptrs, flags, ahead))
         self._release = _lib.unchecked("vp_release")
         self._prefetch = _lib.unchecked("vp_prefetch")
+        if lookahead is not None:      # the acquire's window, as above
+            prefetch_ahead = _lib.unchecked("vp_prefetch_ahead")
+            self._prefetch = (lambda dev, w: prefetch_ahead(dev, w, ahead))
         self._last = handles[-1] if n else None
         self._args = device._handle()
         self._n = ctypes.c_size_t(n)
@@ -421,8 +424,9 @@ class WeightBatch:
         return s
 
     def prefetch(self):
-        """vp_prefetch() after the batch's last weight: the prefetch its
-        acquire would run, acquiring nothing."""
+        """vp_prefetch() after the batch's last weight (vp_prefetch_ahead
+        with the batch's lookahead): the prefetch its acquire would run,
+        acquiring nothing."""
         if self._last is not None:
             rc = self._prefetch(self._args, self._last)
             if rc:

@@ -765,18 +765,22 @@ def test_weight_batch_streams():
 def test_weight_windows_and_acquire_ahead():
     """Weights.set_window (vp_weight_set_lookahead): the prefetch after a
     weight runs its window, None the device's (0 here); WeightBatch(
-    lookahead=) (vp_acquire_ahead) the batch's own, whatever the weight's;
-    bad values are InvalidArgument."""
+    lookahead=) (vp_acquire_ahead) the batch's own, whatever the weight's,
+    and its prefetch() too (vp_prefetch_ahead); bad values are
+    InvalidArgument."""
     with sim() as dev:
         vb = dev.create_vbar(8 * PAGE)
         ws = vb.create_weights([i * PAGE for i in range(8)], [PAGE] * 8,
                                [pattern(PAGE, i) for i in range(8)])
 
-        def resident_after(batch):
+        def resident_after(batch, prefetch=False):
             vb.free_memory(8 * PAGE)
             vb.prioritize()
-            batch.acquire()
-            batch.release()
+            if prefetch:
+                batch.prefetch()
+            else:
+                batch.acquire()
+                batch.release()
             dev.synchronize(0)
             return sum(1 for f in vb.residency(8)
                        if f & vpager.PAGE_RESIDENT)
@@ -790,6 +794,12 @@ def test_weight_windows_and_acquire_ahead():
                                                  lookahead=0)) == 1
         assert resident_after(vpager.WeightBatch(dev, [ws[0]],
                                                  lookahead=PAGE)) == 2
+        # prefetch(): the prefetch the batch's acquire runs, acquiring
+        # nothing (vp_prefetch_ahead with the batch's own window).
+        assert resident_after(ws.batch([0]), prefetch=True) == 3
+        assert resident_after(vpager.WeightBatch(dev, [ws[0]],
+                                                 lookahead=PAGE),
+                              prefetch=True) == 1
         ws.set_window(0, None)
         assert ws.window(0) is None
         assert resident_after(ws.batch([0])) == 1
