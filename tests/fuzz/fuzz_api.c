@@ -2380,10 +2380,16 @@ static void w_vbar_misc(fz_reader_t *r) {
     }
     vp_weight_t w = {pick_id(r, &wl.w)};
     if (!(b & 0x10)) {
-      if (b & 0x40)
+      if ((b & 0x60) == 0x60) {
+        vp_device_t d = pick_dev(r);
+        uint64_t ahead = pick_size(r);
+        W(false, vp_prefetch_ahead(d, w, ahead), "0x%llx, %llu", X(w.id),
+          (unsigned long long)ahead);
+      } else if (b & 0x40) {
         W(false, vp_prefetch(pick_dev(r), w), "0x%llx", X(w.id));
-      else
+      } else {
         W(false, vp_weight_destroy(w), "0x%llx", X(w.id));
+      }
       break;
     }
     vp_source_t src;
