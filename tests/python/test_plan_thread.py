@@ -205,6 +205,12 @@ def test_marks_are_read_on_the_forwards_thread_once_run():
             readers.append(threading.get_ident())
             return work(*a)
         tun._work = read
+        # The job held until the third forward's start is checked: done
+        # before it (the forward's thread preempted on a loaded machine),
+        # that start would take its plan and read the backlog too.
+        go, submit = threading.Event(), tun.planner.submit
+        tun.planner.submit = lambda job: submit(
+            lambda: go.wait(WAIT) and job())
         for _ in range(2):
             assert torch.equal(m(x), want)
         # Not run yet: kept, the planner given nothing, the second
@@ -214,6 +220,7 @@ def test_marks_are_read_on_the_forwards_thread_once_run():
         ran.set()
         assert torch.equal(m(x), want)      # reads the first one's
         assert readers == [me] and tun.unread is None
+        go.set()
         assert tun.planner.wait(WAIT)
         assert torch.equal(m(x), want)      # takes its plan
         assert tun.rounds == 1 and h.schedule() is not None
