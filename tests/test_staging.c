@@ -728,6 +728,51 @@ TEST(stream_ring_lent_reclaim_waits_for_its_copies_only, TEST_SIM_ONLY) {
   model_free(&m);
 }
 
+/* The loan-packing tests' setting: units_setup's device and model, a
+ * loan VBAR of `pages` pages (lent_setup) and one stream, the window a
+ * page. */
+typedef struct {
+  model_t m;
+  vp_device_t dev;
+  uint64_t u, lent, pages;
+  vp_vbar_t lv;
+  vp_stream_t s;
+  checks_t c;
+} loan_fixture_t;
+
+static void loan_open(test_ctx_t *ctx, loan_fixture_t *x,
+                      const uint64_t *units, size_t n, uint64_t key,
+                      uint64_t pages) {
+  memset(x, 0, sizeof *x);
+  x->dev = units_setup(ctx, &x->m, units, n, key, &x->u);
+  x->pages = pages;
+  x->lent = lent_setup(x->dev, pages, &x->lv);
+  ASSERT_OK(vp_stream_create(x->dev, &x->s));
+  ASSERT_OK(vp_device_set_lookahead(x->dev, 4 * x->u));
+}
+
+/* Weight i acquired (staged and copied), its bytes checked on the
+ * device, released: where it was staged. */
+static uint64_t loan_use(loan_fixture_t *x, size_t i) {
+  uint64_t p = 0;
+  uint8_t f = 0;
+  ASSERT_OK(vp_acquire(x->dev, &x->m.w[i], 1, x->s, &p, &f));
+  ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+  launch_check(x->dev, x->s, p, x->m.srcs[i].host, x->m.size[i], &x->c);
+  ASSERT_OK(vp_release(x->dev, &x->m.w[i], 1, x->s));
+  return p;
+}
+
+/* The loan back unforced, every check clean, all freed. */
+static void loan_close(loan_fixture_t *x) {
+  ASSERT_OK(vp_device_reclaim_staging(x->dev, x->s, 0));
+  checks_expect_clean(x->dev, x->s, &x->c);
+  lent_teardown(x->dev, x->lv, x->pages * 4 * x->u, x->s);
+  ASSERT_OK(vp_stream_destroy(x->dev, x->s));
+  ASSERT_OK(vp_device_close(x->dev));
+  model_free(&x->m);
+}
+
 /* A loan of two ranges takes as many of the next weights as fit in order,
  * a slot never spanning two: with ranges of 10 and 6 units and weights of
  * 3, 3, 1, 4, 4, 1 units after the ring's, the 1 goes to the second
@@ -738,37 +783,21 @@ TEST(stream_ring_lent_reclaim_waits_for_its_copies_only, TEST_SIM_ONLY) {
 TEST(stream_ring_lent_ranges_packed, TEST_SIM_ONLY) {
   enum { N = 9 };
   const uint64_t units[N] = {4, 4, 3, 3, 1, 4, 4, 1, 4};
-  model_t m;
-  uint64_t u = 0;
-  vp_device_t dev = units_setup(ctx, &m, units, N, 11, &u);
-  uint64_t ps = 4 * u, *size = m.size;
-  vp_vbar_t lv;
-  uint64_t lent = lent_setup(dev, 5, &lv);
-  vp_stream_t s = 0;
-  ASSERT_OK(vp_stream_create(dev, &s));
-  ASSERT_OK(vp_device_set_lookahead(dev, ps));
-  uint64_t p[N] = {0};
-  uint8_t f[N] = {0};
-  checks_t c = {0};
-  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* w1 ahead */
-  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
-  ASSERT_OK(vp_stream_synchronize(dev, s));
-  ASSERT_OK(vp_device_lend_staging(dev, lent, 10 * u, s));
-  ASSERT_OK(vp_device_lend_staging(dev, lent + 12 * u, 6 * u, s));
+  loan_fixture_t x;
+  loan_open(ctx, &x, units, N, 11, 5);
+  vp_device_t dev = x.dev;
+  uint64_t u = x.u, lent = x.lent, p = 0;
+  ASSERT_OK(vp_acquire(dev, &x.m.w[0], 1, x.s, &p, NULL)); /* w1 ahead */
+  ASSERT_OK(vp_release(dev, &x.m.w[0], 1, x.s));
+  ASSERT_OK(vp_stream_synchronize(dev, x.s));
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 10 * u, x.s));
+  ASSERT_OK(vp_device_lend_staging(dev, lent + 12 * u, 6 * u, x.s));
   for (size_t i = 1; i < N; i++) {
-    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
-    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    p = loan_use(&x, i);
     /* w2..w7 (16 units) in the loan, w8 in the ring. */
-    ASSERT_EQ_INT(p[i] >= lent && p[i] < lent + 18 * u, i >= 2 && i <= 7);
-    launch_check(dev, s, p[i], m.srcs[i].host, size[i], &c);
-    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+    ASSERT_EQ_INT(p >= lent && p < lent + 18 * u, i >= 2 && i <= 7);
   }
-  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
-  checks_expect_clean(dev, s, &c);
-  lent_teardown(dev, lv, 5 * ps, s);
-  ASSERT_OK(vp_stream_destroy(dev, s));
-  ASSERT_OK(vp_device_close(dev));
-  model_free(&m);
+  loan_close(&x);
 }
 
 /* A loan lent in two steps, the second range starting where the first
@@ -780,41 +809,25 @@ TEST(stream_ring_lent_ranges_packed, TEST_SIM_ONLY) {
 TEST(stream_ring_lent_range_lengthened, TEST_SIM_ONLY) {
   enum { N = 6 };
   const uint64_t units[N] = {4, 4, 4, 3, 4, 4};
-  model_t m;
-  uint64_t u = 0;
-  vp_device_t dev = units_setup(ctx, &m, units, N, 13, &u);
-  uint64_t ps = 4 * u, *size = m.size;
-  vp_vbar_t lv;
-  uint64_t lent = lent_setup(dev, 3, &lv);
-  vp_stream_t s = 0;
-  ASSERT_OK(vp_stream_create(dev, &s));
-  ASSERT_OK(vp_device_set_lookahead(dev, ps));
-  uint64_t p[N] = {0};
-  uint8_t f[N] = {0};
-  checks_t c = {0};
-  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* w1 ahead */
-  ASSERT_OK(vp_device_lend_staging(dev, lent, 6 * u, s));
-  ASSERT_OK(vp_prefetch(dev, m.w[0]));
+  loan_fixture_t x;
+  loan_open(ctx, &x, units, N, 13, 3);
+  vp_device_t dev = x.dev;
+  uint64_t u = x.u, lent = x.lent, p = 0;
+  ASSERT_OK(vp_acquire(dev, &x.m.w[0], 1, x.s, &p, NULL)); /* w1 ahead */
+  ASSERT_OK(vp_device_lend_staging(dev, lent, 6 * u, x.s));
+  ASSERT_OK(vp_prefetch(dev, x.m.w[0]));
   uint64_t before = dstats(dev).prefetch_bytes;
-  ASSERT_OK(vp_device_lend_staging(dev, lent + 6 * u, 6 * u, s));
-  ASSERT_OK(vp_prefetch(dev, m.w[0]));
+  ASSERT_OK(vp_device_lend_staging(dev, lent + 6 * u, 6 * u, x.s));
+  ASSERT_OK(vp_prefetch(dev, x.m.w[0]));
   ASSERT_EQ_U64(dstats(dev).prefetch_bytes - before, 7 * u); /* w3, w4 */
-  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  ASSERT_OK(vp_release(dev, &x.m.w[0], 1, x.s));
   const uint64_t at[N] = {0, 0, 0, 4, 7, 0};
   for (size_t i = 1; i < N; i++) {
-    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
-    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
-    if (i >= 2 && i <= 4) ASSERT_EQ_U64(p[i], lent + at[i] * u);
-    else ASSERT_FALSE(p[i] >= lent && p[i] < lent + 12 * u);
-    launch_check(dev, s, p[i], m.srcs[i].host, size[i], &c);
-    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+    p = loan_use(&x, i);
+    if (i >= 2 && i <= 4) ASSERT_EQ_U64(p, lent + at[i] * u);
+    else ASSERT_FALSE(p >= lent && p < lent + 12 * u);
   }
-  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
-  checks_expect_clean(dev, s, &c);
-  lent_teardown(dev, lv, 3 * ps, s);
-  ASSERT_OK(vp_stream_destroy(dev, s));
-  ASSERT_OK(vp_device_close(dev));
-  model_free(&m);
+  loan_close(&x);
 }
 
 /* A window topped up after a release while a loan is open counts the
