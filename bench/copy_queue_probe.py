@@ -12,7 +12,8 @@ fill cut into small copies would let the client's copy in after one
 piece instead of after the whole fill.
 
     python3 bench/copy_queue_probe.py [--fill-mib 296] [--client-mib 4]
-        [--pieces-mib 0,64,8,2] [--delay-ms 0.5] [--reps 9]
+        [--pieces-mib 0,64,8,2] [--paced 8x2,16x2,64x1] [--delay-ms 0.5]
+        [--reps 9]
 
 For each piece size (0: the fill as one copy) the fill is queued on a
 non-blocking stream (as the library's copy stream is made) from pinned
@@ -20,10 +21,18 @@ memory, the host spins --delay-ms, then copies --client-mib from
 pageable memory on torch's current stream as a client does
 (tensor.to(device)). Prints the client copy's host time (median and
 range of --reps), the fill's own time, and the time the fill's copies
-took to issue; the first line is the client's copy alone."""
+took to issue; the first line is the client's copy alone.
+
+--paced PxD: the fill in P MiB copies issued by a second host thread that
+keeps at most D of them queued (it waits for the copy D back before it
+queues the next), as a pacer in the library would: the host sleeps
+--delay-ms (the GIL free, as a pacer in C would find it) and the client's
+copy then waits behind at most D pieces if the copy engine takes copies
+in queue order; the fill's GB/s says what the pacing costs the link."""
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
@@ -63,11 +72,44 @@ def one(dev, side, src, dst, client, piece, delay):
     return waited * 1e3, fill, issue * 1e3
 
 
+def paced(dev, side, src, dst, client, piece, depth, delay):
+    """One round with the fill paced by a second thread (module doc)."""
+    torch.cuda.synchronize(dev)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    n = src.numel()
+    issued = []
+
+    def pace():
+        with torch.cuda.stream(side):
+            start.record(side)
+            for off in range(0, n, piece):
+                if len(issued) >= depth:
+                    issued[-depth].synchronize()
+                dst[off:off + piece].copy_(src[off:off + piece],
+                                           non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+                issued.append(done)
+            end.record(side)
+
+    th = threading.Thread(target=pace)
+    th.start()
+    time.sleep(delay)
+    t0 = time.perf_counter()
+    client.to(dev)
+    waited = time.perf_counter() - t0
+    th.join()
+    torch.cuda.synchronize(dev)
+    return waited * 1e3, start.elapsed_time(end), 0.0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--fill-mib", type=int, default=296)
     ap.add_argument("--client-mib", type=int, default=4)
     ap.add_argument("--pieces-mib", default="0,64,8,2")
+    ap.add_argument("--paced", default="8x2,16x2,64x1")
     ap.add_argument("--delay-ms", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
@@ -91,11 +133,19 @@ def main():
         label = ("fill as one copy" if p <= 0
                  else "fill in %d MiB copies" % p)
         cases.append((label, src, p * MIB))
+    for pd in filter(None, a.paced.split(",")):
+        p, d = (int(x) for x in pd.lower().split("x"))
+        cases.append(("fill paced %d MiB x %d" % (p, d), src,
+                      (p * MIB, max(d, 1))))
     for _ in range(2):          # warm both paths
         one(dev, side, src, dst, client, 0, delay)
     for label, s, piece in cases:
-        rows = [one(dev, side, s, dst, client, piece, delay)
-                for _ in range(a.reps)]
+        if isinstance(piece, tuple):
+            rows = [paced(dev, side, s, dst, client, piece[0], piece[1],
+                          delay) for _ in range(a.reps)]
+        else:
+            rows = [one(dev, side, s, dst, client, piece, delay)
+                    for _ in range(a.reps)]
         w = sorted(r[0] for r in rows)
         fill = statistics.median(r[1] for r in rows)
         issue = statistics.median(r[2] for r in rows)
