@@ -28,7 +28,12 @@ keeps at most D of them queued (it waits for the copy D back before it
 queues the next), as a pacer in the library would: the host sleeps
 --delay-ms (the GIL free, as a pacer in C would find it) and the client's
 copy then waits behind at most D pieces if the copy engine takes copies
-in queue order; the fill's GB/s says what the pacing costs the link."""
+in queue order; the fill's GB/s says what the pacing costs the link.
+
+--sm-fill: the fill read by a kernel (torch's elementwise bitwise_or over
+int64s, every SM) from the pinned memory mapped into the device's
+address space, not copied by the copy engine: whether the client's copy
+then goes through at once, and at what GB/s the SMs pull the link."""
 
 import argparse
 import statistics
@@ -72,6 +77,35 @@ def one(dev, side, src, dst, client, piece, delay):
     return waited * 1e3, fill, issue * 1e3
 
 
+class _Mapped:
+    """Pinned host bytes as a CUDA array: under unified addressing a
+    kernel reads them over the link at their host address."""
+
+    def __init__(self, t):
+        self.__cuda_array_interface__ = {
+            "shape": (t.numel() // 8,), "typestr": "<i8",
+            "data": (t.data_ptr(), True), "version": 2, "strides": None}
+
+
+def sm_fill(dev, side, src, dst, client, _, delay):
+    """One round with the fill read by SMs (module doc)."""
+    torch.cuda.synchronize(dev)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    with torch.cuda.stream(side):
+        start.record(side)
+        torch.bitwise_or(src, 0, out=dst)
+        end.record(side)
+    issue = time.perf_counter() - t
+    spin(delay)
+    t0 = time.perf_counter()
+    client.to(dev)
+    waited = time.perf_counter() - t0
+    torch.cuda.synchronize(dev)
+    return waited * 1e3, start.elapsed_time(end), issue * 1e3
+
+
 def paced(dev, side, src, dst, client, piece, depth, delay):
     """One round with the fill paced by a second thread (module doc)."""
     torch.cuda.synchronize(dev)
@@ -110,6 +144,7 @@ def main():
     ap.add_argument("--client-mib", type=int, default=4)
     ap.add_argument("--pieces-mib", default="0,64,8,2")
     ap.add_argument("--paced", default="8x2,16x2,64x1")
+    ap.add_argument("--sm-fill", action="store_true")
     ap.add_argument("--delay-ms", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
@@ -137,10 +172,20 @@ def main():
         p, d = (int(x) for x in pd.lower().split("x"))
         cases.append(("fill paced %d MiB x %d" % (p, d), src,
                       (p * MIB, max(d, 1))))
+    if a.sm_fill:
+        mapped = torch.as_tensor(_Mapped(src), device=dev)
+        cases.append(("fill read by SMs", mapped, "sm"))
+        dst64 = dst.view(torch.int64)
     for _ in range(2):          # warm both paths
         one(dev, side, src, dst, client, 0, delay)
     for label, s, piece in cases:
-        if isinstance(piece, tuple):
+        if piece == "sm":
+            src.copy_(torch.arange(src.numel() // 8).view(torch.uint8))
+            rows = [sm_fill(dev, side, s, dst64, client, 0, delay)
+                    for _ in range(a.reps)]
+            print("fill read by SMs: bytes %s" % (
+                "equal" if torch.equal(dst.cpu(), src) else "DIFFER"))
+        elif isinstance(piece, tuple):
             rows = [paced(dev, side, s, dst, client, piece[0], piece[1],
                           delay) for _ in range(a.reps)]
         else:
