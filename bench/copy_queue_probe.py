@@ -33,7 +33,10 @@ in queue order; the fill's GB/s says what the pacing costs the link.
 --sm-fill: the fill read by a kernel (torch's elementwise bitwise_or over
 int64s, every SM) from the pinned memory mapped into the device's
 address space, not copied by the copy engine: whether the client's copy
-then goes through at once, and at what GB/s the SMs pull the link."""
+then goes through at once, and at what GB/s the SMs pull the link; with
+Triton, also by a kernel of --sm-programs programs (a few SMs: what a
+fill that overlaps the next forward's start would take from its
+compute)."""
 
 import argparse
 import statistics
@@ -106,6 +109,47 @@ def sm_fill(dev, side, src, dst, client, _, delay):
     return waited * 1e3, start.elapsed_time(end), issue * 1e3
 
 
+def _pull_kernel():
+    """A Triton kernel that copies int64s with a fixed number of programs
+    (None without Triton)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def pull(src, dst, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
+        for start in range(tl.program_id(0) * BLOCK, n, PROGRAMS * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+
+    def run(src, dst, programs):
+        pull[(programs,)](src, dst, src.numel(), BLOCK=4096,
+                          PROGRAMS=programs, num_warps=8)
+    return run
+
+
+def sm_pull(dev, side, src, dst, client, pull, programs, delay):
+    """One round with the fill read by `programs` Triton programs."""
+    torch.cuda.synchronize(dev)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    with torch.cuda.stream(side):
+        start.record(side)
+        pull(src, dst, programs)
+        end.record(side)
+    issue = time.perf_counter() - t
+    spin(delay)
+    t0 = time.perf_counter()
+    client.to(dev)
+    waited = time.perf_counter() - t0
+    torch.cuda.synchronize(dev)
+    return waited * 1e3, start.elapsed_time(end), issue * 1e3
+
+
 def paced(dev, side, src, dst, client, piece, depth, delay):
     """One round with the fill paced by a second thread (module doc)."""
     torch.cuda.synchronize(dev)
@@ -145,6 +189,7 @@ def main():
     ap.add_argument("--pieces-mib", default="0,64,8,2")
     ap.add_argument("--paced", default="8x2,16x2,64x1")
     ap.add_argument("--sm-fill", action="store_true")
+    ap.add_argument("--sm-programs", default="8,16,32")
     ap.add_argument("--delay-ms", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
@@ -176,6 +221,14 @@ def main():
         mapped = torch.as_tensor(_Mapped(src), device=dev)
         cases.append(("fill read by SMs", mapped, "sm"))
         dst64 = dst.view(torch.int64)
+        pull = _pull_kernel()
+        if pull is None:
+            print("no Triton: the fills by a few programs are not run")
+        for g in filter(None, a.sm_programs.split(",")):
+            if pull is not None:
+                pull(mapped, dst64, int(g))     # compiled before timing
+                cases.append(("fill read by %s programs" % g, mapped,
+                              ("pull", int(g))))
     for _ in range(2):          # warm both paths
         one(dev, side, src, dst, client, 0, delay)
     for label, s, piece in cases:
@@ -185,6 +238,12 @@ def main():
                     for _ in range(a.reps)]
             print("fill read by SMs: bytes %s" % (
                 "equal" if torch.equal(dst.cpu(), src) else "DIFFER"))
+        elif isinstance(piece, tuple) and piece[0] == "pull":
+            dst64.zero_()
+            rows = [sm_pull(dev, side, s, dst64, client, pull, piece[1],
+                            delay) for _ in range(a.reps)]
+            print("%s: bytes %s" % (label, "equal" if torch.equal(
+                dst.cpu(), src) else "DIFFER"))
         elif isinstance(piece, tuple):
             rows = [paced(dev, side, s, dst, client, piece[0], piece[1],
                           delay) for _ in range(a.reps)]
