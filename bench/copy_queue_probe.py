@@ -36,7 +36,8 @@ address space, not copied by the copy engine: whether the client's copy
 then goes through at once, and at what GB/s the SMs pull the link; with
 Triton, also by a kernel of --sm-programs programs (a few SMs: what a
 fill that overlaps the next forward's start would take from its
-compute)."""
+compute). Then a loop of bf16 matmuls (a forward's compute) is timed
+alone and beside each such fill on the other stream."""
 
 import argparse
 import statistics
@@ -231,6 +232,7 @@ def main():
                               ("pull", int(g))))
     for _ in range(2):          # warm both paths
         one(dev, side, src, dst, client, 0, delay)
+    slowed = {}
     for label, s, piece in cases:
         if piece == "sm":
             src.copy_(torch.arange(src.numel() // 8).view(torch.uint8))
@@ -251,6 +253,8 @@ def main():
             rows = [one(dev, side, s, dst, client, piece, delay)
                     for _ in range(a.reps)]
         w = sorted(r[0] for r in rows)
+        if isinstance(piece, tuple) and piece[0] == "pull":
+            slowed[piece[1]] = (s, dst64)
         fill = statistics.median(r[1] for r in rows)
         issue = statistics.median(r[2] for r in rows)
         gbps = (a.fill_mib * MIB / (fill / 1e3) / 1e9) if fill else 0.0
@@ -258,7 +262,46 @@ def main():
               "(%.1f GB/s), issued in %.3f ms" % (
                   label, statistics.median(w), w[0], w[-1], fill, gbps,
                   issue))
+    if slowed:
+        beside_compute(dev, side, pull, slowed)
     return 0
+
+
+def beside_compute(dev, side, pull, fills):
+    """The matmul loop's GPU ms alone and beside each fill of a few
+    programs (fills: programs -> (mapped source, device target))."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def loop():
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(8):
+            torch.matmul(a, b)
+        end.record()
+        return start, end
+
+    loop()
+    torch.cuda.synchronize(dev)
+    rows = []
+    for programs in [0] + sorted(fills):
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize(dev)
+            if programs:
+                src, dst = fills[programs]
+                with torch.cuda.stream(side):
+                    pull(src, dst, programs)
+            start, end = loop()
+            torch.cuda.synchronize(dev)
+            times.append(start.elapsed_time(end))
+        rows.append((programs, statistics.median(times)))
+    alone = rows[0][1]
+    for programs, ms in rows:
+        print("matmul loop %s: %.2f ms (%.3f x alone)" % (
+            "alone" if not programs else
+            "beside a fill by %d programs" % programs, ms, ms / alone))
 
 
 if __name__ == "__main__":
