@@ -49,6 +49,10 @@
 #           apart (issue 29's stable prompts, 2%); PROMPTS_RUNS=...,
 #           PROMPTS_REPS=N: other runs, another number of prompts; each
 #           run's plans logged (VPAGER_SCHEDULE_LOG: a slow one replayed)
+#   copy_probe  bench/copy_queue_probe.py --sm-fill: the client's pageable
+#           copy behind a fill queued at once, cut, paced by a second
+#           thread, read by SMs (all, or a few Triton programs), and a
+#           matmul loop beside the few-program fills (issue 29's pause)
 #   flux_diag  the node's Flux at 6 GiB beside resident, 10 steps, with
 #           VPAGER_BENCH_STEP_STATS (each step's ring and stream waits)
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
@@ -103,7 +107,7 @@ OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
 KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag prompts"
-KNOWN="$KNOWN fp8_rings flux_rings forward_start"
+KNOWN="$KNOWN fp8_rings flux_rings forward_start copy_probe"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -163,6 +167,9 @@ N="python3 bench/bench_node.py --comfyui $C/ComfyUI"
 
 for PH in ${PHASES//+/ }; do
   case $PH in
+  copy_probe)
+    GREP='.'
+    TAILN=40 step copy_probe 120 python3 bench/copy_queue_probe.py --sm-fill ;;
   forward_start)
     GREP='.'
     TAILN=8 step forward_start 120 python3 bench/bench_forward_start.py ;;
