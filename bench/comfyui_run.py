@@ -1075,7 +1075,7 @@ def child_sample(a):
                                              second)):
         marks = []
         starts.clear()
-        lending = lend_switch(rep, torch) if LEND_ALTERNATE else None
+        lending = lend_switch(rep) if LEND_ALTERNATE else None
 
         vstats = getattr(p, "vpager_stats", None) if STEP_STATS else None
         snaps = [vstats()] if vstats is not None else []
@@ -1204,7 +1204,7 @@ def child_sample(a):
 _PARKED = {}    # id(devstate) -> the Lender's cache while lending is off
 
 
-def lend_switch(rep, torch, devstates=None):
+def lend_switch(rep, devstates=None):
     """LEND_ALTERNATE: before prompt `rep`, the Lender of each device
     (devstates: vpager.torch's, by default) on or off (none for the first
     prompt; then off, on, on, off, ...): "on", "off", or None before the
@@ -1222,7 +1222,7 @@ def lend_switch(rep, torch, devstates=None):
         if on and lender.cache is None and id(ds) in _PARKED:
             lender.cache = _PARKED.pop(id(ds))
         elif not on and lender.cache is not None:
-            lender.take_back(torch.cuda.current_stream().cuda_stream)
+            lender.take_back()
             _PARKED[id(ds)] = lender.cache
             lender.cache = None
     return "on" if on else "off"

@@ -447,15 +447,13 @@ def test_lend_alternate_is_an_ab_in_one_process():
     class Lender:
         cache, taken = "torch's cache", 0
 
-        def take_back(self, stream):
+        def take_back(self):
             self.taken += 1
 
     ds = types.SimpleNamespace(lender=Lender())
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        current_stream=lambda: types.SimpleNamespace(cuda_stream=0)))
     said, caches = [], []
     for rep in range(7):
-        said.append(cr.lend_switch(rep, fake_torch, {"device": ds}))
+        said.append(cr.lend_switch(rep, {"device": ds}))
         caches.append(ds.lender.cache)
     assert said == [None, "off", "on", "on", "off", "off", "on"], said
     assert caches == ["torch's cache", None, "torch's cache",

@@ -11,7 +11,8 @@ caching allocator), brought in through the Lender's seam.
 * outputs stay bitwise the resident model's, prompt after prompt;
 * VPAGER_LEND_EARLY: a loan borrowed at a forward's end, its first
   bytes lent and filled then, the rest lent at the next forward's start;
-* another model's forward and unload() take it back; a loan during
+* another model's forward and unload() take it back, on the stream it
+  was borrowed on, and never while another thread lends it; a loan during
   which torch's allocator reserved more than its known peak shrinks the
   loans after it (its cache emptied), down to none, as does a borrow
   that runs out of memory; torch growing again up to that peak (a
@@ -131,7 +132,7 @@ def _lent_mlp():
 def _finish(lender, cache, *handles):
     """The loan back, the fake cache's pages unpinned, the models
     unloaded (the device closes with the last)."""
-    lender.take_back(0)
+    lender.take_back()
     assert not lender.out and not cache.out
     cache.close()
     for h in handles:
@@ -270,6 +271,96 @@ def test_another_model_takes_the_loan_back():
             assert not lender.out or lender.owner is h2.hot_path
     finally:
         _finish(lender, cache, h2, h1)
+
+
+class _Reclaims:
+    """A device whose reclaim_staging calls are recorded (stream, force)."""
+
+    def __init__(self, dev):
+        self.dev, self.calls = dev, []
+
+    def __getattr__(self, name):
+        return getattr(self.dev, name)
+
+    def reclaim_staging(self, stream=0, force=False):
+        self.calls.append((stream, force))
+        return self.dev.reclaim_staging(stream, force)
+
+
+def test_a_loan_goes_back_on_the_stream_it_was_borrowed_on():
+    """A loan one model's forward made on its stream is reclaimed on that
+    stream whoever takes it back (torch hands its blocks to that stream's
+    allocations next): before another model's unit, at its own unit's
+    end, and its rest is lent there too."""
+    m1, m2 = mlp(seed=1, depth=8), mlp(seed=2, depth=8)
+    x = torch.randn(8, 64)
+    w1, w2 = frozen_copy(m1)(x), frozen_copy(m2)(x)
+    h1 = _offload(m1)
+    h2 = vt.offload(m2, device=h1.device)
+    lender, cache = _lending(h1)
+    spy = lender.dev = _Reclaims(lender.dev)
+    s1 = h1.device.create_stream()
+    try:
+        assert torch.equal(m1(x), w1)       # the first: recorded
+        assert lender.lend(h1.hot_path, s1)
+        assert torch.equal(m2(x), w2)       # takes it back, forced
+        assert spy.calls == [(s1, True)], spy.calls
+        assert not lender.out
+        del spy.calls[:]
+        lender.early = 64 * K
+        assert lender.lend(h1.hot_path, s1, first=lender.early)
+        lent = []
+        lend_staging = h1.device.lend_staging
+        spy.lend_staging = lambda a, n, st=0: (lent.append(st),
+                                               lend_staging(a, n, st))
+        assert lender.lend_at_start(h1.hot_path, 0)
+        assert lent and set(lent) == {s1}, lent     # each range of the rest
+        lender.released()       # nothing staged there waits: back
+        assert not lender.out and spy.calls == [(s1, False)], spy.calls
+    finally:
+        lender.dev = spy.dev
+        h1.device.synchronize()
+        h1.device.destroy_stream(s1)
+        _finish(lender, cache, h2, h1)
+
+
+def test_a_loan_is_not_taken_back_while_another_thread_lends_it():
+    """Models on one device run on several threads: a take_back() from
+    another thread while a loan is being borrowed and lent waits for
+    the lend to finish, then gets the whole loan back (without the
+    Lender's lock it found no pieces yet and the loan stayed out, or
+    gave the blocks back to torch while they were being lent)."""
+    import threading
+    m, x, want, h, lender, cache = _lent_mlp()
+    borrow = cache.borrow
+    taker, done = [], []
+
+    def borrow_beside_a_taker(n):
+        if not taker:
+            t = threading.Thread(target=lambda: done.append(
+                lender.take_back()))
+            taker.append(t)
+            t.start()
+            t.join(0.2)
+            # Still waiting for the lend (deterministic with the lock: it
+            # cannot go on while this thread holds it).
+            done.append(t.is_alive())
+        return borrow(n)
+
+    try:
+        assert torch.equal(m(x), want)      # the first: recorded
+        cache.borrow = borrow_beside_a_taker
+        assert lender.lend(h.hot_path, 0)
+        pieces = len(lender.pieces)
+        taker[0].join()
+        assert done == [True, True], done
+        assert pieces > 1 and not lender.out and not cache.out
+        assert lender.forced == 1 and lender.returned == 1
+        cache.borrow = borrow
+        assert torch.equal(m(x), want)
+    finally:
+        cache.borrow = borrow
+        _finish(lender, cache, h)
 
 
 def test_a_loan_that_grew_torch_shrinks_the_loans():

@@ -242,7 +242,7 @@ class HotPath:
                 unit.depth = 0
                 leave(unit, stream, prev, ok)
                 if lender.pieces:   # lent memory back once it is unused
-                    lender.released(stream)
+                    lender.released()
             return out
 
         forward._vpager_unit = unit
@@ -310,8 +310,8 @@ class HotPath:
             ds.top = self.owner
         stream = self.stream()
         lender = self.lender
-        if lender.pieces and lender.owner is not self:
-            lender.take_back(stream)    # another model's forward lent it
+        if lender.pieces:       # another model's forward lent it
+            lender.take_back_unless(self)
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
         try:
@@ -580,14 +580,8 @@ class HotPath:
         if self.recorder.rec is not None or torch.is_grad_enabled() or \
                 self.holding is not None:
             return
-        stream = self.stream()
-        lender = self.lender
-        if lender.rest is not None and lender.owner is self:
-            lent = lender.lend_rest(stream)     # lent in part at the end
-        else:
-            lent = lender.lend(self, stream)
-        if lent:
-            self._prefetch_into_loan(stream)
+        if self.lender.lend_at_start(self, self.stream()):
+            self._prefetch_into_loan()
 
     def lend_after(self):
         """At the root forward's end (VPAGER_LEND_EARLY): the loan
@@ -599,17 +593,16 @@ class HotPath:
         if self.recorder.rec is not None or torch.is_grad_enabled() or \
                 self.holding is not None:
             return
-        stream = self.stream()
-        if self.lender.lend(self, stream, first=self.lender.early):
-            self._prefetch_into_loan(stream)
+        if self.lender.lend(self, self.stream(), first=self.lender.early):
+            self._prefetch_into_loan()
 
-    def _prefetch_into_loan(self, stream):
+    def _prefetch_into_loan(self):
         """The last streamed unit's prefetch, on into what was just lent
         (the forward's output stands if it fails: the loan comes back)."""
         try:
             self.lend_unit.batch.prefetch()
         except Error:
-            self.lender.take_back(stream)
+            self.lender.take_back()
 
     def hold(self):
         """Acquire the held units' weights on the current stream and put
@@ -723,8 +716,7 @@ class HotPath:
 
     def give_back(self):
         """The loan this model's forward made of torch's cache, back."""
-        if self.lender.owner is self:
-            self.lender.take_back(self.stream())
+        self.lender.take_back_of(self)
 
     def run_held(self, unit, fwd, args, kwargs):
         """A held unit's call that is not bare (the root is the unit): the
@@ -749,7 +741,7 @@ class HotPath:
         """After an out-of-memory error: vpager's unpinned pages evicted,
         torch's cache emptied, the learned headroom's margin raised (if
         `margin`); returns the bytes evicted."""
-        self.lender.take_back(self.stream())  # torch's blocks, if lent
+        self.lender.take_back()     # torch's blocks, if lent
         freed = self.device.free_memory(ALL)
         # The eviction lowered the watermarks: the next acquire puts the
         # model on top again, so its weights are filled, not only staged.

@@ -60,6 +60,7 @@ and after each shrink: the same forwards free the same blocks."""
 
 import logging
 import os
+import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -161,13 +162,22 @@ def piece_sizes(free: List[int], cap: int) -> List[int]:
 class Lender:
     """The device's loans of torch's cache to its staging ring (module
     doc). Off (cache None) until a CUDA model's hot path brings torch's
-    allocator (use()) with VPAGER_LEND=1."""
+    allocator (use()) with VPAGER_LEND=1.
+
+    Models on one device run forwards on several threads at once
+    (serial.py locks a model, not the device): each method here runs
+    under the Lender's lock, so that a loan's blocks never go back to
+    torch while another thread still lends them to the ring; and a loan
+    is lent and reclaimed on the stream it was borrowed on (torch gives
+    its blocks to that stream's allocations next), whichever model's
+    thread takes it back."""
 
     __slots__ = ("dev", "cache", "sizes", "cap", "early", "pieces", "rest",
-                 "reserved", "owner", "loans", "returned", "forced",
-                 "shrunk")
+                 "stream", "reserved", "owner", "loans", "returned",
+                 "forced", "shrunk", "lock")
 
     def __init__(self, dev):
+        self.lock = threading.RLock()
         self.dev = dev
         self.cache: Optional[TorchCache] = None
         self.sizes: Optional[List[int]] = None  # learned at the first loan
@@ -177,6 +187,7 @@ class Lender:
         # An end loan's ranges borrowed and not lent yet (None: no loan
         # lent in part at a forward's end is out)
         self.rest: Optional[List[Tuple[int, int]]] = None
+        self.stream = 0             # the loan's: borrowed, lent, reclaimed
         self.reserved = 0           # torch's reservation at the loan
         self.owner: Any = None      # the hot path whose forward lent
         self.loans = self.returned = 0     # made, come back
@@ -191,19 +202,33 @@ class Lender:
             reserved: Callable[[], int], peak: Callable[[], int]) -> None:
         """Lend from torch's cache on `target` (once per device; nothing
         unless VPAGER_LEND=1 and torch's allocator has lendable blocks)."""
-        if self.cache is None and enabled() and TorchCache.usable():
-            self.cache = TorchCache(target, index, reserved, peak)
-            self.early = env.size(LEND_EARLY) or 0
+        with self.lock:
+            if self.cache is None and enabled() and TorchCache.usable():
+                self.cache = TorchCache(target, index, reserved, peak)
+                self.early = env.size(LEND_EARLY) or 0
+
+    def lend_at_start(self, owner: Any, stream: int) -> bool:
+        """At the start of owner's root forward, on its stream: the rest
+        of the loan its last forward lent in part at its end, else a new
+        loan; True if anything was lent."""
+        with self.lock:
+            if self.rest is not None and self.owner is owner:
+                return self.lend_rest()
+            return self.lend(owner, stream)
 
     def lend(self, owner: Any, stream: int,
              first: Optional[int] = None) -> bool:
         """At the start of owner's root forward, on its stream (or, first
         bytes of it, at its end: the rest is lend_rest()'s); True if a
         loan was made."""
+        with self.lock:
+            return self._lend(owner, stream, first)
+
+    def _lend(self, owner: Any, stream: int, first: Optional[int]) -> bool:
         cache = self.cache
         if cache is None:
             return False
-        if self.pieces and not self.take_back(stream, force=True):
+        if self.pieces and not self.take_back(force=True):
             return False        # a weight staged there is acquired still
         learned = self.sizes is None
         if learned:
@@ -230,13 +255,13 @@ class Lender:
                 ", ".join(str(n) for n in self.sizes),
                 "" if failed is None else " (%s)" % failed.split("\n")[0]))
             return False
-        self.reserved, self.owner = before, owner
+        self.reserved, self.owner, self.stream = before, owner, stream
         ranges = [(a, n) for _, a, n in pieces]
         now, rest = (ranges, []) if first is None else \
             split_ranges(ranges, first)
         self.rest = None if first is None else rest
         self.pieces, pieces = pieces, None
-        if not self._lend_ranges(now, stream):
+        if not self._lend_ranges(now):
             return False
         self.loans += 1
         if learned:     # the blocks a loan of these sizes takes
@@ -245,27 +270,27 @@ class Lender:
                          "%d at 0x%x" % (n, a) for _, a, n in self.pieces))
         return True
 
-    def lend_rest(self, stream: int) -> bool:
+    def lend_rest(self) -> bool:
         """At the start of the forward after one that lent the first bytes
-        of a loan at its end: the rest of it lent, on that forward's
-        stream (each range continues one lent or is a block of its own);
-        True if anything was."""
-        rest, self.rest = self.rest or [], None
-        return bool(rest) and self._lend_ranges(rest, stream)
+        of a loan at its end: the rest of it lent (each range continues
+        one lent or is a block of its own); True if anything was."""
+        with self.lock:
+            rest, self.rest = self.rest or [], None
+            return bool(rest) and self._lend_ranges(rest)
 
-    def _lend_ranges(self, ranges: List[Tuple[int, int]],
-                     stream: int) -> bool:
-        """ranges of the borrowed blocks lent to the ring; a refusal ends
-        lending on the device (a forward goes on without a loan)."""
+    def _lend_ranges(self, ranges: List[Tuple[int, int]]) -> bool:
+        """ranges of the borrowed blocks lent to the ring on the loan's
+        stream; a refusal ends lending on the device (a forward goes on
+        without a loan)."""
         refused = None
         try:
             for a, n in ranges:
-                self.dev.lend_staging(a, n, stream)
+                self.dev.lend_staging(a, n, self.stream)
         except Error as e:
             refused = str(e)    # not e: its frames hold the blocks
         if refused is None:
             return True
-        self.dev.reclaim_staging(stream, True)
+        self.dev.reclaim_staging(self.stream, True)
         self.pieces, self.rest, self.owner = [], None, None
         self.cache = None
         log.warning("vpager.torch (%s=1): lending torch's cache to the "
@@ -273,22 +298,37 @@ class Lender:
                     LEND, refused)
         return False
 
-    def released(self, stream: int) -> None:
+    def released(self) -> None:
         """After a streamed unit's release: the loan back if nothing
         staged there waits any more."""
-        if self.dev.reclaim_staging(stream):
-            self._returned()
+        with self.lock:
+            if self.pieces and self.dev.reclaim_staging(self.stream):
+                self._returned()
 
-    def take_back(self, stream: int, force: bool = True) -> bool:
+    def take_back(self, force: bool = True) -> bool:
         """The loan back now (force: the weights staged there and not
         acquired dropped); False while an acquire holds one of them."""
-        if not self.pieces:
+        with self.lock:
+            if not self.pieces:
+                return True
+            if not self.dev.reclaim_staging(self.stream, force):
+                return False
+            self.forced += force
+            self._returned()
             return True
-        if not self.dev.reclaim_staging(stream, force):
-            return False
-        self.forced += force
-        self._returned()
-        return True
+
+    def take_back_unless(self, owner: Any) -> None:
+        """Before a unit of owner's: a loan another model's forward made,
+        back whatever it holds (owner's prefetch would stage there)."""
+        with self.lock:
+            if self.pieces and self.owner is not owner:
+                self.take_back(force=True)
+
+    def take_back_of(self, owner: Any) -> None:
+        """owner's loan back (its model unloads), whatever it holds."""
+        with self.lock:
+            if self.owner is owner:
+                self.take_back(force=True)
 
     def stats(self) -> Dict[str, Any]:
         """{"on": lending, "bytes": a loan's, "loans", "returned",
