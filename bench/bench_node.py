@@ -225,7 +225,10 @@ def child(cr, a):
 # torch's cache during a loan printed (VPAGER_BENCH_LEND_TRACE, comfyui_run);
 # "ab" after a lend suffix ("node6lend288ab") turns the loans off and on
 # in turn from the second prompt (VPAGER_BENCH_LEND_ALTERNATE: an A/B in
-# one process, the host's drift on both);
+# one process, the host's drift on both); "conds" moves the prompt's
+# conditioning to the GPU once (VPAGER_BENCH_CONDS_ON_DEVICE: no client
+# copy in a step's pause, an experiment: "node6lend288early288condsab" is
+# what a fill of the whole pause gains when it holds no copy up);
 # "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
 # default 32 MiB: a plan's spare page and its rounding cost a page each).
 # Suffixes combine:
@@ -245,6 +248,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "lend": {"VPAGER_LEND": "1"},
             "lendtrace": {"VPAGER_LEND": "1", "VPAGER_BENCH_LEND_TRACE": "1"},
             "ab": {"VPAGER_BENCH_LEND_ALTERNATE": "1"},
+            "conds": {"VPAGER_BENCH_CONDS_ON_DEVICE": "1"},
             "spare0": {"VPAGER_SPARE_PAGES": "0"},
             "page8": {"VPAGER_PAGE_SIZE": "8M"},
             "page16": {"VPAGER_PAGE_SIZE": "16M"},
@@ -264,7 +268,7 @@ SUFFIXES.update(("lend%d" % c, {"VPAGER_LEND": "1",
 # borrowed at a forward's end, its first 96 MiB lent then and filled in
 # the pause, the rest at the next forward's start (VPAGER_LEND_EARLY).
 SUFFIXES.update(("early%d" % e, {"VPAGER_LEND_EARLY": "%dM" % e})
-                for e in (64, 96, 128, 192))
+                for e in (64, 96, 128, 192, 288))
 
 
 def _named(run):

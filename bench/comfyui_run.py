@@ -148,6 +148,13 @@ LEND_TRACE = os.environ.get("VPAGER_BENCH_LEND_TRACE") == "1"
 # lending in one process, under one plan (each prompt's result says which:
 # "lending"; bench_node's prompts row compares them).
 LEND_ALTERNATE = os.environ.get("VPAGER_BENCH_LEND_ALTERNATE") == "1"
+# VPAGER_BENCH_CONDS_ON_DEVICE=1: the prompt's conditioning moved to the
+# GPU once (ComfyUI's conds hand a device copy from their first step on),
+# so a step makes none of its pageable host-to-device copies (Flux: the
+# 4 MB context, 3 KB pooled, 4 B guidance, ~2 ms into each step): what
+# a fill of the pause would gain if it never held up a client's copy (an
+# experiment, not a user's setting).
+CONDS_ON_DEVICE = os.environ.get("VPAGER_BENCH_CONDS_ON_DEVICE") == "1"
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -1018,6 +1025,9 @@ def child_sample(a):
     import comfy.model_prefetch
     import comfy_aimdo.control
     import comfy_aimdo.model_vbar
+    if CONDS_ON_DEVICE:
+        import comfy.conds
+        conds_on_device(comfy.conds, mm.get_torch_device())
     res = {"run": a.run, "comfy_argv": extra, "device_total": total,
            "init_shape": shape, "torch_imported_before_control": torch_before,
            "patcher_state": state,
@@ -1202,6 +1212,36 @@ def child_sample(a):
 
 
 _PARKED = {}    # id(devstate) -> the Lender's cache while lending is off
+
+
+def conds_on_device(conds, device):
+    """CONDS_ON_DEVICE: each of ComfyUI's cond classes (comfy.conds) that
+    processes its tensor hands a copy of it on `device`, made once per
+    tensor and shape, in place of the host tensor."""
+    seen, todo = set(), [conds.CONDRegular]
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        own = cls.__dict__.get("process_cond")
+        if own is None or getattr(own, "_on_device", False):
+            continue
+
+        def process_cond(self, *args, _own=own, **kwargs):
+            out = _own(self, *args, **kwargs)
+            t = getattr(out, "cond", None)
+            if t is None or not hasattr(t, "device") or \
+                    t.device.type != "cpu":
+                return out
+            cache = self.__dict__.setdefault("_bench_on_device", {})
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if key not in cache:
+                cache[key] = (t, t.to(device))  # t kept: its address
+            return out._copy_with(cache[key][1])
+        process_cond._on_device = True
+        cls.process_cond = process_cond
 
 
 def lend_switch(rep, devstates=None):

@@ -430,6 +430,58 @@ def test_l_beside_the_link_read_after_the_prompts():
     assert abs(l_run / l_gen - 55.0 / 50.0) < 1e-3, (l_run, l_gen)
 
 
+def test_conds_on_device_hands_one_device_copy_per_tensor():
+    """VPAGER_BENCH_CONDS_ON_DEVICE: ComfyUI's cond classes (a base and a
+    subclass with its own process_cond) hand their tensor's copy on the
+    device, made once per tensor; a tensor already there passes as is;
+    patching twice wraps once."""
+    import types
+    _, cr = _bench()
+    moved = []
+
+    class Tensor:
+        def __init__(self, device="cpu", ptr=1):
+            self.device = types.SimpleNamespace(type=device)
+            self.shape, self.dtype, self.ptr = (1, 4), "f32", ptr
+
+        def data_ptr(self):
+            return self.ptr
+
+        def to(self, device):
+            moved.append(self.ptr)
+            return Tensor(device, self.ptr)
+
+    class CONDRegular:
+        def __init__(self, cond):
+            self.cond = cond
+
+        def _copy_with(self, cond):
+            return type(self)(cond)
+
+        def process_cond(self, batch_size, **kwargs):
+            return self._copy_with(self.cond)
+
+    class CONDCrossAttn(CONDRegular):
+        def process_cond(self, batch_size, area=None, **kwargs):
+            return self._copy_with(self.cond)
+
+    class CONDConstant(CONDRegular):     # inherits process_cond
+        pass
+
+    conds = types.SimpleNamespace(CONDRegular=CONDRegular)
+    cr.conds_on_device(conds, "cuda:0")
+    cr.conds_on_device(conds, "cuda:0")
+    a, b = CONDRegular(Tensor(ptr=1)), CONDCrossAttn(Tensor(ptr=2))
+    for _ in range(3):
+        assert a.process_cond(1).cond.device.type == "cuda:0"
+        assert b.process_cond(1, area=None).cond.device.type == "cuda:0"
+        assert CONDConstant(Tensor(ptr=3)).process_cond(1).cond.device.type \
+            == "cuda:0"
+    on = CONDRegular(Tensor("cuda", ptr=4))
+    assert on.process_cond(1).cond is on.cond
+    assert sorted(moved) == [1, 2, 3, 3, 3], moved  # 3: a new cond each time
+
+
 def test_lend_alternate_is_an_ab_in_one_process():
     """VPAGER_BENCH_LEND_ALTERNATE ("ab"): no switch for the first prompt,
     then the device's loans off, on, on, off (the Lender's cache parked
@@ -443,6 +495,11 @@ def test_lend_alternate_is_an_ab_in_one_process():
     assert ns["_suffix_env"]("node6lend288early96") == {
         "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
         "VPAGER_LEND_EARLY": "96M"}
+
+    assert ns["_suffix_env"]("node6lend288early288condsab") == {
+        "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
+        "VPAGER_LEND_EARLY": "288M", "VPAGER_BENCH_CONDS_ON_DEVICE": "1",
+        "VPAGER_BENCH_LEND_ALTERNATE": "1"}
 
     class Lender:
         cache, taken = "torch's cache", 0
