@@ -11,7 +11,6 @@ where this process may not.
 """
 
 import contextlib
-import json
 import os
 import runpy
 import sys
