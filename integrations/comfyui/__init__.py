@@ -38,11 +38,15 @@ def _namespace():
         import comfy_aimdo.model_vbar as model_vbar
     except Exception:       # pragma: no cover - ComfyUI always has it
         model_vbar = None
+    try:                    # its wrappers: a sampling's end (_sampled)
+        import comfy.patcher_extension as patcher_extension
+    except ImportError:     # pragma: no cover - an older ComfyUI
+        patcher_extension = None
     return types.SimpleNamespace(
         model_patcher=comfy.model_patcher,
         model_management=comfy.model_management,
         utils=comfy.utils, lora=comfy.lora, args=comfy.cli_args.args,
-        model_vbar=model_vbar)
+        model_vbar=model_vbar, patcher_extension=patcher_extension)
 
 
 def install(comfy=None):

@@ -392,6 +392,12 @@ class Pager:
         model used keeps its pages longest)."""
         self.h.prioritize()
 
+    def pause(self):
+        """A sampling ended: what the model's last forward lent of torch's
+        cache back before the work in between (vpager.torch's pause())."""
+        if not self.closed:
+            self.h.pause()
+
     def learn(self, force=False, before=None):
         """Activations first (CUDA): torch's memory declared to the
         device's Governor (vpager.torch.devices.learn_headroom; before:

@@ -306,6 +306,13 @@ class VpagerPatcher:
                        None)
         if add is not None and kind is not None:
             add(kind, OPTION, _cloned)
+        # A sampling's end pauses the model's forwards (_sampled).
+        wrap = getattr(self, "add_wrapper_with_key", None)
+        ext = getattr(self._comfy, "patcher_extension", None)
+        outer = getattr(getattr(ext, "WrappersMP", None), "OUTER_SAMPLE",
+                        None)
+        if wrap is not None and outer is not None:
+            wrap(outer, OPTION, _sampled)
 
     # -------------------------------------------------- which path
     def _vp(self):
@@ -759,6 +766,27 @@ class VpagerPatcher:
         """The pager's counters (engine.Pager.stats()), or None."""
         p = self._vp()
         return p.stats() if p is not None else None
+
+
+def _sampled(executor, *args, **kwargs):
+    """ComfyUI's OUTER_SAMPLE wrapper: once a sampling is done (the VAE
+    decodes next, the next prompt's sampling comes later), the paged
+    model's forwards pause: torch's blocks its last forward lent to the
+    staging ring go back to torch for the work in between (Pager.pause;
+    VPAGER_LEND_EARLY). A failure there is logged, never the sampling's."""
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        guider = getattr(executor, "class_obj", None)
+        patcher = getattr(guider, "model_patcher", None)
+        vp = getattr(patcher, "_vp", None)
+        pager = vp() if callable(vp) else None
+        if pager is not None:
+            try:
+                pager.pause()
+            except Exception as e:      # the sampling's result stands
+                log.warning("vpager node: giving torch's lent blocks "
+                            "back after a sampling failed: %s", e)
 
 
 def _cloned(_src, clone):

@@ -483,6 +483,53 @@ def test_outputs_bitwise_and_paging():
         assert "forward" in m.diffusion_model.blocks[0].up.__dict__
 
 
+def test_a_sampling_end_pauses_the_model():
+    """ComfyUI's OUTER_SAMPLE wrapper, registered on the node's patchers
+    where ComfyUI has wrappers: the sampling's result passes through,
+    then the paged model's pause() runs (torch's blocks its last forward
+    lent go back before the VAE decodes: VPAGER_LEND_EARLY); a pause
+    that fails is logged, the sampling's result stands."""
+    class Wrapping(ModelPatcherDynamic):
+        def __init__(self, *args, **kwargs):
+            self.wrappers = {}
+            super().__init__(*args, **kwargs)
+
+        def add_wrapper_with_key(self, kind, key, fn):
+            self.wrappers.setdefault(kind, {}).setdefault(key, []).append(fn)
+
+    class Executor:         # ComfyUI's WrapperExecutor around outer_sample
+        def __init__(self, guider, model):
+            self.class_obj, self.model = guider, model
+
+        def __call__(self, *args, **kwargs):
+            return run(self.model)
+
+    with env() as e:
+        e.comfy.patcher_extension = types.SimpleNamespace(
+            WrappersMP=types.SimpleNamespace(OUTER_SAMPLE="outer_sample"))
+        m = DiT()
+        want = run(frozen(m))
+        p = glue.make_class(e.comfy, Wrapping)(m, CPU, CPU)
+        assert p.partially_load(CPU) == 0 and p.vpager_active()
+        [sampled] = p.wrappers["outer_sample"][glue.OPTION]
+        guider = types.SimpleNamespace(model_patcher=p)
+        paused, pause = [], engine.Pager.pause
+        try:
+            engine.Pager.pause = lambda self: paused.append(self)
+            assert torch.equal(sampled(Executor(guider, m)), want)
+            assert paused == [p._vp()], paused
+
+            def fails(self):
+                raise RuntimeError("no device")
+            engine.Pager.pause = fails
+            with logs() as lines:
+                assert torch.equal(sampled(Executor(guider, m)), want)
+            assert any("no device" in x for x in lines), lines
+        finally:
+            engine.Pager.pause = pause
+        assert torch.equal(sampled(Executor(guider, m)), want)  # the real
+
+
 def bench_module(name):
     sys.path.insert(0, os.path.join(REPO, "bench"))
     try:

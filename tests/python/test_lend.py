@@ -11,6 +11,7 @@ caching allocator), brought in through the Lender's seam.
 * outputs stay bitwise the resident model's, prompt after prompt;
 * VPAGER_LEND_EARLY: a loan borrowed at a forward's end, its first
   bytes lent and filled then, the rest lent at the next forward's start;
+  pause() gives it back before then;
 * another model's forward and unload() take it back, on the stream it
   was borrowed on, and never while another thread lends it; a loan during
   which torch's allocator reserved more than its known peak shrinks the
@@ -235,6 +236,30 @@ def test_a_loan_lent_in_part_at_a_forwards_end():
         assert at_end == [(True, True)] * 6, at_end
         # At the first unit after an end loan: the rest holds weights.
         assert [a[0] for a in at_first[2:]] == [True] * 5, at_first
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_pause_gives_a_loan_made_at_a_forwards_end_back():
+    """Offloaded.pause() (a sampler's run of forwards done): the loan the
+    last forward's end made goes back to torch at once, its staged
+    weights dropped; the next forward runs bitwise and lends anew; a
+    pause with nothing lent does nothing."""
+    m, x, want, h, lender, cache = _lent_mlp()
+    lender.cap, lender.early = LENT, 256 * K
+    try:
+        assert torch.equal(m(x), want)      # the first: recorded
+        assert torch.equal(m(x), want)
+        assert lender.out and lender.rest and cache.out
+        forced = lender.forced
+        h.pause()
+        assert not lender.out and not cache.out and lender.rest is None
+        assert lender.forced == forced + 1
+        h.pause()
+        assert lender.forced == forced + 1
+        loans = lender.loans
+        assert torch.equal(m(x), want)
+        assert lender.loans == loans + 2    # at its start, at its end
     finally:
         _finish(lender, cache, h)
 

@@ -218,6 +218,16 @@ class Offloaded:
         self.vbar_layout.on_top()
         self._ds.top = self
 
+    @_serial
+    def pause(self) -> None:
+        """Its forwards pause for longer than between two of a run (a
+        sampler's last step done): the blocks of torch's cache its last
+        forward lent to the staging ring (VPAGER_LEND_EARLY) go back to
+        torch now, for the work in between (a VAE's decode), not at its
+        next forward. Nothing else changes; the next forward lends anew."""
+        self._check_open()
+        self.hot_path.give_back()
+
     @contextlib.contextmanager
     def acquired(self, *modules: torch.nn.Module
                  ) -> Iterator[torch.nn.Module]:
