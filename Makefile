@@ -90,6 +90,19 @@ check-abi:
 	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
 
+# The PTX of the CUDA backend's copy by SMs (src/backend/pull.cu), kept in
+# the tree as a C string so that vpager builds without a toolkit; run
+# after a change to pull.cu (needs nvcc).
+NVCC ?= /usr/local/cuda/bin/nvcc
+pull-ptx:
+	@{ echo '/* Generated from pull.cu by `make pull-ptx` (nvcc -arch=compute_75 -ptx);'; \
+	  echo ' * do not edit: change pull.cu and regenerate. */'; \
+	  echo 'static const char vp__pull_ptx[] ='; \
+	  $(NVCC) -arch=compute_75 -ptx src/backend/pull.cu -o - | \
+	    sed 's/\\/\\\\/g; s/"/\\"/g; s/^/  "/; s/$$/\\n"/'; \
+	  echo '  ;'; } > src/backend/pull_ptx.h.new && \
+	  mv src/backend/pull_ptx.h.new src/backend/pull_ptx.h
+
 # The HIP backend against ROCm's headers (Debian's libamdhip64-dev: ROCm
 # 5.2; or /opt/rocm): it builds, and hip_abi.h matches
 # hip/hip_runtime_api.h, so a signature that drifts fails here. Unlike
@@ -308,5 +321,5 @@ install: all
 clean:
 	rm -rf build build-*
 
-.PHONY: all test check check-windows check-abi check-hip check-cuda-fake check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
+.PHONY: all test check check-windows check-abi pull-ptx check-hip check-cuda-fake check-exports check-layers check-python check-notorch check-install FORCE demo bench install clean fuzz fuzz-build
 .SECONDARY:

@@ -676,6 +676,23 @@ VP_API int vp_prefetch(vp_device_t dev, vp_weight_t after);
  * gives its acquire's prefetch one: the prefetch that acquire would run. */
 VP_API int vp_prefetch_ahead(vp_device_t dev, vp_weight_t after,
                              uint64_t lookahead);
+/* vp_prefetch_ahead (lookahead 0: the weight's own window, as vp_prefetch)
+ * whose copies from page-locked host memory are read by `programs` (1 to
+ * VP_SM_PROGRAMS_MAX) thread blocks of a kernel, the device's SMs pulling
+ * the bytes over the link, instead of by its copy engine: a copy engine
+ * takes copies in the order they were queued, whatever their stream, so a
+ * prefetch queued while the GPU waits for its host (between two forwards)
+ * holds up the application's own copies of its inputs until it ends; read
+ * by SMs it shares the link with them instead. The same bytes, ordering
+ * and fences as any prefetch; copies the backend cannot make so (the
+ * simulated device's and a GPU's from memory not page-locked or not
+ * 16-byte aligned, HIP's, a driver without the kernel's entry points)
+ * are the copy engine's. vp_device_stats' sm_copy_bytes counts those
+ * made by SMs. The SMs it takes run no other work while it copies: for
+ * the time the GPU waits, not under a forward's kernels. */
+#define VP_SM_PROGRAMS_MAX 1024
+VP_API int vp_prefetch_sm(vp_device_t dev, vp_weight_t after,
+                          uint64_t lookahead, uint32_t programs);
 /* End the use of n acquired weights: work queued on `stream` so far may
  * still read them; their pages and staging slots are reused only after it
  * completes. Release on the stream the weight was acquired on. Close a
@@ -914,7 +931,9 @@ typedef struct vp_stats {
                                     page-locked by every vpager process on
                                     the machine (this device's alone when
                                     it has no pin ledger) */
-  uint64_t reserved[7];
+  uint64_t sm_copy_bytes; /* device stats only: bytes vp_prefetch_sm's
+                             copies had read by SMs, not the copy engine */
+  uint64_t reserved[6];
 } vp_stats_t;
 
 /* Device totals (sum over its VBARs, live and destroyed). */

@@ -432,38 +432,59 @@ static uint64_t clip(uintptr_t a, uint64_t n, uintptr_t c, uint64_t len) {
  * whose host range spans two registrations, or registered and unregistered
  * memory, so every chunk edge splits, pinned or not: that also holds while
  * a chunk's registration is in flight. Never 0 for size > 0. */
-uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size) {
+/* vp__host_piece; *pinned: the piece lies in a chunk page-locked now. */
+static uint64_t host_piece(vp__device_t *dev, const void *ptr, uint64_t size,
+                           bool *pinned) {
   uintptr_t a = (uintptr_t)ptr;
+  *pinned = false;
   for (uint32_t s = 0; s < dev->hostbufs.n; s++) {
     const hostbuf_t *hb = dev->hostbufs.slots[s];
     if (!hb) continue;
     uintptr_t base = (uintptr_t)hb->ptr;
     uint64_t span = hb->reserved ? hb->reserved : hb->committed;
     if (!inside(a, base, span) && !inside(base, a, size)) continue;
-    for (uint32_t i = 0; i < hb->nchunks; i++)
-      size = clip(a, size, (uintptr_t)hb->chunks[i].ptr, hb->chunks[i].size);
+    for (uint32_t i = 0; i < hb->nchunks; i++) {
+      const hb_chunk_t *c = &hb->chunks[i];
+      size = clip(a, size, (uintptr_t)c->ptr, c->size);
+      if (inside(a, (uintptr_t)c->ptr, c->size)) *pinned = c->pinned;
+    }
   }
   return size;
 }
 
-/* One backend copy per piece; the backend's code on failure. */
+uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size) {
+  bool pinned;
+  return host_piece(dev, ptr, size, &pinned);
+}
+
+/* One backend copy per piece; the backend's code on failure. programs
+ * (host to device only): a pinned piece is read by that many blocks of
+ * SMs where the backend can (vp__be_copy_htod_sm), counted in
+ * stats.sm_copy_bytes; the copy engine copies the rest. */
 static int copy_pieces(vp__device_t *dev, bool htod, uint64_t addr,
                        uint8_t *host, uint64_t size, vp_stream_t stream,
-                       bool locked) {
+                       bool locked, uint32_t programs) {
   while (size) {
     if (!locked) {
       vp__os_mutex_lock(&dev->lock);
       dev->copies_unlocked++; /* give_back waits: see there */
     }
-    uint64_t n = vp__host_piece(dev, host, size);
+    bool pinned;
+    uint64_t n = host_piece(dev, host, size, &pinned);
     if (!locked) vp__os_mutex_unlock(&dev->lock);
-    int rc = htod ? vp__be_copy_htod(dev, addr, host, n, stream)
-                  : vp__be_copy_dtoh(dev, host, addr, n, stream);
+    int rc = VP_EUNSUPPORTED;
+    if (htod && programs && pinned)
+      rc = vp__be_copy_htod_sm(dev, addr, host, n, stream, programs);
+    bool by_sm = rc == VP_OK;
+    if (rc == VP_EUNSUPPORTED)
+      rc = htod ? vp__be_copy_htod(dev, addr, host, n, stream)
+                : vp__be_copy_dtoh(dev, host, addr, n, stream);
     if (!locked) {
       vp__os_mutex_lock(&dev->lock);
       dev->copies_unlocked--;
-      vp__os_mutex_unlock(&dev->lock);
     }
+    if (by_sm) dev->stats.sm_copy_bytes += n;
+    if (!locked) vp__os_mutex_unlock(&dev->lock);
     if (rc) return rc;
     addr += n;
     host += n;
@@ -475,12 +496,19 @@ static int copy_pieces(vp__device_t *dev, bool htod, uint64_t addr,
 int vp__copy_htod(vp__device_t *dev, uint64_t dst, const void *src,
                   uint64_t size, vp_stream_t stream, bool locked) {
   return copy_pieces(dev, true, dst, (uint8_t *)(uintptr_t)src, size, stream,
-                     locked);
+                     locked, 0);
+}
+
+int vp__copy_htod_sm(vp__device_t *dev, uint64_t dst, const void *src,
+                     uint64_t size, vp_stream_t stream, bool locked,
+                     uint32_t programs) {
+  return copy_pieces(dev, true, dst, (uint8_t *)(uintptr_t)src, size, stream,
+                     locked, programs);
 }
 
 int vp__copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
                   vp_stream_t stream, bool locked) {
-  return copy_pieces(dev, false, src, dst, size, stream, locked);
+  return copy_pieces(dev, false, src, dst, size, stream, locked, 0);
 }
 
 int vp_hostbuf_alloc(vp_device_t h, uint64_t size, uint64_t max_size,

@@ -309,6 +309,10 @@ int vp__be_event_query(vp__device_t *dev, vp__event_t ev);
 int vp__be_event_synchronize(vp__device_t *dev, vp__event_t ev);
 int vp__be_copy_htod(vp__device_t *dev, uint64_t dst, const void *src,
                      uint64_t size, vp_stream_t stream);
+/* The backend's copy by SMs (backend.h); VP_EUNSUPPORTED where it has
+ * none or cannot. */
+int vp__be_copy_htod_sm(vp__device_t *dev, uint64_t dst, const void *src,
+                        uint64_t size, vp_stream_t stream, uint32_t programs);
 int vp__be_copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
                      vp_stream_t stream);
 int vp__be_host_register(vp__device_t *dev, void *ptr, uint64_t size);
@@ -502,6 +506,11 @@ uint64_t vp__hostbuf_holding(vp__device_t *dev, const void *ptr);
  * message. vp__host_piece (lock held): the bytes one copy may take. */
 int vp__copy_htod(vp__device_t *dev, uint64_t dst, const void *src,
                   uint64_t size, vp_stream_t stream, bool locked);
+/* vp__copy_htod with its pinned pieces read by `programs` blocks of SMs
+ * where the backend can (0: the copy engine, as vp__copy_htod). */
+int vp__copy_htod_sm(vp__device_t *dev, uint64_t dst, const void *src,
+                     uint64_t size, vp_stream_t stream, bool locked,
+                     uint32_t programs);
 int vp__copy_dtoh(vp__device_t *dev, void *dst, uint64_t src, uint64_t size,
                   vp_stream_t stream, bool locked);
 uint64_t vp__host_piece(vp__device_t *dev, const void *ptr, uint64_t size);

@@ -38,6 +38,7 @@ typedef struct waits {
 typedef struct batch {
   copy_t *c;
   size_t n, cap;
+  uint32_t programs; /* its host copies by SMs (vp_prefetch_sm); 0: not */
   vp__weight_t **filled; /* weights whose copies these are */
   size_t nfilled, filled_cap;
   int failed; /* an issue stopped part way: its error; not issued again */
@@ -70,13 +71,15 @@ static int batch_add(vp__device_t *dev, batch_t *b, vp__weight_t *w,
   return VP_OK;
 }
 
-static int copy_one(vp__device_t *dev, const copy_t *c, vp_stream_t cs) {
+static int copy_one(vp__device_t *dev, const copy_t *c, vp_stream_t cs,
+                    uint32_t programs) {
   if (c->src->kind == VP_SOURCE_FILE)
     return vp__file_read(dev, c->src->fd, c->src->file_offset + c->src_off,
                          c->size, c->dst, cs, "a weight's source file");
   /* Split at host buffer chunk edges: CUDA copies cannot span two. */
-  int rc = vp__copy_htod(dev, c->dst, (const char *)c->src->host + c->src_off,
-                         c->size, cs, true);
+  int rc = vp__copy_htod_sm(dev, c->dst,
+                            (const char *)c->src->host + c->src_off, c->size,
+                            cs, true, programs);
   if (rc)
     return vp__err(rc, "copying %llu bytes to 0x%llx failed",
                    (unsigned long long)c->size, (unsigned long long)c->dst);
@@ -113,7 +116,7 @@ static int batch_issue(vp__device_t *dev, batch_t *b, bool split,
   int rc = vp__copy_stream(dev, &cs);
   bool drain = rc == VP_OK;
   for (size_t i = 0; i < b->n && rc == VP_OK; i++) {
-    if ((rc = copy_one(dev, &b->c[i], cs))) break;
+    if ((rc = copy_one(dev, &b->c[i], cs, b->programs))) break;
     dev->stats.copies++;
     to += b->c[i].nw;
     bytes += b->c[i].size;
@@ -319,7 +322,7 @@ static void acquire_undo(vp__device_t *dev, vp__weight_t **ws, size_t n,
 
 
 static void prefetch(vp__device_t *dev, vp__weight_t *last,
-                     uint64_t lookahead);
+                     uint64_t lookahead, uint32_t programs);
 
 /* The window of the prefetch after acquiring w: its own, else the
  * device's. */
@@ -399,7 +402,7 @@ static int acquire_locked(vp__device_t *dev, vp__weight_t **ws, size_t n,
     vb->acq_ahead_set = ahead != NULL;
     vb->acq_ahead = ahead ? *ahead : 0;
     uint64_t lookahead = ahead ? *ahead : window_of(dev, last);
-    if (lookahead) prefetch(dev, last, lookahead);
+    if (lookahead) prefetch(dev, last, lookahead, 0);
   }
   return rc;
 }
@@ -465,28 +468,38 @@ int vp_acquire_ahead(vp_device_t h, const vp_weight_t *w, size_t n,
  * caller that keeps weights acquired across several layers (vpager.torch
  * holds a model's resident layers for a whole forward) still tops the
  * window up at each of them. */
-/* vp_prefetch's work: ahead, the call's window, or NULL: the weight's. */
+/* vp_prefetch's work: ahead, the call's window, or NULL: the weight's;
+ * programs: its copies by SMs (vp_prefetch_sm). */
 static int prefetch_after(vp_device_t h, vp_weight_t after,
-                          const uint64_t *ahead) {
+                          const uint64_t *ahead, uint32_t programs) {
   vp__device_t *dev = NULL;
   int rc = vp__dev_enter(h, &dev);
   if (rc) return rc;
   vp__weight_t *w = NULL;
   rc = vp__weights_find(dev, &after, 1, &w);
   uint64_t lookahead = rc != VP_OK ? 0 : ahead ? *ahead : window_of(dev, w);
-  if (lookahead) prefetch(dev, w, lookahead);
+  if (lookahead) prefetch(dev, w, lookahead, programs);
   vp__unlock(dev, rc);
   return rc;
 }
 
 int vp_prefetch(vp_device_t h, vp_weight_t after) {
   VP__ENTER();
-  return prefetch_after(h, after, NULL);
+  return prefetch_after(h, after, NULL, 0);
 }
 
 int vp_prefetch_ahead(vp_device_t h, vp_weight_t after, uint64_t lookahead) {
   VP__ENTER();
-  return prefetch_after(h, after, &lookahead);
+  return prefetch_after(h, after, &lookahead, 0);
+}
+
+int vp_prefetch_sm(vp_device_t h, vp_weight_t after, uint64_t lookahead,
+                   uint32_t programs) {
+  VP__ENTER();
+  if (programs == 0 || programs > VP_SM_PROGRAMS_MAX)
+    return vp__err(VP_EINVAL, "programs %u is not 1 to %u", programs,
+                   VP_SM_PROGRAMS_MAX);
+  return prefetch_after(h, after, lookahead ? &lookahead : NULL, programs);
 }
 
 
@@ -572,7 +585,7 @@ static void refill_after_release(vp__device_t *dev, vp__vbar_t *vb) {
   uint64_t lookahead = acquired_window(dev, vb);
   if (!lookahead || vb->win_freed < window_chunk(dev, lookahead)) return;
   vb->win_ok = false; /* scan, whatever the window says */
-  prefetch(dev, vb->use[vb->acq_index], lookahead);
+  prefetch(dev, vb->use[vb->acq_index], lookahead, 0);
 }
 
 int vp_release(vp_device_t h, const vp_weight_t *w, size_t n,
@@ -775,7 +788,7 @@ static void window_set(vp__vbar_t *vb, uint32_t from, uint32_t to, bool all,
  * steps over runs of resident ones (skip_index); none runs while the
  * last scan's window holds. */
 static void prefetch(vp__device_t *dev, vp__weight_t *last,
-                     uint64_t lookahead) {
+                     uint64_t lookahead, uint32_t programs) {
   vp__vbar_t *vb = last->vb;
   /* An open loan's bytes come on top of the window: the weights staged
    * there are the window's first, and the ring is to take as many after
@@ -788,7 +801,7 @@ static void prefetch(vp__device_t *dev, vp__weight_t *last,
    * nothing to scan. */
   if (vb->prefetch_idle && vb->prefetch_epoch == vb->epoch) return;
   if (window_holds(vb, last, lookahead)) return;
-  batch_t b = {0};
+  batch_t b = {.programs = programs};
   uint64_t bytes = 0;
   bool work = false;
   int rc = VP_OK;

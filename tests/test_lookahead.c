@@ -251,6 +251,60 @@ TEST(lookahead_acquire_ahead, TEST_ALL_BACKENDS) {
 
 /* Bad handles and arguments fail naming the call; a window may change
  * while the weight is acquired. */
+/* vp_prefetch_sm: the prefetch vp_prefetch_ahead runs, its copies from
+ * page-locked memory read by SMs where the backend can (the simulated
+ * device, as a GPU; a GPU by its kernel: stats' sm_copy_bytes counts
+ * them), the bytes the same (checked at the weights' acquires); from
+ * memory not page-locked, by the copy engine; lookahead 0: the weight's
+ * own window; programs 0 or past VP_SM_PROGRAMS_MAX refused. */
+TEST(lookahead_prefetch_by_sm, TEST_ALL_BACKENDS) {
+  int modes[2];
+  for (int k = 0, nk = stream_modes(ctx, modes); k < nk; k++) {
+    uint64_t ps;
+    vp_device_t dev = open_dev(ctx, modes[k], 0, &ps);
+    vp_stream_t s;
+    ASSERT_OK(vp_stream_create(dev, &s));
+    model_t m;
+    model_uniform(&m, dev, NW * ps, NW, ps, SRC_SCATTER, 93);
+    uint64_t sm0 = dstats(dev).sm_copy_bytes;
+    for (int locked = 0; locked < 2; locked++) {
+      vp_hostbuf_t hb = {0};
+      if (locked)
+        ASSERT_OK(vp_hostbuf_register(dev, m.buf, m.buf_size, &hb));
+      ASSERT_OK(vp_vbar_free_memory(m.v, NW * ps, NULL));
+      ASSERT_OK(vp_vbar_prioritize(m.v));
+      ASSERT_OK(vp_prefetch_sm(dev, m.w[2], 2 * ps, 8));
+      ASSERT_OK(vp_stream_synchronize(dev, s));
+      ASSERT_EQ_STR(resident_map(m.v), "...##...");
+      ASSERT_EQ_U64(dstats(dev).sm_copy_bytes - sm0, locked ? 2 * ps : 0);
+      for (size_t i = 3; i <= 4; i++) {
+        uint64_t p = 0;
+        uint8_t f = 0;
+        ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p, &f));
+        ASSERT_TRUE(f & VP_ACQUIRED_RESIDENT);      /* filled ahead */
+        verify_acquired(ctx, dev, s, p, f, m.srcs[i].host, ps);
+        ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+      }
+      /* lookahead 0: the weight's own window, one page after it */
+      ASSERT_OK(vp_weight_set_lookahead(m.w[5], ps));
+      ASSERT_OK(vp_prefetch_sm(dev, m.w[5], 0, 1));
+      ASSERT_OK(vp_stream_synchronize(dev, s));
+      ASSERT_EQ_STR(resident_map(m.v), "...##.#.");  /* w6 */
+      ASSERT_EQ_U64(dstats(dev).sm_copy_bytes - sm0, locked ? 3 * ps : 0);
+      ASSERT_OK(vp_weight_set_lookahead(m.w[5], VP_LOOKAHEAD_DEVICE));
+      if (locked) ASSERT_OK(vp_hostbuf_free(hb));
+      sm0 = dstats(dev).sm_copy_bytes;
+    }
+    ASSERT_RC(vp_prefetch_sm(dev, m.w[2], ps, 0), VP_EINVAL);
+    ASSERT_TRUE(strncmp(vp_last_error(), "vp_prefetch_sm: ", 16) == 0);
+    ASSERT_RC(vp_prefetch_sm(dev, m.w[2], ps, VP_SM_PROGRAMS_MAX + 1),
+              VP_EINVAL);
+    ASSERT_OK(vp_stream_destroy(dev, s));
+    ASSERT_OK(vp_device_close(dev));
+    model_free(&m);
+  }
+}
+
 TEST(lookahead_errors, TEST_ALL_BACKENDS) {
   uint64_t ps;
   vp_device_t dev = open_dev(ctx, VP_SIM_SYNC, 0, &ps);

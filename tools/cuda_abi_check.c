@@ -22,6 +22,8 @@
 #define VP_CU_SIG_UUID CUuuid
 #define VP_CU_SIG_PROP CUmemAllocationProp
 #define VP_CU_SIG_ACCESS CUmemAccessDesc
+#define VP_CU_SIG_MODULE CUmodule
+#define VP_CU_SIG_FUNCTION CUfunction
 #include "cuda_abi.h"
 
 #include "abi_check.h" /* SAME, SAME_TYPE, SAME_SIZE, SAME_MEMBER */
@@ -39,6 +41,8 @@ SAME_TYPE(vp_cu_proc_query_result_t, CUdriverProcAddressQueryResult);
 SAME_SIZE(vp_cu_context_t, CUcontext);
 SAME_SIZE(vp_cu_stream_t, CUstream);
 SAME_SIZE(vp_cu_event_t, CUevent);
+SAME_SIZE(vp_cu_module_t, CUmodule);
+SAME_SIZE(vp_cu_function_t, CUfunction);
 
 SAME_UUID(CUuuid);
 SAME_LOCATION(CUmemLocation);
@@ -124,6 +128,7 @@ SAME_CONST(CU_MEM_ALLOC_GRANULARITY_MINIMUM);
 SAME_CONST(CU_STREAM_NON_BLOCKING);
 SAME_CONST(CU_EVENT_DISABLE_TIMING);
 SAME_CONST(CU_MEMHOSTREGISTER_PORTABLE);
+SAME_CONST(CU_MEMHOSTREGISTER_DEVICEMAP);
 
 /* ------------------------------------------------------ entry points */
 
@@ -133,6 +138,7 @@ SAME_TYPE(vp_cu_get_proc_address_fn, PFN_cuGetProcAddress_v12000);
 #define CHECK_PFN(field, symbol, version, params)                              \
   SAME_TYPE(vp_cu_##field##_fn, PFN_##symbol##_v##version);
 VP_CU_ENTRY_POINTS(CHECK_PFN)
+VP_CU_PULL_ENTRY_POINTS(CHECK_PFN)
 
 /* cuda.h's own prototypes (its macros pick the newest variant, e.g.
  * cuMemGetInfo_v2) must also fit our types: assigning a function of another
@@ -145,6 +151,7 @@ const vp_cu_get_proc_address_fn vp__check_get_proc_address = cuGetProcAddress;
 #define CHECK_PROTO(field, symbol, version, params)                            \
   const vp_cu_##field##_fn vp__check_##field = symbol;
 VP_CU_ENTRY_POINTS(CHECK_PROTO)
+VP_CU_PULL_ENTRY_POINTS(CHECK_PROTO)
 
 /* ------------------------------------------------------------- NVML */
 

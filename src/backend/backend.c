@@ -159,6 +159,14 @@ DOOR(host_register, (vp__device_t *dev, void *ptr, uint64_t size),
      (dev->ctx, ptr, size))
 DOOR(host_unregister, (vp__device_t *dev, void *ptr), (dev->ctx, ptr))
 
+int vp__be_copy_htod_sm(vp__device_t *dev, uint64_t dst, const void *src,
+                        uint64_t size, vp_stream_t stream, uint32_t programs) {
+  if (!dev->be->copy_htod_sm) return VP_EUNSUPPORTED;
+  return result(dev, dev->be->copy_htod_sm(dev->ctx, dst, src, size, stream,
+                                           programs),
+                "copy_htod_sm");
+}
+
 /* The simulated device's extras: VP_EUNSUPPORTED elsewhere. */
 int vp__be_launch(vp__device_t *dev, vp_stream_t stream, void (*fn)(void *),
                   void *arg) {

@@ -92,6 +92,13 @@ typedef struct vp__backend {
                    vp_stream_t stream);
   int (*copy_dtoh)(void *ctx, void *dst, uint64_t src, uint64_t size,
                    vp_stream_t stream);
+  /* copy_htod's bytes read by `programs` thread blocks of a kernel (the
+   * device's SMs pull them over the link) instead of the copy engine,
+   * which takes copies in queue order whatever their stream: a client's
+   * own copies then do not wait behind these. VP_EUNSUPPORTED, nothing
+   * queued, where it cannot (the caller copies as usual); NULL: never. */
+  int (*copy_htod_sm)(void *ctx, uint64_t dst, const void *src, uint64_t size,
+                      vp_stream_t stream, uint32_t programs);
   /* Page-lock existing host memory for fast copies (VP_EUNSUPPORTED: the
    * memory stays pageable, which is still correct). */
   int (*host_register)(void *ctx, void *ptr, uint64_t size);

@@ -59,12 +59,27 @@ typedef struct nvml {
   vp_nvml_get_memory_limits_fn memory_limits; /* may be NULL */
 } nvml_t;
 
+/* The copies by SMs (copy_htod_sm): the optional entry points, and the
+ * kernel, loaded at the first such copy. */
+typedef struct pull {
+  struct {
+#define VP__CU_MEMBER(field, symbol, version, params) vp_cu_##field##_fn field;
+    VP_CU_PULL_ENTRY_POINTS(VP__CU_MEMBER)
+#undef VP__CU_MEMBER
+  } cu;                     /* all NULL if the driver lacks one */
+  vp__os_mutex_t lock;      /* guards the three below */
+  bool tried;
+  vp_cu_module_t module;    /* non-NULL: loaded, fn found */
+  vp_cu_function_t fn;
+} pull_t;
+
 typedef struct cuda {
   vp__vmm_t vmm; /* first: the ctx of vmm.c's operations */
   cu_api_t cu;   /* read-only after open */
   void *lib;
   vp_cu_context_t pctx; /* the retained primary context */
   nvml_t nvml;
+  pull_t pull;
 } cuda_t;
 
 static cuda_t *as_cuda(const vp__vmm_t *g) {
@@ -136,6 +151,9 @@ static const vp__vmm_driver_t cu_driver = {
     VP_VMM_CODES(cu_codes), .not_ready = VP_CU_ERROR_NOT_READY,
     .attr_vmm = VP_CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
     .attr_integrated = VP_CU_DEVICE_ATTRIBUTE_INTEGRATED,
+    /* DEVICEMAP: the copies by SMs read registered memory. */
+    .host_register_flags = VP_CU_MEMHOSTREGISTER_PORTABLE |
+                           VP_CU_MEMHOSTREGISTER_DEVICEMAP,
     .calls = {"cuInit", "cuDeviceGetCount", "cuDeviceGet",
               "cuDeviceGetAttribute", "cuMemCreate/cuMemMap"}};
 
@@ -169,6 +187,24 @@ static int resolve(cuda_t *c, vp_cu_get_proc_address_fn gpa) {
                                VP_CU_ABI_VERSION, r, status);
     memcpy((char *)&c->cu + e->offset, &fn, sizeof fn);
   }
+  /* The copies by SMs' entry points: all or none. */
+  static const vp__vmm_symbol_t pull_points[] = {
+#define VP__CU_PULL(field, symbol, version, params)                            \
+  {#symbol, offsetof(pull_t, cu.field)},
+      VP_CU_PULL_ENTRY_POINTS(VP__CU_PULL)
+#undef VP__CU_PULL
+  };
+  bool all = true;
+  for (size_t i = 0; i < sizeof pull_points / sizeof *pull_points; i++) {
+    void *fn = NULL;
+    vp_cu_proc_query_result_t status = VP_CU_GET_PROC_ADDRESS_SUCCESS;
+    vp_cu_result_t r = gpa(pull_points[i].name, &fn, VP_CU_ABI_VERSION,
+                           VP_CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
+    all = all && r == VP_CU_SUCCESS && fn &&
+          status == VP_CU_GET_PROC_ADDRESS_SUCCESS;
+    memcpy((char *)&c->pull + pull_points[i].offset, &fn, sizeof fn);
+  }
+  if (!all) memset(&c->pull.cu, 0, sizeof c->pull.cu);
   c->vmm.drv = &cu_driver;
 #define VP__CU_SHARE(field) c->vmm.api.field = c->cu.field;
   VP_VMM_CALLS(VP__CU_SHARE)
@@ -236,6 +272,11 @@ static int cuda_open(const vp_options_t *opts, vp__inject_t *inj, void **ctx,
     rc = vp__vmm_open_fail(VP_ENOMEM, "cannot make the NVML lock");
     goto fail_release;
   }
+  if (vp__os_mutex_init(&c->pull.lock) != 0) {
+    vp__os_mutex_destroy(&c->nvml.lock);
+    rc = vp__vmm_open_fail(VP_ENOMEM, "cannot make the pull lock");
+    goto fail_release;
+  }
   *ctx = c;
   return VP_OK;
 
@@ -255,6 +296,9 @@ static void cuda_close(void *ctx) {
   if (!c) return;
   nvml_unload(c);
   vp__os_mutex_destroy(&c->nvml.lock);
+  if (c->pull.module && push_context(&c->vmm) == VP_CU_SUCCESS)
+    pop_context(&c->vmm, c->pull.cu.module_unload(c->pull.module));
+  vp__os_mutex_destroy(&c->pull.lock);
   c->cu.primary_ctx_release(c->vmm.dev);
   vp__os_dl_close(c->lib);
   free(c);
@@ -377,6 +421,66 @@ int vp__cuda_nvml_info(void *ctx, uint64_t *dev_used, uint64_t *dev_total,
   return rc;
 }
 
+/* ----------------------------------------------------- copies by SMs */
+
+#include "pull_ptx.h"
+
+#define PULL_THREADS 256
+#define PULL_BLOCKS_MAX 1024
+
+/* The kernel, loaded once (the driver JIT-compiles its PTX, a few ms);
+ * false if it cannot be (a driver without the entry points, or older
+ * than the PTX). */
+static bool pull_ready(cuda_t *c) {
+  pull_t *p = &c->pull;
+  vp__os_mutex_lock(&p->lock);
+  if (!p->tried && p->cu.module_load_data) {
+    p->tried = true;
+    vp_cu_module_t mod = NULL;
+    vp_cu_result_t r = push_context(&c->vmm);
+    if (r == VP_CU_SUCCESS) {
+      r = p->cu.module_load_data(&mod, vp__pull_ptx);
+      if (r == VP_CU_SUCCESS &&
+          (r = p->cu.module_get_function(&p->fn, mod, "vp_pull")) !=
+              VP_CU_SUCCESS)
+        p->cu.module_unload(mod);
+      r = pop_context(&c->vmm, r);
+    }
+    if (r == VP_CU_SUCCESS) p->module = mod; /* else the copy engine's */
+  }
+  bool ok = p->module != NULL;
+  vp__os_mutex_unlock(&p->lock);
+  return ok;
+}
+
+/* src's bytes read by `programs` blocks of vp_pull (pull.cu) on `stream`
+ * instead of the copy engine. VP_EUNSUPPORTED, nothing queued, where it
+ * cannot: no kernel, an address not 16-byte aligned, host memory the
+ * device cannot read (not registered: cuMemHostGetDevicePointer says so).
+ * Called without the pager's lock, as the other copies. */
+static int cuda_copy_htod_sm(void *ctx, uint64_t dst, const void *src,
+                             uint64_t size, vp_stream_t stream,
+                             uint32_t programs) {
+  cuda_t *c = ctx;
+  if (!programs || ((dst | (uint64_t)(uintptr_t)src) & 15) || !pull_ready(c))
+    return VP_EUNSUPPORTED;
+  vp_cu_result_t r = push_context(&c->vmm);
+  if (r != VP_CU_SUCCESS) return vp__vmm_result(&c->vmm, r);
+  vp_cu_deviceptr_t from = 0, to = dst;
+  unsigned long long n = size;
+  if (c->pull.cu.mem_host_get_device_pointer(&from, (void *)(uintptr_t)src,
+                                             0) != VP_CU_SUCCESS) {
+    pop_context(&c->vmm, VP_CU_SUCCESS);
+    return VP_EUNSUPPORTED;
+  }
+  void *params[] = {&to, &from, &n};
+  unsigned int blocks = programs < PULL_BLOCKS_MAX ? programs : PULL_BLOCKS_MAX;
+  r = c->pull.cu.launch_kernel(c->pull.fn, blocks, 1, 1, PULL_THREADS, 1, 1,
+                               0, (vp_cu_stream_t)(uintptr_t)stream, params,
+                               NULL);
+  return vp__vmm_result(&c->vmm, pop_context(&c->vmm, r));
+}
+
 /* ---------------------------------------------------------- helpers */
 
 int vp__cuda_device_count(int *count) {
@@ -394,4 +498,4 @@ int vp__cuda_device_count(int *count) {
 }
 
 const vp__backend_t vp__backend_cuda =
-    VP_VMM_BACKEND("cuda", cuda_open, cuda_close);
+    VP_VMM_BACKEND("cuda", cuda_open, cuda_close, cuda_copy_htod_sm);

@@ -34,6 +34,8 @@ typedef unsigned long long vp_cu_mem_handle_t;
 typedef struct vp_cu_ctx_st *vp_cu_context_t;     /* CUcontext */
 typedef struct vp_cu_stream_st *vp_cu_stream_t;   /* CUstream */
 typedef struct vp_cu_event_st *vp_cu_event_t;     /* CUevent */
+typedef struct vp_cu_mod_st *vp_cu_module_t;       /* CUmodule */
+typedef struct vp_cu_func_st *vp_cu_function_t;    /* CUfunction */
 typedef unsigned int vp_cu_device_attribute_t;    /* CUdevice_attribute */
 /* CUmemAllocationGranularity_flags */
 typedef unsigned int vp_cu_granularity_flags_t;
@@ -135,6 +137,7 @@ enum {
   VP_CU_STREAM_NON_BLOCKING = 1,            /* CUstream_flags */
   VP_CU_EVENT_DISABLE_TIMING = 2,           /* CUevent_flags */
   VP_CU_MEMHOSTREGISTER_PORTABLE = 1,       /* cuMemHostRegister flags */
+  VP_CU_MEMHOSTREGISTER_DEVICEMAP = 2,
   VP_CU_MEMHOSTREGISTER_READ_ONLY = 8
 };
 
@@ -151,6 +154,8 @@ enum {
 #define VP_CU_SIG_UUID vp_cu_uuid_t
 #define VP_CU_SIG_PROP vp_cu_mem_alloc_prop_t
 #define VP_CU_SIG_ACCESS vp_cu_mem_access_desc_t
+#define VP_CU_SIG_MODULE vp_cu_module_t
+#define VP_CU_SIG_FUNCTION vp_cu_function_t
 #endif
 
 /* cuGetProcAddress_v2, the one symbol found with dlsym. */
@@ -223,9 +228,27 @@ typedef vp_cu_result_t (*vp_cu_get_proc_address_fn)(
   X(mem_host_unregister, cuMemHostUnregister, 4000, (void *ptr))             \
   X(synchronize, cuCtxSynchronize, 2000, (void))
 
+/* The copies by SMs (cuda.c, copy_htod_sm; pull.cu): optional, as the
+ * list above is not; a driver without one of them copies by the copy
+ * engine only. */
+#define VP_CU_PULL_ENTRY_POINTS(X)                                             \
+  X(module_load_data, cuModuleLoadData, 2000,                                  \
+    (VP_CU_SIG_MODULE *module, const void *image))                             \
+  X(module_unload, cuModuleUnload, 2000, (VP_CU_SIG_MODULE module))            \
+  X(module_get_function, cuModuleGetFunction, 2000,                            \
+    (VP_CU_SIG_FUNCTION *fn, VP_CU_SIG_MODULE module, const char *name))       \
+  X(launch_kernel, cuLaunchKernel, 4000,                                       \
+    (VP_CU_SIG_FUNCTION fn, unsigned int grid_x, unsigned int grid_y,          \
+     unsigned int grid_z, unsigned int block_x, unsigned int block_y,          \
+     unsigned int block_z, unsigned int shared_bytes,                          \
+     VP_CU_SIG_STREAM stream, void **params, void **extra))                    \
+  X(mem_host_get_device_pointer, cuMemHostGetDevicePointer, 3020,              \
+    (vp_cu_deviceptr_t *dptr, void *p, unsigned int flags))
+
 #define VP_CU__FN_TYPE(field, symbol, version, params)                         \
   typedef vp_cu_result_t(*vp_cu_##field##_fn) params;
 VP_CU_ENTRY_POINTS(VP_CU__FN_TYPE)
+VP_CU_PULL_ENTRY_POINTS(VP_CU__FN_TYPE)
 #undef VP_CU__FN_TYPE
 
 /* -------------------------------------------------------------- NVML */

@@ -289,6 +289,7 @@ static const vp__vmm_driver_t hip_driver = {
     .not_ready = VP_CU_ERROR_NOT_READY, .error_name = hip_error_name,
     .enter = set_device, .leave = give_device_back,
     .attr_vmm = VP_HIP_ATTR_VMM, .attr_integrated = VP_HIP_ATTR_INTEGRATED,
+    .host_register_flags = 1, /* hipHostRegisterPortable */
     .calls = {"hipInit", "hipGetDeviceCount", "hipDeviceGet",
               "hipDeviceGetAttribute", "hipMemCreate/hipMemMap"}};
 
@@ -356,4 +357,4 @@ int vp__hip_device_count(int *count) {
 }
 
 const vp__backend_t vp__backend_hip =
-    VP_VMM_BACKEND("hip", hip_open, hip_close);
+    VP_VMM_BACKEND("hip", hip_open, hip_close, NULL);

@@ -966,6 +966,17 @@ static int sim_copy_htod(void *ctx, uint64_t dst, const void *src,
   return sim_submit(ctx, stream, &op, dst, size);
 }
 
+/* As a GPU's copy by SMs: the same bytes in stream order, refused (the
+ * caller copies as usual) where a GPU's would be: an address not 16-byte
+ * aligned. */
+static int sim_copy_htod_sm(void *ctx, uint64_t dst, const void *src,
+                            uint64_t size, vp_stream_t stream,
+                            uint32_t programs) {
+  if (!programs || ((dst | (uint64_t)(uintptr_t)src) & 15))
+    return VP_EUNSUPPORTED;
+  return sim_copy_htod(ctx, dst, src, size, stream);
+}
+
 static int sim_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
                          vp_stream_t stream) {
   if (size && !dst) return VP_EINVAL;
@@ -1056,6 +1067,7 @@ const vp__backend_t vp__backend_sim = {
     .event_query = sim_event_query,
     .event_synchronize = sim_event_synchronize,
     .copy_htod = sim_copy_htod,
+    .copy_htod_sm = sim_copy_htod_sm,
     .copy_dtoh = sim_copy_dtoh,
     .host_register = sim_host_register,
     .host_unregister = sim_host_unregister,

@@ -406,7 +406,8 @@ int vp__vmm_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
 }
 
 /* PORTABLE: one registration serves every context, so a host copy of the
- * weights can feed several devices. Memory that cannot be pinned for
+ * weights can feed several devices (CUDA's DEVICEMAP too: a kernel may
+ * read it, the copies by SMs: the driver's host_register_flags). Memory that cannot be pinned for
  * writing (a read-only file mapping: a safetensors file used in place) is
  * refused at once and stays pageable: CUDA's READ_ONLY flag would pin it,
  * but on the H200 VM (driver 580) that call did not return for a 64 MiB
@@ -421,7 +422,7 @@ int vp__vmm_host_register(void *ctx, void *ptr, uint64_t size) {
   INJECT(g, VP_EDEVICE);
   int rc;
   ON_DEVICE(g, rc, g->api.mem_host_register(ptr, size,
-                                            VP_CU_MEMHOSTREGISTER_PORTABLE));
+                                            g->drv->host_register_flags));
   if (rc != VP_OK && rc != VP_EDEVICE) rc = VP_EUNSUPPORTED;
   return rc;
 }

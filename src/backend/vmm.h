@@ -69,6 +69,7 @@ typedef struct vp__vmm_driver {
   vp_cu_result_t not_ready;         /* an event query's "not yet" */
   unsigned int attr_vmm;            /* device attribute: VMM supported */
   unsigned int attr_integrated;     /* device attribute: shares host memory */
+  unsigned int host_register_flags; /* PORTABLE (and CUDA's DEVICEMAP) */
   /* The driver's names of the calls open's messages name, and of its
    * virtual memory calls ("cuMemCreate/cuMemMap"). */
   struct {
@@ -142,11 +143,13 @@ int vp__vmm_result(vp__vmm_t *g, vp_cu_result_t r);
 VP_VMM_OPS(VP__VMM_DECLARE)
 #undef VP__VMM_DECLARE
 
-/* A GPU backend's table: the adapter's name, open and close, and vmm.c's
- * operations (vp__backend_cuda, vp__backend_hip). */
+/* A GPU backend's table: the adapter's name, open and close, its copy by
+ * SMs (NULL: none), and vmm.c's operations (vp__backend_cuda,
+ * vp__backend_hip). */
 #define VP__VMM_MEMBER_OP(op) .op = vp__vmm_##op,
-#define VP_VMM_BACKEND(name_, open_, close_)                                   \
+#define VP_VMM_BACKEND(name_, open_, close_, copy_htod_sm_)                    \
   {.name = (name_), .open = (open_), .close = (close_),                        \
-   VP_VMM_OPS(VP__VMM_MEMBER_OP) .launch = NULL, .inject = NULL}
+   VP_VMM_OPS(VP__VMM_MEMBER_OP) .copy_htod_sm = (copy_htod_sm_),              \
+   .launch = NULL, .inject = NULL}
 
 #endif /* VPAGER_VMM_H */
