@@ -65,6 +65,7 @@ static void run(test_ctx_t *ctx, walk_t *w, int fd) {
       CALL(w, vp_release, dev, wt, 2, s);
     CALL(w, vp_prefetch, dev, wt[0]);
     CALL(w, vp_prefetch_ahead, dev, wt[0], ps);
+    CALL(w, vp_prefetch_sm, dev, wt[0], ps, 4);
     CALL(w, vp_vbar_prioritize, v);
   }
   if (CALL(w, vp_fault, v, 2 * ps, ps, NULL, 0) == VP_OK) {

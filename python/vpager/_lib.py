@@ -182,18 +182,23 @@ STAT_FIELDS = (
     "pin_fallback_bytes",
     "file_bytes_read",
 )
-# Gauges after the counters ("now" values), then the reserved tail.
+# Gauges after the counters ("now" values), then the counters added since
+# (in the reserved tail's place), then what is left of it.
 STAT_GAUGES = ("committed_bytes", "pinned_bytes", "machine_pinned_bytes")
+STAT_ADDED = ("sm_copy_bytes",)
+STATS_RESERVED = 6
 STATS_VERSION = 1
 
 
 class vp_stats_t(Structure):
     _fields_ = ([("size", c_uint32), ("version", c_uint32)] +
-                [(name, c_uint64) for name in STAT_FIELDS + STAT_GAUGES] +
-                [("reserved", c_uint64 * 7)])
+                [(name, c_uint64) for name in
+                 STAT_FIELDS + STAT_GAUGES + STAT_ADDED] +
+                [("reserved", c_uint64 * STATS_RESERVED)])
 
 
-STATS_SIZE = 8 + 8 * (len(STAT_FIELDS) + len(STAT_GAUGES)) + 8 * 7
+STATS_SIZE = 8 + 8 * (len(STAT_FIELDS) + len(STAT_GAUGES) + len(STAT_ADDED) +
+                      STATS_RESERVED)
 if ctypes.sizeof(vp_stats_t) != STATS_SIZE:  # pragma: no cover
     raise ImportError("vpager: vp_stats_t is %d bytes in ctypes, expected %d"
                       % (ctypes.sizeof(vp_stats_t), STATS_SIZE))
@@ -367,6 +372,7 @@ PROTOTYPES = {
     "vp_release": (_i, [_dev, P(vp_weight_t), _sz, _s]),
     "vp_prefetch": (_i, [_dev, _w]),
     "vp_prefetch_ahead": (_i, [_dev, _w, _u64]),
+    "vp_prefetch_sm": (_i, [_dev, _w, _u64, c_uint32]),
     "vp_device_set_lookahead": (_i, [_dev, _u64]),
     "vp_device_set_staging_size": (_i, [_dev, _u64]),
     "vp_device_lend_staging": (_i, [_dev, _u64, _u64, _s]),

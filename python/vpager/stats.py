@@ -1,5 +1,5 @@
 """vp_stats_t as a dict. The names come from _lib.STAT_FIELDS (the copy of
-VP_STAT_FIELDS) and _lib.STAT_GAUGES."""
+VP_STAT_FIELDS), _lib.STAT_GAUGES and _lib.STAT_ADDED."""
 
 import ctypes
 
@@ -10,7 +10,7 @@ from .errors import check
 __all__ = ["STAT_NAMES", "read_stats"]
 
 # Keys of the dicts that stats() returns, in struct order.
-STAT_NAMES = _lib.STAT_FIELDS + _lib.STAT_GAUGES
+STAT_NAMES = _lib.STAT_FIELDS + _lib.STAT_GAUGES + _lib.STAT_ADDED
 
 
 class _Probe(ctypes.Structure):

@@ -358,8 +358,8 @@ class WeightBatch:
     default): the weight's window, else the device's lookahead."""
 
     __slots__ = ("device", "n", "handles", "ptrs", "flags", "_args",
-                 "_acquire", "_release", "_prefetch", "_last", "_owners",
-                 "_n", "_stream", "_stream_id")
+                 "_acquire", "_release", "_prefetch", "_window", "_last",
+                 "_owners", "_n", "_stream", "_stream_id")
 
     def __init__(self, device, weights, lookahead=None):
         items = list(weights)
@@ -385,6 +385,7 @@ class WeightBatch:
         # Called without argtypes (_lib.unchecked): every argument is a
         # ctypes object of its C type, the stream's kept for the next call.
         self._acquire = _lib.unchecked("vp_acquire")
+        ahead = None
         if lookahead is not None:      # one more argument, made once
             ahead = _c_u64(_window(lookahead))
             acquire_ahead = _lib.unchecked("vp_acquire_ahead")
@@ -395,6 +396,8 @@ class WeightBatch:
         if lookahead is not None:      # the acquire's window, as above
             prefetch_ahead = _lib.unchecked("vp_prefetch_ahead")
             self._prefetch = (lambda dev, w: prefetch_ahead(dev, w, ahead))
+        # vp_prefetch_sm's window: the batch's, else (0) the weight's own
+        self._window = ahead if lookahead is not None else _c_u64(0)
         self._last = handles[-1] if n else None
         self._args = device._handle()
         self._n = ctypes.c_size_t(n)
@@ -423,12 +426,18 @@ class WeightBatch:
         self._stream, self._stream_id = s, stream
         return s
 
-    def prefetch(self):
+    def prefetch(self, programs=0):
         """vp_prefetch() after the batch's last weight (vp_prefetch_ahead
         with the batch's lookahead): the prefetch its acquire would run,
-        acquiring nothing."""
+        acquiring nothing. programs > 0: vp_prefetch_sm(), its copies from
+        page-locked memory read by that many blocks of SMs, not the copy
+        engine (for while the GPU waits for its host)."""
         if self._last is not None:
-            rc = self._prefetch(self._args, self._last)
+            if programs:
+                rc = C.vp_prefetch_sm(self._args, self._last,
+                                      self._window, programs)
+            else:
+                rc = self._prefetch(self._args, self._last)
             if rc:
                 check(rc)
 

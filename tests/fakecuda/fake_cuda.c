@@ -553,6 +553,66 @@ static vp_cu_result_t fake_mem_host_unregister(void *ptr) {
   return from_fv(fv_host_unregister(ptr));
 }
 
+/* ------------------------------------------------- the copy by SMs */
+
+/* One module, one function: vp_pull (src/backend/pull.cu), which copies
+ * as cuMemcpyHtoDAsync does. */
+static struct vp_cu_mod_st { int unused; } pull_module;
+static struct vp_cu_func_st { int unused; } pull_fn;
+
+static vp_cu_result_t fake_module_load_data(vp_cu_module_t *module,
+                                            const void *image) {
+  vp_cu_context_t ctx;
+  vp_cu_result_t r = current(&ctx);
+  if (r != VP_CU_SUCCESS) return r;
+  if (!module || !image || !strstr(image, ".entry vp_pull"))
+    return VP_CU_ERROR_INVALID_VALUE;
+  *module = &pull_module;
+  return VP_CU_SUCCESS;
+}
+
+static vp_cu_result_t fake_module_unload(vp_cu_module_t module) {
+  return module == &pull_module ? VP_CU_SUCCESS : VP_CU_ERROR_INVALID_HANDLE;
+}
+
+static vp_cu_result_t fake_module_get_function(vp_cu_function_t *fn,
+                                               vp_cu_module_t module,
+                                               const char *name) {
+  if (!fn || module != &pull_module || !name) return VP_CU_ERROR_INVALID_VALUE;
+  if (strcmp(name, "vp_pull") != 0) return VP_CU_ERROR_NOT_FOUND;
+  *fn = &pull_fn;
+  return VP_CU_SUCCESS;
+}
+
+/* vp_pull(dst, src, n): the host bytes must be registered (mapped). */
+static vp_cu_result_t fake_launch_kernel(
+    vp_cu_function_t fn, unsigned int gx, unsigned int gy, unsigned int gz,
+    unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
+    vp_cu_stream_t stream, void **params, void **extra) {
+  (void)shmem;
+  if (fn != &pull_fn || !params || extra || !gx || !gy || !gz || !bx ||
+      !by || !bz || bx * by * bz > 1024)
+    return VP_CU_ERROR_INVALID_VALUE;
+  vp_cu_deviceptr_t dst = *(vp_cu_deviceptr_t *)params[0];
+  vp_cu_deviceptr_t src = *(vp_cu_deviceptr_t *)params[1];
+  unsigned long long n = *(unsigned long long *)params[2];
+  if ((dst | src) & 15 ||
+      from_fv(fv_host_registered((const void *)(uintptr_t)src)) !=
+          VP_CU_SUCCESS)
+    return VP_CU_ERROR_ILLEGAL_ADDRESS;     /* as the kernel would fault */
+  return fake_memcpy_htod_async(dst, (const void *)(uintptr_t)src, n, stream);
+}
+
+static vp_cu_result_t fake_mem_host_get_device_pointer(vp_cu_deviceptr_t *dp,
+                                                       void *p,
+                                                       unsigned int flags) {
+  if (!dp || flags) return VP_CU_ERROR_INVALID_VALUE;
+  if (from_fv(fv_host_registered(p)) != VP_CU_SUCCESS)
+    return VP_CU_ERROR_INVALID_VALUE;
+  *dp = (vp_cu_deviceptr_t)(uintptr_t)p;    /* unified addressing */
+  return VP_CU_SUCCESS;
+}
+
 /* -------------------------------------------------------------- names */
 
 static vp_cu_result_t fake_get_error_name(vp_cu_result_t error,
@@ -594,11 +654,13 @@ static vp_cu_result_t fake_get_error_name(vp_cu_result_t error,
 static const struct fakes {
 #define FAKE_MEMBER(field, symbol, version, params) vp_cu_##field##_fn field;
   VP_CU_ENTRY_POINTS(FAKE_MEMBER)
+  VP_CU_PULL_ENTRY_POINTS(FAKE_MEMBER)
 #undef FAKE_MEMBER
   primary_ctx_get_state_fn primary_ctx_get_state;
 } fakes = {
 #define FAKE_FILL(field, symbol, version, params) .field = fake_##field,
     VP_CU_ENTRY_POINTS(FAKE_FILL)
+    VP_CU_PULL_ENTRY_POINTS(FAKE_FILL)
 #undef FAKE_FILL
     .primary_ctx_get_state = fake_primary_ctx_get_state,
 };
@@ -611,6 +673,7 @@ static const struct {
 #define FAKE_ENTRY(field, symbol, version, params)                             \
   {#symbol, version, offsetof(struct fakes, field)},
     VP_CU_ENTRY_POINTS(FAKE_ENTRY)
+    VP_CU_PULL_ENTRY_POINTS(FAKE_ENTRY)
 #undef FAKE_ENTRY
     {"cuDevicePrimaryCtxGetState", 7000,
      offsetof(struct fakes, primary_ctx_get_state)},

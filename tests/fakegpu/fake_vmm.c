@@ -333,6 +333,17 @@ fv_status_t fv_host_register(void *ptr, size_t n, bool read_only) {
   return st;
 }
 
+fv_status_t fv_host_registered(const void *ptr) {
+  fv_status_t st = FV_HOST_NOT_REGISTERED;
+  pthread_mutex_lock(&lock);
+  for (size_t i = 0; i < 256; i++)
+    if (pinned[i].p && (const char *)ptr >= (const char *)pinned[i].p &&
+        (const char *)ptr < (const char *)pinned[i].p + pinned[i].n)
+      st = FV_OK;
+  pthread_mutex_unlock(&lock);
+  return st;
+}
+
 fv_status_t fv_host_unregister(void *ptr) {
   fv_status_t st = FV_HOST_NOT_REGISTERED;
   pthread_mutex_lock(&lock);

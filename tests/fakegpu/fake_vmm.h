@@ -59,5 +59,7 @@ fv_status_t fv_accessible(uintptr_t ptr, size_t size);
  * be written may be pinned. */
 fv_status_t fv_host_register(void *ptr, size_t size, bool read_only);
 fv_status_t fv_host_unregister(void *ptr);
+/* FV_OK when ptr lies in registered host memory. */
+fv_status_t fv_host_registered(const void *ptr);
 
 #endif /* VPAGER_FAKE_VMM_H */

@@ -2383,8 +2383,15 @@ static void w_vbar_misc(fz_reader_t *r) {
       if ((b & 0x60) == 0x60) {
         vp_device_t d = pick_dev(r);
         uint64_t ahead = pick_size(r);
-        W(false, vp_prefetch_ahead(d, w, ahead), "0x%llx, %llu", X(w.id),
-          (unsigned long long)ahead);
+        if (fz_u8(r) & 1) {     /* programs past the most among them */
+          uint32_t programs = (uint32_t)(pick_size(r) % 1100);
+          W(false, vp_prefetch_sm(d, w, ahead, programs),
+            "0x%llx, %llu, %u", X(w.id), (unsigned long long)ahead,
+            programs);
+        } else {
+          W(false, vp_prefetch_ahead(d, w, ahead), "0x%llx, %llu", X(w.id),
+            (unsigned long long)ahead);
+        }
       } else if (b & 0x40) {
         W(false, vp_prefetch(pick_dev(r), w), "0x%llx", X(w.id));
       } else {

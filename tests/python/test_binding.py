@@ -164,7 +164,8 @@ def test_stat_fields_match_header():
     names = tuple(re.findall(r"X\((\w+),", block))
     assert names == _lib.STAT_FIELDS, names
     assert vpager.STAT_NAMES == _lib.STAT_FIELDS + (
-        "committed_bytes", "pinned_bytes", "machine_pinned_bytes")
+        "committed_bytes", "pinned_bytes", "machine_pinned_bytes",
+        "sm_copy_bytes")
 
 
 def test_errno_map_matches_header():
@@ -773,11 +774,11 @@ def test_weight_windows_and_acquire_ahead():
         ws = vb.create_weights([i * PAGE for i in range(8)], [PAGE] * 8,
                                [pattern(PAGE, i) for i in range(8)])
 
-        def resident_after(batch, prefetch=False):
+        def resident_after(batch, prefetch=False, programs=0):
             vb.free_memory(8 * PAGE)
             vb.prioritize()
             if prefetch:
-                batch.prefetch()
+                batch.prefetch(programs)
             else:
                 batch.acquire()
                 batch.release()
@@ -800,6 +801,15 @@ def test_weight_windows_and_acquire_ahead():
         assert resident_after(vpager.WeightBatch(dev, [ws[0]],
                                                  lookahead=PAGE),
                               prefetch=True) == 1
+        # prefetch(programs): the same prefetch by SMs where they can copy
+        # (vp_prefetch_sm; these sources are not page-locked: the copy
+        # engine's, sm_copy_bytes stays 0); programs past the most refused.
+        assert resident_after(ws.batch([0]), True, 8) == 3
+        assert resident_after(vpager.WeightBatch(dev, [ws[0]],
+                                                 lookahead=PAGE),
+                              True, 8) == 1
+        assert dev.stats()["sm_copy_bytes"] == 0
+        raises(vpager.InvalidArgument, ws.batch([0]).prefetch, 1 << 11)
         ws.set_window(0, None)
         assert ws.window(0) is None
         assert resident_after(ws.batch([0])) == 1

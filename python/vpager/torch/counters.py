@@ -25,7 +25,7 @@ __all__ = ["DEVICE_ONLY", "MODEL_SIZES", "handle_stats", "residency_map",
 # vp_stats_t counters that a VBAR never counts (0 in vp_vbar_stats).
 DEVICE_ONLY = ("budget_polls", "copies", "host_pinned_bytes",
                "machine_pinned_bytes", "pin_fallback_bytes", "ring_waits",
-               "stream_waits")
+               "sm_copy_bytes", "stream_waits")
 
 # The model's sizes beside its counters, and what each is.
 MODEL_SIZES = {
