@@ -190,7 +190,8 @@ def child(cr, a):
                 "host_by_kind", "host_policy")
                 if k in s}
             if lent and lent["on"]:
-                m["vpager"]["lend"] = lent
+                m["vpager"]["lend"] = dict(
+                    lent, sm_copy_bytes=dv.get("sm_copy_bytes"))
         m["node"] = info.get("node")
         return m
 
@@ -269,6 +270,12 @@ SUFFIXES.update(("lend%d" % c, {"VPAGER_LEND": "1",
 # the pause, the rest at the next forward's start (VPAGER_LEND_EARLY).
 SUFFIXES.update(("early%d" % e, {"VPAGER_LEND_EARLY": "%dM" % e})
                 for e in (64, 96, 128, 192, 288))
+# "sm16" after an early suffix ("node6lend288early288sm16ab"): the copies
+# into the loan lent at a forward's end read by 16 blocks of SMs, not the
+# copy engine (VPAGER_LEND_SM: the client's copies in the pause do not
+# queue behind them).
+SUFFIXES.update(("sm%d" % p, {"VPAGER_LEND_SM": "%d" % p})
+                for p in (4, 8, 16, 32))
 
 
 def _named(run):

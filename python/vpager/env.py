@@ -72,6 +72,13 @@ VARIABLES: Dict[str, Variable] = {
                                   "ring then, filled in the pause before "
                                   "the next forward, the rest at its "
                                   "start (default 0: all at the start)"),
+    "VPAGER_LEND_SM": Variable("count", "with VPAGER_LEND_EARLY, the "
+                               "copies into a loan lent at a forward's "
+                               "end read by this many blocks of SMs "
+                               "(vp_prefetch_sm), not the copy engine, "
+                               "which holds the client's own copies "
+                               "behind them (default 0: the copy "
+                               "engine)", low=0, high=1024),
     "VPAGER_SPARE_PAGES": Variable("count", "pages of the budget a plan "
                                    "leaves free beside the resident set "
                                    "and the ring (default 1)",

@@ -11,7 +11,7 @@ caching allocator), brought in through the Lender's seam.
 * outputs stay bitwise the resident model's, prompt after prompt;
 * VPAGER_LEND_EARLY: a loan borrowed at a forward's end, its first
   bytes lent and filled then, the rest lent at the next forward's start;
-  pause() gives it back before then;
+  pause() gives it back before then; VPAGER_LEND_SM: its copies by SMs;
 * another model's forward and unload() take it back, on the stream it
   was borrowed on, and never while another thread lends it; a loan during
   which torch's allocator reserved more than its known peak shrinks the
@@ -236,6 +236,28 @@ def test_a_loan_lent_in_part_at_a_forwards_end():
         assert at_end == [(True, True)] * 6, at_end
         # At the first unit after an end loan: the rest holds weights.
         assert [a[0] for a in at_first[2:]] == [True] * 5, at_first
+    finally:
+        _finish(lender, cache, h)
+
+
+def test_a_loan_filled_by_sms_at_a_forwards_end():
+    """VPAGER_LEND_SM: the copies into the loan lent at a forward's end
+    are read by SMs (vp_prefetch_sm; the simulated device copies as a
+    GPU's kernel would: stats' sm_copy_bytes counts them) from the
+    model's pinned host copy; outputs bitwise, the loans back unforced."""
+    m, x, want, h, lender, cache = _lent_mlp()
+    lender.cap, lender.early, lender.sm = LENT, LENT, 8
+    dev = h.device
+    try:
+        assert torch.equal(m(x), want)      # the first: recorded
+        grew = []
+        for i in range(4):
+            before = dev.stats()["sm_copy_bytes"]
+            assert torch.equal(m(x), want), "forward %d" % i
+            assert lender.out and lender.rest == []
+            grew.append(dev.stats()["sm_copy_bytes"] - before)
+        assert all(g > 0 for g in grew), grew
+        assert lender.forced == 0, lender.stats()
     finally:
         _finish(lender, cache, h)
 
@@ -539,7 +561,9 @@ def test_cuda_lends_torchs_cache():
     budget with VPAGER_LEND=1 and activations of 32 MiB: forwards lend
     torch's freed blocks and take them back, bitwise, and torch's
     allocator reserves no more for it; the same with the loan lent in
-    part at each forward's end (VPAGER_LEND_EARLY: a weight's 16 MiB)."""
+    part at each forward's end (VPAGER_LEND_EARLY: a weight's 16 MiB),
+    and whole there, filled by SMs (VPAGER_LEND_SM: the kernel's bytes,
+    sm_copy_bytes counting them)."""
     if not torch.cuda.is_available():
         skip("no CUDA")
     M = 1 << 20
@@ -549,18 +573,23 @@ def test_cuda_lends_torchs_cache():
     ref = frozen_copy(m).cuda()
     x = torch.randn(4096, 2048, device="cuda")
     want = ref(x)
-    for early in ("0", "16M"):
-        with environ(VPAGER_LEND="1", VPAGER_LEND_EARLY=early):
+    for early, sm in (("0", "0"), ("16M", "0"), ("64M", "16")):
+        with environ(VPAGER_LEND="1", VPAGER_LEND_EARLY=early,
+                     VPAGER_LEND_SM=sm):
             h = vt.offload(m, device="cuda", budget=96 * M,
                            staging_size=32 * M, page_size=2 * M)
         try:
+            before = h.stats()["device"]["sm_copy_bytes"]
             for i in range(10):
                 assert torch.equal(m(x), want), "forward %d" % i
             torch.cuda.synchronize()
             st = h.stats()["lend"]
-            print("    lend (early %s): %s" % (early, st))
+            by_sm = h.stats()["device"]["sm_copy_bytes"] - before
+            print("    lend (early %s, sm %s): %s; %d bytes by SMs" % (
+                early, sm, st, by_sm))
             assert st["on"] and st["loans"] >= 5, st
             assert st["returned"] >= st["loans"] - 1, st
+            assert (by_sm > 0) == (sm != "0"), by_sm
         finally:
             h.unload()
 

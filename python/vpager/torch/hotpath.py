@@ -594,13 +594,14 @@ class HotPath:
                 self.holding is not None:
             return
         if self.lender.lend(self, self.stream(), first=self.lender.early):
-            self._prefetch_into_loan()
+            self._prefetch_into_loan(self.lender.sm)
 
-    def _prefetch_into_loan(self):
+    def _prefetch_into_loan(self, programs=0):
         """The last streamed unit's prefetch, on into what was just lent
-        (the forward's output stands if it fails: the loan comes back)."""
+        (programs: by SMs, VPAGER_LEND_SM; the forward's output stands if
+        it fails: the loan comes back)."""
         try:
-            self.lend_unit.batch.prefetch()
+            self.lend_unit.batch.prefetch(programs)
         except Error:
             self.lender.take_back()
 

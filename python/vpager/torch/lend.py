@@ -44,7 +44,11 @@ lent lengthens it). N is meant to be what the link copies before the
 client's first copy of the next step is asked for (Flux under ComfyUI:
 ~2 ms into the pause, ~100 MB on an H100): a copy engine takes copies in
 the order they were queued, whatever their stream (bench/
-copy_queue_probe.py), so a longer fill holds that copy up.
+copy_queue_probe.py), so a longer fill holds that copy up. With
+VPAGER_LEND_SM=P as well, the fill at the end is read by P blocks of SMs
+(vp_prefetch_sm) from the pinned host copy instead: it shares the link
+with the client's copies and holds none up, so N may be the whole loan;
+the SMs it takes are idle then (the GPU waits for its host).
 
 A loan during which torch's allocator reserved more than the most it is
 known to have held (the Governor's torch peak: it wanted a block the
@@ -71,6 +75,7 @@ from ..errors import Error
 LEND = "VPAGER_LEND"
 LEND_CAP = "VPAGER_LEND_CAP"
 LEND_EARLY = "VPAGER_LEND_EARLY"
+LEND_SM = "VPAGER_LEND_SM"
 log = logging.getLogger("vpager")
 
 MIN_PIECE = 8 << 20         # smaller free blocks are not worth a range
@@ -172,8 +177,8 @@ class Lender:
     its blocks to that stream's allocations next), whichever model's
     thread takes it back."""
 
-    __slots__ = ("dev", "cache", "sizes", "cap", "early", "pieces", "rest",
-                 "stream", "reserved", "owner", "loans", "returned",
+    __slots__ = ("dev", "cache", "sizes", "cap", "early", "sm", "pieces",
+                 "rest", "stream", "reserved", "owner", "loans", "returned",
                  "forced", "shrunk", "lock")
 
     def __init__(self, dev):
@@ -183,6 +188,7 @@ class Lender:
         self.sizes: Optional[List[int]] = None  # learned at the first loan
         self.cap: Optional[int] = None  # a loan's most bytes (the ring's)
         self.early = 0              # bytes lent at a forward's end
+        self.sm = 0                 # their copies by that many SM blocks
         self.pieces: List[Tuple[Any, int, int]] = []  # (keep, addr, bytes)
         # An end loan's ranges borrowed and not lent yet (None: no loan
         # lent in part at a forward's end is out)
@@ -206,6 +212,7 @@ class Lender:
             if self.cache is None and enabled() and TorchCache.usable():
                 self.cache = TorchCache(target, index, reserved, peak)
                 self.early = env.size(LEND_EARLY) or 0
+                self.sm = env.count(LEND_SM) or 0
 
     def lend_at_start(self, owner: Any, stream: int) -> bool:
         """At the start of owner's root forward, on its stream: the rest
