@@ -67,10 +67,11 @@ typedef struct pull {
     VP_CU_PULL_ENTRY_POINTS(VP__CU_MEMBER)
 #undef VP__CU_MEMBER
   } cu;                     /* all NULL if the driver lacks one */
-  vp__os_mutex_t lock;      /* guards the three below */
+  vp__os_mutex_t lock;      /* guards the four below */
   bool tried;
   vp_cu_module_t module;    /* non-NULL: loaded, fn found */
   vp_cu_function_t fn;
+  bool refused;             /* a launch failed: the copy engine's since */
 } pull_t;
 
 typedef struct cuda {
@@ -448,7 +449,7 @@ static bool pull_ready(cuda_t *c) {
     }
     if (r == VP_CU_SUCCESS) p->module = mod; /* else the copy engine's */
   }
-  bool ok = p->module != NULL;
+  bool ok = p->module != NULL && !p->refused;
   vp__os_mutex_unlock(&p->lock);
   return ok;
 }
@@ -478,7 +479,15 @@ static int cuda_copy_htod_sm(void *ctx, uint64_t dst, const void *src,
   r = c->pull.cu.launch_kernel(c->pull.fn, blocks, 1, 1, PULL_THREADS, 1, 1,
                                0, (vp_cu_stream_t)(uintptr_t)stream, params,
                                NULL);
-  return vp__vmm_result(&c->vmm, pop_context(&c->vmm, r));
+  r = pop_context(&c->vmm, r);
+  if (r == VP_CU_SUCCESS) return VP_OK;
+  /* A launch refused (resources, an image the GPU cannot run) is no
+   * broken device: the copy engine copies, from now on. A context that is
+   * broken fails that copy as well, and says so there. */
+  vp__os_mutex_lock(&c->pull.lock);
+  c->pull.refused = true;
+  vp__os_mutex_unlock(&c->pull.lock);
+  return VP_EUNSUPPORTED;
 }
 
 /* ---------------------------------------------------------- helpers */
