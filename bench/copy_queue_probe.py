@@ -91,15 +91,16 @@ class _Mapped:
             "data": (t.data_ptr(), False), "version": 2, "strides": None}
 
 
-def sm_fill(dev, side, src, dst, client, _, delay):
-    """One round with the fill read by SMs (module doc)."""
+def by_kernel(dev, side, client, delay, fill):
+    """One round with the fill a kernel that fill() queues on `side`:
+    (client copy's host ms, the fill's GPU ms, issue ms)."""
     torch.cuda.synchronize(dev)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
     with torch.cuda.stream(side):
         start.record(side)
-        torch.bitwise_or(src, 0, out=dst)
+        fill()
         end.record(side)
     issue = time.perf_counter() - t
     spin(delay)
@@ -130,25 +131,6 @@ def _pull_kernel():
         pull[(programs,)](src, dst, src.numel(), BLOCK=4096,
                           PROGRAMS=programs, num_warps=8)
     return run
-
-
-def sm_pull(dev, side, src, dst, client, pull, programs, delay):
-    """One round with the fill read by `programs` Triton programs."""
-    torch.cuda.synchronize(dev)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    t = time.perf_counter()
-    with torch.cuda.stream(side):
-        start.record(side)
-        pull(src, dst, programs)
-        end.record(side)
-    issue = time.perf_counter() - t
-    spin(delay)
-    t0 = time.perf_counter()
-    client.to(dev)
-    waited = time.perf_counter() - t0
-    torch.cuda.synchronize(dev)
-    return waited * 1e3, start.elapsed_time(end), issue * 1e3
 
 
 def paced(dev, side, src, dst, client, piece, depth, delay):
@@ -242,14 +224,16 @@ def main():
     for label, s, piece in cases:
         if piece == "sm":
             src.copy_(torch.arange(src.numel() // 8).view(torch.uint8))
-            rows = [sm_fill(dev, side, s, dst64, client, 0, delay)
+            rows = [by_kernel(dev, side, client, delay,
+                              lambda: torch.bitwise_or(s, 0, out=dst64))
                     for _ in range(a.reps)]
             print("fill read by SMs: bytes %s" % (
                 "equal" if torch.equal(dst.cpu(), src) else "DIFFER"))
         elif isinstance(piece, tuple) and piece[0] == "pull":
             dst64.zero_()
-            rows = [sm_pull(dev, side, s, dst64, client, pull, piece[1],
-                            delay) for _ in range(a.reps)]
+            rows = [by_kernel(dev, side, client, delay,
+                              lambda: pull(s, dst64, piece[1]))
+                    for _ in range(a.reps)]
             print("%s: bytes %s" % (label, "equal" if torch.equal(
                 dst.cpu(), src) else "DIFFER"))
         elif isinstance(piece, tuple):

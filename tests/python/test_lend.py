@@ -296,16 +296,23 @@ def test_split_ranges():
     assert lend.split_ranges(r, 0) == ([], r)
 
 
-def test_another_model_takes_the_loan_back():
-    """A loan one model's forward still has out (lent as its forward's
-    start lends) is taken back (forced) before another model's unit runs
-    on the device; both stay bitwise."""
+def _two_models():
+    """Two 8-layer MLPs on one device, the first offloaded as _offload()
+    does, its device lending to a FakeCache: (m1, m2, x, their outputs
+    resident, h1, h2, lender, cache)."""
     m1, m2 = mlp(seed=1, depth=8), mlp(seed=2, depth=8)
     x = torch.randn(8, 64)
     w1, w2 = frozen_copy(m1)(x), frozen_copy(m2)(x)
     h1 = _offload(m1)
     h2 = vt.offload(m2, device=h1.device)
-    lender, cache = _lending(h1)
+    return (m1, m2, x, w1, w2, h1, h2) + _lending(h1)
+
+
+def test_another_model_takes_the_loan_back():
+    """A loan one model's forward still has out (lent as its forward's
+    start lends) is taken back (forced) before another model's unit runs
+    on the device; both stay bitwise."""
+    m1, m2, x, w1, w2, h1, h2, lender, cache = _two_models()
     try:
         assert torch.equal(m1(x), w1)       # the first: recorded
         for _ in range(3):
@@ -339,12 +346,7 @@ def test_a_loan_goes_back_on_the_stream_it_was_borrowed_on():
     stream whoever takes it back (torch hands its blocks to that stream's
     allocations next): before another model's unit, at its own unit's
     end, and its rest is lent there too."""
-    m1, m2 = mlp(seed=1, depth=8), mlp(seed=2, depth=8)
-    x = torch.randn(8, 64)
-    w1, w2 = frozen_copy(m1)(x), frozen_copy(m2)(x)
-    h1 = _offload(m1)
-    h2 = vt.offload(m2, device=h1.device)
-    lender, cache = _lending(h1)
+    m1, m2, x, w1, w2, h1, h2, lender, cache = _two_models()
     spy = lender.dev = _Reclaims(lender.dev)
     s1 = h1.device.create_stream()
     try:
