@@ -1,11 +1,9 @@
 """Offloaded: the handle offload() returns; it owns the model's lifecycle
-(open, unloaded, closed) and answers for it. What it is made of, by
-lifetime: built once (layout.py: the VBAR, the weights and their sources,
-placed by placement.py; install.py: what changes in the module), run
-every forward (hotpath.py; roothooks.py: the root's hooks in one declared
-order) and adapted between forwards (replace.py, tuner.py: through the
-access.ModelAccess the handle gives them, never the handle).
-python/README.md says what each method does."""
+(open, unloaded, closed). Its parts, by lifetime: built once (layout.py,
+placement.py, install.py), run every forward (hotpath.py, roothooks.py)
+and adapted between forwards (replace.py, tuner.py: through the
+access.ModelAccess it gives them). python/README.md says what each
+method does."""
 
 import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -29,12 +27,10 @@ from .units import CLOSED, OPEN, UNLOADED, refuse_copy
 
 
 class Offloaded:
-    """The handle offload() returns: module, device (the vpager.Device),
-    vbar, target (the torch device it computes on), order (the VBAR's
-    eviction order: "interleaved", "tail", or "scheduled" once the copy
-    schedule ranks its pages: tuner.py), state ("open", "unloaded",
-    "closed"); hot_path, tuner (None when not scheduled), vbar_layout and
-    root_hooks, its parts, for tests and benchmarks. See python/README.md."""
+    """module, device (a vpager.Device), vbar, target (the torch device it
+    computes on), order (the VBAR's eviction order: "interleaved", "tail",
+    "scheduled": tuner.py), state; hot_path, tuner (None: not scheduled),
+    vbar_layout, root_hooks: its parts, for tests and benchmarks."""
 
     def __init__(self, plan: Plan, dev: Optional[Device] = None) -> None:
         s = plan.settings
@@ -220,11 +216,8 @@ class Offloaded:
 
     @_serial
     def pause(self) -> None:
-        """Its forwards pause for longer than between two of a run (a
-        sampler's last step done): the blocks of torch's cache its last
-        forward lent to the staging ring (VPAGER_LEND_EARLY) go back to
-        torch now, for the work in between (a VAE's decode), not at its
-        next forward. Nothing else changes; the next forward lends anew."""
+        """Its forwards pause longer than between two of a run: torch's
+        blocks its last forward's end lent go back now (python/README.md)."""
         self._check_open()
         self.hot_path.give_back()
 
@@ -271,10 +264,9 @@ class Offloaded:
 
     @_serial
     def unload(self) -> torch.nn.Module:
-        """Parameters back as ordinary tensors on their original device
-        (from the host copy), requires_grad restored, wrappers and hooks
-        removed, vpager objects freed. The module works as before offload().
-        A second call does nothing; after close() it raises."""
+        """Parameters back as ordinary tensors on their device (from the
+        host copy), wrappers and hooks removed, vpager objects freed: the
+        module as before offload(). Again: nothing; after close(): raises."""
         if self._state is UNLOADED:
             return self.module
         if self._state is CLOSED:
@@ -293,12 +285,10 @@ class Offloaded:
 
     @_serial
     def close(self) -> None:
-        """Free the vpager objects without restoring the weights; the module
-        is left unusable (its forward and state_dict() raise RuntimeError).
-        A second call, or close() after unload(), does nothing. With
-        outside="host" the tensors get CPU placeholders (their host copy
-        is freed), except those over a caller's source (sources=), which
-        keep the caller's tensor."""
+        """Free the vpager objects without restoring the weights: the
+        module's forward and state_dict() raise RuntimeError; a second
+        call, or one after unload(), does nothing (outside="host": the
+        tensors' CPU placeholders, python/README.md)."""
         if self._state is not OPEN:
             return
         self._idle("close")
