@@ -83,25 +83,34 @@ check-layers: $(LIB_OBJ)
 # Our CUDA driver declarations must match the toolkit's cuda.h, where the
 # toolkit is installed (vpager itself builds without it).
 CUDA_INC ?= /usr/local/cuda/include
+NVCC ?= /usr/local/cuda/bin/nvcc
 check-abi:
 	@if [ -f $(CUDA_INC)/cuda.h ]; then \
 	  $(CC) -std=c11 -Wall -Wextra -Werror -Wincompatible-pointer-types \
 	    -I$(CUDA_INC) -Isrc -Isrc/backend -Iinclude -fsyntax-only tools/cuda_abi_check.c && \
 	  echo "cuda_abi.h matches $(CUDA_INC)/cuda.h"; \
 	else echo "check-abi: skipped, no $(CUDA_INC)/cuda.h"; fi
+	@if [ -x $(dir $(NVCC))ptxas ]; then mkdir -p $(BUILD) && \
+	  sed -n 's/^  "\(.*\)\\n"$$/\1/p' src/backend/pull_ptx.h | \
+	    sed 's/\\"/"/g; s/\\\\/\\/g' > $(BUILD)/pull_check.ptx && \
+	  $(dir $(NVCC))ptxas -arch=sm_75 $(BUILD)/pull_check.ptx \
+	    -o $(BUILD)/pull_check.cubin && \
+	  echo "pull_ptx.h assembles (ptxas, sm_75)"; \
+	else echo "check-abi: pull_ptx.h not assembled, no ptxas"; fi
 
 # The PTX of the CUDA backend's copy by SMs (src/backend/pull.cu), kept in
 # the tree as a C string so that vpager builds without a toolkit; run
-# after a change to pull.cu (needs nvcc).
-NVCC ?= /usr/local/cuda/bin/nvcc
+# after a change to pull.cu (needs nvcc). It declares PTX ISA 7.0 (CUDA
+# 11.0), not the toolkit's own, so that older drivers JIT it too: the
+# kernel uses nothing newer (ptxas checks it for sm_75 and sm_90).
 pull-ptx:
-	@{ echo '/* Generated from pull.cu by `make pull-ptx` (nvcc -arch=compute_75 -ptx);'; \
-	  echo ' * do not edit: change pull.cu and regenerate. */'; \
+	@$(NVCC) -arch=compute_75 -ptx src/backend/pull.cu -o $(BUILD)/pull.ptx && \
+	{ echo '/* Generated from pull.cu by `make pull-ptx` (nvcc -arch=compute_75 -ptx,'; \
+	  echo ' * PTX ISA 7.0 declared); do not edit: change pull.cu and regenerate. */'; \
 	  echo 'static const char vp__pull_ptx[] ='; \
-	  $(NVCC) -arch=compute_75 -ptx src/backend/pull.cu -o - | \
-	    sed 's/\\/\\\\/g; s/"/\\"/g; s/^/  "/; s/$$/\\n"/'; \
-	  echo '  ;'; } > src/backend/pull_ptx.h.new && \
-	  mv src/backend/pull_ptx.h.new src/backend/pull_ptx.h
+	  sed 's/^\.version .*/.version 7.0/; s/\\/\\\\/g; s/"/\\"/g; s/^/  "/; s/$$/\\n"/' \
+	    $(BUILD)/pull.ptx; \
+	  echo '  ;'; } > src/backend/pull_ptx.h
 
 # The HIP backend against ROCm's headers (Debian's libamdhip64-dev: ROCm
 # 5.2; or /opt/rocm): it builds, and hip_abi.h matches

@@ -4,10 +4,11 @@
  * vpager's build needs no CUDA toolkit. Regenerate pull_ptx.h after a
  * change here (`make pull-ptx`, which runs):
  *
- *   /usr/local/cuda/bin/nvcc -arch=compute_75 -ptx src/backend/pull.cu \
- *       -o - | sed 's/\\/\\\\/g; s/"/\\"/g; s/^/  "/; s/$/\\n"/'
+ *   /usr/local/cuda/bin/nvcc -arch=compute_75 -ptx src/backend/pull.cu
  *
- * compute_75 PTX runs on every GPU from Turing on (sm_90 on the H200).
+ * and writes its output as a C string, its .version line set to 7.0.
+ * compute_75 PTX runs on every GPU from Turing on (sm_90 on the H200);
+ * declared PTX ISA 7.0, drivers from CUDA 11.0 on JIT it.
  *
  * Why a kernel: a GPU's copy engine takes host-to-device copies in the
  * order they were queued, whatever their stream (bench/
