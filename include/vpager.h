@@ -688,8 +688,9 @@ VP_API int vp_prefetch_ahead(vp_device_t dev, vp_weight_t after,
  * simulated device's and a GPU's from memory not page-locked or not
  * 16-byte aligned, HIP's, a driver without the kernel's entry points)
  * are the copy engine's. vp_device_stats' sm_copy_bytes counts those
- * made by SMs. The SMs it takes run no other work while it copies: for
- * the time the GPU waits, not under a forward's kernels. */
+ * made by SMs. Its blocks take SM room from the application's kernels
+ * while they copy: it is for the time the GPU waits for its host, not
+ * for under a forward's kernels. */
 #define VP_SM_PROGRAMS_MAX 1024
 VP_API int vp_prefetch_sm(vp_device_t dev, vp_weight_t after,
                           uint64_t lookahead, uint32_t programs);
