@@ -255,8 +255,9 @@ TEST(lookahead_acquire_ahead, TEST_ALL_BACKENDS) {
  * page-locked memory read by SMs where the backend can (the simulated
  * device, as a GPU; a GPU by its kernel: stats' sm_copy_bytes counts
  * them), the bytes the same (checked at the weights' acquires); from
- * memory not page-locked, and on HIP, by the copy engine; lookahead 0: the weight's
- * own window; programs 0 or past VP_SM_PROGRAMS_MAX refused. */
+ * memory not page-locked, and on HIP, by the copy engine; lookahead 0:
+ * the weight's own window; programs 0 or past VP_SM_PROGRAMS_MAX
+ * refused. */
 TEST(lookahead_prefetch_by_sm, TEST_ALL_BACKENDS) {
   int modes[2];
   for (int k = 0, nk = stream_modes(ctx, modes); k < nk; k++) {
