@@ -431,8 +431,8 @@ static uint64_t clip(uintptr_t a, uint64_t n, uintptr_t c, uint64_t len) {
  * buffer (device lock held). CUDA refuses (CUDA_ERROR_INVALID_VALUE) a copy
  * whose host range spans two registrations, or registered and unregistered
  * memory, so every chunk edge splits, pinned or not: that also holds while
- * a chunk's registration is in flight. Never 0 for size > 0. */
-/* vp__host_piece; *pinned: the piece lies in a chunk page-locked now. */
+ * a chunk's registration is in flight. Never 0 for size > 0. *pinned:
+ * the piece lies in a chunk page-locked now. */
 static uint64_t host_piece(vp__device_t *dev, const void *ptr, uint64_t size,
                            bool *pinned) {
   uintptr_t a = (uintptr_t)ptr;

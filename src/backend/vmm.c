@@ -406,13 +406,13 @@ int vp__vmm_copy_dtoh(void *ctx, void *dst, uint64_t src, uint64_t size,
 }
 
 /* PORTABLE: one registration serves every context, so a host copy of the
- * weights can feed several devices (CUDA's DEVICEMAP too: a kernel may
- * read it, the copies by SMs: the driver's host_register_flags). Memory that cannot be pinned for
- * writing (a read-only file mapping: a safetensors file used in place) is
- * refused at once and stays pageable: CUDA's READ_ONLY flag would pin it,
- * but on the H200 VM (driver 580) that call did not return for a 64 MiB
- * piece of a file mapping in page cache (bench/RESULTS.md, 2026-12-05),
- * and a load that hangs is worse than a copy. Pinning is only an
+ * weights can feed several devices (the driver's host_register_flags:
+ * CUDA's add DEVICEMAP, for the copies by SMs). Memory that cannot be
+ * pinned for writing (a read-only file mapping: a safetensors file used
+ * in place) is refused at once and stays pageable: CUDA's READ_ONLY flag
+ * would pin it, but on the H200 VM (driver 580) that call did not return
+ * for a 64 MiB piece of a file mapping in page cache (bench/RESULTS.md,
+ * 2026-12-05), and a load that hangs is worse than a copy. Pinning is only an
  * optimisation: any refusal short of a broken device (already registered
  * by someone else, RLIMIT_MEMLOCK, memory that cannot be pinned) is
  * VP_EUNSUPPORTED, and the memory stays as it was, which is still correct.
