@@ -830,6 +830,47 @@ TEST(stream_ring_lent_range_lengthened, TEST_SIM_ONLY) {
   loan_close(&x);
 }
 
+/* Slots in lent memory start SLOT_ALIGN (256 bytes) apart as the ring's
+ * do (vp__ring_alloc rounds a slot's size for both): a weight of 1000
+ * bytes staged there leaves the next one at +1024 (kernels read a weight
+ * from an aligned start: a copy by SMs needs 16 bytes); bytes checked. */
+TEST(stream_ring_lent_slots_aligned, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  uint64_t ps = o.page_size;
+  const uint64_t off[4] = {0, ps, 2 * ps, 3 * ps};
+  const uint64_t size[4] = {ps, 1000, 4096, ps};
+  model_t m;
+  model_init(&m, dev, 4 * ps, 4, off, size, SRC_SCATTER, 17);
+  ASSERT_OK(vp_vbar_set_watermark(m.v, 0));
+  vp_vbar_t lv;
+  uint64_t lent = lent_setup(dev, 1, &lv);
+  vp_stream_t s = 0;
+  ASSERT_OK(vp_stream_create(dev, &s));
+  uint64_t p[4] = {0};
+  uint8_t f[4] = {0};
+  checks_t c = {0};
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, s, &p[0], &f[0])); /* no window */
+  ASSERT_OK(vp_device_lend_staging(dev, lent, ps, s));
+  ASSERT_OK(vp_prefetch_ahead(dev, m.w[0], ps)); /* w1, w2 in the loan */
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, s));
+  for (size_t i = 1; i <= 2; i++) {
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, s, &p[i], &f[i]));
+    ASSERT_EQ_INT(f[i], VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+    launch_check(dev, s, p[i], m.srcs[i].host, size[i], &c);
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, s));
+  }
+  ASSERT_EQ_U64(p[1], lent);
+  ASSERT_EQ_U64(p[2], lent + 1024);
+  ASSERT_OK(vp_device_reclaim_staging(dev, s, 0));
+  checks_expect_clean(dev, s, &c);
+  lent_teardown(dev, lv, ps, s);
+  ASSERT_OK(vp_stream_destroy(dev, s));
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
 /* A window topped up after a release while a loan is open counts the
  * weights staged there: the ring then takes its own share after them.
  * Ring of 2 pages, a window of 1, a loan of 2: w1's acquire stages w2
