@@ -37,7 +37,15 @@ then goes through at once, and at what GB/s the SMs pull the link; with
 Triton, also by a kernel of --sm-programs programs (a few SMs: what a
 fill that overlaps the next forward's start would take from its
 compute). Then a loop of bf16 matmuls (a forward's compute) is timed
-alone and beside each such fill on the other stream."""
+alone and beside each such fill on the other stream.
+
+--vpager 0,8,16,32: the library's own fill (vpager in this checkout,
+VPAGER_LIBRARY): a VBAR of --fill-mib in 8 weights whose sources lie in
+a page-locked buffer, each round's pages evicted first, then the
+prefetch of 7 of them (vp_prefetch_ahead for 0, vp_prefetch_sm with that
+many programs otherwise) and the client's copy after --delay-ms: the
+client's wait, the fill's wall time and GB/s, the bytes its SMs copied
+(stats sm_copy_bytes), and the weights' bytes checked on the device."""
 
 import argparse
 import statistics
@@ -173,6 +181,7 @@ def main():
     ap.add_argument("--paced", default="8x2,16x2,64x1")
     ap.add_argument("--sm-fill", action="store_true")
     ap.add_argument("--sm-programs", default="8,16,32")
+    ap.add_argument("--vpager", default="")
     ap.add_argument("--delay-ms", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
@@ -254,7 +263,65 @@ def main():
                   issue))
     if slowed:
         beside_compute(dev, side, pull, slowed)
+    if a.vpager:
+        by_vpager(a, dev, client, delay,
+                  [int(x) for x in a.vpager.split(",") if x])
     return 0
+
+
+def by_vpager(a, dev, client, delay, programs_list):
+    """--vpager: the library's fills, by its copy engine and by SMs."""
+    import vpager
+    n = 8
+    per = a.fill_mib * MIB // n // 4096 * 4096
+    host = bytearray(per * n)
+    host[:] = (bytes(range(251)) * (per * n // 251 + 1))[:per * n]
+    vd = vpager.Device(backend="cuda", device_index=dev.index)
+    pinned = vd.register_hostbuf(host)
+    page = vd.info()["page_size"]
+    vb = vd.create_vbar(-(-per * n // page) * page)
+    view = memoryview(host)
+    ws = vb.create_weights([i * per for i in range(n)], [per] * n,
+                           [view[i * per:(i + 1) * per] for i in range(n)])
+    moved = per * (n - 1)
+    print("vpager: %d weights of %d MiB from page-locked memory, %d MiB "
+          "prefetched a round" % (n, per // MIB, moved // MIB))
+    for programs in programs_list:
+        rows = []
+        for _ in range(a.reps):
+            vb.free_memory(1 << 62)
+            vb.prioritize()
+            vd.synchronize()
+            torch.cuda.synchronize(dev)
+            sm0 = vd.stats()["sm_copy_bytes"]
+            batch = vpager.WeightBatch(vd, [ws[n - 1]], lookahead=moved)
+            t = time.perf_counter()
+            batch.prefetch(programs)
+            spin(delay)
+            t0 = time.perf_counter()
+            client.to(dev)
+            waited = time.perf_counter() - t0
+            vd.synchronize()
+            wall = time.perf_counter() - t
+            rows.append((waited * 1e3, wall * 1e3,
+                         vd.stats()["sm_copy_bytes"] - sm0))
+        same = True
+        for i in range(n - 1):
+            vb.fault(i * per, per)
+            same &= vd.read(vb.base + i * per, per) == \
+                bytes(view[i * per:(i + 1) * per])
+            vb.unpin(i * per, per)
+        w = sorted(r[0] for r in rows)
+        wall = statistics.median(r[1] for r in rows)
+        print("vpager %-18s client copy %.3f ms (%.3f-%.3f)  fill %.2f ms "
+              "wall (%.1f GB/s), by SMs %d MiB, bytes %s" % (
+                  "copy engine" if not programs else
+                  "%d programs" % programs, statistics.median(w), w[0],
+                  w[-1], wall, moved / (wall / 1e3) / 1e9,
+                  rows[-1][2] // MIB, "equal" if same else "DIFFER"))
+    vb.close()
+    pinned.close()
+    vd.close()
 
 
 def beside_compute(dev, side, pull, fills):

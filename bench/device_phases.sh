@@ -49,10 +49,12 @@
 #           apart (issue 29's stable prompts, 2%); PROMPTS_RUNS=...,
 #           PROMPTS_REPS=N: other runs, another number of prompts; each
 #           run's plans logged (VPAGER_SCHEDULE_LOG: a slow one replayed)
-#   copy_probe  bench/copy_queue_probe.py --sm-fill: the client's pageable
-#           copy behind a fill queued at once, cut, paced by a second
-#           thread, read by SMs (all, or a few Triton programs), and a
-#           matmul loop beside the few-program fills (issue 29's pause)
+#   copy_probe  bench/copy_queue_probe.py --sm-fill --vpager 0,8,16,32:
+#           the client's pageable copy behind a fill queued at once, cut,
+#           paced by a second thread, read by SMs (all, or a few Triton
+#           programs), a matmul loop beside the few-program fills, and
+#           the library's own fill by its copy engine and by SMs
+#           (vp_prefetch_sm, its bytes checked) (issue 29's pause)
 #   flux_diag  the node's Flux at 6 GiB beside resident, 10 steps, with
 #           VPAGER_BENCH_STEP_STATS (each step's ring and stream waits)
 #           and VPAGER_BENCH_TIMELINE=5 (step 5 module by module, leads),
@@ -169,7 +171,8 @@ for PH in ${PHASES//+/ }; do
   case $PH in
   copy_probe)
     GREP='.'
-    TAILN=40 step copy_probe 120 python3 bench/copy_queue_probe.py --sm-fill ;;
+    TAILN=40 step copy_probe 150 $PP python3 bench/copy_queue_probe.py \
+      --sm-fill --vpager 0,8,16,32 ;;
   forward_start)
     GREP='.'
     TAILN=8 step forward_start 120 python3 bench/bench_forward_start.py ;;
