@@ -310,8 +310,8 @@ class HotPath:
             ds.top = self.owner
         stream = self.stream()
         lender = self.lender
-        if lender.pieces:       # another model's forward lent it
-            lender.take_back_unless(self)
+        if lender.pieces and lender.owner is not self:
+            lender.take_back_unless(self)   # another model's forward lent it
         batch = unit.batch      # its prefetch: its weights' window (tuner)
         tuner = self.tuner
         try:
