@@ -301,7 +301,9 @@ def by_vpager(a, dev, client, delay, programs_list):
             t0 = time.perf_counter()
             client.to(dev)
             waited = time.perf_counter() - t0
-            vd.synchronize()
+            # The whole device: the library's copy stream is not stream 0
+            # (vd.synchronize() alone returned before the kernel ended).
+            torch.cuda.synchronize(dev)
             wall = time.perf_counter() - t
             rows.append((waited * 1e3, wall * 1e3,
                          vd.stats()["sm_copy_bytes"] - sm0))
