@@ -1,7 +1,8 @@
 """Torch's idle cache lent to the staging ring at a forward's start
 (VPAGER_LEND=1; off by default: Flux on the H100 ran 0.1-3.3% faster a
-step lent than not, in one process, and no other workflow was measured
-with it: bench/RESULTS.md, forty-fourth to fiftieth sessions).
+step lent than not, in one process, lent at the end within the host's
+noise, and no other workflow was measured with it: bench/RESULTS.md,
+forty-fourth to fifty-first sessions).
 
 Between a sampler's steps the GPU waits for the host (the sampler, the
 client's callback, the next step's inputs: Flux under the ComfyUI node on
