@@ -104,7 +104,8 @@ check-abi:
 # 11.0), not the toolkit's own, so that older drivers JIT it too: the
 # kernel uses nothing newer (ptxas checks it for sm_75 and sm_90).
 pull-ptx:
-	@$(NVCC) -arch=compute_75 -ptx src/backend/pull.cu -o $(BUILD)/pull.ptx && \
+	@mkdir -p $(BUILD) && \
+	$(NVCC) -arch=compute_75 -ptx src/backend/pull.cu -o $(BUILD)/pull.ptx && \
 	{ echo '/* Generated from pull.cu by `make pull-ptx` (nvcc -arch=compute_75 -ptx,'; \
 	  echo ' * PTX ISA 7.0 declared); do not edit: change pull.cu and regenerate. */'; \
 	  echo 'static const char vp__pull_ptx[] ='; \
