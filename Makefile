@@ -212,6 +212,7 @@ check-python: $(BUILD)/libvpager.so
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_kept_copy.py --dry-run >/dev/null
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_marks.py --dry-run >/dev/null
 	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/bench_forward_start.py --dry-run >/dev/null
+	VPAGER_LIBRARY=$(CURDIR)/$(BUILD)/libvpager.so $(PYTHON) bench/unit_host.py --dry-run >/dev/null
 
 # `make install PREFIX=...` after a plain `make` installs a .pc naming
 # that PREFIX.

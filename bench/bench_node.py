@@ -230,6 +230,8 @@ def child(cr, a):
 # conditioning to the GPU once (VPAGER_BENCH_CONDS_ON_DEVICE: no client
 # copy in a step's pause, an experiment: "node6lend288early288condsab" is
 # what a fill of the whole pause gains when it holds no copy up);
+# "spin10" / "spin20" make each unit's per-unit path 10 / 20 us longer on
+# the host (VPAGER_BENCH_UNIT_SPIN: whether the step is the host's);
 # "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
 # default 32 MiB: a plan's spare page and its rounding cost a page each).
 # Suffixes combine:
@@ -250,6 +252,8 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "lendtrace": {"VPAGER_LEND": "1", "VPAGER_BENCH_LEND_TRACE": "1"},
             "ab": {"VPAGER_BENCH_LEND_ALTERNATE": "1"},
             "conds": {"VPAGER_BENCH_CONDS_ON_DEVICE": "1"},
+            "spin10": {"VPAGER_BENCH_UNIT_SPIN": "10"},
+            "spin20": {"VPAGER_BENCH_UNIT_SPIN": "20"},
             "spare0": {"VPAGER_SPARE_PAGES": "0"},
             "page8": {"VPAGER_PAGE_SIZE": "8M"},
             "page16": {"VPAGER_PAGE_SIZE": "16M"},

@@ -155,6 +155,10 @@ LEND_ALTERNATE = os.environ.get("VPAGER_BENCH_LEND_ALTERNATE") == "1"
 # a fill of the pause would gain if it never held up a client's copy (an
 # experiment, not a user's setting).
 CONDS_ON_DEVICE = os.environ.get("VPAGER_BENCH_CONDS_ON_DEVICE") == "1"
+# VPAGER_BENCH_UNIT_SPIN=US: each unit's per-unit path (HotPath.enter)
+# made US microseconds longer on the host: a step that grows by units x US
+# is the host's (an experiment, not a user's setting).
+UNIT_SPIN = float(os.environ.get("VPAGER_BENCH_UNIT_SPIN", "0") or 0)
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
@@ -1028,6 +1032,8 @@ def child_sample(a):
     if CONDS_ON_DEVICE:
         import comfy.conds
         conds_on_device(comfy.conds, mm.get_torch_device())
+    if UNIT_SPIN:
+        spin_units(UNIT_SPIN)
     res = {"run": a.run, "comfy_argv": extra, "device_total": total,
            "init_shape": shape, "torch_imported_before_control": torch_before,
            "patcher_state": state,
@@ -1212,6 +1218,20 @@ def child_sample(a):
 
 
 _PARKED = {}    # id(devstate) -> the Lender's cache while lending is off
+
+
+def spin_units(us):
+    """UNIT_SPIN: vpager's HotPath.enter busy-waits `us` microseconds
+    more (patched before the node wraps any unit: wrap() binds enter)."""
+    from vpager.torch import hotpath
+    enter, clock, extra = hotpath.HotPath.enter, time.perf_counter, us / 1e6
+
+    def spun(self, unit):
+        t = clock() + extra
+        while clock() < t:
+            pass
+        return enter(self, unit)
+    hotpath.HotPath.enter = spun
 
 
 def conds_on_device(conds, device):

@@ -69,6 +69,10 @@
 #           before its first unit, resident against paged, and the
 #           driver's memory queries with vpager's pages mapped (no
 #           ComfyUI)
+#   unit_host  bench/unit_host.py: one unit's host time on the per-unit
+#           path (resident, streamed) and held, against torch's own call,
+#           and where it goes (enter, acquire, leave, release) (no ComfyUI;
+#           issue 29: the node's Flux step is the host's)
 #   flux_rings the node's Flux at 6 GiB beside resident, as it picks its
 #           ring and with the ring fixed (bench_node's ring<MiB> runs;
 #           FLUX_RINGS="288 320 378 512" by default), 4 prompts each: which
@@ -109,7 +113,7 @@ OUT=${OUT:-$R/device-out}
 L=$OUT/$PHASES
 KNOWN="suites lora switch flux22 sdxl fp8 quant before lora_ab decode"
 KNOWN="$KNOWN cgroup first node_ab flux22_ab switch_ab flux_diag prompts"
-KNOWN="$KNOWN fp8_rings flux_rings forward_start copy_probe"
+KNOWN="$KNOWN fp8_rings flux_rings forward_start copy_probe unit_host"
 for PH in ${PHASES//+/ }; do
   case " $KNOWN " in
     *" $PH "*) ;;
@@ -173,6 +177,9 @@ for PH in ${PHASES//+/ }; do
     GREP='.'
     TAILN=40 step copy_probe 150 $PP python3 bench/copy_queue_probe.py \
       --sm-fill --vpager 0,8,16,32 ;;
+  unit_host)
+    GREP='.'
+    TAILN=14 step unit_host 120 $PP python3 bench/unit_host.py ;;
   forward_start)
     GREP='.'
     TAILN=8 step forward_start 120 python3 bench/bench_forward_start.py ;;
