@@ -158,7 +158,18 @@ CONDS_ON_DEVICE = os.environ.get("VPAGER_BENCH_CONDS_ON_DEVICE") == "1"
 # VPAGER_BENCH_UNIT_SPIN=US: each unit's per-unit path (HotPath.enter)
 # made US microseconds longer on the host: a step that grows by units x US
 # is the host's (an experiment, not a user's setting).
-UNIT_SPIN = float(os.environ.get("VPAGER_BENCH_UNIT_SPIN", "0") or 0)
+def _spin_env(name="VPAGER_BENCH_UNIT_SPIN"):
+    v = os.environ.get(name, "") or "0"
+    try:
+        us = float(v)
+    except ValueError:
+        us = -1.0
+    if not 0 <= us < 1e6:
+        raise SystemExit("%s=%r: give microseconds (0: none)" % (name, v))
+    return us
+
+
+UNIT_SPIN = _spin_env()
 # How each step's end is taken. "stream" (default): the compute stream is
 # synchronized, as ComfyUI's own per-step work (a preview's copy to the
 # host) does; copies a pager has queued for the next step keep running, so
