@@ -230,8 +230,10 @@ def child(cr, a):
 # conditioning to the GPU once (VPAGER_BENCH_CONDS_ON_DEVICE: no client
 # copy in a step's pause, an experiment: "node6lend288early288condsab" is
 # what a fill of the whole pause gains when it holds no copy up);
-# "spin10" / "spin20" make each unit's per-unit path 10 / 20 us longer on
-# the host (VPAGER_BENCH_UNIT_SPIN: whether the step is the host's);
+# "spin10" / "spin20" / "spin100" make each unit's per-unit path 10 / 20 /
+# 100 us longer on the host (VPAGER_BENCH_UNIT_SPIN: whether the step is
+# the host's; 100 checks the instrument: a step it leaves as it was is a
+# step the host's pace never sets);
 # "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
 # default 32 MiB: a plan's spare page and its rounding cost a page each).
 # Suffixes combine:
@@ -254,6 +256,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "conds": {"VPAGER_BENCH_CONDS_ON_DEVICE": "1"},
             "spin10": {"VPAGER_BENCH_UNIT_SPIN": "10"},
             "spin20": {"VPAGER_BENCH_UNIT_SPIN": "20"},
+            "spin100": {"VPAGER_BENCH_UNIT_SPIN": "100"},
             "spare0": {"VPAGER_SPARE_PAGES": "0"},
             "page8": {"VPAGER_PAGE_SIZE": "8M"},
             "page16": {"VPAGER_PAGE_SIZE": "16M"},

@@ -1043,8 +1043,7 @@ def child_sample(a):
     if CONDS_ON_DEVICE:
         import comfy.conds
         conds_on_device(comfy.conds, mm.get_torch_device())
-    if UNIT_SPIN:
-        spin_units(UNIT_SPIN)
+    spun = spin_units(UNIT_SPIN) if UNIT_SPIN else None
     res = {"run": a.run, "comfy_argv": extra, "device_total": total,
            "init_shape": shape, "torch_imported_before_control": torch_before,
            "patcher_state": state,
@@ -1139,6 +1138,7 @@ def child_sample(a):
 
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
+        spun0 = spun[0] if spun is not None else 0
         if prof is not None and PROFILE == 1:
             prof.enable()
         t0 = time.perf_counter()
@@ -1158,6 +1158,12 @@ def child_sample(a):
         r.update(memory(p, torch))
         if lending is not None:
             r["lending"] = lending
+        if spun is not None:
+            r["spun_calls"] = n = spun[0] - spun0
+            say("COMFYUI_SPIN %s, rep %d: %d per-unit calls in %d steps, "
+                "%.1f a step: a host-paced step grows %.2f ms"
+                % (label, rep, n, a.steps, n / a.steps,
+                   n / a.steps * UNIT_SPIN / 1e3))
         if len(snaps) > 1:
             say_step_stats(label, r["steps_ms"], snaps)
         if ct is not None:
@@ -1233,16 +1239,21 @@ _PARKED = {}    # id(devstate) -> the Lender's cache while lending is off
 
 def spin_units(us):
     """UNIT_SPIN: vpager's HotPath.enter busy-waits `us` microseconds
-    more (patched before the node wraps any unit: wrap() binds enter)."""
+    more (patched before the node wraps any unit: wrap() binds enter);
+    returns a list whose one item counts the calls spun (what a step
+    grows by, if the host sets its pace: calls a step x us)."""
     from vpager.torch import hotpath
     enter, clock, extra = hotpath.HotPath.enter, time.perf_counter, us / 1e6
+    calls = [0]
 
     def spun(self, unit):
+        calls[0] += 1
         t = clock() + extra
         while clock() < t:
             pass
         return enter(self, unit)
     hotpath.HotPath.enter = spun
+    return calls
 
 
 def conds_on_device(conds, device):
