@@ -166,8 +166,8 @@ def main(argv=None):
     m.to("cpu")
     print("plain     %8.1f us a forward (%.2f us a unit)"
           % (plain, plain / a.units))
-    # The ring one page (the GPU's 32 MiB, the simulated device's 64 KiB
-    # x 4): the streamed budget's last quarter ring is then no whole page.
+    # The GPU's ring one 32 MiB page: the device's ring is whole pages, and
+    # the streamed budget's extra quarter of it (8 MiB) then holds none.
     ample, ring = wb + 64 * MiB, (32 * MiB if cuda else 256 << 10)
     run_case("held", m, x, dev, sync, a, ample, ring, plain)
     hold = os.environ.get("VPAGER_HOLD")
