@@ -193,6 +193,15 @@ typedef struct vp_options {
                               VPAGER_LEDGER */
   uint32_t ledger_timeout_us; /* how long a release request waits for each
                               other process; 0 = 50000; VPAGER_LEDGER_TIMEOUT_US */
+  int staging_wrap;        /* 1 (default): the staging ring's pages are
+                              mapped twice, back to back, where the backend
+                              can (CUDA; the simulated device on Linux), so
+                              a slot that does not fit before the ring's end
+                              runs on into its start and the whole ring
+                              holds slots; 0, or where it cannot: such a
+                              slot starts at 0 and the tail stays unused
+                              (vp_device_info's staging_wraps says which);
+                              VPAGER_STAGING_WRAP=0|1 */
 } vp_options_t;
 
 /* Fill opts with defaults, then apply VPAGER_* environment variables; a bad
@@ -234,6 +243,10 @@ typedef struct vp_device_info {
   uint64_t kept_free;      /* bytes it keeps free now: the larger of its
                               headroom and the largest shared headroom of
                               the device's other live vpager processes */
+  int staging_wraps;       /* the staging ring's slots run past its end into
+                              its start (options.staging_wrap, where the
+                              backend maps a page twice): all of the ring
+                              holds slots, not what first fit leaves */
 } vp_device_info_t;
 /* Fill *info (polls the device's free memory if the poll interval passed). */
 VP_API int vp_device_info(vp_device_t dev, vp_device_info_t *info);

@@ -189,6 +189,7 @@ int vp_device_info(vp_device_t h, vp_device_info_t *info) {
       .async_copies = dev->caps.async_copies,
       .shared_headroom = dev->budget.shared_headroom,
       .kept_free = vp__budget_kept(dev),
+      .staging_wraps = vp__staging_wraps(dev),
   };
   return vp__unlock(dev, VP_OK);
 }

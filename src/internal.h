@@ -77,6 +77,9 @@ typedef struct vp__vbar {
   vp__device_t *dev;
   uint64_t va;       /* base device address */
   uint64_t size;     /* bytes, whole pages */
+  uint64_t mirror;   /* reserved after the range for a second view of its
+                        pages: 0 or size (the staging ring's) */
+  bool mirrored;     /* every resident page has that second view */
   uint32_t npages;
   vp__page_t *pages;
   uint32_t *rank;    /* page -> rank (0 is evicted last) */
@@ -210,6 +213,8 @@ struct vp__device {
   vp__table_t weights;
   struct vp__staging *staging;
   bool ring_over_said;     /* the ring went over the limit once: logged */
+  bool ring_wrap_failed;   /* mapping the ring twice failed: logged, and
+                              rings open without wrapping from then on */
   uint64_t lookahead;
   /* fileio.c, safetensors.c */
   struct vp__file_ring *file_ring;   /* the pager's reads (device lock) */
@@ -359,12 +364,19 @@ bool vp__budget_free_bound(vp__device_t *dev, uint64_t want,
 /* page.c: committing and evicting one page. */
 int vp__page_commit(vp__vbar_t *vb, uint32_t p);
 int vp__page_evict(vp__vbar_t *vb, uint32_t p);
+/* A VBAR reserved with a mirror: its pages mapped a second time, page p at
+ * va + size + p * page, so a range may run past its end into its start.
+ * All or none: on error every page is mapped once again (the message
+ * names the page). vp__page_evict unmaps a mirrored page's second view. */
+int vp__vbar_mirror(vp__vbar_t *vb);
 
 /* pager.c */
 int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
 /* A VBAR for the library's own use (the staging ring): not in the priority
- * list, so it is never chosen for eviction and never listed in reports. */
-int vp__vbar_new_internal(vp__device_t *dev, uint64_t size, vp__vbar_t **out);
+ * list, so it is never chosen for eviction and never listed in reports.
+ * mirror: its reservation runs its size further (vp__vbar_mirror). */
+int vp__vbar_new_internal(vp__device_t *dev, uint64_t size, bool mirror,
+                          vp__vbar_t **out);
 int vp__vbar_check_free(const vp__vbar_t *vb); /* VP_EBUSY while pinned */
 int vp__vbar_free(vp__vbar_t *vb);
 void vp__pager_close(vp__device_t *dev); /* every VBAR, pinned or not */
@@ -579,6 +591,8 @@ typedef struct vp__staging {
   vp__lent_t lent[VP_LENT_RANGES]; /* lent memory, nlent ranges */
   size_t nlent;
   bool lent_open;    /* a prefetch stages there first */
+  bool wraps;        /* its pages are mapped twice, back to back: the last
+                        slot may run past the end into the start */
   vp__slot_t **lslots; /* the slots in lent memory, in order cut */
   size_t nlslots, lcap;
 } vp__staging_t;
@@ -629,6 +643,8 @@ void vp__weights_close(vp__device_t *dev);
 /* staging.c: the ring and the copy stream. */
 int vp__copy_stream(vp__device_t *dev, vp_stream_t *out);
 int vp__staging_open(vp__device_t *dev);
+/* Whether the ring's slots wrap (its own, or the next one's to open). */
+bool vp__staging_wraps(const vp__device_t *dev);
 /* The sizes of the weights a prefetch means to stage after the one it asks
  * a slot for, in its order (a few): in lent memory of several ranges, the
  * slot goes where the most of them still find room. */
@@ -644,6 +660,10 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
                    const vp__ahead_t *ahead, vp__slot_t **out);
 uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s);
 bool vp__staging_holds(vp__device_t *dev, uint64_t addr, uint64_t size);
+/* Whether a copy to dst continues one that ends at `end`: dst is `end`, or
+ * in a ring that wraps, dst in it is `end` seen through its second view
+ * (a copy there may run on across the seam). */
+bool vp__staging_continues(vp__device_t *dev, uint64_t end, uint64_t dst);
 /* The device range [addr, +size) a caller may write or read: all pinned in
  * one VBAR, or in a staging slot an acquire holds (VP_ENOTPINNED/ERANGE). */
 int vp__pinned_range(vp__device_t *dev, uint64_t addr, uint64_t size);

@@ -63,15 +63,19 @@ static void check_skip(const vp__device_t *dev, const vp__vbar_t *vb) {
   }
 }
 
-/* The staging ring: its slots in offset order, inside it, apart; `taken`
- * their sum; a slot's weight points back at it. */
+/* The staging ring: its slots in offset order, inside it, apart (in a
+ * ring that wraps, the last may run on into its start, up to the first);
+ * `taken` their sum; a slot's weight points back at it. */
 static void check_ring(const vp__device_t *dev) {
   const vp__staging_t *st = dev->staging;
   if (!st) return;
   uint64_t taken = 0, end = 0;
   for (size_t k = 0; k < st->n; k++) {
     const vp__slot_t *s = st->slots[k];
-    if (s->off < end || s->size > st->size - s->off)
+    uint64_t room = st->size - s->off; /* inside, or wrapped to the first */
+    if (st->wraps && s->off < st->size && k == st->n - 1)
+      room += k ? st->slots[0]->off : s->off;
+    if (s->off < end || s->off >= st->size || s->size > room)
       dump_and_abort(dev, NULL, "a staging slot's offset (after the last "
                      "one's end, inside the ring)", s->off, end);
     if (s->owner && s->owner->slot != s)

@@ -124,6 +124,11 @@ static int parse_streams(const char *t, void *f) {
   return parse_word(t, f, w, 2);
 }
 
+static int parse_flag(const char *t, void *f) {
+  static const char *const w[] = {"0", "1"};
+  return parse_word(t, f, w, 2);
+}
+
 static int parse_name(const char *t, void *f) {
   size_t n = strlen(t);
   if (n == 0 || n >= sizeof(((vp_options_t *)0)->sim_shared)) return -1;
@@ -163,6 +168,8 @@ static const struct option_entry {
      "a name of letters, digits, - and _"},
     {"VPAGER_STAGING", offsetof(vp_options_t, staging_size), parse_u64,
      "a size such as 512M"},
+    {"VPAGER_STAGING_WRAP", offsetof(vp_options_t, staging_wrap), parse_flag,
+     "0 or 1"},
     {"VPAGER_LOOKAHEAD", offsetof(vp_options_t, lookahead), parse_u64,
      "a size such as 256M"},
     {"VPAGER_PIN_BUDGET", offsetof(vp_options_t, pin_budget), parse_u64,
@@ -210,6 +217,7 @@ void vp__options_defaults(vp_options_t *opts) {
       .sim_granularity = 2 * MiB,
       .sim_streams = VP_SIM_SYNC,
       .staging_size = 512 * MiB,
+      .staging_wrap = 1,
       .lookahead = 256 * MiB,
       .pin_budget = 0,
       .file_slots = 3,
@@ -285,6 +293,9 @@ int vp__options_check(const vp_options_t *o) {
                    "at least 4 KiB", (unsigned long long)o->sim_granularity);
   if (o->device_index < 0)
     return vp__err(VP_EINVAL, "device index %d is negative", o->device_index);
+  if (o->staging_wrap != 0 && o->staging_wrap != 1)
+    return vp__err(VP_EINVAL, "option staging_wrap (VPAGER_STAGING_WRAP): %d "
+                   "is not 0 or 1", o->staging_wrap);
   if (o->file_slots < 2 || o->file_slots > 64 || o->file_slot_size < 4096)
     return vp__err(VP_EINVAL, "the file reader needs 2-64 slots of at least 4 "
                    "KiB (have %u of %llu bytes)", o->file_slots,

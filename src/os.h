@@ -172,6 +172,14 @@ int vp__os_vm_populate(void *p, size_t size);
 /* Committed pages' memory dropped, the pages left read-write: zeros when
  * next read (Windows: decommitted and committed again). */
 int vp__os_vm_discard(void *p, size_t size);
+/* [b, +size) shows the memory of [a, +size) too, read-write, a's bytes
+ * kept: both committed ranges of reservations, page-aligned. ENOSYS where
+ * the OS cannot map memory twice (Windows here). */
+int vp__os_vm_share(void *a, void *b, size_t size);
+bool vp__os_vm_can_share(void);
+/* A range vp__os_vm_share made: no access, its own view dropped (the
+ * other one keeps the memory while it lasts). */
+int vp__os_vm_unshare(void *p, size_t size);
 
 /* --------------------------------------------------------------- files */
 

@@ -397,6 +397,30 @@ int vp__os_vm_discard(void *p, size_t size) {
   return madvise(p, size, MADV_DONTNEED) ? errno : 0; /* private: zeros */
 }
 
+/* Both views become one shared mapping's: a's bytes are copied into it,
+ * then it is mapped over a and over b (mremap of a shared mapping with
+ * old size 0 maps the same pages again). */
+int vp__os_vm_share(void *a, void *b, size_t size) {
+  char *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                 -1, 0);
+  if (m == MAP_FAILED) return errno;
+  memcpy(m, a, size);
+  int e = 0;
+  if (mremap(m, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, a) != a ||
+      mremap(m, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, b) != b)
+    e = errno;
+  munmap(m, size);
+  return e;
+}
+
+bool vp__os_vm_can_share(void) { return true; }
+
+int vp__os_vm_unshare(void *p, size_t size) {
+  void *m = mmap(p, size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  return m == p ? 0 : errno;
+}
+
 /* --------------------------------------------------------------- files */
 
 int vp__os_file_open_read(const char *path, int *fd) {

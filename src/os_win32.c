@@ -446,6 +446,19 @@ int vp__os_vm_discard(void *p, size_t size) {
                                                            : last_errno();
 }
 
+/* Placeholders (VirtualAlloc2, MapViewOfFile3) could map a section twice
+ * inside a reservation; the simulated device does without. */
+int vp__os_vm_share(void *a, void *b, size_t size) {
+  (void)a, (void)b, (void)size;
+  return ENOSYS;
+}
+
+bool vp__os_vm_can_share(void) { return false; }
+
+int vp__os_vm_unshare(void *p, size_t size) {
+  return vp__os_vm_decommit(p, size);
+}
+
 /* --------------------------------------------------------------- files */
 
 static HANDLE file_handle(int fd) { return (HANDLE)_get_osfhandle(fd); }

@@ -12,6 +12,12 @@ static int commit_once(vp__vbar_t *vb, uint64_t va, vp__phys_t *phys) {
   if (rc) goto release;
   rc = vp__be_set_access(dev, va, size);
   if (rc) goto unmap;
+  if (vb->mirrored) { /* its second view too (vp__vbar_mirror) */
+    rc = vp__be_map(dev, va + vb->size, size, *phys);
+    if (rc == VP_OK && (rc = vp__be_set_access(dev, va + vb->size, size)))
+      vp__be_unmap(dev, va + vb->size, size);
+    if (rc) goto unmap;
+  }
   return VP_OK;
 unmap:
   vp__be_unmap(dev, va, size);
@@ -78,6 +84,7 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
   int rc = fence_done(vb, p, &pg->fence);
   if (rc == VP_OK) rc = fence_done(vb, p, &pg->fill);
   if (rc) return rc;
+  if (vb->mirrored) vp__be_unmap(dev, va + vb->size, dev->page_size);
   vp__be_unmap(dev, va, dev->page_size);
   vp__be_phys_release(dev, pg->phys, dev->page_size);
   pg->resident = false;
@@ -86,4 +93,33 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
   dev->committed -= dev->page_size;
   VP__COUNT(vb, pages_evicted, 1);
   return VP_OK;
+}
+
+/* Each resident page's second view, at va + size: map, then access. */
+int vp__vbar_mirror(vp__vbar_t *vb) {
+  vp__device_t *dev = vb->dev;
+  uint64_t page = dev->page_size;
+  if (vb->mirror != vb->size)
+    return vp__err(VP_EINVAL, "the VBAR has no room reserved for a mirror");
+  int rc = VP_OK;
+  uint32_t p = 0;
+  for (; p < vb->npages && rc == VP_OK; p++) {
+    if (!vb->pages[p].resident) continue;
+    uint64_t at = vb->va + vb->size + ((uint64_t)p << dev->page_shift);
+    rc = vp__be_map(dev, at, page, vb->pages[p].phys);
+    if (rc == VP_OK && (rc = vp__be_set_access(dev, at, page)))
+      vp__be_unmap(dev, at, page);
+    if (rc)
+      rc = vp__err(rc, "mapping page %u a second time at 0x%llx failed", p,
+                   (unsigned long long)at);
+  }
+  if (rc == VP_OK) {
+    vb->mirrored = true;
+    return VP_OK;
+  }
+  for (uint32_t q = 0; q + 1 < p; q++) /* p - 1 failed and is undone */
+    if (vb->pages[q].resident)
+      vp__be_unmap(dev, vb->va + vb->size + ((uint64_t)q << dev->page_shift),
+                   page);
+  return rc;
 }

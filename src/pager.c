@@ -147,7 +147,10 @@ static void vbar_free_struct(vp__vbar_t *vb) {
   free(vb);
 }
 
-int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
+/* A VBAR of `size` bytes whose reservation runs `mirror` bytes further
+ * (0, or its size: room for a second view of its pages). */
+static int vbar_new(vp__device_t *dev, uint64_t size, bool mirror,
+                    vp__vbar_t **out) {
   uint64_t npages = (size >> dev->page_shift) +
                     ((size & (dev->page_size - 1)) != 0);
   if (npages > VP__MAX_PAGES)
@@ -161,7 +164,8 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
   vb->dev = dev;
   vb->npages = (uint32_t)npages;
   vb->size = npages << dev->page_shift;
-  rc = vp__be_va_reserve(dev, vb->size, &vb->va);
+  vb->mirror = mirror ? vb->size : 0;
+  rc = vp__be_va_reserve(dev, vb->size + vb->mirror, &vb->va);
   if (rc) {
     vbar_free_struct(vb);
     return vp__err(rc, "reserving %llu bytes of address space failed",
@@ -169,7 +173,7 @@ int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
   }
   rc = vp__table_add(dev, &dev->vbars, vb, &vb->id);
   if (rc) {
-    vp__be_va_free(dev, vb->va, vb->size);
+    vp__be_va_free(dev, vb->va, vb->size + vb->mirror);
     vbar_free_struct(vb);
     return rc;
   }
@@ -187,15 +191,19 @@ static void vbar_release(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
   for (uint32_t p = 0; p < vb->npages; p++)
     if (vb->pages[p].resident) vp__page_evict(vb, p);
-  vp__be_va_free(dev, vb->va, vb->size);
+  vp__be_va_free(dev, vb->va, vb->size + vb->mirror);
   list_unlink(vb);
   vp__table_remove(&dev->vbars, vb->id);
   vbar_free_struct(vb);
 }
 
-int vp__vbar_new_internal(vp__device_t *dev, uint64_t size,
+int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out) {
+  return vbar_new(dev, size, false, out);
+}
+
+int vp__vbar_new_internal(vp__device_t *dev, uint64_t size, bool mirror,
                           vp__vbar_t **out) {
-  int rc = vp__vbar_new(dev, size, out);
+  int rc = vbar_new(dev, size, mirror, out);
   if (rc == VP_OK) list_unlink(*out);
   return rc;
 }

@@ -48,6 +48,23 @@ static int ring_over_limit(vp__device_t *dev, vp__vbar_t *vb) {
   return rc;
 }
 
+bool vp__staging_wraps(const vp__device_t *dev) {
+  return dev->staging ? dev->staging->wraps
+                      : dev->opts.staging_wrap && dev->caps.map_twice &&
+                            !dev->ring_wrap_failed;
+}
+
+/* The ring's pages mapped again after it, so a slot that does not fit
+ * before its end runs on into its start instead of leaving the tail
+ * unused: the whole ring holds slots. Where the driver refuses, the ring
+ * works as one that does not wrap, said once. */
+static void ring_mirror(vp__device_t *dev, vp__vbar_t *vb) {
+  if (vp__vbar_mirror(vb) == VP_OK) return;
+  dev->ring_wrap_failed = true;
+  vp__log(VP_LOG_WARN, dev->caps.name, "the staging ring's slots do not "
+          "wrap: %s", vp_last_error());
+}
+
 int vp__staging_open(vp__device_t *dev) {
   vp__staging_t *st = NULL;
   vp__vbar_t *vb = NULL;
@@ -55,10 +72,12 @@ int vp__staging_open(vp__device_t *dev) {
   if (size < dev->page_size) size = dev->page_size;
   if (vp__inject_fail(&dev->inject) || !(st = calloc(1, sizeof *st)))
     return vp__err(VP_ENOMEM, "no memory for the staging ring");
-  int rc = vp__vbar_new_internal(dev, size, &vb);
+  bool wrap = vp__staging_wraps(dev);
+  int rc = vp__vbar_new_internal(dev, size, wrap, &vb);
   if (rc) goto fail;
   rc = vp__fault(vb, 0, vb->npages, NULL);
   if (rc == VP_MISS) rc = ring_over_limit(dev, vb);
+  if (rc == VP_OK && wrap) ring_mirror(dev, vb);
   if (rc) {
     vp__vbar_free(vb);
     if (rc == VP_MISS)
@@ -69,6 +88,7 @@ int vp__staging_open(vp__device_t *dev) {
   }
   st->vb = vb;
   st->size = vb->size;
+  st->wraps = vb->mirrored;
   dev->staging = st;
   return VP_OK;
 fail:
@@ -112,13 +132,34 @@ static int ring_reclaim(vp__device_t *dev, vp__staging_t *st, size_t k) {
   return VP_OK;
 }
 
-/* The gap before slot k (k = n: the tail), if `size` fits in it. */
+/* Where slot s ends: past the ring's end only in a wrapping ring. */
+static uint64_t slot_end(const vp__slot_t *s) { return s->off + s->size; }
+
+/* The bytes at the ring's start that its last slot runs into (a wrapping
+ * ring's slot may go on past the end, into the second view). */
+static uint64_t wrapped(const vp__staging_t *st) {
+  uint64_t end = st->n ? slot_end(st->slots[st->n - 1]) : 0;
+  return end > st->size ? end - st->size : 0;
+}
+
+/* The free bytes before slot k (k = n: after the last one, as far as a
+ * wrapping ring's first slot), from *off. */
+static uint64_t gap(const vp__staging_t *st, size_t k, uint64_t *off) {
+  *off = k ? slot_end(st->slots[k - 1]) : wrapped(st);
+  uint64_t limit = k < st->n ? st->slots[k]->off : st->size;
+  if (k == st->n && k) {
+    if (*off >= st->size) return 0; /* gap 0 starts where it ends */
+    if (st->wraps) limit += st->slots[0]->off;
+  }
+  return limit > *off ? limit - *off : 0;
+}
+
+/* The gap before slot k, if `size` fits in it. */
 static bool gap_fits(const vp__staging_t *st, size_t k, uint64_t size,
                      uint64_t *off) {
-  uint64_t end = k ? st->slots[k - 1]->off + st->slots[k - 1]->size : 0;
-  uint64_t next = k < st->n ? st->slots[k]->off : st->size;
-  if (next - end < size) return false;
-  *off = end;
+  uint64_t at = 0;
+  if (gap(st, k, &at) < size) return false;
+  *off = at;
   return true;
 }
 
@@ -126,12 +167,8 @@ static bool gap_fits(const vp__staging_t *st, size_t k, uint64_t size,
  * SIZE_MAX: the first gap that is large enough. */
 static size_t ring_fit(const vp__staging_t *st, uint64_t size, uint64_t *off) {
   if (st->size - st->taken < size) return SIZE_MAX; /* no gap that large */
-  uint64_t end = 0;
-  for (size_t k = 0; k <= st->n; k++) {
-    uint64_t next = k < st->n ? st->slots[k]->off : st->size;
-    if (next - end >= size) return *off = end, k;
-    if (k < st->n) end = st->slots[k]->off + st->slots[k]->size;
-  }
+  for (size_t k = 0; k <= st->n; k++)
+    if (gap_fits(st, k, size, off)) return k;
   return SIZE_MAX;
 }
 
@@ -155,45 +192,70 @@ static size_t ring_victim(const vp__staging_t *st) {
   return best;
 }
 
-/* Index before which a slot of `size` goes at st->next (wrapping to 0 at
- * the end), or SIZE_MAX. reclaim = false: only if nothing is in the way.
- * reclaim = true: the slots in the way are reclaimed (*rc: an error doing
- * so); one that may not be (held, or staged ahead) is stepped over, like a
- * clock hand, at most once round the ring. In order of use the slots after
- * st->next are the oldest, so this is the LRU choice for a model streamed
- * in order, and consecutive allocations (one prefetch batch) get adjacent
- * slots: their copies merge when the sources are adjacent too. */
+/* How far on from `at` slot s starts (0 when it covers `at`) and ends,
+ * going round a ring of `size` bytes. */
+static uint64_t ahead_start(uint64_t size, const vp__slot_t *s, uint64_t at) {
+  uint64_t back = (at + size - s->off) % size; /* from its start to at */
+  return back < s->size ? 0 : size - back;
+}
+
+static uint64_t ahead_end(uint64_t size, const vp__slot_t *s, uint64_t at) {
+  uint64_t back = (at + size - s->off) % size;
+  return back < s->size ? s->size - back : size - back + s->size;
+}
+
+/* Whether slot s lies in [at, at + len) (which may run past the end). */
+static bool in_way(uint64_t size, const vp__slot_t *s, uint64_t at,
+                   uint64_t len) {
+  return ahead_start(size, s, at) < len;
+}
+
+/* Index before which a slot of `size` goes at st->next (in a ring that
+ * does not wrap, at 0 when it does not fit before the end), or SIZE_MAX.
+ * reclaim = false: only if nothing is in the way. reclaim = true: the
+ * slots in the way are reclaimed (*rc: an error doing so); one that may
+ * not be (held, or staged ahead) is stepped over, like a clock hand, at
+ * most once round the ring. In order of use the slots after st->next are
+ * the oldest, so this is the LRU choice for a model streamed in order,
+ * and consecutive allocations (one prefetch batch) get adjacent slots:
+ * their copies merge when the sources are adjacent too. */
 static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
                         bool reclaim, uint64_t *off, int *rc) {
-  if (size > st->size) return SIZE_MAX;
+  uint64_t ring = st->size;
+  if (size > ring) return SIZE_MAX;
   uint64_t at = st->next, moved = 0;
   for (;;) {
-    if (at > st->size - size) {
-      moved += st->size - at;
+    if (at >= ring) at -= ring;
+    if (!st->wraps && at > ring - size) {
+      moved += ring - at;
       at = 0;
     }
-    if (moved >= st->size) return SIZE_MAX; /* went round */
-    size_t lo = 0, hi = st->n; /* the first slot that ends after `at` */
-    while (lo < hi) {
-      size_t mid = lo + (hi - lo) / 2;
-      if (st->slots[mid]->off + st->slots[mid]->size <= at) lo = mid + 1;
-      else hi = mid;
+    if (moved >= ring) return SIZE_MAX; /* went round */
+    size_t block = SIZE_MAX;
+    bool any = false;
+    for (size_t k = 0; k < st->n; k++) {
+      const vp__slot_t *s = st->slots[k];
+      if (!in_way(ring, s, at, size)) continue;
+      any = true;
+      if (reclaim && reclaimable(s, true)) continue;
+      if (block == SIZE_MAX || ahead_start(ring, s, at) <
+                                   ahead_start(ring, st->slots[block], at))
+        block = k;
     }
-    size_t q = lo;
-    while (reclaim && q < st->n && st->slots[q]->off < at + size &&
-           reclaimable(st->slots[q], true))
-      q++;
-    if (q < st->n && st->slots[q]->off < at + size) { /* in the way */
-      if (!reclaim) return SIZE_MAX;
-      uint64_t end = st->slots[q]->off + st->slots[q]->size;
-      moved += end - at;
-      at = end;
+    if (any && !reclaim) return SIZE_MAX;
+    if (block != SIZE_MAX) { /* the first one in the way that must stay */
+      uint64_t step = ahead_end(ring, st->slots[block], at);
+      moved += step;
+      at += step;
       continue;
     }
-    while (lo < st->n && st->slots[lo]->off < at + size)
-      if ((*rc = ring_reclaim(dev, st, lo))) return SIZE_MAX;
+    for (size_t k = 0; k < st->n;)
+      if (!in_way(ring, st->slots[k], at, size)) k++;
+      else if ((*rc = ring_reclaim(dev, st, k))) return SIZE_MAX;
+    size_t k = 0;
+    while (k < st->n && st->slots[k]->off < at) k++;
     *off = at;
-    return lo;
+    return k;
   }
 }
 
@@ -291,9 +353,11 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
                      "not released (raise staging_size)",
                      (unsigned long long)w->size, (unsigned long long)st->size);
     if ((rc = ring_reclaim(dev, st, victim))) return rc;
-    /* No other gap fitted before, so the first that fits now, if any, is
-     * the one the victim left (joined with its neighbours). */
-    if (gap_fits(st, victim, size, &off)) k = victim;
+    /* At st->next, as before; else no other gap fitted before, so the
+     * first that fits now, if any, is the one the victim left (joined
+     * with its neighbours). */
+    k = ring_next(dev, st, size, false, &off, &rc);
+    if (k == SIZE_MAX && gap_fits(st, victim, size, &off)) k = victim;
   }
   vp__slot_t *s = NULL;
   if ((rc = vp__grow(dev, (void **)&st->slots, &st->cap, st->n, sizeof s)) ||
@@ -304,7 +368,7 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
   st->slots[k] = s;
   st->n++;
   st->taken += size;
-  st->next = off + size;
+  st->next = off + size < st->size ? off + size : off + size - st->size;
   w->slot = s;
   *out = s;
   return VP_OK;
@@ -312,6 +376,13 @@ int vp__ring_alloc(vp__device_t *dev, vp__weight_t *w, bool prefetch,
 
 uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s) {
   return s->lent ? s->off : dev->staging->vb->va + s->off;
+}
+
+bool vp__staging_continues(vp__device_t *dev, uint64_t end, uint64_t dst) {
+  const vp__staging_t *st = dev->staging;
+  if (end == dst) return true;
+  return st && st->wraps && dst >= st->vb->va &&
+         dst - st->vb->va < st->size && end == dst + st->size;
 }
 
 /* True if [addr, +size) lies in a staging slot an acquire holds (the
@@ -431,7 +502,7 @@ int vp__staging_lend(vp__device_t *dev, uint64_t addr, uint64_t size,
   if (grows == SIZE_MAX && st->nlent == VP_LENT_RANGES)
     return vp__err(VP_EBUSY, "%d ranges are lent already; reclaim them first",
                    VP_LENT_RANGES);
-  if (overlaps(addr, size, st->vb->va, st->vb->size))
+  if (overlaps(addr, size, st->vb->va, st->vb->size + st->vb->mirror))
     return vp__err(VP_EINVAL, "the range at 0x%llx overlaps the staging ring",
                    ULL(addr));
   for (size_t r = 0; r < st->nlent; r++)

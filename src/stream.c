@@ -55,8 +55,10 @@ static int batch_add(vp__device_t *dev, batch_t *b, vp__weight_t *w,
     return rc;
   copy_t *last = b->n ? &b->c[b->n - 1] : NULL;
   b->filled[b->nfilled++] = w;
-  /* Merge with the previous copy when both ends continue it. */
-  if (last && last->dst + last->size == dst && last->src->kind == w->src.kind &&
+  /* Merge with the previous copy when both ends continue it (the ring's
+   * second view continues a slot that ran past its end). */
+  if (last && vp__staging_continues(dev, last->dst + last->size, dst) &&
+      last->src->kind == w->src.kind &&
       ((w->src.kind == VP_SOURCE_HOST &&
         (const char *)last->src->host + last->src_off + last->size ==
             (const char *)w->src.host) ||

@@ -17,15 +17,13 @@ static vp_device_t ring_setup(test_ctx_t *ctx, model_t *m, size_t n) {
   return dev;
 }
 
-/* ring_setup's device (a ring of 2 pages), its model's weights a page
- * apart, weight i of units[i] quarter pages: *u gets the quarter page. */
-static vp_device_t units_setup(test_ctx_t *ctx, model_t *m,
-                               const uint64_t *units, size_t n, uint64_t key,
-                               uint64_t *u) {
-  vp_options_t o;
-  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
-  vp_device_t dev = test_open_cap(ctx, &o, 16);
-  uint64_t ps = o.page_size, off[16], size[16];
+/* units_setup's model on a device already open. */
+static void units_setup_on(vp_device_t dev, model_t *m,
+                           const uint64_t *units, size_t n, uint64_t key,
+                           uint64_t *u) {
+  vp_device_info_t info;
+  ASSERT_OK(vp_device_info(dev, &info));
+  uint64_t ps = info.page_size, off[16], size[16];
   ASSERT_TRUE(n <= 16);
   *u = ps / 4;
   for (size_t i = 0; i < n; i++) {
@@ -34,6 +32,17 @@ static vp_device_t units_setup(test_ctx_t *ctx, model_t *m,
   }
   model_init(m, dev, n * ps, n, off, size, SRC_SCATTER, key);
   ASSERT_OK(vp_vbar_set_watermark(m->v, 0));
+}
+
+/* ring_setup's device (a ring of 2 pages), its model's weights a page
+ * apart, weight i of units[i] quarter pages: *u gets the quarter page. */
+static vp_device_t units_setup(test_ctx_t *ctx, model_t *m,
+                               const uint64_t *units, size_t n, uint64_t key,
+                               uint64_t *u) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_WORKER);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  units_setup_on(dev, m, units, n, key, u);
   return dev;
 }
 
@@ -277,6 +286,97 @@ TEST(stream_ring_full, TEST_ALL_BACKENDS) {
   ASSERT_OK(vp_device_close(dev));
   free(bsrc);
   model_free(&m);
+}
+
+/* Slots of three quarter pages in a ring of two pages: the third does not
+ * fit before the end. A ring that wraps (its pages mapped twice) puts it
+ * right after the second, running on into the start over the first one's
+ * (reclaimed) room, and its bytes read back whole across the seam; one
+ * that does not (staging_wrap 0, or a backend that cannot map a page
+ * twice) starts it at 0. */
+TEST(stream_ring_wraps, TEST_ALL_BACKENDS) {
+  for (int wrap = 1; wrap >= 0; wrap--) {
+    vp_options_t o;
+    sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+    o.staging_wrap = wrap;
+    vp_device_t dev = test_open_cap(ctx, &o, 16);
+    const uint64_t units[5] = {3, 3, 3, 3, 3};
+    uint64_t q = 0, p[5] = {0};
+    model_t m;
+    units_setup_on(dev, &m, units, 5, 21 + wrap, &q);
+    vp_device_info_t info;
+    ASSERT_OK(vp_device_info(dev, &info));
+    bool wraps = info.staging_wraps;
+#ifndef _WIN32 /* the simulated device maps a page twice on Linux only */
+    if (wrap && is_sim(ctx)) ASSERT_TRUE(wraps);
+#endif
+    if (!wrap) ASSERT_FALSE(wraps);
+    for (int i = 0; i < 5; i++) {
+      uint8_t f = 0;
+      ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p[i], &f));
+      ASSERT_EQ_INT(f, VP_ACQUIRED_STAGED | VP_ACQUIRED_COPIED);
+      /* Read back through the device (vp_copy_to_host: a held slot). */
+      verify_resident(dev, 0, p[i], m.srcs[i].host, 3 * q);
+      ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+    }
+    ASSERT_EQ_U64(p[1], p[0] + 3 * q);
+    if (wraps) {
+      ASSERT_EQ_U64(p[2], p[0] + 6 * q); /* runs 1q past the end */
+      ASSERT_EQ_U64(p[3], p[0] + q);     /* from where it ended */
+      ASSERT_EQ_U64(p[4], p[0] + 4 * q);
+    } else {
+      ASSERT_EQ_U64(p[2], p[0]);
+      ASSERT_EQ_U64(p[3], p[0] + 3 * q);
+      ASSERT_EQ_U64(p[4], p[0]);
+    }
+    ASSERT_OK(vp_device_info(dev, &info));
+    ASSERT_EQ_INT(info.staging_wraps, wraps);
+    ASSERT_OK(vp_device_close(dev));
+    model_free(&m);
+  }
+}
+
+/* Streamed in order through a ring that holds no whole number of them:
+ * in a ring that wraps, a prefetch batch runs on across the seam in one
+ * copy (adjacent sources, and the ring's second view continues the slot
+ * that ran past its end), so it never takes more copies than a ring whose
+ * slots start again at 0, and every pass takes the same. */
+TEST(stream_ring_wrap_merges_copies, TEST_ALL_BACKENDS) {
+  uint64_t copies[2][3] = {{0}};
+  bool wraps = false;
+  for (int wrap = 0; wrap <= 1; wrap++) {
+    vp_options_t o;
+    sopts(ctx, &o, 4, 0, VP_SIM_SYNC);
+    o.staging_wrap = wrap;
+    uint64_t ps = o.page_size, ws = 3 * ps / 64; /* 85 1/3 to the ring */
+    o.lookahead = 2 * ps;
+    vp_device_t dev = test_open_cap(ctx, &o, 4); /* only the ring fits */
+    vp_device_info_t info;
+    ASSERT_OK(vp_device_info(dev, &info));
+    if (wrap) wraps = info.staging_wraps;
+    model_t m;
+    size_t n = 160; /* 7.5 pages */
+    model_uniform(&m, dev, 8 * ps, n, ws, SRC_CONTIG, 32 + wrap);
+    for (int pass = 0; pass < 3; pass++) {
+      vp_stats_t before = dstats(dev);
+      for (size_t i = 0; i < n; i++) {
+        uint64_t ptr;
+        uint8_t fl;
+        ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &ptr, &fl));
+        ASSERT_TRUE(fl & VP_ACQUIRED_STAGED);
+        verify_resident(dev, 0, ptr, m.srcs[i].host, ws); /* read back */
+        ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+      }
+      copies[wrap][pass] = dstats(dev).copies - before.copies;
+      test_log("staging_wrap %d, pass %d: %" PRIu64 " copies", wrap, pass,
+                copies[wrap][pass]);
+    }
+    ASSERT_OK(vp_device_close(dev));
+    model_free(&m);
+  }
+  for (int pass = 1; pass < 3; pass++)
+    ASSERT_TRUE(copies[1][pass] <= copies[0][pass]);
+  if (wraps) ASSERT_EQ_U64(copies[1][2], copies[1][1]);
 }
 
 /* A small weight whose cached slot is the oldest in the ring, held while

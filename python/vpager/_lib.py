@@ -106,6 +106,7 @@ class vp_options_t(Structure):
         ("file_slot_size", c_uint64),
         ("ledger", c_char * 64),
         ("ledger_timeout_us", c_uint32),
+        ("staging_wrap", c_int),
     ]
 
 
@@ -148,6 +149,7 @@ class vp_device_info_t(Structure):
         ("async_copies", c_int),
         ("shared_headroom", c_int64),
         ("kept_free", c_uint64),
+        ("staging_wraps", c_int),
     ]
 
 
@@ -260,7 +262,7 @@ class vp_st_tensor_t(Structure):
 # Fixed sizes on LP64 (x86-64, aarch64): a changed header shows up here.
 EXPECTED_SIZES = {
     vp_options_t: 248,
-    vp_device_info_t: 80,
+    vp_device_info_t: 88,
     vp_hostbuf_info_t: 32,
     vp_source_t: 32,
     vp_st_tensor_t: 112,

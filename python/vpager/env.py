@@ -43,6 +43,9 @@ VARIABLES: Dict[str, Variable] = {
                              ("tail", "interleaved"), by_c=True),
     "VPAGER_STAGING": Variable("size", "staging ring bytes (vpager.torch "
                                "then keeps the ring's size)", by_c=True),
+    "VPAGER_STAGING_WRAP": Variable("word", "1: the staging ring's slots "
+                                    "wrap past its end", ("0", "1"),
+                                    by_c=True),
     "VPAGER_LOOKAHEAD": Variable("size", "prefetch bytes past each acquire "
                                  "(vpager.torch then sets no windows)",
                                  by_c=True),

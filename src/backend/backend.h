@@ -8,7 +8,8 @@
  *    anything else is a bug in the caller's arguments.
  *  - Addresses and sizes given to the memory operations are multiples of
  *    caps.granularity and non-zero; a mapping covers exactly one physical
- *    allocation (a page).
+ *    allocation (a page). Where caps.map_twice, a page may be mapped and
+ *    made accessible at a second address too, unmapped there first.
  *  - A page is usable only after phys_create, map and set_access, in that
  *    order; it is undone by unmap then phys_release. Undoing drops the data
  *    and removes access, so a later touch faults.
@@ -52,6 +53,8 @@ typedef struct vp__caps {
   uint64_t total_memory;   /* bytes of device memory */
   uint64_t default_headroom; /* headroom when the user gives none */
   bool async_copies;       /* copies may complete after the call returns */
+  bool map_twice;          /* a page may be mapped (and made accessible) at
+                              a second address: two views of one memory */
 } vp__caps_t;
 
 typedef struct vp__backend {

@@ -155,6 +155,8 @@ static const vp__vmm_driver_t cu_driver = {
     /* DEVICEMAP: the copies by SMs read registered memory. */
     .host_register_flags = VP_CU_MEMHOSTREGISTER_PORTABLE |
                            VP_CU_MEMHOSTREGISTER_DEVICEMAP,
+    /* cuMemMap maps one allocation at several addresses. */
+    .map_twice = true,
     .calls = {"cuInit", "cuDeviceGetCount", "cuDeviceGet",
               "cuDeviceGetAttribute", "cuMemCreate/cuMemMap"}};
 

@@ -290,6 +290,8 @@ static const vp__vmm_driver_t hip_driver = {
     .enter = set_device, .leave = give_device_back,
     .attr_vmm = VP_HIP_ATTR_VMM, .attr_integrated = VP_HIP_ATTR_INTEGRATED,
     .host_register_flags = 1, /* hipHostRegisterPortable */
+    /* Not tried on a ROCm device: the ring maps each page once there. */
+    .map_twice = false,
     .calls = {"hipInit", "hipGetDeviceCount", "hipDeviceGet",
               "hipDeviceGetAttribute", "hipMemCreate/hipMemMap"}};
 

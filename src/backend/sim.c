@@ -3,7 +3,9 @@
  * Reserve = a host reservation with no access (costs nothing); commit =
  * count a page against the capacity; set_access = commit it read/write;
  * unmap = decommit: drop the contents and remove access, so a later touch faults as an illegal
- * address does on a GPU.
+ * address does on a GPU. A page mapped at a second address (caps.map_twice,
+ * Linux) makes both views one shared mapping's (os.h's vp__os_vm_share);
+ * unmapping a view drops that view.
  *
  * Streams: in VP_SIM_SYNC mode every op runs at once in the caller; in
  * VP_SIM_WORKER mode each stream (0 included) is a thread draining a FIFO
@@ -52,7 +54,10 @@ typedef struct sim_slot {
   union {
     sim_stream_t *stream; /* stays with the slot (and is reused) when dead */
     sim_ticket_t ev;      /* an event's latest record */
-    uint64_t size;        /* a physical allocation's size */
+    struct {
+      uint64_t size;      /* a physical allocation's size */
+      uint64_t va;        /* where it was mapped first; 0: not yet */
+    } phys;
   } u;
 } sim_slot_t;
 
@@ -125,6 +130,8 @@ typedef struct sim_ctx {
   sim_table_t streams, events, phys;
   sim_range_t *res;       /* live reserves */
   size_t nres, capres;
+  sim_range_t *views;     /* both views of each page mapped twice */
+  size_t nviews, capviews;
   sim_shm_t *shm;
   int slot;               /* ours in shm->slot */
   int32_t pid;            /* the opener (a forked child owns no workers) */
@@ -558,6 +565,7 @@ static void sim_teardown(sim_ctx_t *c) {
   free(c->events.s);
   free(c->phys.s);
   free(c->res);
+  free(c->views);
   if (owner) {
     vp__os_cond_destroy(&c->done_cv);
     vp__os_mutex_destroy(&c->mu);
@@ -585,6 +593,7 @@ static int sim_open(const vp_options_t *o, vp__inject_t *inj, void **out,
   caps->total_memory = c->shm ? atomic_load(&c->shm->capacity) : c->capacity;
   caps->default_headroom = 0;
   caps->async_copies = c->worker;
+  caps->map_twice = vp__os_vm_can_share();
   *out = c;
   return VP_OK;
 }
@@ -718,7 +727,8 @@ static int sim_phys_create(void *ctx, uint64_t size, vp__phys_t *phys) {
     rc = VP_EOOM;
   }
   if (!rc) {
-    c->phys.s[idx].u.size = size;
+    c->phys.s[idx].u.phys.size = size;
+    c->phys.s[idx].u.phys.va = 0;
     *phys = tab_handle(&c->phys, idx);
   }
   sim_unlock(c);
@@ -729,7 +739,7 @@ static int sim_phys_release(void *ctx, vp__phys_t phys, uint64_t size) {
   sim_ctx_t *c = ctx;
   sim_lock(c);
   int64_t i = tab_find(&c->phys, phys);
-  int rc = i >= 0 && c->phys.s[i].u.size == size ? VP_OK : VP_EINVAL;
+  int rc = i >= 0 && c->phys.s[i].u.phys.size == size ? VP_OK : VP_EINVAL;
   if (!rc) {
     sim_uncharge(c, size);
     tab_free(&c->phys, (uint32_t)i);
@@ -738,14 +748,39 @@ static int sim_phys_release(void *ctx, vp__phys_t phys, uint64_t size) {
   return rc;
 }
 
+/* A second view of a page (its phys mapped at `first` already): both
+ * become views of one memory, the first's bytes kept; the new one has no
+ * access until set_access. */
+static int sim_map_again(sim_ctx_t *c, uint64_t first, uint64_t va,
+                         uint64_t size) {
+  if (c->nviews + 2 > c->capviews) {
+    size_t cap = c->capviews ? c->capviews * 2 : 8;
+    sim_range_t *v = realloc(c->views, cap * sizeof *v);
+    if (!v) return VP_ENOMEM;
+    c->views = v;
+    c->capviews = cap;
+  }
+  void *a = (void *)(uintptr_t)first, *b = (void *)(uintptr_t)va;
+  int e = vp__os_vm_share(a, b, size);
+  if (e) return e == ENOSYS ? VP_EUNSUPPORTED : VP_EOOM;
+  c->views[c->nviews++] = (sim_range_t){first, size};
+  c->views[c->nviews++] = (sim_range_t){va, size};
+  return vp__os_vm_decommit(b, size) ? VP_EDEVICE : VP_OK;
+}
+
 static int sim_map(void *ctx, uint64_t va, uint64_t size, vp__phys_t phys) {
   sim_ctx_t *c = ctx;
   sim_lock(c);
   int64_t i = tab_find(&c->phys, phys);
   int rc = sim_enter(c, VP_EDEVICE);
-  if (!rc && (i < 0 || c->phys.s[i].u.size != size ||
+  if (!rc && (i < 0 || c->phys.s[i].u.phys.size != size ||
               !sim_reserve_of(c, va, size) || (va & (c->gran - 1))))
     rc = VP_EINVAL;
+  if (!rc) {
+    uint64_t *first = &c->phys.s[i].u.phys.va;
+    if (!*first) *first = va;
+    else if (*first != va) rc = sim_map_again(c, *first, va, size);
+  }
   sim_unlock(c);
   return rc;
 }
@@ -771,7 +806,15 @@ static int sim_unmap(void *ctx, uint64_t va, uint64_t size) {
   sim_lock(c);
   int rc = sim_aligned(c, size) && sim_reserve_of(c, va, size) ? VP_OK
                                                                : VP_EINVAL;
-  if (!rc && vp__os_vm_decommit(p, size)) rc = VP_EDEVICE;
+  size_t k = 0; /* a view of a page mapped twice: dropped, not decommitted */
+  while (k < c->nviews && (c->views[k].va != va || c->views[k].size != size))
+    k++;
+  if (!rc && k < c->nviews) {
+    if (vp__os_vm_unshare(p, size)) rc = VP_EDEVICE;
+    c->views[k] = c->views[--c->nviews];
+  } else if (!rc && vp__os_vm_decommit(p, size)) {
+    rc = VP_EDEVICE;
+  }
   sim_unlock(c);
   return rc;
 }

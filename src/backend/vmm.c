@@ -212,7 +212,8 @@ int vp__vmm_query_caps(vp__vmm_t *g, vp__caps_t *caps) {
                        .granularity = gran,
                        .total_memory = total,
                        .default_headroom = default_headroom(total),
-                       .async_copies = true};
+                       .async_copies = true,
+                       .map_twice = g->drv->map_twice};
   return VP_OK;
 }
 

@@ -70,6 +70,7 @@ typedef struct vp__vmm_driver {
   unsigned int attr_vmm;            /* device attribute: VMM supported */
   unsigned int attr_integrated;     /* device attribute: shares host memory */
   unsigned int host_register_flags; /* PORTABLE (and CUDA's DEVICEMAP) */
+  bool map_twice;                   /* caps.map_twice */
   /* The driver's names of the calls open's messages name, and of its
    * virtual memory calls ("cuMemCreate/cuMemMap"). */
   struct {

@@ -61,6 +61,29 @@ def test_replan_failure_keeps_the_ring():
     h.unload()
 
 
+def test_the_plans_count_the_ring_as_the_device_maps_it():
+    """A ring whose pages the device maps twice (staging_wrap, the
+    default: the simulated device on Linux, CUDA) wraps: the plans count
+    all of it. Without (staging_wrap=0), first fit's share; outputs the
+    same either way."""
+    from vpager.torch import schedule
+    for wrap in (1, 0):
+        m = mlp(depth=8)
+        x = torch.randn(8, 64)
+        want = frozen_copy(m)(x)
+        opts = dict(sim_opts(), page_size=PAGE)
+        del opts["lookahead"]
+        h = vt.offload(m, device="cpu", budget=900 * K, staging_size=320 * K,
+                       staging_wrap=wrap, **opts)
+        for _ in range(3):
+            assert torch.equal(m(x), want)
+        wraps = bool(wrap) and sys.platform != "win32"
+        assert h.device.info()["staging_wraps"] == wraps
+        assert h.tuner.share() == (schedule.WRAPS if wraps
+                                   else schedule.FRAGMENTATION)
+        h.unload()
+
+
 def _planned(h):
     """{weight name: resident in the schedule applied}."""
     t = h.tuner

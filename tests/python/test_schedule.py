@@ -74,6 +74,30 @@ def test_ring_for_two_slots_double_buffers():
     assert S.plan(work, sizes, 0, PAGE, LINK, two).resident == res
 
 
+def test_a_ring_that_wraps_counts_whole():
+    # Its pages mapped twice, a ring's slots wrap past its end: all of it
+    # holds slots (share WRAPS), so 2 x need double-buffers, the sizes
+    # tried need no first-fit room, and the same plan is no slower.
+    need = 100 * MB
+    assert S.usable(300 * MB) == int(300 * MB * S.FRAGMENTATION)
+    assert S.usable(300 * MB, S.WRAPS) == 300 * MB
+    up = [-(-k * need // PAGE) * PAGE for k in (3, 2, 1)]
+    assert S.ring_sizes(need, 1 << 30, LINK, PAGE, S.WRAPS) == [
+        1 << 30, up[0], 3 * need, up[1], 2 * need, up[2], need]
+    work, sizes = [1 * MS] * 4, [[need]] * 4
+
+    def plan(share):
+        return S.plan(work, sizes, 0, PAGE, LINK, 2 * need,
+                      share=share).predicted
+    assert abs(plan(S.WRAPS) - 4 * 2 * MS) < 1e-6, plan(S.WRAPS)
+    assert plan(S.FRAGMENTATION) > 4 * 2.5 * MS
+    only_ring = up[1]           # a budget with no room beside the ring
+    got = S.plan_job(work, [work], sizes, only_ring, [2 * need], PAGE, LINK,
+                     512, 0, 0.0, 0.0, None, None, share=S.WRAPS)
+    ring, fields = got["cands"][0]
+    assert ring == 2 * need and fields[2] == plan(S.WRAPS)
+
+
 def test_simulate_by_hand():
     # Unit 0 computes 3 ms with its weight resident; unit 1's 100 MB weight
     # (2 ms of copy) streams under it: nothing waits, 4 ms a forward.

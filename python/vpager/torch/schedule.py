@@ -30,6 +30,16 @@ import itertools
 
 SLOT_ALIGN = 256            # the staging ring's slot alignment (stream.c)
 FRAGMENTATION = 0.9         # share of the ring its first-fit slots fill
+# ... where a slot that does not fit before the ring's end starts at 0. A
+# ring whose slots wrap (its pages mapped twice: vp_device_info's
+# staging_wraps) fills all of it: the share is 1. Every function below that
+# takes `share` counts the ring at that share.
+WRAPS = 1.0
+
+
+def usable(ring, share=FRAGMENTATION):
+    """Bytes of a ring of `ring` bytes its slots fill, at `share`."""
+    return int(ring * share)
 
 
 def _round(x, a):
@@ -43,17 +53,19 @@ def _round(x, a):
 RING_SECONDS = 0.002
 
 
-def ring_sizes(need, current, link, page=1):
+def ring_sizes(need, current, link, page=1, share=FRAGMENTATION):
     """Ring sizes worth trying, largest first: `current` (offload()'s) and
     1-3 times `need` (the largest unit's staging), each also with the room
-    first-fit slots leave (FRAGMENTATION: 2 x need in a ring of 2 x need
-    does not double-buffer; in 2 x need / 0.9, rounded up to `page`, it
-    does), none below what the link moves in RING_SECONDS (nor below
+    first-fit slots leave (`share`: 2 x need in a ring of 2 x need
+    does not double-buffer at FRAGMENTATION; in 2 x need / 0.9, rounded up
+    to `page`, it does; a ring that wraps needs no such room, only the
+    pages), none below what the link moves in RING_SECONDS (nor below
     `need`)."""
     floor = max(need, int(RING_SECONDS * (link or 0)))
     out = {current}
     for k in (1, 2, 3):
-        for r in (k * need, _round(int(k * need / FRAGMENTATION) + 1, page)):
+        room = k * need if share >= 1 else int(k * need / share) + 1
+        for r in (k * need, _round(room, page)):
             if floor <= r < current:
                 out.add(r)
     if floor < current:
@@ -411,7 +423,7 @@ def _fit(sizes, pos, room, page, ring, head, align, least, keep=None):
 
 
 def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
-           keep=None):
+           keep=None, share=FRAGMENTATION):
     """The resident flags (one per weight, in order) whose resident pages
     fit in `room` bytes, chosen to hide the streamed bytes under compute.
     Candidates: streaming that follows the compute before each weight
@@ -451,10 +463,10 @@ def choose(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
                 hi = mid
         if lo:
             res = _best(work, sizes, room, page, link, ring, per_copy,
-                        align, least, first(lo))
+                        align, least, first(lo), share)
     if res is None:
         res = _best(work, sizes, room, page, link, ring, per_copy, align,
-                    least)
+                    least, share=share)
     if res is None:         # nothing fits: stream all the ring allows
         return _pick(sizes, [1.0] * n, ring, float("inf"), 0, least)
     return res
@@ -567,7 +579,7 @@ def toward(old, best, sizes, room, page, align=512, keep=None, limit=0):
 
 
 def _best(work, sizes, room, page, link, ring, per_copy, align, least,
-          keep=None):
+          keep=None, share=FRAGMENTATION):
     """choose()'s fastest candidate, None if none fits."""
     best = None
     for mix in MIXES:
@@ -577,7 +589,7 @@ def _best(work, sizes, room, page, link, ring, per_copy, align, least,
                        keep)
             if res is None:
                 continue
-            t = simulate(work, sizes, res, link, int(ring * FRAGMENTATION),
+            t = simulate(work, sizes, res, link, usable(ring, share),
                          per_copy)
             key = (round(t, 7), _streamed(sizes, res), -mix, head)
             if best is None or key < best[0]:
@@ -641,16 +653,17 @@ def windows(work, sizes, resident, link, ring, per_copy=0.0, margin=0.0):
 
 
 def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
-         margin=5e-4, keep=None):
+         margin=5e-4, keep=None, share=FRAGMENTATION):
     """The Schedule for measured costs: work (seconds per unit, in
     execution order), sizes (bytes of each unit's weights, placement
     order, a shared weight under its first unit), room (VRAM bytes for
     resident weights), page (page size), link (bytes per second),
     per_copy (seconds each copy costs beyond its bytes), ring (staging
     ring bytes), keep (per weight: kept resident if a plan fits so;
-    choose())."""
-    res = choose(work, sizes, room, page, link, ring, per_copy, align, keep)
-    eff = int(ring * FRAGMENTATION)
+    choose()), share (usable())."""
+    res = choose(work, sizes, room, page, link, ring, per_copy, align, keep,
+                 share)
+    eff = usable(ring, share)
     win = windows(work, sizes, res, link, eff, per_copy, margin)
     t = simulate(work, sizes, res, link, eff, per_copy)
     return Schedule(res, win, t, _streamed(sizes, res),
@@ -659,7 +672,7 @@ def plan(work, sizes, room, page, link, ring, per_copy=0.0, align=512,
 
 
 def plan_rings(work, sizes, total, rings, page, link, align, spare_pages,
-               per_copy=0.0, margin=5e-4, keep=None):
+               per_copy=0.0, margin=5e-4, keep=None, share=FRAGMENTATION):
     """[(ring, Schedule)]: plan() for each ring size in `rings`, in the
     room a device budget of `total` bytes leaves beside the ring (whole
     pages) and `spare_pages` pages."""
@@ -667,7 +680,7 @@ def plan_rings(work, sizes, total, rings, page, link, align, spare_pages,
     for ring in rings:
         room = total - _round(max(ring, page), page) - spare_pages * page
         out.append((ring, plan(work, sizes, room, page, link, ring,
-                               per_copy, align, margin, keep)))
+                               per_copy, align, margin, keep, share)))
     return out
 
 
@@ -684,7 +697,8 @@ def merged_windows(window, works, sizes, resident, link, ring,
 
 
 def nearest_within(work, sizes, old, sch, total, ring, page, align,
-                   spare_pages, link, per_copy, within, keep=None):
+                   spare_pages, link, per_copy, within, keep=None,
+                   share=FRAGMENTATION):
     """(resident flags, predicted seconds) of the set nearest `old` that
     fits the room a ring of `ring` bytes leaves of `total` (nearest), if
     it is not sch's own and is predicted within `within` of sch (a plan
@@ -693,35 +707,36 @@ def nearest_within(work, sizes, old, sch, total, ring, page, align,
     res = nearest(old, sch.resident, sizes, room, page, align, keep)
     if res is None or res == list(sch.resident):
         return None
-    t = simulate(work, sizes, res, link, int(ring * FRAGMENTATION), per_copy)
+    t = simulate(work, sizes, res, link, usable(ring, share), per_copy)
     return (res, t) if t <= sch.predicted * (1 + within) else None
 
 
 def plan_rings_between(candidates, work, sizes, total, page, link, align,
                        spare_pages, per_copy=0.0, margin=5e-4, keep=None,
-                       estimated=False):
+                       estimated=False, share=FRAGMENTATION):
     """`candidates` ([(ring, Schedule)], plan_rings') with the plans of
     rings_between() added, largest ring first."""
     more = rings_between(candidates, link, page, estimated)
     out = list(candidates) + plan_rings(work, sizes, total, more, page,
                                         link, align, spare_pages, per_copy,
-                                        margin, keep)
+                                        margin, keep, share)
     return sorted(out, key=lambda c: -c[0])
 
 
 def ring_fields(work, sizes, total, rings, page, link, align, spare_pages,
-                per_copy=0.0, margin=5e-4, keep=None):
+                per_copy=0.0, margin=5e-4, keep=None, share=FRAGMENTATION):
     """plan_rings() as plain data, plan_job's "cands" (the planner's
     processes plan one ring each)."""
     return [(r, [getattr(c, f) for f in Schedule.__slots__])
             for r, c in plan_rings(work, sizes, total, rings, page, link,
                                    align, spare_pages, per_copy, margin,
-                                   keep)]
+                                   keep, share)]
 
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
              spare_pages, per_copy, margin, old_resident, old_ring,
-             keep=None, near_within=None, cands=None, estimated=False):
+             keep=None, near_within=None, cands=None, estimated=False,
+             share=FRAGMENTATION):
     """All the arithmetic of a plan's application, as plain data (the
     planner's process returns it): "cands", plan_rings' [(ring, Schedule
     fields)]; "pick", the index pick_ring chooses and its windows merged
@@ -733,22 +748,22 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
     one (nearest) if it is predicted within near_within of the pick, else
     None. keep: plan()'s. cands: ring_fields() for `rings` and those of
     rings_between(), if made already (else both are planned here).
-    estimated: pick_ring's."""
+    estimated: pick_ring's. share: usable()'s."""
     if cands is None:
         cands = plan_rings_between(
             plan_rings(work, sizes, total, rings, page, link, align,
-                       spare_pages, per_copy, margin, keep),
+                       spare_pages, per_copy, margin, keep, share),
             work, sizes, total, page, link, align, spare_pages, per_copy,
-            margin, keep, estimated)
+            margin, keep, estimated, share)
     else:
         cands = [(r, Schedule(*f)) for r, f in cands]
     ring, sch = pick_ring(cands, link, estimated)
     i = [c for _, c in cands].index(sch)
     win = merged_windows(sch.window, works, sizes, sch.resident, link,
-                         int(ring * FRAGMENTATION), per_copy, margin)
+                         usable(ring, share), per_copy, margin)
     old = None
     if old_resident is not None and ring == old_ring:
-        eff = int(old_ring * FRAGMENTATION)
+        eff = usable(old_ring, share)
         t = simulate(work, sizes, old_resident, link, eff, per_copy)
         base = windows(work, sizes, old_resident, link, eff, per_copy,
                        margin)
@@ -759,10 +774,10 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
             list(sch.resident) != list(old_resident):
         got = nearest_within(work, sizes, old_resident, sch, total, ring,
                              page, align, spare_pages, link, per_copy,
-                             near_within, keep)
+                             near_within, keep, share)
         if got is not None:
             res, t = got
-            eff = int(ring * FRAGMENTATION)
+            eff = usable(ring, share)
             base = windows(work, sizes, res, link, eff, per_copy, margin)
             near = (res, t, base, merged_windows(
                 base, works, sizes, res, link, eff, per_copy, margin))

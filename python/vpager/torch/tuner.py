@@ -432,6 +432,7 @@ class Tuner:
         self.first_now = False      # the first plan made at its forward's end
         self.cache_key = None       # plancache's key, once a forward ran
         self.estimated = False      # planning from coldwork's estimate
+        self._ring_share = None     # share(): read from the device once
         self.remembered = False     # the first plan made from plancache's
         self.remembered_work = None  # the work _remember() saved last
 
@@ -493,7 +494,7 @@ class Tuner:
                                           page)) * page
         lay.vbar.set_watermark(lay.watermark)
         work = [GUESS * sum(ss) / self.link for ss in sizes]
-        eff = int(ring * schedule.FRAGMENTATION)
+        eff = schedule.usable(ring, self.share())
         wins = schedule.windows(work, sizes, resident, self.link, eff,
                                 PER_COPY, MARGIN)
         if self.windows:        # as _windows sets them
@@ -1153,6 +1154,18 @@ class Tuner:
                                       self.layout.device) if self.cuda
                          else SIM_LINK)
 
+    def share(self, again=False):
+        """The share of a ring its slots fill on this device
+        (schedule.usable): all of it where the ring wraps (vp_device_info's
+        staging_wraps), else first fit's. Read once; again: read anew (a
+        plan's budget is read then too: a ring that could not be mapped
+        twice after all stops wrapping once)."""
+        if self._ring_share is None or again:
+            wraps = self.layout.device.info().get("staging_wraps")
+            self._ring_share = (schedule.WRAPS if wraps
+                                else schedule.FRAGMENTATION)
+        return self._ring_share
+
     def _inputs(self, rings=None):
         """What a plan job reads, taken on the forward's thread (the
         budget, the rings (default _rings()), the sizes, the placement
@@ -1174,7 +1187,8 @@ class Tuner:
                 "page": dev.page_size,
                 "link": self.link, "align": lay.align,
                 "old": None if old is None else list(old.resident),
-                "old_ring": self.ring, "estimated": self.estimated}
+                "old_ring": self.ring, "estimated": self.estimated,
+                "share": self.share(again=True)}
 
     @staticmethod
     def _plan_from(inputs, work, works):
@@ -1187,7 +1201,7 @@ class Tuner:
             inputs["sizes"], inputs["total"], inputs["rings"],
             inputs["page"], inputs["link"], inputs["align"], inputs["old"],
             inputs["old_ring"], inputs["keep"], remote=True,
-            estimated=inputs["estimated"])
+            estimated=inputs["estimated"], share=inputs["share"])
 
     def _submit(self, calls, start, end):
         """Hand a measured forward to the planner (its work read from its
@@ -1359,7 +1373,7 @@ class Tuner:
         for h in list(self.ds.users):
             need = max(need, getattr(h, "staging_need", 0))
         rings = schedule.ring_sizes(need, max(cur, self.ring_top),
-                                    self.link, dev.page_size)
+                                    self.link, dev.page_size, self.share())
         return sorted(set(rings) | {cur}, reverse=True)
 
     def plan(self, work, sizes, need, rings=None, planned=None, keep=None):
@@ -1370,14 +1384,15 @@ class Tuner:
         dev = self.layout.device
         if planned is None:
             total = dev.info()["budget"]
+            share = self.share(again=True)
             cands = plan_rings(work, sizes, total,
                                rings or self._rings(dev, need),
                                dev.page_size, self.link, self.layout.align,
-                               keep)
+                               keep, share)
             cands = schedule.plan_rings_between(
                 cands, work, sizes, total, dev.page_size, self.link,
                 self.layout.align, spare_pages(), PER_COPY, MARGIN, keep,
-                self.estimated)
+                self.estimated, share)
         else:
             total, cands = planned.total, planned.cands
         # (A guess's budget, before torch's peak was learned, is no room
@@ -1448,7 +1463,7 @@ class Tuner:
             # ring: the same within RING_KEEP (a ring's change places
             # every streamed weight anew: at a pause, not in a forward),
             # unless the placement is the guess made before any forward.
-            eff = int(self.ring * schedule.FRAGMENTATION)
+            eff = schedule.usable(self.ring, self.share())
             got = (planned.kept(old.resident, self.ring)
                    if planned is not None else None)
             if got is None:
@@ -1536,7 +1551,7 @@ class Tuner:
         """The placement in hand's predicted forward under the work `w`
         with the ring in use."""
         return schedule.simulate(w, sizes, old.resident, self.link,
-                                 int(self.ring * schedule.FRAGMENTATION),
+                                 schedule.usable(self.ring, self.share()),
                                  PER_COPY)
 
     def _nearest(self, old, sch, w, sizes, ring, keep, planned=None):
@@ -1557,7 +1572,7 @@ class Tuner:
         got = schedule.nearest_within(
             w, sizes, old.resident, sch, self.planned_for, ring,
             lay.device.page_size, lay.align, spare_pages(), self.link,
-            PER_COPY, NEAR, keep)
+            PER_COPY, NEAR, keep, self.share())
         if got is None:
             return sch
         return self._schedule_for(got[0], w, sizes, ring, got[1])
@@ -1586,7 +1601,7 @@ class Tuner:
         """A Schedule of resident flags `res` (t: its predicted time,
         simulated if None; window: its windows, computed if None)."""
         lay = self.layout
-        eff = int(ring * schedule.FRAGMENTATION)
+        eff = schedule.usable(ring, self.share())
         if t is None:
             t = schedule.simulate(w, sizes, res, self.link, eff, PER_COPY)
         if window is None:
@@ -1896,7 +1911,7 @@ class Tuner:
                 sch.window, [_listed(work, units, gap)
                              for work in self.works],
                 sizes, sch.resident, self.link,
-                int(ring * schedule.FRAGMENTATION), PER_COPY, MARGIN)
+                schedule.usable(ring, self.share()), PER_COPY, MARGIN)
         sch.window = list(merged)
         held = self._hold(units, sch)
         self.model.lend_at(self._last_streamed(units, sch))
@@ -2004,11 +2019,12 @@ class Tuner:
             lay.device.synchronize(stream)
 
 
-def plan_rings(work, sizes, total, rings, page, link, align, keep=None):
+def plan_rings(work, sizes, total, rings, page, link, align, keep=None,
+               share=schedule.FRAGMENTATION):
     """[(ring, Schedule)]: schedule.plan_rings() with the tuner's
     constants, on this thread."""
     return schedule.plan_rings(work, sizes, total, rings, page, link, align,
-                               spare_pages(), PER_COPY, MARGIN, keep)
+                               spare_pages(), PER_COPY, MARGIN, keep, share)
 
 
 def _keep(flat):
@@ -2061,9 +2077,9 @@ class Planned:
 
 def plan_job(work, works, sizes, total, rings, page, link, align,
              old_resident, old_ring, keep=None, remote=False,
-             estimated=False):
+             estimated=False, share=schedule.FRAGMENTATION):
     """Planned: schedule.plan_job() with the tuner's constants (estimated:
-    pick_ring's). remote: in the planner's processes (planproc.py:
+    pick_ring's; share: schedule.usable()'s). remote: in the planner's processes (planproc.py:
     interpreters of their own, so the plan's pure-Python seconds take no
     GIL from the forward's thread; each ring size in one), computed here
     if they cannot be had."""
@@ -2075,27 +2091,27 @@ def plan_job(work, works, sizes, total, rings, page, link, align,
         # Each ring size in a process of its own, then those between
         # (schedule.rings_between), then the pick's windows.
         cands = _ring_fields(work, sizes, total, rings, page, link, align,
-                             keep) if len(rings) > 1 else None
+                             keep, share) if len(rings) > 1 else None
         if cands is not None:
             more = schedule.rings_between(
                 [(r, schedule.Schedule(*f)) for r, f in cands], link, page,
                 estimated)
             extra = _ring_fields(work, sizes, total, more, page, link,
-                                 align, keep) if more else []
+                                 align, keep, share) if more else []
             cands = None if extra is None else \
                 sorted(cands + extra, key=lambda c: -c[0])
-        got = planproc.call("plan_job", *args, cands, estimated)
+        got = planproc.call("plan_job", *args, cands, estimated, share)
     out = got[0] if got is not None else \
-        schedule.plan_job(*args, estimated=estimated)
+        schedule.plan_job(*args, estimated=estimated, share=share)
     return Planned(total, out, old_resident, old_ring, keep)
 
 
-def _ring_fields(work, sizes, total, rings, page, link, align, keep):
+def _ring_fields(work, sizes, total, rings, page, link, align, keep, share):
     """schedule.ring_fields() of each ring in `rings`, each in a planner's
     process of its own; None if they cannot be had."""
     each = planproc.call_each("ring_fields", [
         (work, sizes, total, [r], page, link, align, spare_pages(), PER_COPY,
-         MARGIN, keep) for r in rings])
+         MARGIN, keep, share) for r in rings])
     return None if each is None else [c for cs in each for c in cs]
 
 
