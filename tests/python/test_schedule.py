@@ -518,6 +518,25 @@ def test_rings_between_none_for_one_ring_or_the_smallest():
                    for r in more), more
 
 
+def test_ring_wrap_runs():
+    """bench/ring_wrap.py (the wrapping ring's figures in bench/RESULTS.md)
+    runs as written on a stored trace: at every pause the ring that wraps
+    runs the plan it picks no slower than the first-fit ring its own."""
+    import subprocess
+    out = subprocess.run(
+        [sys.executable, os.path.join(_REPO, "bench", "ring_wrap.py"),
+         os.path.join(_REPO, "bench", "data",
+                      "flux6_diag_node6_h100_s42c10.log"),
+         "--ring", "352", "320", "288", "--gaps", "0", "2.5"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    picked = [[float(x) for x in re.findall(r"MiB ([0-9.]+) ms", ln)]
+              for ln in out.stdout.splitlines() if "picked:" in ln]
+    assert len(picked) == 2, out.stdout
+    for first_fit, wraps in picked:
+        assert wraps <= first_fit, out.stdout
+
+
 def test_pause_replan_runs():
     """bench/pause_replan.py (the pause's figures in bench/RESULTS.md)
     runs as written on a stored trace: a pause costs the plan its length

@@ -1974,10 +1974,12 @@ class Tuner:
     def _log(self, sch, ring, units, w):
         if env.flag("VPAGER_SCHEDULE_LOG", False):
             sys.stderr.write(
-                "vpager.torch schedule (forward %d): %r; ring %d (tried: "
-                "%s); link %.2f GB/s; units %d (%d held); work %.3f ms%s; "
-                "windows (KiB) %s\n"
-                % (self.rounds, sch, ring, ", ".join(
+                "vpager.torch schedule (forward %d): %r; ring %d, %s "
+                "(tried: %s); link %.2f GB/s; units %d (%d held); work "
+                "%.3f ms%s; windows (KiB) %s\n"
+                % (self.rounds, sch, ring,
+                   "wraps" if self.share() == schedule.WRAPS
+                   else "first fit", ", ".join(
                     "%d MiB %.3f ms" % (r >> 20, c.predicted * 1e3)
                     for r, c in self.rings), self.link / 1e9, len(units),
                    len(self.model.held()), sum(w) * 1e3,
