@@ -235,7 +235,10 @@ def child(cr, a):
 # the host's; 100 checks the instrument: a step it leaves as it was is a
 # step the host's pace never sets);
 # "page8" / "page16" open the device with 8 / 16 MiB pages (the GPU's
-# default 32 MiB: a plan's spare page and its rounding cost a page each).
+# default 32 MiB: a plan's spare page and its rounding cost a page each);
+# "firstfit" opens the staging ring without its second view
+# (VPAGER_STAGING_WRAP=0: a slot that does not fit before the end starts at
+# 0, the plans count 90% of the ring, as before the fifty-fourth session).
 # Suffixes combine:
 # "node6warmsteps"; a name may end in a repeat mark, "node6warm.2"
 # (_named).
@@ -260,6 +263,7 @@ SUFFIXES = {"late": {"VPAGER_PLACE_EARLY": "0"},
             "spare0": {"VPAGER_SPARE_PAGES": "0"},
             "page8": {"VPAGER_PAGE_SIZE": "8M"},
             "page16": {"VPAGER_PAGE_SIZE": "16M"},
+            "firstfit": {"VPAGER_STAGING_WRAP": "0"},
             "cache": {"VPAGER_PLAN_CACHE": "{plans}"},
             "cached": {"VPAGER_PLAN_CACHE": "{plans}"}}
 # "ring320": the staging ring fixed at 320 MiB (the plan tries no other):

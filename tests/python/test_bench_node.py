@@ -499,6 +499,10 @@ def test_lend_alternate_is_an_ab_in_one_process():
         "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
         "VPAGER_LEND_EARLY": "288M", "VPAGER_LEND_SM": "16",
         "VPAGER_BENCH_LEND_ALTERNATE": "1"}
+    assert ns["_suffix_env"]("node6firstfit") == {
+        "VPAGER_STAGING_WRAP": "0"}
+    assert ns["_suffix_env"]("node6firstfitspin100") == {
+        "VPAGER_STAGING_WRAP": "0", "VPAGER_BENCH_UNIT_SPIN": "100"}
     assert ns["_suffix_env"]("node6lend288early288condsab") == {
         "VPAGER_LEND": "1", "VPAGER_LEND_CAP": "288M",
         "VPAGER_LEND_EARLY": "288M", "VPAGER_BENCH_CONDS_ON_DEVICE": "1",
