@@ -204,10 +204,26 @@ static uint64_t ahead_end(uint64_t size, const vp__slot_t *s, uint64_t at) {
   return back < s->size ? s->size - back : size - back + s->size;
 }
 
-/* Whether slot s lies in [at, at + len) (which may run past the end). */
-static bool in_way(uint64_t size, const vp__slot_t *s, uint64_t at,
-                   uint64_t len) {
-  return ahead_start(size, s, at) < len;
+/* The slots in [at, at + len) (which may run past the end of a ring that
+ * wraps): *count of them, from index *first on, going round. Slots are
+ * apart and in offset order, so those an arc meets are a run of indices:
+ * the one that covers `at` (a wrapping ring's last may, from the start)
+ * or else the first after it, and on while they start before at + len. */
+static void in_way(const vp__staging_t *st, uint64_t at, uint64_t len,
+                   size_t *first, size_t *count) {
+  size_t lo = 0, hi = st->n; /* the first slot that ends after `at` */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (slot_end(st->slots[mid]) <= at) lo = mid + 1;
+    else hi = mid;
+  }
+  if (at < wrapped(st)) lo = st->n - 1;
+  else if (lo == st->n) lo = 0;
+  *first = lo;
+  *count = 0;
+  while (*count < st->n &&
+         ahead_start(st->size, st->slots[(lo + *count) % st->n], at) < len)
+    ++*count;
 }
 
 /* Index before which a slot of `size` goes at st->next (in a ring that
@@ -231,31 +247,30 @@ static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
       at = 0;
     }
     if (moved >= ring) return SIZE_MAX; /* went round */
-    size_t block = SIZE_MAX;
-    bool any = false;
-    for (size_t k = 0; k < st->n; k++) {
-      const vp__slot_t *s = st->slots[k];
-      if (!in_way(ring, s, at, size)) continue;
-      any = true;
-      if (reclaim && reclaimable(s, true)) continue;
-      if (block == SIZE_MAX || ahead_start(ring, s, at) <
-                                   ahead_start(ring, st->slots[block], at))
-        block = k;
-    }
-    if (any && !reclaim) return SIZE_MAX;
-    if (block != SIZE_MAX) { /* the first one in the way that must stay */
-      uint64_t step = ahead_end(ring, st->slots[block], at);
+    size_t first = 0, count = 0, c = 0;
+    in_way(st, at, size, &first, &count);
+    if (count && !reclaim) return SIZE_MAX;
+    while (c < count && reclaimable(st->slots[(first + c) % st->n], true))
+      c++;
+    if (c < count) { /* the first one in the way that must stay */
+      uint64_t step = ahead_end(ring, st->slots[(first + c) % st->n], at);
       moved += step;
       at += step;
       continue;
     }
-    for (size_t k = 0; k < st->n;)
-      if (!in_way(ring, st->slots[k], at, size)) k++;
-      else if ((*rc = ring_reclaim(dev, st, k))) return SIZE_MAX;
-    size_t k = 0;
-    while (k < st->n && st->slots[k]->off < at) k++;
+    /* Each reclaim moves the run's next slot to `first`, or (past the
+     * last index) to 0. */
+    for (; count; count--)
+      if ((*rc = ring_reclaim(dev, st, first < st->n ? first : 0)))
+        return SIZE_MAX;
+    size_t lo = 0, hi = st->n; /* the first slot after `at` */
+    while (lo < hi) {
+      size_t mid = lo + (hi - lo) / 2;
+      if (st->slots[mid]->off < at) lo = mid + 1;
+      else hi = mid;
+    }
     *off = at;
-    return k;
+    return lo;
   }
 }
 
