@@ -406,9 +406,14 @@ int vp__os_vm_share(void *a, void *b, size_t size) {
   if (m == MAP_FAILED) return errno;
   memcpy(m, a, size);
   int e = 0;
-  if (mremap(m, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, a) != a ||
-      mremap(m, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, b) != b)
+  if (mremap(m, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, a) != a) {
     e = errno;
+  } else if (mremap(m, 0, size, MREMAP_MAYMOVE | MREMAP_FIXED, b) != b) {
+    e = errno; /* a back to memory of its own, as it was */
+    if (mmap(a, size, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == a)
+      memcpy(a, m, size);
+  }
   munmap(m, size);
   return e;
 }

@@ -79,6 +79,7 @@ static const struct {
 typedef struct cfg {
   bool wild, worker, interleaved, hostbuf, tidy, second_dev;
   bool pins_shared; /* wild: the devices join one pin ledger (pins.c) */
+  bool first_fit;   /* staging_wrap 0: the ring's slots do not wrap */
   int streams; /* strict: streams created before the first op */
   uint64_t gran, page;
   int shift;
@@ -118,6 +119,7 @@ static void cfg_read(fz_reader_t *r, cfg_t *c) {
   c->second_dev = b[7] & 1;
   c->streams = (b[7] >> 1) & 3;
   c->pins_shared = c->wild && (b[7] & 8);
+  c->first_fit = b[7] & 0x10;
 }
 
 static void cfg_options(const cfg_t *c, vp_options_t *o) {
@@ -131,6 +133,7 @@ static void cfg_options(const cfg_t *c, vp_options_t *o) {
   o->sim_fail_nth = c->fail_nth;
   o->evict_order = c->interleaved ? VP_ORDER_INTERLEAVED : VP_ORDER_TAIL_FIRST;
   o->staging_size = c->staging;
+  o->staging_wrap = !c->first_fit;
   o->lookahead = c->lookahead;
   o->file_slots = c->file_slots;
   o->file_slot_size = c->file_slot_size;

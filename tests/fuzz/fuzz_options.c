@@ -78,7 +78,7 @@ static bool ref_word(const char *t, const char *const *w, int n, int *out) {
 /* T_POW2: a size, a power of two of at least 4 KiB (page size,
  * granularity); T_NONZERO: a size above zero (sim_capacity). */
 enum { T_SIZE, T_POW2, T_NONZERO, T_I64, T_U32, T_INT, T_BACKEND, T_ORDER,
-       T_STREAMS, T_NAME };
+       T_STREAMS, T_FLAG, T_NAME };
 
 static const struct var {
   const char *name;
@@ -97,6 +97,7 @@ static const struct var {
     {"VPAGER_SIM_STREAMS", T_STREAMS, offsetof(vp_options_t, sim_streams)},
     {"VPAGER_SIM_SHARED", T_NAME, offsetof(vp_options_t, sim_shared)},
     {"VPAGER_STAGING", T_SIZE, offsetof(vp_options_t, staging_size)},
+    {"VPAGER_STAGING_WRAP", T_FLAG, offsetof(vp_options_t, staging_wrap)},
     {"VPAGER_LOOKAHEAD", T_SIZE, offsetof(vp_options_t, lookahead)},
     {"VPAGER_PIN_BUDGET", T_SIZE, offsetof(vp_options_t, pin_budget)},
     {"VPAGER_FILE_SLOTS", T_U32, offsetof(vp_options_t, file_slots)},
@@ -111,6 +112,7 @@ static bool ref_apply(const struct var *v, const char *t, vp_options_t *o) {
   static const char *const backends[] = {"auto", "cuda", "sim", "hip"};
   static const char *const orders[] = {"tail", "interleaved"};
   static const char *const streams[] = {"sync", "worker"};
+  static const char *const flag[] = {"0", "1"};
   switch (v->type) {
   case T_SIZE:
     if (!ref_size(t, &x)) return false;
@@ -139,6 +141,7 @@ static bool ref_apply(const struct var *v, const char *t, vp_options_t *o) {
   case T_BACKEND: return ref_word(t, backends, 4, (int *)f);
   case T_ORDER: return ref_word(t, orders, 2, (int *)f);
   case T_STREAMS: return ref_word(t, streams, 2, (int *)f);
+  case T_FLAG: return ref_word(t, flag, 2, (int *)f);
   default: {
     size_t n = strlen(t);
     if (n == 0 || n >= sizeof o->sim_shared) return false;
@@ -163,6 +166,7 @@ static void ref_defaults(vp_options_t *o) {
   o->sim_granularity = 2 * MiB;
   o->sim_streams = VP_SIM_SYNC;
   o->staging_size = 512 * MiB;
+  o->staging_wrap = 1;
   o->lookahead = 256 * MiB;
   o->file_slots = 3;
   o->file_slot_size = 64 * MiB;
@@ -181,6 +185,7 @@ static bool ref_valid(const vp_options_t *o, bool generic, const char **why) {
   BAD(o->evict_order != 0 && o->evict_order != 1, "order");
   BAD(o->sim_streams != 0 && o->sim_streams != 1, "streams");
   BAD(o->device_index < 0, "device index");
+  BAD(o->staging_wrap != 0 && o->staging_wrap != 1, "staging wrap");
   BAD(o->file_slots < 2 || o->file_slots > 64 || o->file_slot_size < 4096,
       "file slots");
   BAD(!memchr(o->sim_shared, 0, sizeof o->sim_shared), "shared name");
@@ -366,6 +371,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       if (more & 1) memset(o.sim_shared, 'x', sizeof o.sim_shared);
       if (more & 2) o.page_size = fz_u64(&r);
       if (more & 4) o.sim_granularity = fz_u64(&r);
+      if (more & 8) o.staging_wrap = (int)(int8_t)fz_u8(&r);
     }
   }
   check_open(&o);
