@@ -19,10 +19,17 @@ engine runs on, the compute waits), on two rings:
 
 Per pause it prints each ring size's step on both, then the step of the
 ring each planner picks (schedule.pick_ring over the sizes given), and
-their difference. Needs no torch and no GPU.
+their difference. With --rooms, per ring and per room (the trace's, moved
+by each of the given MiB: another budget, another placement) the
+first-fit plan's prediction, the step its slots really give, and the
+wrapping ring's step (its prediction), no pause: how far the first-fit
+ring's real placement strays from what its plan predicts. Needs no torch
+and no GPU.
 
     python3 bench/ring_wrap.py bench/data/flux6_diag_node6_h100_s42c10.log \\
         --ring 448 378 352 320 288 256 --gaps 0 2.5 4
+    python3 bench/ring_wrap.py bench/data/flux6_diag_node6_h100_s42c10.log \\
+        --ring 320 --rooms -64 -32 0 32 64
 """
 import argparse
 import os
@@ -95,6 +102,30 @@ def first_fit_forward(S, work, sizes, resident, link, ring, per_copy,
     return prev - start
 
 
+def rooms(S, a, work, sizes, room, link, page, rings):
+    """--rooms: per ring and room, the first-fit plan's prediction, its
+    step on the first-fit ring, and the wrapping ring's step."""
+    for ring in rings:
+        print("  ring %d MiB, room +MiB: first fit predicted / ran | wraps "
+              "ran" % (ring >> 20))
+        cells, worst = [], 0.0
+        for d in a.rooms:
+            r = room + (d << 20)
+            [(_, ff)] = S.plan_rings(work, sizes, r, [ring], page, link, 512,
+                                     SPARE_PAGES, PER_COPY)
+            ran = first_fit_forward(S, work, sizes, ff.resident, link, ring,
+                                    PER_COPY)
+            [(_, wr)] = S.plan_rings(work, sizes, r, [ring], page, link, 512,
+                                     SPARE_PAGES, PER_COPY, share=S.WRAPS)
+            worst = max(worst, ran - ff.predicted)
+            cells.append("%+d: %.2f / %.2f | %.2f" % (
+                d, ff.predicted * 1e3, ran * 1e3, wr.predicted * 1e3))
+        print("    " + "  ".join(cells))
+        print("    first fit ran at most %.2f ms over its prediction"
+              % (worst * 1e3))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
@@ -109,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--gaps", type=float, nargs="+", default=[0.0, 2.5, 4.0],
                     help="pauses between forwards, ms")
     ap.add_argument("--page", type=int, default=32, help="page MiB")
+    ap.add_argument("--rooms", type=int, nargs="+",
+                    help="rooms to plan for, MiB from the trace's")
     a = ap.parse_args(argv)
     S = load_schedule()
     units, works, room, link = benchlib.schedule_trace(a.trace)
@@ -127,6 +160,8 @@ def main(argv=None):
     print("trace %s: %d units, %.2f ms of work; room %.3f GB, link %.1f "
           "GB/s" % (os.path.basename(a.trace), len(units), sum(work) * 1e3,
                     room / 1e9, link / 1e9))
+    if a.rooms:
+        return rooms(S, a, work, sizes, room, link, page, rings)
     cands = {share: S.plan_rings(work, sizes, room, rings, page, link, 512,
                                  SPARE_PAGES, PER_COPY, share=share)
              for share in (S.FRAGMENTATION, S.WRAPS)}

@@ -535,6 +535,19 @@ def test_ring_wrap_runs():
     assert len(picked) == 2, out.stdout
     for first_fit, wraps in picked:
         assert wraps <= first_fit, out.stdout
+    out = subprocess.run(
+        [sys.executable, os.path.join(_REPO, "bench", "ring_wrap.py"),
+         os.path.join(_REPO, "bench", "data",
+                      "flux6_diag_node6_h100_s42c10.log"),
+         "--ring", "320", "--rooms", "-64", "0"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cells = re.findall(r"([+-]\d+): ([0-9.]+) / ([0-9.]+) \| ([0-9.]+)",
+                       out.stdout)
+    assert len(cells) == 2, out.stdout
+    for _, predicted, ran, wraps in cells:
+        assert float(ran) >= float(predicted) - 0.5 and \
+            float(wraps) <= float(ran), out.stdout
 
 
 def test_pause_replan_runs():
