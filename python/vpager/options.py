@@ -17,6 +17,8 @@ OPTION_NAMES = tuple(name for name, _ in vp_options_t._fields_
 # Fields holding bytes: an int, or a string with a K/M/G/T suffix.
 _SIZE_FIELDS = {"page_size", "headroom", "sim_capacity", "sim_granularity",
                 "staging_size", "lookahead", "pin_budget", "file_slot_size"}
+# Flag fields: a bool, 0 or 1.
+_FLAG_FIELDS = {"staging_wrap"}
 # Enum fields: an int, or one of these names.
 _ENUM_FIELDS = {"backend": _lib.BACKENDS, "evict_order": _lib.ORDERS,
                 "sim_streams": _lib.SIM_STREAMS}
@@ -50,6 +52,11 @@ def _convert(name, value):
         return raw
     if name in _SIZE_FIELDS and isinstance(value, str):
         return parse_size(value)
+    if name in _FLAG_FIELDS:
+        if value not in (0, 1) or isinstance(value, float):
+            raise _einval("option %s: %r is not a bool, 0 or 1"
+                          % (name, value))
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise _einval("option %s: %r is not an integer" % (name, value))
     return value

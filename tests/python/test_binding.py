@@ -284,6 +284,8 @@ def test_options_errors():
     raises(vpager.InvalidArgument, sim, sim_capacity="lots")
     raises(vpager.InvalidArgument, sim, file_slots=-1)
     raises(vpager.InvalidArgument, sim, page_size=1.5)
+    e = raises(vpager.InvalidArgument, sim, staging_wrap=2)
+    assert "staging_wrap" in e.message
 
 
 def test_options_and_helpers():
@@ -296,6 +298,9 @@ def test_options_and_helpers():
              headroom="2M") as dev:
         assert dev.options["evict_order"] == vpager.ORDER_INTERLEAVED
         assert dev.info()["headroom"] == 2 * MiB
+    with sim(staging_wrap=False) as dev:
+        assert dev.options["staging_wrap"] == 0
+        assert dev.info()["staging_wraps"] == 0
         dev.set_headroom(0)
         assert dev.info()["headroom"] == 0
     old = vpager.get_log_level()
