@@ -35,21 +35,30 @@ def load_schedule():
     return mod
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def trace_arguments(doc, rings, gaps):
+    """The options of a replay of a trace (this script's, ring_wrap.py's):
+    the trace, --room, --link, --page, --ring (default `rings`, MiB),
+    --gaps (default `gaps`, ms)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--room", type=int,
                     help="bytes the plan may use (default: the first "
                     "budget the trace planned for)")
     ap.add_argument("--link", type=float,
                     help="host-to-device GB/s (default: the trace's first)")
-    ap.add_argument("--ring", type=int, nargs="+", default=[320],
-                    help="ring sizes, MiB (default 320)")
-    ap.add_argument("--gaps", type=float, nargs="+", default=[0.0, 3.0, 5.4],
+    ap.add_argument("--ring", type=int, nargs="+", default=rings,
+                    help="ring sizes, MiB (default %s)"
+                    % " ".join(map(str, rings)))
+    ap.add_argument("--gaps", type=float, nargs="+", default=gaps,
                     help="pauses between forwards, ms")
     ap.add_argument("--page", type=int, default=32, help="page MiB")
-    a = ap.parse_args(argv)
-    S = load_schedule()
+    return ap
+
+
+def read_trace(a):
+    """(units, the last measured forward's work in seconds, sizes, room,
+    link B/s) of the trace trace_arguments() named, --room and --link
+    applied."""
     units, works, room, link = benchlib.schedule_trace(a.trace)
     room = a.room or room
     link = a.link * 1e9 if a.link else link
@@ -60,7 +69,13 @@ def main(argv=None):
     if len(work) != len(units):
         raise SystemExit("%s: %d units but %d works in its last line"
                          % (a.trace, len(units), len(work)))
-    sizes = [[b] for _, b in units]
+    return units, work, [[b] for _, b in units], room, link
+
+
+def main(argv=None):
+    a = trace_arguments(__doc__, [320], [0.0, 3.0, 5.4]).parse_args(argv)
+    S = load_schedule()
+    units, work, sizes, room, link = read_trace(a)
     page = a.page << 20
     print("trace %s: %d units, %.2f ms of work; room %.3f GB, link %.1f GB/s"
           % (a.trace, len(units), sum(work) * 1e3, room / 1e9, link / 1e9))

@@ -31,12 +31,10 @@ and no GPU.
     python3 bench/ring_wrap.py bench/data/flux6_diag_node6_h100_s42c10.log \\
         --ring 320 --rooms -64 -32 0 32 64
 """
-import argparse
 import os
 import sys
 
-import benchlib
-from pause_replan import load_schedule
+from pause_replan import load_schedule, read_trace, trace_arguments
 
 PER_COPY = 4e-6     # tuner.PER_COPY
 SPARE_PAGES = 1     # tuner.SPARE_PAGES
@@ -127,34 +125,13 @@ def rooms(S, a, work, sizes, room, link, page, rings):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("trace")
-    ap.add_argument("--room", type=int,
-                    help="bytes the plan may use (default: the first "
-                    "budget the trace planned for)")
-    ap.add_argument("--link", type=float,
-                    help="host-to-device GB/s (default: the trace's first)")
-    ap.add_argument("--ring", type=int, nargs="+",
-                    default=[448, 378, 352, 320, 288, 256],
-                    help="ring sizes, MiB")
-    ap.add_argument("--gaps", type=float, nargs="+", default=[0.0, 2.5, 4.0],
-                    help="pauses between forwards, ms")
-    ap.add_argument("--page", type=int, default=32, help="page MiB")
+    ap = trace_arguments(__doc__, [448, 378, 352, 320, 288, 256],
+                         [0.0, 2.5, 4.0])
     ap.add_argument("--rooms", type=int, nargs="+",
                     help="rooms to plan for, MiB from the trace's")
     a = ap.parse_args(argv)
     S = load_schedule()
-    units, works, room, link = benchlib.schedule_trace(a.trace)
-    room = a.room or room
-    link = a.link * 1e9 if a.link else link
-    if not units or not works or not room or not link:
-        raise SystemExit("%s: no units, work, budget or link logged (run "
-                         "with VPAGER_SCHEDULE_LOG=1)" % a.trace)
-    work = works[-1]            # the last forward measured (warm)
-    if len(work) != len(units):
-        raise SystemExit("%s: %d units but %d works in its last line"
-                         % (a.trace, len(units), len(work)))
-    sizes = [[b] for _, b in units]
+    units, work, sizes, room, link = read_trace(a)
     page = a.page << 20
     rings = sorted({r << 20 for r in a.ring}, reverse=True)
     print("trace %s: %d units, %.2f ms of work; room %.3f GB, link %.1f "
