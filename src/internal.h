@@ -580,7 +580,9 @@ typedef struct vp__lent {
 } vp__lent_t;
 
 typedef struct vp__staging {
-  vp__vbar_t *vb;    /* internal VBAR, every page pinned */
+  vp__vbar_t *vb;    /* internal VBAR, every page pinned; mirrored: the
+                        ring wraps, its last slot may run past the end
+                        into the start */
   uint64_t size;
   vp__slot_t **slots; /* sorted by offset */
   size_t n, cap;
@@ -591,8 +593,6 @@ typedef struct vp__staging {
   vp__lent_t lent[VP_LENT_RANGES]; /* lent memory, nlent ranges */
   size_t nlent;
   bool lent_open;    /* a prefetch stages there first */
-  bool wraps;        /* its pages are mapped twice, back to back: the last
-                        slot may run past the end into the start */
   vp__slot_t **lslots; /* the slots in lent memory, in order cut */
   size_t nlslots, lcap;
 } vp__staging_t;

@@ -73,7 +73,7 @@ static void check_ring(const vp__device_t *dev) {
   for (size_t k = 0; k < st->n; k++) {
     const vp__slot_t *s = st->slots[k];
     uint64_t room = st->size - s->off; /* inside, or wrapped to the first */
-    if (st->wraps && s->off < st->size && k == st->n - 1)
+    if (st->vb->mirrored && s->off < st->size && k == st->n - 1)
       room += k ? st->slots[0]->off : s->off;
     if (s->off < end || s->off >= st->size || s->size > room)
       dump_and_abort(dev, NULL, "a staging slot's offset (after the last "

@@ -49,7 +49,7 @@ static int ring_over_limit(vp__device_t *dev, vp__vbar_t *vb) {
 }
 
 bool vp__staging_wraps(const vp__device_t *dev) {
-  return dev->staging ? dev->staging->wraps
+  return dev->staging ? dev->staging->vb->mirrored
                       : dev->opts.staging_wrap && dev->caps.map_twice &&
                             !dev->ring_wrap_failed;
 }
@@ -88,7 +88,6 @@ int vp__staging_open(vp__device_t *dev) {
   }
   st->vb = vb;
   st->size = vb->size;
-  st->wraps = vb->mirrored;
   dev->staging = st;
   return VP_OK;
 fail:
@@ -149,7 +148,7 @@ static uint64_t gap(const vp__staging_t *st, size_t k, uint64_t *off) {
   uint64_t limit = k < st->n ? st->slots[k]->off : st->size;
   if (k == st->n && k) {
     if (*off >= st->size) return 0; /* gap 0 starts where it ends */
-    if (st->wraps) limit += st->slots[0]->off;
+    if (st->vb->mirrored) limit += st->slots[0]->off;
   }
   return limit > *off ? limit - *off : 0;
 }
@@ -242,7 +241,7 @@ static size_t ring_next(vp__device_t *dev, vp__staging_t *st, uint64_t size,
   uint64_t at = st->next, moved = 0;
   for (;;) {
     if (at >= ring) at -= ring;
-    if (!st->wraps && at > ring - size) {
+    if (!st->vb->mirrored && at > ring - size) {
       moved += ring - at;
       at = 0;
     }
@@ -396,7 +395,7 @@ uint64_t vp__slot_addr(vp__device_t *dev, const vp__slot_t *s) {
 bool vp__staging_continues(vp__device_t *dev, uint64_t end, uint64_t dst) {
   const vp__staging_t *st = dev->staging;
   if (end == dst) return true;
-  return st && st->wraps && dst >= st->vb->va &&
+  return st && st->vb->mirrored && dst >= st->vb->va &&
          dst - st->vb->va < st->size && end == dst + st->size;
 }
 
