@@ -332,12 +332,17 @@ typedef enum vp_sim_inject_kind {
   VP_SIM_SET_CAPACITY = 3,  /* n: device capacity in bytes, from now */
   VP_SIM_BREAK = 4,         /* the device becomes broken (n ignored) */
   VP_SIM_SET_SOFT_LIMIT = 5, /* n: vp_device_soft_limit's answer (0 = none) */
-  VP_SIM_SET_DESKTOP = 6    /* n: the desktop the simulated GPU serves, for
+  VP_SIM_SET_DESKTOP = 6,   /* n: the desktop the simulated GPU serves, for
                                the default headroom (a headroom the user
                                gave stays): 0 none (0 bytes, the sim's
                                default), 1 a Linux one, 2 a Windows one
                                (WDDM): a GPU's figures for the device's
                                memory now */
+  VP_SIM_MAP_APART = 7      /* n: 1, a page mapped at a second address gets
+                               memory of its own there, as a driver that
+                               maps twice but not as one memory would (the
+                               staging ring finds it out and does not
+                               wrap); 0, one memory again */
 } vp_sim_inject_kind_t;
 /* Simulated device only: fault injection for tests. */
 VP_API int vp_sim_inject(vp_device_t dev, int kind, uint64_t n);

@@ -369,6 +369,7 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p);
  * All or none: on error every page is mapped once again (the message
  * names the page). vp__page_evict unmaps a mirrored page's second view. */
 int vp__vbar_mirror(vp__vbar_t *vb);
+void vp__vbar_unmirror(vp__vbar_t *vb); /* every second view unmapped */
 
 /* pager.c */
 int vp__vbar_new(vp__device_t *dev, uint64_t size, vp__vbar_t **out);

@@ -95,6 +95,15 @@ int vp__page_evict(vp__vbar_t *vb, uint32_t p) {
   return VP_OK;
 }
 
+/* The second views of vb's resident pages before page `end` unmapped. */
+static void unmirror(vp__vbar_t *vb, uint32_t end) {
+  vp__device_t *dev = vb->dev;
+  for (uint32_t q = 0; q < end; q++)
+    if (vb->pages[q].resident)
+      vp__be_unmap(dev, vb->va + vb->size + ((uint64_t)q << dev->page_shift),
+                   dev->page_size);
+}
+
 /* Each resident page's second view, at va + size: map, then access. */
 int vp__vbar_mirror(vp__vbar_t *vb) {
   vp__device_t *dev = vb->dev;
@@ -117,9 +126,11 @@ int vp__vbar_mirror(vp__vbar_t *vb) {
     vb->mirrored = true;
     return VP_OK;
   }
-  for (uint32_t q = 0; q + 1 < p; q++) /* p - 1 failed and is undone */
-    if (vb->pages[q].resident)
-      vp__be_unmap(dev, vb->va + vb->size + ((uint64_t)q << dev->page_shift),
-                   page);
+  unmirror(vb, p - 1); /* p - 1 failed and is undone */
   return rc;
+}
+
+void vp__vbar_unmirror(vp__vbar_t *vb) {
+  if (vb->mirrored) unmirror(vb, vb->npages);
+  vb->mirrored = false;
 }

@@ -54,12 +54,36 @@ bool vp__staging_wraps(const vp__device_t *dev) {
                             !dev->ring_wrap_failed;
 }
 
+/* Bytes written through the ring's first view read back through its
+ * second: a driver that mapped a page twice but not as one memory would
+ * hand every slot that runs past the end other bytes than its copy's. */
+static int views_agree(vp__device_t *dev, vp__vbar_t *vb) {
+  uint64_t probe[2] = {0x7670616765727731ull ^ vb->va, ~vb->va};
+  uint64_t back[2] = {0, 0};
+  vp_stream_t cs = 0;
+  int rc = vp__copy_stream(dev, &cs);
+  if (rc == VP_OK)
+    rc = vp__be_copy_htod(dev, vb->va, probe, sizeof probe, cs);
+  if (rc == VP_OK)
+    rc = vp__be_copy_dtoh(dev, back, vb->va + vb->size, sizeof back, cs);
+  int done = vp__be_stream_synchronize(dev, cs); /* probe and back live */
+  if (rc == VP_OK) rc = done;
+  if (rc)
+    return vp__err(rc, "checking the staging ring's second view failed");
+  if (memcmp(probe, back, sizeof probe))
+    return vp__err(VP_EDEVICE, "the staging ring's second view shows other "
+                   "bytes than its first");
+  return VP_OK;
+}
+
 /* The ring's pages mapped again after it, so a slot that does not fit
  * before its end runs on into its start instead of leaving the tail
  * unused: the whole ring holds slots. Where the driver refuses, the ring
  * works as one that does not wrap, said once. */
 static void ring_mirror(vp__device_t *dev, vp__vbar_t *vb) {
-  if (vp__vbar_mirror(vb) == VP_OK) return;
+  int rc = vp__vbar_mirror(vb);
+  if (rc == VP_OK && (rc = views_agree(dev, vb))) vp__vbar_unmirror(vb);
+  if (rc == VP_OK) return;
   dev->ring_wrap_failed = true;
   vp__log(VP_LOG_WARN, dev->caps.name, "the staging ring's slots do not "
           "wrap: %s", vp_last_error());

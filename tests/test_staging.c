@@ -336,6 +336,39 @@ TEST(stream_ring_wraps, TEST_ALL_BACKENDS) {
   }
 }
 
+/* A driver that maps a page twice but not as one memory (the simulated
+ * device told to, VP_SIM_MAP_APART): the ring reads its probe back
+ * through the second view, finds other bytes, and opens as one that does
+ * not wrap; slots and bytes are first fit's. */
+TEST(stream_ring_second_view_checked, TEST_SIM_ONLY) {
+  vp_options_t o;
+  sopts(ctx, &o, 2, 0, VP_SIM_SYNC);
+  vp_device_t dev = test_open_cap(ctx, &o, 16);
+  ASSERT_OK(vp_sim_inject(dev, VP_SIM_MAP_APART, 1));
+  const uint64_t units[3] = {3, 3, 3};
+  uint64_t q = 0, p[3] = {0};
+  model_t m;
+  units_setup_on(dev, &m, units, 3, 41, &q);
+  for (int i = 0; i < 3; i++) {
+    uint8_t f = 0;
+    ASSERT_OK(vp_acquire(dev, &m.w[i], 1, 0, &p[i], &f));
+    verify_resident(dev, 0, p[i], m.srcs[i].host, 3 * q);
+    ASSERT_OK(vp_release(dev, &m.w[i], 1, 0));
+  }
+  ASSERT_EQ_U64(p[2], p[0]); /* at 0, not past the end */
+  vp_device_info_t info;
+  ASSERT_OK(vp_device_info(dev, &info));
+  ASSERT_FALSE(info.staging_wraps);
+  /* A ring opened again (another size) does not try again. */
+  ASSERT_OK(vp_device_set_staging_size(dev, 3 * info.page_size));
+  ASSERT_OK(vp_acquire(dev, &m.w[0], 1, 0, &p[0], NULL));
+  ASSERT_OK(vp_release(dev, &m.w[0], 1, 0));
+  ASSERT_OK(vp_device_info(dev, &info));
+  ASSERT_FALSE(info.staging_wraps);
+  ASSERT_OK(vp_device_close(dev));
+  model_free(&m);
+}
+
 /* Streamed in order through a ring that holds no whole number of them:
  * in a ring that wraps, a prefetch batch runs on across the seam in one
  * copy (adjacent sources, and the ring's second view continues the slot

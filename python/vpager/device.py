@@ -297,7 +297,8 @@ class Device(Handle):
 
     def sim_inject(self, kind, n=0):
         """vp_sim_inject(): kind is vpager.SIM_FAIL_COMMIT, SIM_TRANSIENT,
-        SIM_SET_CAPACITY, SIM_BREAK, SIM_SET_SOFT_LIMIT or SIM_SET_DESKTOP."""
+        SIM_SET_CAPACITY, SIM_BREAK, SIM_SET_SOFT_LIMIT, SIM_SET_DESKTOP or
+        SIM_MAP_APART."""
         check(C.vp_sim_inject(self._handle(), kind, n))
 
     # ---------------------------------------------------- objects it makes

@@ -127,6 +127,7 @@ typedef struct sim_ctx {
   uint64_t fail_commit;   /* the nth phys_create from now fails; 0 = off */
   uint64_t transient;     /* phys_create calls left to fail with EAGAIN */
   uint64_t soft_limit;    /* VP_SIM_SET_SOFT_LIMIT; 0 = none */
+  bool map_apart;         /* VP_SIM_MAP_APART: a second view is not shared */
   sim_table_t streams, events, phys;
   sim_range_t *res;       /* live reserves */
   size_t nres, capres;
@@ -779,7 +780,8 @@ static int sim_map(void *ctx, uint64_t va, uint64_t size, vp__phys_t phys) {
   if (!rc) {
     uint64_t *first = &c->phys.s[i].u.phys.va;
     if (!*first) *first = va;
-    else if (*first != va) rc = sim_map_again(c, *first, va, size);
+    else if (*first != va && !c->map_apart)
+      rc = sim_map_again(c, *first, va, size);
   }
   sim_unlock(c);
   return rc;
@@ -1081,6 +1083,7 @@ static int sim_inject(void *ctx, int kind, uint64_t n) {
   case VP_SIM_BREAK: c->broken = true; break;
   case VP_SIM_SET_SOFT_LIMIT: c->soft_limit = n; break;
   case VP_SIM_SET_DESKTOP: rc = n <= 2 ? VP_OK : VP_EINVAL; break;
+  case VP_SIM_MAP_APART: c->map_apart = n != 0; break;
   default: rc = VP_EINVAL;
   }
   sim_unlock(c);

@@ -1719,8 +1719,9 @@ static void s_inject(fz_reader_t *r) {
   uint8_t k = fz_u8(r), n = fz_u8(r);
   int kind;
   uint64_t val;
-  switch (k % 4) {
+  switch (k % 5) {
   case 0: kind = VP_SIM_FAIL_COMMIT; val = 1 + n % 4; break;
+  case 3: kind = VP_SIM_MAP_APART; val = n & 1; break; /* the ring checks */
   case 1: kind = VP_SIM_TRANSIENT; val = 1 + n % 6; break;
   case 2:
     kind = VP_SIM_SET_CAPACITY;
