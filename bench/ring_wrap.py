@@ -11,7 +11,7 @@ engine runs on, the compute waits), on two rings:
   device): a slot that does not fit before the end starts at 0 and the
   tail goes unused until the slots before it are free. Planned at the
   first-fit share (schedule.FRAGMENTATION), as the plans were; simulated
-  slot by slot where each slot really goes (first_fit_forward below), so
+  slot by slot where its clock hand puts each (first_fit_forward below), so
   the figure is what that ring does, not what its plan predicts.
 * wraps: the ring's pages mapped twice, back to back: a slot runs on past
   the end into the start, the ring a plain FIFO of bytes. Planned and
@@ -21,7 +21,7 @@ Per pause it prints each ring size's step on both, then the step of the
 ring each planner picks (schedule.pick_ring over the sizes given), and
 their difference. With --rooms, per ring and per room (the trace's, moved
 by each of the given MiB: another budget, another placement) the
-first-fit plan's prediction, the step its slots really give, and the
+first-fit plan's prediction, the step its slots give placed so, and the
 wrapping ring's step (its prediction), no pause: how far the first-fit
 ring's real placement strays from what its plan predicts. Needs no torch
 and no GPU.
