@@ -81,6 +81,7 @@ def test_the_plans_count_the_ring_as_the_device_maps_it():
         assert h.device.info()["staging_wraps"] == wraps
         assert h.tuner.share() == (schedule.WRAPS if wraps
                                    else schedule.FRAGMENTATION)
+        assert h.schedule()["ring_wraps"] == wraps
         h.unload()
 
 

@@ -534,7 +534,8 @@ class Tuner:
         """Offloaded.schedule(): None before the first schedule, else
         predicted_ms and all_resident_ms (the forward, predicted; its
         measured compute), streamed_bytes (copied per forward),
-        resident_bytes, resident_weights, staging (the ring), link
+        resident_bytes, resident_weights, staging (the ring), ring_wraps
+        (its slots run past its end: the plans count all of it), link
         (bytes/s), planned_for (the device budget it was made for),
         replans (times made again since, for another budget), measured
         (forwards measured: two, or more until their work settles),
@@ -559,7 +560,9 @@ class Tuner:
                 "kept_bytes": self.kept_bytes,
                 "relocated_bytes": self.relocated_bytes,
                 "remembered": self.remembered,
-                "staging": self.ring, "link": self.link,
+                "staging": self.ring,
+                "ring_wraps": self.share() == schedule.WRAPS,
+                "link": self.link,
                 "planned_for": self.planned_for, "replans": self.replans,
                 "measured": self.rounds,
                 "settled": bool(self.done and self.heading is None and
