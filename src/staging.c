@@ -78,8 +78,9 @@ static int views_agree(vp__device_t *dev, vp__vbar_t *vb) {
 
 /* The ring's pages mapped again after it, so a slot that does not fit
  * before its end runs on into its start instead of leaving the tail
- * unused: the whole ring holds slots. Where the driver refuses, the ring
- * works as one that does not wrap, said once. */
+ * unused: the whole ring holds slots. Where the driver refuses, or the
+ * second view does not show the first's bytes, the ring works as one
+ * that does not wrap, said once. */
 static void ring_mirror(vp__device_t *dev, vp__vbar_t *vb) {
   int rc = vp__vbar_mirror(vb);
   if (rc == VP_OK && (rc = views_agree(dev, vb))) vp__vbar_unmirror(vb);
